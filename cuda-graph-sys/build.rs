@@ -61,7 +61,10 @@ fn main() {
     println!("cargo:root={}", root.display());
     println!("cargo:include={}", include.display());
     println!("cargo:cuda_version={version}");
-    println!("cargo:rustc-env=CUDA_GRAPH_SYS_TYPEDEFS_H={}", typedefs_h.display());
+    println!(
+        "cargo:rustc-env=CUDA_GRAPH_SYS_TYPEDEFS_H={}",
+        typedefs_h.display()
+    );
 
     let builtin_include = use_local_libclang(&workspace);
     generate_bindings(&manifest, &include, builtin_include.as_deref());

@@ -35,7 +35,11 @@ mod table;
 pub use loader::{Driver, LIBCUDA, LIBCUDA_ENV, LoadError, driver};
 pub use table::{ENTRIES, ENTRY_COUNT, EntryFn, EntrySpec};
 
-#[allow(missing_docs, rustdoc::broken_intra_doc_links, rustdoc::invalid_html_tags)]
+#[allow(
+    missing_docs,
+    rustdoc::broken_intra_doc_links,
+    rustdoc::invalid_html_tags
+)]
 mod bindings {
     include!(concat!(env!("OUT_DIR"), "/bindings.rs"));
 }

@@ -153,8 +153,9 @@ impl Driver {
         let sym = unsafe { libc::dlsym(lib, c"cuGetProcAddress_v2".as_ptr()) };
         // SAFETY: a non-null cuGetProcAddress_v2 has exactly the signature of the 12000
         // typedef; a null pointer becomes None.
-        let get_proc = unsafe { std::mem::transmute::<*mut c_void, PFN_cuGetProcAddress_v12000>(sym) }
-            .ok_or(LoadError::DriverTooOld)?;
+        let get_proc =
+            unsafe { std::mem::transmute::<*mut c_void, PFN_cuGetProcAddress_v12000>(sym) }
+                .ok_or(LoadError::DriverTooOld)?;
         let mut driver = Driver {
             get_proc,
             ptrs: [std::ptr::null_mut(); ENTRY_COUNT],
@@ -183,7 +184,8 @@ impl Driver {
         let mut status = CUdriverProcAddressQueryResult(u32::MAX);
         let flags = CUdriverProcAddress_flags::CU_GET_PROC_ADDRESS_LEGACY_STREAM.0 as u64;
         // SAFETY: all pointers are valid for writes; name is NUL-terminated.
-        let result = unsafe { (self.get_proc)(name.as_ptr(), &mut ptr, version, flags, &mut status) };
+        let result =
+            unsafe { (self.get_proc)(name.as_ptr(), &mut ptr, version, flags, &mut status) };
         let ok = result == CUresult::CUDA_SUCCESS
             && status == CUdriverProcAddressQueryResult::CU_GET_PROC_ADDRESS_SUCCESS
             && !ptr.is_null();
@@ -233,7 +235,9 @@ fn last_dl_error() -> String {
         "unknown dlopen error".to_owned()
     } else {
         // SAFETY: non-null, NUL-terminated, valid until the next dl call on this thread.
-        unsafe { CStr::from_ptr(msg) }.to_string_lossy().into_owned()
+        unsafe { CStr::from_ptr(msg) }
+            .to_string_lossy()
+            .into_owned()
     }
 }
 
@@ -266,7 +270,10 @@ mod tests {
             status: CUdriverProcAddressQueryResult::CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT,
         };
         let msg = err.to_string();
-        assert!(msg.contains("cuGraphConditionalHandleCreate (ABI 12030)"), "{msg}");
+        assert!(
+            msg.contains("cuGraphConditionalHandleCreate (ABI 12030)"),
+            "{msg}"
+        );
         assert!(msg.contains("older than this ABI version"), "{msg}");
     }
 }

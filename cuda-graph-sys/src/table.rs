@@ -37,7 +37,10 @@ impl EntrySpec {
         let n = name.as_bytes();
         let t = typedef.as_bytes();
         let prefix = b"PFN_";
-        assert!(t.len() > prefix.len() + n.len() + 2, "typedef name too short");
+        assert!(
+            t.len() > prefix.len() + n.len() + 2,
+            "typedef name too short"
+        );
         let mut i = 0;
         while i < prefix.len() {
             assert!(t[i] == prefix[i], "typedef must start with PFN_");
@@ -45,11 +48,17 @@ impl EntrySpec {
         }
         let mut j = 0;
         while j < n.len() {
-            assert!(t[prefix.len() + j] == n[j], "typedef does not match the field name");
+            assert!(
+                t[prefix.len() + j] == n[j],
+                "typedef does not match the field name"
+            );
             j += 1;
         }
         let mut k = prefix.len() + n.len();
-        assert!(t[k] == b'_' && t[k + 1] == b'v', "typedef must end in _v<version>");
+        assert!(
+            t[k] == b'_' && t[k + 1] == b'v',
+            "typedef must end in _v<version>"
+        );
         k += 2;
         let mut version = 0u32;
         while k < t.len() {

@@ -11,7 +11,12 @@ const ADD_FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/add.fatbin")
 
 #[track_caller]
 fn ok(rc: CUresult) {
-    assert_eq!(rc, CUresult::CUDA_SUCCESS, "driver call failed with {}", rc.0);
+    assert_eq!(
+        rc,
+        CUresult::CUDA_SUCCESS,
+        "driver call failed with {}",
+        rc.0
+    );
 }
 
 #[test]
@@ -23,12 +28,19 @@ fn every_entry_resolves() {
         missing.is_empty(),
         "{} of {ENTRY_COUNT} entries missing:\n{}",
         missing.len(),
-        missing.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("\n")
+        missing
+            .iter()
+            .map(|e| e.to_string())
+            .collect::<Vec<_>>()
+            .join("\n")
     );
     let mut version = 0;
     // SAFETY: valid out-pointer.
     ok(unsafe { d.cuDriverGetVersion().unwrap()(&mut version) });
-    assert!(version >= CUDA_VERSION as i32, "driver {version} older than header");
+    assert!(
+        version >= CUDA_VERSION as i32,
+        "driver {version} older than header"
+    );
 }
 
 #[test]
@@ -45,7 +57,10 @@ fn unknown_entry_is_none_not_a_crash() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn nvcc_kernel_runs_through_the_raw_table() {
-    assert!(!ADD_FATBIN.is_empty(), "built without nvcc: no test kernel was compiled");
+    assert!(
+        !ADD_FATBIN.is_empty(),
+        "built without nvcc: no test kernel was compiled"
+    );
     let d = driver().expect("libcuda loads");
     // SAFETY: every call below gets valid pointers and handles created in this test, in the
     // order the driver API requires; buffers outlive the synchronous calls that use them.
@@ -58,9 +73,16 @@ fn nvcc_kernel_runs_through_the_raw_table() {
         ok(d.cuCtxSetCurrent().unwrap()(ctx));
 
         let mut module: CUmodule = ptr::null_mut();
-        ok(d.cuModuleLoadData().unwrap()(&mut module, ADD_FATBIN.as_ptr().cast()));
+        ok(d.cuModuleLoadData().unwrap()(
+            &mut module,
+            ADD_FATBIN.as_ptr().cast(),
+        ));
         let mut func: CUfunction = ptr::null_mut();
-        ok(d.cuModuleGetFunction().unwrap()(&mut func, module, c"axpy".as_ptr()));
+        ok(d.cuModuleGetFunction().unwrap()(
+            &mut func,
+            module,
+            c"axpy".as_ptr(),
+        ));
 
         let mut stream: CUstream = ptr::null_mut();
         ok(d.cuStreamCreate().unwrap()(
@@ -70,7 +92,9 @@ fn nvcc_kernel_runs_through_the_raw_table() {
 
         // An odd length, so the last block is partial.
         let n: u32 = 100_003;
-        let x: Vec<f32> = (0..n).map(|i| ((i * 7919) % 1000) as f32 * 0.25 - 100.0).collect();
+        let x: Vec<f32> = (0..n)
+            .map(|i| ((i * 7919) % 1000) as f32 * 0.25 - 100.0)
+            .collect();
         let y0: Vec<f32> = (0..n).map(|i| ((i * 104_729) % 977) as f32 * 0.5).collect();
         let bytes = n as usize * 4;
         let (mut dx, mut dy): (CUdeviceptr, CUdeviceptr) = (0, 0);
@@ -105,8 +129,10 @@ fn nvcc_kernel_runs_through_the_raw_table() {
         // Launch 2: y = -0.5x + y through cuLaunchKernelEx with a priority attribute.
         let mut a2 = -0.5f32;
         args[0] = (&raw mut a2).cast();
-        let mut attr = CUlaunchAttribute::default();
-        attr.id = CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PRIORITY;
+        let mut attr = CUlaunchAttribute {
+            id: CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PRIORITY,
+            ..Default::default()
+        };
         attr.value.priority = 0;
         let config = CUlaunchConfig {
             gridDimX: grid,
@@ -120,14 +146,24 @@ fn nvcc_kernel_runs_through_the_raw_table() {
             attrs: &mut attr,
             numAttrs: 1,
         };
-        ok(d.cuLaunchKernelEx().unwrap()(&config, func, args.as_mut_ptr(), ptr::null_mut()));
+        ok(d.cuLaunchKernelEx().unwrap()(
+            &config,
+            func,
+            args.as_mut_ptr(),
+            ptr::null_mut(),
+        ));
         ok(d.cuStreamSynchronize().unwrap()(stream));
 
         let mut y = vec![f32::NAN; n as usize];
         ok(d.cuMemcpyDtoH().unwrap()(y.as_mut_ptr().cast(), dy, bytes));
         for i in 0..n as usize {
             let want = -0.5f32 * x[i] + (2.0f32 * x[i] + y0[i]);
-            assert_eq!(y[i].to_bits(), want.to_bits(), "element {i}: {} != {want}", y[i]);
+            assert_eq!(
+                y[i].to_bits(),
+                want.to_bits(),
+                "element {i}: {} != {want}",
+                y[i]
+            );
         }
 
         ok(d.cuMemFree().unwrap()(dx));

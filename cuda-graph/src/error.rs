@@ -1,0 +1,174 @@
+//! The crate's one error type.
+
+use std::ffi::{CStr, c_char};
+
+use cuda_graph_sys::{CUresult, LoadError, driver};
+
+use crate::driver::DriverVersion;
+
+/// Result with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong, with enough context to act on it.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A driver call returned an error.
+    #[error("{call} failed: {name} ({}): {message}", code.0)]
+    Driver {
+        /// The driver entry point, e.g. `cuGraphInstantiateWithFlags`.
+        call: &'static str,
+        /// The result it returned.
+        code: CUresult,
+        /// The result's name, e.g. `CUDA_ERROR_INVALID_VALUE`.
+        name: &'static str,
+        /// The driver's description of it.
+        message: &'static str,
+    },
+    /// The driver library, or one of its entry points, is not available.
+    #[error(transparent)]
+    Load(#[from] LoadError),
+    /// The installed driver is too old for a feature.
+    #[error("{feature} needs a CUDA driver >= {needed}; this driver is {found}")]
+    Unsupported {
+        /// What was asked for, e.g. `conditional IF-ELSE nodes`.
+        feature: &'static str,
+        /// The oldest driver that has it.
+        needed: DriverVersion,
+        /// The installed driver.
+        found: DriverVersion,
+    },
+    /// The device lacks a capability a feature needs.
+    #[error(
+        "{feature} needs compute capability >= {needed_major}.{needed_minor}; {device} is {major}.{minor}"
+    )]
+    UnsupportedDevice {
+        /// What was asked for.
+        feature: &'static str,
+        /// The device's name.
+        device: String,
+        /// Its compute capability.
+        major: i32,
+        /// Its compute capability (minor part).
+        minor: i32,
+        /// The capability needed.
+        needed_major: i32,
+        /// The capability needed (minor part).
+        needed_minor: i32,
+    },
+    /// No device with this ordinal.
+    #[error("no CUDA device {ordinal}: {count} device(s) found")]
+    NoDevice {
+        /// The ordinal asked for.
+        ordinal: i32,
+        /// How many devices the driver sees.
+        count: i32,
+    },
+}
+
+impl Error {
+    /// The error for `call` returning `code`, with the driver's name and description.
+    pub fn driver(call: &'static str, code: CUresult) -> Error {
+        let (name, message) = describe(code);
+        Error::Driver {
+            call,
+            code,
+            name,
+            message,
+        }
+    }
+
+    /// The driver result code, if this error came from a driver call.
+    pub fn code(&self) -> Option<CUresult> {
+        match self {
+            Error::Driver { code, .. } => Some(*code),
+            _ => None,
+        }
+    }
+}
+
+/// Turns a driver result into a `Result`, naming the call on failure.
+#[inline]
+pub(crate) fn check(call: &'static str, code: CUresult) -> Result<()> {
+    if code == CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(Error::driver(call, code))
+    }
+}
+
+/// The driver's name and description of a result code; both strings are static in libcuda.
+fn describe(code: CUresult) -> (&'static str, &'static str) {
+    const UNKNOWN: (&str, &str) = ("CUDA_ERROR_UNKNOWN_CODE", "unrecognized error code");
+    let Ok(d) = driver() else { return UNKNOWN };
+    let (Ok(get_name), Ok(get_string)) = (d.cuGetErrorName(), d.cuGetErrorString()) else {
+        return UNKNOWN;
+    };
+    let mut name: *const c_char = std::ptr::null();
+    let mut message: *const c_char = std::ptr::null();
+    // SAFETY: valid out-pointers; on success the driver returns pointers to static,
+    // NUL-terminated strings that live as long as the loaded (never unloaded) library.
+    unsafe {
+        if get_name(code, &mut name) != CUresult::CUDA_SUCCESS || name.is_null() {
+            return UNKNOWN;
+        }
+        if get_string(code, &mut message) != CUresult::CUDA_SUCCESS || message.is_null() {
+            message = c"".as_ptr();
+        }
+        (
+            CStr::from_ptr(name).to_str().unwrap_or(UNKNOWN.0),
+            CStr::from_ptr(message).to_str().unwrap_or(UNKNOWN.1),
+        )
+    }
+}
+
+/// Calls a driver entry point through the run-time table and checks its result:
+/// `unsafe { cu!(cuInit(0)) }?`. Missing driver or entry point is an `Error::Load`; a failing
+/// result is an `Error::Driver` naming the entry point. The caller supplies the `unsafe`
+/// block and with it the guarantee that the arguments are valid for the call.
+macro_rules! cu {
+    ($name:ident ( $($arg:expr),* $(,)? )) => {
+        $crate::error::check(
+            stringify!($name),
+            ($crate::sys::driver()?.$name()?)($($arg),*),
+        )
+    };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn driver_error_names_call_code_and_message() {
+        let e = Error::Driver {
+            call: "cuGraphLaunch",
+            code: CUresult::CUDA_ERROR_INVALID_VALUE,
+            name: "CUDA_ERROR_INVALID_VALUE",
+            message: "invalid argument",
+        };
+        assert_eq!(
+            e.to_string(),
+            "cuGraphLaunch failed: CUDA_ERROR_INVALID_VALUE (1): invalid argument"
+        );
+        assert_eq!(e.code(), Some(CUresult::CUDA_ERROR_INVALID_VALUE));
+    }
+
+    #[test]
+    fn success_is_ok() {
+        assert!(check("cuInit", CUresult::CUDA_SUCCESS).is_ok());
+    }
+
+    #[test]
+    fn unsupported_names_feature_and_versions() {
+        let e = Error::Unsupported {
+            feature: "conditional IF-ELSE and SWITCH nodes",
+            needed: DriverVersion(12080),
+            found: DriverVersion(12040),
+        };
+        assert_eq!(
+            e.to_string(),
+            "conditional IF-ELSE and SWITCH nodes needs a CUDA driver >= 12.8; this driver is 12.4"
+        );
+    }
+}

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Installs, when missing, what building this workspace needs, into the ignored .toolchain/:
+#   - the CUDA 13.0 compiler and headers, from NVIDIA's pip wheels (pinned to 13.0.x and
+#     installed together: a later `pip install --target` would replace the folder);
+#   - libclang for bindgen, from the `libclang` wheel.
+# With CUDA_HOME (or CUDA_PATH) set, that toolkit is used instead of the wheels; with
+# LIBCLANG_PATH set, that libclang. Idempotent: a second run only checks and returns.
+set -euo pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+tc="$root/.toolchain"
+cuda_stamp="$tc/cuda/.installed-13.0"
+clang_stamp="$tc/libclang/.installed-18.1.1"
+cuda_wheels=(
+  "nvidia-cuda-nvcc==13.0.*" "nvidia-nvvm==13.0.*" "nvidia-cuda-crt==13.0.*"
+  "nvidia-cuda-runtime==13.0.*" "nvidia-cuda-cccl==13.0.*"
+)
+
+say() { printf 'setup: %s\n' "$*" >&2; }
+die() { say "error: $*"; exit 1; }
+
+need() { command -v "$1" >/dev/null 2>&1 || die "$1 is required ($2)"; }
+need cargo "install Rust with rustup"
+need python3 "install Python 3 with pip"
+python3 -m pip --version >/dev/null 2>&1 || die "python3 has no pip (apt-get install python3-pip)"
+# nvcc preprocesses with the host C compiler, and bindgen borrows its stddef.h.
+if ! command -v cc >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    say "installing gcc"
+    apt-get update -qq && apt-get install -y -qq gcc >/dev/null
+  else
+    die "a C compiler (cc) is required: apt-get install gcc"
+  fi
+fi
+
+# pip_into DIR STAMP PACKAGES...: installs into a fresh folder, then swaps it in, so an
+# interrupted install never leaves a half-filled toolchain behind.
+pip_into() {
+  local dir=$1 stamp=$2; shift 2
+  rm -rf "$dir.partial"
+  python3 -m pip install --quiet --disable-pip-version-check --no-warn-script-location \
+    --target "$dir.partial" "$@" || die "pip could not install: $*"
+  rm -rf "$dir"
+  mv "$dir.partial" "$dir"
+  touch "$stamp"
+}
+
+cuda_home=${CUDA_HOME:-${CUDA_PATH:-}}
+if [ -n "$cuda_home" ]; then
+  [ -f "$cuda_home/include/cuda.h" ] || die "CUDA_HOME=$cuda_home has no include/cuda.h"
+  [ -x "$cuda_home/bin/nvcc" ] || die "CUDA_HOME=$cuda_home has no bin/nvcc"
+elif [ ! -f "$cuda_stamp" ]; then
+  say "installing the CUDA 13.0 compiler and headers into .toolchain/cuda (about 300 MB)"
+  mkdir -p "$tc"
+  pip_into "$tc/cuda" "$cuda_stamp" "${cuda_wheels[@]}"
+  [ -x "$tc/cuda/nvidia/cu13/bin/nvcc" ] || die "the wheels installed no nvidia/cu13/bin/nvcc"
+fi
+
+if [ -z "${LIBCLANG_PATH:-}" ] && [ ! -f "$clang_stamp" ]; then
+  say "installing libclang into .toolchain/libclang"
+  mkdir -p "$tc"
+  pip_into "$tc/libclang" "$clang_stamp" "libclang==18.1.1"
+fi
