@@ -26,7 +26,9 @@ for line in sys.stdin:
     except ValueError:
         continue
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
-        pkg = m["package_id"].split("#")[-1].split("@")[0].rsplit("/", 1)[-1]
+        # package_id: "path+file:///dir/name#1.0.0" or "path+file:///dir#name@1.0.0"
+        url, _, frag = m["package_id"].partition("#")
+        pkg = frag.split("@")[0] if "@" in frag else url.rstrip("/").rsplit("/", 1)[-1]
         print(pkg + "." + m["target"]["name"], m["executable"])
 ' > "$bundle/tests.txt"
 # Surface compile errors (the JSON run above is silent).
