@@ -220,6 +220,7 @@ driver_entries! {
     cuFuncSetAttribute: PFN_cuFuncSetAttribute_v9000,
     cuFuncGetName: PFN_cuFuncGetName_v12030,
     cuFuncGetModule: PFN_cuFuncGetModule_v11000,
+    cuFuncGetParamInfo: PFN_cuFuncGetParamInfo_v12040,
     cuOccupancyMaxActiveBlocksPerMultiprocessor: PFN_cuOccupancyMaxActiveBlocksPerMultiprocessor_v6050,
     // Launch
     cuLaunchKernel: PFN_cuLaunchKernel_v4000,

@@ -56,6 +56,27 @@ pub enum Error {
         /// The capability needed (minor part).
         needed_minor: i32,
     },
+    /// Instantiation failed; `node` is the node the driver blamed (null if none).
+    #[error("graph instantiation failed ({result:?}) at node {node:?}: {source}")]
+    Instantiate {
+        /// The failing driver call.
+        source: Box<Error>,
+        /// The driver's instantiate result.
+        result: cuda_graph_sys::CUgraphInstantiateResult,
+        /// The failing node.
+        node: crate::exec::NodeId,
+    },
+    /// A module failed to load; `log` is the JIT compiler's error log (PTX only).
+    #[error("{source}; JIT log: {log}")]
+    ModuleLoad {
+        /// The failing driver call.
+        source: Box<Error>,
+        /// What the JIT compiler said.
+        log: String,
+    },
+    /// An argument was rejected before any driver call; nothing was changed.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
     /// No device with this ordinal.
     #[error("no CUDA device {ordinal}: {count} device(s) found")]
     NoDevice {
@@ -76,6 +97,11 @@ impl Error {
             name,
             message,
         }
+    }
+
+    /// An [`Error::InvalidArgument`].
+    pub(crate) fn invalid(msg: impl Into<String>) -> Error {
+        Error::InvalidArgument(msg.into())
     }
 
     /// The driver result code, if this error came from a driver call.

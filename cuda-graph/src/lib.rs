@@ -5,6 +5,11 @@
 //!
 //! * [`driver`]: initialisation, the driver version, devices and the graph features the
 //!   installed driver supports.
+//! * [`Context`], [`Stream`], [`Event`], [`DeviceBuffer`], [`MemPool`], [`PinnedBuffer`],
+//!   [`Module`] and [`Kernel`]: owned handles, freed on drop.
+//! * [`KernelArgs`] and [`LaunchConfig`]: typed launches, checked against the kernel's
+//!   parameter sizes.
+//! * [`Graph`]: graph definitions that keep alive what their nodes use.
 //! * [`Error`]: every failure, carrying the driver call, its result code, name and message.
 //!
 //! ```no_run
@@ -20,7 +25,23 @@
 
 #[macro_use]
 mod error;
+mod context;
 pub mod driver;
+mod event;
+mod exec;
+mod graph;
+mod launch;
+mod memory;
+mod module;
+mod stream;
 
+pub use context::Context;
 pub use cuda_graph_sys as sys;
 pub use error::{Error, Result};
+pub use event::{Event, EventFlags};
+pub use exec::{GraphExec, InstantiateFlags, NodeId};
+pub use graph::{Graph, Resource};
+pub use launch::{KernelArg, KernelArgs, LaunchAttribute, LaunchConfig};
+pub use memory::{Allocation, DeviceBuffer, DeviceRepr, MemPool, PinnedBuffer};
+pub use module::{Kernel, Module};
+pub use stream::Stream;

@@ -1,0 +1,84 @@
+//! The primary context of a device, shared by everything created on it.
+
+use std::sync::Arc;
+
+use cuda_graph_sys::CUcontext;
+
+use crate::driver::{Device, init};
+use crate::error::Result;
+
+/// A device's primary context (the one the runtime API and PyTorch use too), retained for as
+/// long as this value lives. Streams, buffers, modules and graphs hold an `Arc<Context>`, so
+/// the context outlives them all.
+///
+/// Methods bind the context to the calling thread before driver calls that need a current
+/// context, so it can be used from any thread.
+#[derive(Debug)]
+pub struct Context {
+    raw: CUcontext,
+    device: Device,
+}
+
+// SAFETY: a CUcontext may be used from any thread; the driver serialises what it must.
+unsafe impl Send for Context {}
+// SAFETY: as above; this type has no interior mutability of its own.
+unsafe impl Sync for Context {}
+
+impl Context {
+    /// Retains the primary context of `device` and makes it current on this thread.
+    pub fn new(device: Device) -> Result<Arc<Context>> {
+        init()?;
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: valid out-pointer and device.
+        unsafe { cu!(cuDevicePrimaryCtxRetain(&mut raw, device.as_raw())) }?;
+        let ctx = Arc::new(Context { raw, device });
+        ctx.bind()?;
+        Ok(ctx)
+    }
+
+    /// The primary context of device 0.
+    pub fn default_device() -> Result<Arc<Context>> {
+        Context::new(Device::get(0)?)
+    }
+
+    /// Makes this context current on the calling thread.
+    pub fn bind(&self) -> Result<()> {
+        // SAFETY: raw is a live, retained context.
+        unsafe { cu!(cuCtxSetCurrent(self.raw)) }
+    }
+
+    /// Waits for all work in this context to finish.
+    pub fn synchronize(&self) -> Result<()> {
+        // SAFETY: raw is a live, retained context.
+        unsafe { cu!(cuCtxSynchronize(self.raw)) }
+    }
+
+    /// The device it belongs to.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// The raw handle; valid while this value lives.
+    pub fn as_raw(&self) -> CUcontext {
+        self.raw
+    }
+
+    /// `(least, greatest)` stream priority; numerically lower is higher priority.
+    pub fn stream_priority_range(&self) -> Result<(i32, i32)> {
+        self.bind()?;
+        let (mut least, mut greatest) = (0, 0);
+        // SAFETY: valid out-pointers, context current.
+        unsafe { cu!(cuCtxGetStreamPriorityRange(&mut least, &mut greatest)) }?;
+        Ok((least, greatest))
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        if let Ok(release) = cuda_graph_sys::driver().and_then(|d| d.cuDevicePrimaryCtxRelease())
+        {
+            // SAFETY: balances the retain in `new`; nothing holds the context any more.
+            unsafe { release(self.device.as_raw()) };
+        }
+    }
+}

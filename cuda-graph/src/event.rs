@@ -1,0 +1,108 @@
+//! Events: timing and cross-stream ordering.
+
+use std::sync::Arc;
+
+use bitflags::bitflags;
+use cuda_graph_sys::{CUevent, CUresult};
+
+use crate::context::Context;
+use crate::error::{Error, Result};
+use crate::stream::Stream;
+
+bitflags! {
+    /// Flags of [`Event::with_flags`] (`CU_EVENT_*`).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+    pub struct EventFlags: u32 {
+        /// `synchronize` blocks the thread instead of spinning.
+        const BLOCKING_SYNC = 0x1;
+        /// No timing data: cheaper to record and wait on.
+        const DISABLE_TIMING = 0x2;
+    }
+}
+
+/// A CUDA event, owned; destroyed on drop.
+#[derive(Debug)]
+pub struct Event {
+    raw: CUevent,
+    ctx: Arc<Context>,
+}
+
+// SAFETY: events may be used from any thread.
+unsafe impl Send for Event {}
+// SAFETY: as above.
+unsafe impl Sync for Event {}
+
+impl Event {
+    /// An event that records timestamps (for [`Event::elapsed_ms`]).
+    pub fn new(ctx: &Arc<Context>) -> Result<Event> {
+        Event::with_flags(ctx, EventFlags::empty())
+    }
+
+    /// An event with no timing, for ordering streams.
+    pub fn for_sync(ctx: &Arc<Context>) -> Result<Event> {
+        Event::with_flags(ctx, EventFlags::DISABLE_TIMING)
+    }
+
+    /// An event with explicit flags.
+    pub fn with_flags(ctx: &Arc<Context>, flags: EventFlags) -> Result<Event> {
+        ctx.bind()?;
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; the context is current.
+        unsafe { cu!(cuEventCreate(&mut raw, flags.bits())) }?;
+        Ok(Event {
+            raw,
+            ctx: ctx.clone(),
+        })
+    }
+
+    /// Records the event at the current end of `stream`'s work.
+    pub fn record(&self, stream: &Stream) -> Result<()> {
+        // SAFETY: both handles are live.
+        unsafe { cu!(cuEventRecord(self.raw, stream.as_raw())) }
+    }
+
+    /// Blocks until the recorded work completes.
+    pub fn synchronize(&self) -> Result<()> {
+        // SAFETY: live handle.
+        unsafe { cu!(cuEventSynchronize(self.raw)) }
+    }
+
+    /// Whether the recorded work has completed.
+    pub fn is_complete(&self) -> Result<bool> {
+        // SAFETY: live handle.
+        let rc = unsafe { cuda_graph_sys::driver()?.cuEventQuery()?(self.raw) };
+        match rc {
+            CUresult::CUDA_SUCCESS => Ok(true),
+            CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            rc => Err(Error::driver("cuEventQuery", rc)),
+        }
+    }
+
+    /// Milliseconds between `start` and `end`, both recorded and complete.
+    pub fn elapsed_ms(start: &Event, end: &Event) -> Result<f32> {
+        let mut ms = 0.0f32;
+        // SAFETY: valid out-pointer, live handles.
+        unsafe { cu!(cuEventElapsedTime(&mut ms, start.raw, end.raw)) }?;
+        Ok(ms)
+    }
+
+    /// The raw handle; valid while this value lives.
+    pub fn as_raw(&self) -> CUevent {
+        self.raw
+    }
+
+    /// The context it was created in.
+    pub fn context(&self) -> &Arc<Context> {
+        &self.ctx
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        if let Ok(destroy) = cuda_graph_sys::driver().and_then(|d| d.cuEventDestroy()) {
+            // SAFETY: owned handle, destroyed once. The driver defers the destruction until
+            // recorded work completes.
+            unsafe { destroy(self.raw) };
+        }
+    }
+}

@@ -1,0 +1,229 @@
+//! Kernel launch: configuration, typed argument lists, and `Stream::launch`.
+
+use std::ffi::c_void;
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use cuda_graph_sys::{CUlaunchAttribute, CUlaunchAttributeID, CUlaunchConfig};
+
+use crate::error::Result;
+use crate::graph::Resource;
+use crate::memory::{Allocation, DeviceBuffer, DeviceRepr};
+use crate::module::Kernel;
+use crate::stream::Stream;
+
+/// A launch attribute (`CUlaunchAttribute`), for [`LaunchConfig::attributes`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LaunchAttribute {
+    /// Programmatic dependent launch: this kernel may start before the previous kernel on the
+    /// stream finishes; it must call `cudaGridDependencySynchronize()` before reading that
+    /// kernel's output (Hopper and newer).
+    ProgrammaticStreamSerialization,
+    /// Scheduling priority of this launch.
+    Priority(i32),
+    /// Thread-block cluster dimensions (Hopper and newer).
+    ClusterDimension(u32, u32, u32),
+}
+
+impl LaunchAttribute {
+    pub(crate) fn to_raw(self) -> CUlaunchAttribute {
+        let mut a = CUlaunchAttribute::default();
+        match self {
+            LaunchAttribute::ProgrammaticStreamSerialization => {
+                a.id = CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+                a.value.programmaticStreamSerializationAllowed = 1;
+            }
+            LaunchAttribute::Priority(p) => {
+                a.id = CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PRIORITY;
+                a.value.priority = p;
+            }
+            LaunchAttribute::ClusterDimension(x, y, z) => {
+                a.id = CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+                a.value.clusterDim.x = x;
+                a.value.clusterDim.y = y;
+                a.value.clusterDim.z = z;
+            }
+        }
+        a
+    }
+}
+
+/// Grid, block, dynamic shared memory and attributes of a launch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LaunchConfig {
+    /// Blocks in x, y, z.
+    pub grid: (u32, u32, u32),
+    /// Threads per block in x, y, z.
+    pub block: (u32, u32, u32),
+    /// Dynamic shared memory per block, bytes.
+    pub shared_mem_bytes: u32,
+    /// Extra attributes; empty for a plain `cuLaunchKernel`.
+    pub attributes: Vec<LaunchAttribute>,
+}
+
+impl LaunchConfig {
+    /// A 1-D launch of `grid` blocks of `block` threads.
+    pub fn linear(grid: u32, block: u32) -> LaunchConfig {
+        LaunchConfig {
+            grid: (grid, 1, 1),
+            block: (block, 1, 1),
+            shared_mem_bytes: 0,
+            attributes: Vec::new(),
+        }
+    }
+
+    /// Enough blocks of `block` threads to cover `n` elements, one per thread.
+    pub fn for_elements(n: u32, block: u32) -> LaunchConfig {
+        LaunchConfig::linear(n.div_ceil(block).max(1), block)
+    }
+
+    /// With an attribute added.
+    pub fn with(mut self, attribute: LaunchAttribute) -> LaunchConfig {
+        self.attributes.push(attribute);
+        self
+    }
+}
+
+/// Something that can be passed to a kernel: a plain value or a device buffer (passed as its
+/// device address).
+pub trait KernelArg {
+    /// Appends this argument to `args`.
+    fn push_to<'a>(&'a self, args: &mut KernelArgs<'a>);
+}
+
+impl<T: DeviceRepr> KernelArg for T {
+    fn push_to<'a>(&'a self, args: &mut KernelArgs<'a>) {
+        args.ptrs.push((self as *const T).cast_mut().cast());
+        args.sizes.push(size_of::<T>());
+    }
+}
+
+impl<T: DeviceRepr> KernelArg for DeviceBuffer<T> {
+    fn push_to<'a>(&'a self, args: &mut KernelArgs<'a>) {
+        args.ptrs.push((self.ptr_ref() as *const u64).cast_mut().cast());
+        args.sizes.push(size_of::<u64>());
+        args.buffers.push(self.allocation());
+    }
+}
+
+/// A kernel's argument list: pointers to the values (borrowed for `'a`, so they cannot
+/// change or go away before the launch), their sizes (checked against the kernel's
+/// parameters), and the buffers used (kept alive by graphs that capture the launch).
+///
+/// ```no_run
+/// # use cuda_graph::{KernelArgs, DeviceBuffer};
+/// # fn f(x: &DeviceBuffer<f32>, y: &DeviceBuffer<f32>) {
+/// let n = 1024u32;
+/// let args = KernelArgs::new().arg(&2.0f32).arg(x).arg(y).arg(&n);
+/// # }
+/// ```
+#[derive(Debug, Default)]
+pub struct KernelArgs<'a> {
+    ptrs: Vec<*mut c_void>,
+    sizes: Vec<usize>,
+    buffers: Vec<&'a Arc<Allocation>>,
+    _borrow: PhantomData<&'a ()>,
+}
+
+impl<'a> KernelArgs<'a> {
+    /// An empty list.
+    pub fn new() -> KernelArgs<'a> {
+        KernelArgs::default()
+    }
+
+    /// With `value` appended.
+    pub fn arg(mut self, value: &'a (impl KernelArg + ?Sized)) -> KernelArgs<'a> {
+        value.push_to(&mut self);
+        self
+    }
+
+    /// The size of each argument in bytes.
+    pub fn sizes(&self) -> &[usize] {
+        &self.sizes
+    }
+
+    /// The `void**` array the driver reads (valid while `self` lives).
+    pub(crate) fn as_param_array(&self) -> *mut *mut c_void {
+        self.ptrs.as_ptr().cast_mut()
+    }
+
+    /// The buffers used, as resources to keep alive.
+    pub(crate) fn resources(&self) -> impl Iterator<Item = Resource> + '_ {
+        self.buffers.iter().map(|a| (*a).clone() as Resource)
+    }
+}
+
+/// `kernel_args![a, b, c]` is `KernelArgs::new().arg(&a).arg(&b).arg(&c)`.
+#[macro_export]
+macro_rules! kernel_args {
+    ($($arg:expr),* $(,)?) => { $crate::KernelArgs::new()$(.arg(&$arg))* };
+}
+
+impl Stream {
+    /// Launches `kernel` on this stream. The argument list is checked against the kernel's
+    /// parameter sizes first (driver >= 12.4); a mismatch is an error and nothing runs.
+    /// During a capture the launch becomes a kernel node, and the graph keeps the kernel's
+    /// module and the buffers alive.
+    ///
+    /// # Safety
+    /// The kernel runs arbitrary device code: the arguments must be what it expects (types,
+    /// not only sizes), and it must only touch memory within the buffers it is given, sized
+    /// as it assumes. Buffers it writes must not be read or written by other work running
+    /// concurrently.
+    pub unsafe fn launch(
+        &self,
+        kernel: &Kernel,
+        config: &LaunchConfig,
+        args: &KernelArgs<'_>,
+    ) -> Result<()> {
+        kernel.check_args(args.sizes())?;
+        self.retain_for_capture(|| kernel.module_resource());
+        for r in args.resources() {
+            self.retain_for_capture(|| r);
+        }
+        let (g, b) = (config.grid, config.block);
+        if config.attributes.is_empty() {
+            // SAFETY: live kernel and stream; the parameter array points at values borrowed
+            // for the call; the caller vouches for what the kernel does.
+            return unsafe {
+                cu!(cuLaunchKernel(
+                    kernel.as_raw(),
+                    g.0,
+                    g.1,
+                    g.2,
+                    b.0,
+                    b.1,
+                    b.2,
+                    config.shared_mem_bytes,
+                    self.as_raw(),
+                    args.as_param_array(),
+                    std::ptr::null_mut()
+                ))
+            };
+        }
+        let mut attrs: Vec<CUlaunchAttribute> =
+            config.attributes.iter().map(|a| a.to_raw()).collect();
+        let raw = CUlaunchConfig {
+            gridDimX: g.0,
+            gridDimY: g.1,
+            gridDimZ: g.2,
+            blockDimX: b.0,
+            blockDimY: b.1,
+            blockDimZ: b.2,
+            sharedMemBytes: config.shared_mem_bytes,
+            hStream: self.as_raw(),
+            attrs: attrs.as_mut_ptr(),
+            numAttrs: attrs.len() as u32,
+        };
+        // SAFETY: as above; the attribute array outlives the call.
+        unsafe {
+            cu!(cuLaunchKernelEx(
+                &raw,
+                kernel.as_raw(),
+                args.as_param_array(),
+                std::ptr::null_mut()
+            ))
+        }
+    }
+}

@@ -1,0 +1,204 @@
+//! Modules (fatbin, cubin or PTX images) and the kernels in them.
+
+use std::ffi::{CString, c_void};
+use std::sync::Arc;
+
+use cuda_graph_sys::{CUfunction, CUfunction_attribute, CUjit_option, CUmodule, CUresult};
+
+use crate::context::Context;
+use crate::error::{Error, Result};
+
+/// A loaded module. Kernels taken from it, and graphs whose nodes launch them, keep it loaded.
+#[derive(Debug, Clone)]
+pub struct Module {
+    inner: Arc<ModuleInner>,
+}
+
+#[derive(Debug)]
+pub(crate) struct ModuleInner {
+    raw: CUmodule,
+    ctx: Arc<Context>,
+}
+
+// SAFETY: modules may be used from any thread.
+unsafe impl Send for ModuleInner {}
+// SAFETY: as above; immutable after loading.
+unsafe impl Sync for ModuleInner {}
+
+impl Module {
+    /// Loads a fatbin or cubin image (`cuModuleLoadData`). The bytes are copied to an
+    /// 8-byte-aligned buffer first, as the driver reads the image's headers in place.
+    pub fn from_image(ctx: &Arc<Context>, image: &[u8]) -> Result<Module> {
+        if image.is_empty() {
+            return Err(Error::invalid("empty module image"));
+        }
+        let mut aligned = vec![0u64; image.len().div_ceil(8) + 1];
+        // SAFETY: aligned has at least image.len() bytes.
+        unsafe {
+            std::ptr::copy_nonoverlapping(image.as_ptr(), aligned.as_mut_ptr().cast(), image.len())
+        };
+        ctx.bind()?;
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: valid image pointer for the duration of the call, valid out-pointer.
+        unsafe { cu!(cuModuleLoadData(&mut raw, aligned.as_ptr().cast())) }?;
+        Ok(Module::wrap(ctx, raw))
+    }
+
+    /// Compiles and loads PTX text. On failure the error carries the JIT's log.
+    pub fn from_ptx(ctx: &Arc<Context>, ptx: &str) -> Result<Module> {
+        let text = CString::new(ptx).map_err(|_| Error::invalid("PTX contains a NUL byte"))?;
+        ctx.bind()?;
+        let mut log = vec![0u8; 8192];
+        let mut options = [
+            CUjit_option::CU_JIT_ERROR_LOG_BUFFER,
+            CUjit_option::CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES,
+        ];
+        let mut values: [*mut c_void; 2] = [log.as_mut_ptr().cast(), log.len() as *mut c_void];
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: the option arrays have 2 entries each; the log buffer outlives the call.
+        let rc = unsafe {
+            cuda_graph_sys::driver()?.cuModuleLoadDataEx()?(
+                &mut raw,
+                text.as_ptr().cast(),
+                2,
+                options.as_mut_ptr(),
+                values.as_mut_ptr(),
+            )
+        };
+        if rc != CUresult::CUDA_SUCCESS {
+            let end = log.iter().position(|&b| b == 0).unwrap_or(log.len());
+            let log = String::from_utf8_lossy(&log[..end]).trim().to_owned();
+            return Err(Error::ModuleLoad {
+                source: Box::new(Error::driver("cuModuleLoadDataEx", rc)),
+                log,
+            });
+        }
+        Ok(Module::wrap(ctx, raw))
+    }
+
+    fn wrap(ctx: &Arc<Context>, raw: CUmodule) -> Module {
+        Module {
+            inner: Arc::new(ModuleInner {
+                raw,
+                ctx: ctx.clone(),
+            }),
+        }
+    }
+
+    /// The kernel `name` (an `extern "C"` symbol).
+    pub fn kernel(&self, name: &str) -> Result<Kernel> {
+        let cname = CString::new(name).map_err(|_| Error::invalid("kernel name contains NUL"))?;
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: live module, valid out-pointer and name.
+        unsafe { cu!(cuModuleGetFunction(&mut raw, self.inner.raw, cname.as_ptr())) }?;
+        let params = param_sizes(raw)?;
+        Ok(Kernel {
+            raw,
+            module: self.inner.clone(),
+            name: name.into(),
+            params: params.map(Into::into),
+        })
+    }
+
+    /// The raw handle; valid while any handle to this module lives.
+    pub fn as_raw(&self) -> CUmodule {
+        self.inner.raw
+    }
+
+    /// The context it was loaded in.
+    pub fn context(&self) -> &Arc<Context> {
+        &self.inner.ctx
+    }
+}
+
+impl Drop for ModuleInner {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind();
+        if let Ok(unload) = cuda_graph_sys::driver().and_then(|d| d.cuModuleUnload()) {
+            // SAFETY: owned module; every kernel and graph using it held this Arc.
+            unsafe { unload(self.raw) };
+        }
+    }
+}
+
+/// The byte size of each parameter, from `cuFuncGetParamInfo` (driver >= 12.4); `None` when
+/// the driver cannot tell, and launches are then not checked.
+fn param_sizes(f: CUfunction) -> Result<Option<Vec<usize>>> {
+    let Ok(info) = cuda_graph_sys::driver()?.cuFuncGetParamInfo() else {
+        return Ok(None);
+    };
+    let mut sizes = Vec::new();
+    loop {
+        let (mut offset, mut size) = (0usize, 0usize);
+        // SAFETY: live function, valid out-pointers.
+        let rc = unsafe { info(f, sizes.len(), &mut offset, &mut size) };
+        match rc {
+            CUresult::CUDA_SUCCESS => sizes.push(size),
+            CUresult::CUDA_ERROR_INVALID_VALUE => return Ok(Some(sizes)),
+            rc => return Err(Error::driver("cuFuncGetParamInfo", rc)),
+        }
+    }
+}
+
+/// A kernel of a loaded [`Module`]; keeps the module loaded. Knows its parameter sizes, so
+/// launches and kernel nodes check the argument list before calling the driver.
+#[derive(Debug, Clone)]
+pub struct Kernel {
+    raw: CUfunction,
+    module: Arc<ModuleInner>,
+    name: Arc<str>,
+    params: Option<Arc<[usize]>>,
+}
+
+// SAFETY: CUfunction handles may be used from any thread.
+unsafe impl Send for Kernel {}
+// SAFETY: as above; immutable.
+unsafe impl Sync for Kernel {}
+
+impl Kernel {
+    /// The raw handle; valid while this kernel (or its module) lives.
+    pub fn as_raw(&self) -> CUfunction {
+        self.raw
+    }
+
+    /// The kernel's symbol name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Byte size of each parameter (`None` if the driver cannot report them).
+    pub fn param_sizes(&self) -> Option<&[usize]> {
+        self.params.as_deref()
+    }
+
+    /// The module, to keep it alive from a graph.
+    pub(crate) fn module_resource(&self) -> crate::graph::Resource {
+        self.module.clone()
+    }
+
+    /// Allows up to `bytes` of dynamic shared memory per block (needed above 48 KiB).
+    pub fn set_max_dynamic_shared_memory(&self, bytes: usize) -> Result<()> {
+        let bytes = i32::try_from(bytes)
+            .map_err(|_| Error::invalid(format!("{bytes} bytes of shared memory")))?;
+        // SAFETY: live function; the attribute takes an int.
+        unsafe {
+            cu!(cuFuncSetAttribute(
+                self.raw,
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes
+            ))
+        }
+    }
+
+    /// Checks an argument list's sizes against the kernel's parameters.
+    pub(crate) fn check_args(&self, sizes: &[usize]) -> Result<()> {
+        match &self.params {
+            Some(params) if **params != *sizes => Err(Error::invalid(format!(
+                "kernel {} takes parameters of {:?} bytes, got arguments of {:?} bytes",
+                self.name, params, sizes
+            ))),
+            // Matching, or a driver too old to report parameters: nothing to check.
+            _ => Ok(()),
+        }
+    }
+}

@@ -1,0 +1,190 @@
+//! Streams: ordered queues of device work.
+
+use std::sync::{Arc, Mutex};
+
+use cuda_graph_sys::{CUresult, CUstream, CUstream_flags};
+
+use crate::context::Context;
+use crate::error::{Error, Result};
+use crate::event::Event;
+use crate::graph::Resource;
+
+/// A non-blocking CUDA stream. Cloning gives another handle to the same stream; the stream is
+/// destroyed when the last handle goes (unless it was borrowed with [`Stream::from_raw`]).
+///
+/// Everything enqueued through the safe API that refers to a buffer or module also hands the
+/// stream an `Arc` of it while a capture is running, so a captured graph keeps alive what its
+/// nodes use.
+#[derive(Debug, Clone)]
+pub struct Stream {
+    inner: Arc<StreamInner>,
+}
+
+#[derive(Debug)]
+struct StreamInner {
+    raw: CUstream,
+    ctx: Arc<Context>,
+    owned: bool,
+    /// Resources used by work enqueued during an ongoing capture (see `capture.rs`).
+    captured: Mutex<Option<Vec<Resource>>>,
+}
+
+// SAFETY: streams may be used from any thread; the mutable state is behind a Mutex.
+unsafe impl Send for StreamInner {}
+// SAFETY: as above.
+unsafe impl Sync for StreamInner {}
+
+impl Stream {
+    /// A new non-blocking stream with default priority.
+    pub fn new(ctx: &Arc<Context>) -> Result<Stream> {
+        ctx.bind()?;
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; the context is current.
+        unsafe {
+            cu!(cuStreamCreate(
+                &mut raw,
+                CUstream_flags::CU_STREAM_NON_BLOCKING.0
+            ))
+        }?;
+        Ok(Stream::wrap(ctx, raw, true))
+    }
+
+    /// A new non-blocking stream with a priority; lower numbers run first. The driver clamps
+    /// values outside [`Context::stream_priority_range`].
+    pub fn with_priority(ctx: &Arc<Context>, priority: i32) -> Result<Stream> {
+        ctx.bind()?;
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; the context is current.
+        unsafe {
+            cu!(cuStreamCreateWithPriority(
+                &mut raw,
+                CUstream_flags::CU_STREAM_NON_BLOCKING.0,
+                priority
+            ))
+        }?;
+        Ok(Stream::wrap(ctx, raw, true))
+    }
+
+    /// Borrows a stream created elsewhere (cudarc, candle, PyTorch); it is not destroyed on
+    /// drop.
+    ///
+    /// # Safety
+    /// `raw` must be a live stream of `ctx` and outlive every handle and every piece of work
+    /// made from this value.
+    pub unsafe fn from_raw(ctx: &Arc<Context>, raw: CUstream) -> Stream {
+        Stream::wrap(ctx, raw, false)
+    }
+
+    fn wrap(ctx: &Arc<Context>, raw: CUstream, owned: bool) -> Stream {
+        Stream {
+            inner: Arc::new(StreamInner {
+                raw,
+                ctx: ctx.clone(),
+                owned,
+                captured: Mutex::new(None),
+            }),
+        }
+    }
+
+    /// The raw handle; valid while any handle to this stream lives.
+    pub fn as_raw(&self) -> CUstream {
+        self.inner.raw
+    }
+
+    /// The context the stream belongs to.
+    pub fn context(&self) -> &Arc<Context> {
+        &self.inner.ctx
+    }
+
+    /// Blocks until all work on the stream is done.
+    pub fn synchronize(&self) -> Result<()> {
+        // SAFETY: live handle.
+        unsafe { cu!(cuStreamSynchronize(self.inner.raw)) }
+    }
+
+    /// Whether all work on the stream is done.
+    pub fn is_idle(&self) -> Result<bool> {
+        // SAFETY: live handle.
+        let rc = unsafe { cuda_graph_sys::driver()?.cuStreamQuery()?(self.inner.raw) };
+        match rc {
+            CUresult::CUDA_SUCCESS => Ok(true),
+            CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            rc => Err(Error::driver("cuStreamQuery", rc)),
+        }
+    }
+
+    /// Makes later work on this stream wait for `event`.
+    pub fn wait_event(&self, event: &Event) -> Result<()> {
+        // SAFETY: live handles; flags must be 0.
+        unsafe { cu!(cuStreamWaitEvent(self.inner.raw, event.as_raw(), 0)) }
+    }
+
+    /// Makes later work on this stream wait for all work enqueued so far on `other`, through
+    /// a new event.
+    pub fn wait_stream(&self, other: &Stream) -> Result<()> {
+        let event = Event::for_sync(self.context())?;
+        event.record(other)?;
+        self.wait_event(&event)
+    }
+
+    /// The stream's priority.
+    pub fn priority(&self) -> Result<i32> {
+        let mut p = 0;
+        // SAFETY: valid out-pointer, live handle.
+        unsafe { cu!(cuStreamGetPriority(self.inner.raw, &mut p)) }?;
+        Ok(p)
+    }
+
+    /// Hands `resource` to the capture running on this stream, if any, so the captured graph
+    /// keeps it alive. Outside a capture nothing is needed: `cuMemFree` waits for the device,
+    /// and stream-ordered frees queue behind the work that uses the memory.
+    pub(crate) fn retain_for_capture(&self, resource: impl FnOnce() -> Resource) {
+        let mut captured = self
+            .inner
+            .captured
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(list) = captured.as_mut() {
+            list.push(resource());
+        }
+    }
+
+    /// Starts collecting resources for a capture (see `retain_for_capture`).
+    pub(crate) fn start_collecting(&self) {
+        *self
+            .inner
+            .captured
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(Vec::new());
+    }
+
+    /// Stops collecting and returns what was collected.
+    pub(crate) fn take_collected(&self) -> Vec<Resource> {
+        self.inner
+            .captured
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .take()
+            .unwrap_or_default()
+    }
+}
+
+impl PartialEq for Stream {
+    fn eq(&self, other: &Stream) -> bool {
+        self.inner.raw == other.inner.raw
+    }
+}
+
+impl Eq for Stream {}
+
+impl Drop for StreamInner {
+    fn drop(&mut self) {
+        if !self.owned {
+            return;
+        }
+        if let Ok(destroy) = cuda_graph_sys::driver().and_then(|d| d.cuStreamDestroy()) {
+            // SAFETY: owned handle, destroyed once; the driver lets queued work finish.
+            unsafe { destroy(self.raw) };
+        }
+    }
+}
