@@ -11,6 +11,8 @@ pub enum CliError {
     Cuda(cuda_graph::Error),
     /// Writing the report failed.
     Io(std::io::Error),
+    /// Anything else, already described.
+    Other(String),
 }
 
 impl std::fmt::Display for CliError {
@@ -18,6 +20,7 @@ impl std::fmt::Display for CliError {
         match self {
             CliError::Cuda(e) => e.fmt(f),
             CliError::Io(e) => write!(f, "cannot write output: {e}"),
+            CliError::Other(msg) => f.write_str(msg),
         }
     }
 }

@@ -120,6 +120,19 @@ impl Feature {
     }
 }
 
+/// Memory used by graph memory nodes on a device (`cuDeviceGetGraphMemAttribute`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GraphMemUsage {
+    /// Bytes currently allocated by graph memory nodes.
+    pub used: u64,
+    /// High-water mark of `used`.
+    pub used_high: u64,
+    /// Bytes of physical memory reserved for graph memory nodes.
+    pub reserved: u64,
+    /// High-water mark of `reserved`.
+    pub reserved_high: u64,
+}
+
 /// A CUDA device, by ordinal.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Device {
@@ -199,6 +212,32 @@ impl Device {
         // SAFETY: valid out-pointer.
         unsafe { cu!(cuDeviceTotalMem(&mut bytes, self.raw)) }?;
         Ok(bytes)
+    }
+
+    /// Returns the physical memory that graph memory nodes reserved but no graph is using
+    /// back to the OS (`cuDeviceGraphMemTrim`).
+    pub fn graph_mem_trim(self) -> Result<()> {
+        init()?;
+        // SAFETY: valid device.
+        unsafe { cu!(cuDeviceGraphMemTrim(self.raw)) }
+    }
+
+    /// Memory of graph memory nodes on this device, in bytes.
+    pub fn graph_mem_usage(self) -> Result<GraphMemUsage> {
+        use cuda_graph_sys::CUgraphMem_attribute as A;
+        init()?;
+        let get = |attr: A| -> Result<u64> {
+            let mut v = 0u64;
+            // SAFETY: these attributes write a u64.
+            unsafe { cu!(cuDeviceGetGraphMemAttribute(self.raw, attr, (&raw mut v).cast())) }?;
+            Ok(v)
+        };
+        Ok(GraphMemUsage {
+            used: get(A::CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT)?,
+            used_high: get(A::CU_GRAPH_MEM_ATTR_USED_MEM_HIGH)?,
+            reserved: get(A::CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT)?,
+            reserved_high: get(A::CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH)?,
+        })
     }
 
     /// `Ok` when this device, with the installed driver, has `feature`; otherwise the

@@ -150,7 +150,7 @@ impl<'a> KernelArgs<'a> {
 
     /// The buffers used, as resources to keep alive.
     pub(crate) fn resources(&self) -> impl Iterator<Item = Resource> + '_ {
-        self.buffers.iter().map(|a| (*a).clone() as Resource)
+        self.buffers.iter().map(|a| a.keep_alive())
     }
 }
 

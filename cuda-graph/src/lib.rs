@@ -33,6 +33,7 @@ mod graph;
 mod launch;
 mod memory;
 mod module;
+mod pool;
 mod stream;
 
 pub use context::Context;
@@ -44,4 +45,5 @@ pub use graph::{Graph, Resource};
 pub use launch::{KernelArg, KernelArgs, LaunchAttribute, LaunchConfig};
 pub use memory::{Allocation, DeviceBuffer, DeviceRepr, MemPool, PinnedBuffer};
 pub use module::{Kernel, Module};
+pub use pool::{GraphPool, POOL_ALIGN};
 pub use stream::Stream;

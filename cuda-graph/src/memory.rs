@@ -1,7 +1,6 @@
 //! Device memory: typed buffers (synchronous or stream-ordered allocation), memory pools and
 //! pinned host buffers.
 
-use std::any::Any;
 use std::marker::PhantomData;
 use std::sync::Arc;
 
@@ -35,6 +34,8 @@ enum Free {
     Sync,
     /// `cuMemFreeAsync` on the stream it was allocated on, ordered after its work.
     Async(Stream),
+    /// A range of a [`GraphPool`](crate::GraphPool), returned to it.
+    Pool(Arc<crate::pool::PoolInner>),
 }
 
 /// One device allocation; freed when the last `Arc` goes (buffers, graphs and execs that use
@@ -50,6 +51,29 @@ pub struct Allocation {
 }
 
 impl Allocation {
+    pub(crate) fn new_pooled(
+        ptr: CUdeviceptr,
+        bytes: usize,
+        ctx: &Arc<Context>,
+        pool: Arc<crate::pool::PoolInner>,
+    ) -> Allocation {
+        Allocation {
+            ptr,
+            bytes,
+            free: Free::Pool(pool),
+            ctx: ctx.clone(),
+            _pool: None,
+        }
+    }
+
+    /// What a graph using this allocation must keep alive.
+    pub(crate) fn keep_alive(self: &Arc<Self>) -> Resource {
+        match &self.free {
+            Free::Pool(pool) => pool.clone() as Resource,
+            _ => self.clone() as Resource,
+        }
+    }
+
     /// The device address.
     pub fn ptr(&self) -> CUdeviceptr {
         self.ptr
@@ -81,6 +105,7 @@ impl Drop for Allocation {
                     unsafe { free(self.ptr, stream.as_raw()) };
                 }
             }
+            Free::Pool(pool) => pool.release(self.ptr, self.bytes),
         }
     }
 }
@@ -99,12 +124,12 @@ pub struct DeviceBuffer<T: DeviceRepr> {
 }
 
 impl<T: DeviceRepr> DeviceBuffer<T> {
-    fn bytes_for(len: usize) -> Result<usize> {
+    pub(crate) fn bytes_for(len: usize) -> Result<usize> {
         len.checked_mul(size_of::<T>())
             .ok_or_else(|| Error::invalid(format!("{len} elements overflow usize bytes")))
     }
 
-    fn from_alloc(alloc: Allocation, len: usize) -> DeviceBuffer<T> {
+    pub(crate) fn from_alloc(alloc: Allocation, len: usize) -> DeviceBuffer<T> {
         DeviceBuffer {
             ptr: alloc.ptr,
             alloc: Arc::new(alloc),
@@ -246,9 +271,11 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         &self.alloc
     }
 
-    /// The allocation, to keep it alive from a graph or exec.
+    /// What a graph or exec using this buffer keeps alive: the allocation itself, or for a
+    /// [`GraphPool`](crate::GraphPool) buffer the pool's memory (so the range can serve later
+    /// captures once this buffer is dropped; see the pool's contract).
     pub fn resource(&self) -> Resource {
-        self.alloc.clone() as Arc<dyn Any + Send + Sync>
+        self.alloc.keep_alive()
     }
 
     fn check_len(&self, other: usize, what: &str) -> Result<()> {

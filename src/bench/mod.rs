@@ -1,0 +1,108 @@
+//! `fp8-moe bench ...`: benchmarks timed with CUDA events (device work) or the host clock
+//! (host-side API costs), after warm-up, reported as medians beside their yardsticks.
+
+pub mod graph;
+
+use std::fmt::Write as _;
+
+/// The median of `samples` (the mean of the middle two for an even count); NaN when empty.
+pub fn median(samples: &mut [f64]) -> f64 {
+    if samples.is_empty() {
+        return f64::NAN;
+    }
+    samples.sort_by(f64::total_cmp);
+    let n = samples.len();
+    if n % 2 == 1 {
+        samples[n / 2]
+    } else {
+        (samples[n / 2 - 1] + samples[n / 2]) / 2.0
+    }
+}
+
+/// One row of a benchmark table: a figure, its unit, and the yardstick it is judged by.
+#[derive(Debug, Clone)]
+pub struct Row {
+    /// What was measured.
+    pub name: String,
+    /// The median.
+    pub value: f64,
+    /// Unit of `value`.
+    pub unit: &'static str,
+    /// The comparison figure, in words (measured in the same run where possible).
+    pub yardstick: String,
+    /// Whether the target is met, if there is one.
+    pub pass: Option<bool>,
+}
+
+/// Renders rows as an aligned text table.
+pub fn table(title: &str, rows: &[Row]) -> String {
+    let mut s = format!("{title}\n");
+    let w = rows.iter().map(|r| r.name.len()).max().unwrap_or(0);
+    for r in rows {
+        let verdict = match r.pass {
+            Some(true) => "  [pass]",
+            Some(false) => "  [MISS]",
+            None => "",
+        };
+        let _ = writeln!(
+            s,
+            "  {:<w$}  {:>10.3} {:<6}  {}{verdict}",
+            r.name, r.value, r.unit, r.yardstick
+        );
+    }
+    s
+}
+
+/// Renders rows as a JSON object `{"bench": name, "rows": [...]}` (no dependency needed for
+/// this flat shape).
+pub fn json(bench: &str, rows: &[Row]) -> String {
+    let esc = |s: &str| s.replace('\\', "\\\\").replace('"', "\\\"");
+    let mut s = format!("{{\"bench\":\"{}\",\"rows\":[", esc(bench));
+    for (i, r) in rows.iter().enumerate() {
+        if i > 0 {
+            s.push(',');
+        }
+        let value = if r.value.is_finite() {
+            format!("{}", r.value)
+        } else {
+            "null".into()
+        };
+        let pass = r.pass.map_or("null".into(), |p| p.to_string());
+        let _ = write!(
+            s,
+            "{{\"name\":\"{}\",\"value\":{value},\"unit\":\"{}\",\"yardstick\":\"{}\",\"pass\":{pass}}}",
+            esc(&r.name),
+            esc(r.unit),
+            esc(&r.yardstick)
+        );
+    }
+    s.push_str("]}\n");
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn median_of_odd_and_even_counts() {
+        assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&mut [4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert!(median(&mut []).is_nan());
+    }
+
+    #[test]
+    fn json_escapes_and_marks_missing_values() {
+        let rows = [Row {
+            name: "a \"b\"".into(),
+            value: f64::NAN,
+            unit: "us",
+            yardstick: "x".into(),
+            pass: Some(false),
+        }];
+        assert_eq!(
+            json("g", &rows),
+            "{\"bench\":\"g\",\"rows\":[{\"name\":\"a \\\"b\\\"\",\"value\":null,\"unit\":\"us\",\"yardstick\":\"x\",\"pass\":false}]}\n"
+        );
+    }
+}
