@@ -12,6 +12,36 @@
 //! * [`Graph`]: graph definitions that keep alive what their nodes use.
 //! * [`Error`]: every failure, carrying the driver call, its result code, name and message.
 //!
+//! # Lifetimes: what keeps device memory alive
+//!
+//! Work enqueued through the safe API registers what it uses. A kernel launch or copy made
+//! during a capture hands the stream `Arc`s of the kernel's module and of every
+//! [`DeviceBuffer`] argument; the captured [`Graph`] keeps them, and every [`GraphExec`]
+//! instantiated from it (or updated to it) keeps a copy. Dropping your buffers, modules or the
+//! graph while an exec may still run therefore never frees memory under it; dropping an exec
+//! that was launched waits for the device before releasing what it held.
+//!
+//! What this does *not* protect — the raw paths:
+//! * device addresses passed as plain integers (`buf.as_raw()` inside a `#[repr(C)]` struct
+//!   argument, or a `u64` scalar), and [`DeviceBuffer::from_raw`] memory owned elsewhere;
+//! * graphs adopted with [`Graph::from_raw`] and nodes added with raw driver calls;
+//! * what kernels do: a kernel that indexes past its buffers corrupts device memory, which is
+//!   why [`Stream::launch`] is `unsafe` (argument *sizes* are checked, not meaning).
+//!
+//! For those, register the resource yourself with [`Graph::keep_alive`] /
+//! [`GraphExec::keep_alive`], or keep it alive for as long as the exec lives.
+//!
+//! # Graph memory
+//!
+//! Two ways to give captured graphs memory of their own, with different trade-offs: a
+//! [`GraphPool`] (ordinary memory reserved up front and carved without driver calls; several
+//! graphs captured in execution order share it, as PyTorch's graph pool does) and graph memory
+//! nodes (`DeviceBuffer::alloc_async` during a capture; the driver shares physical pages across
+//! graphs and [`driver::Device::graph_mem_trim`] returns unused ones, but such graphs cannot be
+//! cloned or instantiated twice). The [`GraphPool`] docs spell out the contract.
+//!
+//! # Example
+//!
 //! ```no_run
 //! use cuda_graph::driver::{self, Device, Feature};
 //! let version = driver::driver_version()?;
