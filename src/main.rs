@@ -55,7 +55,10 @@ fn run_bench(json_path: &str) -> Result<(), info::CliError> {
     let rows = bench::graph::run().map_err(|e| info::CliError::Other(e.to_string()))?;
     print!(
         "{}",
-        bench::table("bench graph: chain of 1000 x add 1.0 to 1024 floats (4 x 256)", &rows)
+        bench::table(
+            "bench graph: chain of 1000 x add 1.0 to 1024 floats (4 x 256)",
+            &rows
+        )
     );
     std::fs::write(json_path, bench::json("graph", &rows))?;
     println!("wrote {json_path}");

@@ -229,7 +229,13 @@ impl Device {
         let get = |attr: A| -> Result<u64> {
             let mut v = 0u64;
             // SAFETY: these attributes write a u64.
-            unsafe { cu!(cuDeviceGetGraphMemAttribute(self.raw, attr, (&raw mut v).cast())) }?;
+            unsafe {
+                cu!(cuDeviceGetGraphMemAttribute(
+                    self.raw,
+                    attr,
+                    (&raw mut v).cast()
+                ))
+            }?;
             Ok(v)
         };
         Ok(GraphMemUsage {

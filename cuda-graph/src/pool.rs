@@ -95,7 +95,9 @@ impl GraphPool {
 
 impl PoolInner {
     fn lock(&self) -> std::sync::MutexGuard<'_, FreeList> {
-        self.free.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.free
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// Returns a range handed out by `GraphPool::alloc` (called when its buffer drops).
@@ -180,7 +182,11 @@ mod tests {
     #[test]
     fn out_of_order_release_merges_both_sides() {
         let mut f = FreeList::new(768);
-        let (a, b, c) = (f.take(256).unwrap(), f.take(256).unwrap(), f.take(256).unwrap());
+        let (a, b, c) = (
+            f.take(256).unwrap(),
+            f.take(256).unwrap(),
+            f.take(256).unwrap(),
+        );
         f.give_back(a, 256);
         f.give_back(c, 256);
         assert_eq!(f.ranges, vec![(0, 256), (512, 256)]);

@@ -46,7 +46,13 @@ fn copies_round_trip_and_memsets_write_every_element() {
     other.fill_u32_bits(&stream, 1.5f32.to_bits()).unwrap();
     assert!(other.to_vec(&stream).unwrap().iter().all(|&v| v == 1.5));
     other.memset_bytes(&stream, 0).unwrap();
-    assert!(other.to_vec(&stream).unwrap().iter().all(|&v| v.to_bits() == 0));
+    assert!(
+        other
+            .to_vec(&stream)
+            .unwrap()
+            .iter()
+            .all(|&v| v.to_bits() == 0)
+    );
 
     let mut bytes = DeviceBuffer::<u8>::alloc(&ctx, 3).unwrap();
     assert!(matches!(
@@ -76,8 +82,14 @@ fn async_and_pool_allocations_work_and_free_in_stream_order() {
         let n = host.len() as u32;
         let v = round as f32 + 0.5;
         // SAFETY: add_f32(float*, float, unsigned) touches b[0..n).
-        unsafe { stream.launch(&add, &LaunchConfig::for_elements(n, 128), &kernel_args![b, v, n]) }
-            .unwrap();
+        unsafe {
+            stream.launch(
+                &add,
+                &LaunchConfig::for_elements(n, 128),
+                &kernel_args![b, v, n],
+            )
+        }
+        .unwrap();
         let got = b.to_vec(&stream).unwrap();
         for (i, (&g, &h)) in got.iter().zip(&host).enumerate() {
             assert_eq!(g, h + v, "round {round} element {i}");
@@ -101,12 +113,19 @@ fn graph_pool_hands_out_disjoint_aligned_ranges_and_reuses_freed_ones() {
     let mut b = b;
     a.copy_from_host(&stream, &data(1000, 4)).unwrap();
     b.copy_from_host(&stream, &data(1000, 5)).unwrap();
-    assert_eq!(a.to_vec(&stream).unwrap(), data(1000, 4), "b's write clobbered a");
+    assert_eq!(
+        a.to_vec(&stream).unwrap(),
+        data(1000, 4),
+        "b's write clobbered a"
+    );
     let a_addr = a.as_raw();
     drop(a);
     let c = pool.alloc::<f32>(500).unwrap();
     assert_eq!(c.as_raw(), a_addr, "a freed range is reused first");
-    assert!(matches!(pool.alloc::<f32>(1 << 20), Err(Error::InvalidArgument(_))));
+    assert!(matches!(
+        pool.alloc::<f32>(1 << 20),
+        Err(Error::InvalidArgument(_))
+    ));
     drop((b, c));
     assert_eq!(pool.free_bytes(), pool.capacity());
 }
@@ -131,7 +150,11 @@ fn launch_checks_argument_sizes_before_running() {
     // SAFETY: rejected before launch.
     let err = unsafe { stream.launch(&axpy, &LaunchConfig::for_elements(n, 64), &short) };
     assert!(matches!(err, Err(Error::InvalidArgument(_))), "{err:?}");
-    assert_eq!(y.to_vec(&stream).unwrap(), y0, "a rejected launch wrote nothing");
+    assert_eq!(
+        y.to_vec(&stream).unwrap(),
+        y0,
+        "a rejected launch wrote nothing"
+    );
 
     // The right list runs, with and without launch attributes.
     let a = 2.0f32;
@@ -155,7 +178,10 @@ fn bad_ptx_reports_the_jit_log_and_missing_kernel_is_an_error() {
     assert!(matches!(err, Error::ModuleLoad { .. }), "{msg}");
     assert!(msg.contains("cuModuleLoadDataEx"), "{msg}");
     assert!(module.kernel("no_such_kernel").is_err());
-    assert!(matches!(Module::from_image(&ctx, &[]), Err(Error::InvalidArgument(_))));
+    assert!(matches!(
+        Module::from_image(&ctx, &[]),
+        Err(Error::InvalidArgument(_))
+    ));
 }
 
 #[test]

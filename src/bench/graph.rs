@@ -199,7 +199,19 @@ fn eager_raw(s: &Setup) -> BenchResult<f64> {
         for _ in 0..CHAIN {
             // SAFETY: live kernel and stream; params point at live locals of the right types.
             let rc = unsafe {
-                launch(f, 4, 1, 1, 256, 1, 1, 0, st, params.as_mut_ptr(), std::ptr::null_mut())
+                launch(
+                    f,
+                    4,
+                    1,
+                    1,
+                    256,
+                    1,
+                    1,
+                    0,
+                    st,
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
             };
             check_raw("cuLaunchKernel", rc)?;
         }
@@ -221,7 +233,9 @@ fn graph_replay(s: &Setup) -> BenchResult<(f64, f64, f64)> {
         .stream
         .capture(CaptureMode::Global, |scope| launch_chain(s, scope.stream()))?;
     let instantiate = host_median(5, 1e3, || {
-        GraphExec::instantiate(&graph, InstantiateFlags::empty()).map(drop).map_err(Into::into)
+        GraphExec::instantiate(&graph, InstantiateFlags::empty())
+            .map(drop)
+            .map_err(Into::into)
     })?;
     let exec = GraphExec::instantiate(&graph, InstantiateFlags::empty())?;
     exec.upload(&s.stream)?;
@@ -234,9 +248,16 @@ fn graph_replay(s: &Setup) -> BenchResult<(f64, f64, f64)> {
 /// The same capture and instantiate through raw calls: (capture ms, instantiate ms).
 fn capture_instantiate_raw(s: &Setup) -> BenchResult<(f64, f64)> {
     let d = sys::driver()?;
-    let (begin, end, launch) = (d.cuStreamBeginCapture()?, d.cuStreamEndCapture()?, d.cuLaunchKernel()?);
-    let (instantiate, destroy_exec, destroy_graph) =
-        (d.cuGraphInstantiateWithFlags()?, d.cuGraphExecDestroy()?, d.cuGraphDestroy()?);
+    let (begin, end, launch) = (
+        d.cuStreamBeginCapture()?,
+        d.cuStreamEndCapture()?,
+        d.cuLaunchKernel()?,
+    );
+    let (instantiate, destroy_exec, destroy_graph) = (
+        d.cuGraphInstantiateWithFlags()?,
+        d.cuGraphExecDestroy()?,
+        d.cuGraphDestroy()?,
+    );
     let mut ptr = s.x.as_raw();
     let mut n = N;
     let mut params: [*mut c_void; 2] = [(&raw mut ptr).cast(), (&raw mut n).cast()];
@@ -244,9 +265,24 @@ fn capture_instantiate_raw(s: &Setup) -> BenchResult<(f64, f64)> {
     let mut capture_raw = || -> BenchResult<sys::CUgraph> {
         // SAFETY: live stream, kernel and params; the capture is ended below on this thread.
         unsafe {
-            check_raw("cuStreamBeginCapture", begin(st, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL))?;
+            check_raw(
+                "cuStreamBeginCapture",
+                begin(st, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL),
+            )?;
             for _ in 0..CHAIN {
-                let rc = launch(f, 4, 1, 1, 256, 1, 1, 0, st, params.as_mut_ptr(), std::ptr::null_mut());
+                let rc = launch(
+                    f,
+                    4,
+                    1,
+                    1,
+                    256,
+                    1,
+                    1,
+                    0,
+                    st,
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                );
                 check_raw("cuLaunchKernel", rc)?;
             }
             let mut g = std::ptr::null_mut();
@@ -305,7 +341,11 @@ fn pdl_replay(s: &Setup) -> BenchResult<f64> {
     exec.upload(&s.stream)?;
     let before = s.x.to_vec(&s.stream)?[0];
     let us = per_kernel_us(s, || exec.launch(&s.stream).map_err(Into::into))?;
-    verify(s, before + ((WARMUP + REPS) * CHAIN) as f32, "programmatic edges")?;
+    verify(
+        s,
+        before + ((WARMUP + REPS) * CHAIN) as f32,
+        "programmatic edges",
+    )?;
     Ok(us)
 }
 
@@ -318,7 +358,8 @@ fn updates(s: &Setup) -> BenchResult<(f64, f64)> {
     let mut flip = false;
     let update = host_median(8, 1e3, || {
         flip = !flip;
-        exec.update(if flip { &graph_other } else { &graph_x }).map_err(Into::into)
+        exec.update(if flip { &graph_other } else { &graph_x })
+            .map_err(Into::into)
     })?;
     // After an odd number of updates (1 + 8) the exec points at `other`.
     exec.launch(&s.stream)?;
@@ -334,7 +375,8 @@ fn updates(s: &Setup) -> BenchResult<(f64, f64)> {
     let node_update = host_median(1000, 1e6, || {
         flip = !flip;
         let args = if flip { &args_x } else { &args_other };
-        exec.set_kernel_params(node, &s.add_one, &s.cfg, args).map_err(Into::into)
+        exec.set_kernel_params(node, &s.add_one, &s.cfg, args)
+            .map_err(Into::into)
     })?;
     // 1 + 1000 updates: the node now writes x while the other 999 still write `other`.
     let (x0, o0) = (s.x.to_vec(&s.stream)?[0], other.to_vec(&s.stream)?[0]);
