@@ -145,6 +145,13 @@ impl ConditionalHandle {
         create_handle(stream.context(), info.graph, default, reset_each_launch)
     }
 
+    /// Loads the helper kernels of [`ConditionalHandle::set_on`] for `ctx` now. Their first
+    /// use loads them otherwise; call this before a capture in `GLOBAL` mode, where loading a
+    /// module may be a prohibited call that invalidates the capture.
+    pub fn load_helpers(ctx: &Arc<Context>) -> Result<()> {
+        helpers(ctx).map(drop)
+    }
+
     /// The raw handle, e.g. to pass to your own kernels that call `cudaGraphSetConditional`.
     pub fn as_raw(&self) -> CUgraphConditionalHandle {
         self.raw
