@@ -19,6 +19,11 @@
 //!   one exec made from it may exist at a time;
 //! * a handle must be used by exactly one conditional node of the graph it was created for;
 //!   a handle no node uses makes instantiation fail;
+//! * bodies are captured on a scratch stream (thread-local mode), so while a body closure
+//!   runs, synchronous allocations, frees or module loads made by *other threads* in the
+//!   same context can invalidate the capture (error 901): build graphs with conditionals
+//!   while no other thread does such work, and load the setter kernels ahead with
+//!   [`ConditionalHandle::load_helpers`];
 //! * IF and WHILE need a driver >= 12.4, IF-ELSE and SWITCH >= 12.8
 //!   ([`Feature::ConditionalIfWhile`], [`Feature::ConditionalIfElseSwitch`]); the methods
 //!   here return [`Error::Unsupported`] before any driver call on older drivers.
@@ -129,9 +134,10 @@ pub struct ConditionalHandle {
 
 impl ConditionalHandle {
     /// A handle for a conditional node of `graph`. With `reset_each_launch` the value is set
-    /// to `default` at the start of every launch (`CU_GRAPH_COND_ASSIGN_DEFAULT`); without
-    /// it, `default` is the value of the first launch and later launches see what device code
-    /// last set.
+    /// to `default` at the start of every launch (`CU_GRAPH_COND_ASSIGN_DEFAULT`). Without
+    /// it the driver does not apply `default` at all (seen on driver 13.0: the first launch
+    /// read 0 with a default of 1), and each launch sees what device code last set, also in
+    /// an earlier launch: set the value before the node reads it.
     pub fn new(graph: &mut Graph, default: u32, reset_each_launch: bool) -> Result<Self> {
         create_handle(graph.context(), graph.as_raw(), default, reset_each_launch)
     }
@@ -157,8 +163,8 @@ impl ConditionalHandle {
         self.raw
     }
 
-    /// The value the handle starts each launch with (or only the first, see
-    /// [`ConditionalHandle::resets_each_launch`]).
+    /// The value the handle starts each launch with when it
+    /// [resets each launch](ConditionalHandle::resets_each_launch).
     pub fn default_value(&self) -> u32 {
         self.default
     }
