@@ -10,6 +10,8 @@
 //! * [`KernelArgs`] and [`LaunchConfig`]: typed launches, checked against the kernel's
 //!   parameter sizes.
 //! * [`Graph`]: graph definitions that keep alive what their nodes use.
+//! * [`ConditionalHandle`], [`Graph::add_if`], [`Stream::capture_while`] and friends:
+//!   conditional nodes (IF, IF-ELSE, WHILE, SWITCH) and the device helpers that set them.
 //! * [`Error`]: every failure, carrying the driver call, its result code, name and message.
 //!
 //! # Lifetimes: what keeps device memory alive
@@ -55,6 +57,7 @@
 
 #[macro_use]
 mod error;
+mod conditional;
 mod context;
 pub mod driver;
 mod event;
@@ -66,6 +69,7 @@ mod module;
 mod pool;
 mod stream;
 
+pub use conditional::{Body, ConditionSource, ConditionalHandle, ConditionalKind};
 pub use context::Context;
 pub use cuda_graph_sys as sys;
 pub use error::{Error, Result};
