@@ -71,8 +71,7 @@ impl GraphExec {
         flags: InstantiateFlags,
         stream: Option<&Stream>,
     ) -> Result<GraphExec> {
-        if flags.contains(InstantiateFlags::AUTO_FREE_ON_LAUNCH | InstantiateFlags::DEVICE_LAUNCH)
-        {
+        if flags.contains(InstantiateFlags::AUTO_FREE_ON_LAUNCH | InstantiateFlags::DEVICE_LAUNCH) {
             return Err(Error::invalid(
                 "AUTO_FREE_ON_LAUNCH and DEVICE_LAUNCH cannot be combined",
             ));

@@ -10,6 +10,8 @@
 //! * [`KernelArgs`] and [`LaunchConfig`]: typed launches, checked against the kernel's
 //!   parameter sizes.
 //! * [`Graph`]: graph definitions that keep alive what their nodes use.
+//! * [`capture`]: stream capture as a closure scope ([`Stream::capture`]), with forks and
+//!   joins to side streams.
 //! * [`Error`]: every failure, carrying the driver call, its result code, name and message.
 //!
 //! ```no_run
@@ -25,6 +27,7 @@
 
 #[macro_use]
 mod error;
+pub mod capture;
 mod context;
 pub mod driver;
 mod event;
@@ -35,6 +38,7 @@ mod memory;
 mod module;
 mod stream;
 
+pub use capture::{CaptureMode, CaptureScope, CaptureStatus, UNKNOWN_CAPTURE_CALL};
 pub use context::Context;
 pub use cuda_graph_sys as sys;
 pub use error::{Error, Result};
