@@ -26,7 +26,11 @@ fn main() {
     for dir in ["kernels", "tests/kernels"] {
         for src in cu_files(Path::new(dir)) {
             println!("cargo:rerun-if-changed={}", src.display());
-            let stem = src.file_stem().expect("a file name").to_string_lossy().into_owned();
+            let stem = src
+                .file_stem()
+                .expect("a file name")
+                .to_string_lossy()
+                .into_owned();
             compile(&nvcc, &src, &out.join(format!("{stem}.fatbin")));
         }
     }
