@@ -17,6 +17,10 @@
 //!   other threads may allocate and capture their own streams;
 //! * [`CaptureMode::Relaxed`]: never refused (the caller vouches for what they do).
 //!
+//! In a multi-threaded program prefer [`CaptureMode::ThreadLocal`]: during a global capture
+//! a plain `DeviceBuffer::alloc` or a synchronous copy on *any* other thread fails (900) and
+//! invalidates the capture (seen on the H200, driver 13.0).
+//!
 //! # What invalidates a capture
 //!
 //! A refused unsafe call, synchronizing or querying the capturing stream

@@ -2,7 +2,7 @@
 //! (error, panic, invalidation, unjoined forks), concurrent thread-local captures, capture
 //! into an existing graph, capture status.
 
-use std::sync::{Arc, Barrier};
+use std::sync::{Arc, Barrier, Mutex, MutexGuard};
 
 use cuda_graph::{
     Allocation, CaptureMode, CaptureStatus, Context, DeviceBuffer, Error, Graph, GraphExec,
@@ -93,6 +93,18 @@ impl Kernels {
             )
         }
     }
+}
+
+/// Serialises the tests of this binary: a global-mode capture makes `cuMemAlloc` and
+/// synchronous copies fail, and invalidates the capture, on *every* thread of the process
+/// (the driver's rule), so tests running in parallel threads would break each other's
+/// captures. Each test holds this lock for its whole run.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> MutexGuard<'static, ()> {
+    SERIAL
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 fn setup() -> (Arc<Context>, Stream, Kernels) {
@@ -227,6 +239,7 @@ fn host_reference() -> [Vec<f32>; 4] {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn replay_equals_eager_for_a_forked_multi_kernel_workload() {
+    let _serial = serial();
     let (ctx, origin, k) = setup();
 
     // Eager, with plain stream waits.
@@ -313,6 +326,7 @@ fn allocation_ptrs(resources: &[cuda_graph::Resource]) -> Vec<u64> {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn graph_and_exec_keep_captured_buffers_alive() {
+    let _serial = serial();
     let (ctx, stream, k) = setup();
     let n = 4099;
     let src_data: Vec<f32> = (0..n).map(|i| i as f32).collect();
@@ -368,6 +382,7 @@ fn graph_and_exec_keep_captured_buffers_alive() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn closure_error_propagates_and_leaves_the_stream_usable() {
+    let _serial = serial();
     let (ctx, stream, k) = setup();
     let x = DeviceBuffer::<f32>::alloc(&ctx, 100).unwrap();
     let mut side_out = None;
@@ -397,6 +412,7 @@ fn closure_error_propagates_and_leaves_the_stream_usable() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn closure_panic_ends_the_capture_and_unwinds() {
+    let _serial = serial();
     let (ctx, stream, k) = setup();
     let x = DeviceBuffer::<f32>::alloc(&ctx, 100).unwrap();
     let side_out = std::sync::Mutex::new(None);
@@ -426,6 +442,7 @@ fn closure_panic_ends_the_capture_and_unwinds() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn synchronize_inside_capture_is_capture_invalidated() {
+    let _serial = serial();
     let (ctx, stream, k) = setup();
     let x = DeviceBuffer::<f32>::alloc(&ctx, 100).unwrap();
 
@@ -467,6 +484,62 @@ fn synchronize_inside_capture_is_capture_invalidated() {
         other => panic!("expected CaptureInvalidated, got {other:?}"),
     }
     assert_usable(&ctx, &stream, &k, "after swallowed invalidation");
+
+    // With a fork that has work: both streams leave the invalidated capture.
+    let mut side_out = None;
+    let r = stream.capture(CaptureMode::Global, |s| {
+        let side = s.fork()?;
+        k.set(&side, &x, 1.0)?;
+        side_out = Some(side);
+        s.stream().synchronize()
+    });
+    assert!(
+        matches!(
+            r,
+            Err(Error::CaptureInvalidated {
+                call: "cuStreamSynchronize",
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    assert_usable(&ctx, &stream, &k, "origin after invalidation with a fork");
+    assert_usable(&ctx, &side_out.unwrap(), &k, "fork after invalidation");
+}
+
+// ---------- 5b. invalidated by another thread ----------
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn global_capture_invalidated_by_another_thread_names_no_call() {
+    let _serial = serial();
+    let (ctx, stream, k) = setup();
+    let x = DeviceBuffer::<f32>::alloc(&ctx, 100).unwrap();
+    let mut other = None;
+    let r = stream.capture(CaptureMode::Global, |s| {
+        k.set(s.stream(), &x, 1.0)?;
+        other = Some(
+            std::thread::scope(|t| {
+                t.spawn(|| DeviceBuffer::<f32>::alloc(&ctx, 1024).map(|_| ()))
+                    .join()
+            })
+            .expect("allocating thread"),
+        );
+        k.add(s.stream(), &x, 1.0)
+    });
+    let other = other.unwrap();
+    assert_eq!(
+        other.as_ref().err().and_then(Error::code).map(|c| c.0),
+        Some(900),
+        "cuMemAlloc on another thread during a global capture: {other:?}"
+    );
+    match &r {
+        Err(Error::CaptureInvalidated { call, .. }) => {
+            assert_eq!(*call, cuda_graph::UNKNOWN_CAPTURE_CALL, "{r:?}")
+        }
+        other => panic!("expected CaptureInvalidated, got {other:?}"),
+    }
+    assert_usable(&ctx, &stream, &k, "after invalidation by another thread");
 }
 
 // ---------- 6. cuMemAlloc inside a global capture ----------
@@ -474,6 +547,7 @@ fn synchronize_inside_capture_is_capture_invalidated() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn alloc_inside_global_capture_is_capture_invalidated() {
+    let _serial = serial();
     let (ctx, stream, k) = setup();
     let x = DeviceBuffer::<f32>::alloc(&ctx, 100).unwrap();
     let r = stream.capture(CaptureMode::Global, |s| {
@@ -500,6 +574,7 @@ fn alloc_inside_global_capture_is_capture_invalidated() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn unjoined_fork_is_an_error_and_streams_stay_usable() {
+    let _serial = serial();
     let (ctx, stream, k) = setup();
     let x = DeviceBuffer::<f32>::alloc(&ctx, 100).unwrap();
     let y = DeviceBuffer::<f32>::alloc(&ctx, 100).unwrap();
@@ -541,6 +616,7 @@ fn unjoined_fork_is_an_error_and_streams_stay_usable() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn concurrent_thread_local_captures_on_two_threads() {
+    let _serial = serial();
     let barrier = Arc::new(Barrier::new(2));
     let workers: Vec<_> = (0..2)
         .map(|t| {
@@ -603,6 +679,7 @@ fn node_count(g: &Graph) -> usize {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn capture_into_appends_after_the_existing_graph() {
+    let _serial = serial();
     let (ctx, stream, k) = setup();
     let mut x = DeviceBuffer::<f32>::alloc(&ctx, 1000).unwrap();
     let y = DeviceBuffer::<f32>::alloc(&ctx, 1000).unwrap();
@@ -659,6 +736,7 @@ fn capture_into_appends_after_the_existing_graph() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn capture_status_is_active_inside_and_none_outside() {
+    let _serial = serial();
     let (ctx, stream, k) = setup();
     let x = DeviceBuffer::<f32>::alloc(&ctx, 10).unwrap();
     assert_eq!(stream.capture_status().unwrap(), CaptureStatus::None);
