@@ -85,6 +85,28 @@ pub enum Error {
         /// How many devices the driver sees.
         count: i32,
     },
+    /// A stream capture was invalidated by an operation that is illegal while capturing
+    /// (synchronizing or querying the capturing stream, `cuMemAlloc` under
+    /// [`CaptureMode::Global`](crate::CaptureMode::Global), ...). The partial graph was
+    /// discarded and the streams are usable again.
+    #[error("stream capture invalidated by {call}: {source}")]
+    CaptureInvalidated {
+        /// The driver call that invalidated the capture, e.g. `cuStreamSynchronize` or
+        /// `cuMemAlloc`: the first call on the capturing thread that failed with a
+        /// stream-capture error. [`UNKNOWN_CAPTURE_CALL`](crate::UNKNOWN_CAPTURE_CALL) when
+        /// no such call was seen there (another thread, or a call made outside this crate).
+        call: &'static str,
+        /// The error the capture ended with: the closure's error if it returned one, else
+        /// the invalidating call's error, else `cuStreamEndCapture`'s.
+        source: Box<Error>,
+    },
+    /// A capture scope ended while side streams it forked had work not joined back to the
+    /// origin stream. The partial graph was discarded and the streams are usable again.
+    #[error("stream capture ended with {forks} forked stream(s) not joined back to the origin")]
+    UnjoinedFork {
+        /// How many forked streams had unjoined work.
+        forks: usize,
+    },
 }
 
 impl Error {
@@ -114,13 +136,53 @@ impl Error {
 }
 
 /// Turns a driver result into a `Result`, naming the call on failure.
+///
+/// A stream-capture error is also noted as this thread's capture cause (see
+/// [`note_capture_error`]), so a capture scope can name the call that invalidated it even
+/// when the caller swallowed the error.
 #[inline]
 pub(crate) fn check(call: &'static str, code: CUresult) -> Result<()> {
     if code == CUresult::CUDA_SUCCESS {
         Ok(())
     } else {
+        note_capture_error(call, code);
         Err(Error::driver(call, code))
     }
+}
+
+/// The first stream-capture error seen on a thread: the call and its code.
+pub(crate) type CaptureCause = (&'static str, CUresult);
+
+thread_local! {
+    /// Read and cleared by capture scopes (`capture.rs`), which save and restore it so nested
+    /// scopes on one thread each see their own.
+    static CAPTURE_CAUSE: std::cell::Cell<Option<CaptureCause>> = const { std::cell::Cell::new(None) };
+}
+
+/// Whether `code` is an error with which the driver reports an operation illegal during
+/// stream capture. These are `CUDA_ERROR_STREAM_CAPTURE_*` (900..=906, 908) and
+/// `CUDA_ERROR_CAPTURED_EVENT` (907), except `..._INVALIDATED` (901), which every call on an
+/// already invalidated capture returns and so names no cause. cuda.h documents 900
+/// (`..._UNSUPPORTED`) as what illegal calls (`cuMemAlloc` under global mode,
+/// synchronizing a capturing stream, ...) return while invalidating the capture.
+pub(crate) fn is_capture_cause(code: CUresult) -> bool {
+    (900..=908).contains(&code.0) && code != CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
+}
+
+/// Records `call` as this thread's capture cause if `code` is one and none is recorded yet.
+pub(crate) fn note_capture_error(call: &'static str, code: CUresult) {
+    if is_capture_cause(code) {
+        CAPTURE_CAUSE.with(|c| {
+            if c.get().is_none() {
+                c.set(Some((call, code)));
+            }
+        });
+    }
+}
+
+/// Replaces this thread's capture cause, returning the previous one.
+pub(crate) fn replace_capture_cause(cause: Option<CaptureCause>) -> Option<CaptureCause> {
+    CAPTURE_CAUSE.with(|c| c.replace(cause))
 }
 
 /// The driver's name and description of a result code; both strings are static in libcuda.

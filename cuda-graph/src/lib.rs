@@ -12,6 +12,8 @@
 //! * [`Graph`]: graph definitions that keep alive what their nodes use.
 //! * [`ConditionalHandle`], [`Graph::add_if`], [`Stream::capture_while`] and friends:
 //!   conditional nodes (IF, IF-ELSE, WHILE, SWITCH) and the device helpers that set them.
+//! * [`capture`]: stream capture as a closure scope ([`Stream::capture`]), with forks and
+//!   joins to side streams.
 //! * [`Error`]: every failure, carrying the driver call, its result code, name and message.
 //!
 //! # Lifetimes: what keeps device memory alive
@@ -57,6 +59,7 @@
 
 #[macro_use]
 mod error;
+pub mod capture;
 mod conditional;
 mod context;
 pub mod driver;
@@ -69,6 +72,7 @@ mod module;
 mod pool;
 mod stream;
 
+pub use capture::{CaptureMode, CaptureScope, CaptureStatus, UNKNOWN_CAPTURE_CALL};
 pub use conditional::{Body, ConditionSource, ConditionalHandle, ConditionalKind};
 pub use context::Context;
 pub use cuda_graph_sys as sys;
