@@ -9,7 +9,10 @@
 //!   [`Module`] and [`Kernel`]: owned handles, freed on drop.
 //! * [`KernelArgs`] and [`LaunchConfig`]: typed launches, checked against the kernel's
 //!   parameter sizes.
-//! * [`Graph`]: graph definitions that keep alive what their nodes use.
+//! * [`Graph`]: graph definitions that keep alive what their nodes use; explicit building
+//!   with typed nodes ([`KernelNode`], [`MemcpyNode`], ...) and edges ([`EdgeKind`]).
+//! * [`GraphExec`]: instantiate, launch, whole-graph update ([`UpdateReason`]) and per-node
+//!   updates.
 //! * [`Error`]: every failure, carrying the driver call, its result code, name and message.
 //!
 //! ```no_run
@@ -33,15 +36,20 @@ mod graph;
 mod launch;
 mod memory;
 mod module;
+mod node;
 mod stream;
 
 pub use context::Context;
 pub use cuda_graph_sys as sys;
 pub use error::{Error, Result};
 pub use event::{Event, EventFlags};
-pub use exec::{GraphExec, InstantiateFlags, NodeId};
+pub use exec::{GraphExec, InstantiateFlags, NodeId, UpdateOutcome, UpdateReason};
 pub use graph::{Graph, Resource};
 pub use launch::{KernelArg, KernelArgs, LaunchAttribute, LaunchConfig};
 pub use memory::{Allocation, DeviceBuffer, DeviceRepr, MemPool, PinnedBuffer};
 pub use module::{Kernel, Module};
+pub use node::{
+    ChildGraphNode, Edge, EdgeKind, EmptyNode, EventRecordNode, EventWaitNode, HostNode,
+    KernelNode, MemAllocNode, MemFreeNode, MemcpyNode, MemsetNode, MemsetValue, Node, NodeKind,
+};
 pub use stream::Stream;
