@@ -98,7 +98,9 @@ bitflags! {
 
 /// An instantiated graph. It keeps alive everything its graph held at instantiation (and
 /// what later updates install), so the memory and modules its nodes use outlive it even if
-/// the user's handles and the graph are dropped.
+/// the user's handles and the graph are dropped. It also keeps the graph object it was
+/// instantiated from (not the `Graph` value): the per-node setters take that graph's node
+/// handles, and the driver resolves them through it.
 #[derive(Debug)]
 pub struct GraphExec {
     raw: CUgraphExec,
@@ -171,7 +173,12 @@ impl GraphExec {
         Ok(GraphExec {
             raw,
             ctx: graph.context().clone(),
-            resources: graph.resources().to_vec(),
+            resources: graph
+                .resources()
+                .iter()
+                .cloned()
+                .chain([graph.handle_resource()])
+                .collect(),
             launched: AtomicBool::new(false),
         })
     }
@@ -236,6 +243,10 @@ impl GraphExec {
     /// other arguments. On refusal the error is [`Error::Update`] with the driver's reason
     /// and node, and the exec is unchanged. On success the exec also keeps `graph`'s
     /// resources alive (and still the old ones, see `absorb`).
+    ///
+    /// Per-node setters keep taking the node handles of the graph this exec was
+    /// *instantiated* from; handles of `graph` are refused (`CUDA_ERROR_INVALID_VALUE`, seen
+    /// on the H200 with driver 13.0).
     pub fn update(&mut self, graph: &Graph) -> Result<()> {
         let mut info = cuda_graph_sys::CUgraphExecUpdateResultInfo {
             result: cuda_graph_sys::CUgraphExecUpdateResult(0),
@@ -262,7 +273,8 @@ impl GraphExec {
     /// Updates to `graph`, or, when the driver refuses the update for a structural reason
     /// ([`UpdateReason::reinstantiate_helps`]), replaces this exec with a fresh instantiation
     /// of `graph` with `flags` (the old exec is dropped, which waits for the device if it
-    /// was launched). Other errors are returned and leave the exec unchanged.
+    /// was launched). Other errors are returned and leave the exec unchanged. After
+    /// [`UpdateOutcome::Reinstantiated`], per-node setters take `graph`'s node handles.
     pub fn update_or_reinstantiate(
         &mut self,
         graph: &Graph,

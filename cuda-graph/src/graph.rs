@@ -36,8 +36,32 @@ pub type Resource = Arc<dyn Any + Send + Sync>;
 #[derive(Debug)]
 pub struct Graph {
     raw: CUgraph,
+    /// Destroys `raw` when the last holder goes: the graph itself and every exec made from
+    /// it, because the driver's per-node exec setters look nodes up through the graph they
+    /// came from (seen on the H200: with the graph destroyed, they return INVALID_VALUE).
+    owner: Arc<OwnedGraph>,
     ctx: Arc<Context>,
     resources: Vec<Resource>,
+}
+
+/// The destroy-on-drop part of a [`Graph`], shared with execs as a [`Resource`].
+#[derive(Debug)]
+struct OwnedGraph(CUgraph);
+
+// SAFETY: only ever used to destroy the graph, by whoever drops the last reference; the
+// `Graph` that mutates it holds a reference until it is gone.
+unsafe impl Send for OwnedGraph {}
+// SAFETY: as above; no method reads or writes through a shared reference.
+unsafe impl Sync for OwnedGraph {}
+
+impl Drop for OwnedGraph {
+    fn drop(&mut self) {
+        if let Ok(destroy) = cuda_graph_sys::driver().and_then(|d| d.cuGraphDestroy()) {
+            // SAFETY: owned graph, destroyed once; execs made from it are independent of
+            // its destruction (they only keep it for node lookups).
+            unsafe { destroy(self.0) };
+        }
+    }
 }
 
 // SAFETY: a graph may move between threads; it is not Sync because graph objects are not
@@ -63,6 +87,7 @@ impl Graph {
     pub unsafe fn from_raw(ctx: &Arc<Context>, raw: CUgraph) -> Graph {
         Graph {
             raw,
+            owner: Arc::new(OwnedGraph(raw)),
             ctx: ctx.clone(),
             resources: Vec::new(),
         }
@@ -86,6 +111,12 @@ impl Graph {
     /// Everything this graph keeps alive.
     pub fn resources(&self) -> &[Resource] {
         &self.resources
+    }
+
+    /// The graph object itself as a resource: an exec holds it so that node handles of this
+    /// graph stay valid for its per-node setters after the user drops the `Graph`.
+    pub(crate) fn handle_resource(&self) -> Resource {
+        self.owner.clone()
     }
 }
 
@@ -498,6 +529,10 @@ impl Graph {
         let mut n = 0usize;
         // SAFETY: null array asks for the count.
         unsafe { cu!(cuGraphGetNodes(self.raw, std::ptr::null_mut(), &mut n)) }?;
+        // The driver refuses a zero-length array, so an empty answer ends here.
+        if n == 0 {
+            return Ok(Vec::new());
+        }
         let mut raw = vec![std::ptr::null_mut(); n];
         // SAFETY: the array has room for n nodes.
         unsafe { cu!(cuGraphGetNodes(self.raw, raw.as_mut_ptr(), &mut n)) }?;
@@ -510,6 +545,10 @@ impl Graph {
         let mut n = 0usize;
         // SAFETY: null array asks for the count.
         unsafe { cu!(cuGraphGetRootNodes(self.raw, std::ptr::null_mut(), &mut n)) }?;
+        // The driver refuses a zero-length array, so an empty answer ends here.
+        if n == 0 {
+            return Ok(Vec::new());
+        }
         let mut raw = vec![std::ptr::null_mut(); n];
         // SAFETY: the array has room for n nodes.
         unsafe { cu!(cuGraphGetRootNodes(self.raw, raw.as_mut_ptr(), &mut n)) }?;
@@ -550,6 +589,9 @@ impl Graph {
                 &mut n
             ))
         }?;
+        if n == 0 {
+            return Ok(Vec::new());
+        }
         let mut from = vec![std::ptr::null_mut(); n];
         let mut to = vec![std::ptr::null_mut(); n];
         let mut data = vec![CUgraphEdgeData::default(); n];
@@ -599,6 +641,9 @@ impl Graph {
         // SAFETY: a node of this live graph; null arrays ask for the count.
         let rc = unsafe { f(node.0, std::ptr::null_mut(), std::ptr::null_mut(), &mut n) };
         crate::error::check(call, rc)?;
+        if n == 0 {
+            return Ok(Vec::new());
+        }
         let mut nodes = vec![std::ptr::null_mut(); n];
         let mut data = vec![CUgraphEdgeData::default(); n];
         // SAFETY: arrays with room for n entries each.
@@ -616,11 +661,10 @@ impl Graph {
         let mut raw = std::ptr::null_mut();
         // SAFETY: live graph, valid out-pointer.
         unsafe { cu!(cuGraphClone(&mut raw, self.raw)) }?;
-        Ok(Graph {
-            raw,
-            ctx: self.ctx.clone(),
-            resources: self.resources.clone(),
-        })
+        // SAFETY: just created, owned by nobody else.
+        let mut g = unsafe { Graph::from_raw(&self.ctx, raw) };
+        g.resources = self.resources.clone();
+        Ok(g)
     }
 
     /// Writes the graph as Graphviz DOT to `path`; `flags` are `CU_GRAPH_DEBUG_DOT_FLAGS_*`
@@ -650,14 +694,5 @@ impl Graph {
         });
         let _ = std::fs::remove_file(&path);
         text
-    }
-}
-
-impl Drop for Graph {
-    fn drop(&mut self) {
-        if let Ok(destroy) = cuda_graph_sys::driver().and_then(|d| d.cuGraphDestroy()) {
-            // SAFETY: owned graph, destroyed once; execs made from it are independent.
-            unsafe { destroy(self.raw) };
-        }
     }
 }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use cuda_graph::{
-    Context, DeviceBuffer, Error, Graph, GraphExec, InstantiateFlags, Kernel, LaunchConfig,
+    Context, DeviceBuffer, Error, Event, Graph, GraphExec, InstantiateFlags, Kernel, LaunchConfig,
     MemsetValue, Module, Stream, UpdateOutcome, UpdateReason, kernel_args,
 };
 
@@ -171,6 +171,9 @@ fn per_node_setters_and_enable_disable_take_effect() {
     let c = g.add_memcpy(&[k.node()], &y, &x).unwrap();
     let e = g.add_empty(&[c.node()]).unwrap();
     let mut exec = GraphExec::instantiate(&g, InstantiateFlags::empty()).unwrap();
+    // The setters take node handles of the graph the exec was made from; that graph may be
+    // gone by then.
+    drop(g);
     let reset = |gpu: &Gpu, x: &mut DeviceBuffer<f32>, y: &mut DeviceBuffer<f32>| {
         gpu.poison(x);
         gpu.poison(y);
@@ -277,9 +280,18 @@ fn host_and_child_graph_setters_take_effect() {
             f.fetch_add(1, Ordering::SeqCst);
         })
         .unwrap();
+    let e1 = Arc::new(Event::for_sync(&gpu.ctx).unwrap());
+    let rec = g.add_event_record(&[h.node()], &e1).unwrap();
+    let wait = g.add_event_wait(&[rec.node()], &e1).unwrap();
     let mut exec = GraphExec::instantiate(&g, InstantiateFlags::empty()).unwrap();
+    drop(g);
     gpu.run(&exec);
     assert_all(&gpu.read(&x), 2.0, "x with the first child");
+    // Re-point the event nodes: the new event is recorded by the next launch.
+    let e2 = Arc::new(Event::for_sync(&gpu.ctx).unwrap());
+    exec.set_event_record_event(&rec, &e2).unwrap();
+    exec.set_event_wait_event(&wait, &e2).unwrap();
+    drop(e1);
     assert_eq!(first.load(Ordering::SeqCst), 1);
 
     exec.set_child_graph(&child, &child_adding(7.0)).unwrap();
@@ -304,4 +316,46 @@ fn host_and_child_graph_setters_take_effect() {
         "new callback called per launch"
     );
     assert_eq!(h2.panic_count(), 0);
+    e2.synchronize().expect("event recorded by the graph");
+    assert!(e2.is_complete().unwrap());
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn setters_take_the_original_graphs_node_handles_after_an_update() {
+    let gpu = Gpu::new();
+    let add = gpu.k("add_f32");
+    let x = gpu.buf();
+    let mk = |v: f32| {
+        let mut g = Graph::new(&gpu.ctx).unwrap();
+        let m = g
+            .add_memset(&[], &x, MemsetValue::U32(1.0f32.to_bits()))
+            .unwrap();
+        // SAFETY: add_f32 over N elements of x.
+        let k = unsafe { g.add_kernel(&[m.node()], &add, &cfg(), &kernel_args![x, v, N]) }.unwrap();
+        (g, k)
+    };
+    let (g1, k1) = mk(2.0);
+    let (g2, k2) = mk(3.0);
+    let mut exec = GraphExec::instantiate(&g1, InstantiateFlags::empty()).unwrap();
+    exec.update(&g2).unwrap();
+    drop((g1, g2));
+    // SAFETY: as above.
+    let r1 = unsafe { exec.set_kernel_params(&k1, &add, &cfg(), &kernel_args![x, 4.0f32, N]) };
+    gpu.run(&exec);
+    let v1 = gpu.read(&x)[0];
+    // SAFETY: as above.
+    let r2 = unsafe { exec.set_kernel_params(&k2, &add, &cfg(), &kernel_args![x, 5.0f32, N]) };
+    gpu.run(&exec);
+    let v2 = gpu.read(&x)[0];
+    // Seen on the H200 (driver 13.0): the exec keeps the nodes of the graph it was
+    // instantiated from; handles of the update's graph are not its nodes.
+    r1.expect("setter with the original graph's handle, graphs dropped");
+    assert_eq!(v1, 5.0, "1 + 4 after the setter");
+    assert_eq!(
+        r2.as_ref().err().and_then(Error::code).map(|c| c.0),
+        Some(1),
+        "handle of the update's graph: {r2:?}"
+    );
+    assert_eq!(v2, 5.0, "refused setter changed nothing");
 }

@@ -486,4 +486,11 @@ fn kernel_nodes_check_argument_sizes() {
     let r = unsafe { g.add_kernel(&[], &add, &cfg(), &kernel_args![x, 1.0f64, N]) };
     assert!(matches!(r, Err(Error::InvalidArgument(_))), "{r:?}");
     assert_eq!(g.nodes().unwrap().len(), 0);
+    assert!(g.root_nodes().unwrap().is_empty());
+    assert!(g.edges().unwrap().is_empty());
+    // A single node has no dependencies or dependents.
+    let e = g.add_empty(&[]).unwrap();
+    assert!(g.dependencies(e.id()).unwrap().is_empty());
+    assert!(g.dependents(e.id()).unwrap().is_empty());
+    assert_eq!(g.root_nodes().unwrap(), vec![Node::from(e)]);
 }
