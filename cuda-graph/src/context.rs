@@ -75,7 +75,8 @@ impl Context {
 
 impl Drop for Context {
     fn drop(&mut self) {
-        if let Ok(release) = cuda_graph_sys::driver().and_then(|d| d.cuDevicePrimaryCtxRelease()) {
+        if let Ok(release) = cuda_graph_sys::driver().and_then(|d| d.cuDevicePrimaryCtxRelease())
+        {
             // SAFETY: balances the retain in `new`; nothing holds the context any more.
             unsafe { release(self.device.as_raw()) };
         }

@@ -101,8 +101,7 @@ impl<T: DeviceRepr> KernelArg for T {
 
 impl<T: DeviceRepr> KernelArg for DeviceBuffer<T> {
     fn push_to<'a>(&'a self, args: &mut KernelArgs<'a>) {
-        args.ptrs
-            .push((self.ptr_ref() as *const u64).cast_mut().cast());
+        args.ptrs.push((self.ptr_ref() as *const u64).cast_mut().cast());
         args.sizes.push(size_of::<u64>());
         args.buffers.push(self.allocation());
     }

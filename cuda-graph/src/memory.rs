@@ -65,9 +65,7 @@ impl Drop for Allocation {
         if self.ptr == 0 {
             return;
         }
-        let Ok(d) = cuda_graph_sys::driver() else {
-            return;
-        };
+        let Ok(d) = cuda_graph_sys::driver() else { return };
         // Errors cannot be reported from drop; the driver keeps the memory then.
         match &self.free {
             Free::Sync => {

@@ -90,13 +90,7 @@ impl Module {
         let cname = CString::new(name).map_err(|_| Error::invalid("kernel name contains NUL"))?;
         let mut raw = std::ptr::null_mut();
         // SAFETY: live module, valid out-pointer and name.
-        unsafe {
-            cu!(cuModuleGetFunction(
-                &mut raw,
-                self.inner.raw,
-                cname.as_ptr()
-            ))
-        }?;
+        unsafe { cu!(cuModuleGetFunction(&mut raw, self.inner.raw, cname.as_ptr())) }?;
         let params = param_sizes(raw)?;
         Ok(Kernel {
             raw,
