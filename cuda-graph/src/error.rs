@@ -66,6 +66,16 @@ pub enum Error {
         /// The failing node.
         node: crate::exec::NodeId,
     },
+    /// `cuGraphExecUpdate` refused the new graph; the exec is unchanged.
+    #[error("graph exec update failed ({reason:?}) at node {node:?}: {source}")]
+    Update {
+        /// The failing driver call.
+        source: Box<Error>,
+        /// The driver's reason.
+        reason: crate::exec::UpdateReason,
+        /// The node the driver blamed (`info.errorNode`; null if none).
+        node: crate::exec::NodeId,
+    },
     /// A module failed to load; `log` is the JIT compiler's error log (PTX only).
     #[error("{source}; JIT log: {log}")]
     ModuleLoad {

@@ -1,4 +1,4 @@
-//! Executable graphs: instantiate, upload, launch.
+//! Executable graphs: instantiate, upload, launch, whole-graph update and per-node updates.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -10,8 +10,76 @@ use cuda_graph_sys::{
 
 use crate::context::Context;
 use crate::error::{Error, Result};
-use crate::graph::{Graph, Resource};
+use crate::event::Event;
+use crate::graph::{
+    Graph, Resource, copy_bytes, host_params, kernel_params, memcpy_d2d, memset_params,
+};
+use crate::launch::{KernelArgs, LaunchConfig};
+use crate::memory::{DeviceBuffer, DeviceRepr};
+use crate::module::Kernel;
+use crate::node::{
+    ChildGraphNode, EventRecordNode, EventWaitNode, HostCallback, HostNode, KernelNode, MemcpyNode,
+    MemsetNode, MemsetValue, Node,
+};
 use crate::stream::Stream;
+
+/// Why `cuGraphExecUpdate` refused a graph (`CUgraphExecUpdateResult`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum UpdateReason {
+    /// An unexpected failure, described by the driver's return code (e.g. an invalid value).
+    Error,
+    /// Nodes or edges were added, removed or reordered.
+    TopologyChanged,
+    /// A node's kind changed.
+    NodeTypeChanged,
+    /// A kernel node's function changed (drivers before 11.2).
+    FunctionChanged,
+    /// A node's parameters changed in a way that cannot be updated (e.g. a memcpy's device).
+    ParametersChanged,
+    /// Something about a node cannot be updated.
+    NotSupported,
+    /// A kernel node's function changed in a way that cannot be updated.
+    UnsupportedFunctionChange,
+    /// A node's attributes changed in a way that cannot be updated.
+    AttributesChanged,
+    /// A value this crate does not know (from a newer driver).
+    Unknown(u32),
+}
+
+impl UpdateReason {
+    /// The reason for a driver value; `None` for `CU_GRAPH_EXEC_UPDATE_SUCCESS`.
+    pub fn from_raw(r: cuda_graph_sys::CUgraphExecUpdateResult) -> Option<UpdateReason> {
+        Some(match r.0 {
+            0 => return None,
+            1 => UpdateReason::Error,
+            2 => UpdateReason::TopologyChanged,
+            3 => UpdateReason::NodeTypeChanged,
+            4 => UpdateReason::FunctionChanged,
+            5 => UpdateReason::ParametersChanged,
+            6 => UpdateReason::NotSupported,
+            7 => UpdateReason::UnsupportedFunctionChange,
+            8 => UpdateReason::AttributesChanged,
+            v => UpdateReason::Unknown(v),
+        })
+    }
+
+    /// Whether a fresh instantiation of the new graph can succeed where the update failed:
+    /// true for every structural reason; false for [`UpdateReason::Error`], which means the
+    /// arguments were wrong, and for unknown values.
+    pub fn reinstantiate_helps(self) -> bool {
+        !matches!(self, UpdateReason::Error | UpdateReason::Unknown(_))
+    }
+}
+
+/// What [`GraphExec::update_or_reinstantiate`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum UpdateOutcome {
+    /// The exec was updated in place.
+    Updated,
+    /// The update was refused; the exec was replaced by a fresh instantiation.
+    Reinstantiated,
+}
 
 bitflags! {
     /// Flags of [`GraphExec::instantiate`] (`CUDA_GRAPH_INSTANTIATE_FLAG_*`).
@@ -30,7 +98,9 @@ bitflags! {
 
 /// An instantiated graph. It keeps alive everything its graph held at instantiation (and
 /// what later updates install), so the memory and modules its nodes use outlive it even if
-/// the user's handles and the graph are dropped.
+/// the user's handles and the graph are dropped. It also keeps the graph object it was
+/// instantiated from (not the `Graph` value): the per-node setters take that graph's node
+/// handles, and the driver resolves them through it.
 #[derive(Debug)]
 pub struct GraphExec {
     raw: CUgraphExec,
@@ -103,7 +173,12 @@ impl GraphExec {
         Ok(GraphExec {
             raw,
             ctx: graph.context().clone(),
-            resources: graph.resources().to_vec(),
+            resources: graph
+                .resources()
+                .iter()
+                .cloned()
+                .chain([graph.handle_resource()])
+                .collect(),
             launched: AtomicBool::new(false),
         })
     }
@@ -141,6 +216,249 @@ impl GraphExec {
     pub fn resources(&self) -> &[Resource] {
         &self.resources
     }
+
+    /// Keeps alive every resource in `more` that this exec does not hold yet.
+    ///
+    /// Old resources are never dropped by updates: a launch enqueued before the update may
+    /// still use them, and dropping them would need a device synchronize. The list grows only
+    /// by resources it does not already hold (compared by address).
+    fn absorb(&mut self, more: impl IntoIterator<Item = Resource>) {
+        let held: std::collections::HashSet<*const ()> = self
+            .resources
+            .iter()
+            .map(|r| Arc::as_ptr(r) as *const ())
+            .collect();
+        for r in more {
+            if !held.contains(&(Arc::as_ptr(&r) as *const ())) {
+                self.resources.push(r);
+            }
+        }
+    }
+
+    /// Updates the exec in place to `graph`'s parameters (`cuGraphExecUpdate_v2`); later
+    /// launches use them, launches already enqueued are unaffected.
+    ///
+    /// `graph` must have the same topology as the graph this exec was made from (same nodes
+    /// of the same kinds, edges in the same order), e.g. the same building code run with
+    /// other arguments. On refusal the error is [`Error::Update`] with the driver's reason
+    /// and node, and the exec is unchanged. On success the exec also keeps `graph`'s
+    /// resources alive (and still the old ones, see `absorb`).
+    ///
+    /// Per-node setters keep taking the node handles of the graph this exec was
+    /// *instantiated* from; handles of `graph` are refused (`CUDA_ERROR_INVALID_VALUE`, seen
+    /// on the H200 with driver 13.0).
+    pub fn update(&mut self, graph: &Graph) -> Result<()> {
+        let mut info = cuda_graph_sys::CUgraphExecUpdateResultInfo {
+            result: cuda_graph_sys::CUgraphExecUpdateResult(0),
+            errorNode: std::ptr::null_mut(),
+            errorFromNode: std::ptr::null_mut(),
+        };
+        self.ctx.bind()?;
+        // SAFETY: live exec and graph, valid out-pointer.
+        let rc = unsafe {
+            cuda_graph_sys::driver()?.cuGraphExecUpdate()?(self.raw, graph.as_raw(), &mut info)
+        };
+        let reason = UpdateReason::from_raw(info.result);
+        if rc != cuda_graph_sys::CUresult::CUDA_SUCCESS || reason.is_some() {
+            return Err(Error::Update {
+                source: Box::new(Error::driver("cuGraphExecUpdate", rc)),
+                reason: reason.unwrap_or(UpdateReason::Error),
+                node: NodeId(info.errorNode),
+            });
+        }
+        self.absorb(graph.resources().iter().cloned());
+        Ok(())
+    }
+
+    /// Updates to `graph`, or, when the driver refuses the update for a structural reason
+    /// ([`UpdateReason::reinstantiate_helps`]), replaces this exec with a fresh instantiation
+    /// of `graph` with `flags` (the old exec is dropped, which waits for the device if it
+    /// was launched). Other errors are returned and leave the exec unchanged. After
+    /// [`UpdateOutcome::Reinstantiated`], per-node setters take `graph`'s node handles.
+    pub fn update_or_reinstantiate(
+        &mut self,
+        graph: &Graph,
+        flags: InstantiateFlags,
+    ) -> Result<UpdateOutcome> {
+        match self.update(graph) {
+            Ok(()) => Ok(UpdateOutcome::Updated),
+            Err(Error::Update { reason, .. }) if reason.reinstantiate_helps() => {
+                *self = GraphExec::instantiate(graph, flags)?;
+                Ok(UpdateOutcome::Reinstantiated)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Changes a kernel node's function, grid, block, shared memory and arguments for later
+    /// launches (`cuGraphExecKernelNodeSetParams_v2`). The kernel must be of the same context.
+    /// The exec keeps the kernel's module and the new buffers alive. `config.attributes` are
+    /// ignored (attributes cannot be changed per exec).
+    ///
+    /// # Safety
+    /// As [`crate::Stream::launch`]: the arguments must be what the kernel expects and it
+    /// must stay inside the buffers it is given.
+    pub unsafe fn set_kernel_params(
+        &mut self,
+        node: &KernelNode,
+        kernel: &Kernel,
+        config: &LaunchConfig,
+        args: &KernelArgs<'_>,
+    ) -> Result<()> {
+        let params = kernel_params(kernel, config, args)?;
+        self.ctx.bind()?;
+        // SAFETY: live exec; the params point at argument values borrowed for the call.
+        unsafe {
+            cu!(cuGraphExecKernelNodeSetParams(
+                self.raw,
+                node.id().0,
+                &params
+            ))
+        }?;
+        self.absorb(std::iter::once(kernel.module_resource()).chain(args.resources()));
+        Ok(())
+    }
+
+    /// Changes a memcpy node's buffers (1-D device-to-device, same length as each other; the
+    /// node's original devices and context must stay the same).
+    pub fn set_memcpy_params<T: DeviceRepr>(
+        &mut self,
+        node: &MemcpyNode,
+        dst: &DeviceBuffer<T>,
+        src: &DeviceBuffer<T>,
+    ) -> Result<()> {
+        let bytes = copy_bytes(dst, src)?;
+        let params = memcpy_d2d(dst.as_raw(), src.as_raw(), bytes);
+        self.ctx.bind()?;
+        // SAFETY: live exec and context; both ranges live, kept alive below.
+        unsafe {
+            cu!(cuGraphExecMemcpyNodeSetParams(
+                self.raw,
+                node.id().0,
+                &params,
+                self.ctx.as_raw()
+            ))
+        }?;
+        self.absorb([dst.resource(), src.resource()]);
+        Ok(())
+    }
+
+    /// Changes a memset node's buffer and value (1-D, same context; the driver may refuse a
+    /// different element size).
+    pub fn set_memset_params<T: DeviceRepr>(
+        &mut self,
+        node: &MemsetNode,
+        dst: &DeviceBuffer<T>,
+        value: MemsetValue,
+    ) -> Result<()> {
+        let params = memset_params(dst, value)?;
+        self.ctx.bind()?;
+        // SAFETY: live exec and context; dst live, kept alive below.
+        unsafe {
+            cu!(cuGraphExecMemsetNodeSetParams(
+                self.raw,
+                node.id().0,
+                &params,
+                self.ctx.as_raw()
+            ))
+        }?;
+        self.absorb([dst.resource()]);
+        Ok(())
+    }
+
+    /// Replaces a host node's closure for later launches. Returns the node's handle carrying
+    /// the new closure's panic count.
+    pub fn set_host_callback(
+        &mut self,
+        node: &HostNode,
+        f: impl FnMut() + Send + 'static,
+    ) -> Result<HostNode> {
+        let cb = Arc::new(HostCallback::new(f));
+        let params = host_params(&cb);
+        // SAFETY: live exec; the callback stays alive while the exec holds `cb`.
+        unsafe { cu!(cuGraphExecHostNodeSetParams(self.raw, node.id().0, &params)) }?;
+        self.resources.push(cb.clone());
+        Ok(HostNode {
+            id: node.id(),
+            callback: cb,
+        })
+    }
+
+    /// Replaces a child graph node's graph; `child` must have the child's topology. The exec
+    /// keeps `child`'s resources.
+    pub fn set_child_graph(&mut self, node: &ChildGraphNode, child: &Graph) -> Result<()> {
+        // SAFETY: live exec and graph.
+        unsafe {
+            cu!(cuGraphExecChildGraphNodeSetParams(
+                self.raw,
+                node.id().0,
+                child.as_raw()
+            ))
+        }?;
+        self.absorb(child.resources().iter().cloned());
+        Ok(())
+    }
+
+    /// Makes an event record node record `event` in later launches; the exec keeps it alive.
+    pub fn set_event_record_event(
+        &mut self,
+        node: &EventRecordNode,
+        event: &Arc<Event>,
+    ) -> Result<()> {
+        // SAFETY: live exec and event.
+        unsafe {
+            cu!(cuGraphExecEventRecordNodeSetEvent(
+                self.raw,
+                node.id().0,
+                event.as_raw()
+            ))
+        }?;
+        self.absorb([event.clone() as Resource]);
+        Ok(())
+    }
+
+    /// Makes an event wait node wait for `event` in later launches; the exec keeps it alive.
+    pub fn set_event_wait_event(&mut self, node: &EventWaitNode, event: &Arc<Event>) -> Result<()> {
+        // SAFETY: live exec and event.
+        unsafe {
+            cu!(cuGraphExecEventWaitNodeSetEvent(
+                self.raw,
+                node.id().0,
+                event.as_raw()
+            ))
+        }?;
+        self.absorb([event.clone() as Resource]);
+        Ok(())
+    }
+
+    /// Enables or disables a kernel, memcpy or memset node for later launches; a disabled
+    /// node does nothing but still orders its dependents. Other kinds are an
+    /// [`Error::InvalidArgument`] without a driver call.
+    pub fn set_node_enabled(&mut self, node: impl Into<Node>, enabled: bool) -> Result<()> {
+        let node = check_toggle(node.into())?;
+        // SAFETY: live exec.
+        unsafe { cu!(cuGraphNodeSetEnabled(self.raw, node.id.0, enabled as u32)) }
+    }
+
+    /// Whether a kernel, memcpy or memset node is enabled.
+    pub fn node_enabled(&self, node: impl Into<Node>) -> Result<bool> {
+        let node = check_toggle(node.into())?;
+        let mut on = 0u32;
+        // SAFETY: live exec, valid out-pointer.
+        unsafe { cu!(cuGraphNodeGetEnabled(self.raw, node.id.0, &mut on)) }?;
+        Ok(on != 0)
+    }
+}
+
+fn check_toggle(node: Node) -> Result<Node> {
+    if node.kind.can_be_disabled() {
+        Ok(node)
+    } else {
+        Err(Error::invalid(format!(
+            "only kernel, memcpy and memset nodes can be enabled or disabled, not {:?}",
+            node.kind
+        )))
+    }
 }
 
 impl Drop for GraphExec {
@@ -167,3 +485,78 @@ pub struct NodeId(pub CUgraphNode);
 unsafe impl Send for NodeId {}
 // SAFETY: as above.
 unsafe impl Sync for NodeId {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::node::NodeKind;
+    use cuda_graph_sys::CUgraphExecUpdateResult as R;
+
+    #[test]
+    fn update_reasons_map_from_driver_values() {
+        assert_eq!(
+            UpdateReason::from_raw(R::CU_GRAPH_EXEC_UPDATE_SUCCESS),
+            None
+        );
+        assert_eq!(
+            UpdateReason::from_raw(R::CU_GRAPH_EXEC_UPDATE_ERROR_TOPOLOGY_CHANGED),
+            Some(UpdateReason::TopologyChanged)
+        );
+        assert_eq!(
+            UpdateReason::from_raw(R::CU_GRAPH_EXEC_UPDATE_ERROR_NODE_TYPE_CHANGED),
+            Some(UpdateReason::NodeTypeChanged)
+        );
+        assert_eq!(
+            UpdateReason::from_raw(R::CU_GRAPH_EXEC_UPDATE_ERROR_UNSUPPORTED_FUNCTION_CHANGE),
+            Some(UpdateReason::UnsupportedFunctionChange)
+        );
+        assert_eq!(
+            UpdateReason::from_raw(R::CU_GRAPH_EXEC_UPDATE_ERROR_ATTRIBUTES_CHANGED),
+            Some(UpdateReason::AttributesChanged)
+        );
+        assert_eq!(
+            UpdateReason::from_raw(R(42)),
+            Some(UpdateReason::Unknown(42))
+        );
+    }
+
+    #[test]
+    fn reinstantiation_only_for_structural_reasons() {
+        assert!(UpdateReason::TopologyChanged.reinstantiate_helps());
+        assert!(UpdateReason::NodeTypeChanged.reinstantiate_helps());
+        assert!(UpdateReason::NotSupported.reinstantiate_helps());
+        assert!(UpdateReason::ParametersChanged.reinstantiate_helps());
+        assert!(!UpdateReason::Error.reinstantiate_helps());
+        assert!(!UpdateReason::Unknown(9).reinstantiate_helps());
+    }
+
+    #[test]
+    fn enabling_is_refused_for_other_kinds_before_the_driver() {
+        let host = Node {
+            id: NodeId(std::ptr::null_mut()),
+            kind: NodeKind::Host,
+        };
+        assert!(matches!(check_toggle(host), Err(Error::InvalidArgument(_))));
+        let k = Node {
+            id: NodeId(std::ptr::null_mut()),
+            kind: NodeKind::Kernel,
+        };
+        assert!(check_toggle(k).is_ok());
+    }
+
+    #[test]
+    fn update_error_names_reason_and_node() {
+        let e = Error::Update {
+            source: Box::new(Error::Driver {
+                call: "cuGraphExecUpdate",
+                code: cuda_graph_sys::CUresult(910),
+                name: "CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE",
+                message: "the graph update was not performed",
+            }),
+            reason: UpdateReason::TopologyChanged,
+            node: NodeId(std::ptr::null_mut()),
+        };
+        let s = e.to_string();
+        assert!(s.contains("TopologyChanged") && s.contains("910"), "{s}");
+    }
+}

@@ -1,12 +1,29 @@
-//! Graph definitions: ownership and the resources their nodes keep alive.
+//! Graph definitions: ownership, the resources their nodes keep alive, explicit building
+//! with typed nodes and edges, queries, clone and DOT export.
 
 use std::any::Any;
+use std::ffi::CString;
+use std::path::Path;
 use std::sync::Arc;
 
-use cuda_graph_sys::CUgraph;
+use cuda_graph_sys::{
+    CUDA_HOST_NODE_PARAMS, CUDA_KERNEL_NODE_PARAMS_v2, CUDA_MEM_ALLOC_NODE_PARAMS, CUDA_MEMCPY3D,
+    CUDA_MEMSET_NODE_PARAMS, CUdeviceptr, CUgraph, CUgraphEdgeData, CUgraphNode,
+    CUmemAllocationType, CUmemLocationType, CUmemorytype,
+};
 
 use crate::context::Context;
-use crate::error::Result;
+use crate::error::{Error, Result};
+use crate::event::Event;
+use crate::exec::NodeId;
+use crate::launch::{KernelArgs, LaunchConfig};
+use crate::memory::{DeviceBuffer, DeviceRepr};
+use crate::module::Kernel;
+use crate::node::{
+    ChildGraphNode, Edge, EdgeKind, EmptyNode, EventRecordNode, EventWaitNode, HostCallback,
+    HostNode, KernelNode, MemAllocNode, MemFreeNode, MemcpyNode, MemsetNode, MemsetValue, Node,
+    NodeKind, host_trampoline,
+};
 
 /// Something a graph's nodes use (a device allocation, a module, a child graph's resources)
 /// and must keep alive for as long as the graph, or an exec made from it, may run.
@@ -19,8 +36,32 @@ pub type Resource = Arc<dyn Any + Send + Sync>;
 #[derive(Debug)]
 pub struct Graph {
     raw: CUgraph,
+    /// Destroys `raw` when the last holder goes: the graph itself and every exec made from
+    /// it, because the driver's per-node exec setters look nodes up through the graph they
+    /// came from (seen on the H200: with the graph destroyed, they return INVALID_VALUE).
+    owner: Arc<OwnedGraph>,
     ctx: Arc<Context>,
     resources: Vec<Resource>,
+}
+
+/// The destroy-on-drop part of a [`Graph`], shared with execs as a [`Resource`].
+#[derive(Debug)]
+struct OwnedGraph(CUgraph);
+
+// SAFETY: only ever used to destroy the graph, by whoever drops the last reference; the
+// `Graph` that mutates it holds a reference until it is gone.
+unsafe impl Send for OwnedGraph {}
+// SAFETY: as above; no method reads or writes through a shared reference.
+unsafe impl Sync for OwnedGraph {}
+
+impl Drop for OwnedGraph {
+    fn drop(&mut self) {
+        if let Ok(destroy) = cuda_graph_sys::driver().and_then(|d| d.cuGraphDestroy()) {
+            // SAFETY: owned graph, destroyed once; execs made from it are independent of
+            // its destruction (they only keep it for node lookups).
+            unsafe { destroy(self.0) };
+        }
+    }
 }
 
 // SAFETY: a graph may move between threads; it is not Sync because graph objects are not
@@ -46,6 +87,7 @@ impl Graph {
     pub unsafe fn from_raw(ctx: &Arc<Context>, raw: CUgraph) -> Graph {
         Graph {
             raw,
+            owner: Arc::new(OwnedGraph(raw)),
             ctx: ctx.clone(),
             resources: Vec::new(),
         }
@@ -70,13 +112,587 @@ impl Graph {
     pub fn resources(&self) -> &[Resource] {
         &self.resources
     }
+
+    /// The graph object itself as a resource: an exec holds it so that node handles of this
+    /// graph stay valid for its per-node setters after the user drops the `Graph`.
+    pub(crate) fn handle_resource(&self) -> Resource {
+        self.owner.clone()
+    }
 }
 
-impl Drop for Graph {
-    fn drop(&mut self) {
-        if let Ok(destroy) = cuda_graph_sys::driver().and_then(|d| d.cuGraphDestroy()) {
-            // SAFETY: owned graph, destroyed once; execs made from it are independent.
-            unsafe { destroy(self.raw) };
+fn raw_deps(deps: &[Node]) -> Vec<CUgraphNode> {
+    deps.iter().map(|n| n.id.0).collect()
+}
+
+/// Kernel node parameters; the argument values are copied by the driver during the call.
+pub(crate) fn kernel_params(
+    kernel: &Kernel,
+    config: &LaunchConfig,
+    args: &KernelArgs<'_>,
+) -> Result<CUDA_KERNEL_NODE_PARAMS_v2> {
+    kernel.check_args(args.sizes())?;
+    let (g, b) = (config.grid, config.block);
+    Ok(CUDA_KERNEL_NODE_PARAMS_v2 {
+        func: kernel.as_raw(),
+        gridDimX: g.0,
+        gridDimY: g.1,
+        gridDimZ: g.2,
+        blockDimX: b.0,
+        blockDimY: b.1,
+        blockDimZ: b.2,
+        sharedMemBytes: config.shared_mem_bytes,
+        kernelParams: args.as_param_array(),
+        ..Default::default()
+    })
+}
+
+/// A 1-D device-to-device copy of `bytes` bytes.
+pub(crate) fn memcpy_d2d(dst: CUdeviceptr, src: CUdeviceptr, bytes: usize) -> CUDA_MEMCPY3D {
+    CUDA_MEMCPY3D {
+        srcMemoryType: CUmemorytype::CU_MEMORYTYPE_DEVICE,
+        srcDevice: src,
+        dstMemoryType: CUmemorytype::CU_MEMORYTYPE_DEVICE,
+        dstDevice: dst,
+        WidthInBytes: bytes,
+        Height: 1,
+        Depth: 1,
+        ..Default::default()
+    }
+}
+
+/// Checks two buffers for a copy and returns the byte count.
+pub(crate) fn copy_bytes<T: DeviceRepr>(
+    dst: &DeviceBuffer<T>,
+    src: &DeviceBuffer<T>,
+) -> Result<usize> {
+    if dst.len() != src.len() {
+        return Err(Error::invalid(format!(
+            "memcpy node: destination has {} elements, source {}",
+            dst.len(),
+            src.len()
+        )));
+    }
+    if dst.is_empty() {
+        return Err(Error::invalid("memcpy node: empty buffers"));
+    }
+    Ok(dst.bytes())
+}
+
+/// 1-D memset parameters over the whole buffer.
+pub(crate) fn memset_params<T: DeviceRepr>(
+    dst: &DeviceBuffer<T>,
+    value: MemsetValue,
+) -> Result<CUDA_MEMSET_NODE_PARAMS> {
+    let (v, elem) = value.raw();
+    let bytes = dst.bytes();
+    if bytes == 0 || bytes % elem as usize != 0 {
+        return Err(Error::invalid(format!(
+            "memset node: {bytes} bytes is not a positive multiple of the {elem}-byte value"
+        )));
+    }
+    Ok(CUDA_MEMSET_NODE_PARAMS {
+        dst: dst.as_raw(),
+        pitch: bytes,
+        value: v,
+        elementSize: elem,
+        width: bytes / elem as usize,
+        height: 1,
+    })
+}
+
+/// Host node parameters pointing at `cb`, which the caller keeps alive.
+pub(crate) fn host_params(cb: &Arc<HostCallback>) -> CUDA_HOST_NODE_PARAMS {
+    CUDA_HOST_NODE_PARAMS {
+        fn_: Some(host_trampoline),
+        userData: Arc::as_ptr(cb).cast_mut().cast(),
+    }
+}
+
+/// Sets launch attributes on a kernel node of a graph.
+fn set_kernel_attributes(node: CUgraphNode, config: &LaunchConfig) -> Result<()> {
+    for a in &config.attributes {
+        let raw = a.to_raw();
+        // SAFETY: live node; the value union is valid for the attribute id it was built for.
+        unsafe { cu!(cuGraphKernelNodeSetAttribute(node, raw.id, &raw.value)) }?;
+    }
+    Ok(())
+}
+
+impl Graph {
+    fn wrap_node(raw: CUgraphNode) -> NodeId {
+        NodeId(raw)
+    }
+
+    /// Adds a kernel node launching `kernel` with `config` and `args` after `deps`.
+    ///
+    /// The argument sizes are checked against the kernel's parameters; the driver copies the
+    /// argument values, and the graph keeps the kernel's module and the buffers alive.
+    /// `config.attributes` become the node's kernel attributes.
+    ///
+    /// # Safety
+    /// As [`crate::Stream::launch`]: the kernel runs arbitrary device code, so the arguments
+    /// must be what it expects, and it must stay inside the buffers it is given, whenever
+    /// the graph runs.
+    pub unsafe fn add_kernel(
+        &mut self,
+        deps: &[Node],
+        kernel: &Kernel,
+        config: &LaunchConfig,
+        args: &KernelArgs<'_>,
+    ) -> Result<KernelNode> {
+        let params = kernel_params(kernel, config, args)?;
+        let deps = raw_deps(deps);
+        self.ctx.bind()?;
+        let mut node = std::ptr::null_mut();
+        // SAFETY: live graph, dependency array of deps.len() nodes, params valid for the call
+        // (argument values borrowed by `args`).
+        unsafe {
+            cu!(cuGraphAddKernelNode(
+                &mut node,
+                self.raw,
+                deps.as_ptr(),
+                deps.len(),
+                &params
+            ))
+        }?;
+        self.keep_alive(kernel.module_resource());
+        for r in args.resources() {
+            self.keep_alive(r);
         }
+        set_kernel_attributes(node, config)?;
+        Ok(KernelNode(Self::wrap_node(node)))
+    }
+
+    /// Adds a 1-D device-to-device copy of all of `src` into `dst` (same length) after `deps`.
+    pub fn add_memcpy<T: DeviceRepr>(
+        &mut self,
+        deps: &[Node],
+        dst: &DeviceBuffer<T>,
+        src: &DeviceBuffer<T>,
+    ) -> Result<MemcpyNode> {
+        let bytes = copy_bytes(dst, src)?;
+        let params = memcpy_d2d(dst.as_raw(), src.as_raw(), bytes);
+        let deps = raw_deps(deps);
+        self.ctx.bind()?;
+        let mut node = std::ptr::null_mut();
+        // SAFETY: live graph and context; both ranges are live allocations of `bytes`, kept
+        // alive below.
+        unsafe {
+            cu!(cuGraphAddMemcpyNode(
+                &mut node,
+                self.raw,
+                deps.as_ptr(),
+                deps.len(),
+                &params,
+                self.ctx.as_raw()
+            ))
+        }?;
+        self.keep_alive(dst.resource());
+        self.keep_alive(src.resource());
+        Ok(MemcpyNode(Self::wrap_node(node)))
+    }
+
+    /// Adds a memset of all of `dst` to `value` (1, 2 or 4 bytes wide; the buffer's size must
+    /// be a multiple of it) after `deps`.
+    pub fn add_memset<T: DeviceRepr>(
+        &mut self,
+        deps: &[Node],
+        dst: &DeviceBuffer<T>,
+        value: MemsetValue,
+    ) -> Result<MemsetNode> {
+        let params = memset_params(dst, value)?;
+        let deps = raw_deps(deps);
+        self.ctx.bind()?;
+        let mut node = std::ptr::null_mut();
+        // SAFETY: live graph and context; dst is a live allocation covered by the params,
+        // kept alive below.
+        unsafe {
+            cu!(cuGraphAddMemsetNode(
+                &mut node,
+                self.raw,
+                deps.as_ptr(),
+                deps.len(),
+                &params,
+                self.ctx.as_raw()
+            ))
+        }?;
+        self.keep_alive(dst.resource());
+        Ok(MemsetNode(Self::wrap_node(node)))
+    }
+
+    /// Adds a node calling `f` on a driver thread after `deps`.
+    ///
+    /// The closure is kept alive by the graph (and by execs and clones). It must not call
+    /// CUDA driver functions (the driver forbids it in host nodes). Calls never overlap (a
+    /// mutex guards the closure). A panic is caught and counted ([`HostNode::panic_count`]);
+    /// the graph continues as if the callback returned.
+    pub fn add_host(
+        &mut self,
+        deps: &[Node],
+        f: impl FnMut() + Send + 'static,
+    ) -> Result<HostNode> {
+        let cb = Arc::new(HostCallback::new(f));
+        let params = host_params(&cb);
+        let deps = raw_deps(deps);
+        let mut node = std::ptr::null_mut();
+        // SAFETY: live graph; the callback pointer stays valid while the graph keeps `cb`.
+        unsafe {
+            cu!(cuGraphAddHostNode(
+                &mut node,
+                self.raw,
+                deps.as_ptr(),
+                deps.len(),
+                &params
+            ))
+        }?;
+        self.keep_alive(cb.clone());
+        Ok(HostNode {
+            id: Self::wrap_node(node),
+            callback: cb,
+        })
+    }
+
+    /// Adds a node that records `event` when `deps` complete. The graph keeps the event alive.
+    pub fn add_event_record(
+        &mut self,
+        deps: &[Node],
+        event: &Arc<Event>,
+    ) -> Result<EventRecordNode> {
+        let deps = raw_deps(deps);
+        let mut node = std::ptr::null_mut();
+        // SAFETY: live graph and event (kept alive below).
+        unsafe {
+            cu!(cuGraphAddEventRecordNode(
+                &mut node,
+                self.raw,
+                deps.as_ptr(),
+                deps.len(),
+                event.as_raw()
+            ))
+        }?;
+        self.keep_alive(event.clone());
+        Ok(EventRecordNode(Self::wrap_node(node)))
+    }
+
+    /// Adds a node that waits for `event` (its most recent record at the time the graph is
+    /// launched) after `deps`. The graph keeps the event alive.
+    pub fn add_event_wait(&mut self, deps: &[Node], event: &Arc<Event>) -> Result<EventWaitNode> {
+        let deps = raw_deps(deps);
+        let mut node = std::ptr::null_mut();
+        // SAFETY: live graph and event (kept alive below).
+        unsafe {
+            cu!(cuGraphAddEventWaitNode(
+                &mut node,
+                self.raw,
+                deps.as_ptr(),
+                deps.len(),
+                event.as_raw()
+            ))
+        }?;
+        self.keep_alive(event.clone());
+        Ok(EventWaitNode(Self::wrap_node(node)))
+    }
+
+    /// Adds a no-op node, to join or fan out dependencies.
+    pub fn add_empty(&mut self, deps: &[Node]) -> Result<EmptyNode> {
+        let deps = raw_deps(deps);
+        let mut node = std::ptr::null_mut();
+        // SAFETY: live graph, valid dependency array.
+        unsafe {
+            cu!(cuGraphAddEmptyNode(
+                &mut node,
+                self.raw,
+                deps.as_ptr(),
+                deps.len()
+            ))
+        }?;
+        Ok(EmptyNode(Self::wrap_node(node)))
+    }
+
+    /// Adds a node running a copy of `child` after `deps` (the driver clones it; later
+    /// changes to `child` do not affect this graph). This graph keeps `child`'s resources.
+    /// The driver refuses children holding memory alloc/free or conditional nodes.
+    pub fn add_child_graph(&mut self, deps: &[Node], child: &Graph) -> Result<ChildGraphNode> {
+        let deps = raw_deps(deps);
+        let mut node = std::ptr::null_mut();
+        // SAFETY: live graphs, valid dependency array; the child is cloned by the driver.
+        unsafe {
+            cu!(cuGraphAddChildGraphNode(
+                &mut node,
+                self.raw,
+                deps.as_ptr(),
+                deps.len(),
+                child.raw
+            ))
+        }?;
+        self.resources.extend(child.resources.iter().cloned());
+        Ok(ChildGraphNode(Self::wrap_node(node)))
+    }
+
+    /// Adds a graph memory allocation of `bytes` on the context's device after `deps` and
+    /// returns the node with its device address, fixed for the graph's life.
+    ///
+    /// The memory is valid for nodes ordered after this one and before its
+    /// [`Graph::add_mem_free`] node (or, without one, until freed by the user; see
+    /// `InstantiateFlags::AUTO_FREE_ON_LAUNCH`). A graph holding memory nodes cannot be
+    /// cloned ([`Graph::try_clone`] fails with error 801), used as a child graph, or
+    /// instantiated more than once at a time.
+    pub fn add_mem_alloc(&mut self, deps: &[Node], bytes: usize) -> Result<MemAllocNode> {
+        if bytes == 0 {
+            return Err(Error::invalid("mem alloc node of 0 bytes"));
+        }
+        let mut params = CUDA_MEM_ALLOC_NODE_PARAMS {
+            bytesize: bytes,
+            ..Default::default()
+        };
+        params.poolProps.allocType = CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        params.poolProps.location.type_ = CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        params.poolProps.location.id = self.ctx.device().as_raw();
+        let deps = raw_deps(deps);
+        self.ctx.bind()?;
+        let mut node = std::ptr::null_mut();
+        // SAFETY: live graph, valid params (no access descriptors); the driver writes dptr.
+        unsafe {
+            cu!(cuGraphAddMemAllocNode(
+                &mut node,
+                self.raw,
+                deps.as_ptr(),
+                deps.len(),
+                &mut params
+            ))
+        }?;
+        Ok(MemAllocNode {
+            id: Self::wrap_node(node),
+            ptr: params.dptr,
+            bytes,
+        })
+    }
+
+    /// Adds a node freeing graph memory at `ptr` (from [`Graph::add_mem_alloc`] of this graph,
+    /// which must be among its ancestors) after `deps`.
+    pub fn add_mem_free(&mut self, deps: &[Node], ptr: CUdeviceptr) -> Result<MemFreeNode> {
+        let deps = raw_deps(deps);
+        let mut node = std::ptr::null_mut();
+        // SAFETY: live graph, valid dependency array; the driver checks `ptr`.
+        unsafe {
+            cu!(cuGraphAddMemFreeNode(
+                &mut node,
+                self.raw,
+                deps.as_ptr(),
+                deps.len(),
+                ptr
+            ))
+        }?;
+        Ok(MemFreeNode(Self::wrap_node(node)))
+    }
+
+    fn add_edge(&mut self, from: NodeId, to: NodeId, kind: EdgeKind) -> Result<()> {
+        let data: CUgraphEdgeData = kind.to_raw();
+        // SAFETY: live graph, one-element arrays.
+        unsafe { cu!(cuGraphAddDependencies(self.raw, &from.0, &to.0, &data, 1)) }
+    }
+
+    /// Makes `to` depend fully on `from`.
+    pub fn add_dependency(&mut self, from: impl Into<Node>, to: impl Into<Node>) -> Result<()> {
+        self.add_edge(from.into().id, to.into().id, EdgeKind::Full)
+    }
+
+    /// Adds a programmatic edge (programmatic dependent launch, Hopper and newer): `to` may
+    /// start before `from` finishes and must wait (`griddepcontrol.wait`,
+    /// `cudaGridDependencySynchronize`) before reading `from`'s output.
+    pub fn add_programmatic_dependency(
+        &mut self,
+        from: &KernelNode,
+        to: &KernelNode,
+    ) -> Result<()> {
+        self.add_edge(from.id(), to.id(), EdgeKind::Programmatic)
+    }
+
+    /// Adds an edge of any kind.
+    pub fn add_dependency_with(&mut self, from: NodeId, to: NodeId, kind: EdgeKind) -> Result<()> {
+        self.add_edge(from, to, kind)
+    }
+
+    /// Removes the edge `from -> to` of kind `kind` (the edge data must match).
+    pub fn remove_dependency(&mut self, from: NodeId, to: NodeId, kind: EdgeKind) -> Result<()> {
+        let data = kind.to_raw();
+        // SAFETY: live graph, one-element arrays.
+        unsafe {
+            cu!(cuGraphRemoveDependencies(
+                self.raw, &from.0, &to.0, &data, 1
+            ))
+        }
+    }
+
+    /// Every node, with its kind.
+    pub fn nodes(&self) -> Result<Vec<Node>> {
+        let mut n = 0usize;
+        // SAFETY: null array asks for the count.
+        unsafe { cu!(cuGraphGetNodes(self.raw, std::ptr::null_mut(), &mut n)) }?;
+        // The driver refuses a zero-length array, so an empty answer ends here.
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let mut raw = vec![std::ptr::null_mut(); n];
+        // SAFETY: the array has room for n nodes.
+        unsafe { cu!(cuGraphGetNodes(self.raw, raw.as_mut_ptr(), &mut n)) }?;
+        raw.truncate(n);
+        self.typed(raw)
+    }
+
+    /// The nodes without dependencies.
+    pub fn root_nodes(&self) -> Result<Vec<Node>> {
+        let mut n = 0usize;
+        // SAFETY: null array asks for the count.
+        unsafe { cu!(cuGraphGetRootNodes(self.raw, std::ptr::null_mut(), &mut n)) }?;
+        // The driver refuses a zero-length array, so an empty answer ends here.
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let mut raw = vec![std::ptr::null_mut(); n];
+        // SAFETY: the array has room for n nodes.
+        unsafe { cu!(cuGraphGetRootNodes(self.raw, raw.as_mut_ptr(), &mut n)) }?;
+        raw.truncate(n);
+        self.typed(raw)
+    }
+
+    fn typed(&self, raw: Vec<CUgraphNode>) -> Result<Vec<Node>> {
+        raw.into_iter()
+            .map(|r| {
+                let id = NodeId(r);
+                Ok(Node {
+                    id,
+                    kind: self.node_type(id)?,
+                })
+            })
+            .collect()
+    }
+
+    /// The kind of a node of this graph.
+    pub fn node_type(&self, node: NodeId) -> Result<NodeKind> {
+        let mut t = cuda_graph_sys::CUgraphNodeType(0);
+        // SAFETY: a node of this live graph, valid out-pointer.
+        unsafe { cu!(cuGraphNodeGetType(node.0, &mut t)) }?;
+        Ok(NodeKind::from_raw(t))
+    }
+
+    /// Every edge with its kind, in the driver's order.
+    pub fn edges(&self) -> Result<Vec<Edge>> {
+        let mut n = 0usize;
+        // SAFETY: null arrays ask for the count.
+        unsafe {
+            cu!(cuGraphGetEdges(
+                self.raw,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                &mut n
+            ))
+        }?;
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let mut from = vec![std::ptr::null_mut(); n];
+        let mut to = vec![std::ptr::null_mut(); n];
+        let mut data = vec![CUgraphEdgeData::default(); n];
+        // SAFETY: three arrays with room for n entries each.
+        unsafe {
+            cu!(cuGraphGetEdges(
+                self.raw,
+                from.as_mut_ptr(),
+                to.as_mut_ptr(),
+                data.as_mut_ptr(),
+                &mut n
+            ))
+        }?;
+        Ok((0..n.min(from.len()))
+            .map(|i| Edge {
+                from: NodeId(from[i]),
+                to: NodeId(to[i]),
+                kind: EdgeKind::from_raw(&data[i]),
+            })
+            .collect())
+    }
+
+    /// The nodes `node` depends on, with the kind of each edge.
+    pub fn dependencies(&self, node: NodeId) -> Result<Vec<(NodeId, EdgeKind)>> {
+        self.neighbours(node, true)
+    }
+
+    /// The nodes that depend on `node`, with the kind of each edge.
+    pub fn dependents(&self, node: NodeId) -> Result<Vec<(NodeId, EdgeKind)>> {
+        self.neighbours(node, false)
+    }
+
+    fn neighbours(&self, node: NodeId, up: bool) -> Result<Vec<(NodeId, EdgeKind)>> {
+        let d = cuda_graph_sys::driver()?;
+        let (f, call) = if up {
+            (
+                d.cuGraphNodeGetDependencies()?,
+                "cuGraphNodeGetDependencies",
+            )
+        } else {
+            (
+                d.cuGraphNodeGetDependentNodes()?,
+                "cuGraphNodeGetDependentNodes",
+            )
+        };
+        let mut n = 0usize;
+        // SAFETY: a node of this live graph; null arrays ask for the count.
+        let rc = unsafe { f(node.0, std::ptr::null_mut(), std::ptr::null_mut(), &mut n) };
+        crate::error::check(call, rc)?;
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let mut nodes = vec![std::ptr::null_mut(); n];
+        let mut data = vec![CUgraphEdgeData::default(); n];
+        // SAFETY: arrays with room for n entries each.
+        let rc = unsafe { f(node.0, nodes.as_mut_ptr(), data.as_mut_ptr(), &mut n) };
+        crate::error::check(call, rc)?;
+        Ok((0..n.min(nodes.len()))
+            .map(|i| (NodeId(nodes[i]), EdgeKind::from_raw(&data[i])))
+            .collect())
+    }
+
+    /// A copy of this graph (`cuGraphClone`) sharing the kept-alive resources. Fails with
+    /// `CUDA_ERROR_NOT_SUPPORTED` (801) for graphs holding memory alloc/free or conditional
+    /// nodes. Node handles of this graph are not valid in the clone.
+    pub fn try_clone(&self) -> Result<Graph> {
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: live graph, valid out-pointer.
+        unsafe { cu!(cuGraphClone(&mut raw, self.raw)) }?;
+        // SAFETY: just created, owned by nobody else.
+        let mut g = unsafe { Graph::from_raw(&self.ctx, raw) };
+        g.resources = self.resources.clone();
+        Ok(g)
+    }
+
+    /// Writes the graph as Graphviz DOT to `path`; `flags` are `CU_GRAPH_DEBUG_DOT_FLAGS_*`
+    /// bits (`CU_GRAPH_DEBUG_DOT_FLAGS_VERBOSE` = 1 gives everything).
+    pub fn to_dot_file(&self, path: &Path, flags: u32) -> Result<()> {
+        let s = path
+            .to_str()
+            .ok_or_else(|| Error::invalid(format!("path {} is not UTF-8", path.display())))?;
+        let c = CString::new(s).map_err(|_| Error::invalid("path contains a NUL byte"))?;
+        // SAFETY: live graph, NUL-terminated path.
+        unsafe { cu!(cuGraphDebugDotPrint(self.raw, c.as_ptr(), flags)) }
+    }
+
+    /// The graph as verbose Graphviz DOT text (through a temporary file).
+    pub fn to_dot_string(&self) -> Result<String> {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static SEQ: AtomicU64 = AtomicU64::new(0);
+        let path = std::env::temp_dir().join(format!(
+            "cuda-graph-{}-{}.dot",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::Relaxed)
+        ));
+        let written = self.to_dot_file(&path, 1);
+        let text = written.and_then(|()| {
+            std::fs::read_to_string(&path)
+                .map_err(|e| Error::invalid(format!("reading {}: {e}", path.display())))
+        });
+        let _ = std::fs::remove_file(&path);
+        text
     }
 }

@@ -9,7 +9,10 @@
 //!   [`Module`] and [`Kernel`]: owned handles, freed on drop.
 //! * [`KernelArgs`] and [`LaunchConfig`]: typed launches, checked against the kernel's
 //!   parameter sizes.
-//! * [`Graph`]: graph definitions that keep alive what their nodes use.
+//! * [`Graph`]: graph definitions that keep alive what their nodes use; explicit building
+//!   with typed nodes ([`KernelNode`], [`MemcpyNode`], ...) and edges ([`EdgeKind`]).
+//! * [`GraphExec`]: instantiate, launch, whole-graph update ([`UpdateReason`]) and per-node
+//!   updates.
 //! * [`ConditionalHandle`], [`Graph::add_if`], [`Stream::capture_while`] and friends:
 //!   conditional nodes (IF, IF-ELSE, WHILE, SWITCH) and the device helpers that set them.
 //! * [`capture`]: stream capture as a closure scope ([`Stream::capture`]), with forks and
@@ -69,6 +72,7 @@ mod graph;
 mod launch;
 mod memory;
 mod module;
+mod node;
 mod pool;
 mod stream;
 
@@ -78,10 +82,14 @@ pub use context::Context;
 pub use cuda_graph_sys as sys;
 pub use error::{Error, Result};
 pub use event::{Event, EventFlags};
-pub use exec::{GraphExec, InstantiateFlags, NodeId};
+pub use exec::{GraphExec, InstantiateFlags, NodeId, UpdateOutcome, UpdateReason};
 pub use graph::{Graph, Resource};
 pub use launch::{KernelArg, KernelArgs, LaunchAttribute, LaunchConfig};
 pub use memory::{Allocation, DeviceBuffer, DeviceRepr, MemPool, PinnedBuffer};
 pub use module::{Kernel, Module};
+pub use node::{
+    ChildGraphNode, Edge, EdgeKind, EmptyNode, EventRecordNode, EventWaitNode, HostNode,
+    KernelNode, MemAllocNode, MemFreeNode, MemcpyNode, MemsetNode, MemsetValue, Node, NodeKind,
+};
 pub use pool::{GraphPool, POOL_ALIGN};
 pub use stream::Stream;
