@@ -10,7 +10,7 @@ use std::time::Instant;
 use cuda_graph::sys::{self, CUresult};
 use cuda_graph::{
     CaptureMode, Context, DeviceBuffer, Event, Graph, GraphExec, InstantiateFlags, Kernel,
-    KernelArgs, KernelNode, LaunchConfig, Module, Stream,
+    KernelArgs, KernelNode, LaunchConfig, Module, Node, Stream,
 };
 
 use super::{Row, median};
@@ -322,11 +322,13 @@ fn explicit_chain(
     let args = KernelArgs::new().arg(x).arg(&N);
     let mut nodes: Vec<KernelNode> = Vec::with_capacity(CHAIN);
     for i in 0..CHAIN {
-        let node = if i == 0 || programmatic {
-            graph.add_kernel(&[], kernel, &s.cfg, &args)?
+        let deps: Vec<Node> = if i == 0 || programmatic {
+            Vec::new()
         } else {
-            graph.add_kernel(&[nodes[i - 1].id()], kernel, &s.cfg, &args)?
+            vec![nodes[i - 1].node()]
         };
+        // SAFETY: the chain kernels touch x[0..N), which x holds.
+        let node = unsafe { graph.add_kernel(&deps, kernel, &s.cfg, &args) }?;
         if programmatic && i > 0 {
             graph.add_programmatic_dependency(&nodes[i - 1], &node)?;
         }
@@ -375,8 +377,8 @@ fn updates(s: &Setup) -> BenchResult<(f64, f64)> {
     let node_update = host_median(1000, 1e6, || {
         flip = !flip;
         let args = if flip { &args_x } else { &args_other };
-        exec.set_kernel_params(node, &s.add_one, &s.cfg, args)
-            .map_err(Into::into)
+        // SAFETY: same kernel, same argument types; both buffers hold N floats.
+        unsafe { exec.set_kernel_params(node, &s.add_one, &s.cfg, args) }.map_err(Into::into)
     })?;
     // 1 + 1000 updates: the node now writes x while the other 999 still write `other`.
     let (x0, o0) = (s.x.to_vec(&s.stream)?[0], other.to_vec(&s.stream)?[0]);
