@@ -57,7 +57,9 @@ summary="$logs/summary.txt"
 for t in "$here"/bin/test.*; do
   name=${t##*/bin/}
   start=$(date +%s.%N)
-  FP8_MOE_BIN="$here/bin/fp8-moe" "$t" --include-ignored --test-threads=1 $filter > "$logs/$name.log" 2>&1
+  # A hung test must not eat the whole session: each binary gets $TEST_TIMEOUT seconds.
+  FP8_MOE_BIN="$here/bin/fp8-moe" timeout "${TEST_TIMEOUT:-180}" \
+    "$t" --include-ignored --test-threads=1 $filter > "$logs/$name.log" 2>&1
   rc=$?
   secs=$(python3 -c "print(f'{$(date +%s.%N) - $start:.1f}')" 2>/dev/null || echo "?")
   result=$(grep -E '^test result:' "$logs/$name.log" | tail -1)

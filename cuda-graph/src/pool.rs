@@ -70,7 +70,9 @@ impl GraphPool {
     pub fn alloc<T: DeviceRepr>(&self, len: usize) -> Result<DeviceBuffer<T>> {
         let bytes = DeviceBuffer::<T>::bytes_for(len)?;
         let size = bytes.max(1).next_multiple_of(POOL_ALIGN);
-        let offset = self.inner.lock().take(size).ok_or_else(|| {
+        // The guard must be gone before the error path reads the free bytes (same lock).
+        let taken = self.inner.lock().take(size);
+        let offset = taken.ok_or_else(|| {
             Error::invalid(format!(
                 "graph pool: no free range of {size} bytes ({} of {} bytes free)",
                 self.free_bytes(),
