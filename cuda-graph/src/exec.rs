@@ -21,6 +21,7 @@ use crate::node::{
     ChildGraphNode, EventRecordNode, EventWaitNode, HostCallback, HostNode, KernelNode, MemcpyNode,
     MemsetNode, MemsetValue, Node,
 };
+use crate::resources::ResourceSet;
 use crate::stream::Stream;
 
 /// Why `cuGraphExecUpdate` refused a graph (`CUgraphExecUpdateResult`).
@@ -105,7 +106,7 @@ bitflags! {
 pub struct GraphExec {
     raw: CUgraphExec,
     ctx: Arc<Context>,
-    resources: Vec<Resource>,
+    resources: ResourceSet,
     /// Set by the first launch: dropping must then wait for the device before releasing
     /// memory the launches may still use.
     launched: AtomicBool,
@@ -209,12 +210,12 @@ impl GraphExec {
     /// Keeps `resource` alive for as long as this exec (used by updates that install new
     /// memory or modules).
     pub fn keep_alive(&mut self, resource: Resource) {
-        self.resources.push(resource);
+        self.resources.insert(resource);
     }
 
     /// Everything this exec keeps alive.
     pub fn resources(&self) -> &[Resource] {
-        &self.resources
+        self.resources.as_slice()
     }
 
     /// Keeps alive every resource in `more` that this exec does not hold yet.
@@ -223,16 +224,7 @@ impl GraphExec {
     /// still use them, and dropping them would need a device synchronize. The list grows only
     /// by resources it does not already hold (compared by address).
     fn absorb(&mut self, more: impl IntoIterator<Item = Resource>) {
-        let held: std::collections::HashSet<*const ()> = self
-            .resources
-            .iter()
-            .map(|r| Arc::as_ptr(r) as *const ())
-            .collect();
-        for r in more {
-            if !held.contains(&(Arc::as_ptr(&r) as *const ())) {
-                self.resources.push(r);
-            }
-        }
+        self.resources.extend(more);
     }
 
     /// Updates the exec in place to `graph`'s parameters (`cuGraphExecUpdate_v2`); later
@@ -377,7 +369,7 @@ impl GraphExec {
         let params = host_params(&cb);
         // SAFETY: live exec; the callback stays alive while the exec holds `cb`.
         unsafe { cu!(cuGraphExecHostNodeSetParams(self.raw, node.id().0, &params)) }?;
-        self.resources.push(cb.clone());
+        self.resources.insert(cb.clone());
         Ok(HostNode {
             id: node.id(),
             callback: cb,

@@ -24,6 +24,7 @@ use crate::node::{
     HostNode, KernelNode, MemAllocNode, MemFreeNode, MemcpyNode, MemsetNode, MemsetValue, Node,
     NodeKind, host_trampoline,
 };
+use crate::resources::ResourceSet;
 
 /// Something a graph's nodes use (a device allocation, a module, a child graph's resources)
 /// and must keep alive for as long as the graph, or an exec made from it, may run.
@@ -41,7 +42,7 @@ pub struct Graph {
     /// came from (seen on the H200: with the graph destroyed, they return INVALID_VALUE).
     owner: Arc<OwnedGraph>,
     ctx: Arc<Context>,
-    resources: Vec<Resource>,
+    resources: ResourceSet,
 }
 
 /// The destroy-on-drop part of a [`Graph`], shared with execs as a [`Resource`].
@@ -89,7 +90,7 @@ impl Graph {
             raw,
             owner: Arc::new(OwnedGraph(raw)),
             ctx: ctx.clone(),
-            resources: Vec::new(),
+            resources: ResourceSet::default(),
         }
     }
 
@@ -105,12 +106,12 @@ impl Graph {
 
     /// Keeps `resource` alive for as long as this graph and execs made from it.
     pub fn keep_alive(&mut self, resource: Resource) {
-        self.resources.push(resource);
+        self.resources.insert(resource);
     }
 
     /// Everything this graph keeps alive.
     pub fn resources(&self) -> &[Resource] {
-        &self.resources
+        self.resources.as_slice()
     }
 
     /// The graph object itself as a resource: an exec holds it so that node handles of this
@@ -425,7 +426,7 @@ impl Graph {
                 child.raw
             ))
         }?;
-        self.resources.extend(child.resources.iter().cloned());
+        self.resources.extend(child.resources().iter().cloned());
         Ok(ChildGraphNode(Self::wrap_node(node)))
     }
 

@@ -179,9 +179,11 @@ impl Stream {
         args: &KernelArgs<'_>,
     ) -> Result<()> {
         kernel.check_args(args.sizes())?;
-        self.retain_for_capture(|| kernel.module_resource());
-        for r in args.resources() {
-            self.retain_for_capture(|| r);
+        if self.is_collecting() {
+            self.retain_for_capture(|| kernel.module_resource());
+            for r in args.resources() {
+                self.retain_for_capture(|| r);
+            }
         }
         let (g, b) = (config.grid, config.block);
         if config.attributes.is_empty() {

@@ -74,6 +74,7 @@ mod memory;
 mod module;
 mod node;
 mod pool;
+mod resources;
 mod stream;
 
 pub use capture::{CaptureMode, CaptureScope, CaptureStatus, UNKNOWN_CAPTURE_CALL};

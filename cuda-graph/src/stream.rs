@@ -1,5 +1,6 @@
 //! Streams: ordered queues of device work.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cuda_graph_sys::{CUresult, CUstream, CUstream_flags};
@@ -27,6 +28,8 @@ struct StreamInner {
     owned: bool,
     /// Resources used by work enqueued during an ongoing capture (see `capture.rs`).
     captured: Mutex<Option<Vec<Resource>>>,
+    /// Whether `captured` is collecting: lets eager launches skip the lock.
+    collecting: AtomicBool,
 }
 
 // SAFETY: streams may be used from any thread; the mutable state is behind a Mutex.
@@ -82,6 +85,7 @@ impl Stream {
                 ctx: ctx.clone(),
                 owned,
                 captured: Mutex::new(None),
+                collecting: AtomicBool::new(false),
             }),
         }
     }
@@ -139,6 +143,9 @@ impl Stream {
     /// keeps it alive. Outside a capture nothing is needed: `cuMemFree` waits for the device,
     /// and stream-ordered frees queue behind the work that uses the memory.
     pub(crate) fn retain_for_capture(&self, resource: impl FnOnce() -> Resource) {
+        if !self.inner.collecting.load(Ordering::Acquire) {
+            return;
+        }
         let mut captured = self
             .inner
             .captured
@@ -149,8 +156,15 @@ impl Stream {
         }
     }
 
+    /// Whether a capture is collecting resources on this stream.
+    #[inline]
+    pub(crate) fn is_collecting(&self) -> bool {
+        self.inner.collecting.load(Ordering::Acquire)
+    }
+
     /// Starts collecting resources for a capture (see `retain_for_capture`).
     pub(crate) fn start_collecting(&self) {
+        self.inner.collecting.store(true, Ordering::Release);
         *self
             .inner
             .captured
@@ -160,6 +174,7 @@ impl Stream {
 
     /// Stops collecting and returns what was collected.
     pub(crate) fn take_collected(&self) -> Vec<Resource> {
+        self.inner.collecting.store(false, Ordering::Release);
         self.inner
             .captured
             .lock()
