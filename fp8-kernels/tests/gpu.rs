@@ -716,7 +716,7 @@ fn bandwidth_probe_quantize_bf16() {
     let mut out = Fp8Tensor::new(&stream, &[n], Fp8Format::E4M3).unwrap();
     let (start, end) = (Event::new(&ctx).unwrap(), Event::new(&ctx).unwrap());
     let iters = 20;
-    let mut time = |f: &mut dyn FnMut()| {
+    let time = |f: &mut dyn FnMut()| {
         f();
         start.record(&stream).unwrap();
         for _ in 0..iters {
