@@ -45,17 +45,29 @@ __device__ __forceinline__ void quantize(const In *__restrict__ x, uint8_t *__re
     const uint4 *xv = reinterpret_cast<const uint4 *>(x);
     using Out = typename Bytes<V>::T;
     Out *yv = reinterpret_cast<Out *>(y);
-    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < nv;
-         i += stride) {
-        const uint4 raw = __ldg(xv + i);
-        float f[V];
-        unpack16<In>(raw, f);
-        Out o;
-        cast_pack<F, V>(f, s, reinterpret_cast<uint8_t *>(&o));
-        yv[i] = o;
-        if (!CURRENT) {
+    // UNROLL independent 16-byte loads in flight per thread before any is used.
+    constexpr int UNROLL = 4;
+    for (unsigned long long base = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; base < nv;
+         base += stride * UNROLL) {
+        uint4 raw[UNROLL];
 #pragma unroll
-            for (int k = 0; k < V; ++k) m = max(m, abs_bits(f[k]));
+        for (int u = 0; u < UNROLL; ++u) {
+            const unsigned long long i = base + u * stride;
+            if (i < nv) raw[u] = __ldg(xv + i);
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const unsigned long long i = base + u * stride;
+            if (i >= nv) break;
+            float f[V];
+            unpack16<In>(raw[u], f);
+            Out o;
+            cast_pack<F, V>(f, s, reinterpret_cast<uint8_t *>(&o));
+            yv[i] = o;
+            if (!CURRENT) {
+#pragma unroll
+                for (int k = 0; k < V; ++k) m = max(m, abs_bits(f[k]));
+            }
         }
     }
     const unsigned long long tail = n - nv * V;

@@ -10,7 +10,7 @@
 //!   [`amax`], [`dequantize`];
 //! * [`DelayedScaling`]: TransformerEngine's delayed-scaling state for many tensors on the
 //!   device, updated by one launch;
-//! * [`reference`]: the bit-exact CPU model the GPU tests compare against.
+//! * [`reference`](mod@reference): the bit-exact CPU model the GPU tests compare against.
 //!
 //! Everything that changes per step (scales, amax, noop flags) is read from device memory by
 //! the kernels, so a captured graph replays correctly as those values change. Launchers
@@ -51,5 +51,5 @@ mod tensor;
 pub use format::{DType, Fp8Format};
 pub use module::{FATBIN, module};
 pub use quantize::{ALIGN, amax, dequantize, quantize, quantize_current};
-pub use scaling::{AmaxAlgo, DelayedScaling};
+pub use scaling::{AmaxAlgo, DelayedScaling, MAX_HISTORY};
 pub use tensor::{DeviceScalar, Fp8Tensor, HpBuffer, HpBufferMut};
