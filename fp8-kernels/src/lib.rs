@@ -1,5 +1,55 @@
-//! FP8 kernels for Hopper, written in CUDA, compiled by nvcc at build time and launched
-//! through [`cuda_graph`] on any stream, captured or not.
+//! FP8 kernels for Hopper, written in CUDA, compiled by nvcc at build time into one fatbin
+//! (loaded once per context) and launched through [`cuda_graph`] on any stream, captured or
+//! not.
 //!
-//! The kernels land family by family (quantize and scaling first, then GEMM and grouped
-//! GEMM); this crate has none yet.
+//! * [`Fp8Format`] (E4M3, E5M2) and [`DType`] (f32, f16, bf16 inputs and outputs);
+//! * [`Fp8Tensor`]: FP8 bytes plus the device scalars that go with them ([`DeviceScalar`]:
+//!   scale, scale_inv, amax); high-precision buffers are passed as [`HpBuffer`] /
+//!   [`HpBufferMut`] (f16 and bf16 as their `u16` bits);
+//! * [`quantize`] (fused amax, optional noop flag), [`quantize_current`] (current scaling),
+//!   [`amax`], [`dequantize`];
+//! * [`DelayedScaling`]: TransformerEngine's delayed-scaling state for many tensors on the
+//!   device, updated by one launch;
+//! * [`reference`](mod@reference): the bit-exact CPU model the GPU tests compare against.
+//!
+//! Everything that changes per step (scales, amax, noop flags) is read from device memory by
+//! the kernels, so a captured graph replays correctly as those values change. Launchers
+//! validate shapes, lengths and alignment before enqueueing anything, never synchronise and
+//! never allocate.
+//!
+//! Conversion semantics: round to nearest even; finite values beyond the max finite value
+//! and +-inf saturate to +-max finite (448 for E4M3, 57344 for E5M2); NaN stays NaN.
+//!
+//! # Example
+//!
+//! ```no_run
+//! use cuda_graph::{Context, DeviceBuffer, Stream};
+//! use fp8_kernels::{Fp8Format, Fp8Tensor, HpBuffer, quantize};
+//!
+//! let ctx = Context::default_device()?;
+//! let stream = Stream::new(&ctx)?;
+//! let x = DeviceBuffer::from_host(&stream, &[1.0f32, -2.5, 300.0, 1e6, 0.01])?;
+//! let mut y = Fp8Tensor::new(&stream, &[5], Fp8Format::E4M3)?;
+//! y.scale().write(&stream, 2.0)?;
+//! quantize(&stream, HpBuffer::F32(&x), &mut y, None)?;
+//! let bytes = y.data().to_vec(&stream)?;
+//! assert_eq!(bytes[3], 0x7e); // 2e6 saturates to 448
+//! assert_eq!(y.amax().read(&stream)?, 1e6); // amax of the unscaled input
+//! assert_eq!(y.scale_inv().read(&stream)?, 0.5);
+//! # Ok::<(), cuda_graph::Error>(())
+//! ```
+
+#![deny(missing_docs)]
+
+mod format;
+mod module;
+mod quantize;
+pub mod reference;
+mod scaling;
+mod tensor;
+
+pub use format::{DType, Fp8Format};
+pub use module::{FATBIN, module};
+pub use quantize::{ALIGN, amax, dequantize, quantize, quantize_current};
+pub use scaling::{AmaxAlgo, DelayedScaling, MAX_HISTORY};
+pub use tensor::{DeviceScalar, Fp8Tensor, HpBuffer, HpBufferMut};

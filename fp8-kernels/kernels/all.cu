@@ -1,0 +1,5 @@
+// The one translation unit of the crate's fatbin: every kernel family's header.
+// build.rs compiles this file alone; add a family by including its .cuh here.
+#include "common.cuh"
+#include "quantize.cuh"
+#include "scaling.cuh"

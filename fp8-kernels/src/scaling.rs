@@ -1,0 +1,188 @@
+//! Delayed scaling (TransformerEngine's default recipe), kept on the device for many tensors
+//! and updated by one launch.
+
+use std::sync::Arc;
+
+use cuda_graph::{DeviceBuffer, Error, KernelArgs, LaunchConfig, Result, Stream};
+
+use crate::format::Fp8Format;
+use crate::module::kernel;
+use crate::reference::scaled_max;
+use crate::tensor::{DeviceScalar, Fp8Tensor};
+
+/// Which amax the next scale is computed from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AmaxAlgo {
+    /// The max over the whole history window (NaN entries ignored, as `fmaxf` does).
+    Max,
+    /// The most recent amax only.
+    MostRecent,
+}
+
+/// The longest supported amax history (one thread block per tensor holds it).
+pub const MAX_HISTORY: usize = 1024;
+
+/// Delayed-scaling state of `tensors` FP8 tensors, on the device:
+/// * `history`: `tensors x history_len` f32, tensor-major; slot 0 of each row is the current
+///   amax, the one the tensor's quantize maxes into ([`DelayedScaling::amax`]);
+/// * `scale` and `scale_inv`: one f32 each per tensor (start at 1).
+///
+/// [`DelayedScaling::update`] then, per tensor, in one launch: takes amax = max over the row
+/// ([`AmaxAlgo::Max`]) or slot 0 ([`AmaxAlgo::MostRecent`]); rolls the row (the old slot 0
+/// moves to the end, the oldest entry is dropped, slot 0 becomes 0); sets
+/// `scale = fp8_max * 2^-margin / amax` when amax is finite and > 0 and keeps the old scale
+/// otherwise (0, inf, NaN); an infinite scale becomes `f32::MAX`; `scale_inv = 1 / scale`.
+#[derive(Debug)]
+pub struct DelayedScaling {
+    formats: Vec<Fp8Format>,
+    history_len: usize,
+    margin: i32,
+    algo: AmaxAlgo,
+    history: Arc<DeviceBuffer<f32>>,
+    scale: Arc<DeviceBuffer<f32>>,
+    scale_inv: Arc<DeviceBuffer<f32>>,
+    scaled_max: DeviceBuffer<f32>,
+}
+
+impl DelayedScaling {
+    /// State for one tensor per entry of `formats`, history zero, scales 1 (waits for the
+    /// copies; not during a capture). `history_len` is 1..=[`MAX_HISTORY`].
+    pub fn new(
+        stream: &Stream,
+        formats: &[Fp8Format],
+        history_len: usize,
+        margin: i32,
+        algo: AmaxAlgo,
+    ) -> Result<DelayedScaling> {
+        if formats.is_empty() || formats.len() > i32::MAX as usize {
+            return Err(Error::InvalidArgument(format!(
+                "delayed scaling needs 1..=2^31-1 tensors, got {}",
+                formats.len()
+            )));
+        }
+        if !(1..=MAX_HISTORY).contains(&history_len) {
+            return Err(Error::InvalidArgument(format!(
+                "amax history length {history_len} outside 1..={MAX_HISTORY}"
+            )));
+        }
+        let t = formats.len();
+        let cells = t
+            .checked_mul(history_len)
+            .filter(|&c| c <= u32::MAX as usize)
+            .ok_or_else(|| Error::InvalidArgument("amax history too large".into()))?;
+        let history = DeviceBuffer::from_host(stream, &vec![0f32; cells])?;
+        let scale = DeviceBuffer::from_host(stream, &vec![1f32; t])?;
+        let scale_inv = DeviceBuffer::from_host(stream, &vec![1f32; t])?;
+        let sm: Vec<f32> = formats.iter().map(|&f| scaled_max(f, margin)).collect();
+        let scaled_max = DeviceBuffer::from_host(stream, &sm)?;
+        Ok(DelayedScaling {
+            formats: formats.to_vec(),
+            history_len,
+            margin,
+            algo,
+            history: Arc::new(history),
+            scale: Arc::new(scale),
+            scale_inv: Arc::new(scale_inv),
+            scaled_max,
+        })
+    }
+
+    /// Number of tensors.
+    pub fn len(&self) -> usize {
+        self.formats.len()
+    }
+    /// Whether it has no tensors (never: `new` needs at least one).
+    pub fn is_empty(&self) -> bool {
+        self.formats.is_empty()
+    }
+    /// The history length.
+    pub fn history_len(&self) -> usize {
+        self.history_len
+    }
+    /// The margin.
+    pub fn margin(&self) -> i32 {
+        self.margin
+    }
+    /// The amax algorithm.
+    pub fn algo(&self) -> AmaxAlgo {
+        self.algo
+    }
+    /// Tensor `t`'s format.
+    pub fn format(&self, t: usize) -> Option<Fp8Format> {
+        self.formats.get(t).copied()
+    }
+
+    fn check(&self, t: usize) -> Result<()> {
+        if t < self.len() {
+            Ok(())
+        } else {
+            Err(Error::InvalidArgument(format!(
+                "tensor {t} of a delayed-scaling state of {}",
+                self.len()
+            )))
+        }
+    }
+
+    /// Tensor `t`'s current amax slot (history slot 0).
+    pub fn amax(&self, t: usize) -> Result<DeviceScalar> {
+        self.check(t)?;
+        DeviceScalar::at(self.history.clone(), t * self.history_len)
+    }
+    /// Tensor `t`'s scale.
+    pub fn scale(&self, t: usize) -> Result<DeviceScalar> {
+        self.check(t)?;
+        DeviceScalar::at(self.scale.clone(), t)
+    }
+    /// Tensor `t`'s scale_inv.
+    pub fn scale_inv(&self, t: usize) -> Result<DeviceScalar> {
+        self.check(t)?;
+        DeviceScalar::at(self.scale_inv.clone(), t)
+    }
+
+    /// An FP8 tensor of `shape` for slot `t`, with `data` as its bytes and this state's scale,
+    /// scale_inv and amax slot.
+    pub fn tensor(&self, t: usize, data: DeviceBuffer<u8>, shape: &[usize]) -> Result<Fp8Tensor> {
+        self.check(t)?;
+        Fp8Tensor::from_parts(
+            data,
+            shape,
+            self.formats[t],
+            self.scale(t)?,
+            self.scale_inv(t)?,
+            self.amax(t)?,
+        )
+    }
+
+    /// The history buffer (`len() x history_len()`, tensor-major).
+    pub fn history_buffer(&self) -> &Arc<DeviceBuffer<f32>> {
+        &self.history
+    }
+    /// The scales, one per tensor.
+    pub fn scale_buffer(&self) -> &Arc<DeviceBuffer<f32>> {
+        &self.scale
+    }
+    /// The inverse scales, one per tensor.
+    pub fn scale_inv_buffer(&self) -> &Arc<DeviceBuffer<f32>> {
+        &self.scale_inv
+    }
+
+    /// Enqueues the update of every tensor (one launch; see the type's docs).
+    pub fn update(&self, stream: &Stream) -> Result<()> {
+        let (k, _) = kernel(stream.context(), "fp8_delayed_scaling_update")?;
+        let h = self.history_len as u32;
+        let most_recent = i32::from(self.algo == AmaxAlgo::MostRecent);
+        let args = KernelArgs::new()
+            .arg(&*self.history)
+            .arg(&*self.scale)
+            .arg(&*self.scale_inv)
+            .arg(&self.scaled_max)
+            .arg(&h)
+            .arg(&most_recent);
+        let threads = h.div_ceil(32) * 32;
+        let cfg = LaunchConfig::linear(self.len() as u32, threads);
+        // SAFETY: block t touches history[t*H .. t*H+H], scale[t], scale_inv[t],
+        // scaled_max[t], all inside buffers sized len() x H and len(); blockDim >= H,
+        // a multiple of 32 and <= 1024 (history_len checked in new).
+        unsafe { stream.launch(&k, &cfg, &args) }
+    }
+}
