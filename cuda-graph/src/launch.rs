@@ -180,10 +180,9 @@ impl Stream {
     ) -> Result<()> {
         kernel.check_args(args.sizes())?;
         if self.is_collecting() {
-            self.retain_for_capture(|| kernel.module_resource());
-            for r in args.resources() {
-                self.retain_for_capture(|| r);
-            }
+            self.retain_all_for_capture(
+                std::iter::once(kernel.module_resource()).chain(args.resources()),
+            );
         }
         let (g, b) = (config.grid, config.block);
         if config.attributes.is_empty() {

@@ -36,6 +36,11 @@ impl ResourceSet {
         self.list.is_empty()
     }
 
+    /// The resources, each once.
+    pub(crate) fn into_vec(self) -> Vec<Resource> {
+        self.list
+    }
+
     /// Everything held.
     pub(crate) fn as_slice(&self) -> &[Resource] {
         &self.list

@@ -9,6 +9,7 @@ use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::event::Event;
 use crate::graph::Resource;
+use crate::resources::ResourceSet;
 
 /// A non-blocking CUDA stream. Cloning gives another handle to the same stream; the stream is
 /// destroyed when the last handle goes (unless it was borrowed with [`Stream::from_raw`]).
@@ -27,7 +28,7 @@ struct StreamInner {
     ctx: Arc<Context>,
     owned: bool,
     /// Resources used by work enqueued during an ongoing capture (see `capture.rs`).
-    captured: Mutex<Option<Vec<Resource>>>,
+    captured: Mutex<Option<ResourceSet>>,
     /// Whether `captured` is collecting: lets eager launches skip the lock.
     collecting: AtomicBool,
 }
@@ -151,8 +152,23 @@ impl Stream {
             .captured
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        if let Some(list) = captured.as_mut() {
-            list.push(resource());
+        if let Some(set) = captured.as_mut() {
+            set.insert(resource());
+        }
+    }
+
+    /// [`Stream::retain_for_capture`] for several resources under one lock.
+    pub(crate) fn retain_all_for_capture(&self, resources: impl IntoIterator<Item = Resource>) {
+        if !self.is_collecting() {
+            return;
+        }
+        let mut captured = self
+            .inner
+            .captured
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(set) = captured.as_mut() {
+            set.extend(resources);
         }
     }
 
@@ -169,7 +185,7 @@ impl Stream {
             .inner
             .captured
             .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(Vec::new());
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(ResourceSet::default());
     }
 
     /// Stops collecting and returns what was collected.
@@ -180,6 +196,7 @@ impl Stream {
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .take()
+            .map(ResourceSet::into_vec)
             .unwrap_or_default()
     }
 }
