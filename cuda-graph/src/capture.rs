@@ -173,9 +173,20 @@ fn exchange_thread_mode(mode: CUstreamCaptureMode) -> Result<CUstreamCaptureMode
     Ok(m)
 }
 
-/// The capture status of `stream` and its current capture dependencies, sorted (empty when
-/// not capturing).
-fn capture_dependencies(stream: &Stream) -> Result<(CaptureStatus, Vec<CUgraphNode>)> {
+/// What `cuStreamGetCaptureInfo` reports of a stream, copied out of the driver-owned arrays.
+pub(crate) struct CaptureInfo {
+    /// None, active or invalidated.
+    pub(crate) status: CaptureStatus,
+    /// The graph being captured into (null when not capturing).
+    pub(crate) graph: CUgraph,
+    /// The nodes the next captured work will depend on.
+    pub(crate) deps: Vec<CUgraphNode>,
+    /// The edge data of those dependencies (empty or one per dependency).
+    pub(crate) edges: Vec<CUgraphEdgeData>,
+}
+
+/// The capture state of `stream` (`cuStreamGetCaptureInfo_v3`).
+pub(crate) fn capture_info(stream: &Stream) -> Result<CaptureInfo> {
     let mut status = CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
     let mut id = 0u64;
     let mut graph: CUgraph = std::ptr::null_mut();
@@ -183,7 +194,7 @@ fn capture_dependencies(stream: &Stream) -> Result<(CaptureStatus, Vec<CUgraphNo
     let mut edges: *const CUgraphEdgeData = std::ptr::null();
     let mut n = 0usize;
     // SAFETY: valid out-pointers; the driver owns the returned arrays, which stay valid until
-    // the next call on the stream, and they are copied before any.
+    // the next call on the stream, and they are copied below before any.
     unsafe {
         cu!(cuStreamGetCaptureInfo(
             stream.as_raw(),
@@ -196,14 +207,34 @@ fn capture_dependencies(stream: &Stream) -> Result<(CaptureStatus, Vec<CUgraphNo
         ))
     }?;
     let status = status_from_raw(status)?;
-    let mut nodes = if deps.is_null() || n == 0 {
+    let deps = if deps.is_null() || n == 0 {
         Vec::new()
     } else {
-        // SAFETY: the driver returned `n` nodes at `deps` (see above).
+        // SAFETY: the driver returned `n` nodes at `deps`.
         unsafe { std::slice::from_raw_parts(deps, n) }.to_vec()
     };
-    nodes.sort_unstable();
-    Ok((status, nodes))
+    let edges = if edges.is_null() || n == 0 {
+        Vec::new()
+    } else {
+        // SAFETY: the driver returned `n` edge records at `edges`.
+        unsafe { std::slice::from_raw_parts(edges, n) }.to_vec()
+    };
+    Ok(CaptureInfo {
+        status,
+        graph,
+        deps,
+        edges,
+    })
+}
+
+/// The capture status of `stream` and its current capture dependencies, sorted (empty when
+/// not capturing).
+fn capture_dependencies(stream: &Stream) -> Result<(CaptureStatus, Vec<CUgraphNode>)> {
+    let CaptureInfo {
+        status, mut deps, ..
+    } = capture_info(stream)?;
+    deps.sort_unstable();
+    Ok((status, deps))
 }
 
 /// Every node of `graph`.

@@ -52,9 +52,10 @@ use std::sync::{Arc, Mutex, OnceLock};
 use cuda_graph_sys::{
     CU_GRAPH_COND_ASSIGN_DEFAULT, CUDA_CONDITIONAL_NODE_PARAMS, CUgraph, CUgraphConditionalHandle,
     CUgraphConditionalNodeType, CUgraphEdgeData, CUgraphNode, CUgraphNodeParams, CUgraphNodeType,
-    CUstreamCaptureMode, CUstreamCaptureStatus, CUstreamUpdateCaptureDependencies_flags,
+    CUstreamCaptureMode, CUstreamUpdateCaptureDependencies_flags,
 };
 
+use crate::capture::{CaptureInfo, CaptureStatus};
 use crate::context::Context;
 use crate::driver::{Feature, driver_version};
 use crate::error::{Error, Result};
@@ -488,55 +489,16 @@ impl Stream {
     }
 }
 
-/// Whether `stream` is capturing, and into which graph after which nodes.
-struct CaptureInfo {
-    graph: CUgraph,
-    deps: Vec<CUgraphNode>,
-    edges: Vec<CUgraphEdgeData>,
-}
-
+/// The capture state of `stream`, which must be capturing.
 fn capture_info(stream: &Stream) -> Result<CaptureInfo> {
-    let mut status = CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-    let mut id = 0u64;
-    let mut graph: CUgraph = std::ptr::null_mut();
-    let mut deps: *const CUgraphNode = std::ptr::null();
-    let mut edges: *const CUgraphEdgeData = std::ptr::null();
-    let mut n = 0usize;
-    // SAFETY: live stream, valid out-pointers; the arrays returned are driver-owned and read
-    // (copied) below before any other call on the stream.
-    unsafe {
-        cu!(cuStreamGetCaptureInfo(
-            stream.as_raw(),
-            &mut status,
-            &mut id,
-            &mut graph,
-            &mut deps,
-            &mut edges,
-            &mut n
-        ))
-    }?;
-    if status != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE || graph.is_null() {
+    let info = crate::capture::capture_info(stream)?;
+    if info.status != CaptureStatus::Active || info.graph.is_null() {
         return Err(Error::invalid(format!(
-            "the stream is not capturing (capture status {})",
-            status.0
+            "the stream is not capturing (capture status {:?})",
+            info.status
         )));
     }
-    let copy = |p: *const CUgraphNode| {
-        if p.is_null() || n == 0 {
-            Vec::new()
-        } else {
-            // SAFETY: the driver returned `n` nodes at `p`, valid until the next call.
-            unsafe { std::slice::from_raw_parts(p, n) }.to_vec()
-        }
-    };
-    let deps = copy(deps);
-    let edges = if edges.is_null() || n == 0 {
-        Vec::new()
-    } else {
-        // SAFETY: as above, `n` edge records.
-        unsafe { std::slice::from_raw_parts(edges, n) }.to_vec()
-    };
-    Ok(CaptureInfo { graph, deps, edges })
+    Ok(info)
 }
 
 fn create_handle(
