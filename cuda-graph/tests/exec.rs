@@ -5,60 +5,21 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use cuda_graph::{
-    Context, DeviceBuffer, Error, Event, Graph, GraphExec, InstantiateFlags, Kernel, LaunchConfig,
-    MemsetValue, Module, Stream, UpdateOutcome, UpdateReason, kernel_args,
+    DeviceBuffer, Error, Event, Graph, GraphExec, InstantiateFlags, LaunchConfig, MemsetValue,
+    UpdateOutcome, UpdateReason, kernel_args,
 };
 
-const FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/test_kernels.fatbin"));
+mod common;
+use common::{Gpu, POISON};
+
 const N: u32 = 4096;
-const POISON: u32 = 0x7fc0_dead; // a NaN
-
-struct Gpu {
-    ctx: Arc<Context>,
-    stream: Stream,
-    module: Module,
-}
-
-impl Gpu {
-    fn new() -> Gpu {
-        let ctx = Context::default_device().expect("context");
-        let stream = Stream::new(&ctx).expect("stream");
-        let module = Module::from_image(&ctx, FATBIN).expect("test kernels");
-        Gpu {
-            ctx,
-            stream,
-            module,
-        }
-    }
-    fn k(&self, name: &str) -> Kernel {
-        self.module.kernel(name).expect(name)
-    }
-    fn buf(&self) -> DeviceBuffer<f32> {
-        let mut b = DeviceBuffer::alloc(&self.ctx, N as usize).expect("alloc");
-        self.poison(&mut b);
-        b
-    }
-    fn poison(&self, b: &mut DeviceBuffer<f32>) {
-        b.fill_u32_bits(&self.stream, POISON).expect("poison");
-        self.stream.synchronize().expect("sync");
-    }
-    fn read(&self, b: &DeviceBuffer<f32>) -> Vec<f32> {
-        b.to_vec(&self.stream).expect("read back")
-    }
-    fn run(&self, exec: &GraphExec) {
-        exec.launch(&self.stream).expect("launch");
-        self.stream.synchronize().expect("sync");
-    }
-}
 
 fn cfg() -> LaunchConfig {
     LaunchConfig::for_elements(N, 256)
 }
 
 fn assert_all(v: &[f32], want: f32, what: &str) {
-    for (i, &x) in v.iter().enumerate() {
-        assert_eq!(x, want, "{what}[{i}] = {x}, expected {want}");
-    }
+    common::assert_all(v, want, N, what);
 }
 
 /// x = 1 (memset), then `adds` times x += v.
@@ -81,7 +42,7 @@ fn build(gpu: &Gpu, x: &DeviceBuffer<f32>, v: f32, adds: usize) -> Graph {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn update_with_new_arguments_takes_effect_on_the_next_launch() {
-    let gpu = Gpu::new();
+    let gpu = Gpu::new(N);
     let mut x1 = gpu.buf();
     let g1 = build(&gpu, &x1, 2.0, 1);
     let mut exec = GraphExec::instantiate(&g1, InstantiateFlags::empty()).unwrap();
@@ -115,7 +76,7 @@ fn update_with_new_arguments_takes_effect_on_the_next_launch() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn topology_change_is_reported_and_the_helper_reinstantiates() {
-    let gpu = Gpu::new();
+    let gpu = Gpu::new(N);
     let mut x = gpu.buf();
     let g1 = build(&gpu, &x, 2.0, 1);
     let mut exec = GraphExec::instantiate(&g1, InstantiateFlags::empty()).unwrap();
@@ -155,7 +116,7 @@ fn topology_change_is_reported_and_the_helper_reinstantiates() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn per_node_setters_and_enable_disable_take_effect() {
-    let gpu = Gpu::new();
+    let gpu = Gpu::new(N);
     let add = gpu.k("add_f32");
     let (mut x, mut y) = (gpu.buf(), gpu.buf());
     let w = DeviceBuffer::from_host(&gpu.stream, &vec![42.0f32; N as usize]).unwrap();
@@ -257,7 +218,7 @@ fn per_node_setters_and_enable_disable_take_effect() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn host_and_child_graph_setters_take_effect() {
-    let gpu = Gpu::new();
+    let gpu = Gpu::new(N);
     let add = gpu.k("add_f32");
     let mut x = gpu.buf();
     let child_adding = |v: f32| {
@@ -323,7 +284,7 @@ fn host_and_child_graph_setters_take_effect() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn setters_take_the_original_graphs_node_handles_after_an_update() {
-    let gpu = Gpu::new();
+    let gpu = Gpu::new(N);
     let add = gpu.k("add_f32");
     let x = gpu.buf();
     let mk = |v: f32| {

@@ -4,57 +4,21 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use cuda_graph::{
-    Context, DeviceBuffer, EdgeKind, Error, Event, Graph, GraphExec, InstantiateFlags, Kernel,
-    KernelNode, LaunchConfig, MemsetValue, Module, Node, NodeKind, Stream, kernel_args,
+    DeviceBuffer, EdgeKind, Error, Event, Graph, GraphExec, InstantiateFlags, KernelNode,
+    LaunchConfig, MemsetValue, Node, NodeKind, Stream, kernel_args,
 };
 
-const FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/test_kernels.fatbin"));
+mod common;
+use common::Gpu;
+
 const N: u32 = 4099;
-const POISON: u32 = 0x7fc0_dead; // a NaN
-
-struct Gpu {
-    ctx: Arc<Context>,
-    stream: Stream,
-    module: Module,
-}
-
-impl Gpu {
-    fn new() -> Gpu {
-        let ctx = Context::default_device().expect("context");
-        let stream = Stream::new(&ctx).expect("stream");
-        let module = Module::from_image(&ctx, FATBIN).expect("test kernels");
-        Gpu {
-            ctx,
-            stream,
-            module,
-        }
-    }
-    fn k(&self, name: &str) -> Kernel {
-        self.module.kernel(name).expect(name)
-    }
-    fn buf(&self) -> DeviceBuffer<f32> {
-        let mut b = DeviceBuffer::alloc(&self.ctx, N as usize).expect("alloc");
-        self.poison(&mut b);
-        b
-    }
-    fn poison(&self, b: &mut DeviceBuffer<f32>) {
-        b.fill_u32_bits(&self.stream, POISON).expect("poison");
-        self.stream.synchronize().expect("sync");
-    }
-    fn read(&self, b: &DeviceBuffer<f32>) -> Vec<f32> {
-        b.to_vec(&self.stream).expect("read back")
-    }
-}
 
 fn cfg() -> LaunchConfig {
     LaunchConfig::for_elements(N, 256)
 }
 
 fn assert_all(v: &[f32], want: f32, what: &str) {
-    assert_eq!(v.len(), N as usize, "{what}: length");
-    for (i, &x) in v.iter().enumerate() {
-        assert_eq!(x, want, "{what}[{i}] = {x}, expected {want}");
-    }
+    common::assert_all(v, want, N, what);
 }
 
 /// The diamond: a = 1 (memset); a += 2; {b = a; b *= 3} and {c = a; c += 5}; c = 2*b + c.
@@ -122,7 +86,7 @@ fn diamond(
 #[test]
 #[ignore = "needs a CUDA device"]
 fn diamond_of_kernels_memset_memcpy_replays() {
-    let gpu = Gpu::new();
+    let gpu = Gpu::new(N);
     let (mut a, mut b, mut c) = (gpu.buf(), gpu.buf(), gpu.buf());
     let d = diamond(&gpu, &a, &b, &c);
     let exec = GraphExec::instantiate(&d.graph, InstantiateFlags::empty()).expect("instantiate");
@@ -142,7 +106,7 @@ fn diamond_of_kernels_memset_memcpy_replays() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn queries_report_what_was_built_and_clone_and_dot_work() {
-    let gpu = Gpu::new();
+    let gpu = Gpu::new(N);
     let (mut a, mut b, mut c) = (gpu.buf(), gpu.buf(), gpu.buf());
     let d = diamond(&gpu, &a, &b, &c);
     let g = &d.graph;
@@ -222,7 +186,7 @@ fn queries_report_what_was_built_and_clone_and_dot_work() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn host_callback_runs_each_replay_and_panics_are_contained() {
-    let gpu = Gpu::new();
+    let gpu = Gpu::new(N);
     let count_up = gpu.k("count_up");
     let mut dev_count = DeviceBuffer::<u32>::from_host(&gpu.stream, &[0]).expect("counter");
     let hits = Arc::new(AtomicU64::new(0));
@@ -293,7 +257,7 @@ fn host_callback_runs_each_replay_and_panics_are_contained() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn event_nodes_order_two_graphs_and_a_stream() {
-    let gpu = Gpu::new();
+    let gpu = Gpu::new(N);
     let other = Stream::new(&gpu.ctx).unwrap();
     let set = gpu.k("set_f32");
     let (x, mut y) = (gpu.buf(), gpu.buf());
@@ -339,7 +303,7 @@ fn event_nodes_order_two_graphs_and_a_stream() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn child_graph_nodes_run_the_child() {
-    let gpu = Gpu::new();
+    let gpu = Gpu::new(N);
     let (add, mul) = (gpu.k("add_f32"), gpu.k("mul_f32"));
     let mut x = gpu.buf();
 
@@ -371,7 +335,7 @@ fn child_graph_nodes_run_the_child() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn mem_alloc_and_free_nodes_give_working_scratch_memory() {
-    let gpu = Gpu::new();
+    let gpu = Gpu::new(N);
     let (set, add) = (gpu.k("set_f32"), gpu.k("add_f32"));
     let mut out = gpu.buf();
 
@@ -425,7 +389,7 @@ fn mem_alloc_and_free_nodes_give_working_scratch_memory() {
 #[ignore = "needs a CUDA device"]
 fn programmatic_edges_compute_the_same_as_full_edges() {
     const CHAIN: usize = 16;
-    let gpu = Gpu::new();
+    let gpu = Gpu::new(N);
     let pdl = gpu.k("add_one_pdl");
     for programmatic in [false, true] {
         let mut x = gpu.buf();
@@ -478,7 +442,7 @@ fn programmatic_edges_compute_the_same_as_full_edges() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn kernel_nodes_check_argument_sizes() {
-    let gpu = Gpu::new();
+    let gpu = Gpu::new(N);
     let add = gpu.k("add_f32");
     let x = gpu.buf();
     let mut g = Graph::new(&gpu.ctx).unwrap();
