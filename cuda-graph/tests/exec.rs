@@ -320,3 +320,46 @@ fn setters_take_the_original_graphs_node_handles_after_an_update() {
     );
     assert_eq!(v2, 5.0, "refused setter changed nothing");
 }
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn instantiate_failure_names_the_driver_result_and_node() {
+    let gpu = Gpu::new(N);
+    let x = gpu.buf();
+    let mut g = build(&gpu, &x, 1.0, 2);
+    // Device-launchable graphs may not contain host nodes: the driver refuses at
+    // instantiation and blames the host node.
+    let host = g.add_host(&[], || {}).unwrap();
+    match GraphExec::instantiate(&g, InstantiateFlags::DEVICE_LAUNCH) {
+        Err(Error::Instantiate { result, node, .. }) => {
+            assert_ne!(
+                result,
+                cuda_graph::sys::CUgraphInstantiateResult::CUDA_GRAPH_INSTANTIATE_SUCCESS
+            );
+            assert_eq!(node, host.id(), "the failing node is the host node");
+        }
+        other => panic!("expected Error::Instantiate, got {other:?}"),
+    }
+    // Rejected before the driver: contradictory flags, and UPLOAD without a stream.
+    for flags in [
+        InstantiateFlags::AUTO_FREE_ON_LAUNCH | InstantiateFlags::DEVICE_LAUNCH,
+        InstantiateFlags::UPLOAD,
+    ] {
+        assert!(matches!(
+            GraphExec::instantiate(&g, flags),
+            Err(Error::InvalidArgument(_))
+        ));
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn instantiate_with_upload_then_launch_runs() {
+    let gpu = Gpu::new(N);
+    let x = gpu.buf();
+    let g = build(&gpu, &x, 0.5, 4);
+    let exec = GraphExec::instantiate_on(&g, InstantiateFlags::UPLOAD, &gpu.stream).unwrap();
+    exec.upload(&gpu.stream).unwrap();
+    gpu.run(&exec);
+    assert_all(&gpu.read(&x), 3.0, "1 + 4 x 0.5");
+}
