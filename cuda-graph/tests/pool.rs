@@ -82,3 +82,42 @@ fn graphs_captured_in_order_share_pool_memory_and_replay_correctly() {
     exec_a.launch(&stream).unwrap();
     assert!(out_a.to_vec(&stream).unwrap().iter().all(|&v| v == 8.0));
 }
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn graph_memory_nodes_reserve_memory_that_trim_returns() {
+    let ctx = Context::default_device().unwrap();
+    let stream = Stream::new(&ctx).unwrap();
+    let module = Module::from_image(&ctx, TEST_KERNELS).unwrap();
+    let (set, axpy) = (module.kernel("set_f32").unwrap(), module.kernel("axpy_f32").unwrap());
+    let n = 1u32 << 22; // 16 MiB of scratch
+    let cfg = LaunchConfig::for_elements(n, 256);
+    let out = DeviceBuffer::<f32>::from_host(&stream, &vec![f32::NAN; n as usize]).unwrap();
+    let dev = ctx.device();
+    dev.graph_mem_trim().unwrap();
+    let graph = stream
+        .capture(CaptureMode::Global, |s| {
+            // Stream-ordered allocation and free inside a capture become graph memory nodes.
+            let tmp = DeviceBuffer::<f32>::alloc_async(s.stream(), n as usize)?;
+            // SAFETY: the kernels touch n elements of buffers that hold n.
+            unsafe {
+                s.stream().launch(&set, &cfg, &kernel_args![tmp, 2.0f32, n])?;
+                s.stream().launch(&set, &cfg, &kernel_args![out, 1.0f32, n])?;
+                s.stream().launch(&axpy, &cfg, &kernel_args![3.0f32, tmp, out, n])
+            }
+        })
+        .unwrap();
+    let exec = GraphExec::instantiate(&graph, InstantiateFlags::empty()).unwrap();
+    for _ in 0..2 {
+        exec.launch(&stream).unwrap();
+        assert!(out.to_vec(&stream).unwrap().iter().all(|&v| v == 7.0));
+    }
+    let usage = dev.graph_mem_usage().unwrap();
+    assert!(usage.reserved >= u64::from(n) * 4, "{usage:?}");
+    assert!(usage.used_high >= u64::from(n) * 4, "{usage:?}");
+    drop((exec, graph));
+    stream.synchronize().unwrap();
+    dev.graph_mem_trim().unwrap();
+    let after = dev.graph_mem_usage().unwrap();
+    assert!(after.reserved < usage.reserved, "trim returned nothing: {usage:?} -> {after:?}");
+}
