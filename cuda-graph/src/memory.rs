@@ -36,6 +36,16 @@ enum Free {
     Async(Stream),
     /// A range of a [`GraphPool`](crate::GraphPool), returned to it.
     Pool(Arc<crate::pool::PoolInner>),
+    /// Stream-ordered allocation made while its stream was capturing: a graph memory node.
+    /// Freed like `Async` (inside the capture that is a free node). Graphs do not keep it
+    /// alive: the graph owns that memory between its alloc and free nodes.
+    InGraph(Stream),
+}
+
+/// The resource that keeps nothing alive (what graph-owned allocations register).
+fn no_resource() -> Resource {
+    static NONE: std::sync::OnceLock<Resource> = std::sync::OnceLock::new();
+    NONE.get_or_init(|| Arc::new(())).clone()
 }
 
 /// One device allocation; freed when the last `Arc` goes (buffers, graphs and execs that use
@@ -70,6 +80,7 @@ impl Allocation {
     pub(crate) fn keep_alive(self: &Arc<Self>) -> Resource {
         match &self.free {
             Free::Pool(pool) => pool.clone() as Resource,
+            Free::InGraph(_) => no_resource(),
             _ => self.clone() as Resource,
         }
     }
@@ -101,7 +112,7 @@ impl Drop for Allocation {
                     unsafe { free(self.ptr) };
                 }
             }
-            Free::Async(stream) => {
+            Free::Async(stream) | Free::InGraph(stream) => {
                 if let Ok(free) = d.cuMemFreeAsync() {
                     // SAFETY: owned allocation, freed once, ordered on its stream.
                     unsafe { free(self.ptr, stream.as_raw()) };
@@ -169,10 +180,16 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     }
 
     /// Allocates `len` elements, ordered on `stream`, from the device's current pool
-    /// (`cuMemAllocAsync`); freed on the same stream. Inside a capture this becomes a graph
-    /// memory node.
+    /// (`cuMemAllocAsync`); freed on the same stream when dropped.
+    ///
+    /// Inside a capture this becomes a graph memory node, and dropping the buffer inside the
+    /// capture adds the matching free node: the graph owns that memory between the two, so
+    /// graphs do not keep such buffers alive. A buffer kept past the end of its capture is
+    /// freed (stream-ordered) when dropped; until then the graph cannot be launched again
+    /// unless instantiated with `AUTO_FREE_ON_LAUNCH`.
     pub fn alloc_async(stream: &Stream, len: usize) -> Result<DeviceBuffer<T>> {
         let bytes = Self::bytes_for(len)?;
+        let free = Self::stream_ordered_free(stream)?;
         let mut ptr = 0;
         if bytes > 0 {
             // SAFETY: valid out-pointer, live stream.
@@ -182,7 +199,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
             Allocation {
                 ptr,
                 bytes,
-                free: Free::Async(stream.clone()),
+                free,
                 ctx: stream.context().clone(),
                 _pool: None,
             },
@@ -190,13 +207,23 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         ))
     }
 
+    /// How a stream-ordered allocation on `stream` is freed: graph-owned while capturing.
+    fn stream_ordered_free(stream: &Stream) -> Result<Free> {
+        Ok(match stream.capture_status()? {
+            crate::CaptureStatus::None => Free::Async(stream.clone()),
+            _ => Free::InGraph(stream.clone()),
+        })
+    }
+
     /// Allocates `len` elements from `pool`, ordered on `stream`; freed on the same stream.
+    /// Inside a capture this is a graph memory node, as with [`DeviceBuffer::alloc_async`].
     pub fn alloc_from_pool(
         stream: &Stream,
         pool: &Arc<MemPool>,
         len: usize,
     ) -> Result<DeviceBuffer<T>> {
         let bytes = Self::bytes_for(len)?;
+        let free = Self::stream_ordered_free(stream)?;
         let mut ptr = 0;
         if bytes > 0 {
             // SAFETY: valid out-pointer, live stream and pool.
@@ -213,7 +240,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
             Allocation {
                 ptr,
                 bytes,
-                free: Free::Async(stream.clone()),
+                free,
                 ctx: stream.context().clone(),
                 _pool: Some(pool.clone()),
             },
