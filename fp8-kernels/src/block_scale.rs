@@ -1,0 +1,179 @@
+//! Block-scaled quantize (DeepSeek-V3 style): one fp32 scale per 1x128 row block
+//! (activations) or per 128x128 tile (weights) of a `[rows, cols]` row-major matrix, derived
+//! on the device from the block's own amax. The launcher validates everything first (nothing
+//! is enqueued on an error), then enqueues one kernel without synchronising or allocating, so
+//! it works eagerly and inside a stream capture alike.
+//!
+//! Semantics, per block (what [`reference::quantize_blockwise_ref`] models bit for bit):
+//! * `amax_b = max |x|` over the block's real elements, in f32 after exact widening; a NaN
+//!   anywhere in the block makes `amax_b` NaN;
+//! * `scale = fp8_max / amax_b` as one f32 division (round to nearest even); `scale = 1`
+//!   when `amax_b` is 0, inf or NaN; `scale = f32::MAX` when the quotient overflows to inf
+//!   (that is [`reference::current_scale`]);
+//! * `y = sat_rne(x * scale)` (the product rounded to f32, then encoded as
+//!   [`reference::encode`] does: saturating, NaN to NaN);
+//! * `scales_inv[block] = 1.0 / scale` (one f32 division).
+//!
+//! [`reference::quantize_blockwise_ref`]: crate::reference::quantize_blockwise_ref
+//! [`reference::current_scale`]: crate::reference::current_scale
+//! [`reference::encode`]: crate::reference::encode
+
+use cuda_graph::{DeviceBuffer, Error, KernelArgs, LaunchConfig, Result, Stream};
+
+use crate::cast_transpose::matrix_numel;
+use crate::format::Fp8Format;
+use crate::module::kernel;
+use crate::quantize::{ALIGN, push_input};
+use crate::tensor::{HpBuffer, check_align};
+
+/// Threads per block of the block-scaled kernels (8 warps).
+const THREADS: u32 = 256;
+/// Largest grid the kernels are launched with (CUDA's limit on `gridDim.x`).
+const MAX_GRID: u64 = (1 << 31) - 1;
+
+/// The shape of the blocks that share one scale.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BlockShape {
+    /// 1 row x 128 columns (activations). Scales: `[rows, ceil(cols / 128)]` row-major.
+    Row1x128,
+    /// 128 rows x 128 columns (weights). Scales: `[ceil(rows / 128), ceil(cols / 128)]`
+    /// row-major.
+    Tile128x128,
+}
+
+impl BlockShape {
+    /// Rows and columns of one block: (1, 128) or (128, 128).
+    pub const fn dims(self) -> (usize, usize) {
+        match self {
+            BlockShape::Row1x128 => (1, 128),
+            BlockShape::Tile128x128 => (128, 128),
+        }
+    }
+
+    /// The shape of the scale matrix for a `[rows, cols]` input: blocks down, blocks across.
+    /// Edge blocks are partial and count as whole blocks.
+    pub const fn scales_shape(self, rows: usize, cols: usize) -> (usize, usize) {
+        let (br, bc) = self.dims();
+        (rows.div_ceil(br), cols.div_ceil(bc))
+    }
+
+    /// The number of scales for a `[rows, cols]` input.
+    pub const fn scales_len(self, rows: usize, cols: usize) -> usize {
+        let (r, c) = self.scales_shape(rows, cols);
+        r * c
+    }
+
+    /// Lower-case name used in kernel symbols: `1x128` or `128x128`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            BlockShape::Row1x128 => "1x128",
+            BlockShape::Tile128x128 => "128x128",
+        }
+    }
+}
+
+/// Grid size for a block shape: 8 row blocks per CTA (one a warp) for 1x128, one CTA per
+/// tile for 128x128.
+pub(crate) fn blockwise_grid(block: BlockShape, rows: usize, cols: usize) -> Result<u32> {
+    let blocks = (rows.div_ceil(block.dims().0) as u64).saturating_mul(cols.div_ceil(128) as u64);
+    let grid = match block {
+        BlockShape::Row1x128 => blocks.div_ceil(u64::from(THREADS / 32)),
+        BlockShape::Tile128x128 => blocks,
+    };
+    if grid > MAX_GRID {
+        return Err(Error::InvalidArgument(format!(
+            "blockwise quantize of [{rows}, {cols}] needs a grid of {grid}, above {MAX_GRID}"
+        )));
+    }
+    Ok(grid as u32)
+}
+
+/// Quantizes `input` (`[rows, cols]` row-major) to `format` with one scale per block of
+/// `block` (semantics in the [module docs](self)): writes the FP8 bytes, row-major
+/// `[rows, cols]`, to `out` and each block's `1 / scale` to `scales_inv`, laid out as
+/// [`BlockShape::scales_shape`] row-major. Nothing is read from or accumulated into
+/// device scalars: every scale comes from its block alone.
+///
+/// Requirements (checked before any launch; nothing is written on an error):
+/// `rows >= 1`, `cols >= 1`; `input.len() == out.len() == rows * cols`;
+/// `scales_inv.len() == block.scales_len(rows, cols)`; input and `out` 16-byte aligned,
+/// `scales_inv` 4-byte aligned (buffers from [`DeviceBuffer::alloc`] always are).
+pub fn quantize_blockwise(
+    stream: &Stream,
+    input: HpBuffer<'_>,
+    rows: usize,
+    cols: usize,
+    block: BlockShape,
+    format: Fp8Format,
+    out: &mut DeviceBuffer<u8>,
+    scales_inv: &mut DeviceBuffer<f32>,
+) -> Result<()> {
+    let n = matrix_numel("quantize_blockwise", rows, cols)?;
+    if input.len() != n || out.len() != n {
+        return Err(Error::InvalidArgument(format!(
+            "quantize_blockwise: [{rows}, {cols}] needs {n} elements; input has {}, output {}",
+            input.len(),
+            out.len()
+        )));
+    }
+    let ns = block.scales_len(rows, cols);
+    if scales_inv.len() != ns {
+        return Err(Error::InvalidArgument(format!(
+            "quantize_blockwise: {} scales given, {block:?} blocks of [{rows}, {cols}] need {ns}",
+            scales_inv.len()
+        )));
+    }
+    check_align("quantize_blockwise input", input.device_ptr(), ALIGN)?;
+    check_align("quantize_blockwise output", out.as_raw(), ALIGN)?;
+    check_align("quantize_blockwise scales", scales_inv.as_raw(), 4)?;
+    let grid = blockwise_grid(block, rows, cols)?;
+    let name = format!(
+        "fp8_quantize_{}_{}_{}",
+        block.name(),
+        input.dtype().name(),
+        format.name()
+    );
+    let (k, _sms) = kernel(stream.context(), &name)?;
+    let (rows64, cols64) = (rows as u64, cols as u64);
+    let out: &DeviceBuffer<u8> = out;
+    let scales_inv: &DeviceBuffer<f32> = scales_inv;
+    let args = push_input(KernelArgs::new(), &input)
+        .arg(out)
+        .arg(scales_inv)
+        .arg(&rows64)
+        .arg(&cols64);
+    let cfg = LaunchConfig::linear(grid, THREADS);
+    // SAFETY: the kernel reads rows * cols input elements and writes rows * cols bytes of
+    // out (both checked to hold exactly that many, aligned) and one f32 per block of
+    // scales_inv (checked to hold scales_len); every access is bound-checked against
+    // rows / cols in the kernel.
+    unsafe { stream.launch(&k, &cfg, &args) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scale_layouts() {
+        assert_eq!(BlockShape::Row1x128.scales_shape(3, 200), (3, 2));
+        assert_eq!(BlockShape::Row1x128.scales_shape(1, 128), (1, 1));
+        assert_eq!(BlockShape::Row1x128.scales_shape(1, 129), (1, 2));
+        assert_eq!(BlockShape::Tile128x128.scales_shape(130, 257), (2, 3));
+        assert_eq!(BlockShape::Tile128x128.scales_shape(257, 130), (3, 2));
+        assert_eq!(BlockShape::Tile128x128.scales_len(128, 128), 1);
+    }
+
+    #[test]
+    fn grids() {
+        assert_eq!(blockwise_grid(BlockShape::Row1x128, 1, 1).ok(), Some(1));
+        assert_eq!(blockwise_grid(BlockShape::Row1x128, 8, 128).ok(), Some(1));
+        assert_eq!(blockwise_grid(BlockShape::Row1x128, 9, 128).ok(), Some(2));
+        assert_eq!(blockwise_grid(BlockShape::Row1x128, 3, 200).ok(), Some(1));
+        assert_eq!(
+            blockwise_grid(BlockShape::Tile128x128, 257, 130).ok(),
+            Some(6)
+        );
+        assert!(blockwise_grid(BlockShape::Row1x128, 1 << 40, 1 << 20).is_err());
+    }
+}
