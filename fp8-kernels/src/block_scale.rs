@@ -98,6 +98,9 @@ pub(crate) fn blockwise_grid(block: BlockShape, rows: usize, cols: usize) -> Res
 /// `rows >= 1`, `cols >= 1`; `input.len() == out.len() == rows * cols`;
 /// `scales_inv.len() == block.scales_len(rows, cols)`; input and `out` 16-byte aligned,
 /// `scales_inv` 4-byte aligned (buffers from [`DeviceBuffer::alloc`] always are).
+// The signature mirrors the other launchers (stream, input, shape, then outputs); a
+// parameter struct would only hide that.
+#[allow(clippy::too_many_arguments)]
 pub fn quantize_blockwise(
     stream: &Stream,
     input: HpBuffer<'_>,
