@@ -21,7 +21,7 @@
 use cuda_graph::{DeviceBuffer, Error, KernelArgs, LaunchConfig, Result, Stream};
 
 use crate::cast_transpose::matrix_numel;
-use crate::format::Fp8Format;
+use crate::format::{DType, Fp8Format};
 use crate::module::kernel;
 use crate::quantize::{ALIGN, push_input};
 use crate::tensor::{HpBuffer, check_align};
@@ -72,12 +72,32 @@ impl BlockShape {
     }
 }
 
-/// Grid size for a block shape: 8 row blocks per CTA (one a warp) for 1x128, one CTA per
-/// tile for 128x128.
-pub(crate) fn blockwise_grid(block: BlockShape, rows: usize, cols: usize) -> Result<u32> {
+/// Blocks one group of lanes does in the vector 1x128 kernel (`BW1X128_U` in the kernel).
+const VEC_BLOCKS_PER_GROUP: u64 = 4;
+
+/// Whether the 1x128 vector kernel applies: every row starts on a 16-byte boundary (the
+/// input is 16-byte aligned, and `cols` is a multiple of the 16-byte vector's elements).
+pub(crate) fn vector_1x128(dtype: DType, cols: usize) -> bool {
+    cols % (16 / dtype.size()) == 0
+}
+
+/// Grid size for a block shape: for 1x128, 8 blocks per CTA (a warp each), or with the vector
+/// kernel 8 warps of `32 / (128 / V)` lane groups doing [`VEC_BLOCKS_PER_GROUP`] blocks each;
+/// for 128x128, one CTA per tile.
+pub(crate) fn blockwise_grid(
+    block: BlockShape,
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+) -> Result<u32> {
     let blocks = (rows.div_ceil(block.dims().0) as u64).saturating_mul(cols.div_ceil(128) as u64);
+    let warps_per_cta = u64::from(THREADS / 32);
     let grid = match block {
-        BlockShape::Row1x128 => blocks.div_ceil(u64::from(THREADS / 32)),
+        BlockShape::Row1x128 if vector_1x128(dtype, cols) => {
+            let groups_per_warp = 32 / (128 / (16 / dtype.size() as u64));
+            blocks.div_ceil(warps_per_cta * groups_per_warp * VEC_BLOCKS_PER_GROUP)
+        }
+        BlockShape::Row1x128 => blocks.div_ceil(warps_per_cta),
         BlockShape::Tile128x128 => blocks,
     };
     if grid > MAX_GRID {
@@ -129,10 +149,12 @@ pub fn quantize_blockwise(
     check_align("quantize_blockwise input", input.device_ptr(), ALIGN)?;
     check_align("quantize_blockwise output", out.as_raw(), ALIGN)?;
     check_align("quantize_blockwise scales", scales_inv.as_raw(), 4)?;
-    let grid = blockwise_grid(block, rows, cols)?;
+    let grid = blockwise_grid(block, input.dtype(), rows, cols)?;
+    let vec = block == BlockShape::Row1x128 && vector_1x128(input.dtype(), cols);
     let name = format!(
-        "fp8_quantize_{}_{}_{}",
+        "fp8_quantize_{}{}_{}_{}",
         block.name(),
+        if vec { "v" } else { "" },
         input.dtype().name(),
         format.name()
     );
@@ -169,14 +191,22 @@ mod tests {
 
     #[test]
     fn grids() {
-        assert_eq!(blockwise_grid(BlockShape::Row1x128, 1, 1).ok(), Some(1));
-        assert_eq!(blockwise_grid(BlockShape::Row1x128, 8, 128).ok(), Some(1));
-        assert_eq!(blockwise_grid(BlockShape::Row1x128, 9, 128).ok(), Some(2));
-        assert_eq!(blockwise_grid(BlockShape::Row1x128, 3, 200).ok(), Some(1));
-        assert_eq!(
-            blockwise_grid(BlockShape::Tile128x128, 257, 130).ok(),
-            Some(6)
-        );
-        assert!(blockwise_grid(BlockShape::Row1x128, 1 << 40, 1 << 20).is_err());
+        let (row, tile) = (BlockShape::Row1x128, BlockShape::Tile128x128);
+        let (f32_, bf16) = (DType::F32, DType::Bf16);
+        // Scalar 1x128 kernel (cols not a multiple of the vector): 8 blocks a CTA.
+        assert_eq!(blockwise_grid(row, bf16, 1, 1).ok(), Some(1));
+        assert_eq!(blockwise_grid(row, bf16, 8, 129).ok(), Some(2));
+        assert_eq!(blockwise_grid(row, bf16, 9, 129).ok(), Some(3));
+        assert_eq!(blockwise_grid(row, f32_, 3, 202).ok(), Some(1));
+        // Vector kernel: 64 blocks a CTA for 16-bit inputs, 32 for f32.
+        assert!(vector_1x128(bf16, 200) && !vector_1x128(bf16, 202));
+        assert!(vector_1x128(f32_, 4) && !vector_1x128(f32_, 6));
+        assert_eq!(blockwise_grid(row, bf16, 64, 128).ok(), Some(1));
+        assert_eq!(blockwise_grid(row, bf16, 65, 128).ok(), Some(2));
+        assert_eq!(blockwise_grid(row, f32_, 33, 128).ok(), Some(2));
+        assert_eq!(blockwise_grid(row, bf16, 8192, 16384).ok(), Some(16384));
+        assert_eq!(blockwise_grid(tile, bf16, 257, 130).ok(), Some(6));
+        assert!(blockwise_grid(row, bf16, 1 << 40, 1 << 20).is_err());
+        assert!(blockwise_grid(row, bf16, 1 << 40, (1 << 20) + 1).is_err());
     }
 }
