@@ -109,15 +109,27 @@ pub(crate) fn blockwise_grid(
 }
 
 /// Quantizes `input` (`[rows, cols]` row-major) to `format` with one scale per block of
-/// `block` (semantics in the [module docs](self)): writes the FP8 bytes, row-major
-/// `[rows, cols]`, to `out` and each block's `1 / scale` to `scales_inv`, laid out as
-/// [`BlockShape::scales_shape`] row-major. Nothing is read from or accumulated into
+/// `block`: writes the FP8 bytes, row-major `[rows, cols]`, to `out` and each block's
+/// `1 / scale` to `scales_inv`, laid out as [`BlockShape::scales_shape`] row-major. Nothing is read from or accumulated into
 /// device scalars: every scale comes from its block alone.
+///
+/// Per block (bit for bit what [`reference::quantize_blockwise_ref`] computes):
+/// * `amax_b = max |x|` over the block's real elements (edge blocks are partial), in f32
+///   after exact widening; a NaN anywhere in the block makes `amax_b` NaN;
+/// * `scale = fp8_max / amax_b` as one f32 division; `scale = 1` when `amax_b` is 0, inf or
+///   NaN; `scale = f32::MAX` when the quotient overflows ([`reference::current_scale`]);
+/// * `y = sat_rne(x * scale)`, the product rounded to f32 first ([`reference::quantize`]);
+/// * `scales_inv[block] = 1.0 / scale`.
+///
+/// [`reference::quantize_blockwise_ref`]: crate::reference::quantize_blockwise_ref
+/// [`reference::current_scale`]: crate::reference::current_scale
+/// [`reference::quantize`]: crate::reference::quantize
 ///
 /// Requirements (checked before any launch; nothing is written on an error):
 /// `rows >= 1`, `cols >= 1`; `input.len() == out.len() == rows * cols`;
 /// `scales_inv.len() == block.scales_len(rows, cols)`; input and `out` 16-byte aligned,
-/// `scales_inv` 4-byte aligned (buffers from [`DeviceBuffer::alloc`] always are).
+/// `scales_inv` 4-byte aligned (buffers from [`DeviceBuffer::alloc`] always are). Any shape
+/// works; 1x128 takes a 16-byte-load path when `cols` is a multiple of `16 / element size`.
 // The signature mirrors the other launchers (stream, input, shape, then outputs); a
 // parameter struct would only hide that.
 #[allow(clippy::too_many_arguments)]
