@@ -3,3 +3,5 @@
 #include "common.cuh"
 #include "quantize.cuh"
 #include "scaling.cuh"
+#include "cast_transpose.cuh"
+#include "block_scale.cuh"

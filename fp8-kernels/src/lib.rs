@@ -8,6 +8,9 @@
 //!   [`HpBufferMut`] (f16 and bf16 as their `u16` bits);
 //! * [`quantize`] (fused amax, optional noop flag), [`quantize_current`] (current scaling),
 //!   [`amax`], [`dequantize`];
+//! * [`cast_transpose`]: the FP8 cast row-major and transposed in one pass, amax fused;
+//! * [`quantize_blockwise`]: block-scaled quantize (1x128 or 128x128 blocks, [`BlockShape`]),
+//!   fp32 scales written beside the data;
 //! * [`DelayedScaling`]: TransformerEngine's delayed-scaling state for many tensors on the
 //!   device, updated by one launch;
 //! * [`reference`](mod@reference): the bit-exact CPU model the GPU tests compare against.
@@ -41,6 +44,8 @@
 
 #![deny(missing_docs)]
 
+mod block_scale;
+mod cast_transpose;
 mod format;
 mod module;
 mod quantize;
@@ -48,6 +53,8 @@ pub mod reference;
 mod scaling;
 mod tensor;
 
+pub use block_scale::{BlockShape, quantize_blockwise};
+pub use cast_transpose::{TILE_COLS, cast_transpose, tile_rows};
 pub use format::{DType, Fp8Format};
 pub use module::{FATBIN, module};
 pub use quantize::{ALIGN, amax, dequantize, quantize, quantize_current};

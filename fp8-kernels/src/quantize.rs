@@ -26,7 +26,7 @@ fn grid(sms: u32, vectors: u64) -> u32 {
 }
 
 /// A scalar's index as the kernels take it.
-fn idx(s: &DeviceScalar) -> Result<u32> {
+pub(crate) fn idx(s: &DeviceScalar) -> Result<u32> {
     u32::try_from(s.index())
         .map_err(|_| Error::InvalidArgument(format!("scalar index {} above u32", s.index())))
 }
@@ -42,7 +42,7 @@ fn same_len(what: &str, a: usize, b: usize) -> Result<()> {
 }
 
 /// Pushes a high-precision input buffer onto an argument list.
-fn push_input<'a>(args: KernelArgs<'a>, input: &HpBuffer<'a>) -> KernelArgs<'a> {
+pub(crate) fn push_input<'a>(args: KernelArgs<'a>, input: &HpBuffer<'a>) -> KernelArgs<'a> {
     match *input {
         HpBuffer::F32(b) => args.arg(b),
         HpBuffer::F16(b) | HpBuffer::Bf16(b) => args.arg(b),

@@ -12,6 +12,7 @@
 
 use half::{bf16, f16};
 
+use crate::block_scale::BlockShape;
 use crate::format::{DType, Fp8Format};
 
 /// Encodes `x` to FP8: round to nearest even, saturate to max finite, NaN to NaN.
@@ -152,6 +153,65 @@ pub fn delayed_update(
     }
     *scale = s;
     *scale_inv = 1.0 / s;
+}
+
+/// What cast-transpose writes for `wide` (`[rows, cols]` row-major, already widened to f32)
+/// at `scale`: the row-major bytes (`[rows, cols]`), the transposed bytes (`[cols, rows]`,
+/// `t[c * rows + r] == y[r * cols + c]`) and the amax of the unscaled input.
+pub fn cast_transpose_ref(
+    wide: &[f32],
+    rows: usize,
+    cols: usize,
+    scale: f32,
+    fmt: Fp8Format,
+) -> (Vec<u8>, Vec<u8>, f32) {
+    assert_eq!(wide.len(), rows * cols, "reference input length");
+    let y: Vec<u8> = wide.iter().map(|&x| quantize(x, scale, fmt)).collect();
+    let mut t = vec![0u8; y.len()];
+    for r in 0..rows {
+        for c in 0..cols {
+            t[c * rows + r] = y[r * cols + c];
+        }
+    }
+    (y, t, amax(wide.iter().copied()))
+}
+
+/// What block-scaled quantize writes for `wide` (`[rows, cols]` row-major, already widened
+/// to f32): the bytes (`[rows, cols]` row-major) and one `1 / scale` per block, laid out as
+/// [`BlockShape::scales_shape`] row-major. Per block: `amax_b` = [`amax`] of its real
+/// elements (NaN wins), `scale =` [`current_scale`]`(amax_b)` (1 for 0, inf or NaN;
+/// f32::MAX on overflow), bytes [`quantize`]`(x, scale)`, scale_inv `1.0 / scale`.
+pub fn quantize_blockwise_ref(
+    wide: &[f32],
+    rows: usize,
+    cols: usize,
+    block: BlockShape,
+    fmt: Fp8Format,
+) -> (Vec<u8>, Vec<f32>) {
+    assert_eq!(wide.len(), rows * cols, "reference input length");
+    let (br, bc) = block.dims();
+    let (nr, nc) = block.scales_shape(rows, cols);
+    let mut y = vec![0u8; wide.len()];
+    let mut scales_inv = vec![0f32; nr * nc];
+    for bi in 0..nr {
+        for bj in 0..nc {
+            let rs = bi * br..((bi + 1) * br).min(rows);
+            let cs = bj * bc..((bj + 1) * bc).min(cols);
+            let a = amax(
+                rs.clone()
+                    .flat_map(|r| cs.clone().map(move |c| r * cols + c))
+                    .map(|i| wide[i]),
+            );
+            let s = current_scale(a, fmt);
+            for r in rs.clone() {
+                for c in cs.clone() {
+                    y[r * cols + c] = quantize(wide[r * cols + c], s, fmt);
+                }
+            }
+            scales_inv[bi * nc + bj] = 1.0 / s;
+        }
+    }
+    (y, scales_inv)
 }
 
 #[cfg(test)]
@@ -396,5 +456,59 @@ mod tests {
             0x3f80,
             "tie to even"
         );
+    }
+
+    #[test]
+    fn cast_transpose_ref_transposes() {
+        let f = Fp8Format::E4M3;
+        let wide = [1.0, 2.0, 3.0, -4.0, 1000.0, f32::NAN]; // [2, 3]
+        let (y, t, a) = cast_transpose_ref(&wide, 2, 3, 0.5, f);
+        assert_eq!(y, [0x30, 0x38, 0x3c, 0xc0, 0x7e, 0x7f]);
+        assert_eq!(t, [0x30, 0xc0, 0x38, 0x7e, 0x3c, 0x7f]);
+        assert_eq!(a.to_bits(), 0x7fc0_0000);
+        let (_, _, a) = cast_transpose_ref(&wide[..5], 1, 5, 1.0, f);
+        assert_eq!(a, 1000.0);
+    }
+
+    #[test]
+    fn blockwise_ref_on_tiny_cases() {
+        let f = Fp8Format::E4M3;
+        // [2, 130], 1x128: blocks (row, 0..128) and (row, 128..130).
+        let mut wide = vec![0f32; 260];
+        wide[0] = 2.0; // row 0 block 0: amax 2 -> scale 224
+        wide[1] = -1.0;
+        wide[128] = 0.0; // row 0 block 1: all zero -> scale 1
+        wide[130] = f32::INFINITY; // row 1 block 0: inf -> scale 1
+        wide[131] = 3.0;
+        wide[258] = f32::NAN; // row 1 block 1: NaN -> scale 1
+        wide[259] = 1e-30; // tiny
+        let (y, si) = quantize_blockwise_ref(&wide, 2, 130, BlockShape::Row1x128, f);
+        assert_eq!(si, [1.0 / 224.0, 1.0, 1.0, 1.0]);
+        assert_eq!(y[0], 0x7e, "2 * 224 = 448");
+        assert_eq!(y[1], encode(-224.0, f));
+        assert_eq!(y[128], 0);
+        assert_eq!(y[130], 0x7e, "inf saturates");
+        assert_eq!(y[131], encode(3.0, f));
+        assert_eq!(y[258], 0x7f);
+        assert_eq!(y[259], 0);
+        // A lone tiny value: the quotient overflows, the scale clamps to f32::MAX.
+        let (y, si) = quantize_blockwise_ref(&[f32::from_bits(1)], 1, 1, BlockShape::Row1x128, f);
+        assert_eq!(si, [1.0 / f32::MAX]);
+        assert_eq!(y, [encode(f32::from_bits(1) * f32::MAX, f)]);
+        // 128x128 over [130, 2]: tiles rows 0..128 and 128..130.
+        let mut wide = vec![1.0f32; 260];
+        wide[5] = -8.0;
+        wide[258] = 0.5;
+        wide[259] = 0.25;
+        let (y, si) = quantize_blockwise_ref(&wide, 130, 2, BlockShape::Tile128x128, f);
+        assert_eq!(si, [1.0 / 56.0, 1.0 / 448.0]);
+        assert_eq!(y[5], 0xfe, "-8 * 56 = -448");
+        assert_eq!(y[0], encode(56.0, f));
+        assert_eq!(
+            y[256], 0x7e,
+            "row 128 is in the second tile: amax 1, 1 * 448"
+        );
+        assert_eq!(y[258], encode(224.0, f));
+        assert_eq!(y[259], encode(112.0, f));
     }
 }

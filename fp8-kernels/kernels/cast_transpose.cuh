@@ -1,0 +1,147 @@
+// Cast-transpose: one pass over a [rows, cols] row-major high-precision matrix writes its
+// FP8 cast row-major ([rows, cols]) and transposed ([cols, rows]), and maxes amax.
+//
+// One CTA of CT_THREADS threads per tile of CtTile<In>::TR rows x TC (64) columns; the grid
+// is 1-D over tiles, column tiles fastest. A tile is on the fast path when it is full and
+// rows % 16 == 0 and cols % 16 == 0 (every base pointer 16-byte aligned, checked by the
+// launcher): each thread does 4 independent 16-byte loads (4 consecutive rows, one vector of
+// V columns), converts once, stores its 4 row-major pieces (V bytes each), transposes the
+// 4 x V bytes in registers into V words of 4 rows each and puts them in shared memory
+// (rows of the transposed tile, padded so the word stores and loads are conflict-free);
+// then each thread stores 16-byte pieces of transposed rows. Other tiles (edges, odd
+// shapes) go element by element through the same shared tile.
+#pragma once
+#include "common.cuh"
+
+namespace fp8k {
+
+constexpr unsigned CT_THREADS = 256;
+
+template <typename In> struct CtTile {
+    static constexpr int V = 16 / sizeof(In);                     // elements per 16-byte load
+    static constexpr int TC = 64;                                 // tile columns
+    static constexpr int TR = 4 * int(CT_THREADS) * V / TC;       // tile rows: 128 or 64 (f32)
+    static constexpr int NCV = TC / V;                            // column vectors per row
+    static constexpr int S = TR / 4 + (V == 8 ? 1 : 2);           // shared words per transposed row
+    static constexpr int KC = TR / 16;                            // 16-byte pieces per transposed row
+};
+
+// Four floats cast to four FP8 bytes in one word (first element in the low byte).
+template <__nv_fp8_interpretation_t F>
+__device__ __forceinline__ unsigned cast4(const float *f, float s) {
+    const unsigned lo = __nv_cvt_float2_to_fp8x2(make_float2(f[0] * s, f[1] * s), __NV_SATFINITE, F);
+    const unsigned hi = __nv_cvt_float2_to_fp8x2(make_float2(f[2] * s, f[3] * s), __NV_SATFINITE, F);
+    return lo | (hi << 16);
+}
+
+// 4x4 byte transpose: w[j] = (a.byte j, b.byte j, c.byte j, d.byte j).
+__device__ __forceinline__ void transpose4x4(unsigned a, unsigned b, unsigned c, unsigned d, unsigned *w) {
+    const unsigned ab_lo = __byte_perm(a, b, 0x5140), ab_hi = __byte_perm(a, b, 0x7362);
+    const unsigned cd_lo = __byte_perm(c, d, 0x5140), cd_hi = __byte_perm(c, d, 0x7362);
+    w[0] = __byte_perm(ab_lo, cd_lo, 0x5410);
+    w[1] = __byte_perm(ab_lo, cd_lo, 0x7632);
+    w[2] = __byte_perm(ab_hi, cd_hi, 0x5410);
+    w[3] = __byte_perm(ab_hi, cd_hi, 0x7632);
+}
+
+template <typename In, __nv_fp8_interpretation_t F>
+__device__ __forceinline__ void cast_transpose(const In *__restrict__ x, uint8_t *__restrict__ y,
+                                               uint8_t *__restrict__ yt, unsigned long long rows,
+                                               unsigned long long cols, const float *scale,
+                                               float *scale_inv, float *amax, const float *noop) {
+    using T = CtTile<In>;
+    constexpr int V = T::V, TR = T::TR, TC = T::TC, S = T::S;
+    __shared__ unsigned sm[TC * S];
+    if (is_noop(noop)) return;
+    const float s = *scale;
+    if (blockIdx.x == 0 && threadIdx.x == 0 && scale_inv != nullptr) *scale_inv = 1.0f / s;
+    const unsigned long long tiles_c = (cols + TC - 1) / TC;
+    const unsigned long long row0 = (blockIdx.x / tiles_c) * TR, col0 = (blockIdx.x % tiles_c) * TC;
+    const unsigned t = threadIdx.x;
+    unsigned m = 0;
+    const bool fast = row0 + TR <= rows && col0 + TC <= cols && rows % 16 == 0 && cols % 16 == 0;
+    if (fast) {
+        const unsigned lane = t & 31u, warp = t >> 5;
+        constexpr unsigned WC = T::NCV / 4; // warps across the tile's columns
+        // A warp covers 4 column vectors x 8 row groups: 64 contiguous bytes a row per load,
+        // and conflict-free shared stores (V * S == 8 mod 32 words).
+        const unsigned cv = (warp % WC) * 4 + (lane & 3u);
+        const unsigned rg = (warp / WC) * 8 + (lane >> 2);
+        const unsigned long long r = row0 + rg * 4, c = col0 + cv * V;
+        uint4 raw[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) raw[i] = __ldg(reinterpret_cast<const uint4 *>(x + (r + i) * cols + c));
+        unsigned o[4][V / 4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            float f[V];
+            unpack16<In>(raw[i], f);
+#pragma unroll
+            for (int k = 0; k < V; ++k) m = max(m, abs_bits(f[k]));
+#pragma unroll
+            for (int k = 0; k < V / 4; ++k) o[i][k] = cast4<F>(f + 4 * k, s);
+            uint8_t *dst = y + (r + i) * cols + c;
+            if constexpr (V == 8) {
+                *reinterpret_cast<uint2 *>(dst) = make_uint2(o[i][0], o[i][1]);
+            } else {
+                *reinterpret_cast<unsigned *>(dst) = o[i][0];
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < V / 4; ++k) {
+            unsigned w[4];
+            transpose4x4(o[0][k], o[1][k], o[2][k], o[3][k], w);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) sm[(cv * V + 4 * k + j) * S + rg] = w[j];
+        }
+        __syncthreads();
+#pragma unroll
+        for (unsigned q = t; q < unsigned(TC * T::KC); q += CT_THREADS) {
+            const unsigned cc = q / T::KC, k = q % T::KC;
+            const unsigned *src = sm + cc * S + 4 * k;
+            *reinterpret_cast<uint4 *>(yt + (col0 + cc) * rows + row0 + 16 * k) =
+                make_uint4(src[0], src[1], src[2], src[3]);
+        }
+    } else {
+        uint8_t *smb = reinterpret_cast<uint8_t *>(sm);
+        for (unsigned q = t; q < unsigned(TR * TC); q += CT_THREADS) {
+            const unsigned rr = q / TC, cc = q % TC;
+            const unsigned long long gr = row0 + rr, gc = col0 + cc;
+            if (gr < rows && gc < cols) {
+                const float f = to_f32(x[gr * cols + gc]);
+                m = max(m, abs_bits(f));
+                const uint8_t b = __nv_cvt_float_to_fp8(f * s, __NV_SATFINITE, F);
+                y[gr * cols + gc] = b;
+                smb[cc * S * 4 + rr] = b;
+            }
+        }
+        __syncthreads();
+        for (unsigned q = t; q < unsigned(TR * TC); q += CT_THREADS) {
+            const unsigned cc = q / TR, rr = q % TR;
+            const unsigned long long gr = row0 + rr, gc = col0 + cc;
+            if (gr < rows && gc < cols) yt[gc * rows + gr] = smb[cc * S * 4 + rr];
+        }
+    }
+    if (amax != nullptr) block_amax_atomic(m, amax);
+}
+
+} // namespace fp8k
+
+// Slots: idx = (scale, scale_inv, amax, noop) indices into their buffers.
+#define FP8K_CAST_TRANSPOSE(IN_NAME, IN_T, FMT_NAME, FMT)                                           \
+    extern "C" __global__ void __launch_bounds__(fp8k::CT_THREADS)                                 \
+        fp8_cast_transpose_##IN_NAME##_##FMT_NAME(const IN_T *x, uint8_t *y, uint8_t *yt,          \
+                                                  unsigned long long rows, unsigned long long cols, \
+                                                  float *scale, float *scale_inv, float *amax,     \
+                                                  const float *noop, uint4 idx) {                  \
+        fp8k::cast_transpose<IN_T, FMT>(x, y, yt, rows, cols, fp8k::slot(scale, idx.x),            \
+                                        fp8k::slot(scale_inv, idx.y), fp8k::slot(amax, idx.z),     \
+                                        fp8k::slot(noop, idx.w));                                  \
+    }
+
+FP8K_CAST_TRANSPOSE(f32, float, e4m3, __NV_E4M3)
+FP8K_CAST_TRANSPOSE(f32, float, e5m2, __NV_E5M2)
+FP8K_CAST_TRANSPOSE(f16, __half, e4m3, __NV_E4M3)
+FP8K_CAST_TRANSPOSE(f16, __half, e5m2, __NV_E5M2)
+FP8K_CAST_TRANSPOSE(bf16, __nv_bfloat16, e4m3, __NV_E4M3)
+FP8K_CAST_TRANSPOSE(bf16, __nv_bfloat16, e5m2, __NV_E5M2)

@@ -1,0 +1,818 @@
+//! GPU tests of cast-transpose and block-scaled quantize against the bit-exact CPU reference,
+//! on fresh random data of odd shapes, outputs poisoned first; the noop flag; graph capture
+//! and replay; bad input. Run with `cargo test -p fp8-kernels -- --include-ignored` on a
+//! CUDA machine.
+
+use std::sync::Arc;
+
+use cuda_graph::sys::{CUresult, CUstreamCaptureMode};
+use cuda_graph::{Context, DeviceBuffer, Graph, GraphExec, InstantiateFlags, Result, Stream};
+use fp8_kernels::reference as r;
+use fp8_kernels::{BlockShape, DType, DeviceScalar, Fp8Format, Fp8Tensor, HpBuffer};
+
+const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::Bf16];
+const POISON_F32: u32 = 0xdead_beef;
+/// Odd shapes (tails in both dimensions), one aligned shape of whole tiles, and one aligned
+/// shape whose edge tiles are partial (fast and edge paths in one launch).
+const CT_SHAPES: [(usize, usize); 9] = [
+    (1, 1),
+    (1, 37),
+    (37, 1),
+    (67, 131),
+    (255, 513),
+    (1000, 1003),
+    (256, 512),
+    (272, 144),
+    (16, 16),
+];
+
+fn setup() -> (Arc<Context>, Stream) {
+    let ctx = Context::default_device().expect("a CUDA device");
+    let stream = Stream::new(&ctx).expect("a stream");
+    (ctx, stream)
+}
+
+/// xorshift64: deterministic, seeded per test case so data differs between cases.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    /// Values over a wide range of magnitudes (fp8 subnormals to beyond the max), both signs.
+    fn value(&mut self) -> f32 {
+        let v = self.next();
+        let mant = f32::from_bits(0x3f80_0000 | ((v >> 40) as u32 & 0x7f_ffff));
+        let exp = (v % 48) as i32 - 28;
+        let x = mant * 2f32.powi(exp);
+        if v & (1 << 20) != 0 { -x } else { x }
+    }
+}
+
+/// A high-precision input on the device.
+enum Input {
+    F32(DeviceBuffer<f32>),
+    U16(DeviceBuffer<u16>, DType),
+}
+
+impl Input {
+    fn view(&self) -> HpBuffer<'_> {
+        match self {
+            Input::F32(b) => HpBuffer::F32(b),
+            Input::U16(b, DType::F16) => HpBuffer::F16(b),
+            Input::U16(b, _) => HpBuffer::Bf16(b),
+        }
+    }
+}
+
+/// Uploads `xs` rounded to `dtype`; returns the device input and the widened host values.
+fn upload(stream: &Stream, dtype: DType, xs: &[f32]) -> (Input, Vec<f32>) {
+    let bits: Vec<u32> = xs.iter().map(|&x| r::narrow(x, dtype)).collect();
+    let wide: Vec<f32> = bits.iter().map(|&b| r::widen(b, dtype)).collect();
+    let input = match dtype {
+        DType::F32 => Input::F32(DeviceBuffer::from_host(stream, xs).unwrap()),
+        _ => {
+            let h: Vec<u16> = bits.iter().map(|&b| b as u16).collect();
+            Input::U16(DeviceBuffer::from_host(stream, &h).unwrap(), dtype)
+        }
+    };
+    (input, wide)
+}
+
+/// Random data with specials sprinkled in (inf, NaN, zeros, huge, fp8 subnormals).
+fn random_data(seed: u64, n: usize, specials: bool) -> Vec<f32> {
+    let mut rng = Rng(seed | 1);
+    let mut xs: Vec<f32> = (0..n).map(|_| rng.value()).collect();
+    if specials && n >= 7 {
+        let sp = [
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            -0.0,
+            1e30,
+            2f32.powi(-10),
+            -448.0 * 1.04,
+        ];
+        for (i, s) in sp.iter().enumerate() {
+            xs[(i * 7919 + 3) % n] = *s;
+        }
+    }
+    xs
+}
+
+/// Whether the device converts with the FP8 instructions (sm_89+), whose NaN output the
+/// reference pins exactly; older devices run CUDA's software fallback (any NaN accepted).
+fn hardware_fp8() -> bool {
+    let dev = cuda_graph::driver::Device::get(0).expect("device 0");
+    dev.compute_capability().expect("compute capability") >= (8, 9)
+}
+
+/// Compares bytes with the reference's bytes; `x_of(i)` is the scaled value behind byte i,
+/// used to accept any NaN byte on devices without hardware FP8 conversion.
+fn check_against(what: &str, got: &[u8], want: &[u8], fmt: Fp8Format, exact_nan: bool) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        if fmt.is_nan(w) && !exact_nan {
+            assert!(fmt.is_nan(g), "{what}: [{i}] -> {g:#04x}, want a NaN");
+        } else {
+            assert_eq!(g, w, "{what}: [{i}] -> {g:#04x}, want {w:#04x}");
+        }
+    }
+}
+
+fn poisoned_matrix(stream: &Stream, rows: usize, cols: usize, fmt: Fp8Format) -> Fp8Tensor {
+    let mut t = Fp8Tensor::new(stream, &[rows, cols], fmt).unwrap();
+    t.data_mut().memset_bytes(stream, 0xff).unwrap();
+    stream.synchronize().unwrap();
+    t
+}
+
+fn poisoned_bytes(stream: &Stream, n: usize) -> DeviceBuffer<u8> {
+    let mut b = DeviceBuffer::<u8>::alloc(stream.context(), n).unwrap();
+    b.memset_bytes(stream, 0xff).unwrap();
+    stream.synchronize().unwrap();
+    b
+}
+
+fn scalar_bits(stream: &Stream, s: &DeviceScalar) -> u32 {
+    s.read(stream).unwrap().to_bits()
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cast_transpose_matches_reference() {
+    let (_ctx, stream) = setup();
+    let exact_nan = hardware_fp8();
+    let scale = 0.713_4f32;
+    for (di, &dtype) in DTYPES.iter().enumerate() {
+        for fmt in Fp8Format::ALL {
+            for (si, &(rows, cols)) in CT_SHAPES.iter().enumerate() {
+                let what = format!("cast_transpose {dtype:?}->{fmt:?} [{rows}, {cols}]");
+                let n = rows * cols;
+                let seed = 11 + (di * 100 + si) as u64 * 7 + fmt as u64;
+                let xs = random_data(seed, n, true);
+                let (input, wide) = upload(&stream, dtype, &xs);
+                let mut out = poisoned_matrix(&stream, rows, cols, fmt);
+                let mut out_t = poisoned_bytes(&stream, n);
+                out.scale().write(&stream, scale).unwrap();
+                out.scale_inv()
+                    .write(&stream, f32::from_bits(POISON_F32))
+                    .unwrap();
+                fp8_kernels::cast_transpose(
+                    &stream,
+                    input.view(),
+                    rows,
+                    cols,
+                    &mut out,
+                    &mut out_t,
+                    None,
+                )
+                .unwrap();
+                let (want_y, want_t, want_amax) =
+                    r::cast_transpose_ref(&wide, rows, cols, scale, fmt);
+                let got_y = out.data().to_vec(&stream).unwrap();
+                let got_t = out_t.to_vec(&stream).unwrap();
+                check_against(
+                    &format!("{what} row-major"),
+                    &got_y,
+                    &want_y,
+                    fmt,
+                    exact_nan,
+                );
+                check_against(
+                    &format!("{what} transposed"),
+                    &got_t,
+                    &want_t,
+                    fmt,
+                    exact_nan,
+                );
+                assert_eq!(
+                    scalar_bits(&stream, out.amax()),
+                    want_amax.to_bits(),
+                    "{what}: amax"
+                );
+                assert_eq!(
+                    out.scale_inv().read(&stream).unwrap(),
+                    1.0 / scale,
+                    "{what}: scale_inv"
+                );
+                assert_eq!(
+                    out.scale().read(&stream).unwrap(),
+                    scale,
+                    "{what}: scale kept"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cast_transpose_amax_accumulates_and_noop_writes_nothing() {
+    let (_ctx, stream) = setup();
+    let (rows, cols) = (67, 131);
+    let n = rows * cols;
+    let noop = DeviceScalar::new(&stream, 1.0).unwrap();
+    for dtype in DTYPES {
+        let xs = random_data(31, n, true);
+        let (input, wide) = upload(&stream, dtype, &xs);
+        let mut out = poisoned_matrix(&stream, rows, cols, Fp8Format::E4M3);
+        let mut out_t = poisoned_bytes(&stream, n);
+        out.scale().write(&stream, 3.0).unwrap();
+        out.scale_inv().write(&stream, 7.0).unwrap();
+        out.amax().write(&stream, 11.0).unwrap();
+        fp8_kernels::cast_transpose(
+            &stream,
+            input.view(),
+            rows,
+            cols,
+            &mut out,
+            &mut out_t,
+            Some(&noop),
+        )
+        .unwrap();
+        assert!(
+            out.data()
+                .to_vec(&stream)
+                .unwrap()
+                .iter()
+                .all(|&b| b == 0xff),
+            "{dtype:?}: noop wrote data"
+        );
+        assert!(
+            out_t.to_vec(&stream).unwrap().iter().all(|&b| b == 0xff),
+            "{dtype:?}: noop wrote the transpose"
+        );
+        assert_eq!(out.scale().read(&stream).unwrap(), 3.0, "{dtype:?}: scale");
+        assert_eq!(
+            out.scale_inv().read(&stream).unwrap(),
+            7.0,
+            "{dtype:?}: scale_inv"
+        );
+        assert_eq!(out.amax().read(&stream).unwrap(), 11.0, "{dtype:?}: amax");
+        // Any other flag value runs normally; a larger amax already in the slot is kept
+        // (the data holds inf and NaN, so use finite data for that part).
+        noop.write(&stream, 0.0).unwrap();
+        let finite = random_data(32, n, false);
+        let (input, wide_f) = upload(&stream, dtype, &finite);
+        let big = r::amax(wide_f.iter().copied()) * 2.0;
+        out.amax().write(&stream, big).unwrap();
+        fp8_kernels::cast_transpose(
+            &stream,
+            input.view(),
+            rows,
+            cols,
+            &mut out,
+            &mut out_t,
+            Some(&noop),
+        )
+        .unwrap();
+        assert_eq!(
+            out.scale_inv().read(&stream).unwrap(),
+            1.0 / 3.0,
+            "{dtype:?}: ran"
+        );
+        assert_eq!(
+            out.amax().read(&stream).unwrap(),
+            big,
+            "{dtype:?}: larger amax kept"
+        );
+        let (want_y, want_t, _) = r::cast_transpose_ref(&wide_f, rows, cols, 3.0, Fp8Format::E4M3);
+        assert!(
+            out.data().to_vec(&stream).unwrap() == want_y,
+            "{dtype:?}: ran, row-major"
+        );
+        assert!(
+            out_t.to_vec(&stream).unwrap() == want_t,
+            "{dtype:?}: ran, transposed"
+        );
+        noop.write(&stream, 1.0).unwrap();
+        let _ = wide;
+    }
+}
+
+/// Captures `f`'s work on `stream` into a graph through raw driver calls.
+fn capture(ctx: &Arc<Context>, stream: &Stream, f: impl FnOnce() -> Result<()>) -> Graph {
+    let d = cuda_graph::sys::driver().unwrap();
+    // SAFETY: live stream; thread-local mode.
+    let rc = unsafe {
+        d.cuStreamBeginCapture().unwrap()(
+            stream.as_raw(),
+            CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+        )
+    };
+    assert_eq!(rc, CUresult::CUDA_SUCCESS, "cuStreamBeginCapture");
+    let body = f();
+    let mut g = std::ptr::null_mut();
+    // SAFETY: ends the capture begun above; valid out-pointer.
+    let rc = unsafe { d.cuStreamEndCapture().unwrap()(stream.as_raw(), &mut g) };
+    body.expect("work enqueued during capture");
+    assert_eq!(rc, CUresult::CUDA_SUCCESS, "cuStreamEndCapture");
+    // SAFETY: g is a fresh graph of ctx owned by nobody else; every buffer it uses outlives it
+    // in this test.
+    unsafe { Graph::from_raw(ctx, g) }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn captured_graph_replays_like_eager() {
+    let (ctx, stream) = setup();
+    let fmt = Fp8Format::E4M3;
+    // An odd shape (edge path) and an aligned one (fast path) in the same graph, plus a
+    // block-scaled quantize.
+    let shapes = [(255usize, 513usize), (512, 256)];
+    let inputs: Vec<(Input, Vec<f32>)> = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, &(rr, cc))| {
+            upload(
+                &stream,
+                DType::Bf16,
+                &random_data(2024 + i as u64, rr * cc, true),
+            )
+        })
+        .collect();
+    struct Side {
+        noop: DeviceScalar,
+        outs: Vec<(Fp8Tensor, DeviceBuffer<u8>)>,
+        bq: DeviceBuffer<u8>,
+        bs: DeviceBuffer<f32>,
+    }
+    let (br, bc) = shapes[0];
+    let mk = || Side {
+        noop: DeviceScalar::new(&stream, 0.0).unwrap(),
+        outs: shapes
+            .iter()
+            .map(|&(rr, cc)| {
+                (
+                    poisoned_matrix(&stream, rr, cc, fmt),
+                    poisoned_bytes(&stream, rr * cc),
+                )
+            })
+            .collect(),
+        bq: poisoned_bytes(&stream, br * bc),
+        bs: DeviceBuffer::alloc(&ctx, BlockShape::Row1x128.scales_len(br, bc)).unwrap(),
+    };
+    let enqueue = |side: &mut Side| -> Result<()> {
+        for (k, (out, out_t)) in side.outs.iter_mut().enumerate() {
+            let (rr, cc) = shapes[k];
+            fp8_kernels::cast_transpose(
+                &stream,
+                inputs[k].0.view(),
+                rr,
+                cc,
+                out,
+                out_t,
+                Some(&side.noop),
+            )?;
+        }
+        fp8_kernels::quantize_blockwise(
+            &stream,
+            inputs[0].0.view(),
+            br,
+            bc,
+            BlockShape::Row1x128,
+            fmt,
+            &mut side.bq,
+            &mut side.bs,
+        )
+    };
+    let mut g = mk();
+    let mut e = mk();
+    let graph = capture(&ctx, &stream, || enqueue(&mut g));
+    let exec = GraphExec::instantiate(&graph, InstantiateFlags::empty()).unwrap();
+    for (step, (scale, flag)) in [(1.0f32, 0.0f32), (0.25, 0.0), (3.5, 1.0), (100.0, 0.0)]
+        .into_iter()
+        .enumerate()
+    {
+        for side in [&mut g, &mut e] {
+            side.noop.write(&stream, flag).unwrap();
+            for (out, out_t) in side.outs.iter_mut() {
+                out.scale().write(&stream, scale).unwrap();
+                out.amax().write(&stream, 0.0).unwrap();
+                out.scale_inv()
+                    .write(&stream, f32::from_bits(POISON_F32))
+                    .unwrap();
+                out.data_mut().memset_bytes(&stream, 0xff).unwrap();
+                out_t.memset_bytes(&stream, 0xff).unwrap();
+            }
+            side.bq.memset_bytes(&stream, 0xff).unwrap();
+            side.bs.fill_u32_bits(&stream, POISON_F32).unwrap();
+        }
+        exec.launch(&stream).unwrap();
+        enqueue(&mut e).unwrap();
+        stream.synchronize().unwrap();
+        let what = format!("step {step} scale {scale} noop {flag}");
+        for k in 0..shapes.len() {
+            let (rr, cc) = shapes[k];
+            let (go, gt) = &g.outs[k];
+            let (eo, et) = &e.outs[k];
+            let gy = go.data().to_vec(&stream).unwrap();
+            let gtv = gt.to_vec(&stream).unwrap();
+            assert!(
+                gy == eo.data().to_vec(&stream).unwrap(),
+                "{what} [{rr}, {cc}]: row-major differs"
+            );
+            assert!(
+                gtv == et.to_vec(&stream).unwrap(),
+                "{what} [{rr}, {cc}]: transpose differs"
+            );
+            for (a, b) in [(go.amax(), eo.amax()), (go.scale_inv(), eo.scale_inv())] {
+                assert_eq!(
+                    scalar_bits(&stream, a),
+                    scalar_bits(&stream, b),
+                    "{what}: scalars"
+                );
+            }
+            if flag == 1.0 {
+                assert!(
+                    gy.iter().all(|&b| b == 0xff),
+                    "{what}: noop replay wrote data"
+                );
+                assert!(
+                    gtv.iter().all(|&b| b == 0xff),
+                    "{what}: noop replay wrote transpose"
+                );
+                assert_eq!(
+                    go.amax().read(&stream).unwrap(),
+                    0.0,
+                    "{what}: noop replay wrote amax"
+                );
+                assert_eq!(
+                    scalar_bits(&stream, go.scale_inv()),
+                    POISON_F32,
+                    "{what}: noop scale_inv"
+                );
+            } else {
+                let (wy, wt, wa) = r::cast_transpose_ref(&inputs[k].1, rr, cc, scale, fmt);
+                check_against(&what, &gy, &wy, fmt, true);
+                check_against(&what, &gtv, &wt, fmt, true);
+                assert_eq!(
+                    scalar_bits(&stream, go.amax()),
+                    wa.to_bits(),
+                    "{what}: amax"
+                );
+                assert_eq!(
+                    go.scale_inv().read(&stream).unwrap(),
+                    1.0 / scale,
+                    "{what}: scale_inv"
+                );
+            }
+        }
+        let gb = g.bq.to_vec(&stream).unwrap();
+        assert!(
+            gb == e.bq.to_vec(&stream).unwrap(),
+            "{what}: blockwise bytes differ"
+        );
+        let (wb, ws) = r::quantize_blockwise_ref(&inputs[0].1, br, bc, BlockShape::Row1x128, fmt);
+        assert!(gb == wb, "{what}: blockwise bytes vs reference");
+        let gs: Vec<u32> =
+            g.bs.to_vec(&stream)
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect();
+        let want: Vec<u32> = ws.iter().map(|v| v.to_bits()).collect();
+        assert_eq!(gs, want, "{what}: blockwise scales");
+    }
+}
+
+/// Input for a block-scaled test: random finite values whose magnitude varies by block, an
+/// all-zero block (the last one), inf in the first block and NaN in a middle one.
+fn blockwise_data(seed: u64, rows: usize, cols: usize, block: BlockShape) -> Vec<f32> {
+    let mut rng = Rng(seed | 1);
+    let (br, bc) = block.dims();
+    let (nr, nc) = block.scales_shape(rows, cols);
+    let mut xs = vec![0f32; rows * cols];
+    for (i, x) in xs.iter_mut().enumerate() {
+        let b = (i / cols / br) * nc + (i % cols) / bc;
+        *x = rng.value() * 2f32.powi((b % 9) as i32 * 3 - 12);
+    }
+    let nb = nr * nc;
+    let block_elems = |b: usize| {
+        let (bi, bj) = (b / nc, b % nc);
+        (bi * br..((bi + 1) * br).min(rows))
+            .flat_map(move |r| (bj * bc..((bj + 1) * bc).min(cols)).map(move |c| r * cols + c))
+    };
+    if nb >= 3 {
+        for i in block_elems(nb - 1) {
+            xs[i] = 0.0;
+        }
+        let first: Vec<usize> = block_elems(0).collect();
+        xs[first[first.len() / 2]] = f32::INFINITY;
+        let mid: Vec<usize> = block_elems(nb / 2).collect();
+        xs[*mid.last().unwrap()] = f32::NAN;
+    }
+    xs
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn blockwise_matches_reference() {
+    let (ctx, stream) = setup();
+    let exact_nan = hardware_fp8();
+    let shapes = [
+        (3usize, 200usize),
+        (130, 257),
+        (257, 130),
+        (1, 1),
+        (128, 128),
+        (256, 384),
+        (5, 1000),
+    ];
+    for block in [BlockShape::Row1x128, BlockShape::Tile128x128] {
+        for (di, &dtype) in DTYPES.iter().enumerate() {
+            for fmt in Fp8Format::ALL {
+                for (si, &(rows, cols)) in shapes.iter().enumerate() {
+                    let what = format!("blockwise {block:?} {dtype:?}->{fmt:?} [{rows}, {cols}]");
+                    let seed = 7000 + (di * 100 + si) as u64 * 3 + fmt as u64;
+                    let xs = blockwise_data(seed, rows, cols, block);
+                    let (input, wide) = upload(&stream, dtype, &xs);
+                    let mut out = poisoned_bytes(&stream, rows * cols);
+                    let ns = block.scales_len(rows, cols);
+                    let mut scales = DeviceBuffer::<f32>::alloc(&ctx, ns).unwrap();
+                    scales.fill_u32_bits(&stream, POISON_F32).unwrap();
+                    fp8_kernels::quantize_blockwise(
+                        &stream,
+                        input.view(),
+                        rows,
+                        cols,
+                        block,
+                        fmt,
+                        &mut out,
+                        &mut scales,
+                    )
+                    .unwrap();
+                    let (wy, ws) = r::quantize_blockwise_ref(&wide, rows, cols, block, fmt);
+                    check_against(&what, &out.to_vec(&stream).unwrap(), &wy, fmt, exact_nan);
+                    let gs = scales.to_vec(&stream).unwrap();
+                    for (b, (g, w)) in gs.iter().zip(&ws).enumerate() {
+                        assert_eq!(
+                            g.to_bits(),
+                            w.to_bits(),
+                            "{what}: scale_inv[{b}] {g} vs {w}"
+                        );
+                    }
+                    if ns >= 3 {
+                        assert_eq!(ws[ns - 1], 1.0, "{what}: the zero block has scale 1");
+                        assert_eq!(ws[0], 1.0, "{what}: the inf block has scale 1");
+                        assert_eq!(ws[ns / 2], 1.0, "{what}: the NaN block has scale 1");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn bad_input_is_rejected_before_any_launch() {
+    let (ctx, stream) = setup();
+    let (rows, cols) = (16, 20);
+    let n = rows * cols;
+    let x = DeviceBuffer::from_host(&stream, &vec![1.0f32; n + 4]).unwrap();
+    // SAFETY: views into x (n + 4 elements), which outlives them.
+    let (exact, misaligned) = unsafe {
+        (
+            DeviceBuffer::<f32>::from_raw(&ctx, x.as_raw(), n),
+            DeviceBuffer::<f32>::from_raw(&ctx, x.as_raw() + 4, n),
+        )
+    };
+    let mut out = poisoned_matrix(&stream, rows, cols, Fp8Format::E4M3);
+    out.amax().write(&stream, 5.0).unwrap();
+    out.scale_inv().write(&stream, 9.0).unwrap();
+    let mut out_t = poisoned_bytes(&stream, n);
+    let mut short_t = poisoned_bytes(&stream, n - 1);
+    let mut transposed_shape = poisoned_matrix(&stream, cols, rows, Fp8Format::E4M3);
+    let ct = |input: HpBuffer<'_>, rr, cc, o: &mut Fp8Tensor, t: &mut DeviceBuffer<u8>| {
+        fp8_kernels::cast_transpose(&stream, input, rr, cc, o, t, None)
+    };
+    assert!(
+        ct(HpBuffer::F32(&x), rows, cols, &mut out, &mut out_t).is_err(),
+        "input length"
+    );
+    assert!(
+        ct(HpBuffer::F32(&misaligned), rows, cols, &mut out, &mut out_t).is_err(),
+        "misaligned"
+    );
+    assert!(
+        ct(HpBuffer::F32(&exact), rows, cols, &mut out, &mut short_t).is_err(),
+        "out_t length"
+    );
+    assert!(
+        ct(
+            HpBuffer::F32(&exact),
+            rows,
+            cols,
+            &mut transposed_shape,
+            &mut out_t
+        )
+        .is_err(),
+        "out shape [cols, rows]"
+    );
+    assert!(
+        ct(HpBuffer::F32(&exact), 0, cols, &mut out, &mut out_t).is_err(),
+        "empty rows"
+    );
+    assert!(
+        ct(HpBuffer::F32(&exact), cols, rows, &mut out, &mut out_t).is_err(),
+        "swapped dims"
+    );
+    let big_t = poisoned_bytes(&stream, n + 16);
+    // SAFETY: a view of n bytes 1 byte into big_t (n + 16 bytes), which outlives it.
+    let mut misaligned_t = unsafe { DeviceBuffer::<u8>::from_raw(&ctx, big_t.as_raw() + 1, n) };
+    assert!(
+        ct(
+            HpBuffer::F32(&exact),
+            rows,
+            cols,
+            &mut out,
+            &mut misaligned_t
+        )
+        .is_err(),
+        "misaligned out_t"
+    );
+    // Block-scaled.
+    let mut bq = poisoned_bytes(&stream, n);
+    let mut bs =
+        DeviceBuffer::<f32>::alloc(&ctx, BlockShape::Row1x128.scales_len(rows, cols)).unwrap();
+    bs.fill_u32_bits(&stream, POISON_F32).unwrap();
+    let mut bs_short = DeviceBuffer::<f32>::alloc(&ctx, 1).unwrap();
+    let bw = |input: HpBuffer<'_>, block, o: &mut DeviceBuffer<u8>, s: &mut DeviceBuffer<f32>| {
+        fp8_kernels::quantize_blockwise(&stream, input, rows, cols, block, Fp8Format::E4M3, o, s)
+    };
+    assert!(
+        bw(HpBuffer::F32(&x), BlockShape::Row1x128, &mut bq, &mut bs).is_err(),
+        "input length"
+    );
+    assert!(
+        bw(
+            HpBuffer::F32(&misaligned),
+            BlockShape::Row1x128,
+            &mut bq,
+            &mut bs
+        )
+        .is_err(),
+        "misaligned"
+    );
+    assert!(
+        bw(
+            HpBuffer::F32(&exact),
+            BlockShape::Row1x128,
+            &mut bq,
+            &mut bs_short
+        )
+        .is_err(),
+        "scales length"
+    );
+    assert!(
+        bw(
+            HpBuffer::F32(&exact),
+            BlockShape::Tile128x128,
+            &mut bq,
+            &mut bs
+        )
+        .is_err(),
+        "1x128 scale count for 128x128 blocks"
+    );
+    assert!(
+        bw(
+            HpBuffer::F32(&exact),
+            BlockShape::Row1x128,
+            &mut short_t,
+            &mut bs
+        )
+        .is_err(),
+        "out length"
+    );
+    stream.synchronize().unwrap();
+    for (name, b) in [
+        ("out", out.data()),
+        ("out_t", &out_t),
+        ("short_t", &short_t),
+        ("bq", &bq),
+        ("big_t", &big_t),
+    ] {
+        assert!(
+            b.to_vec(&stream).unwrap().iter().all(|&v| v == 0xff),
+            "{name} written on error"
+        );
+    }
+    assert!(
+        transposed_shape
+            .data()
+            .to_vec(&stream)
+            .unwrap()
+            .iter()
+            .all(|&v| v == 0xff)
+    );
+    assert_eq!(
+        out.amax().read(&stream).unwrap(),
+        5.0,
+        "amax written on error"
+    );
+    assert_eq!(
+        out.scale_inv().read(&stream).unwrap(),
+        9.0,
+        "scale_inv written on error"
+    );
+    let bsv = bs.to_vec(&stream).unwrap();
+    assert!(
+        bsv.iter().all(|v| v.to_bits() == POISON_F32),
+        "scales written on error"
+    );
+    // The valid call still works afterwards.
+    ct(HpBuffer::F32(&exact), rows, cols, &mut out, &mut out_t).unwrap();
+    assert_eq!(out.amax().read(&stream).unwrap(), 5.0, "amax max(5, 1)");
+    assert!(
+        out_t.to_vec(&stream).unwrap().iter().all(|&v| v == 0x38),
+        "1.0 in E4M3"
+    );
+}
+
+/// Not a target check (the integrator's `bench fp8-cast` owns that): prints the bandwidth
+/// of bf16 -> E4M3 cast-transpose of an 8192 x 16384 matrix (4 bytes an element: 2 read, 1 +
+/// 1 written) beside a device copy of the same bf16 buffer, and checks the timed results.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn bandwidth_probe_cast_transpose_bf16() {
+    use cuda_graph::Event;
+    let (ctx, stream) = setup();
+    let (rows, cols) = (8192usize, 16384usize);
+    let n = rows * cols;
+    let mut x = DeviceBuffer::<u16>::alloc(&ctx, n).unwrap();
+    x.memset_bytes(&stream, 0x3f).unwrap(); // every element bf16 0x3f3f
+    let mut copy = DeviceBuffer::<u16>::alloc(&ctx, n).unwrap();
+    let mut out = Fp8Tensor::new(&stream, &[rows, cols], Fp8Format::E4M3).unwrap();
+    let mut out_t = DeviceBuffer::<u8>::alloc(&ctx, n).unwrap();
+    let mut bq = DeviceBuffer::<u8>::alloc(&ctx, n).unwrap();
+    let mut bs =
+        DeviceBuffer::<f32>::alloc(&ctx, BlockShape::Row1x128.scales_len(rows, cols)).unwrap();
+    let (start, end) = (Event::new(&ctx).unwrap(), Event::new(&ctx).unwrap());
+    let iters = 20;
+    let time = |f: &mut dyn FnMut()| {
+        f();
+        start.record(&stream).unwrap();
+        for _ in 0..iters {
+            f();
+        }
+        end.record(&stream).unwrap();
+        end.synchronize().unwrap();
+        Event::elapsed_ms(&start, &end).unwrap() / iters as f32
+    };
+    let ct_ms = time(&mut || {
+        fp8_kernels::cast_transpose(
+            &stream,
+            HpBuffer::Bf16(&x),
+            rows,
+            cols,
+            &mut out,
+            &mut out_t,
+            None,
+        )
+        .unwrap()
+    });
+    let c_ms = time(&mut || copy.copy_from_device(&stream, &x).unwrap());
+    let b_ms = time(&mut || {
+        fp8_kernels::quantize_blockwise(
+            &stream,
+            HpBuffer::Bf16(&x),
+            rows,
+            cols,
+            BlockShape::Row1x128,
+            Fp8Format::E4M3,
+            &mut bq,
+            &mut bs,
+        )
+        .unwrap()
+    });
+    let ct_gbs = 4.0 * n as f64 / (f64::from(ct_ms) * 1e6);
+    let c_gbs = 4.0 * n as f64 / (f64::from(c_ms) * 1e6);
+    let b_gbs = (3.0 * n as f64 + 4.0 * bs.len() as f64) / (f64::from(b_ms) * 1e6);
+    eprintln!(
+        "cast-transpose bf16->e4m3 8192x16384: {ct_ms:.3} ms, {ct_gbs:.0} GB/s; d2d copy: {c_ms:.3} ms, {c_gbs:.0} GB/s; ratio {:.2}; blockwise 1x128 quantize: {b_ms:.3} ms, {b_gbs:.0} GB/s",
+        ct_gbs / c_gbs
+    );
+    let v = r::widen(0x3f3f, DType::Bf16);
+    assert_eq!(out.amax().read(&stream).unwrap(), v);
+    let want = r::quantize(v, 1.0, Fp8Format::E4M3);
+    assert!(
+        out.data()
+            .to_vec(&stream)
+            .unwrap()
+            .iter()
+            .all(|&b| b == want),
+        "timed row-major output"
+    );
+    assert!(
+        out_t.to_vec(&stream).unwrap().iter().all(|&b| b == want),
+        "timed transposed output"
+    );
+    let bwant = r::quantize(v, r::current_scale(v, Fp8Format::E4M3), Fp8Format::E4M3);
+    assert!(
+        bq.to_vec(&stream).unwrap().iter().all(|&b| b == bwant),
+        "timed blockwise output"
+    );
+}
