@@ -2,6 +2,7 @@
 //!
 //! * `fp8-moe info`: the driver, each device, and which graph features they support.
 //! * `fp8-moe bench graph [--json PATH]`: launch, replay, capture and update costs.
+//! * `fp8-moe bench fp8-cast [--json PATH]`: FP8 quantize and cast-transpose bandwidth.
 //!
 //! Errors print one line to stderr and exit non-zero; there is never a backtrace.
 
@@ -15,15 +16,21 @@ const USAGE: &str = "usage: fp8-moe <command>
 commands:
   info                          driver version, devices, graph features of this driver
   bench graph [--json PATH]     launch, replay, capture and update costs (JSON default:
-                                bench-graph.json)";
+                                bench-graph.json)
+  bench fp8-cast [--json PATH]  FP8 quantize and cast-transpose bandwidth against a device
+                                copy (JSON default: bench-fp8-cast.json)";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = match args.first().map(String::as_str) {
         Some("info") if args.len() == 1 => info::run(&mut std::io::stdout().lock()),
-        Some("bench") if args.get(1).map(String::as_str) == Some("graph") => {
+        Some("bench") if args.len() >= 2 => {
+            let Some(bench) = Bench::parse(&args[1]) else {
+                eprintln!("{USAGE}");
+                return ExitCode::from(2);
+            };
             let json = match &args[2..] {
-                [] => Some("bench-graph.json".to_owned()),
+                [] => Some(format!("bench-{}.json", args[1])),
                 [flag, path] if flag == "--json" => Some(path.clone()),
                 _ => None,
             };
@@ -31,7 +38,7 @@ fn main() -> ExitCode {
                 eprintln!("{USAGE}");
                 return ExitCode::from(2);
             };
-            run_bench(&json)
+            run_bench(bench, &json)
         }
         Some("-h" | "--help" | "help") => {
             println!("{USAGE}");
@@ -51,16 +58,39 @@ fn main() -> ExitCode {
     }
 }
 
-fn run_bench(json_path: &str) -> Result<(), info::CliError> {
-    let rows = bench::graph::run().map_err(|e| info::CliError::Other(e.to_string()))?;
-    print!(
-        "{}",
-        bench::table(
+/// The benchmarks `bench` runs.
+#[derive(Debug, Clone, Copy)]
+enum Bench {
+    Graph,
+    Fp8Cast,
+}
+
+impl Bench {
+    fn parse(name: &str) -> Option<Bench> {
+        match name {
+            "graph" => Some(Bench::Graph),
+            "fp8-cast" => Some(Bench::Fp8Cast),
+            _ => None,
+        }
+    }
+}
+
+fn run_bench(bench: Bench, json_path: &str) -> Result<(), info::CliError> {
+    let (name, title, rows) = match bench {
+        Bench::Graph => (
+            "graph",
             "bench graph: chain of 1000 x add 1.0 to 1024 floats (4 x 256)",
-            &rows
-        )
-    );
-    std::fs::write(json_path, bench::json("graph", &rows))?;
+            bench::graph::run(),
+        ),
+        Bench::Fp8Cast => (
+            "fp8-cast",
+            "bench fp8-cast: memory-bound FP8 kernels against a device copy",
+            bench::fp8_cast::run(),
+        ),
+    };
+    let rows = rows.map_err(|e| info::CliError::Other(e.to_string()))?;
+    print!("{}", bench::table(title, &rows));
+    std::fs::write(json_path, bench::json(name, &rows))?;
     println!("wrote {json_path}");
     Ok(())
 }

@@ -89,7 +89,10 @@ fn graph_memory_nodes_reserve_memory_that_trim_returns() {
     let ctx = Context::default_device().unwrap();
     let stream = Stream::new(&ctx).unwrap();
     let module = Module::from_image(&ctx, TEST_KERNELS).unwrap();
-    let (set, axpy) = (module.kernel("set_f32").unwrap(), module.kernel("axpy_f32").unwrap());
+    let (set, axpy) = (
+        module.kernel("set_f32").unwrap(),
+        module.kernel("axpy_f32").unwrap(),
+    );
     let n = 1u32 << 22; // 16 MiB of scratch
     let cfg = LaunchConfig::for_elements(n, 256);
     let out = DeviceBuffer::<f32>::from_host(&stream, &vec![f32::NAN; n as usize]).unwrap();
@@ -101,9 +104,12 @@ fn graph_memory_nodes_reserve_memory_that_trim_returns() {
             let tmp = DeviceBuffer::<f32>::alloc_async(s.stream(), n as usize)?;
             // SAFETY: the kernels touch n elements of buffers that hold n.
             unsafe {
-                s.stream().launch(&set, &cfg, &kernel_args![tmp, 2.0f32, n])?;
-                s.stream().launch(&set, &cfg, &kernel_args![out, 1.0f32, n])?;
-                s.stream().launch(&axpy, &cfg, &kernel_args![3.0f32, tmp, out, n])
+                s.stream()
+                    .launch(&set, &cfg, &kernel_args![tmp, 2.0f32, n])?;
+                s.stream()
+                    .launch(&set, &cfg, &kernel_args![out, 1.0f32, n])?;
+                s.stream()
+                    .launch(&axpy, &cfg, &kernel_args![3.0f32, tmp, out, n])
             }
         })
         .unwrap();
@@ -119,5 +125,8 @@ fn graph_memory_nodes_reserve_memory_that_trim_returns() {
     stream.synchronize().unwrap();
     dev.graph_mem_trim().unwrap();
     let after = dev.graph_mem_usage().unwrap();
-    assert!(after.reserved < usage.reserved, "trim returned nothing: {usage:?} -> {after:?}");
+    assert!(
+        after.reserved < usage.reserved,
+        "trim returned nothing: {usage:?} -> {after:?}"
+    );
 }

@@ -13,15 +13,13 @@ use cuda_graph::{
     KernelArgs, KernelNode, LaunchConfig, Module, Node, Stream,
 };
 
-use super::{Row, median};
+use super::{BenchResult, Row, event_median_ms, median};
 
 const CHAIN: usize = 1000;
 const N: u32 = 1024;
 const REPS: usize = 21;
 const WARMUP: usize = 3;
 const FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/bench_graph.fatbin"));
-
-type BenchResult<T> = Result<T, Box<dyn std::error::Error>>;
 
 struct Setup {
     ctx: Arc<Context>,
@@ -140,21 +138,8 @@ pub fn run() -> BenchResult<Vec<Row>> {
 }
 
 /// Median over REPS of (end - start) / CHAIN in microseconds, after WARMUP runs of `body`.
-fn per_kernel_us(s: &Setup, mut body: impl FnMut() -> BenchResult<()>) -> BenchResult<f64> {
-    let (start, end) = (Event::new(&s.ctx)?, Event::new(&s.ctx)?);
-    for _ in 0..WARMUP {
-        body()?;
-    }
-    s.stream.synchronize()?;
-    let mut samples = Vec::with_capacity(REPS);
-    for _ in 0..REPS {
-        start.record(&s.stream)?;
-        body()?;
-        end.record(&s.stream)?;
-        end.synchronize()?;
-        samples.push(Event::elapsed_ms(&start, &end)? as f64 * 1000.0 / CHAIN as f64);
-    }
-    Ok(median(&mut samples))
+fn per_kernel_us(s: &Setup, body: impl FnMut() -> BenchResult<()>) -> BenchResult<f64> {
+    Ok(event_median_ms(&s.stream, WARMUP, REPS, body)? * 1000.0 / CHAIN as f64)
 }
 
 /// Median host time of `body` in the unit `scale` converts seconds to.

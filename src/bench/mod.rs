@@ -1,9 +1,39 @@
 //! `fp8-moe bench ...`: benchmarks timed with CUDA events (device work) or the host clock
 //! (host-side API costs), after warm-up, reported as medians beside their yardsticks.
 
+pub mod fp8_cast;
 pub mod graph;
 
 use std::fmt::Write as _;
+
+use cuda_graph::{Event, Stream};
+
+/// Boxed error of the benchmarks: driver errors and failed result checks alike.
+pub type BenchResult<T> = Result<T, Box<dyn std::error::Error>>;
+
+/// Median over `reps` runs of `body`, in milliseconds between CUDA events recorded around it
+/// on `stream`, after `warmup` untimed runs.
+pub fn event_median_ms(
+    stream: &Stream,
+    warmup: usize,
+    reps: usize,
+    mut body: impl FnMut() -> BenchResult<()>,
+) -> BenchResult<f64> {
+    let (start, end) = (Event::new(stream.context())?, Event::new(stream.context())?);
+    for _ in 0..warmup {
+        body()?;
+    }
+    stream.synchronize()?;
+    let mut samples = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        start.record(stream)?;
+        body()?;
+        end.record(stream)?;
+        end.synchronize()?;
+        samples.push(f64::from(Event::elapsed_ms(&start, &end)?));
+    }
+    Ok(median(&mut samples))
+}
 
 /// The median of `samples` (the mean of the middle two for an even count); NaN when empty.
 pub fn median(samples: &mut [f64]) -> f64 {
