@@ -18,9 +18,7 @@ fn cfg() -> LaunchConfig {
     LaunchConfig::for_elements(N, 256)
 }
 
-fn assert_all(v: &[f32], want: f32, what: &str) {
-    common::assert_all(v, want, N, what);
-}
+use common::assert_all;
 
 /// x = 1 (memset), then `adds` times x += v.
 fn build(gpu: &Gpu, x: &DeviceBuffer<f32>, v: f32, adds: usize) -> Graph {

@@ -17,8 +17,10 @@ fn cfg() -> LaunchConfig {
     LaunchConfig::for_elements(N, 256)
 }
 
+/// Every element of a whole buffer equals `want`.
 fn assert_all(v: &[f32], want: f32, what: &str) {
-    common::assert_all(v, want, N, what);
+    assert_eq!(v.len(), N as usize, "{what}: length");
+    common::assert_all(v, want, what);
 }
 
 /// The diamond: a = 1 (memset); a += 2; {b = a; b *= 3} and {c = a; c += 5}; c = 2*b + c.
