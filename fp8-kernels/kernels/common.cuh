@@ -60,6 +60,24 @@ __device__ __forceinline__ void block_amax_atomic(unsigned bits, float *amax) {
     }
 }
 
+// Block-wide max of `bits`, canonicalised (one NaN), returned to every thread. Every thread
+// of the block must call it.
+__device__ __forceinline__ unsigned block_max_broadcast(unsigned bits) {
+    __shared__ unsigned warp_max[32];
+    __shared__ unsigned result;
+    bits = __reduce_max_sync(0xffffffffu, canonical_amax(bits));
+    const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    if (lane == 0) warp_max[warp] = bits;
+    __syncthreads();
+    if (warp == 0) {
+        const unsigned nwarps = (blockDim.x + 31u) >> 5;
+        const unsigned v = __reduce_max_sync(0xffffffffu, lane < nwarps ? warp_max[lane] : 0u);
+        if (lane == 0) result = v;
+    }
+    __syncthreads();
+    return result;
+}
+
 // Scale for current scaling: fp8_max / amax, or 1 when amax is 0, inf or NaN; an
 // overflowing quotient (tiny amax) becomes FLT_MAX.
 __device__ __forceinline__ float current_scale(float amax, float fp8_max) {

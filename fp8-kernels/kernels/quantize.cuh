@@ -80,6 +80,39 @@ __device__ __forceinline__ void quantize(const In *__restrict__ x, uint8_t *__re
     if (!CURRENT && amax != nullptr) block_amax_atomic(m, amax);
 }
 
+// Current scaling in one pass for tensors that fit one block's registers (n <= blockDim.x *
+// FUSED_PER_THREAD): read once, reduce amax in the block, derive the scale, cast from
+// registers. Writes exactly what the three-launch path writes (amax = max|x|, scale,
+// scale_inv, data); nothing when *noop == 1.
+constexpr int FUSED_PER_THREAD = 16;
+
+template <typename In, __nv_fp8_interpretation_t F>
+__device__ __forceinline__ void quantize_current_fused(const In *__restrict__ x, uint8_t *__restrict__ y,
+                                                       unsigned n, float *scale, float *scale_inv,
+                                                       float *amax, const float *noop) {
+    if (is_noop(noop)) return;
+    float f[FUSED_PER_THREAD];
+    unsigned m = 0;
+#pragma unroll
+    for (int k = 0; k < FUSED_PER_THREAD; ++k) {
+        const unsigned i = threadIdx.x + k * blockDim.x;
+        f[k] = i < n ? to_f32(x[i]) : 0.0f;
+        m = max(m, abs_bits(f[k]));
+    }
+    const float a = __uint_as_float(block_max_broadcast(m));
+    const float s = current_scale(a, FormatMax<F>::value);
+    if (threadIdx.x == 0) {
+        *amax = a;
+        *scale = s;
+        if (scale_inv != nullptr) *scale_inv = 1.0f / s;
+    }
+#pragma unroll
+    for (int k = 0; k < FUSED_PER_THREAD; ++k) {
+        const unsigned i = threadIdx.x + k * blockDim.x;
+        if (i < n) y[i] = __nv_cvt_float_to_fp8(f[k] * s, __NV_SATFINITE, F);
+    }
+}
+
 // max |x| maxed into *amax (must hold a non-negative float); nothing when *noop == 1.
 template <typename In>
 __device__ __forceinline__ void amax_only(const In *__restrict__ x, unsigned long long n, float *amax,
@@ -152,6 +185,13 @@ __device__ __forceinline__ void dequantize(const uint8_t *__restrict__ x, Out *_
         fp8k::quantize<IN_T, FMT, true>(x, y, n, fp8k::slot(scale, idx.x),                         \
                                         fp8k::slot(scale_inv, idx.y), fp8k::slot(amax, idx.z),     \
                                         fp8k::slot(noop, idx.w));                                  \
+    }                                                                                              \
+    extern "C" __global__ void fp8_quantize_current_fused_##IN_NAME##_##FMT_NAME(                   \
+        const IN_T *x, uint8_t *y, unsigned long long n, float *scale, float *scale_inv,           \
+        float *amax, const float *noop, uint4 idx) {                                               \
+        fp8k::quantize_current_fused<IN_T, FMT>(x, y, unsigned(n), fp8k::slot(scale, idx.x),       \
+                                                fp8k::slot(scale_inv, idx.y),                      \
+                                                fp8k::slot(amax, idx.z), fp8k::slot(noop, idx.w)); \
     }
 
 FP8K_QUANTIZE(f32, float, e4m3, __NV_E4M3)

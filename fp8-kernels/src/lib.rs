@@ -57,6 +57,6 @@ pub use block_scale::{BlockShape, quantize_blockwise};
 pub use cast_transpose::{TILE_COLS, cast_transpose, tile_rows};
 pub use format::{DType, Fp8Format};
 pub use module::{FATBIN, module};
-pub use quantize::{ALIGN, amax, dequantize, quantize, quantize_current};
+pub use quantize::{ALIGN, FUSED_CURRENT_MAX, amax, dequantize, quantize, quantize_current};
 pub use scaling::{AmaxAlgo, DelayedScaling, MAX_HISTORY};
 pub use tensor::{DeviceScalar, Fp8Tensor, HpBuffer, HpBufferMut};

@@ -18,6 +18,11 @@ const BLOCK: u32 = 256;
 const BLOCKS_PER_SM: u32 = 4;
 /// Alignment every data buffer must have.
 pub const ALIGN: u64 = 16;
+/// Threads of the fused current-scaling kernel (one block).
+const FUSED_BLOCK: u32 = 1024;
+/// Largest tensor [`quantize_current`] handles in one fused launch (the kernel's one block
+/// holds 16 elements a thread in registers; keep in step with `FUSED_PER_THREAD`).
+pub const FUSED_CURRENT_MAX: usize = FUSED_BLOCK as usize * 16;
 
 /// Grid for `vectors` work items: enough blocks, at most `BLOCKS_PER_SM` per SM, at least 1.
 fn grid(sms: u32, vectors: u64) -> u32 {
@@ -67,8 +72,10 @@ pub fn quantize(
 
 /// Current scaling: `out.amax() = max |input|`, then `scale = fp8_max / amax` (1 when amax is
 /// 0, inf or NaN; f32::MAX when that overflows) written to `out.scale()`, then the cast with
-/// that scale and `out.scale_inv() = 1 / scale`. Three launches (reset amax, amax, cast); all
-/// honour `noop`, so with `noop == 1.0` nothing is written.
+/// that scale and `out.scale_inv() = 1 / scale`. Tensors of at most [`FUSED_CURRENT_MAX`]
+/// elements take one fused launch (read once, reduce in one block, cast from registers);
+/// larger ones three (reset amax, amax, cast). Both write the same bytes and scalars, and
+/// honour `noop`: with `noop == 1.0` nothing is written.
 ///
 /// Requirements: `input.len() == out.numel()`; input and `out.data()` 16-byte aligned.
 pub fn quantize_current(
@@ -78,6 +85,22 @@ pub fn quantize_current(
     noop: Option<&DeviceScalar>,
 ) -> Result<()> {
     validate_quantize(&input, out)?;
+    if input.len() <= FUSED_CURRENT_MAX {
+        let name = format!(
+            "fp8_quantize_current_fused_{}_{}",
+            input.dtype().name(),
+            out.format().name()
+        );
+        let (k, _) = kernel(stream.context(), &name)?;
+        return launch_cast(
+            stream,
+            &k,
+            LaunchConfig::linear(1, FUSED_BLOCK),
+            &input,
+            out,
+            noop,
+        );
+    }
     let noop_idx = noop.map(idx).transpose()?.unwrap_or(0);
     let amax_idx = idx(out.amax())?;
     let ctx = stream.context();
@@ -103,7 +126,8 @@ pub fn quantize_current(
     // is inside the buffer (DeviceScalar checks it).
     unsafe { stream.launch(&zero, &LaunchConfig::linear(1, 32), &args) }?;
     launch_amax(stream, &amax_k, sms, &input, out.amax(), noop)?;
-    launch_cast(stream, &cast, sms, &input, out, noop)
+    let cfg = cast_config(sms, &input);
+    launch_cast(stream, &cast, cfg, &input, out, noop)
 }
 
 fn validate_quantize(input: &HpBuffer<'_>, out: &Fp8Tensor) -> Result<()> {
@@ -122,7 +146,14 @@ fn launch_quantize(
     validate_quantize(&input, out)?;
     let name = format!("{prefix}_{}_{}", input.dtype().name(), out.format().name());
     let (k, sms) = kernel(stream.context(), &name)?;
-    launch_cast(stream, &k, sms, &input, out, noop)
+    let cfg = cast_config(sms, &input);
+    launch_cast(stream, &k, cfg, &input, out, noop)
+}
+
+/// Grid-stride configuration of the elementwise cast over `input`.
+fn cast_config(sms: u32, input: &HpBuffer<'_>) -> LaunchConfig {
+    let vec = 16 / input.dtype().size() as u64;
+    LaunchConfig::linear(grid(sms, input.len() as u64 / vec), BLOCK)
 }
 
 /// Launches a (validated) quantize kernel with signature
@@ -130,13 +161,12 @@ fn launch_quantize(
 fn launch_cast(
     stream: &Stream,
     k: &cuda_graph::Kernel,
-    sms: u32,
+    cfg: LaunchConfig,
     input: &HpBuffer<'_>,
     out: &Fp8Tensor,
     noop: Option<&DeviceScalar>,
 ) -> Result<()> {
     let n = input.len() as u64;
-    let vec = 16 / input.dtype().size() as u64;
     let null = 0u64;
     let indices = [
         idx(out.scale())?,
@@ -155,7 +185,6 @@ fn launch_cast(
         None => args.arg(&null),
     }
     .arg(&indices);
-    let cfg = LaunchConfig::linear(grid(sms, n / vec), BLOCK);
     // SAFETY: the kernel reads n elements of the input type from the input buffer and writes
     // n bytes to out.data(), both checked to hold n elements and 16-byte aligned (the vector
     // width); each scalar slot index is inside its buffer (DeviceScalar checks it).

@@ -331,9 +331,12 @@ fn dequantize_matches_reference() {
 #[ignore = "needs a CUDA device"]
 fn current_scaling_derives_the_scale_on_the_device() {
     let (_ctx, stream) = setup();
+    // The fused one-block path up to FUSED_CURRENT_MAX, the three-launch path above it.
+    let max = fp8_kernels::FUSED_CURRENT_MAX;
+    let sizes: Vec<usize> = SIZES.iter().copied().chain([max, max + 1]).collect();
     for (di, &dtype) in DTYPES.iter().enumerate() {
         for fmt in Fp8Format::ALL {
-            for (si, &n) in SIZES.iter().enumerate() {
+            for (si, &n) in sizes.iter().enumerate() {
                 let what = format!("current {dtype:?}->{fmt:?} n={n}");
                 let xs = random_data(5000 + (di * 100 + si) as u64 + fmt as u64, n, false);
                 let (input, wide) = upload(&stream, dtype, &xs);
@@ -740,4 +743,25 @@ fn bandwidth_probe_quantize_bf16() {
     let want = r::quantize(v, 1.0, Fp8Format::E4M3);
     let got = out.data().to_vec(&stream).unwrap();
     assert!(got.iter().all(|&b| b == want), "timed quantize output");
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn current_scaling_of_a_small_tensor_is_one_launch() {
+    use cuda_graph::CaptureMode;
+    let (_ctx, stream) = setup();
+    for (n, launches) in [
+        (fp8_kernels::FUSED_CURRENT_MAX, 1),
+        (fp8_kernels::FUSED_CURRENT_MAX + 1, 3),
+    ] {
+        let xs = random_data(77, n, false);
+        let (input, _) = upload(&stream, DType::Bf16, &xs);
+        let mut out = poisoned_fp8(&stream, n, Fp8Format::E4M3);
+        let graph = stream
+            .capture(CaptureMode::Global, |s| {
+                fp8_kernels::quantize_current(s.stream(), input.view(), &mut out, None)
+            })
+            .unwrap();
+        assert_eq!(graph.nodes().unwrap().len(), launches, "n = {n}");
+    }
 }
