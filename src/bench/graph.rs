@@ -64,7 +64,7 @@ pub fn run() -> BenchResult<Vec<Row>> {
         capture_instantiate(&s, &raw)?;
     let pdl = pdl_replay(&s)?;
     let other = DeviceBuffer::from_host(&s.stream, &vec![0.0f32; N as usize])?;
-    let (update, update_raw) = whole_graph_update(&s, &raw, &other)?;
+    let (update, update_raw, update_same) = whole_graph_update(&s, &raw, &other)?;
     let node_update = node_update(&s, &other)?;
 
     let ci_safe = capture_safe + instantiate_safe;
@@ -126,6 +126,13 @@ pub fn run() -> BenchResult<Vec<Row>> {
                 "target <= 0.35; raw cuGraphExecUpdate {update_raw:.3} ms in this run; CUDA C++ 0.15-0.23"
             ),
             pass: Some(update <= 0.35),
+        },
+        Row {
+            name: "whole-graph exec update, unchanged arguments".into(),
+            value: update_same,
+            unit: "ms",
+            yardstick: "a recapture of the same chain; the row above changes every node".into(),
+            pass: None,
         },
         Row {
             name: "one kernel-node parameter update".into(),
@@ -406,8 +413,13 @@ fn pdl_replay(s: &Setup) -> BenchResult<f64> {
 }
 
 /// Whole-graph update of the captured chain between two buffers, through the safe API and
-/// raw calls alternately: (safe ms, raw ms); checked to take effect.
-fn whole_graph_update(s: &Setup, raw: &Raw, other: &DeviceBuffer<f32>) -> BenchResult<(f64, f64)> {
+/// raw calls alternately, checked to take effect; then updates between two captures of the
+/// same chain (nothing changes): (safe ms, raw ms, unchanged-arguments ms).
+fn whole_graph_update(
+    s: &Setup,
+    raw: &Raw,
+    other: &DeviceBuffer<f32>,
+) -> BenchResult<(f64, f64, f64)> {
     let (gx, go) = (capture_chain(s, &s.x)?, capture_chain(s, other)?);
     let mut exec = GraphExec::instantiate(&gx, InstantiateFlags::empty())?;
     let raw_exec = raw.instantiate(gx.as_raw())?;
@@ -448,7 +460,14 @@ fn whole_graph_update(s: &Setup, raw: &Raw, other: &DeviceBuffer<f32>) -> BenchR
     if other.to_vec(&s.stream)?[0] != before + CHAIN as f32 {
         return Err("exec update did not take effect".into());
     }
-    Ok((median(&mut safe), median(&mut rawv)))
+    let go2 = capture_chain(s, other)?;
+    let mut flip = false;
+    let same = host_median(REPS, 1e3, || {
+        flip = !flip;
+        exec.update(if flip { &go2 } else { &go })
+            .map_err(Into::into)
+    })?;
+    Ok((median(&mut safe), median(&mut rawv), same))
 }
 
 /// One kernel-node parameter update on the explicitly built chain, us; checked to take effect.
