@@ -222,6 +222,7 @@ driver_entries! {
     cuFuncGetModule: PFN_cuFuncGetModule_v11000,
     cuFuncGetParamInfo: PFN_cuFuncGetParamInfo_v12040,
     cuOccupancyMaxActiveBlocksPerMultiprocessor: PFN_cuOccupancyMaxActiveBlocksPerMultiprocessor_v6050,
+    cuTensorMapEncodeTiled: PFN_cuTensorMapEncodeTiled_v12000,
     // Launch
     cuLaunchKernel: PFN_cuLaunchKernel_v4000,
     cuLaunchKernelEx: PFN_cuLaunchKernelEx_v11060,

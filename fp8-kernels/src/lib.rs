@@ -47,6 +47,7 @@
 mod block_scale;
 mod cast_transpose;
 mod format;
+pub mod gemm;
 mod module;
 mod quantize;
 pub mod reference;
