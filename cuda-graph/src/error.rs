@@ -110,6 +110,9 @@ pub enum Error {
         /// the invalidating call's error, else `cuStreamEndCapture`'s.
         source: Box<Error>,
     },
+    /// A pipeline schedule or graph layout was rejected before any driver call.
+    #[error("invalid schedule: {0}")]
+    Schedule(#[from] crate::graphed::ScheduleError),
     /// A capture scope ended while side streams it forked had work not joined back to the
     /// origin stream. The partial graph was discarded and the streams are usable again.
     #[error("stream capture ended with {forks} forked stream(s) not joined back to the origin")]

@@ -17,6 +17,8 @@
 //!   conditional nodes (IF, IF-ELSE, WHILE, SWITCH) and the device helpers that set them.
 //! * [`capture`]: stream capture as a closure scope ([`Stream::capture`]), with forks and
 //!   joins to side streams.
+//! * [`graphed`]: graphed callables; so far the pipeline [`graphed::Schedule`] and the
+//!   graph index [`graphed::Layout`].
 //! * [`Error`]: every failure, carrying the driver call, its result code, name and message.
 //!
 //! # Lifetimes: what keeps device memory alive
@@ -69,6 +71,7 @@ pub mod driver;
 mod event;
 mod exec;
 mod graph;
+pub mod graphed;
 mod launch;
 mod memory;
 mod module;
