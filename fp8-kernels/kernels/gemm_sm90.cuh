@@ -7,8 +7,9 @@
 //
 // CTA: 384 threads = 3 warpgroups. Warpgroup 0 is the producer (one thread issues the TMA
 // loads; registers given back with setmaxnreg), warpgroups 1 and 2 are consumers, each
-// computing 64 rows x 128 columns of the 128 x 128 tile with wgmma m64n128k32.
-// Shared memory: STAGES x (A 128x128 bytes + B 128x128 bytes), 128-byte swizzled by TMA,
+// computing 64 rows x BN columns of the tile with wgmma m64nBNk32.
+// Tile 128 x BN x 128 (BN = 128 with 6 stages, or 192 with 5; each consumer computes 64 x BN).
+// Shared memory: STAGES x (A 128x128 bytes + B BNx128 bytes), 128-byte swizzled by TMA,
 // 1024-byte aligned; then full[STAGES] and empty[STAGES] mbarriers.
 #pragma once
 #include "common.cuh"
@@ -16,16 +17,19 @@
 namespace fp8k {
 namespace sm90 {
 
-constexpr int BM = 128, BN = 128, BK = 128;
-constexpr int STAGES = 6;
+constexpr int BM = 128, BK = 128;
 constexpr int THREADS = 384;
-constexpr int TILE_A = BM * BK, TILE_B = BN * BK;  // bytes
-constexpr int STAGE_BYTES = TILE_A + TILE_B;
+constexpr int TILE_A = BM * BK;  // bytes
+// Per tile width BN (128 or 192): B tile bytes, stage bytes, ring depth, shared memory.
+template <int BN> struct Cfg {
+    static constexpr int TILE_B = BN * BK;
+    static constexpr int STAGE_BYTES = TILE_A + TILE_B;
+    static constexpr int STAGES = BN == 128 ? 6 : 5;
+    static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 2 * STAGES * 8 + 1024;
+};
 // m-tiles per rasterization band: consecutive tiles walk down a band of this many m-tiles,
 // then move one n-tile right, so a wave of CTAs shares A and B panels in L2.
 constexpr int BAND = 16;
-// Dynamic shared memory the launcher requests (ring + barriers + alignment slack).
-constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 2 * STAGES * 8 + 1024;
 
 // A CUtensorMap, passed by value as a __grid_constant__ parameter (128 bytes, 64-aligned).
 struct alignas(64) TmaDesc {
@@ -130,16 +134,33 @@ __device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.s
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])                                                                                \
                  : "l"(da), "l"(db), "r"(scale_d))
 
-template <__nv_fp8_interpretation_t FA, __nv_fp8_interpretation_t FB>
-__device__ __forceinline__ void wgmma_n128(float (&d)[64], uint64_t da, uint64_t db, int scale_d) {
-    if constexpr (FA == __NV_E4M3 && FB == __NV_E4M3) {
-        FP8K_WGMMA_N128("e4m3.e4m3");
-    } else if constexpr (FA == __NV_E4M3 && FB == __NV_E5M2) {
-        FP8K_WGMMA_N128("e4m3.e5m2");
-    } else if constexpr (FA == __NV_E5M2 && FB == __NV_E4M3) {
-        FP8K_WGMMA_N128("e5m2.e4m3");
+#define FP8K_WGMMA_N192(TYPES)                                                                     \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"                                         \
+                 "wgmma.mma_async.sync.aligned.m64n192k32.f32." TYPES " "                                 \
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, "                                                                          \
+                 "%96, %97, p, 1, 1;\n}\n"                                                             \
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])                                                                                \
+                 : "l"(da), "l"(db), "r"(scale_d))
+
+#define FP8K_WGMMA_TYPES(MACRO)                                                                    \
+    if constexpr (FA == __NV_E4M3 && FB == __NV_E4M3) {                                           \
+        MACRO("e4m3.e4m3");                                                                        \
+    } else if constexpr (FA == __NV_E4M3 && FB == __NV_E5M2) {                                    \
+        MACRO("e4m3.e5m2");                                                                        \
+    } else if constexpr (FA == __NV_E5M2 && FB == __NV_E4M3) {                                    \
+        MACRO("e5m2.e4m3");                                                                        \
+    } else {                                                                                       \
+        MACRO("e5m2.e5m2");                                                                        \
+    }
+
+// One m64nBNk32 wgmma: d (+)= A[64 x 32] . B[BN x 32]^T from shared memory descriptors.
+template <__nv_fp8_interpretation_t FA, __nv_fp8_interpretation_t FB, int BN>
+__device__ __forceinline__ void wgmma_fp8(float (&d)[BN / 2], uint64_t da, uint64_t db, int scale_d) {
+    if constexpr (BN == 128) {
+        FP8K_WGMMA_TYPES(FP8K_WGMMA_N128)
     } else {
-        FP8K_WGMMA_N128("e5m2.e5m2");
+        static_assert(BN == 192, "BN is 128 or 192");
+        FP8K_WGMMA_TYPES(FP8K_WGMMA_N192)
     }
 }
 
@@ -171,11 +192,13 @@ __device__ __forceinline__ float bias_at(const void *bias, int kind, int c) {
 #endif
 
 // dims = (m, n, k, groups); flags = (sa index, sb index, bias kind 0/1 bf16/2 f32, accumulate).
-template <__nv_fp8_interpretation_t FA, __nv_fp8_interpretation_t FB, typename Out>
+template <__nv_fp8_interpretation_t FA, __nv_fp8_interpretation_t FB, typename Out, int BN>
 __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, Out *d, const void *bias,
                                      const float *sa, const float *sb, const int *counts, uint4 dims,
                                      uint4 flags) {
 #ifdef FP8K_SM90A
+    constexpr int STAGES = Cfg<BN>::STAGES, STAGE_BYTES = Cfg<BN>::STAGE_BYTES;
+    constexpr int NACC = BN / 2;  // accumulator registers per thread
     extern __shared__ uint8_t smem_raw[];
     const uint32_t raw = smem_u32(smem_raw);
     const uint32_t base = (raw + 1023u) & ~1023u;
@@ -233,24 +256,24 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, Out *
         uint32_t phase = 0;
         for (int t = blockIdx.x; t < total; t += gridDim.x) {
             const Tile tl = tile_at(t, counts, groups, m, ntiles);
-            float acc[64];
+            float acc[NACC];
 #pragma unroll
-            for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+            for (int i = 0; i < NACC; ++i) acc[i] = 0.0f;
             for (int kb = 0; kb < kblocks; ++kb) {
                 mbar_wait(full(stage), phase);
-                float part[64];
+                float part[NACC];
                 wgmma_fence();
 #pragma unroll
                 for (int kk = 0; kk < BK / 32; ++kk) {
                     const uint64_t da = sw128_desc(tile_a(stage) + cw * 64 * BK + kk * 32);
                     const uint64_t db = sw128_desc(tile_b(stage) + kk * 32);
-                    wgmma_n128<FA, FB>(part, da, db, kk > 0 ? 1 : 0);
+                    wgmma_fp8<FA, FB, BN>(part, da, db, kk > 0 ? 1 : 0);
                 }
                 wgmma_commit();
                 wgmma_wait0();
                 if (lane == 0) mbar_arrive(empty(stage));
 #pragma unroll
-                for (int i = 0; i < 64; ++i) acc[i] += part[i];
+                for (int i = 0; i < NACC; ++i) acc[i] += part[i];
                 if (++stage == STAGES) {
                     stage = 0;
                     phase ^= 1u;
@@ -262,7 +285,7 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, Out *
             const int col0 = tl.nt * BN + 2 * (lane % 4);
             Out *dg = d + size_t(tl.g) * size_t(m) * size_t(n);
 #pragma unroll
-            for (int j = 0; j < 32; ++j) {
+            for (int j = 0; j < NACC / 2; ++j) {
                 const int r = row0 + 8 * (j & 1);
                 const int c = col0 + 8 * (j >> 1);
                 if (r < rows && c < n) {
@@ -299,17 +322,20 @@ __device__ __forceinline__ void gemm_ref(const uint8_t *a, const uint8_t *b, flo
 }  // namespace sm90
 }  // namespace fp8k
 
-#define FP8K_GEMM_SM90(AN, FA, BN_, FB, ON, OT)                                                        \
+#define FP8K_GEMM_SM90(AN, FA, BN_, FB, ON, OT, W)                                                     \
     extern "C" __global__ void __launch_bounds__(fp8k::sm90::THREADS, 1)                             \
-        fp8_gemm_sm90_##AN##_##BN_##_##ON(const __grid_constant__ fp8k::sm90::TmaDesc ta,              \
-                                         const __grid_constant__ fp8k::sm90::TmaDesc tb, OT *d,       \
-                                         const void *bias, const float *sa, const float *sb,          \
-                                         const int *counts, uint4 dims, uint4 flags) {                \
-        fp8k::sm90::gemm<FA, FB, OT>(&ta, &tb, d, bias, sa, sb, counts, dims, flags);                \
+        fp8_gemm_sm90_##AN##_##BN_##_##ON##_n##W(const __grid_constant__ fp8k::sm90::TmaDesc ta,       \
+                                                 const __grid_constant__ fp8k::sm90::TmaDesc tb,       \
+                                                 OT *d, const void *bias, const float *sa,             \
+                                                 const float *sb, const int *counts, uint4 dims,       \
+                                                 uint4 flags) {                                        \
+        fp8k::sm90::gemm<FA, FB, OT, W>(&ta, &tb, d, bias, sa, sb, counts, dims, flags);             \
     }
 #define FP8K_GEMM_SM90_OUTS(AN, FA, BN_, FB)                                                           \
-    FP8K_GEMM_SM90(AN, FA, BN_, FB, bf16, __nv_bfloat16)                                             \
-    FP8K_GEMM_SM90(AN, FA, BN_, FB, f32, float)                                                      \
+    FP8K_GEMM_SM90(AN, FA, BN_, FB, bf16, __nv_bfloat16, 128)                                        \
+    FP8K_GEMM_SM90(AN, FA, BN_, FB, f32, float, 128)                                                 \
+    FP8K_GEMM_SM90(AN, FA, BN_, FB, bf16, __nv_bfloat16, 192)                                        \
+    FP8K_GEMM_SM90(AN, FA, BN_, FB, f32, float, 192)                                                 \
     extern "C" __global__ void fp8_gemm_ref_##AN##_##BN_(const uint8_t *a, const uint8_t *b, float *d, \
                                                         const float *sa, const float *sb, uint4 dims,  \
                                                         uint2 idx) {                                   \
