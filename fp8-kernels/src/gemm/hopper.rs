@@ -46,8 +46,12 @@ fn smem_bytes(bn: usize) -> usize {
 /// against 1037 at 4096x7168x4096 on an H200; 128 wins where the wave count decides, e.g.
 /// 2048^3 and M <= 128).
 fn choose_bn(p: &GemmProblem<'_>, sms: usize) -> usize {
+    choose_bn_for(p.groups, p.m, p.n, sms)
+}
+
+fn choose_bn_for(groups: usize, m: usize, n: usize, sms: usize) -> usize {
     let cost = |bn: usize| {
-        let tiles = p.groups.max(1) * p.m.div_ceil(TILE) * p.n.div_ceil(bn);
+        let tiles = groups.max(1) * m.div_ceil(TILE) * n.div_ceil(bn);
         tiles.div_ceil(sms.max(1)) * bn
     };
     if cost(192) * 10 <= cost(128) * 11 {
@@ -222,6 +226,28 @@ impl BiasArg for DeviceBuffer<u16> {
 impl BiasArg for DeviceBuffer<f32> {
     fn push<'a>(&'a self, args: KernelArgs<'a>) -> KernelArgs<'a> {
         args.arg(self)
+    }
+}
+
+#[cfg(test)]
+mod cpu_tests {
+    use super::*;
+
+    #[test]
+    fn tile_width_choice() {
+        // (groups, m, n) -> width on 132 SMs.
+        for (g, m, n, bn) in [
+            (1, 8192, 8192, 192),
+            (1, 4096, 7168, 192),
+            (1, 2048, 2048, 128),
+            (1, 128, 7168, 128),
+            (1, 64, 4096, 128),
+            (8, 512, 4096, 128),
+        ] {
+            assert_eq!(choose_bn_for(g, m, n, 132), bn, "{g} x {m} x {n}");
+        }
+        assert_eq!(smem_bytes(128), 6 * 32768 + 96 + 1024);
+        assert_eq!(smem_bytes(192), 5 * 40960 + 80 + 1024);
     }
 }
 
