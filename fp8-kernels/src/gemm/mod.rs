@@ -14,6 +14,8 @@
 
 use cuda_graph::DeviceBuffer;
 
+pub(crate) mod hopper;
+
 use crate::format::Fp8Format;
 use crate::tensor::DeviceScalar;
 

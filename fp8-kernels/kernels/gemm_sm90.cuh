@@ -1,0 +1,347 @@
+// FP8 GEMM for sm_90a: TMA loads into a shared-memory ring guarded by mbarriers, wgmma
+// (QGMMA) consumers, fp32 promotion of the tensor-core partial sums every 128 of K, a
+// persistent grid with a tile scheduler that reads the per-group row counts on the device.
+//
+// D[g, r, c] = sa * sb * sum_k A[g, r, k] * B[g, c, k] (+ bias[c]) (+ D[g, r, c])
+// for r < min(counts[g], m) (every r < m when counts is null), c < n.
+//
+// CTA: 384 threads = 3 warpgroups. Warpgroup 0 is the producer (one thread issues the TMA
+// loads; registers given back with setmaxnreg), warpgroups 1 and 2 are consumers, each
+// computing 64 rows x BN columns of the tile with wgmma m64nBNk32.
+// Tile 128 x BN x 128 (BN = 128 with 6 stages, or 192 with 5; each consumer computes 64 x BN).
+// Shared memory: STAGES x (A 128x128 bytes + B BNx128 bytes), 128-byte swizzled by TMA,
+// 1024-byte aligned; then full[STAGES] and empty[STAGES] mbarriers.
+#pragma once
+#include "common.cuh"
+
+namespace fp8k {
+namespace sm90 {
+
+constexpr int BM = 128, BK = 128;
+constexpr int THREADS = 384;
+constexpr int TILE_A = BM * BK;  // bytes
+// Per tile width BN (128 or 192): B tile bytes, stage bytes, ring depth, shared memory.
+template <int BN> struct Cfg {
+    static constexpr int TILE_B = BN * BK;
+    static constexpr int STAGE_BYTES = TILE_A + TILE_B;
+    static constexpr int STAGES = BN == 128 ? 6 : 5;
+    static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 2 * STAGES * 8 + 1024;
+};
+// m-tiles per rasterization band: consecutive tiles walk down a band of this many m-tiles,
+// then move one n-tile right, so a wave of CTAs shares A and B panels in L2.
+constexpr int BAND = 16;
+
+// A CUtensorMap, passed by value as a __grid_constant__ parameter (128 bytes, 64-aligned).
+struct alignas(64) TmaDesc {
+    unsigned long long v[16];
+};
+
+struct Tile {
+    int g, mt, nt;
+};
+
+// The per-group m-tile count: rows below min(count, m), in tiles of BM.
+__device__ __forceinline__ int group_mtiles(const int *counts, int g, int m) {
+    int rows = m;
+    if (counts != nullptr) rows = min(max(__ldg(counts + g), 0), m);
+    return (rows + BM - 1) / BM;
+}
+
+// Tile t of the grouped problem (tiles of empty rows skipped), or g = -1 past the end.
+__device__ __forceinline__ Tile tile_at(int t, const int *counts, int groups, int m, int ntiles) {
+    for (int g = 0; g < groups; ++g) {
+        const int mt = group_mtiles(counts, g, m);
+        const int c = mt * ntiles;
+        if (t < c) {
+            const int band = t / (BAND * ntiles);
+            const int within = t - band * BAND * ntiles;
+            const int h = min(BAND, mt - band * BAND);
+            return Tile{g, band * BAND + within % h, within / h};
+        }
+        t -= c;
+    }
+    return Tile{-1, 0, 0};
+}
+
+__device__ __forceinline__ int total_tiles(const int *counts, int groups, int m, int ntiles) {
+    int total = 0;
+    for (int g = 0; g < groups; ++g) total += group_mtiles(counts, g, m) * ntiles;
+    return total;
+}
+
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define FP8K_SM90A 1
+
+__device__ __forceinline__ uint32_t smem_u32(const void *p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    uint32_t done;
+    do {
+        asm volatile("{\n.reg .pred p;\n"
+                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done)
+                     : "r"(bar), "r"(parity)
+                     : "memory");
+    } while (!done);
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+
+// 3-D tiled TMA load of the box at (c0, c1, c2) into shared memory, completing on `bar`.
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const TmaDesc *map, uint32_t bar, int c0,
+                                            int c1, int c2) {
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(dst),
+                 "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+                 : "memory");
+}
+
+// wgmma shared-memory descriptor of a K-major tile written by TMA with 128-byte swizzle:
+// rows of 128 bytes, 8-row groups 1024 bytes apart (stride byte offset), leading byte offset
+// unused (the k32 slice lies inside one swizzle row), layout type 1 = 128B swizzle.
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
+    uint64_t d = 0;
+    d |= static_cast<uint64_t>((addr & 0x3ffffu) >> 4);
+    d |= static_cast<uint64_t>(1) << 16;
+    d |= static_cast<uint64_t>(1024 >> 4) << 32;
+    d |= static_cast<uint64_t>(1) << 62;
+    return d;
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+
+#define FP8K_WGMMA_N128(TYPES)                                                                     \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                         \
+                 "wgmma.mma_async.sync.aligned.m64n128k32.f32." TYPES " "                                 \
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "                                                                          \
+                 "%64, %65, p, 1, 1;\n}\n"                                                             \
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])                                                                                \
+                 : "l"(da), "l"(db), "r"(scale_d))
+
+#define FP8K_WGMMA_N192(TYPES)                                                                     \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"                                         \
+                 "wgmma.mma_async.sync.aligned.m64n192k32.f32." TYPES " "                                 \
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, "                                                                          \
+                 "%96, %97, p, 1, 1;\n}\n"                                                             \
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])                                                                                \
+                 : "l"(da), "l"(db), "r"(scale_d))
+
+#define FP8K_WGMMA_TYPES(MACRO)                                                                    \
+    if constexpr (FA == __NV_E4M3 && FB == __NV_E4M3) {                                           \
+        MACRO("e4m3.e4m3");                                                                        \
+    } else if constexpr (FA == __NV_E4M3 && FB == __NV_E5M2) {                                    \
+        MACRO("e4m3.e5m2");                                                                        \
+    } else if constexpr (FA == __NV_E5M2 && FB == __NV_E4M3) {                                    \
+        MACRO("e5m2.e4m3");                                                                        \
+    } else {                                                                                       \
+        MACRO("e5m2.e5m2");                                                                        \
+    }
+
+// One m64nBNk32 wgmma: d (+)= A[64 x 32] . B[BN x 32]^T from shared memory descriptors.
+template <__nv_fp8_interpretation_t FA, __nv_fp8_interpretation_t FB, int BN>
+__device__ __forceinline__ void wgmma_fp8(float (&d)[BN / 2], uint64_t da, uint64_t db, int scale_d) {
+    if constexpr (BN == 128) {
+        FP8K_WGMMA_TYPES(FP8K_WGMMA_N128)
+    } else {
+        static_assert(BN == 192, "BN is 128 or 192");
+        FP8K_WGMMA_TYPES(FP8K_WGMMA_N192)
+    }
+}
+
+template <typename Out> __device__ __forceinline__ void store2(Out *p, float a, float b, bool acc);
+template <> __device__ __forceinline__ void store2<float>(float *p, float a, float b, bool acc) {
+    float2 v = make_float2(a, b);
+    if (acc) {
+        const float2 o = *reinterpret_cast<const float2 *>(p);
+        v.x += o.x;
+        v.y += o.y;
+    }
+    *reinterpret_cast<float2 *>(p) = v;
+}
+template <>
+__device__ __forceinline__ void store2<__nv_bfloat16>(__nv_bfloat16 *p, float a, float b, bool acc) {
+    if (acc) {
+        const __nv_bfloat162 o = *reinterpret_cast<const __nv_bfloat162 *>(p);
+        a += __bfloat162float(o.x);
+        b += __bfloat162float(o.y);
+    }
+    *reinterpret_cast<__nv_bfloat162 *>(p) = __floats2bfloat162_rn(a, b);
+}
+
+__device__ __forceinline__ float bias_at(const void *bias, int kind, int c) {
+    if (kind == 1) return __bfloat162float(reinterpret_cast<const __nv_bfloat16 *>(bias)[c]);
+    if (kind == 2) return reinterpret_cast<const float *>(bias)[c];
+    return 0.0f;
+}
+#endif
+
+// dims = (m, n, k, groups); flags = (sa index, sb index, bias kind 0/1 bf16/2 f32, accumulate).
+template <__nv_fp8_interpretation_t FA, __nv_fp8_interpretation_t FB, typename Out, int BN>
+__device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, Out *d, const void *bias,
+                                     const float *sa, const float *sb, const int *counts, uint4 dims,
+                                     uint4 flags) {
+#ifdef FP8K_SM90A
+    constexpr int STAGES = Cfg<BN>::STAGES, STAGE_BYTES = Cfg<BN>::STAGE_BYTES;
+    constexpr int NACC = BN / 2;  // accumulator registers per thread
+    extern __shared__ uint8_t smem_raw[];
+    const uint32_t raw = smem_u32(smem_raw);
+    const uint32_t base = (raw + 1023u) & ~1023u;
+    const uint32_t bars = base + STAGES * STAGE_BYTES;
+    auto full = [&](int s) { return bars + 8u * s; };
+    auto empty = [&](int s) { return bars + 8u * (STAGES + s); };
+    auto tile_a = [&](int s) { return base + s * STAGE_BYTES; };
+    auto tile_b = [&](int s) { return base + s * STAGE_BYTES + TILE_A; };
+
+    const int m = int(dims.x), n = int(dims.y), k = int(dims.z), groups = int(dims.w);
+    const int ntiles = (n + BN - 1) / BN;
+    const int kblocks = (k + BK - 1) / BK;
+    const int wg = threadIdx.x / 128;
+
+    if (threadIdx.x == 0) {
+        asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(ta)) : "memory");
+        asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(tb)) : "memory");
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full(s), 1);
+            mbar_init(empty(s), 8);  // one arrive per consumer warp
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    const int total = total_tiles(counts, groups, m, ntiles);
+
+    if (wg == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        if (threadIdx.x == 0) {
+            int stage = 0;
+            uint32_t phase = 0;
+            for (int t = blockIdx.x; t < total; t += gridDim.x) {
+                const Tile tl = tile_at(t, counts, groups, m, ntiles);
+                for (int kb = 0; kb < kblocks; ++kb) {
+                    mbar_wait(empty(stage), phase ^ 1u);
+                    mbar_expect_tx(full(stage), STAGE_BYTES);
+                    tma_load_3d(tile_a(stage), ta, full(stage), kb * BK, tl.mt * BM, tl.g);
+                    tma_load_3d(tile_b(stage), tb, full(stage), kb * BK, tl.nt * BN, tl.g);
+                    if (++stage == STAGES) {
+                        stage = 0;
+                        phase ^= 1u;
+                    }
+                }
+            }
+        }
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+        const int cw = wg - 1;  // which 64-row half of the tile
+        const int t128 = threadIdx.x - 128 * wg;
+        const int warp = t128 / 32, lane = t128 % 32;
+        const float alpha = sa[flags.x] * sb[flags.y];
+        const int bias_kind = bias == nullptr ? 0 : int(flags.z);
+        const bool accumulate = flags.w != 0;
+        int stage = 0;
+        uint32_t phase = 0;
+        for (int t = blockIdx.x; t < total; t += gridDim.x) {
+            const Tile tl = tile_at(t, counts, groups, m, ntiles);
+            float acc[NACC];
+#pragma unroll
+            for (int i = 0; i < NACC; ++i) acc[i] = 0.0f;
+            for (int kb = 0; kb < kblocks; ++kb) {
+                mbar_wait(full(stage), phase);
+                float part[NACC];
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < BK / 32; ++kk) {
+                    const uint64_t da = sw128_desc(tile_a(stage) + cw * 64 * BK + kk * 32);
+                    const uint64_t db = sw128_desc(tile_b(stage) + kk * 32);
+                    wgmma_fp8<FA, FB, BN>(part, da, db, kk > 0 ? 1 : 0);
+                }
+                wgmma_commit();
+                wgmma_wait0();
+                if (lane == 0) mbar_arrive(empty(stage));
+#pragma unroll
+                for (int i = 0; i < NACC; ++i) acc[i] += part[i];
+                if (++stage == STAGES) {
+                    stage = 0;
+                    phase ^= 1u;
+                }
+            }
+            // Epilogue: rows below the group's count, columns below n.
+            const int rows = counts == nullptr ? m : min(max(__ldg(counts + tl.g), 0), m);
+            const int row0 = tl.mt * BM + cw * 64 + warp * 16 + lane / 4;
+            const int col0 = tl.nt * BN + 2 * (lane % 4);
+            Out *dg = d + size_t(tl.g) * size_t(m) * size_t(n);
+#pragma unroll
+            for (int j = 0; j < NACC / 2; ++j) {
+                const int r = row0 + 8 * (j & 1);
+                const int c = col0 + 8 * (j >> 1);
+                if (r < rows && c < n) {
+                    const float b0 = bias_at(bias, bias_kind, c), b1 = bias_at(bias, bias_kind, c + 1);
+                    store2<Out>(dg + size_t(r) * size_t(n) + c, alpha * acc[2 * j] + b0,
+                                alpha * acc[2 * j + 1] + b1, accumulate);
+                }
+            }
+        }
+    }
+#else
+    __trap();
+#endif
+}
+
+// Naive reference: one thread per output, fp32 accumulation in k order,
+// d[r, c] = sa * sb * sum_k A[r, k] * B[c, k] (f32 output, no bias).
+template <__nv_fp8_interpretation_t FA, __nv_fp8_interpretation_t FB>
+__device__ __forceinline__ void gemm_ref(const uint8_t *a, const uint8_t *b, float *d, const float *sa,
+                                         const float *sb, uint4 dims, uint2 idx) {
+    const unsigned m = dims.x, n = dims.y, k = dims.z;
+    const unsigned c = blockIdx.x * blockDim.x + threadIdx.x, r = blockIdx.y;
+    if (c >= n || r >= m) return;
+    float s = 0.0f;
+    for (unsigned i = 0; i < k; ++i) {
+        __nv_fp8_storage_t av = a[size_t(r) * k + i], bv = b[size_t(c) * k + i];
+        const float fa = __half2float(__half(__nv_cvt_fp8_to_halfraw(av, FA)));
+        const float fb = __half2float(__half(__nv_cvt_fp8_to_halfraw(bv, FB)));
+        s = fmaf(fa, fb, s);
+    }
+    d[size_t(r) * n + c] = sa[idx.x] * sb[idx.y] * s;
+}
+
+}  // namespace sm90
+}  // namespace fp8k
+
+#define FP8K_GEMM_SM90(AN, FA, BN_, FB, ON, OT, W)                                                     \
+    extern "C" __global__ void __launch_bounds__(fp8k::sm90::THREADS, 1)                             \
+        fp8_gemm_sm90_##AN##_##BN_##_##ON##_n##W(const __grid_constant__ fp8k::sm90::TmaDesc ta,       \
+                                                 const __grid_constant__ fp8k::sm90::TmaDesc tb,       \
+                                                 OT *d, const void *bias, const float *sa,             \
+                                                 const float *sb, const int *counts, uint4 dims,       \
+                                                 uint4 flags) {                                        \
+        fp8k::sm90::gemm<FA, FB, OT, W>(&ta, &tb, d, bias, sa, sb, counts, dims, flags);             \
+    }
+#define FP8K_GEMM_SM90_OUTS(AN, FA, BN_, FB)                                                           \
+    FP8K_GEMM_SM90(AN, FA, BN_, FB, bf16, __nv_bfloat16, 128)                                        \
+    FP8K_GEMM_SM90(AN, FA, BN_, FB, f32, float, 128)                                                 \
+    FP8K_GEMM_SM90(AN, FA, BN_, FB, bf16, __nv_bfloat16, 192)                                        \
+    FP8K_GEMM_SM90(AN, FA, BN_, FB, f32, float, 192)                                                 \
+    extern "C" __global__ void fp8_gemm_ref_##AN##_##BN_(const uint8_t *a, const uint8_t *b, float *d, \
+                                                        const float *sa, const float *sb, uint4 dims,  \
+                                                        uint2 idx) {                                   \
+        fp8k::sm90::gemm_ref<FA, FB>(a, b, d, sa, sb, dims, idx);                                     \
+    }
+FP8K_GEMM_SM90_OUTS(e4m3, __NV_E4M3, e4m3, __NV_E4M3)
+FP8K_GEMM_SM90_OUTS(e4m3, __NV_E4M3, e5m2, __NV_E5M2)
+FP8K_GEMM_SM90_OUTS(e5m2, __NV_E5M2, e4m3, __NV_E4M3)
+FP8K_GEMM_SM90_OUTS(e5m2, __NV_E5M2, e5m2, __NV_E5M2)

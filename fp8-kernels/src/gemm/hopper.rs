@@ -1,0 +1,832 @@
+//! The sm_90a GEMM path (`kernels/gemm_sm90.cuh`): TMA loads through a 6-stage mbarrier
+//! ring, wgmma (QGMMA) consumers with fp32 promotion every 128 of K, a persistent grid of one
+//! CTA per SM whose tile scheduler reads the per-group row counts on the device.
+//!
+//! Alignment rules of this path (stricter than the entry points'; a problem outside them is
+//! an `InvalidArgument` before anything is enqueued, so the caller can fall back):
+//! * K a positive multiple of 16 (TMA needs 16-byte row strides);
+//! * N even (the epilogue stores two adjacent columns at once);
+//! * A and B data 16-byte aligned (TMA), D 8-byte aligned;
+//! * m, N, K, groups and `groups * m` below 2^31.
+//!
+//! Tile 128 x BN x 128 with BN 128 or 192 (chosen per problem to fill the SMs); edge tiles read zeros past the tensor (TMA out-of-bounds fill) and
+//! store only rows below the group's count and columns below N.
+
+// Reached through the entry points in `gemm/`, written alongside this path.
+#![allow(dead_code)]
+
+use std::sync::Arc;
+
+use cuda_graph::sys::{
+    CUresult, CUtensorMap, CUtensorMapDataType, CUtensorMapFloatOOBfill, CUtensorMapInterleave,
+    CUtensorMapL2promotion, CUtensorMapSwizzle,
+};
+use cuda_graph::{Context, DeviceBuffer, Error, KernelArgs, LaunchConfig, Result, Stream};
+
+use super::{Bias, GemmOut, GemmProblem};
+use crate::module::kernel;
+use crate::quantize::idx;
+
+/// Tile edge in M and K (keep in step with `BM`, `BK` in the kernel).
+const TILE: usize = 128;
+/// Threads per CTA (producer warpgroup + two consumer warpgroups).
+const THREADS: u32 = 384;
+
+/// Dynamic shared memory of the tile width `bn` (keep in step with `Cfg<BN>` in the kernel):
+/// the ring (6 stages for 128, 5 for 192) of A and B tiles, the barriers, 1 KiB alignment
+/// slack.
+fn smem_bytes(bn: usize) -> usize {
+    let stages = if bn == 128 { 6 } else { 5 };
+    stages * (TILE * TILE + bn * TILE) + 2 * stages * 8 + 1024
+}
+
+/// The tile width (128 or 192) for a problem: waves of tiles over the SMs times the width (a
+/// wave of 192-wide tiles takes 1.5x as long), with 192 credited 10% for its efficiency (its
+/// wgmma reads less shared memory per FLOP: 1234 against 1109 TFLOP/s at 8192^3, 1069
+/// against 1037 at 4096x7168x4096 on an H200; 128 wins where the wave count decides, e.g.
+/// 2048^3 and M <= 128).
+fn choose_bn(p: &GemmProblem<'_>, sms: usize) -> usize {
+    choose_bn_for(p.groups, p.m, p.n, sms)
+}
+
+fn choose_bn_for(groups: usize, m: usize, n: usize, sms: usize) -> usize {
+    let cost = |bn: usize| {
+        let tiles = groups.max(1) * m.div_ceil(TILE) * n.div_ceil(bn);
+        tiles.div_ceil(sms.max(1)) * bn
+    };
+    if cost(192) * 10 <= cost(128) * 11 {
+        192
+    } else {
+        128
+    }
+}
+
+/// Whether the device of `ctx` runs this path (compute capability 9.0, for which the fatbin
+/// holds sm_90a code).
+pub(crate) fn available(ctx: &Arc<Context>) -> Result<bool> {
+    Ok(ctx.device().compute_capability()? == (9, 0))
+}
+
+/// Checks this path's alignment rules (see the module docs).
+pub(crate) fn check(p: &GemmProblem<'_>) -> Result<()> {
+    let bad = |msg: String| Err(Error::InvalidArgument(format!("sm90 GEMM: {msg}")));
+    if p.k == 0 || p.k % 16 != 0 {
+        return bad(format!("K = {} is not a positive multiple of 16", p.k));
+    }
+    if p.n % 2 != 0 {
+        return bad(format!("N = {} is odd", p.n));
+    }
+    let lim = i32::MAX as usize;
+    let rows = p.groups.saturating_mul(p.m);
+    if p.m > lim || p.n > lim || p.k > lim || p.groups > lim || rows > lim {
+        return bad(format!(
+            "m = {}, N = {}, K = {}, groups = {} exceed 2^31",
+            p.m, p.n, p.k, p.groups
+        ));
+    }
+    if p.a.data.as_raw() % 16 != 0 || p.b.data.as_raw() % 16 != 0 {
+        return bad("A and B must be 16-byte aligned".into());
+    }
+    let d = match p.d {
+        GemmOut::Bf16(b) => b.as_raw(),
+        GemmOut::F32(b) => b.as_raw(),
+    };
+    if d % 8 != 0 {
+        return bad("D must be 8-byte aligned".into());
+    }
+    Ok(())
+}
+
+/// A 3-D tiled tensor map over `[groups, rows, k]` bytes, box `[1, box_rows, 128]`, 128-byte
+/// swizzle, zeros out of bounds.
+fn tensor_map(
+    buf: &DeviceBuffer<u8>,
+    groups: usize,
+    rows: usize,
+    k: usize,
+    box_rows: usize,
+) -> Result<[u64; 16]> {
+    let d = cuda_graph::sys::driver()?;
+    let encode = d.cuTensorMapEncodeTiled()?;
+    let dims = [k as u64, rows as u64, groups as u64];
+    // Byte strides of dimensions 1 and 2 (dimension 0 is contiguous).
+    let strides = [k as u64, (rows * k) as u64];
+    let bx = [TILE as u32, box_rows as u32, 1];
+    let es = [1u32, 1, 1];
+    let mut map = CUtensorMap { opaque: [0; 16] };
+    // SAFETY: every pointer is to a live local array of the length the rank (3) implies;
+    // the global address is the live buffer, which holds groups*rows*k bytes (checked by the
+    // entry points' validation); the driver only writes `map`.
+    let rc = unsafe {
+        encode(
+            &mut map,
+            CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+            3,
+            buf.as_raw() as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            bx.as_ptr(),
+            es.as_ptr(),
+            CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    if rc != CUresult::CUDA_SUCCESS {
+        return Err(Error::driver("cuTensorMapEncodeTiled", rc));
+    }
+    Ok(map.opaque)
+}
+
+/// Enqueues the (validated) problem on `stream`: no synchronisation, no allocation, so it can
+/// be captured. Row counts, when given, are read by the kernel at run time.
+pub(crate) fn launch(stream: &Stream, p: &GemmProblem<'_>) -> Result<()> {
+    launch_with(stream, p, None)
+}
+
+/// [`launch`] with the tile width forced (128 or 192) or chosen (`None`).
+fn launch_with(stream: &Stream, p: &GemmProblem<'_>, bn: Option<usize>) -> Result<()> {
+    check(p)?;
+    let groups = p.groups.max(1);
+    let out = match p.d {
+        GemmOut::Bf16(_) => "bf16",
+        GemmOut::F32(_) => "f32",
+    };
+    // The SM count, cached with the module (any kernel of it will do).
+    let (_, sms) = kernel(stream.context(), "fp8_gemm_ref_e4m3_e4m3")?;
+    let bn = match bn {
+        Some(bn @ (128 | 192)) => bn,
+        Some(bn) => return Err(Error::InvalidArgument(format!("tile width {bn}"))),
+        None => choose_bn(p, sms as usize),
+    };
+    let name = format!(
+        "fp8_gemm_sm90_{}_{}_{out}_n{bn}",
+        p.a.format.name(),
+        p.b.format.name()
+    );
+    let (k, _) = kernel(stream.context(), &name)?;
+    let smem = smem_bytes(bn);
+    k.set_max_dynamic_shared_memory(smem)?;
+    let ta = tensor_map(p.a.data, groups, p.m, p.k, TILE)?;
+    let tb = tensor_map(p.b.data, groups, p.n, p.k, bn)?;
+    let tiles = groups * p.m.div_ceil(TILE) * p.n.div_ceil(bn);
+    let grid = (tiles.min(sms as usize)).max(1) as u32;
+    let dims = [p.m as u32, p.n as u32, p.k as u32, groups as u32];
+    let (bias_kind, bias_buf): (u32, Option<&dyn BiasArg>) = match &p.bias {
+        None => (0, None),
+        Some(Bias::Bf16(b)) => (1, Some(*b)),
+        Some(Bias::F32(b)) => (2, Some(*b)),
+    };
+    let flags = [
+        idx(p.a.scale_inv)?,
+        idx(p.b.scale_inv)?,
+        bias_kind,
+        u32::from(p.accumulate),
+    ];
+    let null = 0u64;
+    let args = KernelArgs::new().arg(&ta).arg(&tb);
+    let args = match p.d {
+        GemmOut::Bf16(b) => args.arg(b),
+        GemmOut::F32(b) => args.arg(b),
+    };
+    let args = match bias_buf {
+        Some(b) => b.push(args),
+        None => args.arg(&null),
+    }
+    .arg(&**p.a.scale_inv.buffer())
+    .arg(&**p.b.scale_inv.buffer());
+    let args = match p.counts {
+        Some(c) => args.arg(c),
+        None => args.arg(&null),
+    }
+    .arg(&dims)
+    .arg(&flags);
+    let cfg = LaunchConfig {
+        shared_mem_bytes: smem as u32,
+        ..LaunchConfig::linear(grid, THREADS)
+    };
+    // SAFETY: the tensor maps cover exactly A ([groups, m, K]) and B ([groups, N, K]), so
+    // TMA reads stay inside them (zeros past the edges); the kernel writes D only at rows
+    // below min(count, m) and columns below N of each group's [m, N] block, which the entry
+    // points' validation sized; bias has N elements; counts has `groups` int32s; each scalar
+    // index is inside its buffer (DeviceScalar checks it).
+    unsafe { stream.launch(&k, &cfg, &args) }
+}
+
+/// A bias buffer of either element type, pushed as its device address.
+trait BiasArg {
+    fn push<'a>(&'a self, args: KernelArgs<'a>) -> KernelArgs<'a>;
+}
+impl BiasArg for DeviceBuffer<u16> {
+    fn push<'a>(&'a self, args: KernelArgs<'a>) -> KernelArgs<'a> {
+        args.arg(self)
+    }
+}
+impl BiasArg for DeviceBuffer<f32> {
+    fn push<'a>(&'a self, args: KernelArgs<'a>) -> KernelArgs<'a> {
+        args.arg(self)
+    }
+}
+
+#[cfg(test)]
+mod cpu_tests {
+    use super::*;
+
+    #[test]
+    fn tile_width_choice() {
+        // (groups, m, n) -> width on 132 SMs.
+        for (g, m, n, bn) in [
+            (1, 8192, 8192, 192),
+            (1, 4096, 7168, 192),
+            (1, 2048, 2048, 128),
+            (1, 128, 7168, 128),
+            (1, 64, 4096, 128),
+            (8, 512, 4096, 128),
+        ] {
+            assert_eq!(choose_bn_for(g, m, n, 132), bn, "{g} x {m} x {n}");
+        }
+        assert_eq!(smem_bytes(128), 6 * 32768 + 96 + 1024);
+        assert_eq!(smem_bytes(192), 5 * 40960 + 80 + 1024);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! GPU tests of this path (ignored without a device): fp64 CPU reference on small
+    //! shapes, the naive GPU reference kernel on a large one, grouped GEMM replayed in a
+    //! captured graph with changing counts, and a throughput probe.
+
+    use std::time::Instant;
+
+    use cuda_graph::{
+        CaptureMode, Context, DeviceBuffer, Event, GraphExec, InstantiateFlags, KernelArgs,
+        LaunchConfig, Stream,
+    };
+
+    use super::*;
+    use crate::format::Fp8Format;
+    use crate::gemm::Operand;
+    use crate::reference::decode;
+    use crate::tensor::DeviceScalar;
+
+    const SA: f32 = 0.5;
+    const SB: f32 = 0.25;
+    const POISON_BF16: u16 = 0x7fc1;
+    const POISON_F32: u32 = 0x7fc0_0001;
+
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        /// Random FP8 bytes, no NaN and no infinity.
+        fn fp8(&mut self, n: usize, fmt: Fp8Format) -> Vec<u8> {
+            (0..n)
+                .map(|_| {
+                    loop {
+                        let b = self.next() as u8;
+                        let special = match fmt {
+                            Fp8Format::E4M3 => b & 0x7f == 0x7f,
+                            Fp8Format::E5M2 => b & 0x7c == 0x7c,
+                        };
+                        if !special {
+                            break b;
+                        }
+                    }
+                })
+                .collect()
+        }
+        fn f32s(&mut self, n: usize, amp: f32) -> Vec<f32> {
+            (0..n)
+                .map(|_| ((self.next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0 * amp)
+                .collect()
+        }
+    }
+
+    fn bf16(x: f32) -> u16 {
+        half::bf16::from_f32(x).to_bits()
+    }
+    fn from_bf16(b: u16) -> f32 {
+        half::bf16::from_bits(b).to_f32()
+    }
+
+    #[derive(Clone, Copy, PartialEq)]
+    enum BiasKind {
+        None,
+        Bf16,
+        F32,
+    }
+
+    struct Case {
+        m: usize,
+        n: usize,
+        k: usize,
+        groups: usize,
+        counts: Option<Vec<i32>>,
+        fa: Fp8Format,
+        fb: Fp8Format,
+        f32_out: bool,
+        bias: BiasKind,
+        accumulate: bool,
+    }
+
+    impl Case {
+        fn plain(m: usize, n: usize, k: usize) -> Case {
+            Case {
+                m,
+                n,
+                k,
+                groups: 1,
+                counts: None,
+                fa: Fp8Format::E4M3,
+                fb: Fp8Format::E4M3,
+                f32_out: false,
+                bias: BiasKind::None,
+                accumulate: false,
+            }
+        }
+    }
+
+    /// Host data of one case and the fp64 reference (for rows below the counts).
+    struct HostData {
+        a: Vec<u8>,
+        b: Vec<u8>,
+        bias: Vec<f32>,
+        d0: Vec<f32>,
+    }
+
+    fn host_data(c: &Case, seed: u64) -> HostData {
+        let mut rng = Rng(seed | 1);
+        let a = rng.fp8(c.groups * c.m * c.k, c.fa);
+        let b = rng.fp8(c.groups * c.n * c.k, c.fb);
+        let mut bias = rng.f32s(c.n, 1000.0);
+        let mut d0 = rng.f32s(c.groups * c.m * c.n, 1000.0);
+        // Round what is stored as bf16 so host and device see the same values.
+        if c.bias == BiasKind::Bf16 {
+            bias.iter_mut().for_each(|x| *x = from_bf16(bf16(*x)));
+        }
+        if !c.f32_out {
+            d0.iter_mut().for_each(|x| *x = from_bf16(bf16(*x)));
+        }
+        HostData { a, b, bias, d0 }
+    }
+
+    fn reference(c: &Case, h: &HostData, g: usize, r: usize, col: usize) -> f64 {
+        let a = &h.a[(g * c.m + r) * c.k..][..c.k];
+        let b = &h.b[(g * c.n + col) * c.k..][..c.k];
+        let dot: f64 = a
+            .iter()
+            .zip(b)
+            .map(|(&x, &y)| f64::from(decode(x, c.fa)) * f64::from(decode(y, c.fb)))
+            .sum();
+        let mut v = dot * f64::from(SA) * f64::from(SB);
+        if c.bias != BiasKind::None {
+            v += f64::from(h.bias[col]);
+        }
+        if c.accumulate {
+            v += f64::from(h.d0[(g * c.m + r) * c.n + col]);
+        }
+        v
+    }
+
+    /// Device buffers of one case.
+    struct Dev {
+        a: DeviceBuffer<u8>,
+        b: DeviceBuffer<u8>,
+        sa: DeviceScalar,
+        sb: DeviceScalar,
+        d16: DeviceBuffer<u16>,
+        d32: DeviceBuffer<f32>,
+        bias16: DeviceBuffer<u16>,
+        bias32: DeviceBuffer<f32>,
+        counts: DeviceBuffer<i32>,
+    }
+
+    fn upload(s: &Stream, c: &Case, h: &HostData) -> Dev {
+        let b16: Vec<u16> = h.bias.iter().map(|&x| bf16(x)).collect();
+        let counts = c.counts.clone().unwrap_or_else(|| vec![0; c.groups]);
+        Dev {
+            a: DeviceBuffer::from_host(s, &h.a).unwrap(),
+            b: DeviceBuffer::from_host(s, &h.b).unwrap(),
+            sa: DeviceScalar::new(s, SA).unwrap(),
+            sb: DeviceScalar::new(s, SB).unwrap(),
+            d16: DeviceBuffer::alloc(s.context(), c.groups * c.m * c.n).unwrap(),
+            d32: DeviceBuffer::alloc(s.context(), c.groups * c.m * c.n).unwrap(),
+            bias16: DeviceBuffer::from_host(s, &b16).unwrap(),
+            bias32: DeviceBuffer::from_host(s, &h.bias).unwrap(),
+            counts: DeviceBuffer::from_host(s, &counts).unwrap(),
+        }
+    }
+
+    /// Poisons D, or fills it with the accumulate input.
+    fn reset_d(s: &Stream, c: &Case, h: &HostData, dv: &mut Dev) {
+        let len = c.groups * c.m * c.n;
+        if c.f32_out {
+            let v: Vec<f32> = if c.accumulate {
+                h.d0.clone()
+            } else {
+                vec![f32::from_bits(POISON_F32); len]
+            };
+            dv.d32.copy_from_host(s, &v).unwrap();
+        } else {
+            let v: Vec<u16> = if c.accumulate {
+                h.d0.iter().map(|&x| bf16(x)).collect()
+            } else {
+                vec![POISON_BF16; len]
+            };
+            dv.d16.copy_from_host(s, &v).unwrap();
+        }
+    }
+
+    fn problem<'a>(c: &Case, dv: &'a Dev) -> GemmProblem<'a> {
+        GemmProblem {
+            m: c.m,
+            n: c.n,
+            k: c.k,
+            groups: c.groups,
+            counts: c.counts.as_ref().map(|_| &dv.counts),
+            a: Operand {
+                data: &dv.a,
+                format: c.fa,
+                scale_inv: &dv.sa,
+            },
+            b: Operand {
+                data: &dv.b,
+                format: c.fb,
+                scale_inv: &dv.sb,
+            },
+            d: if c.f32_out {
+                GemmOut::F32(&dv.d32)
+            } else {
+                GemmOut::Bf16(&dv.d16)
+            },
+            bias: match c.bias {
+                BiasKind::None => None,
+                BiasKind::Bf16 => Some(Bias::Bf16(&dv.bias16)),
+                BiasKind::F32 => Some(Bias::F32(&dv.bias32)),
+            },
+            accumulate: c.accumulate,
+        }
+    }
+
+    /// D as f32, whatever its type.
+    fn read_d(s: &Stream, c: &Case, dv: &Dev) -> Vec<f32> {
+        if c.f32_out {
+            dv.d32.to_vec(s).unwrap()
+        } else {
+            dv.d16
+                .to_vec(s)
+                .unwrap()
+                .into_iter()
+                .map(from_bf16)
+                .collect()
+        }
+    }
+
+    /// Checks D against the fp64 reference (rows below the counts) and the poison (rows at
+    /// or above them, which must be untouched); returns max |err| / max |ref|.
+    fn verify(s: &Stream, c: &Case, h: &HostData, dv: &Dev, counts: Option<&[i32]>) -> f64 {
+        let got = read_d(s, c, dv);
+        let raw16 = (!c.f32_out).then(|| dv.d16.to_vec(s).unwrap());
+        let (mut max_err, mut max_ref) = (0f64, 0f64);
+        for g in 0..c.groups {
+            let rows = counts.map_or(c.m, |cs| (cs[g].max(0) as usize).min(c.m));
+            for r in 0..c.m {
+                for col in 0..c.n {
+                    let i = (g * c.m + r) * c.n + col;
+                    if r >= rows {
+                        let untouched = if c.accumulate {
+                            got[i] == h.d0[i]
+                        } else if let Some(raw) = &raw16 {
+                            raw[i] == POISON_BF16
+                        } else {
+                            got[i].to_bits() == POISON_F32
+                        };
+                        assert!(
+                            untouched,
+                            "group {g} row {r} col {col} (count {rows}) was written: {}",
+                            got[i]
+                        );
+                        continue;
+                    }
+                    let want = reference(c, h, g, r, col);
+                    assert!(
+                        got[i].is_finite(),
+                        "group {g} row {r} col {col}: {} (want {want})",
+                        got[i]
+                    );
+                    max_err = max_err.max((f64::from(got[i]) - want).abs());
+                    max_ref = max_ref.max(want.abs());
+                }
+            }
+        }
+        if max_ref == 0.0 {
+            max_err
+        } else {
+            max_err / max_ref
+        }
+    }
+
+    /// Relative error bound: bf16 output rounding (2^-8 relative), or for f32 output the
+    /// tensor cores' own accumulation inside each 128-deep chunk (about 14 mantissa bits,
+    /// which random full-range FP8 data turns into up to about 4e-4 of max |ref|, as measured
+    /// on an H200).
+    fn bound(c: &Case) -> f64 {
+        if c.f32_out { 1e-3 } else { 1e-2 }
+    }
+
+    fn setup() -> (Arc<Context>, Stream) {
+        let ctx = Context::default_device().unwrap();
+        assert!(
+            available(&ctx).unwrap(),
+            "these tests need a compute capability 9.0 device"
+        );
+        let s = Stream::new(&ctx).unwrap();
+        (ctx, s)
+    }
+
+    fn run_case(s: &Stream, c: &Case, seed: u64) {
+        run_case_with(s, c, seed, None);
+    }
+
+    fn run_case_with(s: &Stream, c: &Case, seed: u64, bn: Option<usize>) {
+        let h = host_data(c, seed);
+        let mut dv = upload(s, c, &h);
+        reset_d(s, c, &h, &mut dv);
+        launch_with(s, &problem(c, &dv), bn).unwrap();
+        s.synchronize().unwrap();
+        let err = verify(s, c, &h, &dv, c.counts.as_deref());
+        let what = format!(
+            "{}x{}x{} g{} {}x{} f32_out={} bias={} acc={} bn={bn:?}",
+            c.m,
+            c.n,
+            c.k,
+            c.groups,
+            c.fa.name(),
+            c.fb.name(),
+            c.f32_out,
+            c.bias != BiasKind::None,
+            c.accumulate
+        );
+        println!("{what}: max|err|/max|ref| = {err:.3e}");
+        assert!(err < bound(c), "{what}: relative error {err:.3e}");
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn small_shapes_match_fp64_reference() {
+        let (_ctx, s) = setup();
+        let shapes = [
+            (128, 128, 128),
+            (200, 136, 256),
+            (64, 256, 512),
+            (1, 128, 128),
+            (77, 130, 96),
+            (300, 8, 16),
+            (129, 258, 400),
+        ];
+        for (i, &(m, n, k)) in shapes.iter().enumerate() {
+            for f32_out in [false, true] {
+                for bn in [128, 192] {
+                    let mut c = Case::plain(m, n, k);
+                    c.f32_out = f32_out;
+                    run_case_with(&s, &c, 17 + i as u64, Some(bn));
+                }
+            }
+        }
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn formats_bias_and_accumulate() {
+        let (_ctx, s) = setup();
+        let mut seed = 100;
+        for (fa, fb) in [
+            (Fp8Format::E5M2, Fp8Format::E4M3),
+            (Fp8Format::E4M3, Fp8Format::E5M2),
+            (Fp8Format::E5M2, Fp8Format::E5M2),
+        ] {
+            let mut c = Case::plain(200, 136, 256);
+            c.fa = fa;
+            c.fb = fb;
+            run_case(&s, &c, seed);
+            seed += 1;
+        }
+        for bias in [BiasKind::Bf16, BiasKind::F32] {
+            for accumulate in [false, true] {
+                for f32_out in [false, true] {
+                    let mut c = Case::plain(150, 264, 384);
+                    c.bias = bias;
+                    c.accumulate = accumulate;
+                    c.f32_out = f32_out;
+                    run_case(&s, &c, seed);
+                    seed += 1;
+                }
+            }
+        }
+        let mut c = Case::plain(70, 64, 128);
+        c.accumulate = true;
+        run_case(&s, &c, seed);
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn rejects_what_it_cannot_do() {
+        let (_ctx, s) = setup();
+        for (m, n, k) in [(128, 128, 120), (128, 127, 128)] {
+            let c = Case::plain(m, n, k);
+            let h = host_data(&c, 5);
+            let dv = upload(&s, &c, &h);
+            let e = launch(&s, &problem(&c, &dv));
+            assert!(
+                matches!(e, Err(Error::InvalidArgument(_))),
+                "{m}x{n}x{k} should be rejected"
+            );
+        }
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn grouped_counts_replayed_in_a_graph() {
+        let (_ctx, s) = setup();
+        let first = vec![0, 200, 77, 128, 1];
+        let mut c = Case::plain(200, 136, 256);
+        c.groups = 5;
+        c.counts = Some(first.clone());
+        let h = host_data(&c, 77);
+        let mut dv = upload(&s, &c, &h);
+        for bn in [128, 192] {
+            dv.counts.copy_from_host(&s, &first).unwrap();
+            // Eager first.
+            reset_d(&s, &c, &h, &mut dv);
+            launch_with(&s, &problem(&c, &dv), Some(bn)).unwrap();
+            s.synchronize().unwrap();
+            let err = verify(&s, &c, &h, &dv, Some(&first));
+            assert!(err < bound(&c), "eager grouped: {err:.3e}");
+            // Captured once, replayed with other counts (the same buffers).
+            let graph = s
+                .capture(CaptureMode::Global, |scope| {
+                    launch_with(scope.stream(), &problem(&c, &dv), Some(bn))
+                })
+                .unwrap();
+            let exec = GraphExec::instantiate(&graph, InstantiateFlags::empty()).unwrap();
+            for counts in [
+                vec![0, 200, 77, 128, 1],
+                vec![5, 0, 200, 1, 0],
+                vec![0, 0, 0, 0, 0],
+                vec![200, 200, 200, 200, 200],
+                vec![-3, 300, 129, 64, 63],
+            ] {
+                dv.counts.copy_from_host(&s, &counts).unwrap();
+                reset_d(&s, &c, &h, &mut dv);
+                exec.launch(&s).unwrap();
+                s.synchronize().unwrap();
+                let err = verify(&s, &c, &h, &dv, Some(&counts));
+                println!("grouped bn {bn} replay counts {counts:?}: {err:.3e}");
+                assert!(
+                    err < bound(&c),
+                    "bn {bn} replay with counts {counts:?}: {err:.3e}"
+                );
+            }
+        }
+    }
+
+    /// The naive GPU reference (f32, no bias) into `out`.
+    fn gpu_reference(s: &Stream, c: &Case, dv: &Dev, out: &DeviceBuffer<f32>) {
+        let name = format!("fp8_gemm_ref_{}_{}", c.fa.name(), c.fb.name());
+        let (k, _) = kernel(s.context(), &name).unwrap();
+        let dims = [c.m as u32, c.n as u32, c.k as u32, 0];
+        let ids = [idx(&dv.sa).unwrap(), idx(&dv.sb).unwrap()];
+        let args = KernelArgs::new()
+            .arg(&dv.a)
+            .arg(&dv.b)
+            .arg(out)
+            .arg(&**dv.sa.buffer())
+            .arg(&**dv.sb.buffer())
+            .arg(&dims)
+            .arg(&ids);
+        let cfg = LaunchConfig {
+            grid: (c.n.div_ceil(128) as u32, c.m as u32, 1),
+            block: (128, 1, 1),
+            shared_mem_bytes: 0,
+            attributes: Vec::new(),
+        };
+        // SAFETY: the reference reads m*k and n*k bytes and writes m*n floats, the sizes of
+        // these buffers.
+        unsafe { s.launch(&k, &cfg, &args) }.unwrap();
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn large_matches_gpu_reference() {
+        let (ctx, s) = setup();
+        let mut c = Case::plain(1000, 1536, 2048);
+        c.f32_out = true;
+        let h = host_data(&c, 9);
+        let mut dv = upload(&s, &c, &h);
+        for bn in [128, 192] {
+            reset_d(&s, &c, &h, &mut dv);
+            launch_with(&s, &problem(&c, &dv), Some(bn)).unwrap();
+            let r = DeviceBuffer::<f32>::alloc(&ctx, c.m * c.n).unwrap();
+            gpu_reference(&s, &c, &dv, &r);
+            s.synchronize().unwrap();
+            let got = dv.d32.to_vec(&s).unwrap();
+            let want = r.to_vec(&s).unwrap();
+            let (mut e, mut mx) = (0f64, 0f64);
+            for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
+                assert!(g.is_finite(), "element {i}: {g}");
+                e = e.max((f64::from(g) - f64::from(w)).abs());
+                mx = mx.max(f64::from(w).abs());
+            }
+            println!("large vs GPU reference, bn {bn}: {:.3e}", e / mx);
+            assert!(e / mx < 1e-3, "large bn {bn}: {:.3e}", e / mx);
+        }
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn throughput_probe() {
+        let (_ctx, s) = setup();
+        for (m, n, k) in [
+            (8192, 8192, 8192),
+            (4096, 7168, 4096),
+            (2048, 2048, 2048),
+            (128, 7168, 2048),
+            (64, 4096, 7168),
+        ] {
+            let c = Case::plain(m, n, k);
+            let mut rng = Rng(3);
+            let h = HostData {
+                a: rng.fp8(m * k, c.fa),
+                b: rng.fp8(n * k, c.fb),
+                bias: Vec::new(),
+                d0: Vec::new(),
+            };
+            let mut hb = h;
+            hb.bias = vec![0.0; n];
+            let mut dv = upload(&s, &c, &hb);
+            reset_d(&s, &c, &hb, &mut dv);
+            let p = problem(&c, &dv);
+            for bn in [128, 192] {
+                for _ in 0..3 {
+                    launch_with(&s, &p, Some(bn)).unwrap();
+                }
+                let (t0, t1) = (
+                    Event::new(s.context()).unwrap(),
+                    Event::new(s.context()).unwrap(),
+                );
+                t0.record(&s).unwrap();
+                for _ in 0..10 {
+                    launch_with(&s, &p, Some(bn)).unwrap();
+                }
+                t1.record(&s).unwrap();
+                t1.synchronize().unwrap();
+                let ms = f64::from(Event::elapsed_ms(&t0, &t1).unwrap()) / 10.0;
+                let tflops = 2.0 * (m * n * k) as f64 / (ms * 1e-3) / 1e12;
+                println!("  forced bn={bn}: {ms:.3} ms, {tflops:.0} TFLOP/s");
+            }
+            // The automatic choice, timed and checked.
+            for _ in 0..3 {
+                launch(&s, &p).unwrap();
+            }
+            let (t0, t1) = (
+                Event::new(s.context()).unwrap(),
+                Event::new(s.context()).unwrap(),
+            );
+            let iters = 20;
+            let wall = Instant::now();
+            t0.record(&s).unwrap();
+            for _ in 0..iters {
+                launch(&s, &p).unwrap();
+            }
+            t1.record(&s).unwrap();
+            t1.synchronize().unwrap();
+            let ms = Event::elapsed_ms(&t0, &t1).unwrap() as f64 / f64::from(iters);
+            let tflops = 2.0 * (m * n * k) as f64 / (ms * 1e-3) / 1e12;
+            println!(
+                "sm90 GEMM {m}x{n}x{k} bf16 (bn {}): {ms:.3} ms, {tflops:.0} TFLOP/s (wall {:?})",
+                choose_bn(
+                    &p,
+                    s.context().device().multiprocessor_count().unwrap() as usize
+                ),
+                wall.elapsed()
+            );
+            // Spot-check 64 entries against the fp64 reference.
+            let got = read_d(&s, &c, &dv);
+            let mut rng = Rng(11);
+            for _ in 0..64 {
+                let (r, col) = ((rng.next() as usize) % m, (rng.next() as usize) % n);
+                let want = reference(&c, &hb, 0, r, col);
+                let g = f64::from(got[r * n + col]);
+                assert!(
+                    (g - want).abs() <= 1e-2 * want.abs() + 1e-2 * 448.0 * 448.0,
+                    "{m}x{n}x{k} ({r}, {col}): {g} vs {want}"
+                );
+            }
+        }
+    }
+}
