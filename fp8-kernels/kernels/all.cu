@@ -5,3 +5,4 @@
 #include "scaling.cuh"
 #include "cast_transpose.cuh"
 #include "block_scale.cuh"
+#include "gemm_mma.cuh"
