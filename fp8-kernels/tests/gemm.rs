@@ -745,3 +745,58 @@ fn cpu_reference_hand_checked() {
     assert_eq!(got, vec![12.0, 20.5, 477.0, 19.5, 25.5, 268.0]);
     assert_eq!(r::decode(r::encode(448.0, E4), E4), 448.0);
 }
+
+/// Times the portable path (prints TFLOP/s; no bound asserted) and checks the result is
+/// finite.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn portable_gemm_throughput() {
+    let (ctx, stream) = setup();
+    for (m, n, k) in [(4096, 4096, 4096), (128, 7168, 2048)] {
+        let mut rng = Rng::new(5);
+        let a = DeviceBuffer::from_host(&stream, &rng.bytes(m * k, E4)).unwrap();
+        let b = DeviceBuffer::from_host(&stream, &rng.bytes(n * k, E4)).unwrap();
+        let s = DeviceScalar::new(&stream, 1.0).unwrap();
+        let mut d = Out::new(&ctx, DType::Bf16, m * n);
+        d.poison(&stream);
+        let run = || {
+            gemm(
+                &stream,
+                m,
+                n,
+                k,
+                Operand {
+                    data: &a,
+                    format: E4,
+                    scale_inv: &s,
+                },
+                Operand {
+                    data: &b,
+                    format: E4,
+                    scale_inv: &s,
+                },
+                d.view(),
+                GemmOptions::new().path(GemmPath::Portable),
+            )
+            .unwrap()
+        };
+        run();
+        stream.synchronize().unwrap();
+        let iters = 10;
+        let t = std::time::Instant::now();
+        for _ in 0..iters {
+            run();
+        }
+        stream.synchronize().unwrap();
+        let secs = t.elapsed().as_secs_f64() / f64::from(iters);
+        println!(
+            "portable {m}x{n}x{k}: {:.3} ms, {:.1} TFLOP/s",
+            secs * 1e3,
+            2.0 * (m * n * k) as f64 / secs / 1e12
+        );
+        assert!(
+            d.values(&stream).iter().all(|v| !v.is_nan()),
+            "output left poisoned"
+        );
+    }
+}
