@@ -6,3 +6,4 @@
 #include "cast_transpose.cuh"
 #include "block_scale.cuh"
 #include "gemm_sm90.cuh"
+#include "gemm_mma.cuh"

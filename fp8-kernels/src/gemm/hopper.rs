@@ -13,7 +13,6 @@
 //! store only rows below the group's count and columns below N.
 
 // Reached through the entry points in `gemm/`, written alongside this path.
-#![allow(dead_code)]
 
 use std::sync::Arc;
 

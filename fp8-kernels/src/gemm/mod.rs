@@ -9,17 +9,57 @@
 //! * weight gradient: `dW[N,K] = dY^T . X` — A = dY^T (`[N,M]`), B = X^T (`[K,M]`), both
 //!   cast-transposes.
 //!
-//! (Work in progress: the types below are the contract between the entry points and the
-//! kernel paths.)
+//! Every entry point ([`gemm`], [`grouped_gemm`], [`gemm_blockwise`], and the test oracle
+//! [`gemm_reference`]) takes exactly this one layout: A `[rows, K]` and B `[cols, K]`, both
+//! row-major FP8 bytes, D `[rows, cols]` row-major.
+//!
+//! # Rules (checked before anything is enqueued; nothing is written on an error)
+//! * `M, N, K >= 1`, and `K % 16 == 0` ([`K_ALIGN`]): every row of A and B then starts on a
+//!   16-byte boundary, which the kernels' 16-byte loads need. M and N are free.
+//! * Buffer lengths exactly match the shapes (`A: [G,] M x K`, `B: [G,] N x K`,
+//!   `D: [G,] M x N`, bias `N`, counts `G`), sizes computed without overflow.
+//! * A, B, D and the bias start on a 16-byte boundary ([`ALIGN`](crate::ALIGN); buffers from
+//!   [`DeviceBuffer::alloc`] always do).
+//! * Formats: all four combinations of E4M3 and E5M2 (E4M3 x E4M3 forward, E5M2 x E4M3 and
+//!   E4M3 x E5M2 for gradients, E5M2 x E5M2). The portable path widens FP8 to f16, in which
+//!   every value of both formats is exact, so it takes every combination; Hopper's
+//!   `wgmma` also has all four.
+//! * At most 65535 groups and `ceil(N / 128) <= 65535` (grid limits).
+//!
+//! # Numerics
+//! FP8 x FP8 products are exact in fp32 and accumulate in fp32; the epilogue computes
+//! `acc * (scale_inv_a * scale_inv_b) (+ bias) (+ D)` in f32 and rounds once to the output
+//! (bf16: round to nearest even). NaN and inf inputs (E5M2) propagate as IEEE arithmetic
+//! does.
+//!
+//! # Paths
+//! [`GemmPath::Portable`] is an `mma.sync` kernel that runs on sm_80 and newer (FP8 widened to
+//! f16 in registers, fp32 accumulation). [`GemmPath::Hopper`] is the sm_90a `wgmma` kernel;
+//! [`GemmPath::Auto`] takes it where the device and problem allow and the portable path
+//! otherwise. Every launcher enqueues without synchronising or allocating, so the GEMMs can
+//! be captured into graphs; scales and grouped row counts are read on the device.
 
-use cuda_graph::DeviceBuffer;
+mod portable;
+pub mod reference;
+
+use cuda_graph::{DeviceBuffer, Error, Result, Stream};
 
 pub(crate) mod hopper;
 
 use crate::format::Fp8Format;
 use crate::tensor::DeviceScalar;
 
+/// K must be a multiple of this.
+pub const K_ALIGN: usize = 16;
+/// The alignment (bytes) of A, B, D and the bias.
+const ALIGN: u64 = crate::quantize::ALIGN;
+/// Largest `gridDim.y` / `gridDim.z` (N tiles, groups).
+const MAX_GRID_YZ: usize = 65535;
+/// Largest `gridDim.x` (M tiles).
+const MAX_GRID_X: usize = (1 << 31) - 1;
+
 /// Where a GEMM writes its output: `[M, N]` row-major (or `[G, m_max, N]` grouped).
+#[derive(Clone, Copy)]
 pub enum GemmOut<'a> {
     /// bf16 output, as `u16` bits.
     Bf16(&'a DeviceBuffer<u16>),
@@ -28,6 +68,7 @@ pub enum GemmOut<'a> {
 }
 
 /// An optional bias of `N` elements, added to every row.
+#[derive(Clone, Copy)]
 pub enum Bias<'a> {
     /// bf16 bias, as `u16` bits.
     Bf16(&'a DeviceBuffer<u16>),
@@ -36,6 +77,7 @@ pub enum Bias<'a> {
 }
 
 /// One FP8 operand: K-major data and its per-tensor `scale_inv` on the device.
+#[derive(Clone, Copy)]
 pub struct Operand<'a> {
     /// `[rows, K]` row-major bytes (grouped: `[G, rows, K]`).
     pub data: &'a DeviceBuffer<u8>,
@@ -46,7 +88,6 @@ pub struct Operand<'a> {
 }
 
 /// A validated problem, as the kernel paths receive it.
-#[allow(dead_code)] // the entry points and kernel paths are being built on it
 pub(crate) struct GemmProblem<'a> {
     /// Rows of A and D (grouped: `m_max`, rows per group).
     pub m: usize,
@@ -68,4 +109,614 @@ pub(crate) struct GemmProblem<'a> {
     pub bias: Option<Bias<'a>>,
     /// Add the product to D's current contents instead of overwriting.
     pub accumulate: bool,
+}
+
+impl GemmOut<'_> {
+    /// The element count.
+    pub fn len(&self) -> usize {
+        match self {
+            GemmOut::Bf16(b) => b.len(),
+            GemmOut::F32(b) => b.len(),
+        }
+    }
+    /// Whether it has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The device address.
+    pub fn device_ptr(&self) -> u64 {
+        match self {
+            GemmOut::Bf16(b) => b.as_raw(),
+            GemmOut::F32(b) => b.as_raw(),
+        }
+    }
+    /// Lower-case name used in kernel symbols: `bf16` or `f32`.
+    pub(crate) fn name(&self) -> &'static str {
+        match self {
+            GemmOut::Bf16(_) => "bf16",
+            GemmOut::F32(_) => "f32",
+        }
+    }
+}
+
+impl Bias<'_> {
+    /// The element count.
+    pub fn len(&self) -> usize {
+        match self {
+            Bias::Bf16(b) => b.len(),
+            Bias::F32(b) => b.len(),
+        }
+    }
+    /// Whether it has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The device address.
+    pub fn device_ptr(&self) -> u64 {
+        match self {
+            Bias::Bf16(b) => b.as_raw(),
+            Bias::F32(b) => b.as_raw(),
+        }
+    }
+}
+
+/// Which kernel computes a GEMM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum GemmPath {
+    /// The Hopper kernel where the device (sm_90) and the problem allow it, else the
+    /// portable one.
+    #[default]
+    Auto,
+    /// The sm_90a `wgmma` kernel only; an error where it is unavailable or does not take
+    /// the problem.
+    Hopper,
+    /// The `mma.sync` kernel (sm_80 and newer), for any problem within the module's rules.
+    Portable,
+}
+
+/// The optional parts of a GEMM: bias, accumulation, kernel path. `GemmOptions::default()`
+/// is no bias, overwrite D, [`GemmPath::Auto`]; the builder methods set one field each.
+#[derive(Clone, Copy, Default)]
+pub struct GemmOptions<'a> {
+    /// `N` elements added to every row of D (16-byte aligned).
+    pub bias: Option<Bias<'a>>,
+    /// Add the product (and bias) to D's current contents instead of overwriting D.
+    pub accumulate: bool,
+    /// Which kernel runs.
+    pub path: GemmPath,
+}
+
+impl<'a> GemmOptions<'a> {
+    /// No bias, overwrite D, [`GemmPath::Auto`].
+    pub fn new() -> GemmOptions<'a> {
+        GemmOptions::default()
+    }
+    /// With a bias.
+    pub fn bias(mut self, bias: Bias<'a>) -> GemmOptions<'a> {
+        self.bias = Some(bias);
+        self
+    }
+    /// Accumulating into D (or not).
+    pub fn accumulate(mut self, accumulate: bool) -> GemmOptions<'a> {
+        self.accumulate = accumulate;
+        self
+    }
+    /// On a given path.
+    pub fn path(mut self, path: GemmPath) -> GemmOptions<'a> {
+        self.path = path;
+        self
+    }
+}
+
+/// A block-scaled FP8 operand: K-major data and one f32 `scale_inv` per block, as
+/// [`quantize_blockwise`](crate::quantize_blockwise) writes them.
+#[derive(Clone, Copy)]
+pub struct BlockOperand<'a> {
+    /// `[rows, K]` row-major bytes.
+    pub data: &'a DeviceBuffer<u8>,
+    /// E4M3 or E5M2.
+    pub format: Fp8Format,
+    /// A: 1x128 blocks, `[M, ceil(K/128)]` row-major
+    /// ([`BlockShape::Row1x128`](crate::BlockShape::Row1x128)); B: 128x128 blocks,
+    /// `[ceil(N/128), ceil(K/128)]` row-major
+    /// ([`BlockShape::Tile128x128`](crate::BlockShape::Tile128x128)).
+    pub scales_inv: &'a DeviceBuffer<f32>,
+}
+
+/// The plain numbers validation looks at (lengths, addresses), so the rules are testable
+/// without a device.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Desc {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub groups: usize,
+    pub a: (usize, u64),
+    pub b: (usize, u64),
+    pub d: (usize, u64),
+    pub bias: Option<(usize, u64)>,
+    pub counts: Option<(usize, u64)>,
+}
+
+fn invalid(what: &str, msg: String) -> Error {
+    Error::InvalidArgument(format!("{what}: {msg}"))
+}
+
+fn mul(what: &str, xs: &[usize]) -> Result<usize> {
+    xs.iter()
+        .try_fold(1usize, |p, &x| p.checked_mul(x))
+        .ok_or_else(|| invalid(what, format!("size {xs:?} overflows usize")))
+}
+
+fn check_len(what: &str, name: &str, got: usize, want: usize) -> Result<()> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(invalid(
+            what,
+            format!("{name} has {got} elements, the shape needs {want}"),
+        ))
+    }
+}
+
+fn check_addr(what: &str, name: &str, addr: u64, align: u64) -> Result<()> {
+    if addr % align == 0 {
+        Ok(())
+    } else {
+        Err(invalid(
+            what,
+            format!("{name} at {addr:#x} is not {align}-byte aligned"),
+        ))
+    }
+}
+
+/// Every rule of the module documentation.
+pub(crate) fn validate(what: &str, p: &Desc) -> Result<()> {
+    if p.m == 0 || p.n == 0 || p.k == 0 {
+        return Err(invalid(
+            what,
+            format!("M, N, K must be >= 1 (got {} x {} x {})", p.m, p.n, p.k),
+        ));
+    }
+    if p.k % K_ALIGN != 0 {
+        return Err(invalid(
+            what,
+            format!("K = {} is not a multiple of {K_ALIGN}", p.k),
+        ));
+    }
+    if p.groups == 0 || p.groups > MAX_GRID_YZ {
+        return Err(invalid(
+            what,
+            format!("groups = {} outside 1..={MAX_GRID_YZ}", p.groups),
+        ));
+    }
+    if p.n.div_ceil(128) > MAX_GRID_YZ || p.m.div_ceil(64) > MAX_GRID_X {
+        return Err(invalid(
+            what,
+            format!("{} x {} is above the grid limits", p.m, p.n),
+        ));
+    }
+    check_len(what, "A", p.a.0, mul(what, &[p.groups, p.m, p.k])?)?;
+    check_len(what, "B", p.b.0, mul(what, &[p.groups, p.n, p.k])?)?;
+    check_len(what, "D", p.d.0, mul(what, &[p.groups, p.m, p.n])?)?;
+    check_addr(what, "A", p.a.1, ALIGN)?;
+    check_addr(what, "B", p.b.1, ALIGN)?;
+    check_addr(what, "D", p.d.1, ALIGN)?;
+    if let Some((len, addr)) = p.bias {
+        check_len(what, "bias", len, p.n)?;
+        check_addr(what, "bias", addr, ALIGN)?;
+    }
+    if let Some((len, addr)) = p.counts {
+        check_len(what, "counts", len, p.groups)?;
+        check_addr(what, "counts", addr, 4)?;
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)] // the plain numbers of every argument
+fn desc(
+    m: usize,
+    n: usize,
+    k: usize,
+    groups: usize,
+    a: &DeviceBuffer<u8>,
+    b: &DeviceBuffer<u8>,
+    d: &GemmOut<'_>,
+    bias: Option<&Bias<'_>>,
+    counts: Option<&DeviceBuffer<i32>>,
+) -> Desc {
+    Desc {
+        m,
+        n,
+        k,
+        groups,
+        a: (a.len(), a.as_raw()),
+        b: (b.len(), b.as_raw()),
+        d: (d.len(), d.device_ptr()),
+        bias: bias.map(|x| (x.len(), x.device_ptr())),
+        counts: counts.map(|c| (c.len(), c.as_raw())),
+    }
+}
+
+/// Tries the Hopper path: `Ok(true)` when it enqueued the GEMM, `Ok(false)` when it does not
+/// take this device or problem (nothing enqueued).
+fn try_hopper(stream: &Stream, p: &GemmProblem<'_>) -> Result<bool> {
+    if !hopper::available(stream.context())? {
+        return Ok(false);
+    }
+    match hopper::launch(stream, p) {
+        Ok(()) => Ok(true),
+        // Not its shape or alignment; it validates before enqueueing anything.
+        Err(Error::InvalidArgument(_)) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// Runs a validated problem on the path asked for.
+fn dispatch(stream: &Stream, p: &GemmProblem<'_>, path: GemmPath) -> Result<()> {
+    match path {
+        GemmPath::Portable => portable::launch(stream, p),
+        GemmPath::Auto => {
+            if try_hopper(stream, p)? {
+                Ok(())
+            } else {
+                portable::launch(stream, p)
+            }
+        }
+        GemmPath::Hopper => {
+            if try_hopper(stream, p)? {
+                Ok(())
+            } else {
+                Err(Error::InvalidArgument(format!(
+                    "GemmPath::Hopper: the Hopper kernel is unavailable here or does not take \
+                     {} x {} x {} ({} group(s))",
+                    p.m, p.n, p.k, p.groups
+                )))
+            }
+        }
+    }
+}
+
+/// `D[M,N] = a.scale_inv * b.scale_inv * A[M,K] . B[N,K]^T (+ bias) (+ D)`.
+///
+/// A (`a.data`) is `[m, k]` row-major, B (`b.data`) `[n, k]` row-major (both K-major; see the
+/// [module documentation](self) for the layouts of a linear layer's three GEMMs), D `[m, n]`
+/// row-major in bf16 or f32. The scales are read on the device when the kernel runs. With
+/// `opts.accumulate` the result is added to D's current contents (read in D's type).
+/// Validation follows the module's rules; nothing is enqueued on an error. Enqueues one
+/// kernel, never synchronises or allocates (capturable).
+#[allow(clippy::too_many_arguments)] // stream, shape, operands, output, options
+pub fn gemm(
+    stream: &Stream,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Operand<'_>,
+    b: Operand<'_>,
+    d: GemmOut<'_>,
+    opts: GemmOptions<'_>,
+) -> Result<()> {
+    let what = "gemm";
+    validate(
+        what,
+        &desc(m, n, k, 1, a.data, b.data, &d, opts.bias.as_ref(), None),
+    )?;
+    let p = GemmProblem {
+        m,
+        n,
+        k,
+        groups: 1,
+        counts: None,
+        a,
+        b,
+        d,
+        bias: opts.bias,
+        accumulate: opts.accumulate,
+    };
+    dispatch(stream, &p, opts.path)
+}
+
+/// Grouped GEMM for MoE experts (the "masked" layout): for every group `g < groups`,
+/// `D[g][r,:] = a.scale_inv * b.scale_inv * A[g][r,:] . B[g]^T (+ bias) (+ D[g][r,:])` for the
+/// real rows `r < counts[g]` only.
+///
+/// A is `[groups, m_max, k]`, B `[groups, n, k]` (one weight matrix per group), D
+/// `[groups, m_max, n]`, all row-major; `counts` holds `groups` int32 row counts on the
+/// device, read by the kernel when it runs (clamped to `[0, m_max]`). Rows at or beyond a
+/// group's count are neither read nor written. One launch, no host synchronisation: a
+/// captured graph stays correct when the counts change between replays. Validation follows
+/// the module's rules (and `counts.len() == groups`); nothing is enqueued on an error.
+#[allow(clippy::too_many_arguments)] // stream, shape, operands, output, counts, options
+pub fn grouped_gemm(
+    stream: &Stream,
+    groups: usize,
+    m_max: usize,
+    n: usize,
+    k: usize,
+    a: Operand<'_>,
+    b: Operand<'_>,
+    d: GemmOut<'_>,
+    counts: &DeviceBuffer<i32>,
+    opts: GemmOptions<'_>,
+) -> Result<()> {
+    let what = "grouped_gemm";
+    validate(
+        what,
+        &desc(
+            m_max,
+            n,
+            k,
+            groups,
+            a.data,
+            b.data,
+            &d,
+            opts.bias.as_ref(),
+            Some(counts),
+        ),
+    )?;
+    let p = GemmProblem {
+        m: m_max,
+        n,
+        k,
+        groups,
+        counts: Some(counts),
+        a,
+        b,
+        d,
+        bias: opts.bias,
+        accumulate: opts.accumulate,
+    };
+    dispatch(stream, &p, opts.path)
+}
+
+/// Block-scaled GEMM (DeepSeek-V3 style):
+/// `D[m,n] = sum over kb of (A[m, kb-block] . B[n, kb-block]) * sa[m, kb] * sb[n / 128, kb]
+/// (+ bias) (+ D)`, each k-block (128 wide, the last one partial) summed in fp32, scaled, and
+/// added into an fp32 accumulator.
+///
+/// A is `[m, k]` with 1x128 scales `sa = a.scales_inv`, `[m, ceil(k/128)]`; B is `[n, k]` with
+/// 128x128 scales `sb = b.scales_inv`, `[ceil(n/128), ceil(k/128)]` — what
+/// [`quantize_blockwise`](crate::quantize_blockwise) writes with
+/// [`BlockShape::Row1x128`](crate::BlockShape::Row1x128) and
+/// [`BlockShape::Tile128x128`](crate::BlockShape::Tile128x128). The portable path runs it
+/// (`opts.path` is ignored: there is no Hopper block-scaled kernel yet). Validation follows
+/// the module's rules plus the two scale lengths; nothing is enqueued on an error.
+#[allow(clippy::too_many_arguments)] // stream, shape, operands, output, options
+pub fn gemm_blockwise(
+    stream: &Stream,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: BlockOperand<'_>,
+    b: BlockOperand<'_>,
+    d: GemmOut<'_>,
+    opts: GemmOptions<'_>,
+) -> Result<()> {
+    let what = "gemm_blockwise";
+    validate(
+        what,
+        &desc(m, n, k, 1, a.data, b.data, &d, opts.bias.as_ref(), None),
+    )?;
+    let kb = k.div_ceil(128);
+    check_len(what, "A scales", a.scales_inv.len(), mul(what, &[m, kb])?)?;
+    check_len(
+        what,
+        "B scales",
+        b.scales_inv.len(),
+        mul(what, &[n.div_ceil(128), kb])?,
+    )?;
+    portable::launch_blockwise(stream, m, n, k, &a, &b, &d, &opts)
+}
+
+/// Slow test oracle: the same result as [`gemm`] from a simple kernel, one thread per output
+/// element, FP8 decoded exactly and multiplied and summed in f32 in k order, then the same
+/// epilogue. For checking the fast paths on shapes too large for the CPU reference; not for
+/// production use. Same arguments and rules as [`gemm`] (`opts.path` is ignored).
+#[allow(clippy::too_many_arguments)] // mirrors gemm
+pub fn gemm_reference(
+    stream: &Stream,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Operand<'_>,
+    b: Operand<'_>,
+    d: GemmOut<'_>,
+    opts: GemmOptions<'_>,
+) -> Result<()> {
+    let what = "gemm_reference";
+    validate(
+        what,
+        &desc(m, n, k, 1, a.data, b.data, &d, opts.bias.as_ref(), None),
+    )?;
+    let p = GemmProblem {
+        m,
+        n,
+        k,
+        groups: 1,
+        counts: None,
+        a,
+        b,
+        d,
+        bias: opts.bias,
+        accumulate: opts.accumulate,
+    };
+    portable::launch_reference(stream, &p)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ok_desc(m: usize, n: usize, k: usize, groups: usize) -> Desc {
+        Desc {
+            m,
+            n,
+            k,
+            groups,
+            a: (groups * m * k, 0x1000),
+            b: (groups * n * k, 0x2000),
+            d: (groups * m * n, 0x3000),
+            bias: Some((n, 0x4000)),
+            counts: (groups > 1).then_some((groups, 0x5000)),
+        }
+    }
+
+    #[test]
+    fn valid_problems_pass() {
+        for (m, n, k, g) in [
+            (1, 8, 16, 1),
+            (77, 40, 48, 1),
+            (130, 136, 272, 1),
+            (4096, 16, 256, 1),
+            (512, 4096, 2048, 8),
+            (1, 1, 16, 65535),
+        ] {
+            let d = ok_desc(m, n, k, g);
+            assert!(
+                validate("t", &d).is_ok(),
+                "{m}x{n}x{k} g{g}: {:?}",
+                validate("t", &d)
+            );
+        }
+    }
+
+    #[test]
+    fn bad_problems_are_rejected() {
+        let base = ok_desc(64, 32, 32, 2);
+        let cases: Vec<(&str, Desc)> = vec![
+            ("m = 0", Desc { m: 0, ..base }),
+            ("n = 0", Desc { n: 0, ..base }),
+            ("k = 0", Desc { k: 0, ..base }),
+            (
+                "k % 16",
+                Desc {
+                    k: 40,
+                    ..ok_desc(64, 32, 40, 2)
+                },
+            ),
+            (
+                "groups = 0",
+                Desc {
+                    groups: 0,
+                    a: (0, 0x1000),
+                    b: (0, 0x2000),
+                    d: (0, 0x3000),
+                    ..base
+                },
+            ),
+            (
+                "A short",
+                Desc {
+                    a: (base.a.0 - 1, 0x1000),
+                    ..base
+                },
+            ),
+            (
+                "A long",
+                Desc {
+                    a: (base.a.0 + 16, 0x1000),
+                    ..base
+                },
+            ),
+            (
+                "B short",
+                Desc {
+                    b: (base.b.0 - 16, 0x2000),
+                    ..base
+                },
+            ),
+            (
+                "D short",
+                Desc {
+                    d: (base.d.0 - 1, 0x3000),
+                    ..base
+                },
+            ),
+            (
+                "A misaligned",
+                Desc {
+                    a: (base.a.0, 0x1008),
+                    ..base
+                },
+            ),
+            (
+                "B misaligned",
+                Desc {
+                    b: (base.b.0, 0x2001),
+                    ..base
+                },
+            ),
+            (
+                "D misaligned",
+                Desc {
+                    d: (base.d.0, 0x3004),
+                    ..base
+                },
+            ),
+            (
+                "bias length",
+                Desc {
+                    bias: Some((31, 0x4000)),
+                    ..base
+                },
+            ),
+            (
+                "bias misaligned",
+                Desc {
+                    bias: Some((32, 0x4002)),
+                    ..base
+                },
+            ),
+            (
+                "counts length",
+                Desc {
+                    counts: Some((3, 0x5000)),
+                    ..base
+                },
+            ),
+            (
+                "counts misaligned",
+                Desc {
+                    counts: Some((2, 0x5002)),
+                    ..base
+                },
+            ),
+            (
+                "overflow",
+                Desc {
+                    m: usize::MAX / 2,
+                    k: 32,
+                    ..base
+                },
+            ),
+            (
+                "n tiles",
+                Desc {
+                    n: 65536 * 128,
+                    ..base
+                },
+            ),
+            (
+                "too many groups",
+                Desc {
+                    groups: 65536,
+                    ..base
+                },
+            ),
+        ];
+        for (name, d) in cases {
+            let e = validate("t", &d);
+            assert!(
+                matches!(e, Err(Error::InvalidArgument(_))),
+                "{name}: {d:?} gave {e:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn options_builder() {
+        let o = GemmOptions::new().accumulate(true).path(GemmPath::Portable);
+        assert!(o.accumulate && o.bias.is_none() && o.path == GemmPath::Portable);
+        assert_eq!(GemmOptions::default().path, GemmPath::Auto);
+    }
 }

@@ -1,0 +1,190 @@
+//! `fp8-moe bench gemm`: our FP8 GEMMs against cuBLASLt (loaded at run time, the yardstick
+//! only) in the same run, each checked against the other before it is timed.
+
+use std::sync::Arc;
+
+use cuda_graph::{Context, DeviceBuffer, Stream};
+use fp8_kernels::gemm::{GemmOptions, GemmOut, Operand, gemm, grouped_gemm};
+use fp8_kernels::{DeviceScalar, Fp8Format};
+
+use super::cublaslt::CublasLt;
+use super::{BenchResult, Row, event_median_ms};
+
+const WARMUP: usize = 3;
+const REPS: usize = 10;
+/// (M, N, K) of the dense shapes the issue names.
+const SHAPES: [(usize, usize, usize); 5] = [
+    (8192, 8192, 8192),
+    (4096, 7168, 4096),
+    (2048, 2048, 2048),
+    (128, 7168, 2048),
+    (64, 4096, 7168),
+];
+/// cuBLASLt on this H200, measured earlier through torch._scaled_mm (TFLOP/s).
+const CUBLAS_BEFORE: [f64; 5] = [1440.0, 1094.0, 477.0, 121.0, 132.0];
+/// The grouped problem: 8 groups sharing N and K.
+const GROUPS: usize = 8;
+const GROUP_N: usize = 4096;
+const GROUP_K: usize = 2048;
+
+/// Random E4M3 bytes without NaN (0x7f, 0xff).
+fn random_e4m3(n: usize, seed: u64) -> Vec<u8> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            let b = (s >> 24) as u8;
+            if b & 0x7f == 0x7f { b ^ 0x01 } else { b }
+        })
+        .collect()
+}
+
+fn bf16_to_f32(b: u16) -> f32 {
+    f32::from_bits(u32::from(b) << 16)
+}
+
+/// max |ours - theirs| / max |theirs| over the whole output.
+fn rel_err(ours: &[u16], theirs: &[u16]) -> f64 {
+    let (mut err, mut mag) = (0.0f64, 0.0f64);
+    for (&o, &t) in ours.iter().zip(theirs) {
+        let (o, t) = (f64::from(bf16_to_f32(o)), f64::from(bf16_to_f32(t)));
+        err = err.max((o - t).abs());
+        mag = mag.max(t.abs());
+    }
+    if mag == 0.0 { err } else { err / mag }
+}
+
+struct Dense {
+    a: DeviceBuffer<u8>,
+    b: DeviceBuffer<u8>,
+    d: DeviceBuffer<u16>,
+    d_ref: DeviceBuffer<u16>,
+}
+
+fn dense(stream: &Stream, m: usize, n: usize, k: usize, seed: u64) -> BenchResult<Dense> {
+    let ctx = stream.context();
+    let mut d = DeviceBuffer::<u16>::alloc(ctx, m * n)?;
+    let mut d_ref = DeviceBuffer::<u16>::alloc(ctx, m * n)?;
+    d.memset_bytes(stream, 0xff)?;
+    d_ref.memset_bytes(stream, 0xff)?;
+    Ok(Dense {
+        a: DeviceBuffer::from_host(stream, &random_e4m3(m * k, seed))?,
+        b: DeviceBuffer::from_host(stream, &random_e4m3(n * k, seed + 1))?,
+        d,
+        d_ref,
+    })
+}
+
+fn tflops(m: usize, n: usize, k: usize, ms: f64) -> f64 {
+    2.0 * m as f64 * n as f64 * k as f64 / (ms * 1e-3) / 1e12
+}
+
+/// Runs the benchmark; returns the rows.
+pub fn run() -> BenchResult<Vec<Row>> {
+    let ctx: Arc<Context> = Context::default_device()?;
+    let stream = Stream::new(&ctx)?;
+    let lt = CublasLt::open(&ctx)?;
+    let one = DeviceScalar::new(&stream, 1.0)?;
+    let scales = [one.device_ptr(), one.device_ptr()];
+    let operand = |data: &DeviceBuffer<u8>| Operand {
+        data,
+        format: Fp8Format::E4M3,
+        scale_inv: &one,
+    };
+    let mut rows = Vec::new();
+    for (i, &(m, n, k)) in SHAPES.iter().enumerate() {
+        let p = dense(&stream, m, n, k, 10 + i as u64)?;
+        let plan = lt.plan(m, n, k, scales)?;
+        let run_ours = || {
+            gemm(&stream, m, n, k, operand(&p.a), operand(&p.b), GemmOut::Bf16(&p.d), GemmOptions::default())
+        };
+        let run_lt = || plan.run(stream.as_raw(), p.a.as_raw(), p.b.as_raw(), p.d_ref.as_raw());
+        run_ours()?;
+        run_lt()?;
+        let err = rel_err(&p.d.to_vec(&stream)?, &p.d_ref.to_vec(&stream)?);
+        if !(err < 2e-2) {
+            return Err(format!("{m}x{n}x{k}: ours and cuBLASLt differ (rel err {err:.2e})").into());
+        }
+        let ours = tflops(m, n, k, event_median_ms(&stream, WARMUP, REPS, || run_ours().map_err(Into::into))?);
+        let theirs = tflops(m, n, k, event_median_ms(&stream, WARMUP, REPS, run_lt)?);
+        rows.push(Row {
+            name: format!("gemm {m}x{n}x{k} e4m3 -> bf16"),
+            value: ours,
+            unit: "TFLOP/s",
+            yardstick: format!(
+                "cuBLASLt {theirs:.0} in this run ({:.2}x; earlier {:.0}); rel err vs cuBLASLt {err:.1e}",
+                ours / theirs,
+                CUBLAS_BEFORE[i]
+            ),
+            pass: (i == 0).then_some(ours >= 0.6 * theirs),
+        });
+    }
+
+    // Grouped GEMM: 8 x 512 rows, and a skewed split of the same 4096 rows.
+    let even = [512i32; GROUPS];
+    let skewed = [2048i32, 1024, 512, 256, 128, 64, 32, 32];
+    for (name, counts) in [("8 x 512 rows", even), ("skewed 2048..32 rows", skewed)] {
+        let m_max = *counts.iter().max().unwrap_or(&1) as usize;
+        let total: usize = counts.iter().map(|&c| c as usize).sum();
+        let (n, k) = (GROUP_N, GROUP_K);
+        let a = DeviceBuffer::from_host(&stream, &random_e4m3(GROUPS * m_max * k, 40))?;
+        let b = DeviceBuffer::from_host(&stream, &random_e4m3(GROUPS * n * k, 41))?;
+        let d = DeviceBuffer::<u16>::alloc(&ctx, GROUPS * m_max * n)?;
+        let counts_dev = DeviceBuffer::from_host(&stream, &counts)?;
+        let run_ours = || {
+            grouped_gemm(
+                &stream, GROUPS, m_max, n, k, operand(&a), operand(&b), GemmOut::Bf16(&d), &counts_dev,
+                GemmOptions::default(),
+            )
+        };
+        run_ours()?;
+        // Check each group's real rows against cuBLASLt on that group alone.
+        let got = d.to_vec(&stream)?;
+        for (g, &c) in counts.iter().enumerate().filter(|(_, c)| **c > 0) {
+            let c = c as usize;
+            let plan = lt.plan(c, n, k, scales)?;
+            let d_ref = DeviceBuffer::<u16>::alloc(&ctx, c * n)?;
+            let a_g = a.as_raw() + (g * m_max * k) as u64;
+            let b_g = b.as_raw() + (g * n * k) as u64;
+            plan.run(stream.as_raw(), a_g, b_g, d_ref.as_raw())?;
+            let want = d_ref.to_vec(&stream)?;
+            let err = rel_err(&got[g * m_max * n..g * m_max * n + c * n], &want);
+            if !(err < 2e-2) {
+                return Err(format!("grouped {name}: group {g} differs from cuBLASLt ({err:.2e})").into());
+            }
+        }
+        let ms = event_median_ms(&stream, WARMUP, REPS, || run_ours().map_err(Into::into))?;
+        let ours = tflops(total, n, k, ms);
+        // Yardstick: one dense cuBLASLt GEMM with the same real rows.
+        let p = dense(&stream, total, n, k, 50)?;
+        let plan = lt.plan(total, n, k, scales)?;
+        let theirs = tflops(
+            total,
+            n,
+            k,
+            event_median_ms(&stream, WARMUP, REPS, || {
+                plan.run(stream.as_raw(), p.a.as_raw(), p.b.as_raw(), p.d_ref.as_raw())
+            })?,
+        );
+        rows.push(Row {
+            name: format!("grouped gemm {name}, N={n} K={k}"),
+            value: ours,
+            unit: "TFLOP/s",
+            yardstick: format!(
+                "counts real rows only; cuBLASLt dense {total}x{n}x{k} {theirs:.0} in this run ({:.2}x)",
+                ours / theirs
+            ),
+            pass: None,
+        });
+    }
+    rows.push(Row {
+        name: format!("cuBLASLt library: {}", lt.path),
+        value: f64::NAN,
+        unit: "",
+        yardstick: "yardstick only, loaded at run time".into(),
+        pass: None,
+    });
+    Ok(rows)
+}
