@@ -3,6 +3,7 @@
 //! * `fp8-moe info`: the driver, each device, and which graph features they support.
 //! * `fp8-moe bench graph [--json PATH]`: launch, replay, capture and update costs.
 //! * `fp8-moe bench fp8-cast [--json PATH]`: FP8 quantize and cast-transpose bandwidth.
+//! * `fp8-moe bench gemm [--json PATH]`: FP8 GEMM and grouped GEMM against cuBLASLt.
 //!
 //! Errors print one line to stderr and exit non-zero; there is never a backtrace.
 
@@ -18,7 +19,9 @@ commands:
   bench graph [--json PATH]     launch, replay, capture and update costs (JSON default:
                                 bench-graph.json)
   bench fp8-cast [--json PATH]  FP8 quantize and cast-transpose bandwidth against a device
-                                copy (JSON default: bench-fp8-cast.json)";
+                                copy (JSON default: bench-fp8-cast.json)
+  bench gemm [--json PATH]      FP8 GEMM and MoE grouped GEMM against cuBLASLt (loaded at
+                                run time) (JSON default: bench-gemm.json)";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -63,6 +66,7 @@ fn main() -> ExitCode {
 enum Bench {
     Graph,
     Fp8Cast,
+    Gemm,
 }
 
 impl Bench {
@@ -70,6 +74,7 @@ impl Bench {
         match name {
             "graph" => Some(Bench::Graph),
             "fp8-cast" => Some(Bench::Fp8Cast),
+            "gemm" => Some(Bench::Gemm),
             _ => None,
         }
     }
@@ -86,6 +91,11 @@ fn run_bench(bench: Bench, json_path: &str) -> Result<(), info::CliError> {
             "fp8-cast",
             "bench fp8-cast: memory-bound FP8 kernels against a device copy",
             bench::fp8_cast::run(),
+        ),
+        Bench::Gemm => (
+            "gemm",
+            "bench gemm: FP8 GEMM (M x N x K) against cuBLASLt in the same run",
+            bench::gemm::run(),
         ),
     };
     let rows = rows.map_err(|e| info::CliError::Other(e.to_string()))?;

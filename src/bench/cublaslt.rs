@@ -88,13 +88,21 @@ fn candidates() -> Vec<String> {
     let mut out: Vec<String> = std::env::var("CUBLASLT_PATH").into_iter().collect();
     for soname in ["libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"] {
         out.push(soname.into());
-        for dir in ["/usr/local/cuda/lib64", "/usr/local/cuda/targets/x86_64-linux/lib"] {
+        for dir in [
+            "/usr/local/cuda/lib64",
+            "/usr/local/cuda/targets/x86_64-linux/lib",
+        ] {
             out.push(format!("{dir}/{soname}"));
         }
     }
     for root in ["/usr/local/lib", "/usr/lib", "/opt/conda/lib"] {
-        let Ok(entries) = std::fs::read_dir(root) else { continue };
-        for py in entries.flatten().filter(|e| e.file_name().to_string_lossy().starts_with("python3")) {
+        let Ok(entries) = std::fs::read_dir(root) else {
+            continue;
+        };
+        for py in entries
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with("python3"))
+        {
             for site in ["dist-packages", "site-packages"] {
                 for lib in ["nvidia/cu13/lib", "nvidia/cublas/lib"] {
                     let dir = py.path().join(site).join(lib);
@@ -106,6 +114,16 @@ fn candidates() -> Vec<String> {
         }
     }
     out
+}
+
+/// Reinterprets a symbol address as the function pointer type `F`.
+///
+/// # Safety
+/// `F` must be a function pointer type matching the symbol's C signature.
+unsafe fn as_fn<F: Copy>(p: *mut c_void) -> F {
+    const { assert!(size_of::<F>() == size_of::<*mut c_void>()) };
+    // SAFETY: same size; the caller vouches for the signature.
+    unsafe { std::mem::transmute_copy(&p) }
 }
 
 /// An open cuBLASLt with one handle and a workspace.
@@ -152,22 +170,26 @@ impl CublasLt {
             let c = CString::new(name)?;
             // SAFETY: lib is a live handle; name is NUL-terminated.
             let p = unsafe { libc::dlsym(lib, c.as_ptr()) };
-            if p.is_null() { Err(format!("{path} lacks {name}").into()) } else { Ok(p) }
+            if p.is_null() {
+                Err(format!("{path} lacks {name}").into())
+            } else {
+                Ok(p)
+            }
         };
         // SAFETY: each symbol has the signature declared in `Api` (cublasLt.h of CUDA 12/13).
         let api = unsafe {
             Api {
-                create: std::mem::transmute::<*mut c_void, _>(sym("cublasLtCreate")?),
-                desc_create: std::mem::transmute::<*mut c_void, _>(sym("cublasLtMatmulDescCreate")?),
-                desc_set: std::mem::transmute::<*mut c_void, _>(sym("cublasLtMatmulDescSetAttribute")?),
-                desc_destroy: std::mem::transmute::<*mut c_void, _>(sym("cublasLtMatmulDescDestroy")?),
-                layout_create: std::mem::transmute::<*mut c_void, _>(sym("cublasLtMatrixLayoutCreate")?),
-                layout_destroy: std::mem::transmute::<*mut c_void, _>(sym("cublasLtMatrixLayoutDestroy")?),
-                pref_create: std::mem::transmute::<*mut c_void, _>(sym("cublasLtMatmulPreferenceCreate")?),
-                pref_set: std::mem::transmute::<*mut c_void, _>(sym("cublasLtMatmulPreferenceSetAttribute")?),
-                pref_destroy: std::mem::transmute::<*mut c_void, _>(sym("cublasLtMatmulPreferenceDestroy")?),
-                heuristic: std::mem::transmute::<*mut c_void, _>(sym("cublasLtMatmulAlgoGetHeuristic")?),
-                matmul: std::mem::transmute::<*mut c_void, _>(sym("cublasLtMatmul")?),
+                create: as_fn(sym("cublasLtCreate")?),
+                desc_create: as_fn(sym("cublasLtMatmulDescCreate")?),
+                desc_set: as_fn(sym("cublasLtMatmulDescSetAttribute")?),
+                desc_destroy: as_fn(sym("cublasLtMatmulDescDestroy")?),
+                layout_create: as_fn(sym("cublasLtMatrixLayoutCreate")?),
+                layout_destroy: as_fn(sym("cublasLtMatrixLayoutDestroy")?),
+                pref_create: as_fn(sym("cublasLtMatmulPreferenceCreate")?),
+                pref_set: as_fn(sym("cublasLtMatmulPreferenceSetAttribute")?),
+                pref_destroy: as_fn(sym("cublasLtMatmulPreferenceDestroy")?),
+                heuristic: as_fn(sym("cublasLtMatmulAlgoGetHeuristic")?),
+                matmul: as_fn(sym("cublasLtMatmul")?),
             }
         };
         let mut handle = std::ptr::null_mut();
@@ -193,8 +215,13 @@ impl CublasLt {
         let mut pref = std::ptr::null_mut();
         // SAFETY: valid out-pointers and attribute buffers of the sizes passed.
         unsafe {
-            ok("desc create", (a.desc_create)(&mut desc, CUBLAS_COMPUTE_32F, CUDA_R_32F))?;
-            let set = |attr: i32, v: *const c_void, size: usize| ok("desc set", (a.desc_set)(desc, attr, v, size));
+            ok(
+                "desc create",
+                (a.desc_create)(&mut desc, CUBLAS_COMPUTE_32F, CUDA_R_32F),
+            )?;
+            let set = |attr: i32, v: *const c_void, size: usize| {
+                ok("desc set", (a.desc_set)(desc, attr, v, size))
+            };
             let (trans, no_trans) = (CUBLAS_OP_T, CUBLAS_OP_N);
             set(DESC_TRANSA, (&raw const trans).cast(), 4)?;
             set(DESC_TRANSB, (&raw const no_trans).cast(), 4)?;
@@ -202,24 +229,69 @@ impl CublasLt {
             set(DESC_B_SCALE_POINTER, (&raw const scales[0]).cast(), 8)?;
             // Lt's A is our B ([N,K] row-major = K x N column-major, transposed to N x K); Lt's
             // B is our A ([M,K] row-major = K x M column-major); D is N x M column-major.
-            ok("layout A", (a.layout_create)(&mut layouts[0], CUDA_R_8F_E4M3, k as u64, n as u64, k as i64))?;
-            ok("layout B", (a.layout_create)(&mut layouts[1], CUDA_R_8F_E4M3, k as u64, m as u64, k as i64))?;
-            ok("layout D", (a.layout_create)(&mut layouts[2], CUDA_R_16BF, n as u64, m as u64, n as i64))?;
+            ok(
+                "layout A",
+                (a.layout_create)(
+                    &mut layouts[0],
+                    CUDA_R_8F_E4M3,
+                    k as u64,
+                    n as u64,
+                    k as i64,
+                ),
+            )?;
+            ok(
+                "layout B",
+                (a.layout_create)(
+                    &mut layouts[1],
+                    CUDA_R_8F_E4M3,
+                    k as u64,
+                    m as u64,
+                    k as i64,
+                ),
+            )?;
+            ok(
+                "layout D",
+                (a.layout_create)(&mut layouts[2], CUDA_R_16BF, n as u64, m as u64, n as i64),
+            )?;
             ok("pref create", (a.pref_create)(&mut pref))?;
             let ws = self.workspace.bytes() as u64;
-            ok("pref set", (a.pref_set)(pref, PREF_MAX_WORKSPACE_BYTES, (&raw const ws).cast(), 8))?;
-            let mut results = [Heuristic { algo: [0; 8], workspace_size: 0, state: 0, waves: 0.0, reserved: [0; 4] }; 1];
+            ok(
+                "pref set",
+                (a.pref_set)(pref, PREF_MAX_WORKSPACE_BYTES, (&raw const ws).cast(), 8),
+            )?;
+            let mut results = [Heuristic {
+                algo: [0; 8],
+                workspace_size: 0,
+                state: 0,
+                waves: 0.0,
+                reserved: [0; 4],
+            }; 1];
             let mut count = 0;
             let rc = (a.heuristic)(
-                self.handle, desc, layouts[0], layouts[1], layouts[2], layouts[2], pref, 1,
-                results.as_mut_ptr(), &mut count,
+                self.handle,
+                desc,
+                layouts[0],
+                layouts[1],
+                layouts[2],
+                layouts[2],
+                pref,
+                1,
+                results.as_mut_ptr(),
+                &mut count,
             );
             (a.pref_destroy)(pref);
             ok("heuristic", rc)?;
             if count < 1 || results[0].state != 0 {
                 return Err(format!("cuBLASLt has no FP8 algorithm for {m}x{n}x{k}").into());
             }
-            Ok(Plan { lt: self, desc, layouts, algo: results[0], m, n })
+            Ok(Plan {
+                lt: self,
+                desc,
+                layouts,
+                algo: results[0],
+                m,
+                n,
+            })
         }
     }
 }

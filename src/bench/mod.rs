@@ -1,7 +1,9 @@
 //! `fp8-moe bench ...`: benchmarks timed with CUDA events (device work) or the host clock
 //! (host-side API costs), after warm-up, reported as medians beside their yardsticks.
 
+pub mod cublaslt;
 pub mod fp8_cast;
+pub mod gemm;
 pub mod graph;
 
 use std::fmt::Write as _;
