@@ -146,6 +146,26 @@ pub struct Slot<'a, T: DeviceRepr> {
 }
 
 impl<'a, T: DeviceRepr> Slot<'a, T> {
+    /// A slot for running a callable outside the runtime (eagerly, e.g. as the reference a
+    /// test compares the graphs with): the caller provides the microbatch's buffers and
+    /// keeps `saved` from the forward to the backward.
+    pub fn new(
+        at: GraphIndex,
+        inputs: Vec<&'a DeviceBuffer<T>>,
+        outputs: Vec<&'a DeviceBuffer<T>>,
+        saved: Vec<&'a DeviceBuffer<T>>,
+        pool: &'a GraphPool,
+    ) -> Slot<'a, T> {
+        Slot {
+            at,
+            inputs,
+            outputs,
+            saved,
+            pool,
+            warmup: false,
+        }
+    }
+
     /// The (chunk, microbatch, layer) of this pass.
     pub fn at(&self) -> GraphIndex {
         self.at

@@ -74,12 +74,17 @@ pub(crate) fn describe_step(step: &Step) -> String {
     )
 }
 
+/// Copies `src` into the static buffer `dst` on `stream` unless they are the same memory;
+/// returns whether it enqueued a copy.
+///
+/// The static buffers are written through `&` so that replays take `&self` and callers may
+/// pass buffers the runtime returned (e.g. chunk 0's outputs as chunk 1's inputs).
 fn copy_in<T: DeviceRepr>(
-    dst: &mut DeviceBuffer<T>,
+    dst: &DeviceBuffer<T>,
     src: &DeviceBuffer<T>,
     stream: &Stream,
     what: &str,
-) -> Result<()> {
+) -> Result<bool> {
     if src.len() != dst.len() {
         return Err(Error::invalid(format!(
             "{what} has {} elements, the static buffer {}",
@@ -87,12 +92,25 @@ fn copy_in<T: DeviceRepr>(
             dst.len()
         )));
     }
-    // The caller passing the static buffer itself (e.g. the previous layer's output) is
-    // the fast path: nothing to copy.
-    if src.as_raw() != dst.as_raw() {
-        dst.copy_from_device(stream, src)?;
+    // The caller passing the static buffer itself (e.g. written in place) is the fast path:
+    // nothing to copy.
+    if src.as_raw() == dst.as_raw() || dst.is_empty() {
+        return Ok(false);
     }
-    Ok(())
+    stream.retain_for_capture(|| src.resource());
+    stream.retain_for_capture(|| dst.resource());
+    // SAFETY: both are live allocations of `dst.bytes()` bytes (equal lengths, checked) and
+    // distinct; the static buffer is device memory the runtime owns, written only by work
+    // ordered on the replay stream, as a kernel writing through `&DeviceBuffer` would.
+    unsafe {
+        cu!(cuMemcpyDtoDAsync(
+            dst.as_raw(),
+            src.as_raw(),
+            dst.bytes(),
+            stream.as_raw()
+        ))
+    }?;
+    Ok(true)
 }
 
 impl<T: DeviceRepr> GraphedCallables<T> {
@@ -106,14 +124,14 @@ impl<T: DeviceRepr> GraphedCallables<T> {
     /// Errors: [`Error::ReplayOrder`] if the schedule expects another step next (nothing is
     /// enqueued); [`Error::InvalidArgument`] for a wrong number or length of inputs.
     pub fn forward(
-        &mut self,
+        &self,
         chunk: usize,
         microbatch: usize,
         inputs: &[&DeviceBuffer<T>],
         stream: &Stream,
     ) -> Result<&[DeviceBuffer<T>]> {
         let step = Step::Forward { chunk, microbatch };
-        let position = self.cursor.check(&self.schedule, step)?;
+        let position = self.cursor.get().check(&self.schedule, step)?;
         let graphs = self.graphs_of(chunk, microbatch)?;
         let first = self.buffers.plan.graphs[graphs.start].inputs.clone();
         if inputs.len() != first.len() {
@@ -124,12 +142,12 @@ impl<T: DeviceRepr> GraphedCallables<T> {
             )));
         }
         for (i, (src, d)) in inputs.iter().zip(first).enumerate() {
-            copy_in(
-                &mut self.buffers.arena[d],
+            self.count_copy(copy_in(
+                &self.buffers.arena[d],
                 src,
                 stream,
                 &format!("input {i}"),
-            )?;
+            )?);
         }
         // Extension point (FP8 weight caching): write the device flag the IF conditional
         // (or the noop form) reads from `self.is_first_microbatch(chunk, microbatch)` here.
@@ -138,7 +156,7 @@ impl<T: DeviceRepr> GraphedCallables<T> {
         }
         // Extension point (amax): one fused reduction and scale update over the registered
         // tensors after the forward replay.
-        self.cursor.advance(position);
+        self.advance(position);
         Ok(self.buffers.outputs_slice(graphs.end - 1))
     }
 
@@ -149,14 +167,14 @@ impl<T: DeviceRepr> GraphedCallables<T> {
     ///
     /// Errors as [`forward`](Self::forward).
     pub fn backward(
-        &mut self,
+        &self,
         chunk: usize,
         microbatch: usize,
         grad_outputs: &[&DeviceBuffer<T>],
         stream: &Stream,
     ) -> Result<&[DeviceBuffer<T>]> {
         let step = Step::Backward { chunk, microbatch };
-        let position = self.cursor.check(&self.schedule, step)?;
+        let position = self.cursor.get().check(&self.schedule, step)?;
         let graphs = self.graphs_of(chunk, microbatch)?;
         let last = self.buffers.plan.graphs[graphs.end - 1]
             .grad_outputs
@@ -169,30 +187,42 @@ impl<T: DeviceRepr> GraphedCallables<T> {
             )));
         }
         for (i, (src, d)) in grad_outputs.iter().zip(last).enumerate() {
-            copy_in(
-                &mut self.buffers.arena[d],
+            self.count_copy(copy_in(
+                &self.buffers.arena[d],
                 src,
                 stream,
                 &format!("output gradient {i}"),
-            )?;
+            )?);
         }
         for g in graphs.clone().rev() {
             self.backward[g].launch(stream)?;
         }
         // Extension point (amax): reduction and scale update after the backward replay.
-        self.cursor.advance(position);
+        self.advance(position);
         Ok(self.buffers.grad_inputs_slice(graphs.start))
     }
 
     /// Starts a new training step: the next replay must be the schedule's first step,
     /// whatever ran of the current one.
-    pub fn reset_step(&mut self) {
-        self.cursor.reset();
+    pub fn reset_step(&self) {
+        let mut c = self.cursor.get();
+        c.reset();
+        self.cursor.set(c);
+    }
+
+    fn advance(&self, position: usize) {
+        let mut c = self.cursor.get();
+        c.advance(position);
+        self.cursor.set(c);
+    }
+
+    fn count_copy(&self, copied: bool) {
+        self.copies.set(self.copies.get() + u64::from(copied));
     }
 
     /// The step the schedule expects next.
     pub fn next_step(&self) -> Option<Step> {
-        self.cursor.next_step(&self.schedule)
+        self.cursor.get().next_step(&self.schedule)
     }
 
     /// Whether (`chunk`, `microbatch`) is its chunk's first microbatch of a training step,

@@ -1,5 +1,6 @@
 //! Building graphed callables: static buffers, warmup, capture.
 
+use std::cell::Cell;
 use std::sync::Arc;
 
 use crate::capture::CaptureMode;
@@ -37,6 +38,12 @@ pub struct GraphedOptions {
 }
 
 impl GraphedOptions {
+    /// The defaults for the schedule of `order` with `layers_per_chunk`
+    /// ([`Schedule::new`]); an invalid order is [`Error::Schedule`] naming the position.
+    pub fn from_order(order: &[i64], layers_per_chunk: Vec<usize>) -> Result<GraphedOptions> {
+        Ok(GraphedOptions::new(Schedule::new(order, layers_per_chunk)?))
+    }
+
     /// The defaults for `schedule`: 3 warmup iterations, no buffer reuse, a new pool with
     /// no scratch, thread-local capture.
     pub fn new(schedule: Schedule) -> GraphedOptions {
@@ -63,8 +70,10 @@ pub struct GraphedCallables<T: DeviceRepr> {
     /// Backward execs by graph index.
     pub(crate) backward: Vec<GraphExec>,
     pub(crate) pool: GraphPool,
-    pub(crate) cursor: ReplayCursor,
+    pub(crate) cursor: Cell<ReplayCursor>,
     pub(crate) ctx: Arc<Context>,
+    /// Input and output-gradient copies enqueued by replays.
+    pub(crate) copies: Cell<u64>,
 }
 
 impl<T: DeviceRepr> std::fmt::Debug for GraphedCallables<T> {
@@ -73,7 +82,7 @@ impl<T: DeviceRepr> std::fmt::Debug for GraphedCallables<T> {
             .field("schedule", &self.schedule)
             .field("graphs", &self.forward.len())
             .field("static_buffers", &self.buffers.arena.len())
-            .field("next_step", &self.cursor.next_step(&self.schedule))
+            .field("next_step", &self.cursor.get().next_step(&self.schedule))
             .finish()
     }
 }
@@ -279,8 +288,9 @@ impl<T: DeviceRepr> GraphedCallables<T> {
             forward,
             backward,
             pool,
-            cursor: ReplayCursor::default(),
+            cursor: Cell::new(ReplayCursor::default()),
             ctx,
+            copies: Cell::new(0),
         })
     }
 
@@ -310,6 +320,12 @@ impl<T: DeviceRepr> GraphedCallables<T> {
     pub fn parameters_of(&self, graph: usize) -> Option<Vec<&DeviceBuffer<T>>> {
         let c = self.schedule.layout().callable_of_graph(graph)?;
         Some(self.callables[c].parameters())
+    }
+
+    /// How many input and output-gradient copies replays have enqueued so far (buffers
+    /// passed in that were not the static buffers themselves).
+    pub fn input_copies(&self) -> u64 {
+        self.copies.get()
     }
 
     /// The forward exec of graph index `graph`, or `None` if out of range.
