@@ -11,7 +11,6 @@
 //!   schedule order, instantiates and uploads them; [`GraphedOptions`] configures it.
 //! * [`GraphedCallables::forward`] / [`GraphedCallables::backward`]: replay in schedule
 //!   order (anything else is [`Error::ReplayOrder`](crate::Error::ReplayOrder)).
-//!
 //! * [`Schedule`]: the pipeline order (the reference's `_order`: `k` forward, `-k` backward,
 //!   `-k - 0.5` weight gradient of 1-based chunk `k`), validated up front; an invalid order
 //!   is a [`ScheduleError`] naming the offending position. [`Schedule::steps`] gives the
@@ -24,7 +23,49 @@
 //! Chunks, microbatches and layers are 0-based everywhere except in the order itself and in
 //! the messages that quote it.
 //!
-//! # Example
+//! # Example: build and train
+//!
+//! ```no_run
+//! use cuda_graph::graphed::{Callable, GraphedCallables, GraphedOptions, Step};
+//! use cuda_graph::{Context, DeviceBuffer, Stream};
+//! # fn my_layers() -> Vec<Box<dyn Callable<f32>>> { unimplemented!() }
+//! let ctx = Context::default_device()?;
+//! let stream = Stream::new(&ctx)?;
+//! // 2 chunks of 2 layers (callables laid out (chunk, layer)), 3 microbatches, interleaved;
+//! // every layer maps 1024 floats to 1024 floats.
+//! let order = [1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1];
+//! let options = GraphedOptions::from_order(&order, vec![2, 2])?;
+//! let layout = options.schedule.layout().clone();
+//! let sample = DeviceBuffer::<f32>::alloc(&ctx, 1024)?;
+//! // Sample inputs per graph index; only each microbatch's first layer reads them.
+//! let samples: Vec<Vec<&DeviceBuffer<f32>>> = layout
+//!     .iter()
+//!     .map(|at| if at.layer == 0 { vec![&sample] } else { vec![] })
+//!     .collect();
+//! let graphed = GraphedCallables::build(&stream, my_layers(), &samples, options)?;
+//!
+//! let x = DeviceBuffer::<f32>::alloc(&ctx, 1024)?; // a microbatch's input
+//! let dy = DeviceBuffer::<f32>::alloc(&ctx, 1024)?; // the loss gradient
+//! for &step in graphed.schedule().steps() {
+//!     match step {
+//!         Step::Forward { chunk, microbatch } => {
+//!             // Copies x into the static input (it is another allocation), replays the
+//!             // chunk's forward graphs and returns the static outputs of its last layer.
+//!             let y = graphed.forward(chunk, microbatch, &[&x], &stream)?;
+//!             let _ = &y[0];
+//!         }
+//!         Step::Backward { chunk, microbatch } => {
+//!             let dx = graphed.backward(chunk, microbatch, &[&dy], &stream)?;
+//!             let _ = &dx[0];
+//!         }
+//!         Step::WeightGrad { .. } => unreachable!("rejected at build"),
+//!     }
+//! }
+//! stream.synchronize()?;
+//! # Ok::<(), cuda_graph::Error>(())
+//! ```
+//!
+//! # Example: schedules
 //!
 //! ```
 //! use cuda_graph::graphed::{Pass, Schedule, Step};

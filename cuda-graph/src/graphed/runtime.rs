@@ -61,6 +61,10 @@ impl GraphedOptions {
 /// A model's callables captured as forward and backward graphs per (chunk, microbatch,
 /// layer) under a pipeline schedule; see the [module documentation](super) for the whole
 /// picture and an example.
+///
+/// Replays take `&self`, so buffers it returned (a chunk's outputs) can be passed straight
+/// back in (as the next chunk's inputs); the replay position lives in a `Cell`, which makes
+/// the type `Send` but not `Sync`: replay one `GraphedCallables` from one thread at a time.
 pub struct GraphedCallables<T: DeviceRepr> {
     pub(crate) schedule: Schedule,
     pub(crate) callables: Vec<Box<dyn Callable<T>>>,
