@@ -113,6 +113,20 @@ pub enum Error {
     /// A pipeline schedule or graph layout was rejected before any driver call.
     #[error("invalid schedule: {0}")]
     Schedule(#[from] crate::graphed::ScheduleError),
+    /// A graphed-callables replay did not follow the schedule; nothing was enqueued.
+    #[error(
+        "replay out of schedule order at order[{position}]: expected {}, got {}",
+        crate::graphed::describe_step(expected),
+        crate::graphed::describe_step(got)
+    )]
+    ReplayOrder {
+        /// The position in the order of the step expected next.
+        position: usize,
+        /// The step the schedule expects there.
+        expected: crate::graphed::Step,
+        /// The step asked for.
+        got: crate::graphed::Step,
+    },
     /// A capture scope ended while side streams it forked had work not joined back to the
     /// origin stream. The partial graph was discarded and the streams are usable again.
     #[error("stream capture ended with {forks} forked stream(s) not joined back to the origin")]

@@ -17,8 +17,8 @@
 //!   conditional nodes (IF, IF-ELSE, WHILE, SWITCH) and the device helpers that set them.
 //! * [`capture`]: stream capture as a closure scope ([`Stream::capture`]), with forks and
 //!   joins to side streams.
-//! * [`graphed`]: graphed callables; so far the pipeline [`graphed::Schedule`] and the
-//!   graph index [`graphed::Layout`].
+//! * [`graphed`]: graphed callables ([`graphed::GraphedCallables`]): forward and backward
+//!   graphs per (chunk, microbatch, layer) under a pipeline [`graphed::Schedule`].
 //! * [`Error`]: every failure, carrying the driver call, its result code, name and message.
 //!
 //! # Lifetimes: what keeps device memory alive

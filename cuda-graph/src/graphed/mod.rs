@@ -2,8 +2,15 @@
 //! graphs under a pipeline schedule and replay them in place of eager calls, as
 //! TransformerEngine's `make_graphed_callables` does for PyTorch.
 //!
-//! This module so far holds the pure logic everything else builds on:
+//! # Pieces
 //!
+//! * [`Callable`]: one layer's forward and backward over static buffers, enqueued on a
+//!   given stream; [`Slot`] is the per-(chunk, microbatch, layer) context it gets.
+//! * [`GraphedCallables::build`]: allocates the static buffers from one [`GraphPool`](crate::GraphPool),
+//!   warms up, captures a forward and a backward graph per (chunk, microbatch, layer) in
+//!   schedule order, instantiates and uploads them; [`GraphedOptions`] configures it.
+//! * [`GraphedCallables::forward`] / [`GraphedCallables::backward`]: replay in schedule
+//!   order (anything else is [`Error::ReplayOrder`](crate::Error::ReplayOrder)).
 //! * [`Schedule`]: the pipeline order (the reference's `_order`: `k` forward, `-k` backward,
 //!   `-k - 0.5` weight gradient of 1-based chunk `k`), validated up front; an invalid order
 //!   is a [`ScheduleError`] naming the offending position. [`Schedule::steps`] gives the
@@ -16,7 +23,49 @@
 //! Chunks, microbatches and layers are 0-based everywhere except in the order itself and in
 //! the messages that quote it.
 //!
-//! # Example
+//! # Example: build and train
+//!
+//! ```no_run
+//! use cuda_graph::graphed::{Callable, GraphedCallables, GraphedOptions, Step};
+//! use cuda_graph::{Context, DeviceBuffer, Stream};
+//! # fn my_layers() -> Vec<Box<dyn Callable<f32>>> { unimplemented!() }
+//! let ctx = Context::default_device()?;
+//! let stream = Stream::new(&ctx)?;
+//! // 2 chunks of 2 layers (callables laid out (chunk, layer)), 3 microbatches, interleaved;
+//! // every layer maps 1024 floats to 1024 floats.
+//! let order = [1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1];
+//! let options = GraphedOptions::from_order(&order, vec![2, 2])?;
+//! let layout = options.schedule.layout().clone();
+//! let sample = DeviceBuffer::<f32>::alloc(&ctx, 1024)?;
+//! // Sample inputs per graph index; only each microbatch's first layer reads them.
+//! let samples: Vec<Vec<&DeviceBuffer<f32>>> = layout
+//!     .iter()
+//!     .map(|at| if at.layer == 0 { vec![&sample] } else { vec![] })
+//!     .collect();
+//! let graphed = GraphedCallables::build(&stream, my_layers(), &samples, options)?;
+//!
+//! let x = DeviceBuffer::<f32>::alloc(&ctx, 1024)?; // a microbatch's input
+//! let dy = DeviceBuffer::<f32>::alloc(&ctx, 1024)?; // the loss gradient
+//! for &step in graphed.schedule().steps() {
+//!     match step {
+//!         Step::Forward { chunk, microbatch } => {
+//!             // Copies x into the static input (it is another allocation), replays the
+//!             // chunk's forward graphs and returns the static outputs of its last layer.
+//!             let y = graphed.forward(chunk, microbatch, &[&x], &stream)?;
+//!             let _ = &y[0];
+//!         }
+//!         Step::Backward { chunk, microbatch } => {
+//!             let dx = graphed.backward(chunk, microbatch, &[&dy], &stream)?;
+//!             let _ = &dx[0];
+//!         }
+//!         Step::WeightGrad { .. } => unreachable!("rejected at build"),
+//!     }
+//! }
+//! stream.synchronize()?;
+//! # Ok::<(), cuda_graph::Error>(())
+//! ```
+//!
+//! # Example: schedules
 //!
 //! ```
 //! use cuda_graph::graphed::{Pass, Schedule, Step};
@@ -46,8 +95,59 @@
 //! # Ok::<(), cuda_graph::graphed::ScheduleError>(())
 //! ```
 
+//! # Static buffers
+//!
+//! Every (chunk, microbatch, layer) has its own static inputs, outputs, output gradients,
+//! input gradients and saved activations ([`Callable::saved_lens`]), all carved from the
+//! one [`GraphPool`](crate::GraphPool). Within a (chunk, microbatch) the layers chain: layer `l + 1`'s inputs
+//! are layer `l`'s outputs (the same allocations), and layer `l`'s output gradients are
+//! layer `l + 1`'s input gradients, so a replay moves no data between layers. That needs
+//! layer `l`'s output lengths to equal layer `l + 1`'s input lengths; a chunk whose layers
+//! do not chain is rejected at build.
+//!
+//! # Saved activations
+//!
+//! Nothing is shared between microbatches: the buffers of microbatch `b` (its static
+//! inputs and outputs, and the saved buffers its callables fill) are written only by its
+//! own forward replay, so they hold its activations until its backward replay however many
+//! other microbatches run in between. A callable keeps per-microbatch state in
+//! [`Slot::saved`] (or reads [`Slot::inputs`] / [`Slot::outputs`] in its backward), never
+//! in itself. Reusing buffers across microbatches ([`GraphedOptions::reuse_buffers`]) is
+//! not implemented yet.
+//!
+//! # Warmup and capture
+//!
+//! Both run on one internal stream forked from the stream given to the build: warmup runs
+//! every pass [`GraphedOptions::warmup_iters`] times in exactly [`Schedule::layer_steps`]
+//! order with exactly the static buffers capture uses (sample inputs copied in first), then
+//! capture records each pass into its own graph in that same order. Callable `c` runs in
+//! the graphs of (chunk, microbatch, layer) with [`Layout::callable_of_graph`] = `c`, so
+//! parameters pair with graphs through [`Layout`] only.
+//!
+//! # Where FP8 and MoE fit (not implemented yet)
+//!
+//! * FP8 weight caching: [`Slot::is_first_microbatch`] is fixed per graph; the runtime will
+//!   own a device flag written in [`GraphedCallables::forward`] before the launches (the
+//!   marked extension point in replay.rs) from [`GraphedCallables::is_first_microbatch`],
+//!   handed to callables through [`Slot`], read by an IF conditional node around the casts
+//!   (or by the casts as a noop flag on older drivers).
+//! * Amax reduction: a registry filled during warmup (runtime.rs, before the warmup loop:
+//!   snapshot and restore of scaling state, and which FP8 modules each callable ran),
+//!   reduced by one fused launch after the forward and after the backward launches
+//!   (marked in replay.rs).
+//! * Breaking-layer segments: a callable's passes become a sequence of segments; graphed
+//!   ones are captured as now (one exec each instead of one per pass), eager ones run at
+//!   replay between the launches, reading and writing static buffers of the same slot.
+//!
+mod buffers;
+mod callable;
 mod layout;
+mod replay;
+mod runtime;
 mod schedule;
 
+pub use callable::{Callable, Slot};
 pub use layout::{GraphIndex, Layout};
+pub(crate) use replay::describe_step;
+pub use runtime::{GraphedCallables, GraphedOptions};
 pub use schedule::{LayerStep, OrderEntry, Pass, Schedule, ScheduleError, Step};

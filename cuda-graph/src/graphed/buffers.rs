@@ -1,0 +1,272 @@
+//! The static buffers of the graphs: which buffer each (chunk, microbatch, layer) reads and
+//! writes, how consecutive layers share them, and their allocation from the graph pool.
+//!
+//! Every graph has its own static inputs, outputs, output gradients, input gradients and
+//! saved activations, except where layers chain: within a (chunk, microbatch), layer
+//! `l + 1`'s inputs *are* layer `l`'s outputs (the same allocations) and, in reverse, layer
+//! `l`'s output gradients *are* layer `l + 1`'s input gradients. Chaining needs layer
+//! `l`'s output lengths to equal layer `l + 1`'s input lengths (count and each length); a
+//! chunk whose layers do not chain is rejected at build, since a replay runs all of a
+//! chunk's layers and data could not flow between them.
+//!
+//! Nothing is shared across microbatches or chunks: the buffers of a microbatch hold its
+//! activations from its forward replay until its backward replay, whatever runs in between.
+
+use std::ops::Range;
+
+use crate::error::{Error, Result};
+use crate::memory::{DeviceBuffer, DeviceRepr};
+use crate::pool::{GraphPool, POOL_ALIGN};
+
+use super::layout::Layout;
+
+/// The buffer lengths one callable declares.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Shapes {
+    pub(crate) inputs: Vec<usize>,
+    pub(crate) outputs: Vec<usize>,
+    pub(crate) saved: Vec<usize>,
+}
+
+/// The buffers of one graph (forward and backward share it), as indices into the arena.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct GraphIo {
+    pub(crate) inputs: Vec<usize>,
+    pub(crate) outputs: Range<usize>,
+    pub(crate) grad_outputs: Vec<usize>,
+    pub(crate) grad_inputs: Range<usize>,
+    pub(crate) saved: Range<usize>,
+}
+
+/// Where every static buffer goes: the arena's lengths and each graph's indices into it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct BufferPlan {
+    pub(crate) lens: Vec<usize>,
+    pub(crate) graphs: Vec<GraphIo>,
+}
+
+impl BufferPlan {
+    /// Plans the buffers of every graph of `layout`, `shapes[c]` being callable `c`'s.
+    pub(crate) fn new(layout: &Layout, shapes: &[Shapes]) -> Result<BufferPlan> {
+        if shapes.len() != layout.total_callables() {
+            return Err(Error::invalid(format!(
+                "{} callables given, the layout has {}",
+                shapes.len(),
+                layout.total_callables()
+            )));
+        }
+        for chunk in 0..layout.num_chunks() {
+            let Some(range) = layout.chunk_callables(chunk) else {
+                continue;
+            };
+            for c in range.start..range.end.saturating_sub(1) {
+                if shapes[c].outputs != shapes[c + 1].inputs {
+                    return Err(Error::invalid(format!(
+                        "chunk {chunk}: layer {} outputs {:?} elements but layer {} takes \
+                         {:?}; consecutive layers of a chunk must chain",
+                        c - range.start,
+                        shapes[c].outputs,
+                        c + 1 - range.start,
+                        shapes[c + 1].inputs
+                    )));
+                }
+            }
+        }
+        let mut lens = Vec::new();
+        let mut take = |want: &[usize]| {
+            let start = lens.len();
+            lens.extend_from_slice(want);
+            start..lens.len()
+        };
+        let mut graphs: Vec<Option<GraphIo>> = vec![None; layout.total_graphs()];
+        for chunk in 0..layout.num_chunks() {
+            let layers = layout.layers_per_chunk()[chunk];
+            for microbatch in 0..layout.num_microbatches() {
+                let mut prev_outputs: Option<Range<usize>> = None;
+                let mut ios: Vec<GraphIo> = Vec::with_capacity(layers);
+                for layer in 0..layers {
+                    let s = &shapes[layout.callable_at(chunk, layer)];
+                    let inputs: Vec<usize> = match prev_outputs.take() {
+                        Some(r) => r.collect(),
+                        None => take(&s.inputs).collect(),
+                    };
+                    let grad_inputs = take(&s.inputs);
+                    let outputs = take(&s.outputs);
+                    let saved = take(&s.saved);
+                    prev_outputs = Some(outputs.clone());
+                    if let Some(prev) = ios.last_mut() {
+                        prev.grad_outputs = grad_inputs.clone().collect();
+                    }
+                    ios.push(GraphIo {
+                        inputs,
+                        outputs,
+                        grad_outputs: Vec::new(),
+                        grad_inputs,
+                        saved,
+                    });
+                }
+                if let Some(last) = ios.last_mut() {
+                    let s = &shapes[layout.callable_at(chunk, layers - 1)];
+                    last.grad_outputs = take(&s.outputs).collect();
+                }
+                for (layer, io) in ios.into_iter().enumerate() {
+                    graphs[layout.graph_at(chunk, microbatch, layer)] = Some(io);
+                }
+            }
+        }
+        let graphs = graphs
+            .into_iter()
+            .enumerate()
+            .map(|(g, io)| {
+                io.ok_or_else(|| Error::invalid(format!("internal: graph {g} got no buffers")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(BufferPlan { lens, graphs })
+    }
+
+    /// The pool bytes the arena needs, with [`GraphPool`]'s per-range rounding.
+    pub(crate) fn pool_bytes(&self, elem: usize) -> Result<usize> {
+        self.lens.iter().try_fold(0usize, |acc, &len| {
+            len.checked_mul(elem)
+                .map(|b| b.max(1).next_multiple_of(POOL_ALIGN))
+                .and_then(|b| acc.checked_add(b))
+                .ok_or_else(|| Error::invalid("static buffers overflow usize bytes"))
+        })
+    }
+}
+
+/// The allocated static buffers: the plan and its arena.
+#[derive(Debug)]
+pub(crate) struct StaticBuffers<T: DeviceRepr> {
+    pub(crate) plan: BufferPlan,
+    pub(crate) arena: Vec<DeviceBuffer<T>>,
+}
+
+impl<T: DeviceRepr> StaticBuffers<T> {
+    /// Allocates every buffer of `plan` from `pool` (no driver call).
+    pub(crate) fn alloc(plan: BufferPlan, pool: &GraphPool) -> Result<StaticBuffers<T>> {
+        let arena = plan
+            .lens
+            .iter()
+            .map(|&len| pool.alloc::<T>(len))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(StaticBuffers { plan, arena })
+    }
+
+    fn pick(&self, idx: impl IntoIterator<Item = usize>) -> Vec<&DeviceBuffer<T>> {
+        idx.into_iter().map(|i| &self.arena[i]).collect()
+    }
+
+    pub(crate) fn io(&self, graph: usize) -> &GraphIo {
+        &self.plan.graphs[graph]
+    }
+
+    pub(crate) fn inputs(&self, graph: usize) -> Vec<&DeviceBuffer<T>> {
+        self.pick(self.io(graph).inputs.iter().copied())
+    }
+
+    pub(crate) fn outputs(&self, graph: usize) -> Vec<&DeviceBuffer<T>> {
+        self.pick(self.io(graph).outputs.clone())
+    }
+
+    pub(crate) fn outputs_slice(&self, graph: usize) -> &[DeviceBuffer<T>] {
+        &self.arena[self.io(graph).outputs.clone()]
+    }
+
+    pub(crate) fn grad_outputs(&self, graph: usize) -> Vec<&DeviceBuffer<T>> {
+        self.pick(self.io(graph).grad_outputs.iter().copied())
+    }
+
+    pub(crate) fn grad_inputs(&self, graph: usize) -> Vec<&DeviceBuffer<T>> {
+        self.pick(self.io(graph).grad_inputs.clone())
+    }
+
+    pub(crate) fn grad_inputs_slice(&self, graph: usize) -> &[DeviceBuffer<T>] {
+        &self.arena[self.io(graph).grad_inputs.clone()]
+    }
+
+    pub(crate) fn saved(&self, graph: usize) -> Vec<&DeviceBuffer<T>> {
+        self.pick(self.io(graph).saved.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shapes(i: &[usize], o: &[usize], s: &[usize]) -> Shapes {
+        Shapes {
+            inputs: i.to_vec(),
+            outputs: o.to_vec(),
+            saved: s.to_vec(),
+        }
+    }
+
+    #[test]
+    fn layers_chain_and_microbatches_do_not_share() {
+        // 2 chunks of 2 and 1 layers, 2 microbatches.
+        let layout = Layout::new(vec![2, 1], 2).unwrap();
+        let sh = vec![
+            shapes(&[4], &[8], &[4]),
+            shapes(&[8], &[3], &[]),
+            shapes(&[5, 6], &[7], &[2]),
+        ];
+        let plan = BufferPlan::new(&layout, &sh).unwrap();
+        assert_eq!(plan.graphs.len(), 6);
+        for chunk0_mb in 0..2 {
+            let g0 = &plan.graphs[layout.index(0, chunk0_mb, 0).unwrap()];
+            let g1 = &plan.graphs[layout.index(0, chunk0_mb, 1).unwrap()];
+            // Layer 1 reads layer 0's outputs; layer 0's output gradients are layer 1's
+            // input gradients.
+            assert_eq!(g1.inputs, g0.outputs.clone().collect::<Vec<_>>());
+            assert_eq!(g0.grad_outputs, g1.grad_inputs.clone().collect::<Vec<_>>());
+            assert_eq!(plan.lens[g0.inputs[0]], 4);
+            assert_eq!(plan.lens[g0.saved.start], 4);
+            assert_eq!(plan.lens[g1.grad_outputs[0]], 3);
+            assert!(g1.saved.is_empty());
+        }
+        let g = &plan.graphs[layout.index(1, 1, 0).unwrap()];
+        assert_eq!(
+            g.inputs.iter().map(|&i| plan.lens[i]).collect::<Vec<_>>(),
+            [5, 6]
+        );
+        assert_eq!(plan.lens[g.grad_inputs.clone()], [5, 6]);
+        // No buffer index appears in two microbatches or chunks.
+        let owners = |io: &GraphIo| {
+            let mut v: Vec<usize> = io.inputs.clone();
+            v.extend(io.outputs.clone());
+            v.extend(io.grad_outputs.iter().copied());
+            v.extend(io.grad_inputs.clone());
+            v.extend(io.saved.clone());
+            v
+        };
+        for a in 0..6 {
+            for b in 0..6 {
+                let (pa, pb) = (layout.locate(a).unwrap(), layout.locate(b).unwrap());
+                if (pa.chunk, pa.microbatch) == (pb.chunk, pb.microbatch) {
+                    continue;
+                }
+                let (oa, ob) = (owners(&plan.graphs[a]), owners(&plan.graphs[b]));
+                assert!(
+                    oa.iter().all(|i| !ob.contains(i)),
+                    "graphs {a} and {b} share a buffer"
+                );
+            }
+        }
+        // Every arena entry is used by exactly one microbatch; bytes are rounded per range.
+        assert_eq!(plan.pool_bytes(4).unwrap(), plan.lens.len() * POOL_ALIGN);
+    }
+
+    #[test]
+    fn layers_that_do_not_chain_are_rejected() {
+        let layout = Layout::new(vec![2], 1).unwrap();
+        let sh = vec![shapes(&[4], &[8], &[]), shapes(&[4], &[4], &[])];
+        let err = BufferPlan::new(&layout, &sh).unwrap_err().to_string();
+        assert!(
+            err.contains("chunk 0: layer 0 outputs [8] elements but layer 1 takes [4]"),
+            "{err}"
+        );
+        let err = BufferPlan::new(&layout, &sh[..1]).unwrap_err().to_string();
+        assert!(err.contains("1 callables given, the layout has 2"), "{err}");
+    }
+}

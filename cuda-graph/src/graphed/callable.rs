@@ -1,0 +1,211 @@
+//! What a graphed layer is: the [`Callable`] trait, and the [`Slot`] of static buffers the
+//! runtime hands each forward and backward.
+
+use crate::error::Result;
+use crate::memory::{DeviceBuffer, DeviceRepr};
+use crate::pool::GraphPool;
+use crate::stream::Stream;
+
+use super::layout::GraphIndex;
+
+/// One layer (or part of a layer) that [`GraphedCallables`](super::GraphedCallables)
+/// captures: a forward and a backward pass over static device buffers.
+///
+/// A callable belongs to one (chunk, layer) and serves all of that chunk's microbatches; its
+/// parameters and gradients are buffers it owns. [`forward`](Self::forward) and
+/// [`backward`](Self::backward) run inside stream captures, so they must
+///
+/// * enqueue work on the given stream only (or on streams forked from it and joined back
+///   before returning);
+/// * not synchronize, allocate with `cuMemAlloc` or copy synchronously (temporaries that
+///   live only within one pass may come from [`Slot::pool`]);
+/// * do the same work every time they are called for the same slot: warmup calls them
+///   exactly as capture does, and the graph then replays what capture recorded;
+/// * keep what the backward of a microbatch needs in the slot's [`saved`](Slot::saved)
+///   buffers (one set per (chunk, microbatch, layer), kept until that backward ran), or
+///   read it from the slot's forward [`inputs`](Slot::inputs) and
+///   [`outputs`](Slot::outputs), which the runtime also keeps per microbatch. Anything kept
+///   in the callable itself is shared by all microbatches and is overwritten by the next
+///   microbatch's forward before this one's backward runs.
+///
+/// Writing to a `&DeviceBuffer` through a kernel launch is allowed (the memory is on the
+/// device; [`Stream::launch`] is `unsafe` and the callable vouches for its kernels).
+///
+/// # Example
+///
+/// ```no_run
+/// use cuda_graph::graphed::{Callable, Slot};
+/// use cuda_graph::{kernel_args, DeviceBuffer, Kernel, LaunchConfig, Result, Stream};
+///
+/// /// y = x * w elementwise; dx = dy * w, dw += dy * x.
+/// struct Scale {
+///     w: DeviceBuffer<f32>,
+///     dw: DeviceBuffer<f32>,
+///     fwd: Kernel, // mul(x, w, y, n)
+///     bwd: Kernel, // mul_bwd(dy, x, w, dx, dw, n)
+/// }
+///
+/// impl Callable<f32> for Scale {
+///     fn input_lens(&self) -> Vec<usize> { vec![self.w.len()] }
+///     fn output_lens(&self) -> Vec<usize> { vec![self.w.len()] }
+///     fn parameters(&self) -> Vec<&DeviceBuffer<f32>> { vec![&self.w] }
+///     fn gradients(&self) -> Vec<&DeviceBuffer<f32>> { vec![&self.dw] }
+///     fn forward(
+///         &mut self,
+///         stream: &Stream,
+///         inputs: &[&DeviceBuffer<f32>],
+///         outputs: &[&DeviceBuffer<f32>],
+///         _slot: &Slot<'_, f32>,
+///     ) -> Result<()> {
+///         let n = self.w.len() as u32;
+///         // SAFETY: the kernel reads n floats of x and w and writes n floats of y.
+///         unsafe {
+///             stream.launch(&self.fwd, &LaunchConfig::for_elements(n, 256),
+///                 &kernel_args![*inputs[0], self.w, *outputs[0], n])
+///         }
+///     }
+///     fn backward(
+///         &mut self,
+///         stream: &Stream,
+///         grad_outputs: &[&DeviceBuffer<f32>],
+///         grad_inputs: &[&DeviceBuffer<f32>],
+///         slot: &Slot<'_, f32>,
+///     ) -> Result<()> {
+///         let n = self.w.len() as u32;
+///         // The forward input of *this* microbatch, kept by the runtime until now.
+///         let x = slot.inputs()[0];
+///         // SAFETY: the kernel touches n floats of each buffer.
+///         unsafe {
+///             stream.launch(&self.bwd, &LaunchConfig::for_elements(n, 256),
+///                 &kernel_args![*grad_outputs[0], *x, self.w, *grad_inputs[0], self.dw, n])
+///         }
+///     }
+/// }
+/// ```
+pub trait Callable<T: DeviceRepr>: Send {
+    /// The length in elements of each input.
+    fn input_lens(&self) -> Vec<usize>;
+
+    /// The length in elements of each output.
+    fn output_lens(&self) -> Vec<usize>;
+
+    /// The lengths of the buffers the backward needs from its microbatch's forward (saved
+    /// activations). The runtime allocates one set per (chunk, microbatch, layer) and
+    /// passes it as [`Slot::saved`] to both passes of that microbatch. Default: none.
+    fn saved_lens(&self) -> Vec<usize> {
+        Vec::new()
+    }
+
+    /// The parameters (buffers the callable owns). The runtime does not touch them; it
+    /// reports them per graph ([`GraphedCallables::parameters_of`](super::GraphedCallables::parameters_of)).
+    fn parameters(&self) -> Vec<&DeviceBuffer<T>> {
+        Vec::new()
+    }
+
+    /// The gradients of [`parameters`](Self::parameters), in the same order. Backward
+    /// accumulates into them (the runtime never zeroes them; warmup runs backward with zero
+    /// output gradients, so a linear layer adds zeros).
+    fn gradients(&self) -> Vec<&DeviceBuffer<T>> {
+        Vec::new()
+    }
+
+    /// Enqueues the forward pass on `stream`: reads `inputs` (lengths
+    /// [`input_lens`](Self::input_lens)), writes `outputs` (lengths
+    /// [`output_lens`](Self::output_lens)) and what the backward needs into
+    /// [`slot.saved()`](Slot::saved).
+    fn forward(
+        &mut self,
+        stream: &Stream,
+        inputs: &[&DeviceBuffer<T>],
+        outputs: &[&DeviceBuffer<T>],
+        slot: &Slot<'_, T>,
+    ) -> Result<()>;
+
+    /// Enqueues the backward pass on `stream`: reads `grad_outputs` (one per output) and
+    /// the slot's saved buffers and forward inputs/outputs, writes `grad_inputs` (one per
+    /// input; overwrite, do not accumulate) and accumulates parameter gradients.
+    fn backward(
+        &mut self,
+        stream: &Stream,
+        grad_outputs: &[&DeviceBuffer<T>],
+        grad_inputs: &[&DeviceBuffer<T>],
+        slot: &Slot<'_, T>,
+    ) -> Result<()>;
+}
+
+/// The per-(chunk, microbatch, layer) context of one pass: where it is, and the static
+/// buffers that belong to that microbatch and survive from its forward to its backward.
+#[derive(Debug)]
+pub struct Slot<'a, T: DeviceRepr> {
+    pub(crate) at: GraphIndex,
+    pub(crate) inputs: Vec<&'a DeviceBuffer<T>>,
+    pub(crate) outputs: Vec<&'a DeviceBuffer<T>>,
+    pub(crate) saved: Vec<&'a DeviceBuffer<T>>,
+    pub(crate) pool: &'a GraphPool,
+    pub(crate) warmup: bool,
+}
+
+impl<'a, T: DeviceRepr> Slot<'a, T> {
+    /// A slot for running a callable outside the runtime (eagerly, e.g. as the reference a
+    /// test compares the graphs with): the caller provides the microbatch's buffers and
+    /// keeps `saved` from the forward to the backward.
+    pub fn new(
+        at: GraphIndex,
+        inputs: Vec<&'a DeviceBuffer<T>>,
+        outputs: Vec<&'a DeviceBuffer<T>>,
+        saved: Vec<&'a DeviceBuffer<T>>,
+        pool: &'a GraphPool,
+    ) -> Slot<'a, T> {
+        Slot {
+            at,
+            inputs,
+            outputs,
+            saved,
+            pool,
+            warmup: false,
+        }
+    }
+
+    /// The (chunk, microbatch, layer) of this pass.
+    pub fn at(&self) -> GraphIndex {
+        self.at
+    }
+
+    /// The microbatch (0-based).
+    pub fn microbatch(&self) -> usize {
+        self.at.microbatch
+    }
+
+    /// Whether this is its chunk's first microbatch, on which FP8 weights are cast (the
+    /// value captured into this graph; it never changes for a given slot).
+    pub fn is_first_microbatch(&self) -> bool {
+        self.at.microbatch == 0
+    }
+
+    /// The static forward inputs of this microbatch (also in the backward).
+    pub fn inputs(&self) -> &[&'a DeviceBuffer<T>] {
+        &self.inputs
+    }
+
+    /// The static forward outputs of this microbatch (also in the backward).
+    pub fn outputs(&self) -> &[&'a DeviceBuffer<T>] {
+        &self.outputs
+    }
+
+    /// This microbatch's saved-activation buffers, lengths
+    /// [`Callable::saved_lens`]; the same buffers in the forward and the backward.
+    pub fn saved(&self) -> &[&'a DeviceBuffer<T>] {
+        &self.saved
+    }
+
+    /// The pool all graphs draw from, for temporaries that live within one pass (a later
+    /// graph may reuse their memory once they are dropped).
+    pub fn pool(&self) -> &'a GraphPool {
+        self.pool
+    }
+
+    /// Whether this call is a warmup run (eager, not captured).
+    pub fn is_warmup(&self) -> bool {
+        self.warmup
+    }
+}

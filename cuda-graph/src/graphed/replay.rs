@@ -1,0 +1,323 @@
+//! Replaying graphed callables in schedule order.
+
+use crate::error::{Error, Result};
+use crate::memory::{DeviceBuffer, DeviceRepr};
+use crate::stream::Stream;
+
+use super::runtime::GraphedCallables;
+use super::schedule::{Pass, Schedule, Step};
+
+/// Where a training step stands: the position of the next step in the schedule.
+///
+/// Replays must follow the schedule, since the graphs share a pool in capture order and the
+/// static buffers of a microbatch hold its activations until its backward. After the last
+/// step the cursor wraps: the next replay must be the schedule's first step and starts a new
+/// training step.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct ReplayCursor {
+    next: usize,
+}
+
+impl ReplayCursor {
+    /// The position of the next step (0 after the last one).
+    fn position(&self, schedule: &Schedule) -> usize {
+        if self.next >= schedule.steps().len() {
+            0
+        } else {
+            self.next
+        }
+    }
+
+    /// The step the schedule expects next.
+    pub(crate) fn next_step(&self, schedule: &Schedule) -> Option<Step> {
+        schedule.steps().get(self.position(schedule)).copied()
+    }
+
+    /// Checks that `got` is the expected step; returns its position. Does not advance.
+    pub(crate) fn check(&self, schedule: &Schedule, got: Step) -> Result<usize> {
+        let position = self.position(schedule);
+        match schedule.steps().get(position) {
+            Some(&expected) if expected == got => Ok(position),
+            Some(&expected) => Err(Error::ReplayOrder {
+                position,
+                expected,
+                got,
+            }),
+            None => Err(Error::invalid("the schedule has no steps")),
+        }
+    }
+
+    /// Moves past the step at `position`.
+    pub(crate) fn advance(&mut self, position: usize) {
+        self.next = position + 1;
+    }
+
+    /// Back to the schedule's first step.
+    pub(crate) fn reset(&mut self) {
+        self.next = 0;
+    }
+}
+
+/// How a step reads in messages: "forward of chunk 1 microbatch 0 (entry 2)", chunk and
+/// microbatch 0-based like everywhere, with the order entry (1-based) that produces it.
+pub(crate) fn describe_step(step: &Step) -> String {
+    let pass = match step.pass() {
+        Pass::Forward => "forward",
+        Pass::Backward => "backward",
+        Pass::WeightGrad => "weight gradient",
+    };
+    format!(
+        "{pass} of chunk {} microbatch {} (entry {})",
+        step.chunk(),
+        step.microbatch(),
+        step.entry()
+    )
+}
+
+/// Copies `src` into the static buffer `dst` on `stream` unless they are the same memory;
+/// returns whether it enqueued a copy.
+///
+/// The static buffers are written through `&` so that replays take `&self` and callers may
+/// pass buffers the runtime returned (e.g. chunk 0's outputs as chunk 1's inputs).
+fn copy_in<T: DeviceRepr>(
+    dst: &DeviceBuffer<T>,
+    src: &DeviceBuffer<T>,
+    stream: &Stream,
+    what: &str,
+) -> Result<bool> {
+    if src.len() != dst.len() {
+        return Err(Error::invalid(format!(
+            "{what} has {} elements, the static buffer {}",
+            src.len(),
+            dst.len()
+        )));
+    }
+    // The caller passing the static buffer itself (e.g. written in place) is the fast path:
+    // nothing to copy.
+    if src.as_raw() == dst.as_raw() || dst.is_empty() {
+        return Ok(false);
+    }
+    stream.retain_for_capture(|| src.resource());
+    stream.retain_for_capture(|| dst.resource());
+    // SAFETY: both are live allocations of `dst.bytes()` bytes (equal lengths, checked) and
+    // distinct; the static buffer is device memory the runtime owns, written only by work
+    // ordered on the replay stream, as a kernel writing through `&DeviceBuffer` would.
+    unsafe {
+        cu!(cuMemcpyDtoDAsync(
+            dst.as_raw(),
+            src.as_raw(),
+            dst.bytes(),
+            stream.as_raw()
+        ))
+    }?;
+    Ok(true)
+}
+
+impl<T: DeviceRepr> GraphedCallables<T> {
+    /// Replays the forward graphs of (`chunk`, `microbatch`), layer 0 to last, on `stream`.
+    ///
+    /// Each input is copied into the static input of layer 0 unless it *is* that buffer
+    /// (same device address, see [`static_inputs`](Self::static_inputs)). Returns the
+    /// static outputs of the chunk's last layer: they hold this microbatch's result until
+    /// its next forward replay (next training step), and are read by its backward.
+    ///
+    /// Errors: [`Error::ReplayOrder`] if the schedule expects another step next (nothing is
+    /// enqueued); [`Error::InvalidArgument`] for a wrong number or length of inputs.
+    pub fn forward(
+        &self,
+        chunk: usize,
+        microbatch: usize,
+        inputs: &[&DeviceBuffer<T>],
+        stream: &Stream,
+    ) -> Result<&[DeviceBuffer<T>]> {
+        let step = Step::Forward { chunk, microbatch };
+        let position = self.cursor.get().check(&self.schedule, step)?;
+        let graphs = self.graphs_of(chunk, microbatch)?;
+        let first = self.buffers.plan.graphs[graphs.start].inputs.clone();
+        if inputs.len() != first.len() {
+            return Err(Error::invalid(format!(
+                "forward of chunk {chunk}: {} inputs given, it takes {}",
+                inputs.len(),
+                first.len()
+            )));
+        }
+        for (i, (src, d)) in inputs.iter().zip(first).enumerate() {
+            self.count_copy(copy_in(
+                &self.buffers.arena[d],
+                src,
+                stream,
+                &format!("input {i}"),
+            )?);
+        }
+        // Extension point (FP8 weight caching): write the device flag the IF conditional
+        // (or the noop form) reads from `self.is_first_microbatch(chunk, microbatch)` here.
+        for g in graphs.clone() {
+            self.forward[g].launch(stream)?;
+        }
+        // Extension point (amax): one fused reduction and scale update over the registered
+        // tensors after the forward replay.
+        self.advance(position);
+        Ok(self.buffers.outputs_slice(graphs.end - 1))
+    }
+
+    /// Replays the backward graphs of (`chunk`, `microbatch`), last layer to layer 0, on
+    /// `stream`. Each output gradient is copied into the static output gradient of the last
+    /// layer unless it is that buffer ([`static_grad_outputs`](Self::static_grad_outputs)).
+    /// Returns the static input gradients of layer 0.
+    ///
+    /// Errors as [`forward`](Self::forward).
+    pub fn backward(
+        &self,
+        chunk: usize,
+        microbatch: usize,
+        grad_outputs: &[&DeviceBuffer<T>],
+        stream: &Stream,
+    ) -> Result<&[DeviceBuffer<T>]> {
+        let step = Step::Backward { chunk, microbatch };
+        let position = self.cursor.get().check(&self.schedule, step)?;
+        let graphs = self.graphs_of(chunk, microbatch)?;
+        let last = self.buffers.plan.graphs[graphs.end - 1]
+            .grad_outputs
+            .clone();
+        if grad_outputs.len() != last.len() {
+            return Err(Error::invalid(format!(
+                "backward of chunk {chunk}: {} output gradients given, it takes {}",
+                grad_outputs.len(),
+                last.len()
+            )));
+        }
+        for (i, (src, d)) in grad_outputs.iter().zip(last).enumerate() {
+            self.count_copy(copy_in(
+                &self.buffers.arena[d],
+                src,
+                stream,
+                &format!("output gradient {i}"),
+            )?);
+        }
+        for g in graphs.clone().rev() {
+            self.backward[g].launch(stream)?;
+        }
+        // Extension point (amax): reduction and scale update after the backward replay.
+        self.advance(position);
+        Ok(self.buffers.grad_inputs_slice(graphs.start))
+    }
+
+    /// Starts a new training step: the next replay must be the schedule's first step,
+    /// whatever ran of the current one.
+    pub fn reset_step(&self) {
+        let mut c = self.cursor.get();
+        c.reset();
+        self.cursor.set(c);
+    }
+
+    fn advance(&self, position: usize) {
+        let mut c = self.cursor.get();
+        c.advance(position);
+        self.cursor.set(c);
+    }
+
+    fn count_copy(&self, copied: bool) {
+        self.copies.set(self.copies.get() + u64::from(copied));
+    }
+
+    /// The step the schedule expects next.
+    pub fn next_step(&self) -> Option<Step> {
+        self.cursor.get().next_step(&self.schedule)
+    }
+
+    /// Whether (`chunk`, `microbatch`) is its chunk's first microbatch of a training step,
+    /// the one on which FP8 weights are cast. `false` out of range.
+    pub fn is_first_microbatch(&self, chunk: usize, microbatch: usize) -> bool {
+        chunk < self.schedule.num_chunks()
+            && microbatch < self.schedule.num_microbatches()
+            && Step::Forward { chunk, microbatch }.is_first_microbatch()
+    }
+
+    /// The static inputs of (`chunk`, `microbatch`)'s first layer. Writing an input there
+    /// and passing these very buffers to [`forward`](Self::forward) saves the copy.
+    pub fn static_inputs(&self, chunk: usize, microbatch: usize) -> Result<Vec<&DeviceBuffer<T>>> {
+        let g = self.graphs_of(chunk, microbatch)?;
+        Ok(self.buffers.inputs(g.start))
+    }
+
+    /// The static outputs of (`chunk`, `microbatch`)'s last layer (what
+    /// [`forward`](Self::forward) returns).
+    pub fn static_outputs(&self, chunk: usize, microbatch: usize) -> Result<&[DeviceBuffer<T>]> {
+        let g = self.graphs_of(chunk, microbatch)?;
+        Ok(self.buffers.outputs_slice(g.end - 1))
+    }
+
+    /// The static output gradients of (`chunk`, `microbatch`)'s last layer.
+    pub fn static_grad_outputs(
+        &self,
+        chunk: usize,
+        microbatch: usize,
+    ) -> Result<Vec<&DeviceBuffer<T>>> {
+        let g = self.graphs_of(chunk, microbatch)?;
+        Ok(self.buffers.grad_outputs(g.end - 1))
+    }
+
+    /// The static input gradients of (`chunk`, `microbatch`)'s first layer (what
+    /// [`backward`](Self::backward) returns).
+    pub fn static_grad_inputs(
+        &self,
+        chunk: usize,
+        microbatch: usize,
+    ) -> Result<&[DeviceBuffer<T>]> {
+        let g = self.graphs_of(chunk, microbatch)?;
+        Ok(self.buffers.grad_inputs_slice(g.start))
+    }
+
+    fn graphs_of(&self, chunk: usize, microbatch: usize) -> Result<std::ops::Range<usize>> {
+        self.schedule
+            .layout()
+            .microbatch_graphs(chunk, microbatch)
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                    "no chunk {chunk} microbatch {microbatch}: the schedule has {} chunk(s) \
+                     of {} microbatch(es)",
+                    self.schedule.num_chunks(),
+                    self.schedule.num_microbatches()
+                ))
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cursor_follows_the_schedule_and_wraps() {
+        let s = Schedule::new(&[1, 2, -2, -1], vec![1, 1]).unwrap();
+        let mut c = ReplayCursor::default();
+        let f = |chunk, microbatch| Step::Forward { chunk, microbatch };
+        let b = |chunk, microbatch| Step::Backward { chunk, microbatch };
+        assert_eq!(c.next_step(&s), Some(f(0, 0)));
+        let err = c.check(&s, f(1, 0)).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "replay out of schedule order at order[0]: expected forward of chunk 0 \
+             microbatch 0 (entry 1), got forward of chunk 1 microbatch 0 (entry 2)"
+        );
+        assert!(matches!(
+            err,
+            Error::ReplayOrder {
+                position: 0,
+                expected: Step::Forward { chunk: 0, .. },
+                got: Step::Forward { chunk: 1, .. }
+            }
+        ));
+        for (i, step) in [f(0, 0), f(1, 0), b(1, 0), b(0, 0)].into_iter().enumerate() {
+            let p = c.check(&s, step).unwrap();
+            assert_eq!(p, i);
+            c.advance(p);
+        }
+        // A new training step starts with the first entry again.
+        assert_eq!(c.next_step(&s), Some(f(0, 0)));
+        assert!(c.check(&s, b(0, 0)).is_err());
+        c.advance(c.check(&s, f(0, 0)).unwrap());
+        c.reset();
+        assert_eq!(c.check(&s, f(0, 0)).unwrap(), 0);
+    }
+}

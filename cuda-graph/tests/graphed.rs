@@ -1,0 +1,855 @@
+//! Graphed callables: graphs replayed under pipeline schedules give bit for bit what the
+//! same callables give eagerly (and what the host computes), parameters pair with the right
+//! graphs, saved activations survive until their backward, bad schedules and out-of-order
+//! replays are rejected, and inputs are not copied when the static buffer is passed.
+//!
+//! The layer is elementwise (tests/kernels/graphed_kernels.cu): z = x*w + b, y = leaky(z),
+//! backward dx = g*w, dw += g*x, db += g with g = leaky'(z)*dy. Every operation is one
+//! explicitly rounded float op and no thread sums another's values, so eager, graphed and
+//! host results are bit-exact. Gradients accumulate in schedule order in all three.
+
+use cuda_graph::graphed::{
+    Callable, GraphIndex, GraphedCallables, GraphedOptions, Layout, Schedule, ScheduleError, Slot,
+    Step,
+};
+use cuda_graph::{
+    Allocation, Context, DeviceBuffer, Error, GraphPool, Kernel, LaunchConfig, Module, Result,
+    Stream, kernel_args,
+};
+use std::sync::Arc;
+
+const FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/graphed_kernels.fatbin"));
+/// Elements per buffer: more than one block, not a multiple of it.
+const N: usize = 300;
+/// Training steps each test runs (the replay cursor wraps between them, gradients keep
+/// accumulating).
+const STEPS: usize = 2;
+
+struct Gpu {
+    ctx: Arc<Context>,
+    stream: Stream,
+    module: Module,
+}
+
+impl Gpu {
+    fn new() -> Gpu {
+        let ctx = Context::default_device().expect("context");
+        let stream = Stream::new(&ctx).expect("stream");
+        let module = Module::from_image(&ctx, FATBIN).expect("graphed test kernels");
+        Gpu {
+            ctx,
+            stream,
+            module,
+        }
+    }
+    fn k(&self, name: &str) -> Kernel {
+        self.module.kernel(name).expect(name)
+    }
+    fn upload(&self, v: &[f32]) -> DeviceBuffer<f32> {
+        let b = DeviceBuffer::from_host(&self.stream, v).expect("upload");
+        self.stream.synchronize().expect("sync");
+        b
+    }
+    /// Sets every element of `b` (through `&`, as callables may) and waits.
+    fn fill(&self, b: &DeviceBuffer<f32>, v: f32) {
+        let n = b.len() as u32;
+        // SAFETY: gl_fill writes n floats of b.
+        unsafe {
+            self.stream
+                .launch(
+                    &self.k("gl_fill"),
+                    &LaunchConfig::for_elements(n, 128),
+                    &kernel_args![*b, v, n],
+                )
+                .expect("fill");
+        }
+        self.stream.synchronize().expect("sync");
+    }
+    fn read(&self, b: &DeviceBuffer<f32>) -> Vec<f32> {
+        let v = b.to_vec(&self.stream).expect("read back");
+        self.stream.synchronize().expect("sync");
+        v
+    }
+}
+
+// ---- the model: deterministic values per callable, chunk and microbatch ----
+
+fn weights(callable: usize) -> (Vec<f32>, Vec<f32>) {
+    let w = (0..N)
+        .map(|i| {
+            let neg = if (i + callable) % 4 == 0 { 1.25 } else { 0.0 };
+            0.75 + 0.0625 * ((i * 3 + callable * 5) % 9) as f32 - neg + 0.5 * callable as f32
+        })
+        .collect();
+    let b = (0..N)
+        .map(|i| 0.03125 * ((i + 7 * callable) % 13) as f32 - 0.1875)
+        .collect();
+    (w, b)
+}
+
+fn input(chunk: usize, microbatch: usize) -> Vec<f32> {
+    (0..N)
+        .map(|i| 0.25 * ((i * 31 + chunk * 7 + microbatch * 13) % 17) as f32 - 2.0)
+        .collect()
+}
+
+fn grad_output(chunk: usize, microbatch: usize) -> Vec<f32> {
+    (0..N)
+        .map(|i| 0.125 * ((i * 5 + microbatch * 3 + chunk * 11) % 11) as f32 - 0.5)
+        .collect()
+}
+
+fn leaky(z: f32) -> f32 {
+    if z > 0.0 { z } else { z * 0.125 }
+}
+
+/// The elementwise layer as a callable; z is saved per microbatch in the slot.
+struct Lin {
+    n: u32,
+    w: DeviceBuffer<f32>,
+    b: DeviceBuffer<f32>,
+    dw: DeviceBuffer<f32>,
+    db: DeviceBuffer<f32>,
+    fwd: Kernel,
+    bwd: Kernel,
+}
+
+impl Lin {
+    fn new(gpu: &Gpu, callable: usize) -> Lin {
+        let (w, b) = weights(callable);
+        Lin {
+            n: N as u32,
+            w: gpu.upload(&w),
+            b: gpu.upload(&b),
+            dw: gpu.upload(&[0.0; N]),
+            db: gpu.upload(&[0.0; N]),
+            fwd: gpu.k("gl_fwd"),
+            bwd: gpu.k("gl_bwd"),
+        }
+    }
+}
+
+impl Callable<f32> for Lin {
+    fn input_lens(&self) -> Vec<usize> {
+        vec![N]
+    }
+    fn output_lens(&self) -> Vec<usize> {
+        vec![N]
+    }
+    fn saved_lens(&self) -> Vec<usize> {
+        vec![N]
+    }
+    fn parameters(&self) -> Vec<&DeviceBuffer<f32>> {
+        vec![&self.w, &self.b]
+    }
+    fn gradients(&self) -> Vec<&DeviceBuffer<f32>> {
+        vec![&self.dw, &self.db]
+    }
+    fn forward(
+        &mut self,
+        stream: &Stream,
+        inputs: &[&DeviceBuffer<f32>],
+        outputs: &[&DeviceBuffer<f32>],
+        slot: &Slot<'_, f32>,
+    ) -> Result<()> {
+        let n = self.n;
+        let z = slot.saved()[0];
+        // SAFETY: gl_fwd reads n floats of x, w, b and writes n floats of z and y; all are
+        // N-element buffers.
+        unsafe {
+            stream.launch(
+                &self.fwd,
+                &LaunchConfig::for_elements(n, 128),
+                &kernel_args![*inputs[0], self.w, self.b, *z, *outputs[0], n],
+            )
+        }
+    }
+    fn backward(
+        &mut self,
+        stream: &Stream,
+        grad_outputs: &[&DeviceBuffer<f32>],
+        grad_inputs: &[&DeviceBuffer<f32>],
+        slot: &Slot<'_, f32>,
+    ) -> Result<()> {
+        let n = self.n;
+        let (x, z) = (slot.inputs()[0], slot.saved()[0]);
+        // SAFETY: gl_bwd touches n floats of each N-element buffer.
+        unsafe {
+            stream.launch(
+                &self.bwd,
+                &LaunchConfig::for_elements(n, 128),
+                &kernel_args![
+                    *grad_outputs[0],
+                    *x,
+                    self.w,
+                    *z,
+                    *grad_inputs[0],
+                    self.dw,
+                    self.db,
+                    n
+                ],
+            )
+        }
+    }
+}
+
+/// What one run produced: per replayed step (in order, over all training steps) the
+/// forward's output or the backward's input gradient, and each callable's (dw, db).
+#[derive(Debug, PartialEq)]
+struct Results {
+    steps: Vec<(Step, Vec<f32>)>,
+    grads: Vec<(Vec<f32>, Vec<f32>)>,
+}
+
+fn assert_bit_equal(got: &Results, want: &Results, what: &str) {
+    assert_eq!(got.steps.len(), want.steps.len(), "{what}: number of steps");
+    for (k, ((sg, g), (sw, w))) in got.steps.iter().zip(&want.steps).enumerate() {
+        assert_eq!(sg, sw, "{what}: replay {k} ran another step");
+        for i in 0..N {
+            assert_eq!(
+                g[i].to_bits(),
+                w[i].to_bits(),
+                "{what}: replay {k} ({sg:?}) element {i}: {} vs expected {}",
+                g[i],
+                w[i]
+            );
+        }
+    }
+    assert_eq!(got.grads.len(), want.grads.len(), "{what}: callables");
+    for (c, ((gw, gb), (ww, wb))) in got.grads.iter().zip(&want.grads).enumerate() {
+        for i in 0..N {
+            assert_eq!(
+                gw[i].to_bits(),
+                ww[i].to_bits(),
+                "{what}: dw of callable {c}[{i}]: {} vs {}",
+                gw[i],
+                ww[i]
+            );
+            assert_eq!(
+                gb[i].to_bits(),
+                wb[i].to_bits(),
+                "{what}: db of callable {c}[{i}]: {} vs {}",
+                gb[i],
+                wb[i]
+            );
+        }
+    }
+}
+
+/// The reference on the host, over `training_steps` training steps.
+fn run_host(schedule: &Schedule, training_steps: usize) -> Results {
+    let layout = schedule.layout();
+    let params: Vec<_> = (0..layout.total_callables()).map(weights).collect();
+    let mut grads = vec![(vec![0.0f32; N], vec![0.0f32; N]); layout.total_callables()];
+    // Per graph: the layer's input and z.
+    let mut xs = vec![Vec::new(); layout.total_graphs()];
+    let mut zs = vec![Vec::new(); layout.total_graphs()];
+    let mut steps = Vec::new();
+    for _ in 0..training_steps {
+        for &step in schedule.steps() {
+            let (m, b) = (step.chunk(), step.microbatch());
+            let graphs = layout.microbatch_graphs(m, b).unwrap();
+            if let Step::Forward { .. } = step {
+                let mut x = input(m, b);
+                for g in graphs {
+                    let (w, bias) = &params[layout.callable_of_graph(g).unwrap()];
+                    let z: Vec<f32> = (0..N).map(|i| x[i] * w[i] + bias[i]).collect();
+                    xs[g] = x;
+                    x = z.iter().map(|&v| leaky(v)).collect();
+                    zs[g] = z;
+                }
+                steps.push((step, x));
+            } else {
+                let mut dy = grad_output(m, b);
+                for g in graphs.rev() {
+                    let c = layout.callable_of_graph(g).unwrap();
+                    let w = &params[c].0;
+                    let gr: Vec<f32> = (0..N)
+                        .map(|i| if zs[g][i] > 0.0 { dy[i] } else { dy[i] * 0.125 })
+                        .collect();
+                    for i in 0..N {
+                        grads[c].0[i] += gr[i] * xs[g][i];
+                        grads[c].1[i] += gr[i];
+                    }
+                    dy = (0..N).map(|i| gr[i] * w[i]).collect();
+                }
+                steps.push((step, dy));
+            }
+        }
+    }
+    Results { steps, grads }
+}
+
+/// The same callables run eagerly, each microbatch with buffers of its own.
+fn run_eager(gpu: &Gpu, schedule: &Schedule) -> Results {
+    let layout = schedule.layout();
+    let mut callables: Vec<Lin> = (0..layout.total_callables())
+        .map(|c| Lin::new(gpu, c))
+        .collect();
+    let pool = GraphPool::new(&gpu.ctx, 4096).expect("pool");
+    let poisoned = || {
+        let b = gpu.upload(&[0.0; N]);
+        gpu.fill(&b, f32::NAN);
+        b
+    };
+    let ys: Vec<_> = (0..layout.total_graphs()).map(|_| poisoned()).collect();
+    let zs: Vec<_> = (0..layout.total_graphs()).map(|_| poisoned()).collect();
+    let dxs: Vec<_> = (0..layout.total_graphs()).map(|_| poisoned()).collect();
+    let mut steps = Vec::new();
+    for _ in 0..STEPS {
+        for &step in schedule.steps() {
+            let (m, b) = (step.chunk(), step.microbatch());
+            let graphs = layout.microbatch_graphs(m, b).unwrap();
+            let x0 = gpu.upload(&input(m, b));
+            let dy = gpu.upload(&grad_output(m, b));
+            let input_of = |g: usize| if g == graphs.start { &x0 } else { &ys[g - 1] };
+            let at = |g: usize| layout.locate(g).unwrap();
+            if let Step::Forward { .. } = step {
+                for g in graphs.clone() {
+                    let slot =
+                        Slot::new(at(g), vec![input_of(g)], vec![&ys[g]], vec![&zs[g]], &pool);
+                    callables[layout.callable_of_graph(g).unwrap()]
+                        .forward(&gpu.stream, &[input_of(g)], &[&ys[g]], &slot)
+                        .expect("eager forward");
+                }
+                steps.push((step, gpu.read(&ys[graphs.end - 1])));
+            } else {
+                for g in graphs.clone().rev() {
+                    let go = if g + 1 == graphs.end {
+                        &dy
+                    } else {
+                        &dxs[g + 1]
+                    };
+                    let slot =
+                        Slot::new(at(g), vec![input_of(g)], vec![&ys[g]], vec![&zs[g]], &pool);
+                    callables[layout.callable_of_graph(g).unwrap()]
+                        .backward(&gpu.stream, &[go], &[&dxs[g]], &slot)
+                        .expect("eager backward");
+                }
+                steps.push((step, gpu.read(&dxs[graphs.start])));
+            }
+        }
+    }
+    let grads = callables
+        .iter()
+        .map(|c| (gpu.read(&c.dw), gpu.read(&c.db)))
+        .collect();
+    Results { steps, grads }
+}
+
+/// Builds graphed callables for `schedule` (sample inputs deliberately different from the
+/// replayed ones), zeroes the gradients warmup touched.
+fn build(gpu: &Gpu, schedule: &Schedule) -> GraphedCallables<f32> {
+    let layout = schedule.layout();
+    let callables: Vec<Box<dyn Callable<f32>>> = (0..layout.total_callables())
+        .map(|c| Box::new(Lin::new(gpu, c)) as Box<dyn Callable<f32>>)
+        .collect();
+    let sample = gpu.upload(&[1.0; N]);
+    let samples: Vec<Vec<&DeviceBuffer<f32>>> = layout
+        .iter()
+        .map(|at| if at.layer == 0 { vec![&sample] } else { vec![] })
+        .collect();
+    let graphed = GraphedCallables::build(
+        &gpu.stream,
+        callables,
+        &samples,
+        GraphedOptions::new(schedule.clone()),
+    )
+    .expect("build graphed callables");
+    for c in graphed.callables() {
+        for g in c.gradients() {
+            gpu.fill(g, 0.0);
+        }
+    }
+    graphed
+}
+
+fn run_graphed(gpu: &Gpu, schedule: &Schedule) -> (Results, GraphedCallables<f32>) {
+    let graphed = build(gpu, schedule);
+    let layout = schedule.layout();
+    let mut steps = Vec::new();
+    for _ in 0..STEPS {
+        for &step in schedule.steps() {
+            let (m, b) = (step.chunk(), step.microbatch());
+            assert_eq!(graphed.next_step(), Some(step));
+            // Fresh allocations every time: replay must copy them in.
+            let x = gpu.upload(&input(m, b));
+            let dy = gpu.upload(&grad_output(m, b));
+            let out = match step {
+                Step::Forward { .. } => graphed.forward(m, b, &[&x], &gpu.stream),
+                _ => graphed.backward(m, b, &[&dy], &gpu.stream),
+            }
+            .expect("replay");
+            assert_eq!(out.len(), 1);
+            let v = gpu.read(&out[0]);
+            steps.push((step, v));
+        }
+    }
+    let grads = (0..layout.total_callables())
+        .map(|c| {
+            let g = graphed.callables()[c].gradients();
+            (gpu.read(g[0]), gpu.read(g[1]))
+        })
+        .collect();
+    (Results { steps, grads }, graphed)
+}
+
+/// Graphed == eager == host, bit for bit.
+fn check_schedule(order: &[i64], layers: Vec<usize>) -> GraphedCallables<f32> {
+    let gpu = Gpu::new();
+    let schedule = Schedule::new(order, layers).expect("schedule");
+    let host = run_host(&schedule, STEPS);
+    let eager = run_eager(&gpu, &schedule);
+    assert_bit_equal(&eager, &host, "eager vs host");
+    let (graphed_results, graphed) = run_graphed(&gpu, &schedule);
+    assert_bit_equal(&graphed_results, &eager, "graphed vs eager");
+    // Not vacuous: gradients are non-zero and microbatches differ.
+    assert!(
+        host.grads
+            .iter()
+            .all(|(dw, _)| dw.iter().any(|&v| v != 0.0))
+    );
+    graphed
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn one_chunk_three_microbatches_equals_eager() {
+    check_schedule(&[1, 1, -1, 1, -1, -1], vec![3]);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn two_chunks_three_microbatches_interleaved_equals_eager() {
+    check_schedule(&[1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1], vec![2, 2]);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn uneven_layers_per_chunk_equal_eager() {
+    let g = check_schedule(&[1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1], vec![1, 3]);
+    assert_eq!(g.schedule().layout().total_graphs(), 12);
+}
+
+/// Layers [2, 3], 2 chunks x 3 microbatches, every layer with its own weights: results equal
+/// eager, and each forward and backward exec holds exactly its own callable's weight among
+/// all the weights. Under the (chunk, layer, microbatch) layout graph
+/// `prefix*mb + l*mb + b` would get another layer's weights (e.g. graph 1 = chunk 0,
+/// microbatch 0, layer 1 would hold layer 0's).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn parameters_pair_with_the_right_graphs() {
+    let graphed = check_schedule(&[1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1], vec![2, 3]);
+    let layout: Layout = graphed.schedule().layout().clone();
+    let weight_ptrs: Vec<u64> = graphed
+        .callables()
+        .iter()
+        .map(|c| c.parameters()[0].as_raw())
+        .collect();
+    let held = |resources: &[cuda_graph::Resource]| -> Vec<u64> {
+        resources
+            .iter()
+            .filter_map(|r| r.downcast_ref::<Allocation>().map(|a| a.ptr()))
+            .filter(|p| weight_ptrs.contains(p))
+            .collect()
+    };
+    // The (chunk, layer, microbatch) index of the same graph differs for some graphs here.
+    let mut differs = 0;
+    for g in 0..layout.total_graphs() {
+        let at: GraphIndex = layout.locate(g).unwrap();
+        let c = layout.callable_index(at.chunk, at.layer).unwrap();
+        assert_eq!(
+            graphed.parameters_of(g).unwrap()[0].as_raw(),
+            weight_ptrs[c]
+        );
+        for (pass, exec) in [
+            ("forward", graphed.forward_exec(g).unwrap()),
+            ("backward", graphed.backward_exec(g).unwrap()),
+        ] {
+            let mut h = held(exec.resources());
+            h.sort_unstable();
+            h.dedup();
+            assert_eq!(
+                h,
+                vec![weight_ptrs[c]],
+                "{pass} graph {g} ({at}) must hold callable {c}'s weight and no other"
+            );
+        }
+        let prefix = layout.chunk_callables(at.chunk).unwrap().start;
+        let wrong = prefix * layout.num_microbatches()
+            + at.layer * layout.num_microbatches()
+            + at.microbatch;
+        if wrong != g {
+            differs += 1;
+        }
+    }
+    assert!(differs > 0, "the test must distinguish the two layouts");
+}
+
+/// Three forwards (distinct inputs) before any backward: each microbatch's saved z and
+/// static input survive the later forwards, so gradients equal the host's.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn saved_activations_survive_until_their_backward() {
+    let gpu = Gpu::new();
+    let schedule = Schedule::new(&[1, 1, 1, -1, -1, -1], vec![2]).expect("schedule");
+    let host = run_host(&schedule, 1);
+    let graphed = build(&gpu, &schedule);
+    let mut first = Vec::new();
+    for b in 0..3 {
+        let x = gpu.upload(&input(0, b));
+        let out = graphed.forward(0, b, &[&x], &gpu.stream).expect("forward");
+        first.push(gpu.read(&out[0]));
+    }
+    assert_ne!(
+        first[0], first[1],
+        "microbatches must differ for the test to mean anything"
+    );
+    assert_ne!(first[1], first[2]);
+    // After all three forwards, microbatch 0's static output and input are still its own.
+    assert_eq!(
+        gpu.read(&graphed.static_outputs(0, 0).unwrap()[0]),
+        first[0]
+    );
+    assert_eq!(
+        gpu.read(graphed.static_inputs(0, 0).unwrap()[0]),
+        input(0, 0)
+    );
+    let mut grads_in = Vec::new();
+    for b in 0..3 {
+        let dy = gpu.upload(&grad_output(0, b));
+        let gi = graphed
+            .backward(0, b, &[&dy], &gpu.stream)
+            .expect("backward");
+        grads_in.push(gpu.read(&gi[0]));
+    }
+    for b in 0..3 {
+        assert_eq!(
+            first[b], host.steps[b].1,
+            "forward output of microbatch {b}"
+        );
+        assert_eq!(
+            grads_in[b],
+            host.steps[3 + b].1,
+            "input gradient of microbatch {b}"
+        );
+    }
+    // One training step here: compare the accumulated gradients with one host step.
+    for (c, (dw_host, db_host)) in host.grads.iter().enumerate() {
+        let g = graphed.callables()[c].gradients();
+        assert_eq!(&gpu.read(g[0]), dw_host, "dw of layer {c}");
+        assert_eq!(&gpu.read(g[1]), db_host, "db of layer {c}");
+    }
+}
+
+/// Bad orders are rejected before anything runs, as `Error::Schedule` naming the position.
+#[test]
+fn bad_schedules_are_rejected_with_their_error() {
+    let cases: Vec<(&[i64], Vec<usize>)> = vec![
+        (&[1, 2, 2, -2, -2, -1], vec![1, 1]),
+        (&[-1, 1], vec![1]),
+        (&[1, 3, -1, -3], vec![1, 1, 1]),
+        (&[], vec![1]),
+    ];
+    let errs: Vec<Error> = cases
+        .into_iter()
+        .map(|(order, layers)| GraphedOptions::from_order(order, layers).unwrap_err())
+        .collect();
+    assert!(
+        matches!(
+            &errs[0],
+            Error::Schedule(ScheduleError::UnequalCounts { position: 3, .. })
+        ),
+        "{:?}",
+        errs[0]
+    );
+    assert!(
+        matches!(
+            &errs[1],
+            Error::Schedule(ScheduleError::BackwardBeforeForward { position: 0, .. })
+        ),
+        "{:?}",
+        errs[1]
+    );
+    assert!(
+        matches!(
+            &errs[2],
+            Error::Schedule(ScheduleError::ChunkMissing { chunk_id: 2, .. })
+        ),
+        "{:?}",
+        errs[2]
+    );
+    assert!(
+        matches!(&errs[3], Error::Schedule(ScheduleError::Empty)),
+        "{:?}",
+        errs[3]
+    );
+    assert!(
+        errs[0]
+            .to_string()
+            .starts_with("invalid schedule: order[3] = -2"),
+        "{}",
+        errs[0]
+    );
+}
+
+/// Build-time rejections that need a stream: wrong callable count, layers that do not
+/// chain, wrong sample lengths, weight-gradient split and buffer reuse (not implemented).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn build_rejects_what_it_cannot_graph() {
+    let gpu = Gpu::new();
+    let sample = gpu.upload(&[1.0; N]);
+    let short = gpu.upload(&[1.0; 7]);
+    let lins = |k: usize| -> Vec<Box<dyn Callable<f32>>> {
+        (0..k)
+            .map(|c| Box::new(Lin::new(&gpu, c)) as Box<dyn Callable<f32>>)
+            .collect()
+    };
+    let opts =
+        |order: &[i64], layers: Vec<usize>| GraphedOptions::from_order(order, layers).unwrap();
+    let err = |r: Result<GraphedCallables<f32>>| r.map(|_| ()).unwrap_err().to_string();
+
+    let e = err(GraphedCallables::build(
+        &gpu.stream,
+        lins(1),
+        &[vec![&sample], vec![]],
+        opts(&[1, -1], vec![2]),
+    ));
+    assert!(e.contains("1 callables given, the layout has 2"), "{e}");
+
+    let e = err(GraphedCallables::build(
+        &gpu.stream,
+        lins(1),
+        &[vec![&short]],
+        opts(&[1, -1], vec![1]),
+    ));
+    assert!(
+        e.contains("have lengths [7], the callable takes [300]"),
+        "{e}"
+    );
+
+    let e = err(GraphedCallables::build(
+        &gpu.stream,
+        lins(1),
+        &[],
+        opts(&[1, -1], vec![1]),
+    ));
+    assert!(
+        e.contains("0 sets of sample inputs given, one per graph (1) needed"),
+        "{e}"
+    );
+
+    let mut o = opts(&[1, -1], vec![1]);
+    o.reuse_buffers = true;
+    let e = err(GraphedCallables::build(
+        &gpu.stream,
+        lins(1),
+        &[vec![&sample]],
+        o,
+    ));
+    assert!(e.contains("reuse_buffers is not implemented"), "{e}");
+
+    let split = GraphedOptions::new(Schedule::from_f64(&[1.0, -1.0, -1.5], vec![1]).unwrap());
+    let e = err(GraphedCallables::build(
+        &gpu.stream,
+        lins(1),
+        &[vec![&sample]],
+        split,
+    ));
+    assert!(e.contains("weight-gradient pass"), "{e}");
+
+    /// A layer whose output is longer than its input: cannot chain into a `Lin`.
+    struct Widen(Lin);
+    impl Callable<f32> for Widen {
+        fn input_lens(&self) -> Vec<usize> {
+            vec![N]
+        }
+        fn output_lens(&self) -> Vec<usize> {
+            vec![2 * N]
+        }
+        fn forward(
+            &mut self,
+            s: &Stream,
+            i: &[&DeviceBuffer<f32>],
+            o: &[&DeviceBuffer<f32>],
+            sl: &Slot<'_, f32>,
+        ) -> Result<()> {
+            self.0.forward(s, i, o, sl)
+        }
+        fn backward(
+            &mut self,
+            s: &Stream,
+            g: &[&DeviceBuffer<f32>],
+            gi: &[&DeviceBuffer<f32>],
+            sl: &Slot<'_, f32>,
+        ) -> Result<()> {
+            self.0.backward(s, g, gi, sl)
+        }
+    }
+    let callables: Vec<Box<dyn Callable<f32>>> = vec![
+        Box::new(Widen(Lin::new(&gpu, 0))),
+        Box::new(Lin::new(&gpu, 1)),
+    ];
+    let e = err(GraphedCallables::build(
+        &gpu.stream,
+        callables,
+        &[vec![&sample], vec![]],
+        opts(&[1, -1], vec![2]),
+    ));
+    assert!(
+        e.contains("chunk 0: layer 0 outputs [600] elements but layer 1 takes [300]"),
+        "{e}"
+    );
+}
+
+/// Replays must follow the schedule; the error names expected and got, and nothing runs.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn replay_out_of_schedule_order_is_rejected() {
+    let gpu = Gpu::new();
+    let schedule = Schedule::new(&[1, 1, -1, -1], vec![2]).expect("schedule");
+    let graphed = build(&gpu, &schedule);
+    let x = gpu.upload(&input(0, 0));
+    let dy = gpu.upload(&grad_output(0, 0));
+
+    let e = graphed
+        .backward(0, 0, &[&dy], &gpu.stream)
+        .map(|_| ())
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::ReplayOrder {
+                position: 0,
+                expected: Step::Forward {
+                    chunk: 0,
+                    microbatch: 0
+                },
+                got: Step::Backward {
+                    chunk: 0,
+                    microbatch: 0
+                }
+            }
+        ),
+        "{e:?}"
+    );
+    let e = graphed
+        .forward(0, 1, &[&x], &gpu.stream)
+        .map(|_| ())
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "replay out of schedule order at order[0]: expected forward of chunk 0 microbatch 0 \
+         (entry 1), got forward of chunk 0 microbatch 1 (entry 1)"
+    );
+    assert_eq!(
+        graphed.input_copies(),
+        0,
+        "a rejected replay enqueues nothing"
+    );
+    graphed
+        .forward(0, 0, &[&x], &gpu.stream)
+        .expect("forward 0");
+    graphed
+        .forward(0, 1, &[&x], &gpu.stream)
+        .expect("forward 1");
+    let e = graphed
+        .backward(0, 1, &[&dy], &gpu.stream)
+        .map(|_| ())
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::ReplayOrder {
+                position: 2,
+                expected: Step::Backward { microbatch: 0, .. },
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    // Out-of-range chunk: also an order error (the schedule expects a real step).
+    assert!(matches!(
+        graphed.forward(5, 0, &[&x], &gpu.stream).map(|_| ()),
+        Err(Error::ReplayOrder { .. })
+    ));
+    // A new training step may start before this one finished.
+    graphed.reset_step();
+    assert_eq!(
+        graphed.next_step(),
+        Some(Step::Forward {
+            chunk: 0,
+            microbatch: 0
+        })
+    );
+    graphed
+        .forward(0, 0, &[&x], &gpu.stream)
+        .expect("forward after reset");
+    gpu.stream.synchronize().expect("sync");
+    assert!(graphed.is_first_microbatch(0, 0));
+    assert!(!graphed.is_first_microbatch(0, 1));
+    assert!(!graphed.is_first_microbatch(1, 0));
+}
+
+/// Passing the static input itself copies nothing (the counter stays, and the value the
+/// caller wrote there is what the graph reads); a separate buffer is copied in over a
+/// poisoned static input.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn input_is_not_copied_when_the_static_buffer_is_passed() {
+    let gpu = Gpu::new();
+    let schedule = Schedule::new(&[1, -1], vec![1]).expect("schedule");
+    let graphed = build(&gpu, &schedule);
+    let (w, b) = weights(0);
+    let expect = |x: f32| -> Vec<f32> { (0..N).map(|i| leaky(x * w[i] + b[i])).collect() };
+
+    // Step 1: the caller writes the input straight into the static buffer and passes it.
+    let static_in = graphed.static_inputs(0, 0).unwrap()[0];
+    gpu.fill(static_in, 1.5);
+    let out = gpu.read(
+        &graphed
+            .forward(0, 0, &[static_in], &gpu.stream)
+            .expect("forward")[0],
+    );
+    assert_eq!(
+        graphed.input_copies(),
+        0,
+        "the static buffer itself must not be copied"
+    );
+    assert_eq!(out, expect(1.5));
+    let go = graphed.static_grad_outputs(0, 0).unwrap()[0];
+    gpu.fill(go, 1.0);
+    graphed
+        .backward(0, 0, &[go], &gpu.stream)
+        .expect("backward");
+    assert_eq!(
+        graphed.input_copies(),
+        0,
+        "the static output gradient must not be copied"
+    );
+
+    // Step 2: a separate buffer, over a poisoned static input: copied in.
+    gpu.fill(static_in, f32::NAN);
+    let separate = gpu.upload(&[2.5; N]);
+    let out = gpu.read(
+        &graphed
+            .forward(0, 0, &[&separate], &gpu.stream)
+            .expect("forward")[0],
+    );
+    assert_eq!(graphed.input_copies(), 1);
+    assert_eq!(out, expect(2.5));
+    assert_eq!(gpu.read(static_in), vec![2.5; N]);
+
+    // The runtime's own outputs may be passed back in (here as the next step's input): a
+    // different allocation, so copied, and no borrow conflict since replays take &self.
+    graphed
+        .backward(0, 0, &[go], &gpu.stream)
+        .expect("backward");
+    let y = &graphed.static_outputs(0, 0).unwrap()[0];
+    let out = gpu.read(&graphed.forward(0, 0, &[y], &gpu.stream).expect("forward")[0]);
+    assert_eq!(graphed.input_copies(), 2);
+    let y25 = expect(2.5);
+    let want: Vec<f32> = (0..N).map(|i| leaky(y25[i] * w[i] + b[i])).collect();
+    assert_eq!(out, want);
+}
