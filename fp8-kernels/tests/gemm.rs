@@ -8,7 +8,9 @@
 //! Error bounds, as `max |got - want| / max |want|` against the unrounded fp64 reference:
 //! FP8 x FP8 products are exact in fp32, so the only error is fp32 accumulation order and
 //! the output rounding: f32 output < 1e-5, bf16 output < 8e-3 (bf16 rounding alone is up to
-//! 2^-9 = 1.95e-3 of the largest value).
+//! 2^-9 = 1.95e-3 of the largest value). `GemmPath::Auto` runs the sm_90a wgmma path on
+//! Hopper, whose tensor cores keep about 14 bits within each 128-deep slice of K before the
+//! promotion into fp32 (fp8.md): there f32 output is held to < 2e-3 (4.3e-4 seen).
 
 use std::sync::Arc;
 
@@ -26,6 +28,8 @@ use fp8_kernels::{BlockShape, DType, DeviceScalar, Fp8Format, HpBuffer, quantize
 const E4: Fp8Format = Fp8Format::E4M3;
 const E5: Fp8Format = Fp8Format::E5M2;
 const F32_BOUND: f64 = 1e-5;
+/// f32-output bound of a path that may use Hopper's FP8 tensor cores (see the module docs).
+const TENSOR_CORE_F32_BOUND: f64 = 2e-3;
 const BF16_BOUND: f64 = 8e-3;
 const PATHS: [GemmPath; 2] = [GemmPath::Portable, GemmPath::Auto];
 
@@ -65,11 +69,11 @@ impl Rng {
     }
 }
 
-fn bound(out: DType) -> f64 {
-    if out == DType::F32 {
-        F32_BOUND
-    } else {
-        BF16_BOUND
+fn bound(out: DType, path: GemmPath) -> f64 {
+    match (out, path) {
+        (DType::F32, GemmPath::Portable) => F32_BOUND,
+        (DType::F32, _) => TENSOR_CORE_F32_BOUND,
+        _ => BF16_BOUND,
     }
 }
 
@@ -272,9 +276,9 @@ fn check_case(ctx: &Arc<Context>, stream: &Stream, c: Case) {
     );
     let e = rel_error(&got, &want);
     assert!(
-        e < bound(c.out),
+        e < bound(c.out, c.path),
         "{c:?}: relative error {e:e} >= {}",
-        bound(c.out)
+        bound(c.out, c.path)
     );
 }
 
@@ -426,7 +430,7 @@ fn gemm_large_matches_gpu_reference() {
                 stream.synchronize().unwrap();
                 let e = rel_error(&d.values(&stream), &want64);
                 assert!(
-                    e < bound(out),
+                    e < bound(out, path),
                     "{m}x{n}x{k} {fa:?}x{fb:?} {out:?} {path:?}: error {e:e} vs GPU reference"
                 );
             }
@@ -515,7 +519,7 @@ fn grouped_gemm_in_a_graph_with_changing_counts() {
                         });
                         let e = rel_error(&vals[base..base + rows * n], &want);
                         assert!(
-                            e < bound(out),
+                            e < bound(out, path),
                             "{path:?} {out:?} counts {cs:?} group {g}: error {e:e}"
                         );
                     }
@@ -628,7 +632,7 @@ fn blockwise_gemm_matches_fp64_reference() {
                 });
                 let e = rel_error(&d.values(&stream), &want);
                 assert!(
-                    e < bound(out),
+                    e < bound(out, GemmPath::Portable),
                     "blockwise {m}x{n}x{k} {fa:?}x{fb:?} {out:?} acc {accumulate}: error {e:e}"
                 );
             }

@@ -45,11 +45,18 @@ fn bf16_to_f32(b: u16) -> f32 {
     f32::from_bits(u32::from(b) << 16)
 }
 
-/// max |ours - theirs| / max |theirs| over the whole output.
+/// max |ours - theirs| / max |theirs| over the whole output; infinite when either holds a
+/// non-finite value (an unwritten, poisoned element) or the lengths differ.
 fn rel_err(ours: &[u16], theirs: &[u16]) -> f64 {
     let (mut err, mut mag) = (0.0f64, 0.0f64);
+    if ours.len() != theirs.len() {
+        return f64::INFINITY;
+    }
     for (&o, &t) in ours.iter().zip(theirs) {
         let (o, t) = (f64::from(bf16_to_f32(o)), f64::from(bf16_to_f32(t)));
+        if !o.is_finite() || !t.is_finite() {
+            return f64::INFINITY;
+        }
         err = err.max((o - t).abs());
         mag = mag.max(t.abs());
     }
