@@ -2,101 +2,16 @@
 //! sizes, outputs poisoned first; noop flags; graph capture and replay; delayed scaling over
 //! ten steps. Run with `cargo test -p fp8-kernels -- --include-ignored` on a CUDA machine.
 
-use std::sync::Arc;
-
-use cuda_graph::sys::{CUresult, CUstreamCaptureMode};
-use cuda_graph::{Context, DeviceBuffer, Graph, GraphExec, InstantiateFlags, Result, Stream};
+use cuda_graph::{DeviceBuffer, GraphExec, InstantiateFlags, Stream};
 use fp8_kernels::reference as r;
 use fp8_kernels::{
     AmaxAlgo, DType, DelayedScaling, DeviceScalar, Fp8Format, Fp8Tensor, HpBuffer, HpBufferMut,
 };
 
+mod common;
+use common::*;
+
 const SIZES: [usize; 4] = [1, 7, 1000, 1_000_003];
-const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::Bf16];
-const POISON_F32: u32 = 0xdead_beef;
-
-fn setup() -> (Arc<Context>, Stream) {
-    let ctx = Context::default_device().expect("a CUDA device");
-    let stream = Stream::new(&ctx).expect("a stream");
-    (ctx, stream)
-}
-
-/// xorshift64: deterministic, seeded per test case so data differs between cases.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    /// Values over a wide range of magnitudes (fp8 subnormals to beyond the max), both signs.
-    fn value(&mut self) -> f32 {
-        let v = self.next();
-        let mant = f32::from_bits(0x3f80_0000 | ((v >> 40) as u32 & 0x7f_ffff));
-        let exp = (v % 48) as i32 - 28;
-        let x = mant * 2f32.powi(exp);
-        if v & (1 << 20) != 0 { -x } else { x }
-    }
-}
-
-/// A high-precision input on the device, with its exact f32 widening on the host.
-enum Input {
-    F32(DeviceBuffer<f32>),
-    U16(DeviceBuffer<u16>, DType),
-}
-
-impl Input {
-    fn view(&self) -> HpBuffer<'_> {
-        match self {
-            Input::F32(b) => HpBuffer::F32(b),
-            Input::U16(b, DType::F16) => HpBuffer::F16(b),
-            Input::U16(b, _) => HpBuffer::Bf16(b),
-        }
-    }
-}
-
-/// Uploads `xs` rounded to `dtype`; returns the device input and the widened host values.
-fn upload(stream: &Stream, dtype: DType, xs: &[f32]) -> (Input, Vec<f32>) {
-    let bits: Vec<u32> = xs.iter().map(|&x| r::narrow(x, dtype)).collect();
-    let wide: Vec<f32> = bits.iter().map(|&b| r::widen(b, dtype)).collect();
-    let input = match dtype {
-        DType::F32 => Input::F32(DeviceBuffer::from_host(stream, xs).unwrap()),
-        _ => {
-            let h: Vec<u16> = bits.iter().map(|&b| b as u16).collect();
-            Input::U16(DeviceBuffer::from_host(stream, &h).unwrap(), dtype)
-        }
-    };
-    (input, wide)
-}
-
-/// Random data with specials sprinkled in (inf, NaN, zeros, huge, fp8 subnormals).
-fn random_data(seed: u64, n: usize, specials: bool) -> Vec<f32> {
-    let mut rng = Rng(seed | 1);
-    let mut xs: Vec<f32> = (0..n).map(|_| rng.value()).collect();
-    if specials && n >= 7 {
-        let sp = [
-            f32::INFINITY,
-            f32::NEG_INFINITY,
-            f32::NAN,
-            -0.0,
-            1e30,
-            2f32.powi(-10),
-            -448.0 * 1.04,
-        ];
-        for (i, s) in sp.iter().enumerate() {
-            xs[(i * 7919 + 3) % n] = *s;
-        }
-    }
-    xs
-}
-
-/// Whether the device converts with the FP8 instructions (sm_89+), whose NaN output the
-/// reference pins exactly; older devices run CUDA's software fallback (any NaN accepted).
-fn hardware_fp8() -> bool {
-    let dev = cuda_graph::driver::Device::get(0).expect("device 0");
-    dev.compute_capability().expect("compute capability") >= (8, 9)
-}
 
 fn check_bytes(what: &str, got: &[u8], wide: &[f32], scale: f32, fmt: Fp8Format) {
     assert_eq!(got.len(), wide.len());
@@ -119,10 +34,6 @@ fn poisoned_fp8(stream: &Stream, n: usize, fmt: Fp8Format) -> Fp8Tensor {
     t.data_mut().memset_bytes(stream, 0xff).unwrap();
     stream.synchronize().unwrap();
     t
-}
-
-fn scalar_bits(stream: &Stream, s: &DeviceScalar) -> u32 {
-    s.read(stream).unwrap().to_bits()
 }
 
 #[test]
@@ -434,28 +345,6 @@ fn noop_flag_writes_nothing() {
         );
         noop.write(&stream, 1.0).unwrap();
     }
-}
-
-/// Captures `f`'s work on `stream` into a graph through raw driver calls.
-fn capture(ctx: &Arc<Context>, stream: &Stream, f: impl FnOnce() -> Result<()>) -> Graph {
-    let d = cuda_graph::sys::driver().unwrap();
-    // SAFETY: live stream; thread-local mode.
-    let rc = unsafe {
-        d.cuStreamBeginCapture().unwrap()(
-            stream.as_raw(),
-            CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
-        )
-    };
-    assert_eq!(rc, CUresult::CUDA_SUCCESS, "cuStreamBeginCapture");
-    let body = f();
-    let mut g = std::ptr::null_mut();
-    // SAFETY: ends the capture begun above; valid out-pointer.
-    let rc = unsafe { d.cuStreamEndCapture().unwrap()(stream.as_raw(), &mut g) };
-    body.expect("work enqueued during capture");
-    assert_eq!(rc, CUresult::CUDA_SUCCESS, "cuStreamEndCapture");
-    // SAFETY: g is a fresh graph of ctx owned by nobody else; every buffer it uses outlives it
-    // in this test.
-    unsafe { Graph::from_raw(ctx, g) }
 }
 
 #[test]

@@ -1,0 +1,109 @@
+//! Helpers shared by the fp8-kernels GPU tests: seeded random data with specials, uploads
+//! in every input dtype with the exact host widening, poisoning, and capture.
+#![allow(dead_code)] // each test file uses a different subset
+
+use std::sync::Arc;
+
+use cuda_graph::{CaptureMode, Context, DeviceBuffer, Graph, Result, Stream};
+use fp8_kernels::reference as r;
+use fp8_kernels::{DType, DeviceScalar, HpBuffer};
+
+pub const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::Bf16];
+
+pub const POISON_F32: u32 = 0xdead_beef;
+
+pub fn setup() -> (Arc<Context>, Stream) {
+    let ctx = Context::default_device().expect("a CUDA device");
+    let stream = Stream::new(&ctx).expect("a stream");
+    (ctx, stream)
+}
+
+/// xorshift64: deterministic, seeded per test case so data differs between cases.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    /// Values over a wide range of magnitudes (fp8 subnormals to beyond the max), both signs.
+    pub fn value(&mut self) -> f32 {
+        let v = self.next();
+        let mant = f32::from_bits(0x3f80_0000 | ((v >> 40) as u32 & 0x7f_ffff));
+        let exp = (v % 48) as i32 - 28;
+        let x = mant * 2f32.powi(exp);
+        if v & (1 << 20) != 0 { -x } else { x }
+    }
+}
+
+/// A high-precision input on the device, with its exact f32 widening on the host.
+pub enum Input {
+    F32(DeviceBuffer<f32>),
+    U16(DeviceBuffer<u16>, DType),
+}
+
+impl Input {
+    pub fn view(&self) -> HpBuffer<'_> {
+        match self {
+            Input::F32(b) => HpBuffer::F32(b),
+            Input::U16(b, DType::F16) => HpBuffer::F16(b),
+            Input::U16(b, _) => HpBuffer::Bf16(b),
+        }
+    }
+}
+
+/// Uploads `xs` rounded to `dtype`; returns the device input and the widened host values.
+pub fn upload(stream: &Stream, dtype: DType, xs: &[f32]) -> (Input, Vec<f32>) {
+    let bits: Vec<u32> = xs.iter().map(|&x| r::narrow(x, dtype)).collect();
+    let wide: Vec<f32> = bits.iter().map(|&b| r::widen(b, dtype)).collect();
+    let input = match dtype {
+        DType::F32 => Input::F32(DeviceBuffer::from_host(stream, xs).unwrap()),
+        _ => {
+            let h: Vec<u16> = bits.iter().map(|&b| b as u16).collect();
+            Input::U16(DeviceBuffer::from_host(stream, &h).unwrap(), dtype)
+        }
+    };
+    (input, wide)
+}
+
+/// Random data with specials sprinkled in (inf, NaN, zeros, huge, fp8 subnormals).
+pub fn random_data(seed: u64, n: usize, specials: bool) -> Vec<f32> {
+    let mut rng = Rng(seed | 1);
+    let mut xs: Vec<f32> = (0..n).map(|_| rng.value()).collect();
+    if specials && n >= 7 {
+        let sp = [
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            -0.0,
+            1e30,
+            2f32.powi(-10),
+            -448.0 * 1.04,
+        ];
+        for (i, s) in sp.iter().enumerate() {
+            xs[(i * 7919 + 3) % n] = *s;
+        }
+    }
+    xs
+}
+
+/// Whether the device converts with the FP8 instructions (sm_89+), whose NaN output the
+/// reference pins exactly; older devices run CUDA's software fallback (any NaN accepted).
+pub fn hardware_fp8() -> bool {
+    let dev = cuda_graph::driver::Device::get(0).expect("device 0");
+    dev.compute_capability().expect("compute capability") >= (8, 9)
+}
+
+pub fn scalar_bits(stream: &Stream, s: &DeviceScalar) -> u32 {
+    s.read(stream).unwrap().to_bits()
+}
+
+/// Captures `f`'s work on `stream` into a graph (thread-local mode); the graph keeps the
+/// buffers the work uses alive.
+pub fn capture(_ctx: &Arc<Context>, stream: &Stream, f: impl FnOnce() -> Result<()>) -> Graph {
+    stream
+        .capture(CaptureMode::ThreadLocal, |_| f())
+        .expect("work enqueued during capture")
+}
