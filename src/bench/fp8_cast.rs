@@ -13,7 +13,7 @@ use cuda_graph::{Context, DeviceBuffer, Stream};
 use fp8_kernels::reference;
 use fp8_kernels::{DType, Fp8Format, Fp8Tensor, HpBuffer, cast_transpose, quantize};
 
-use super::{BenchResult, Row, event_median_ms};
+use super::{BenchResult, Row, event_median_ms, xorshift};
 
 const WARMUP: usize = 3;
 const REPS: usize = 20;
@@ -25,13 +25,10 @@ const SCALE: f32 = 2.0;
 
 /// Random bf16 bits, roughly uniform in +-100, never all zero.
 fn random_bf16(n: usize, seed: u64) -> Vec<u16> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut next = xorshift(seed);
     (0..n)
         .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            let x = ((s >> 11) as f64 / (1u64 << 53) as f64 * 200.0 - 100.0) as f32;
+            let x = ((next() >> 11) as f64 / (1u64 << 53) as f64 * 200.0 - 100.0) as f32;
             reference::narrow(x, DType::Bf16) as u16
         })
         .collect()

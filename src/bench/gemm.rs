@@ -8,7 +8,7 @@ use fp8_kernels::gemm::{GemmOptions, GemmOut, Operand, gemm, grouped_gemm};
 use fp8_kernels::{DeviceScalar, Fp8Format};
 
 use super::cublaslt::CublasLt;
-use super::{BenchResult, Row, event_median_ms};
+use super::{BenchResult, Row, event_median_ms, xorshift};
 
 const WARMUP: usize = 3;
 const REPS: usize = 10;
@@ -29,13 +29,10 @@ const GROUP_K: usize = 2048;
 
 /// Random E4M3 bytes without NaN (0x7f, 0xff).
 fn random_e4m3(n: usize, seed: u64) -> Vec<u8> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut next = xorshift(seed);
     (0..n)
         .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            let b = (s >> 24) as u8;
+            let b = (next() >> 24) as u8;
             if b & 0x7f == 0x7f { b ^ 0x01 } else { b }
         })
         .collect()

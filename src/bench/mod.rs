@@ -10,6 +10,17 @@ use std::fmt::Write as _;
 
 use cuda_graph::{Event, Stream};
 
+/// A seeded xorshift64 stream: deterministic benchmark data that differs per seed.
+pub fn xorshift(seed: u64) -> impl FnMut() -> u64 {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    }
+}
+
 /// Boxed error of the benchmarks: driver errors and failed result checks alike.
 pub type BenchResult<T> = Result<T, Box<dyn std::error::Error>>;
 
