@@ -122,8 +122,16 @@ impl<T: DeviceRepr> GraphedCallables<T> {
     /// static outputs of the chunk's last layer: they hold this microbatch's result until
     /// its next forward replay (next training step), and are read by its backward.
     ///
+    /// When a forward graph of this microbatch casts weights
+    /// ([`casts_weights`](Self::casts_weights)), the (chunk, microbatch)'s weight-cast flag is
+    /// first written on `stream` from [`is_first_microbatch`](Self::is_first_microbatch) (a
+    /// one-word memset, no synchronization). After the launches the
+    /// [`after_forward`](super::GraphedOptions::after_forward) hook runs with `stream` and
+    /// this step.
+    ///
     /// Errors: [`Error::ReplayOrder`] if the schedule expects another step next (nothing is
-    /// enqueued); [`Error::InvalidArgument`] for a wrong number or length of inputs.
+    /// enqueued); [`Error::InvalidArgument`] for a wrong number or length of inputs; the
+    /// hook's error (the graphs were launched and the replay position advanced).
     pub fn forward(
         &self,
         chunk: usize,
@@ -167,7 +175,9 @@ impl<T: DeviceRepr> GraphedCallables<T> {
     /// Replays the backward graphs of (`chunk`, `microbatch`), last layer to layer 0, on
     /// `stream`. Each output gradient is copied into the static output gradient of the last
     /// layer unless it is that buffer ([`static_grad_outputs`](Self::static_grad_outputs)).
-    /// Returns the static input gradients of layer 0.
+    /// Returns the static input gradients of layer 0. After the launches the
+    /// [`after_backward`](super::GraphedOptions::after_backward) hook runs with `stream` and
+    /// this step.
     ///
     /// Errors as [`forward`](Self::forward).
     pub fn backward(
