@@ -124,6 +124,13 @@
 //! the graphs of (chunk, microbatch, layer) with [`Layout::callable_of_graph`] = `c`, so
 //! parameters pair with graphs through [`Layout`] only.
 //!
+//! Warmup calls [`Callable::cast_weights`] before every forward (first-microbatch
+//! semantics), between the [`GraphedOptions::before_warmup`] and
+//! [`GraphedOptions::after_warmup`] hooks. Before capture, each forward graph's casts are
+//! captured once into a throwaway graph to find which graphs cast at all
+//! ([`GraphedCallables::casts_weights`]); the captured graphs are kept
+//! ([`GraphedCallables::forward_graph`]) for inspection.
+//!
 //! # Weight caching and hooks
 //!
 //! * FP8 weight caching, FP8-agnostic: [`Callable::cast_weights`] enqueues a layer's
