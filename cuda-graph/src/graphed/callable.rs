@@ -109,6 +109,26 @@ pub trait Callable<T: DeviceRepr>: Send {
         Vec::new()
     }
 
+    /// Enqueues the weight casts this layer does once per training step (e.g. FP8 weight
+    /// quantization into a cast-weight buffer the forward reads). Default: nothing.
+    ///
+    /// The runtime calls it before [`forward`](Self::forward) and makes it take effect only
+    /// on the chunk's first microbatch of each training step, by one of two mechanisms
+    /// ([`WeightCaching`](super::WeightCaching)): with an IF conditional node around the casts
+    /// ([`slot.skip_weight_cast()`](Slot::skip_weight_cast) is `None`: cast
+    /// unconditionally), or with a device noop flag every cast kernel must honour
+    /// (`Some(flag)`: skip the cast when `flag[0] == 1.0`). Warmup calls it eagerly before
+    /// every forward, with first-microbatch semantics.
+    ///
+    /// In the conditional mechanism the casts are captured into the body of an IF node, which
+    /// may hold only kernel, memset and memcpy nodes (and nested conditionals): no event
+    /// records or waits, no host functions, no stream-ordered allocations, no forks to other
+    /// streams. Enqueue the same work on every call for the same slot.
+    fn cast_weights(&mut self, stream: &Stream, slot: &Slot<'_, T>) -> Result<()> {
+        let _ = (stream, slot);
+        Ok(())
+    }
+
     /// Enqueues the forward pass on `stream`: reads `inputs` (lengths
     /// [`input_lens`](Self::input_lens)), writes `outputs` (lengths
     /// [`output_lens`](Self::output_lens)) and what the backward needs into
@@ -143,6 +163,7 @@ pub struct Slot<'a, T: DeviceRepr> {
     pub(crate) saved: Vec<&'a DeviceBuffer<T>>,
     pub(crate) pool: &'a GraphPool,
     pub(crate) warmup: bool,
+    pub(crate) skip_weight_cast: Option<&'a DeviceBuffer<f32>>,
 }
 
 impl<'a, T: DeviceRepr> Slot<'a, T> {
@@ -163,7 +184,15 @@ impl<'a, T: DeviceRepr> Slot<'a, T> {
             saved,
             pool,
             warmup: false,
+            skip_weight_cast: None,
         }
+    }
+
+    /// This slot with `flag` as its [`skip_weight_cast`](Self::skip_weight_cast) flag, for
+    /// running a callable eagerly in the noop-flag form.
+    pub fn with_skip_weight_cast(mut self, flag: Option<&'a DeviceBuffer<f32>>) -> Slot<'a, T> {
+        self.skip_weight_cast = flag;
+        self
     }
 
     /// The (chunk, microbatch, layer) of this pass.
@@ -207,5 +236,15 @@ impl<'a, T: DeviceRepr> Slot<'a, T> {
     /// Whether this call is a warmup run (eager, not captured).
     pub fn is_warmup(&self) -> bool {
         self.warmup
+    }
+
+    /// In [`WeightCaching::NoopFlag`](super::WeightCaching::NoopFlag) mode, the device flag
+    /// (one `f32`) the weight-cast kernels of [`Callable::cast_weights`] must take as their
+    /// noop flag: 1.0 means skip the cast (not the first microbatch of the step), 0.0 cast.
+    /// The runtime writes it before every forward replay of this (chunk, microbatch).
+    /// `None` in [`Conditional`](super::WeightCaching::Conditional) mode (the IF node
+    /// decides; cast unconditionally) and in slots made with [`Slot::new`].
+    pub fn skip_weight_cast(&self) -> Option<&'a DeviceBuffer<f32>> {
+        self.skip_weight_cast
     }
 }

@@ -124,17 +124,28 @@
 //! the graphs of (chunk, microbatch, layer) with [`Layout::callable_of_graph`] = `c`, so
 //! parameters pair with graphs through [`Layout`] only.
 //!
-//! # Where FP8 and MoE fit (not implemented yet)
+//! Warmup calls [`Callable::cast_weights`] before every forward (first-microbatch
+//! semantics), between the [`GraphedOptions::before_warmup`] and
+//! [`GraphedOptions::after_warmup`] hooks. Before capture, each forward graph's casts are
+//! captured once into a throwaway graph to find which graphs cast at all
+//! ([`GraphedCallables::casts_weights`]); the captured graphs are kept
+//! ([`GraphedCallables::forward_graph`]) for inspection.
 //!
-//! * FP8 weight caching: [`Slot::is_first_microbatch`] is fixed per graph; the runtime will
-//!   own a device flag written in [`GraphedCallables::forward`] before the launches (the
-//!   marked extension point in replay.rs) from [`GraphedCallables::is_first_microbatch`],
-//!   handed to callables through [`Slot`], read by an IF conditional node around the casts
-//!   (or by the casts as a noop flag on older drivers).
-//! * Amax reduction: a registry filled during warmup (runtime.rs, before the warmup loop:
-//!   snapshot and restore of scaling state, and which FP8 modules each callable ran),
-//!   reduced by one fused launch after the forward and after the backward launches
-//!   (marked in replay.rs).
+//! # Weight caching and hooks
+//!
+//! * FP8 weight caching, FP8-agnostic: [`Callable::cast_weights`] enqueues a layer's
+//!   per-step casts; the runtime owns a device flag per (chunk, microbatch), written on the
+//!   replay stream in [`GraphedCallables::forward`] before the launches from
+//!   [`GraphedCallables::is_first_microbatch`], and read either by an IF conditional node
+//!   around the casts ([`WeightCaching::Conditional`]) or by the cast kernels as a noop flag
+//!   ([`WeightCaching::NoopFlag`], [`Slot::skip_weight_cast`]). See [`weights`].
+//! * Amax reduction and scale updates: [`GraphedOptions::after_forward`] and
+//!   [`GraphedOptions::after_backward`] run after every replay's launches (one fused launch
+//!   of the caller's, through a [`ReductionGroup`]); [`GraphedOptions::before_warmup`] and
+//!   [`GraphedOptions::after_warmup`] snapshot and restore scaling state around warmup.
+//!
+//! # Where MoE fits (not implemented yet)
+//!
 //! * Breaking-layer segments: a callable's passes become a sequence of segments; graphed
 //!   ones are captured as now (one exec each instead of one per pass), eager ones run at
 //!   replay between the launches, reading and writing static buffers of the same slot.
@@ -145,9 +156,11 @@ mod layout;
 mod replay;
 mod runtime;
 mod schedule;
+pub mod weights;
 
 pub use callable::{Callable, Slot};
 pub use layout::{GraphIndex, Layout};
 pub(crate) use replay::describe_step;
 pub use runtime::{GraphedCallables, GraphedOptions};
 pub use schedule::{LayerStep, OrderEntry, Pass, Schedule, ScheduleError, Step};
+pub use weights::{IdentityGroup, ReductionGroup, StepHook, WarmupHook, WeightCaching};

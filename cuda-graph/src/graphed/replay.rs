@@ -6,6 +6,7 @@ use crate::stream::Stream;
 
 use super::runtime::GraphedCallables;
 use super::schedule::{Pass, Schedule, Step};
+use super::weights::StepHook;
 
 /// Where a training step stands: the position of the next step in the schedule.
 ///
@@ -121,8 +122,16 @@ impl<T: DeviceRepr> GraphedCallables<T> {
     /// static outputs of the chunk's last layer: they hold this microbatch's result until
     /// its next forward replay (next training step), and are read by its backward.
     ///
+    /// When a forward graph of this microbatch casts weights
+    /// ([`casts_weights`](Self::casts_weights)), the (chunk, microbatch)'s weight-cast flag is
+    /// first written on `stream` from [`is_first_microbatch`](Self::is_first_microbatch) (a
+    /// one-word memset, no synchronization). After the launches the
+    /// [`after_forward`](super::GraphedOptions::after_forward) hook runs with `stream` and
+    /// this step.
+    ///
     /// Errors: [`Error::ReplayOrder`] if the schedule expects another step next (nothing is
-    /// enqueued); [`Error::InvalidArgument`] for a wrong number or length of inputs.
+    /// enqueued); [`Error::InvalidArgument`] for a wrong number or length of inputs; the
+    /// hook's error (the graphs were launched and the replay position advanced).
     pub fn forward(
         &self,
         chunk: usize,
@@ -149,21 +158,26 @@ impl<T: DeviceRepr> GraphedCallables<T> {
                 &format!("input {i}"),
             )?);
         }
-        // Extension point (FP8 weight caching): write the device flag the IF conditional
-        // (or the noop form) reads from `self.is_first_microbatch(chunk, microbatch)` here.
+        // Weight caching: the flag the IF node (or the casts' noop form) reads, written
+        // stream-ordered before the launches.
+        if graphs.clone().any(|g| self.weights.casts[g]) {
+            self.write_cast_flag(chunk, microbatch, stream)?;
+        }
         for g in graphs.clone() {
             self.forward[g].launch(stream)?;
         }
-        // Extension point (amax): one fused reduction and scale update over the registered
-        // tensors after the forward replay.
         self.advance(position);
+        // Amax reduction and scale update (the caller's hook) after the forward replay.
+        self.run_hook(step, stream, |h| &mut h.after_forward)?;
         Ok(self.buffers.outputs_slice(graphs.end - 1))
     }
 
     /// Replays the backward graphs of (`chunk`, `microbatch`), last layer to layer 0, on
     /// `stream`. Each output gradient is copied into the static output gradient of the last
     /// layer unless it is that buffer ([`static_grad_outputs`](Self::static_grad_outputs)).
-    /// Returns the static input gradients of layer 0.
+    /// Returns the static input gradients of layer 0. After the launches the
+    /// [`after_backward`](super::GraphedOptions::after_backward) hook runs with `stream` and
+    /// this step.
     ///
     /// Errors as [`forward`](Self::forward).
     pub fn backward(
@@ -197,8 +211,9 @@ impl<T: DeviceRepr> GraphedCallables<T> {
         for g in graphs.clone().rev() {
             self.backward[g].launch(stream)?;
         }
-        // Extension point (amax): reduction and scale update after the backward replay.
         self.advance(position);
+        // Amax reduction and scale update (the caller's hook) after the backward replay.
+        self.run_hook(step, stream, |h| &mut h.after_backward)?;
         Ok(self.buffers.grad_inputs_slice(graphs.start))
     }
 
@@ -214,6 +229,39 @@ impl<T: DeviceRepr> GraphedCallables<T> {
         let mut c = self.cursor.get();
         c.advance(position);
         self.cursor.set(c);
+    }
+
+    /// Enqueues the write of (`chunk`, `microbatch`)'s weight-cast flag from
+    /// [`is_first_microbatch`](Self::is_first_microbatch): a one-word memset on `stream`.
+    fn write_cast_flag(&self, chunk: usize, microbatch: usize, stream: &Stream) -> Result<()> {
+        let pair = chunk * self.schedule.num_microbatches() + microbatch;
+        let (ptr, resource) = self.weights.raw_flag(pair).ok_or_else(|| {
+            Error::invalid(format!("internal: no weight-cast flag for pair {pair}"))
+        })?;
+        let bits = self
+            .weights
+            .mode
+            .flag_bits(self.is_first_microbatch(chunk, microbatch));
+        stream.retain_for_capture(|| resource);
+        // SAFETY: `ptr` is a live one-element allocation of 4 bytes (an i32 or f32 flag the
+        // runtime owns), written only by work ordered on the replay stream.
+        unsafe { cu!(cuMemsetD32Async(ptr, bits, 1, stream.as_raw())) }
+    }
+
+    /// Runs the hook `pick` selects, if any, with `stream` and `step`.
+    fn run_hook(
+        &self,
+        step: Step,
+        stream: &Stream,
+        pick: impl FnOnce(&mut super::runtime::ReplayHooks) -> &mut Option<StepHook>,
+    ) -> Result<()> {
+        let mut hooks = self.hooks.try_borrow_mut().map_err(|_| {
+            Error::invalid("a replay hook replayed the graphed callables it belongs to")
+        })?;
+        match pick(&mut hooks) {
+            Some(h) => h(stream, step),
+            None => Ok(()),
+        }
     }
 
     fn count_copy(&self, copied: bool) {

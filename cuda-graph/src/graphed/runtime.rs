@@ -1,12 +1,14 @@
 //! Building graphed callables: static buffers, warmup, capture.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::sync::Arc;
 
 use crate::capture::CaptureMode;
+use crate::conditional::ConditionalHandle;
 use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::exec::{GraphExec, InstantiateFlags};
+use crate::graph::Graph;
 use crate::memory::{DeviceBuffer, DeviceRepr};
 use crate::pool::GraphPool;
 use crate::stream::Stream;
@@ -15,9 +17,11 @@ use super::buffers::{BufferPlan, Shapes, StaticBuffers};
 use super::callable::{Callable, Slot};
 use super::replay::ReplayCursor;
 use super::schedule::{LayerStep, Pass, Schedule};
+use super::weights::{ReductionGroup, StepHook, WarmupHook, WeightCaching, identity_group};
 
 /// How [`GraphedCallables::build`] works.
-#[derive(Debug, Clone)]
+///
+/// Not `Clone`: the hooks are boxed closures.
 pub struct GraphedOptions {
     /// The pipeline schedule, with the layers per chunk.
     pub schedule: Schedule,
@@ -35,6 +39,48 @@ pub struct GraphedOptions {
     pub scratch_bytes: usize,
     /// The capture mode of every graph. Default [`CaptureMode::ThreadLocal`].
     pub capture_mode: CaptureMode,
+    /// How weight casts ([`Callable::cast_weights`]) are limited to the first microbatch of
+    /// each step. Default [`WeightCaching::detect`]: `Conditional` when the driver has
+    /// conditional IF nodes, else `NoopFlag`. See [`weights`](super::weights).
+    pub weight_caching: WeightCaching,
+    /// The group amaxes are reduced over, for the hooks to use
+    /// ([`GraphedCallables::reduction_group`]). Default [`IdentityGroup`](super::IdentityGroup)
+    /// (one process).
+    pub reduction_group: Arc<dyn ReductionGroup>,
+    /// Run after every forward replay's launches, with the replay stream and the step (e.g.
+    /// to enqueue the fused amax reduction and scale update). Default `None`.
+    pub after_forward: Option<StepHook>,
+    /// Run after every backward replay's launches, like
+    /// [`after_forward`](Self::after_forward). Default `None`.
+    pub after_backward: Option<StepHook>,
+    /// Run once on the warmup stream before the first warmup pass (after the static buffers
+    /// are zeroed and the sample inputs copied in): snapshot the scaling state warmup will
+    /// change (amax histories, scales). Default `None`.
+    pub before_warmup: Option<WarmupHook>,
+    /// Run once on the warmup stream after the last warmup pass, before capture: restore
+    /// what [`before_warmup`](Self::before_warmup) saved, so the delayed-scaling history
+    /// does not carry warmup's iterations. Default `None`.
+    pub after_warmup: Option<WarmupHook>,
+}
+
+impl std::fmt::Debug for GraphedOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let hook = |h: bool| if h { "Some(<hook>)" } else { "None" };
+        f.debug_struct("GraphedOptions")
+            .field("schedule", &self.schedule)
+            .field("warmup_iters", &self.warmup_iters)
+            .field("reuse_buffers", &self.reuse_buffers)
+            .field("pool", &self.pool)
+            .field("scratch_bytes", &self.scratch_bytes)
+            .field("capture_mode", &self.capture_mode)
+            .field("weight_caching", &self.weight_caching)
+            .field("reduction_group", &self.reduction_group)
+            .field("after_forward", &hook(self.after_forward.is_some()))
+            .field("after_backward", &hook(self.after_backward.is_some()))
+            .field("before_warmup", &hook(self.before_warmup.is_some()))
+            .field("after_warmup", &hook(self.after_warmup.is_some()))
+            .finish()
+    }
 }
 
 impl GraphedOptions {
@@ -45,7 +91,8 @@ impl GraphedOptions {
     }
 
     /// The defaults for `schedule`: 3 warmup iterations, no buffer reuse, a new pool with
-    /// no scratch, thread-local capture.
+    /// no scratch, thread-local capture, the weight caching the driver supports
+    /// ([`WeightCaching::detect`]), the identity reduction group, no hooks.
     pub fn new(schedule: Schedule) -> GraphedOptions {
         GraphedOptions {
             schedule,
@@ -54,7 +101,19 @@ impl GraphedOptions {
             pool: None,
             scratch_bytes: 0,
             capture_mode: CaptureMode::ThreadLocal,
+            weight_caching: WeightCaching::detect(),
+            reduction_group: identity_group(),
+            after_forward: None,
+            after_backward: None,
+            before_warmup: None,
+            after_warmup: None,
         }
+    }
+
+    /// These options with weight caching `mode`.
+    pub fn with_weight_caching(mut self, mode: WeightCaching) -> GraphedOptions {
+        self.weight_caching = mode;
+        self
     }
 }
 
@@ -78,6 +137,79 @@ pub struct GraphedCallables<T: DeviceRepr> {
     pub(crate) ctx: Arc<Context>,
     /// Input and output-gradient copies enqueued by replays.
     pub(crate) copies: Cell<u64>,
+    /// The captured graphs (kept for inspection), by graph index.
+    pub(crate) forward_graphs: Vec<Graph>,
+    pub(crate) backward_graphs: Vec<Graph>,
+    /// Weight caching: the mode, the flags, which forward graphs cast.
+    pub(crate) weights: CastFlags,
+    pub(crate) hooks: RefCell<ReplayHooks>,
+    pub(crate) reduction_group: Arc<dyn ReductionGroup>,
+}
+
+/// The hooks replays run.
+pub(crate) struct ReplayHooks {
+    pub(crate) after_forward: Option<StepHook>,
+    pub(crate) after_backward: Option<StepHook>,
+}
+
+/// The runtime-owned weight-cast flags, one per (chunk, microbatch) at
+/// `chunk * num_microbatches + microbatch`, and which forward graphs cast.
+#[derive(Debug)]
+pub(crate) struct CastFlags {
+    pub(crate) mode: WeightCaching,
+    /// `Conditional`: the IF values (1 = cast).
+    pub(crate) cond: Vec<DeviceBuffer<i32>>,
+    /// `NoopFlag`: the noop flags (1.0 = skip).
+    pub(crate) noop: Vec<DeviceBuffer<f32>>,
+    /// Per forward graph: whether its `cast_weights` enqueues any work.
+    pub(crate) casts: Vec<bool>,
+}
+
+impl CastFlags {
+    fn new(
+        ctx: &Arc<Context>,
+        mode: WeightCaching,
+        pairs: usize,
+        graphs: usize,
+        stream: &Stream,
+    ) -> Result<CastFlags> {
+        let mut flags = CastFlags {
+            mode,
+            cond: Vec::new(),
+            noop: Vec::new(),
+            casts: vec![false; graphs],
+        };
+        // Warmup casts on every microbatch: the flags start at "cast" (1 for IF, 0.0 for
+        // the noop flag, both all-zero bits except the IF's 1).
+        match mode {
+            WeightCaching::Conditional => {
+                for _ in 0..pairs {
+                    let mut b = DeviceBuffer::<i32>::alloc(ctx, 1)?;
+                    b.fill_u32_bits(stream, mode.flag_bits(true))?;
+                    flags.cond.push(b);
+                }
+            }
+            WeightCaching::NoopFlag => {
+                for _ in 0..pairs {
+                    let mut b = DeviceBuffer::<f32>::alloc(ctx, 1)?;
+                    b.fill_u32_bits(stream, mode.flag_bits(true))?;
+                    flags.noop.push(b);
+                }
+            }
+        }
+        Ok(flags)
+    }
+
+    /// The flag buffer of pair `pair` as 32-bit words (whichever the mode uses).
+    pub(crate) fn raw_flag(
+        &self,
+        pair: usize,
+    ) -> Option<(cuda_graph_sys::CUdeviceptr, crate::graph::Resource)> {
+        match self.mode {
+            WeightCaching::Conditional => self.cond.get(pair).map(|b| (b.as_raw(), b.resource())),
+            WeightCaching::NoopFlag => self.noop.get(pair).map(|b| (b.as_raw(), b.resource())),
+        }
+    }
 }
 
 impl<T: DeviceRepr> std::fmt::Debug for GraphedCallables<T> {
@@ -91,33 +223,75 @@ impl<T: DeviceRepr> std::fmt::Debug for GraphedCallables<T> {
     }
 }
 
+/// What happens to a forward pass's weight casts.
+#[derive(Clone, Copy)]
+enum Cast<'a> {
+    /// No cast (backward passes, or a forward whose callable casts nothing).
+    Skip,
+    /// `cast_weights` then `forward`, unconditionally (warmup; the noop-flag mechanism).
+    Always,
+    /// A setter kernel sets an IF handle from the flag, the IF body holds `cast_weights`,
+    /// then `forward` (captures only).
+    Conditional(&'a DeviceBuffer<i32>),
+}
+
+/// The slot of graph `graph`.
+fn slot_of<'a, T: DeviceRepr>(
+    schedule: &Schedule,
+    buffers: &'a StaticBuffers<T>,
+    flags: &'a CastFlags,
+    pool: &'a GraphPool,
+    graph: usize,
+    warmup: bool,
+) -> Result<Slot<'a, T>> {
+    let layout = schedule.layout();
+    let at = layout
+        .locate(graph)
+        .ok_or_else(|| Error::invalid(format!("internal: graph {graph} out of range")))?;
+    let pair = at.chunk * layout.num_microbatches() + at.microbatch;
+    Ok(Slot {
+        at,
+        inputs: buffers.inputs(graph),
+        outputs: buffers.outputs(graph),
+        saved: buffers.saved(graph),
+        pool,
+        warmup,
+        skip_weight_cast: flags.noop.get(pair),
+    })
+}
+
 /// Runs the pass of `ls` for its callable on `stream` (eagerly, or inside a capture).
+#[allow(clippy::too_many_arguments)]
 fn run_pass<T: DeviceRepr>(
     callables: &mut [Box<dyn Callable<T>>],
     schedule: &Schedule,
     buffers: &StaticBuffers<T>,
+    flags: &CastFlags,
     pool: &GraphPool,
     ls: LayerStep,
     stream: &Stream,
     warmup: bool,
+    cast: Cast<'_>,
 ) -> Result<()> {
-    let at = schedule
-        .layout()
-        .locate(ls.graph)
-        .ok_or_else(|| Error::invalid(format!("internal: graph {} out of range", ls.graph)))?;
-    let slot = Slot {
-        at,
-        inputs: buffers.inputs(ls.graph),
-        outputs: buffers.outputs(ls.graph),
-        saved: buffers.saved(ls.graph),
-        pool,
-        warmup,
-    };
+    let slot = slot_of(schedule, buffers, flags, pool, ls.graph, warmup)?;
     let callable = callables
         .get_mut(ls.callable)
         .ok_or_else(|| Error::invalid(format!("internal: callable {} missing", ls.callable)))?;
     match ls.step.pass() {
-        Pass::Forward => callable.forward(stream, &slot.inputs, &slot.outputs, &slot),
+        Pass::Forward => {
+            match cast {
+                Cast::Skip => {}
+                Cast::Always => callable.cast_weights(stream, &slot)?,
+                Cast::Conditional(flag) => {
+                    // The handle starts every launch at 0 (no cast) and the setter copies
+                    // the flag into it right before the IF node reads it.
+                    let handle = ConditionalHandle::in_capture(stream, 0, true)?;
+                    handle.set_from_flag_on(stream, flag)?;
+                    stream.capture_if(handle, |body| callable.cast_weights(body, &slot))?;
+                }
+            }
+            callable.forward(stream, &slot.inputs, &slot.outputs, &slot)
+        }
         Pass::Backward => {
             let go = buffers.grad_outputs(ls.graph);
             let gi = buffers.grad_inputs(ls.graph);
@@ -165,7 +339,14 @@ impl<T: DeviceRepr> GraphedCallables<T> {
             pool,
             scratch_bytes,
             capture_mode,
+            weight_caching,
+            reduction_group,
+            after_forward,
+            after_backward,
+            mut before_warmup,
+            mut after_warmup,
         } = options;
+        weight_caching.check()?;
         if reuse_buffers {
             return Err(Error::invalid(
                 "graphed callables: reuse_buffers is not implemented yet",
@@ -238,39 +419,107 @@ impl<T: DeviceRepr> GraphedCallables<T> {
             }
         }
 
+        let mut flags = CastFlags::new(
+            &ctx,
+            weight_caching,
+            layout.num_chunks() * layout.num_microbatches(),
+            layout.total_graphs(),
+            &cap,
+        )?;
+
         let mut callables = callables;
-        // Extension point (FP8): snapshot the callables' scaling state here and restore it
-        // after warmup; record which FP8 modules each callable ran for amax registration.
+        // The caller snapshots its scaling state here and restores it after warmup (the
+        // hooks); MoE filtering of amax registration also hangs off these hooks.
+        if let Some(h) = before_warmup.as_mut() {
+            h(&cap)?;
+        }
         for _ in 0..warmup_iters {
             for ls in schedule.layer_steps() {
-                run_pass(&mut callables, &schedule, &buffers, &pool, ls, &cap, true)?;
+                // First-microbatch semantics: every forward casts, so lazy cast state is
+                // created before capture.
+                run_pass(
+                    &mut callables,
+                    &schedule,
+                    &buffers,
+                    &flags,
+                    &pool,
+                    ls,
+                    &cap,
+                    true,
+                    Cast::Always,
+                )?;
             }
         }
+        if let Some(h) = after_warmup.as_mut() {
+            h(&cap)?;
+        }
         cap.synchronize()?;
+
+        // Which forward graphs cast anything: capture each one's casts into a throwaway
+        // graph (nothing runs). Graphs that cast nothing get no IF node and no flag write.
+        for ls in schedule.layer_steps() {
+            if ls.step.pass() != Pass::Forward {
+                continue;
+            }
+            let probe = cap.capture(capture_mode, |s| {
+                let slot = slot_of(&schedule, &buffers, &flags, &pool, ls.graph, false)?;
+                let callable = callables.get_mut(ls.callable).ok_or_else(|| {
+                    Error::invalid(format!("internal: callable {} missing", ls.callable))
+                })?;
+                callable.cast_weights(s.stream(), &slot)
+            })?;
+            flags.casts[ls.graph] = !probe.nodes()?.is_empty();
+        }
+        if weight_caching == WeightCaching::Conditional && flags.casts.iter().any(|&c| c) {
+            // Loaded outside any capture: loading a module may invalidate a global capture.
+            ConditionalHandle::load_helpers(&ctx)?;
+        }
 
         let mut forward: Vec<Option<GraphExec>> =
             (0..layout.total_graphs()).map(|_| None).collect();
         let mut backward: Vec<Option<GraphExec>> =
             (0..layout.total_graphs()).map(|_| None).collect();
+        let mut forward_graphs: Vec<Option<Graph>> =
+            (0..layout.total_graphs()).map(|_| None).collect();
+        let mut backward_graphs: Vec<Option<Graph>> =
+            (0..layout.total_graphs()).map(|_| None).collect();
         for ls in schedule.layer_steps() {
+            let pair = {
+                let at = layout.locate(ls.graph).ok_or_else(|| {
+                    Error::invalid(format!("internal: graph {} out of range", ls.graph))
+                })?;
+                at.chunk * layout.num_microbatches() + at.microbatch
+            };
+            let cast = match (ls.step.pass(), flags.casts[ls.graph], weight_caching) {
+                (Pass::Forward, true, WeightCaching::Conditional) => {
+                    Cast::Conditional(flags.cond.get(pair).ok_or_else(|| {
+                        Error::invalid(format!("internal: no cast flag for pair {pair}"))
+                    })?)
+                }
+                (Pass::Forward, true, WeightCaching::NoopFlag) => Cast::Always,
+                _ => Cast::Skip,
+            };
             let graph = cap.capture(capture_mode, |s| {
                 run_pass(
                     &mut callables,
                     &schedule,
                     &buffers,
+                    &flags,
                     &pool,
                     ls,
                     s.stream(),
                     false,
+                    cast,
                 )
             })?;
             let exec = GraphExec::instantiate(&graph, InstantiateFlags::empty())?;
             exec.upload(&cap)?;
-            let slot = match ls.step.pass() {
-                Pass::Forward => &mut forward[ls.graph],
-                _ => &mut backward[ls.graph],
+            let (slot, kept) = match ls.step.pass() {
+                Pass::Forward => (&mut forward[ls.graph], &mut forward_graphs[ls.graph]),
+                _ => (&mut backward[ls.graph], &mut backward_graphs[ls.graph]),
             };
             *slot = Some(exec);
+            *kept = Some(graph);
         }
         let collect = |v: Vec<Option<GraphExec>>, what: &str| {
             v.into_iter()
@@ -284,6 +533,9 @@ impl<T: DeviceRepr> GraphedCallables<T> {
         };
         let forward = collect(forward, "forward")?;
         let backward = collect(backward, "backward")?;
+        // Every exec exists, so every graph was kept with it.
+        let forward_graphs: Vec<Graph> = forward_graphs.into_iter().flatten().collect();
+        let backward_graphs: Vec<Graph> = backward_graphs.into_iter().flatten().collect();
         stream.wait_stream(&cap)?;
         Ok(GraphedCallables {
             schedule,
@@ -295,6 +547,14 @@ impl<T: DeviceRepr> GraphedCallables<T> {
             cursor: Cell::new(ReplayCursor::default()),
             ctx,
             copies: Cell::new(0),
+            forward_graphs,
+            backward_graphs,
+            weights: flags,
+            hooks: RefCell::new(ReplayHooks {
+                after_forward,
+                after_backward,
+            }),
+            reduction_group,
         })
     }
 
@@ -340,5 +600,35 @@ impl<T: DeviceRepr> GraphedCallables<T> {
     /// The backward exec of graph index `graph`, or `None` if out of range.
     pub fn backward_exec(&self, graph: usize) -> Option<&GraphExec> {
         self.backward.get(graph)
+    }
+
+    /// The captured forward graph of graph index `graph` (the source of
+    /// [`forward_exec`](Self::forward_exec)), for inspecting its structure; `None` if out of
+    /// range. With [`WeightCaching::Conditional`] and a callable that casts, it holds the
+    /// setter kernel and the IF node ([`NodeKind::Conditional`](crate::NodeKind::Conditional)).
+    pub fn forward_graph(&self, graph: usize) -> Option<&Graph> {
+        self.forward_graphs.get(graph)
+    }
+
+    /// The captured backward graph of graph index `graph`; `None` if out of range.
+    pub fn backward_graph(&self, graph: usize) -> Option<&Graph> {
+        self.backward_graphs.get(graph)
+    }
+
+    /// The weight-caching mechanism the forward graphs were captured with.
+    pub fn weight_caching(&self) -> WeightCaching {
+        self.weights.mode
+    }
+
+    /// Whether forward graph `graph`'s callable enqueued any work in
+    /// [`Callable::cast_weights`] at capture (only such graphs get the IF node or the flag
+    /// writes); `None` if out of range.
+    pub fn casts_weights(&self, graph: usize) -> Option<bool> {
+        self.weights.casts.get(graph).copied()
+    }
+
+    /// The amax reduction group of the options.
+    pub fn reduction_group(&self) -> &Arc<dyn ReductionGroup> {
+        &self.reduction_group
     }
 }

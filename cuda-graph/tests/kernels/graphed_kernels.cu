@@ -34,3 +34,23 @@ extern "C" __global__ void gl_fill(float* x, float v, unsigned int n) {
     unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] = v;
 }
+
+// ---- weight-caching tests (tests/graphed_fp8.rs) ----
+
+// A weight cast that honours its noop flag: *counter += 1 unless *noop == 1.0 (fp8-kernels'
+// quantize convention). One thread.
+extern "C" __global__ void gl_count_cast(unsigned int* counter, const float* noop) {
+    if (blockIdx.x == 0 && threadIdx.x == 0 && !(*noop == 1.0f)) *counter += 1u;
+}
+
+// A weight cast that ignores any flag: *counter += 1 every time it runs. One thread.
+extern "C" __global__ void gl_count_cast_ignoring_flag(unsigned int* counter) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) *counter += 1u;
+}
+
+// dst[i] = src[i] for n unsigned words (snapshot and restore of test state).
+extern "C" __global__ void gl_copy_u32(unsigned int* dst, const unsigned int* src,
+                                       unsigned int n) {
+    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) dst[i] = src[i];
+}

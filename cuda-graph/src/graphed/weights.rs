@@ -1,0 +1,237 @@
+//! Weight caching and step hooks, FP8-agnostic: how the runtime makes a callable's per-step
+//! weight casts ([`Callable::cast_weights`](super::Callable::cast_weights)) run once per
+//! training step, and the hooks through which a caller runs amax reductions and scale
+//! updates after replays and saves and restores its scaling state around warmup.
+//!
+//! # Weight caching
+//!
+//! A layer with FP8 weights quantizes them once per training step, on its chunk's first
+//! microbatch, and reuses the cast weights for the other microbatches. Graph replays can not
+//! branch on the host, so the decision is made on the device from a flag the runtime owns
+//! per (chunk, microbatch) and writes on the replay stream (a stream-ordered memset, no host
+//! synchronization) before every forward replay, from
+//! [`GraphedCallables::is_first_microbatch`](super::GraphedCallables::is_first_microbatch):
+//!
+//! * [`WeightCaching::Conditional`]: each forward graph whose callable casts starts with a
+//!   one-thread setter kernel that copies the `i32` flag (1 = first microbatch) into the
+//!   handle of an IF conditional node, whose body holds the casts; the forward follows. On
+//!   later microbatches the IF body is skipped: no cast kernel is launched at all. Callables
+//!   see [`Slot::skip_weight_cast`](super::Slot::skip_weight_cast) `== None` and cast
+//!   unconditionally. Needs a driver with [`Feature::ConditionalIfWhile`] (12.4).
+//! * [`WeightCaching::NoopFlag`]: the casts are captured unconditionally before the forward
+//!   and every cast kernel must read the `f32` flag of
+//!   [`Slot::skip_weight_cast`](super::Slot::skip_weight_cast) (1.0 = skip: not the first
+//!   microbatch) as its noop flag and do nothing when it is 1.0, like fp8-kernels'
+//!   quantize. A cast kernel that ignores the flag recasts on every microbatch: the result
+//!   is the same (the weights did not change within the step) but the work is repeated; a
+//!   test can detect it by counting casts (see this crate's tests/graphed_fp8.rs).
+//!
+//! Whether a forward graph casts at all is found at build by capturing its
+//! `cast_weights` into a throwaway graph: a callable that enqueues nothing gets neither
+//! the IF node nor a flag write
+//! ([`GraphedCallables::casts_weights`](super::GraphedCallables::casts_weights)).
+//!
+//! Warmup calls `cast_weights` eagerly before every forward with first-microbatch
+//! semantics (in `NoopFlag` mode the flags read 0.0 then), so lazily created state (cast
+//! buffers, scale tensors) exists before capture.
+//!
+//! # Hooks: amax reduction, scale update, warmup state
+//!
+//! [`GraphedOptions::after_forward`](super::GraphedOptions::after_forward) and
+//! [`after_backward`](super::GraphedOptions::after_backward) run on the host right after a
+//! replay's graphs were launched, with the replay stream and the step: they enqueue, e.g.,
+//! one fused launch that reduces the amaxes of all registered FP8 tensors (through a
+//! [`ReductionGroup`], [`IdentityGroup`] in a single process) and updates the scales. They
+//! must not synchronize. They run once per replay, in replay order.
+//!
+//! [`before_warmup`](super::GraphedOptions::before_warmup) and
+//! [`after_warmup`](super::GraphedOptions::after_warmup) run once each, on the warmup
+//! stream, around the warmup iterations: warmup runs real forwards and backwards, so a
+//! delayed-scaling recipe's amax history and scales move; the intended use is to snapshot
+//! that state (a device-to-device copy enqueued on the given stream) before, and copy it
+//! back after, so training starts from the state it would have had without warmup.
+//!
+//! MoE filtering (registering for amax reduction only the FP8 modules a callable actually
+//! ran, e.g. only the experts that got tokens during warmup) maps onto these hooks: the
+//! caller's callables record what they ran during warmup (see
+//! [`Slot::is_warmup`](super::Slot::is_warmup)), `after_warmup` turns that record into the
+//! list of tensors the `after_forward` / `after_backward` reduction covers. The runtime
+//! itself stays FP8-agnostic.
+
+use std::sync::Arc;
+
+use crate::driver::{DriverVersion, Feature, driver_version};
+use crate::error::Result;
+use crate::memory::DeviceBuffer;
+use crate::stream::Stream;
+
+use super::schedule::Step;
+
+/// How the weight casts of [`Callable::cast_weights`](super::Callable::cast_weights) are
+/// limited to the first microbatch of each training step in the forward graphs (see the
+/// [module documentation](self)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WeightCaching {
+    /// An IF conditional node around the casts, set on the device from a runtime-owned
+    /// `i32` flag: later microbatches launch no cast kernel. Needs a driver >= 12.4.
+    Conditional,
+    /// The casts are always captured and take [`Slot::skip_weight_cast`](super::Slot::skip_weight_cast)
+    /// (`f32`, 1.0 = skip) as their noop flag. Works on any driver.
+    NoopFlag,
+}
+
+impl WeightCaching {
+    /// The mechanism a driver of `version` supports best: [`Conditional`](Self::Conditional)
+    /// when it has conditional IF nodes ([`Feature::ConditionalIfWhile`]), else
+    /// [`NoopFlag`](Self::NoopFlag).
+    pub fn for_driver(version: DriverVersion) -> WeightCaching {
+        if Feature::ConditionalIfWhile.check_driver(version).is_ok() {
+            WeightCaching::Conditional
+        } else {
+            WeightCaching::NoopFlag
+        }
+    }
+
+    /// [`for_driver`](Self::for_driver) of the installed driver; [`NoopFlag`](Self::NoopFlag)
+    /// when the driver can not be loaded or asked (the build then fails later anyway).
+    pub fn detect() -> WeightCaching {
+        driver_version()
+            .map(WeightCaching::for_driver)
+            .unwrap_or(WeightCaching::NoopFlag)
+    }
+
+    /// Checks that the installed driver supports this mechanism
+    /// ([`Error::Unsupported`](crate::Error::Unsupported) otherwise).
+    pub fn check(self) -> Result<()> {
+        match self {
+            WeightCaching::Conditional => {
+                Feature::ConditionalIfWhile.check_driver(driver_version()?)
+            }
+            WeightCaching::NoopFlag => Ok(()),
+        }
+    }
+
+    /// The value the runtime writes into a (chunk, microbatch)'s flag before its forward
+    /// replay, as the 32 bits of the flag's element: for `Conditional` the `i32` IF value
+    /// (1 = cast), for `NoopFlag` the `f32` noop flag (1.0 = skip the cast).
+    pub fn flag_bits(self, first_microbatch: bool) -> u32 {
+        match self {
+            WeightCaching::Conditional => u32::from(first_microbatch),
+            WeightCaching::NoopFlag => {
+                if first_microbatch {
+                    0.0f32.to_bits()
+                } else {
+                    1.0f32.to_bits()
+                }
+            }
+        }
+    }
+}
+
+/// A hook run after each forward or backward replay
+/// ([`GraphedOptions::after_forward`](super::GraphedOptions::after_forward),
+/// [`after_backward`](super::GraphedOptions::after_backward)): the replay stream and the
+/// step that was just launched. It enqueues work (e.g. an amax reduction and scale update)
+/// on the stream and must not synchronize it.
+pub type StepHook = Box<dyn FnMut(&Stream, Step) -> Result<()> + Send>;
+
+/// A hook run once before or after warmup
+/// ([`GraphedOptions::before_warmup`](super::GraphedOptions::before_warmup),
+/// [`after_warmup`](super::GraphedOptions::after_warmup)) with the warmup stream: snapshot
+/// and restore scaling state there, stream-ordered.
+pub type WarmupHook = Box<dyn FnMut(&Stream) -> Result<()> + Send>;
+
+/// The group of processes over which amaxes are reduced (the data- or tensor-parallel group
+/// whose ranks must agree on FP8 scales). Hooks call
+/// [`all_reduce_max`](Self::all_reduce_max) between computing local amaxes and updating
+/// scales.
+pub trait ReductionGroup: Send + Sync + std::fmt::Debug {
+    /// Replaces every element of `amaxes` by its maximum over the group, stream-ordered on
+    /// `stream` (enqueue only; no synchronization).
+    fn all_reduce_max(&self, stream: &Stream, amaxes: &DeviceBuffer<f32>) -> Result<()>;
+
+    /// The number of ranks in the group.
+    fn size(&self) -> usize {
+        1
+    }
+}
+
+/// The single-process [`ReductionGroup`]: the maximum over one rank is the value itself, so
+/// [`all_reduce_max`](ReductionGroup::all_reduce_max) enqueues nothing. Multi-GPU groups
+/// (NCCL) come later.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct IdentityGroup;
+
+impl ReductionGroup for IdentityGroup {
+    fn all_reduce_max(&self, _stream: &Stream, _amaxes: &DeviceBuffer<f32>) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// The default reduction group: [`IdentityGroup`].
+pub(crate) fn identity_group() -> Arc<dyn ReductionGroup> {
+    Arc::new(IdentityGroup)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mode_follows_the_driver() {
+        assert_eq!(
+            WeightCaching::for_driver(DriverVersion(12030)),
+            WeightCaching::NoopFlag
+        );
+        assert_eq!(
+            WeightCaching::for_driver(DriverVersion(12040)),
+            WeightCaching::Conditional
+        );
+        assert_eq!(
+            WeightCaching::for_driver(DriverVersion(13000)),
+            WeightCaching::Conditional
+        );
+        assert_eq!(
+            WeightCaching::for_driver(DriverVersion(11080)),
+            WeightCaching::NoopFlag
+        );
+    }
+
+    #[test]
+    fn flag_values() {
+        assert_eq!(WeightCaching::Conditional.flag_bits(true), 1);
+        assert_eq!(WeightCaching::Conditional.flag_bits(false), 0);
+        assert_eq!(
+            f32::from_bits(WeightCaching::NoopFlag.flag_bits(true)),
+            0.0,
+            "first microbatch: do not skip"
+        );
+        assert_eq!(
+            f32::from_bits(WeightCaching::NoopFlag.flag_bits(false)),
+            1.0,
+            "later microbatches: skip"
+        );
+    }
+
+    #[test]
+    fn noop_flag_needs_no_driver_check() {
+        assert!(WeightCaching::NoopFlag.check().is_ok());
+    }
+
+    #[test]
+    fn detect_never_fails() {
+        // Without a driver this is NoopFlag; with one, what the driver supports.
+        let m = WeightCaching::detect();
+        match driver_version() {
+            Ok(v) => assert_eq!(m, WeightCaching::for_driver(v)),
+            Err(_) => assert_eq!(m, WeightCaching::NoopFlag),
+        }
+    }
+
+    #[test]
+    fn identity_group_is_one_rank() {
+        assert_eq!(IdentityGroup.size(), 1);
+        let g = identity_group();
+        assert_eq!(g.size(), 1);
+    }
+}
