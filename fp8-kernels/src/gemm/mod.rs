@@ -396,12 +396,27 @@ pub fn gemm(
     d: GemmOut<'_>,
     opts: GemmOptions<'_>,
 ) -> Result<()> {
-    let what = "gemm";
+    let p = dense_problem("gemm", m, n, k, a, b, d, &opts)?;
+    dispatch(stream, &p, opts.path)
+}
+
+/// Validates a plain (one-group) GEMM and builds its problem.
+#[allow(clippy::too_many_arguments)] // mirrors gemm
+fn dense_problem<'a>(
+    what: &str,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Operand<'a>,
+    b: Operand<'a>,
+    d: GemmOut<'a>,
+    opts: &GemmOptions<'a>,
+) -> Result<GemmProblem<'a>> {
     validate(
         what,
         &desc(m, n, k, 1, a.data, b.data, &d, opts.bias.as_ref(), None),
     )?;
-    let p = GemmProblem {
+    Ok(GemmProblem {
         m,
         n,
         k,
@@ -412,8 +427,7 @@ pub fn gemm(
         d,
         bias: opts.bias,
         accumulate: opts.accumulate,
-    };
-    dispatch(stream, &p, opts.path)
+    })
 }
 
 /// Grouped GEMM for MoE experts (the "masked" layout): for every group `g < groups`,
@@ -523,23 +537,7 @@ pub fn gemm_reference(
     d: GemmOut<'_>,
     opts: GemmOptions<'_>,
 ) -> Result<()> {
-    let what = "gemm_reference";
-    validate(
-        what,
-        &desc(m, n, k, 1, a.data, b.data, &d, opts.bias.as_ref(), None),
-    )?;
-    let p = GemmProblem {
-        m,
-        n,
-        k,
-        groups: 1,
-        counts: None,
-        a,
-        b,
-        d,
-        bias: opts.bias,
-        accumulate: opts.accumulate,
-    };
+    let p = dense_problem("gemm_reference", m, n, k, a, b, d, &opts)?;
     portable::launch_reference(stream, &p)
 }
 
