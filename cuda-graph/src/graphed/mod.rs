@@ -144,11 +144,15 @@
 //!   of the caller's, through a [`ReductionGroup`]); [`GraphedOptions::before_warmup`] and
 //!   [`GraphedOptions::after_warmup`] snapshot and restore scaling state around warmup.
 //!
-//! # Where MoE fits (not implemented yet)
+//! # Breaking-layer capture (MoE)
 //!
-//! * Breaking-layer segments: a callable's passes become a sequence of segments; graphed
-//!   ones are captured as now (one exec each instead of one per pass), eager ones run at
-//!   replay between the launches, reading and writing static buffers of the same slot.
+//! A callable's passes may be sequences of segments ([`Callable::forward_segments`],
+//! [`Callable::backward_segments`]), each [`SegmentKind::Graphed`] (one graph per segment,
+//! pass and (chunk, microbatch, layer)) or [`SegmentKind::Eager`] (run by the host at replay
+//! between the launches, on the replay stream, with the same slot's static buffers; it may
+//! read sizes to the host and launch dynamic-shaped work). Full-layer capture (one graph)
+//! stays the default, for layers whose dynamic part reads its sizes from device memory. See
+//! [`segments`].
 //!
 mod buffers;
 mod callable;
@@ -156,6 +160,7 @@ mod layout;
 mod replay;
 mod runtime;
 mod schedule;
+pub mod segments;
 pub mod weights;
 
 pub use callable::{Callable, Slot};
@@ -163,4 +168,5 @@ pub use layout::{GraphIndex, Layout};
 pub(crate) use replay::describe_step;
 pub use runtime::{GraphedCallables, GraphedOptions};
 pub use schedule::{LayerStep, OrderEntry, Pass, Schedule, ScheduleError, Step};
+pub use segments::{SegmentKind, SegmentPlan, SegmentRun};
 pub use weights::{IdentityGroup, ReductionGroup, StepHook, WarmupHook, WeightCaching};
