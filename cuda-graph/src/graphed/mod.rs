@@ -8,7 +8,8 @@
 //!   given stream; [`Slot`] is the per-(chunk, microbatch, layer) context it gets.
 //! * [`GraphedCallables::build`]: allocates the static buffers from one [`GraphPool`](crate::GraphPool),
 //!   warms up, captures a forward and a backward graph per (chunk, microbatch, layer) in
-//!   schedule order, instantiates and uploads them; [`GraphedOptions`] configures it.
+//!   schedule order (one per graphed segment for layers split into segments, see
+//!   [`segments`]), instantiates and uploads them; [`GraphedOptions`] configures it.
 //! * [`GraphedCallables::forward`] / [`GraphedCallables::backward`]: replay in schedule
 //!   order (anything else is [`Error::ReplayOrder`](crate::Error::ReplayOrder)).
 //! * [`Schedule`]: the pipeline order (the reference's `_order`: `k` forward, `-k` backward,
@@ -120,7 +121,8 @@
 //! Both run on one internal stream forked from the stream given to the build: warmup runs
 //! every pass [`GraphedOptions::warmup_iters`] times in exactly [`Schedule::layer_steps`]
 //! order with exactly the static buffers capture uses (sample inputs copied in first), then
-//! capture records each pass into its own graph in that same order. Callable `c` runs in
+//! capture records each pass into its own graph in that same order (each graphed segment
+//! into its own graph; eager segments run in warmup but are never captured). Callable `c` runs in
 //! the graphs of (chunk, microbatch, layer) with [`Layout::callable_of_graph`] = `c`, so
 //! parameters pair with graphs through [`Layout`] only.
 //!

@@ -377,10 +377,13 @@ impl<T: DeviceRepr> GraphedCallables<T> {
     ///
     /// Every static buffer is zeroed first (so warmup's backward sees zero output
     /// gradients), then the sample inputs are copied into the static inputs. Warmup runs
-    /// every graph's pass `warmup_iters` times in [`Schedule::layer_steps`] order; capture
-    /// records them in that order into the one pool and instantiates and uploads each.
+    /// every graph's pass `warmup_iters` times in [`Schedule::layer_steps`] order (every
+    /// segment, eager ones included); capture records them in that order into the one pool
+    /// (one graph per graphed segment, see [`segments`](super::segments)) and instantiates
+    /// and uploads each.
     ///
-    /// Errors: [`Error::InvalidArgument`] for wrong counts or lengths, layers of a chunk
+    /// Errors: [`Error::InvalidArgument`] for wrong counts or lengths, a callable declaring
+    /// an empty segment list ([`Callable::forward_segments`]), layers of a chunk
     /// that do not chain (see [`buffers`](super#static-buffers)), a weight-gradient split
     /// or `reuse_buffers` (not implemented), a pool too small; any error of a callable, of
     /// a capture or of instantiation. Schedules are validated when built
