@@ -1,12 +1,13 @@
 //! What a graphed layer is: the [`Callable`] trait, and the [`Slot`] of static buffers the
 //! runtime hands each forward and backward.
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::memory::{DeviceBuffer, DeviceRepr};
 use crate::pool::GraphPool;
 use crate::stream::Stream;
 
 use super::layout::GraphIndex;
+use super::segments::SegmentKind;
 
 /// One layer (or part of a layer) that [`GraphedCallables`](super::GraphedCallables)
 /// captures: a forward and a backward pass over static device buffers.
@@ -27,6 +28,17 @@ use super::layout::GraphIndex;
 ///   [`outputs`](Slot::outputs), which the runtime also keeps per microbatch. Anything kept
 ///   in the callable itself is shared by all microbatches and is overwritten by the next
 ///   microbatch's forward before this one's backward runs.
+///
+/// A layer may split either pass into segments, each graphed or eager (breaking-layer
+/// capture for MoE, see [`segments`](super::segments)): it declares them with
+/// [`forward_segments`](Self::forward_segments) / [`backward_segments`](Self::backward_segments)
+/// and implements [`forward_segment`](Self::forward_segment) /
+/// [`backward_segment`](Self::backward_segment) for the graphed ones and
+/// [`forward_eager`](Self::forward_eager) / [`backward_eager`](Self::backward_eager) for the
+/// eager ones. The runtime then calls only those; [`forward`](Self::forward) and
+/// [`backward`](Self::backward) are best written as the whole pass (every segment in order,
+/// eagerly), which is what an eager reference run calls. By default a pass is one graphed
+/// segment that is `forward` / `backward`.
 ///
 /// Writing to a `&DeviceBuffer` through a kernel launch is allowed (the memory is on the
 /// device; [`Stream::launch`] is `unsafe` and the callable vouches for its kernels).
@@ -124,6 +136,11 @@ pub trait Callable<T: DeviceRepr>: Send {
     /// may hold only kernel, memset and memcpy nodes (and nested conditionals): no event
     /// records or waits, no host functions, no stream-ordered allocations, no forks to other
     /// streams. Enqueue the same work on every call for the same slot.
+    ///
+    /// With segmented forwards ([`forward_segments`](Self::forward_segments)) the casts go at
+    /// the head of the first *graphed* segment (warmup calls this right before it); a forward
+    /// with no graphed segment never gets this call (cast in the eager code instead). See
+    /// [`segments`](super::segments#weight-casts).
     fn cast_weights(&mut self, stream: &Stream, slot: &Slot<'_, T>) -> Result<()> {
         let _ = (stream, slot);
         Ok(())
@@ -151,6 +168,109 @@ pub trait Callable<T: DeviceRepr>: Send {
         grad_inputs: &[&DeviceBuffer<T>],
         slot: &Slot<'_, T>,
     ) -> Result<()>;
+
+    /// The segments of the forward pass, run in this order (breaking-layer capture; see
+    /// [`segments`](super::segments)). Default `[Graphed]`: the whole forward is one graph
+    /// ([`forward_segment`](Self::forward_segment)`(0)` = [`forward`](Self::forward)). An
+    /// empty list is an error at build; a list of only eager segments is allowed (the pass
+    /// has no graph). Asked once, at build.
+    fn forward_segments(&self) -> Vec<SegmentKind> {
+        vec![SegmentKind::Graphed]
+    }
+
+    /// The segments of the backward pass, like [`forward_segments`](Self::forward_segments)
+    /// (they need not match the forward's). Default `[Graphed]`.
+    fn backward_segments(&self) -> Vec<SegmentKind> {
+        vec![SegmentKind::Graphed]
+    }
+
+    /// Enqueues graphed forward segment `segment` on `stream`: called in warmup (eagerly)
+    /// and inside the capture of that segment's graph, under the rules of
+    /// [`forward`](Self::forward). Data for later segments goes into static buffers (see
+    /// [`segments`](super::segments#data-across-segment-boundaries)).
+    ///
+    /// Default: segment 0 is [`forward`](Self::forward); any other segment is an error
+    /// (a callable that declares more segments implements this).
+    fn forward_segment(
+        &mut self,
+        segment: usize,
+        stream: &Stream,
+        inputs: &[&DeviceBuffer<T>],
+        outputs: &[&DeviceBuffer<T>],
+        slot: &Slot<'_, T>,
+    ) -> Result<()> {
+        if segment == 0 {
+            self.forward(stream, inputs, outputs, slot)
+        } else {
+            Err(Error::invalid(format!(
+                "callable of {}: forward segment {segment} declared graphed but \
+                 forward_segment is not implemented",
+                slot.at()
+            )))
+        }
+    }
+
+    /// Enqueues graphed backward segment `segment`, like
+    /// [`forward_segment`](Self::forward_segment) for [`backward`](Self::backward).
+    fn backward_segment(
+        &mut self,
+        segment: usize,
+        stream: &Stream,
+        grad_outputs: &[&DeviceBuffer<T>],
+        grad_inputs: &[&DeviceBuffer<T>],
+        slot: &Slot<'_, T>,
+    ) -> Result<()> {
+        if segment == 0 {
+            self.backward(stream, grad_outputs, grad_inputs, slot)
+        } else {
+            Err(Error::invalid(format!(
+                "callable of {}: backward segment {segment} declared graphed but \
+                 backward_segment is not implemented",
+                slot.at()
+            )))
+        }
+    }
+
+    /// Runs eager forward segment `segment` on `stream`, outside any capture: in warmup and
+    /// at every replay, between the graph launches of the other segments. It may copy
+    /// device values to the host, synchronize `stream` and launch work whose shape depends
+    /// on them; it reads and writes the slot's static buffers (what a later graphed segment
+    /// reads must be written there, at fixed addresses). It takes `&self` because replays
+    /// take `&GraphedCallables`: keep mutable host state in a `Cell`/`RefCell`/`Mutex`.
+    ///
+    /// Default: an error (a callable that declares an eager segment implements this).
+    fn forward_eager(
+        &self,
+        segment: usize,
+        stream: &Stream,
+        inputs: &[&DeviceBuffer<T>],
+        outputs: &[&DeviceBuffer<T>],
+        slot: &Slot<'_, T>,
+    ) -> Result<()> {
+        let _ = (stream, inputs, outputs);
+        Err(Error::invalid(format!(
+            "callable of {}: forward segment {segment} declared eager but forward_eager is \
+             not implemented",
+            slot.at()
+        )))
+    }
+
+    /// Runs eager backward segment `segment`, like [`forward_eager`](Self::forward_eager).
+    fn backward_eager(
+        &self,
+        segment: usize,
+        stream: &Stream,
+        grad_outputs: &[&DeviceBuffer<T>],
+        grad_inputs: &[&DeviceBuffer<T>],
+        slot: &Slot<'_, T>,
+    ) -> Result<()> {
+        let _ = (stream, grad_outputs, grad_inputs);
+        Err(Error::invalid(format!(
+            "callable of {}: backward segment {segment} declared eager but backward_eager is \
+             not implemented",
+            slot.at()
+        )))
+    }
 }
 
 /// The per-(chunk, microbatch, layer) context of one pass: where it is, and the static

@@ -8,7 +8,8 @@
 //!   given stream; [`Slot`] is the per-(chunk, microbatch, layer) context it gets.
 //! * [`GraphedCallables::build`]: allocates the static buffers from one [`GraphPool`](crate::GraphPool),
 //!   warms up, captures a forward and a backward graph per (chunk, microbatch, layer) in
-//!   schedule order, instantiates and uploads them; [`GraphedOptions`] configures it.
+//!   schedule order (one per graphed segment for layers split into segments, see
+//!   [`segments`]), instantiates and uploads them; [`GraphedOptions`] configures it.
 //! * [`GraphedCallables::forward`] / [`GraphedCallables::backward`]: replay in schedule
 //!   order (anything else is [`Error::ReplayOrder`](crate::Error::ReplayOrder)).
 //! * [`Schedule`]: the pipeline order (the reference's `_order`: `k` forward, `-k` backward,
@@ -120,7 +121,8 @@
 //! Both run on one internal stream forked from the stream given to the build: warmup runs
 //! every pass [`GraphedOptions::warmup_iters`] times in exactly [`Schedule::layer_steps`]
 //! order with exactly the static buffers capture uses (sample inputs copied in first), then
-//! capture records each pass into its own graph in that same order. Callable `c` runs in
+//! capture records each pass into its own graph in that same order (each graphed segment
+//! into its own graph; eager segments run in warmup but are never captured). Callable `c` runs in
 //! the graphs of (chunk, microbatch, layer) with [`Layout::callable_of_graph`] = `c`, so
 //! parameters pair with graphs through [`Layout`] only.
 //!
@@ -144,11 +146,15 @@
 //!   of the caller's, through a [`ReductionGroup`]); [`GraphedOptions::before_warmup`] and
 //!   [`GraphedOptions::after_warmup`] snapshot and restore scaling state around warmup.
 //!
-//! # Where MoE fits (not implemented yet)
+//! # Breaking-layer capture (MoE)
 //!
-//! * Breaking-layer segments: a callable's passes become a sequence of segments; graphed
-//!   ones are captured as now (one exec each instead of one per pass), eager ones run at
-//!   replay between the launches, reading and writing static buffers of the same slot.
+//! A callable's passes may be sequences of segments ([`Callable::forward_segments`],
+//! [`Callable::backward_segments`]), each [`SegmentKind::Graphed`] (one graph per segment,
+//! pass and (chunk, microbatch, layer)) or [`SegmentKind::Eager`] (run by the host at replay
+//! between the launches, on the replay stream, with the same slot's static buffers; it may
+//! read sizes to the host and launch dynamic-shaped work). Full-layer capture (one graph)
+//! stays the default, for layers whose dynamic part reads its sizes from device memory. See
+//! [`segments`].
 //!
 mod buffers;
 mod callable;
@@ -156,6 +162,7 @@ mod layout;
 mod replay;
 mod runtime;
 mod schedule;
+pub mod segments;
 pub mod weights;
 
 pub use callable::{Callable, Slot};
@@ -163,4 +170,5 @@ pub use layout::{GraphIndex, Layout};
 pub(crate) use replay::describe_step;
 pub use runtime::{GraphedCallables, GraphedOptions};
 pub use schedule::{LayerStep, OrderEntry, Pass, Schedule, ScheduleError, Step};
+pub use segments::{SegmentKind, SegmentPlan, SegmentRun};
 pub use weights::{IdentityGroup, ReductionGroup, StepHook, WarmupHook, WeightCaching};

@@ -4,8 +4,9 @@ use crate::error::{Error, Result};
 use crate::memory::{DeviceBuffer, DeviceRepr};
 use crate::stream::Stream;
 
-use super::runtime::GraphedCallables;
+use super::runtime::{GraphedCallables, slot_of};
 use super::schedule::{Pass, Schedule, Step};
+use super::segments::SegmentRun;
 use super::weights::StepHook;
 
 /// Where a training step stands: the position of the next step in the schedule.
@@ -116,6 +117,10 @@ fn copy_in<T: DeviceRepr>(
 
 impl<T: DeviceRepr> GraphedCallables<T> {
     /// Replays the forward graphs of (`chunk`, `microbatch`), layer 0 to last, on `stream`.
+    /// A layer with several forward segments ([`Callable::forward_segments`](super::Callable::forward_segments))
+    /// runs them in order: a graph launch per graphed segment, a call of
+    /// [`Callable::forward_eager`](super::Callable::forward_eager) (on the host, with `stream`
+    /// and the slot's static buffers; it may synchronize `stream`) per eager segment.
     ///
     /// Each input is copied into the static input of layer 0 unless it *is* that buffer
     /// (same device address, see [`static_inputs`](Self::static_inputs)). Returns the
@@ -130,8 +135,11 @@ impl<T: DeviceRepr> GraphedCallables<T> {
     /// this step.
     ///
     /// Errors: [`Error::ReplayOrder`] if the schedule expects another step next (nothing is
-    /// enqueued); [`Error::InvalidArgument`] for a wrong number or length of inputs; the
-    /// hook's error (the graphs were launched and the replay position advanced).
+    /// enqueued); [`Error::InvalidArgument`] for a wrong number or length of inputs, or for a
+    /// pass with eager segments on a capturing `stream` (nothing is enqueued); an eager
+    /// segment's error (what came before it was enqueued, the replay position is not
+    /// advanced: [`reset_step`](Self::reset_step) to start over); the hook's error (the
+    /// graphs were launched and the replay position advanced).
     pub fn forward(
         &self,
         chunk: usize,
@@ -142,6 +150,7 @@ impl<T: DeviceRepr> GraphedCallables<T> {
         let step = Step::Forward { chunk, microbatch };
         let position = self.cursor.get().check(&self.schedule, step)?;
         let graphs = self.graphs_of(chunk, microbatch)?;
+        self.check_eager_outside_capture(graphs.clone(), Pass::Forward, stream)?;
         let first = self.buffers.plan.graphs[graphs.start].inputs.clone();
         if inputs.len() != first.len() {
             return Err(Error::invalid(format!(
@@ -164,7 +173,7 @@ impl<T: DeviceRepr> GraphedCallables<T> {
             self.write_cast_flag(chunk, microbatch, stream)?;
         }
         for g in graphs.clone() {
-            self.forward[g].launch(stream)?;
+            self.run_layer(g, Pass::Forward, stream)?;
         }
         self.advance(position);
         // Amax reduction and scale update (the caller's hook) after the forward replay.
@@ -173,7 +182,9 @@ impl<T: DeviceRepr> GraphedCallables<T> {
     }
 
     /// Replays the backward graphs of (`chunk`, `microbatch`), last layer to layer 0, on
-    /// `stream`. Each output gradient is copied into the static output gradient of the last
+    /// `stream`; each layer's backward segments run in their order
+    /// ([`Callable::backward_segments`](super::Callable::backward_segments)), eager ones
+    /// through [`Callable::backward_eager`](super::Callable::backward_eager). Each output gradient is copied into the static output gradient of the last
     /// layer unless it is that buffer ([`static_grad_outputs`](Self::static_grad_outputs)).
     /// Returns the static input gradients of layer 0. After the launches the
     /// [`after_backward`](super::GraphedOptions::after_backward) hook runs with `stream` and
@@ -190,6 +201,7 @@ impl<T: DeviceRepr> GraphedCallables<T> {
         let step = Step::Backward { chunk, microbatch };
         let position = self.cursor.get().check(&self.schedule, step)?;
         let graphs = self.graphs_of(chunk, microbatch)?;
+        self.check_eager_outside_capture(graphs.clone(), Pass::Backward, stream)?;
         let last = self.buffers.plan.graphs[graphs.end - 1]
             .grad_outputs
             .clone();
@@ -209,7 +221,7 @@ impl<T: DeviceRepr> GraphedCallables<T> {
             )?);
         }
         for g in graphs.clone().rev() {
-            self.backward[g].launch(stream)?;
+            self.run_layer(g, Pass::Backward, stream)?;
         }
         self.advance(position);
         // Amax reduction and scale update (the caller's hook) after the backward replay.
@@ -229,6 +241,88 @@ impl<T: DeviceRepr> GraphedCallables<T> {
         let mut c = self.cursor.get();
         c.advance(position);
         self.cursor.set(c);
+    }
+
+    /// Runs the `pass` segments of graph index `g` in order on `stream`: a graph launch per
+    /// graphed segment, a call of the callable's eager code per eager segment.
+    fn run_layer(&self, g: usize, pass: Pass, stream: &Stream) -> Result<()> {
+        let layout = self.schedule.layout();
+        let c = layout
+            .callable_of_graph(g)
+            .ok_or_else(|| Error::invalid(format!("internal: graph {g} out of range")))?;
+        let (plans, execs) = match pass {
+            Pass::Forward => (&self.forward_plans, &self.forward),
+            _ => (&self.backward_plans, &self.backward),
+        };
+        let internal = || Error::invalid(format!("internal: no segments for graph {g}"));
+        let plan = plans.get(c).ok_or_else(internal)?;
+        let execs = execs.get(g).ok_or_else(internal)?;
+        let callable = self.callables.get(c).ok_or_else(internal)?;
+        for run in plan.runs() {
+            match run {
+                SegmentRun::Graphed { graph, .. } => {
+                    execs.get(graph).ok_or_else(internal)?.launch(stream)?;
+                }
+                SegmentRun::Eager { segment } => {
+                    let slot = slot_of(
+                        &self.schedule,
+                        &self.buffers,
+                        &self.weights,
+                        &self.pool,
+                        g,
+                        false,
+                    )?;
+                    match pass {
+                        Pass::Forward => callable.forward_eager(
+                            segment,
+                            stream,
+                            &slot.inputs,
+                            &slot.outputs,
+                            &slot,
+                        )?,
+                        _ => {
+                            let go = self.buffers.grad_outputs(g);
+                            let gi = self.buffers.grad_inputs(g);
+                            callable.backward_eager(segment, stream, &go, &gi, &slot)?
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Eager segments run on the host and may synchronize: a pass that has any is refused
+    /// on a capturing stream (before anything is enqueued).
+    fn check_eager_outside_capture(
+        &self,
+        graphs: std::ops::Range<usize>,
+        pass: Pass,
+        stream: &Stream,
+    ) -> Result<()> {
+        let plans = match pass {
+            Pass::Forward => &self.forward_plans,
+            _ => &self.backward_plans,
+        };
+        let layout = self.schedule.layout();
+        let eager = graphs.clone().any(|g| {
+            layout
+                .callable_of_graph(g)
+                .and_then(|c| plans.get(c))
+                .is_some_and(|p| p.graphs() < p.len())
+        });
+        if eager && stream.capture_status()? != crate::CaptureStatus::None {
+            return Err(Error::invalid(format!(
+                "graphed callables: the {} of graphs {graphs:?} has eager segments and can \
+                 not be replayed on a capturing stream",
+                if pass == Pass::Forward {
+                    "forward"
+                } else {
+                    "backward"
+                }
+            )));
+        }
+        Ok(())
     }
 
     /// Enqueues the write of (`chunk`, `microbatch`)'s weight-cast flag from

@@ -17,6 +17,7 @@ use super::buffers::{BufferPlan, Shapes, StaticBuffers};
 use super::callable::{Callable, Slot};
 use super::replay::ReplayCursor;
 use super::schedule::{LayerStep, Pass, Schedule};
+use super::segments::{SegmentKind, SegmentPlan, SegmentRun};
 use super::weights::{ReductionGroup, StepHook, WarmupHook, WeightCaching, identity_group};
 
 /// How [`GraphedCallables::build`] works.
@@ -128,18 +129,23 @@ pub struct GraphedCallables<T: DeviceRepr> {
     pub(crate) schedule: Schedule,
     pub(crate) callables: Vec<Box<dyn Callable<T>>>,
     pub(crate) buffers: StaticBuffers<T>,
-    /// Forward execs by graph index ([`Layout::index`](super::Layout::index)).
-    pub(crate) forward: Vec<GraphExec>,
-    /// Backward execs by graph index.
-    pub(crate) backward: Vec<GraphExec>,
+    /// Forward execs by graph index ([`Layout::index`](super::Layout::index)), one per
+    /// graphed segment of the forward (in segment order; empty for an eager-only forward).
+    pub(crate) forward: Vec<Vec<GraphExec>>,
+    /// Backward execs by graph index, one per graphed backward segment.
+    pub(crate) backward: Vec<Vec<GraphExec>>,
+    /// The forward segments of each callable, by callable index.
+    pub(crate) forward_plans: Vec<SegmentPlan>,
+    /// The backward segments of each callable, by callable index.
+    pub(crate) backward_plans: Vec<SegmentPlan>,
     pub(crate) pool: GraphPool,
     pub(crate) cursor: Cell<ReplayCursor>,
     pub(crate) ctx: Arc<Context>,
     /// Input and output-gradient copies enqueued by replays.
     pub(crate) copies: Cell<u64>,
-    /// The captured graphs (kept for inspection), by graph index.
-    pub(crate) forward_graphs: Vec<Graph>,
-    pub(crate) backward_graphs: Vec<Graph>,
+    /// The captured graphs (kept for inspection), by graph index, like the execs.
+    pub(crate) forward_graphs: Vec<Vec<Graph>>,
+    pub(crate) backward_graphs: Vec<Vec<Graph>>,
     /// Weight caching: the mode, the flags, which forward graphs cast.
     pub(crate) weights: CastFlags,
     pub(crate) hooks: RefCell<ReplayHooks>,
@@ -161,7 +167,8 @@ pub(crate) struct CastFlags {
     pub(crate) cond: Vec<DeviceBuffer<i32>>,
     /// `NoopFlag`: the noop flags (1.0 = skip).
     pub(crate) noop: Vec<DeviceBuffer<f32>>,
-    /// Per forward graph: whether its `cast_weights` enqueues any work.
+    /// Per forward graph: whether its `cast_weights` enqueues any work (always `false` for a
+    /// forward with no graphed segment: the runtime does not cast for it).
     pub(crate) casts: Vec<bool>,
 }
 
@@ -236,7 +243,7 @@ enum Cast<'a> {
 }
 
 /// The slot of graph `graph`.
-fn slot_of<'a, T: DeviceRepr>(
+pub(crate) fn slot_of<'a, T: DeviceRepr>(
     schedule: &Schedule,
     buffers: &'a StaticBuffers<T>,
     flags: &'a CastFlags,
@@ -260,15 +267,19 @@ fn slot_of<'a, T: DeviceRepr>(
     })
 }
 
-/// Runs the pass of `ls` for its callable on `stream` (eagerly, or inside a capture).
+/// Runs segment `segment` (of kind `kind`) of the pass of `ls` for its callable on `stream`:
+/// eagerly (warmup) or inside a capture (graphed segments only). `cast` applies before the
+/// segment (the caller passes non-`Skip` only for a forward's cast segment).
 #[allow(clippy::too_many_arguments)]
-fn run_pass<T: DeviceRepr>(
+fn run_segment<T: DeviceRepr>(
     callables: &mut [Box<dyn Callable<T>>],
     schedule: &Schedule,
     buffers: &StaticBuffers<T>,
     flags: &CastFlags,
     pool: &GraphPool,
     ls: LayerStep,
+    segment: usize,
+    kind: SegmentKind,
     stream: &Stream,
     warmup: bool,
     cast: Cast<'_>,
@@ -290,17 +301,65 @@ fn run_pass<T: DeviceRepr>(
                     stream.capture_if(handle, |body| callable.cast_weights(body, &slot))?;
                 }
             }
-            callable.forward(stream, &slot.inputs, &slot.outputs, &slot)
+            match kind {
+                SegmentKind::Graphed => {
+                    callable.forward_segment(segment, stream, &slot.inputs, &slot.outputs, &slot)
+                }
+                SegmentKind::Eager => {
+                    callable.forward_eager(segment, stream, &slot.inputs, &slot.outputs, &slot)
+                }
+            }
         }
         Pass::Backward => {
             let go = buffers.grad_outputs(ls.graph);
             let gi = buffers.grad_inputs(ls.graph);
-            callable.backward(stream, &go, &gi, &slot)
+            match kind {
+                SegmentKind::Graphed => callable.backward_segment(segment, stream, &go, &gi, &slot),
+                SegmentKind::Eager => callable.backward_eager(segment, stream, &go, &gi, &slot),
+            }
         }
         Pass::WeightGrad => Err(Error::invalid(
             "graphed callables: a separate weight-gradient pass is not supported yet",
         )),
     }
+}
+
+/// The segment plan of `ls`'s pass.
+fn plan_of<'p>(
+    forward: &'p [SegmentPlan],
+    backward: &'p [SegmentPlan],
+    ls: LayerStep,
+) -> Result<&'p SegmentPlan> {
+    let plans = match ls.step.pass() {
+        Pass::Forward => forward,
+        _ => backward,
+    };
+    plans
+        .get(ls.callable)
+        .ok_or_else(|| Error::invalid(format!("internal: callable {} has no plan", ls.callable)))
+}
+
+/// The validated segment plans of every callable, forward and backward.
+fn segment_plans<T: DeviceRepr>(
+    callables: &[Box<dyn Callable<T>>],
+) -> Result<(Vec<SegmentPlan>, Vec<SegmentPlan>)> {
+    let mut forward = Vec::with_capacity(callables.len());
+    let mut backward = Vec::with_capacity(callables.len());
+    for (c, callable) in callables.iter().enumerate() {
+        for (what, kinds, out) in [
+            ("forward", callable.forward_segments(), &mut forward),
+            ("backward", callable.backward_segments(), &mut backward),
+        ] {
+            if kinds.is_empty() {
+                return Err(Error::invalid(format!(
+                    "callable {c} declares no {what} segments; a pass needs at least one \
+                     (the default is one graphed segment)"
+                )));
+            }
+            out.push(SegmentPlan::new(kinds)?);
+        }
+    }
+    Ok((forward, backward))
 }
 
 impl<T: DeviceRepr> GraphedCallables<T> {
@@ -318,10 +377,13 @@ impl<T: DeviceRepr> GraphedCallables<T> {
     ///
     /// Every static buffer is zeroed first (so warmup's backward sees zero output
     /// gradients), then the sample inputs are copied into the static inputs. Warmup runs
-    /// every graph's pass `warmup_iters` times in [`Schedule::layer_steps`] order; capture
-    /// records them in that order into the one pool and instantiates and uploads each.
+    /// every graph's pass `warmup_iters` times in [`Schedule::layer_steps`] order (every
+    /// segment, eager ones included); capture records them in that order into the one pool
+    /// (one graph per graphed segment, see [`segments`](super::segments)) and instantiates
+    /// and uploads each.
     ///
-    /// Errors: [`Error::InvalidArgument`] for wrong counts or lengths, layers of a chunk
+    /// Errors: [`Error::InvalidArgument`] for wrong counts or lengths, a callable declaring
+    /// an empty segment list ([`Callable::forward_segments`]), layers of a chunk
     /// that do not chain (see [`buffers`](super#static-buffers)), a weight-gradient split
     /// or `reuse_buffers` (not implemented), a pool too small; any error of a callable, of
     /// a capture or of instantiation. Schedules are validated when built
@@ -375,6 +437,7 @@ impl<T: DeviceRepr> GraphedCallables<T> {
             })
             .collect();
         let plan = BufferPlan::new(&layout, &shapes)?;
+        let (forward_plans, backward_plans) = segment_plans(&callables)?;
         let ctx = stream.context().clone();
         let pool = match pool {
             Some(p) => p,
@@ -435,19 +498,34 @@ impl<T: DeviceRepr> GraphedCallables<T> {
         }
         for _ in 0..warmup_iters {
             for ls in schedule.layer_steps() {
-                // First-microbatch semantics: every forward casts, so lazy cast state is
-                // created before capture.
-                run_pass(
-                    &mut callables,
-                    &schedule,
-                    &buffers,
-                    &flags,
-                    &pool,
-                    ls,
-                    &cap,
-                    true,
-                    Cast::Always,
-                )?;
+                // Every segment in order, eagerly (eager segments included). First-microbatch
+                // semantics: every forward casts (before its first graphed segment), so lazy
+                // cast state is created before capture.
+                let plan = plan_of(&forward_plans, &backward_plans, ls)?;
+                let cast_at = match ls.step.pass() {
+                    Pass::Forward => plan.cast_segment(),
+                    _ => None,
+                };
+                for (segment, &kind) in plan.kinds().iter().enumerate() {
+                    let cast = if cast_at == Some(segment) {
+                        Cast::Always
+                    } else {
+                        Cast::Skip
+                    };
+                    run_segment(
+                        &mut callables,
+                        &schedule,
+                        &buffers,
+                        &flags,
+                        &pool,
+                        ls,
+                        segment,
+                        kind,
+                        &cap,
+                        true,
+                        cast,
+                    )?;
+                }
             }
         }
         if let Some(h) = after_warmup.as_mut() {
@@ -456,9 +534,14 @@ impl<T: DeviceRepr> GraphedCallables<T> {
         cap.synchronize()?;
 
         // Which forward graphs cast anything: capture each one's casts into a throwaway
-        // graph (nothing runs). Graphs that cast nothing get no IF node and no flag write.
+        // graph (nothing runs). Graphs that cast nothing get no IF node and no flag write;
+        // a forward with no graphed segment gets no runtime casts at all.
         for ls in schedule.layer_steps() {
-            if ls.step.pass() != Pass::Forward {
+            if ls.step.pass() != Pass::Forward
+                || plan_of(&forward_plans, &backward_plans, ls)?
+                    .cast_segment()
+                    .is_none()
+            {
                 continue;
             }
             let probe = cap.capture(capture_mode, |s| {
@@ -475,14 +558,11 @@ impl<T: DeviceRepr> GraphedCallables<T> {
             ConditionalHandle::load_helpers(&ctx)?;
         }
 
-        let mut forward: Vec<Option<GraphExec>> =
-            (0..layout.total_graphs()).map(|_| None).collect();
-        let mut backward: Vec<Option<GraphExec>> =
-            (0..layout.total_graphs()).map(|_| None).collect();
-        let mut forward_graphs: Vec<Option<Graph>> =
-            (0..layout.total_graphs()).map(|_| None).collect();
-        let mut backward_graphs: Vec<Option<Graph>> =
-            (0..layout.total_graphs()).map(|_| None).collect();
+        let total = layout.total_graphs();
+        let mut forward: Vec<Option<Vec<GraphExec>>> = (0..total).map(|_| None).collect();
+        let mut backward: Vec<Option<Vec<GraphExec>>> = (0..total).map(|_| None).collect();
+        let mut forward_graphs: Vec<Vec<Graph>> = (0..total).map(|_| Vec::new()).collect();
+        let mut backward_graphs: Vec<Vec<Graph>> = (0..total).map(|_| Vec::new()).collect();
         for ls in schedule.layer_steps() {
             let pair = {
                 let at = layout.locate(ls.graph).ok_or_else(|| {
@@ -490,38 +570,60 @@ impl<T: DeviceRepr> GraphedCallables<T> {
                 })?;
                 at.chunk * layout.num_microbatches() + at.microbatch
             };
-            let cast = match (ls.step.pass(), flags.casts[ls.graph], weight_caching) {
-                (Pass::Forward, true, WeightCaching::Conditional) => {
-                    Cast::Conditional(flags.cond.get(pair).ok_or_else(|| {
-                        Error::invalid(format!("internal: no cast flag for pair {pair}"))
-                    })?)
-                }
-                (Pass::Forward, true, WeightCaching::NoopFlag) => Cast::Always,
-                _ => Cast::Skip,
+            let plan = plan_of(&forward_plans, &backward_plans, ls)?;
+            let cast_at = match ls.step.pass() {
+                Pass::Forward => plan.cast_segment(),
+                _ => None,
             };
-            let graph = cap.capture(capture_mode, |s| {
-                run_pass(
-                    &mut callables,
-                    &schedule,
-                    &buffers,
-                    &flags,
-                    &pool,
-                    ls,
-                    s.stream(),
-                    false,
-                    cast,
-                )
-            })?;
-            let exec = GraphExec::instantiate(&graph, InstantiateFlags::empty())?;
-            exec.upload(&cap)?;
+            let mut execs = Vec::with_capacity(plan.graphs());
+            let mut graphs = Vec::with_capacity(plan.graphs());
+            // One graph per graphed segment, in segment order; eager segments are never
+            // captured.
+            for run in plan.runs() {
+                let SegmentRun::Graphed { segment, .. } = run else {
+                    continue;
+                };
+                let cast = match (
+                    cast_at == Some(segment),
+                    flags.casts[ls.graph],
+                    weight_caching,
+                ) {
+                    (true, true, WeightCaching::Conditional) => {
+                        Cast::Conditional(flags.cond.get(pair).ok_or_else(|| {
+                            Error::invalid(format!("internal: no cast flag for pair {pair}"))
+                        })?)
+                    }
+                    (true, true, WeightCaching::NoopFlag) => Cast::Always,
+                    _ => Cast::Skip,
+                };
+                let graph = cap.capture(capture_mode, |s| {
+                    run_segment(
+                        &mut callables,
+                        &schedule,
+                        &buffers,
+                        &flags,
+                        &pool,
+                        ls,
+                        segment,
+                        SegmentKind::Graphed,
+                        s.stream(),
+                        false,
+                        cast,
+                    )
+                })?;
+                let exec = GraphExec::instantiate(&graph, InstantiateFlags::empty())?;
+                exec.upload(&cap)?;
+                execs.push(exec);
+                graphs.push(graph);
+            }
             let (slot, kept) = match ls.step.pass() {
                 Pass::Forward => (&mut forward[ls.graph], &mut forward_graphs[ls.graph]),
                 _ => (&mut backward[ls.graph], &mut backward_graphs[ls.graph]),
             };
-            *slot = Some(exec);
-            *kept = Some(graph);
+            *slot = Some(execs);
+            *kept = graphs;
         }
-        let collect = |v: Vec<Option<GraphExec>>, what: &str| {
+        let collect = |v: Vec<Option<Vec<GraphExec>>>, what: &str| {
             v.into_iter()
                 .enumerate()
                 .map(|(g, e)| {
@@ -533,9 +635,6 @@ impl<T: DeviceRepr> GraphedCallables<T> {
         };
         let forward = collect(forward, "forward")?;
         let backward = collect(backward, "backward")?;
-        // Every exec exists, so every graph was kept with it.
-        let forward_graphs: Vec<Graph> = forward_graphs.into_iter().flatten().collect();
-        let backward_graphs: Vec<Graph> = backward_graphs.into_iter().flatten().collect();
         stream.wait_stream(&cap)?;
         Ok(GraphedCallables {
             schedule,
@@ -543,6 +642,8 @@ impl<T: DeviceRepr> GraphedCallables<T> {
             buffers,
             forward,
             backward,
+            forward_plans,
+            backward_plans,
             pool,
             cursor: Cell::new(ReplayCursor::default()),
             ctx,
@@ -592,27 +693,73 @@ impl<T: DeviceRepr> GraphedCallables<T> {
         self.copies.get()
     }
 
-    /// The forward exec of graph index `graph`, or `None` if out of range.
+    /// The forward exec of graph index `graph`: that of its forward's first graphed segment
+    /// (the only one for a single-graph forward). `None` if out of range or the forward has
+    /// no graphed segment.
     pub fn forward_exec(&self, graph: usize) -> Option<&GraphExec> {
-        self.forward.get(graph)
+        self.forward.get(graph)?.first()
     }
 
-    /// The backward exec of graph index `graph`, or `None` if out of range.
+    /// The backward exec of graph index `graph`: that of its backward's first graphed
+    /// segment. `None` if out of range or the backward has no graphed segment.
     pub fn backward_exec(&self, graph: usize) -> Option<&GraphExec> {
-        self.backward.get(graph)
+        self.backward.get(graph)?.first()
+    }
+
+    /// The exec of forward segment `segment` of graph index `graph`; `None` if out of range
+    /// or that segment is eager.
+    pub fn forward_segment_exec(&self, graph: usize, segment: usize) -> Option<&GraphExec> {
+        let k = self.forward_plan(graph)?.graph_of(segment)?;
+        self.forward.get(graph)?.get(k)
+    }
+
+    /// The exec of backward segment `segment` of graph index `graph`; `None` if out of
+    /// range or that segment is eager.
+    pub fn backward_segment_exec(&self, graph: usize, segment: usize) -> Option<&GraphExec> {
+        let k = self.backward_plan(graph)?.graph_of(segment)?;
+        self.backward.get(graph)?.get(k)
+    }
+
+    /// The forward segments of graph index `graph` (those of its callable); `None` if out
+    /// of range.
+    pub fn forward_plan(&self, graph: usize) -> Option<&SegmentPlan> {
+        let c = self.schedule.layout().callable_of_graph(graph)?;
+        self.forward_plans.get(c)
+    }
+
+    /// The backward segments of graph index `graph`; `None` if out of range.
+    pub fn backward_plan(&self, graph: usize) -> Option<&SegmentPlan> {
+        let c = self.schedule.layout().callable_of_graph(graph)?;
+        self.backward_plans.get(c)
     }
 
     /// The captured forward graph of graph index `graph` (the source of
-    /// [`forward_exec`](Self::forward_exec)), for inspecting its structure; `None` if out of
-    /// range. With [`WeightCaching::Conditional`] and a callable that casts, it holds the
-    /// setter kernel and the IF node ([`NodeKind::Conditional`](crate::NodeKind::Conditional)).
+    /// [`forward_exec`](Self::forward_exec): its first graphed segment), for inspecting its
+    /// structure; `None` if out of range or the forward has no graphed segment. With
+    /// [`WeightCaching::Conditional`] and a callable that casts, it holds the setter kernel
+    /// and the IF node ([`NodeKind::Conditional`](crate::NodeKind::Conditional)).
     pub fn forward_graph(&self, graph: usize) -> Option<&Graph> {
-        self.forward_graphs.get(graph)
+        self.forward_graphs.get(graph)?.first()
     }
 
-    /// The captured backward graph of graph index `graph`; `None` if out of range.
+    /// The captured backward graph of graph index `graph` (its first graphed segment);
+    /// `None` if out of range or the backward has no graphed segment.
     pub fn backward_graph(&self, graph: usize) -> Option<&Graph> {
-        self.backward_graphs.get(graph)
+        self.backward_graphs.get(graph)?.first()
+    }
+
+    /// The captured graph of forward segment `segment` of graph index `graph`; `None` if
+    /// out of range or that segment is eager.
+    pub fn forward_segment_graph(&self, graph: usize, segment: usize) -> Option<&Graph> {
+        let k = self.forward_plan(graph)?.graph_of(segment)?;
+        self.forward_graphs.get(graph)?.get(k)
+    }
+
+    /// The captured graph of backward segment `segment` of graph index `graph`; `None` if
+    /// out of range or that segment is eager.
+    pub fn backward_segment_graph(&self, graph: usize, segment: usize) -> Option<&Graph> {
+        let k = self.backward_plan(graph)?.graph_of(segment)?;
+        self.backward_graphs.get(graph)?.get(k)
     }
 
     /// The weight-caching mechanism the forward graphs were captured with.
@@ -622,7 +769,8 @@ impl<T: DeviceRepr> GraphedCallables<T> {
 
     /// Whether forward graph `graph`'s callable enqueued any work in
     /// [`Callable::cast_weights`] at capture (only such graphs get the IF node or the flag
-    /// writes); `None` if out of range.
+    /// writes; the casts sit in the forward's first graphed segment); `false` for a forward
+    /// with no graphed segment (the runtime does not cast for it); `None` if out of range.
     pub fn casts_weights(&self, graph: usize) -> Option<bool> {
         self.weights.casts.get(graph).copied()
     }
