@@ -867,3 +867,79 @@ fn fp8_linear_matches_host_reference() {
         "db: sequential f32 column sums of dY"
     );
 }
+
+/// `cast_weights` honours the slot's noop flag (the eager form of
+/// [`WeightCaching::NoopFlag`]): with the flag at 1.0 the FP8 copies, the `scale_inv` and
+/// W's amax stay as they were although W changed; at 0.0 the new W is cast.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cast_weights_honours_the_noop_flag() {
+    use fp8_kernels::reference::quantize;
+    let gpu = Gpu::new();
+    let (k, n) = (NARROW, WIDE);
+    let scaling = new_scaling(&gpu, 1);
+    let (w0, w1) = (weights(0, 0, 0), weights(0, 0, 1));
+    let mut layer =
+        Fp8Linear::new(&gpu.stream, M, k, n, &w0, None, scaling.clone(), 0).expect("Fp8Linear");
+    let x = gpu.upload(&input(0, 0, 0));
+    let y = gpu.upload(&vec![0f32; M * n]);
+    let saved: Vec<DeviceBuffer<f32>> = layer
+        .saved_lens()
+        .iter()
+        .map(|&len| gpu.upload(&vec![0f32; len]))
+        .collect();
+    let pool = GraphPool::new(&gpu.ctx, 256).expect("pool");
+    let at = GraphIndex {
+        chunk: 0,
+        microbatch: 1,
+        layer: 0,
+    };
+    let read_u8 = |buf: &DeviceBuffer<u8>| -> Vec<u8> {
+        gpu.stream.synchronize().expect("sync");
+        buf.to_vec(&gpu.stream).expect("read back")
+    };
+    let w_amax = || {
+        scaling
+            .amax(1)
+            .expect("amax")
+            .read(&gpu.stream)
+            .expect("read")
+    };
+    let q = |w: &[f32]| -> Vec<u8> {
+        w.iter()
+            .map(|&v| quantize(v, 1.0, Fp8Format::E4M3))
+            .collect()
+    };
+
+    let plain = Slot::new(at, vec![&x], vec![&y], saved.iter().collect(), &pool);
+    layer.cast_weights(&gpu.stream, &plain).expect("cast");
+    assert_eq!(read_u8(layer.weight_fp8().data()), q(&w0), "first cast");
+    let amax0 = w_amax();
+    assert_eq!(amax0, fp8_kernels::reference::amax(w0.iter().copied()));
+    let wt0 = read_u8(layer.weight_t_fp8());
+
+    gpu.overwrite(layer.weight(), &w1);
+    for (flag, cast) in [(1.0f32, false), (0.0, true)] {
+        let f = gpu.upload(&[flag]);
+        let slot = Slot::new(at, vec![&x], vec![&y], saved.iter().collect(), &pool)
+            .with_skip_weight_cast(Some(&f));
+        layer.cast_weights(&gpu.stream, &slot).expect("cast");
+        let (data, t) = (
+            read_u8(layer.weight_fp8().data()),
+            read_u8(layer.weight_t_fp8()),
+        );
+        if cast {
+            assert_eq!(data, q(&w1), "flag 0.0: the new W is cast");
+            assert_ne!(t, wt0, "flag 0.0: W^T recast");
+            assert_eq!(
+                w_amax(),
+                amax0.max(fp8_kernels::reference::amax(w1.iter().copied())),
+                "flag 0.0: W's amax maxed"
+            );
+        } else {
+            assert_eq!(data, q(&w0), "flag 1.0: the FP8 copy of W is untouched");
+            assert_eq!(t, wt0, "flag 1.0: the FP8 copy of W^T is untouched");
+            assert_eq!(w_amax(), amax0, "flag 1.0: W's amax untouched");
+        }
+    }
+}
