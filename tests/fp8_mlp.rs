@@ -53,6 +53,10 @@ const WIDE: usize = 256;
 /// Training steps replayed.
 const STEPS: usize = 2;
 const HISTORY: usize = 4;
+/// Error bound (relative to the largest reference value) of an f32-output GEMM on the
+/// tensor-core paths, as fp8-kernels' own GEMM tests use it (Hopper's FP8 wgmma accumulates
+/// with about 14 bits between fp32 promotions).
+const TENSOR_CORE_BOUND: f64 = 2e-3;
 
 const ORDER_1X3: [i64; 6] = [1, 1, 1, -1, -1, -1];
 const ORDER_2X3: [i64; 12] = [1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1];
@@ -702,8 +706,8 @@ fn test_sizes_are_valid_and_chain() {
 /// One layer, eagerly, against the host: the FP8 copies of W and W^T, x's amax and X^T
 /// (saved) bit for bit against fp8-kernels' reference quantize (with the scale the state
 /// holds: 1 in the first forward, 448 / amax after an update in the second); y, dX and dW
-/// against f64 sums of the dequantized FP8 values (relative error below 1e-5: only the f32
-/// accumulation order differs); db bit for bit against a sequential f32 column sum of the
+/// against f64 sums of the dequantized FP8 values (error relative to the largest value below
+/// [`TENSOR_CORE_BOUND`]); db bit for bit against a sequential f32 column sum of the
 /// unquantized dY.
 #[test]
 #[ignore = "needs a CUDA device"]
@@ -747,7 +751,10 @@ fn fp8_linear_matches_host_reference() {
         assert!(scale > 0.0, "{what}: the reference is all zero");
         for (i, (g, w)) in got.iter().zip(want).enumerate() {
             let err = (f64::from(*g) - w).abs() / scale;
-            assert!(err < 1e-5, "{what}[{i}]: got {g}, want {w} (error {err:e})");
+            assert!(
+                err < TENSOR_CORE_BOUND,
+                "{what}[{i}]: got {g}, want {w} (error {err:e})"
+            );
         }
     };
 
