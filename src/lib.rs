@@ -1,0 +1,20 @@
+//! `fp8_moe`: an FP8 MoE layer built on the workspace (`cuda-graph`, `fp8-kernels`).
+//!
+//! This first part: an FP8 linear layer usable as a graphed callable.
+//!
+//! * [`linear::Fp8Linear`]: `y = x W^T (+ b)` with FP8 GEMMs (E4M3 forward, E5M2
+//!   gradients) and per-tensor delayed scaling, implementing
+//!   [`cuda_graph::graphed::Callable`] (weight casts, saved activations in the runtime's
+//!   per-microbatch buffers) and usable eagerly with the same kernels;
+//! * [`scaling::ScalingSnapshot`]: save and restore a delayed-scaling state around
+//!   graphed-callables warmup.
+//!
+//! The binary `fp8-moe` (src/main.rs) is the command-line front end and benchmark.
+
+#![deny(missing_docs)]
+
+pub mod linear;
+pub mod scaling;
+
+pub use linear::Fp8Linear;
+pub use scaling::ScalingSnapshot;

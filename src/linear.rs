@@ -1,0 +1,611 @@
+//! [`Fp8Linear`]: `y = x W^T (+ b)` with FP8 GEMMs and per-tensor delayed scaling, usable
+//! as a [`Callable`] of [`GraphedCallables`](cuda_graph::graphed::GraphedCallables) and
+//! eagerly (the same struct, driven directly with [`Slot::new`]).
+//!
+//! # Activations are f32
+//!
+//! Inputs, outputs and their gradients are f32 buffers (`Callable<f32>`), to keep the layer
+//! simple: quantize and cast-transpose read f32, the GEMMs write f32. Weights and their
+//! gradients are f32 too; the bias and its gradient are f32.
+//!
+//! # The three GEMMs (layouts of [`fp8_kernels::gemm`])
+//!
+//! With `M` = tokens, `K` = `in_features`, `N` = `out_features`:
+//! * forward: `Y[M,N] = X[M,K] . W[N,K]^T (+ b)`: A = the E4M3 cast of x, B = the E4M3 copy
+//!   of W;
+//! * data gradient: `dX[M,K] = dY[M,N] . W`: A = the E5M2 cast of dY, B = `W^T` (`[K,N]`,
+//!   the cast-transpose of W);
+//! * weight gradient: `dW[N,K] += dY^T . X`: A = `dY^T` (`[N,M]`), B = `X^T` (`[K,M]`), both
+//!   cast-transposes; accumulated into `dW` in f32. `db += column sums of dY` (f32, from the
+//!   unquantized dY, by a deterministic kernel of this crate).
+//!
+//! The GEMM rule `K % 16 == 0` applies to all three, so `in_features`, `out_features` and
+//! `tokens` must each be a multiple of 16 ([`check_shape`]).
+//!
+//! # FP8 state
+//!
+//! Three tensors of one shared [`DelayedScaling`] (usually one state for a whole stack, so
+//! one launch updates every layer), starting at the layer's `first_tensor`:
+//! `first_tensor + 0` = x (E4M3), `+ 1` = W (E4M3), `+ 2` = dY (E5M2) ([`FORMATS`]).
+//! Quantizing x (forward), W ([`Callable::cast_weights`]) and dY (backward) reads the
+//! state's scale and maxes |value| into its amax slot; the caller runs
+//! [`DelayedScaling::update`] after each forward and each backward pass (in graphed mode
+//! through the `after_forward` / `after_backward` hooks).
+//!
+//! The `scale_inv` a GEMM multiplies by is the one the cast wrote, kept beside the FP8
+//! bytes, not the state's: the state's scale changes at every update, but W's FP8 copy is
+//! reused for a whole step and x's for the backward of its microbatch, which must be undone
+//! with the scale they were cast with.
+//!
+//! # Weight caching
+//!
+//! [`Callable::cast_weights`] cast-transposes W into the layer's FP8 copies (`W` and `W^T`,
+//! shared by all microbatches: they change only on a step's first microbatch). It passes
+//! [`Slot::skip_weight_cast`] to the kernel as its noop flag when the runtime gives one
+//! ([`WeightCaching::NoopFlag`](cuda_graph::graphed::WeightCaching::NoopFlag)); otherwise it
+//! casts unconditionally (the IF node of
+//! [`WeightCaching::Conditional`](cuda_graph::graphed::WeightCaching::Conditional), or an
+//! eager caller that calls it only on the first microbatch).
+//!
+//! # Saved activations
+//!
+//! What the backward of a microbatch needs from its forward lives in the runtime's
+//! per-(chunk, microbatch, layer) saved buffers ([`Callable::saved_lens`], [`Slot::saved`]):
+//! `saved[0]` holds the E4M3 bytes of `X^T` (`[K, M]`, written by the forward's
+//! cast-transpose; an f32 buffer of `M * K / 4` elements viewed as bytes) and `saved[1]` the
+//! one f32 `scale_inv` it was cast with. An eager caller passes one such set per
+//! microbatch. Everything else the layer keeps (the FP8 x and dY, `dY^T`) lives only within
+//! one pass and is shared by all microbatches.
+
+use std::sync::Arc;
+
+use cuda_graph::graphed::{Callable, Slot};
+use cuda_graph::{Context, DeviceBuffer, DeviceRepr, Error, Kernel, LaunchConfig, Module, Result};
+use cuda_graph::{Stream, kernel_args};
+use fp8_kernels::gemm::{Bias, GemmOptions, GemmOut, GemmPath, K_ALIGN, Operand, gemm};
+use fp8_kernels::{DelayedScaling, DeviceScalar, Fp8Format, Fp8Tensor, HpBuffer, cast_transpose};
+
+/// The crate's own kernels (the bias gradient), built from `src/kernels/fp8_linear.cu`.
+const FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/fp8_linear.fatbin"));
+
+/// How many tensors of the [`DelayedScaling`] state one layer uses.
+pub const TENSORS: usize = 3;
+
+/// The formats of a layer's tensors, in state order: x (E4M3), W (E4M3), dY (E5M2).
+pub const FORMATS: [Fp8Format; TENSORS] = [Fp8Format::E4M3, Fp8Format::E4M3, Fp8Format::E5M2];
+
+/// Offset of x's tensor from a layer's first tensor.
+const X: usize = 0;
+/// Offset of W's tensor.
+const W: usize = 1;
+/// Offset of dY's tensor.
+const DY: usize = 2;
+
+/// Checks the shape rules of a layer: every dimension at least 1 and a multiple of 16 (it
+/// is the K of one of the three GEMMs), the sizes within `u32` for the kernels.
+pub fn check_shape(tokens: usize, in_features: usize, out_features: usize) -> Result<()> {
+    for (name, v) in [
+        ("tokens", tokens),
+        ("in_features", in_features),
+        ("out_features", out_features),
+    ] {
+        if v == 0 || v % K_ALIGN != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "Fp8Linear: {name} = {v} must be a positive multiple of {K_ALIGN} (it is K of \
+                 one of the layer's GEMMs)"
+            )));
+        }
+    }
+    let big = [
+        tokens.checked_mul(in_features),
+        tokens.checked_mul(out_features),
+        in_features.checked_mul(out_features),
+    ];
+    if big.iter().any(|p| p.is_none_or(|p| p > u32::MAX as usize)) {
+        return Err(Error::InvalidArgument(format!(
+            "Fp8Linear: {tokens} x {in_features} x {out_features} has a matrix above 2^32 \
+             elements"
+        )));
+    }
+    Ok(())
+}
+
+/// The saved-buffer lengths (f32 elements) of a layer: `X^T` as bytes (`tokens *
+/// in_features / 4` elements) and its `scale_inv` (1).
+pub fn saved_lens(tokens: usize, in_features: usize) -> Vec<usize> {
+    vec![(tokens * in_features).div_ceil(4), 1]
+}
+
+/// An FP8 linear layer `y = x W^T (+ b)` over a fixed number of tokens; see the
+/// [module documentation](self).
+///
+/// # Example: eagerly, one microbatch
+///
+/// ```no_run
+/// use std::sync::Arc;
+/// use cuda_graph::graphed::{Callable, GraphIndex, Slot};
+/// use cuda_graph::{Context, DeviceBuffer, GraphPool, Stream};
+/// use fp8_kernels::{AmaxAlgo, DelayedScaling};
+/// use fp8_moe::linear::{self, Fp8Linear};
+///
+/// let ctx = Context::default_device()?;
+/// let stream = Stream::new(&ctx)?;
+/// let scaling = Arc::new(DelayedScaling::new(&stream, &linear::FORMATS, 16, 0, AmaxAlgo::Max)?);
+/// let w = vec![0.01f32; 256 * 128];
+/// let mut layer = Fp8Linear::new(&stream, 64, 128, 256, &w, None, scaling.clone(), 0)?;
+/// let x = DeviceBuffer::from_host(&stream, &vec![0.5f32; 64 * 128])?;
+/// let y = DeviceBuffer::<f32>::alloc(&ctx, 64 * 256)?;
+/// let saved: Vec<DeviceBuffer<f32>> = layer
+///     .saved_lens()
+///     .iter()
+///     .map(|&n| DeviceBuffer::alloc(&ctx, n))
+///     .collect::<Result<_, _>>()?;
+/// let pool = GraphPool::new(&ctx, 256)?;
+/// let at = GraphIndex { chunk: 0, microbatch: 0, layer: 0 };
+/// let slot = Slot::new(at, vec![&x], vec![&y], saved.iter().collect(), &pool);
+/// layer.cast_weights(&stream, &slot)?; // first microbatch of the step
+/// layer.forward(&stream, &[&x], &[&y], &slot)?;
+/// scaling.update(&stream)?;
+/// stream.synchronize()?;
+/// # Ok::<(), cuda_graph::Error>(())
+/// ```
+pub struct Fp8Linear {
+    ctx: Arc<Context>,
+    tokens: usize,
+    in_features: usize,
+    out_features: usize,
+    scaling: Arc<DelayedScaling>,
+    first_tensor: usize,
+    path: GemmPath,
+    /// `[out, in]` f32.
+    w: DeviceBuffer<f32>,
+    dw: DeviceBuffer<f32>,
+    bias: Option<(DeviceBuffer<f32>, DeviceBuffer<f32>)>,
+    /// W's E4M3 copy `[out, in]`: scale and amax of the state, `scale_inv` its own.
+    w_fp8: Fp8Tensor,
+    /// `W^T` `[in, out]`, cast with the same scale as `w_fp8`.
+    w_t: DeviceBuffer<u8>,
+    /// The forward's E4M3 x `[M, in]` (one pass only).
+    x_fp8: DeviceBuffer<u8>,
+    /// The backward's E5M2 dY `[M, out]` and `dY^T` `[out, M]` (one pass only).
+    dy_fp8: DeviceBuffer<u8>,
+    dy_t: DeviceBuffer<u8>,
+    /// The `scale_inv` dY was cast with (one pass only).
+    dy_scale_inv: Arc<DeviceBuffer<f32>>,
+    bias_grad: Kernel,
+    _module: Module,
+}
+
+impl std::fmt::Debug for Fp8Linear {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Fp8Linear")
+            .field("tokens", &self.tokens)
+            .field("in_features", &self.in_features)
+            .field("out_features", &self.out_features)
+            .field("bias", &self.bias.is_some())
+            .field("first_tensor", &self.first_tensor)
+            .field("path", &self.path)
+            .finish()
+    }
+}
+
+/// A `len`-element view of `T` over the memory of `buf`, which must hold at least that
+/// many bytes. The view does not own the memory: `buf` (or whoever owns it) must outlive
+/// every use of the view, including graphs captured with it.
+fn view<T: DeviceRepr, U: DeviceRepr>(
+    ctx: &Arc<Context>,
+    buf: &DeviceBuffer<U>,
+    len: usize,
+) -> Result<DeviceBuffer<T>> {
+    let need = len
+        .checked_mul(size_of::<T>())
+        .ok_or_else(|| Error::InvalidArgument("view size overflows usize".into()))?;
+    if buf.bytes() < need {
+        return Err(Error::InvalidArgument(format!(
+            "Fp8Linear: a buffer of {} bytes is too small for {need}",
+            buf.bytes()
+        )));
+    }
+    // SAFETY: the range [ptr, ptr + need) lies inside `buf`'s live allocation (checked
+    // above); the view never frees it. The callers use views only within a pass, on buffers
+    // owned by the runtime's static buffers, the caller's eager slots or this layer, all of
+    // which outlive the pass and the graphs it is captured into (the runtime keeps its
+    // buffers for as long as its execs; an eager caller's slot buffers outlive the call).
+    Ok(unsafe { DeviceBuffer::from_raw(ctx, buf.as_raw(), len) })
+}
+
+/// Element 0 of `buf` as a device scalar (a non-owning view, see [`view`]).
+fn scalar_of(ctx: &Arc<Context>, buf: &DeviceBuffer<f32>) -> Result<DeviceScalar> {
+    DeviceScalar::at(Arc::new(view::<f32, f32>(ctx, buf, 1)?), 0)
+}
+
+impl Fp8Linear {
+    /// A layer of `tokens` rows, `in_features` -> `out_features`, with weights `weight`
+    /// (`[out_features, in_features]` row-major f32), an optional `bias` (`out_features`),
+    /// gradients zeroed, using tensors `first_tensor .. first_tensor + 3` of `scaling`
+    /// (whose formats must be [`FORMATS`]). Allocates and uploads (waits; not during a
+    /// capture) and loads the kernels it needs, so nothing is loaded inside a capture.
+    #[allow(clippy::too_many_arguments)] // shape, parameters, FP8 state
+    pub fn new(
+        stream: &Stream,
+        tokens: usize,
+        in_features: usize,
+        out_features: usize,
+        weight: &[f32],
+        bias: Option<&[f32]>,
+        scaling: Arc<DelayedScaling>,
+        first_tensor: usize,
+    ) -> Result<Fp8Linear> {
+        check_shape(tokens, in_features, out_features)?;
+        let ctx = stream.context().clone();
+        if weight.len() != in_features * out_features {
+            return Err(Error::InvalidArgument(format!(
+                "Fp8Linear: weight has {} elements, [{out_features}, {in_features}] needs {}",
+                weight.len(),
+                in_features * out_features
+            )));
+        }
+        if let Some(b) = bias
+            && b.len() != out_features
+        {
+            return Err(Error::InvalidArgument(format!(
+                "Fp8Linear: bias has {} elements, out_features is {out_features}",
+                b.len()
+            )));
+        }
+        for (k, want) in FORMATS.iter().enumerate() {
+            let t = first_tensor.saturating_add(k);
+            match scaling.format(t) {
+                Some(f) if f == *want => {}
+                got => {
+                    return Err(Error::InvalidArgument(format!(
+                        "Fp8Linear: scaling tensor {t} is {got:?}, the layer needs {want:?} \
+                         (tensors first_tensor..first_tensor+3 are x, W, dY)"
+                    )));
+                }
+            }
+        }
+        let module = Module::from_image(&ctx, FATBIN)?;
+        let bias_grad = module.kernel("fp8_linear_bias_grad_f32")?;
+        // Load fp8-kernels' module now rather than lazily inside a capture.
+        fp8_kernels::module(&ctx)?;
+
+        let w = DeviceBuffer::from_host(stream, weight)?;
+        let dw = DeviceBuffer::from_host(stream, &vec![0f32; weight.len()])?;
+        let bias = match bias {
+            Some(b) => Some((
+                DeviceBuffer::from_host(stream, b)?,
+                DeviceBuffer::from_host(stream, &vec![0f32; b.len()])?,
+            )),
+            None => None,
+        };
+        let w_scale_inv = Arc::new(DeviceBuffer::from_host(stream, &[1f32])?);
+        let w_fp8 = Fp8Tensor::from_parts(
+            DeviceBuffer::alloc(&ctx, weight.len())?,
+            &[out_features, in_features],
+            Fp8Format::E4M3,
+            scaling.scale(first_tensor + W)?,
+            DeviceScalar::at(w_scale_inv, 0)?,
+            scaling.amax(first_tensor + W)?,
+        )?;
+        let layer = Fp8Linear {
+            tokens,
+            in_features,
+            out_features,
+            first_tensor,
+            path: GemmPath::Auto,
+            w,
+            dw,
+            bias,
+            w_fp8,
+            w_t: DeviceBuffer::alloc(&ctx, weight.len())?,
+            x_fp8: DeviceBuffer::alloc(&ctx, tokens * in_features)?,
+            dy_fp8: DeviceBuffer::alloc(&ctx, tokens * out_features)?,
+            dy_t: DeviceBuffer::alloc(&ctx, tokens * out_features)?,
+            dy_scale_inv: Arc::new(DeviceBuffer::from_host(stream, &[1f32])?),
+            bias_grad,
+            _module: module,
+            scaling,
+            ctx,
+        };
+        stream.synchronize()?;
+        Ok(layer)
+    }
+
+    /// This layer with its GEMMs on `path` (default [`GemmPath::Auto`]).
+    pub fn with_gemm_path(mut self, path: GemmPath) -> Fp8Linear {
+        self.path = path;
+        self
+    }
+
+    /// Rows (tokens) of x and y.
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+    /// Columns of x.
+    pub fn in_features(&self) -> usize {
+        self.in_features
+    }
+    /// Columns of y.
+    pub fn out_features(&self) -> usize {
+        self.out_features
+    }
+    /// The shared delayed-scaling state.
+    pub fn scaling(&self) -> &Arc<DelayedScaling> {
+        &self.scaling
+    }
+    /// The layer's first tensor in [`scaling`](Self::scaling) (x; W and dY follow).
+    pub fn first_tensor(&self) -> usize {
+        self.first_tensor
+    }
+    /// The f32 weights `[out, in]`.
+    pub fn weight(&self) -> &DeviceBuffer<f32> {
+        &self.w
+    }
+    /// The weight gradient `[out, in]` (accumulated by every backward).
+    pub fn weight_grad(&self) -> &DeviceBuffer<f32> {
+        &self.dw
+    }
+    /// The bias, if any.
+    pub fn bias(&self) -> Option<&DeviceBuffer<f32>> {
+        self.bias.as_ref().map(|(b, _)| b)
+    }
+    /// The bias gradient, if there is a bias.
+    pub fn bias_grad(&self) -> Option<&DeviceBuffer<f32>> {
+        self.bias.as_ref().map(|(_, g)| g)
+    }
+    /// W's E4M3 copy (`[out, in]`) and its `scale_inv`, as the last cast left them.
+    pub fn weight_fp8(&self) -> &Fp8Tensor {
+        &self.w_fp8
+    }
+    /// `W^T`'s E4M3 bytes (`[in, out]`), as the last cast left them.
+    pub fn weight_t_fp8(&self) -> &DeviceBuffer<u8> {
+        &self.w_t
+    }
+}
+
+impl Callable<f32> for Fp8Linear {
+    fn input_lens(&self) -> Vec<usize> {
+        vec![self.tokens * self.in_features]
+    }
+
+    fn output_lens(&self) -> Vec<usize> {
+        vec![self.tokens * self.out_features]
+    }
+
+    fn saved_lens(&self) -> Vec<usize> {
+        saved_lens(self.tokens, self.in_features)
+    }
+
+    fn parameters(&self) -> Vec<&DeviceBuffer<f32>> {
+        let mut p = vec![&self.w];
+        p.extend(self.bias());
+        p
+    }
+
+    fn gradients(&self) -> Vec<&DeviceBuffer<f32>> {
+        let mut g = vec![&self.dw];
+        g.extend(self.bias_grad());
+        g
+    }
+
+    /// Cast-transposes W into its E4M3 copies (`W`, `W^T`), maxing |W| into W's amax;
+    /// skipped on the device when the slot's noop flag reads 1.0.
+    fn cast_weights(&mut self, stream: &Stream, slot: &Slot<'_, f32>) -> Result<()> {
+        let noop = slot
+            .skip_weight_cast()
+            .map(|f| scalar_of(&self.ctx, f))
+            .transpose()?;
+        cast_transpose(
+            stream,
+            HpBuffer::F32(&self.w),
+            self.out_features,
+            self.in_features,
+            &mut self.w_fp8,
+            &mut self.w_t,
+            noop.as_ref(),
+        )
+    }
+
+    fn forward(
+        &mut self,
+        stream: &Stream,
+        inputs: &[&DeviceBuffer<f32>],
+        outputs: &[&DeviceBuffer<f32>],
+        slot: &Slot<'_, f32>,
+    ) -> Result<()> {
+        let (m, k, n) = (self.tokens, self.in_features, self.out_features);
+        let (x, y) = one_each("forward", inputs, outputs, m * k, m * n)?;
+        let [xt_buf, si_buf] = saved_pair(slot)?;
+        let x_si = scalar_of(&self.ctx, si_buf)?;
+        let mut x_t = view::<u8, f32>(&self.ctx, xt_buf, m * k)?;
+        let mut x_fp8 = Fp8Tensor::from_parts(
+            view::<u8, u8>(&self.ctx, &self.x_fp8, m * k)?,
+            &[m, k],
+            Fp8Format::E4M3,
+            self.scaling.scale(self.first_tensor + X)?,
+            x_si.clone(),
+            self.scaling.amax(self.first_tensor + X)?,
+        )?;
+        // x and X^T in one pass; X^T (and the scale_inv it was cast with) stay in the
+        // microbatch's saved buffers for the weight gradient.
+        cast_transpose(stream, HpBuffer::F32(x), m, k, &mut x_fp8, &mut x_t, None)?;
+        let mut opts = GemmOptions::new().path(self.path);
+        if let Some((b, _)) = &self.bias {
+            opts = opts.bias(Bias::F32(b));
+        }
+        gemm(
+            stream,
+            m,
+            n,
+            k,
+            Operand {
+                data: x_fp8.data(),
+                format: Fp8Format::E4M3,
+                scale_inv: &x_si,
+            },
+            Operand {
+                data: self.w_fp8.data(),
+                format: Fp8Format::E4M3,
+                scale_inv: self.w_fp8.scale_inv(),
+            },
+            GemmOut::F32(y),
+            opts,
+        )
+    }
+
+    fn backward(
+        &mut self,
+        stream: &Stream,
+        grad_outputs: &[&DeviceBuffer<f32>],
+        grad_inputs: &[&DeviceBuffer<f32>],
+        slot: &Slot<'_, f32>,
+    ) -> Result<()> {
+        let (m, k, n) = (self.tokens, self.in_features, self.out_features);
+        let (dy, dx) = one_each("backward", grad_outputs, grad_inputs, m * n, m * k)?;
+        let [xt_buf, si_buf] = saved_pair(slot)?;
+        let x_si = scalar_of(&self.ctx, si_buf)?;
+        let x_t = view::<u8, f32>(&self.ctx, xt_buf, m * k)?;
+        let dy_si = DeviceScalar::at(self.dy_scale_inv.clone(), 0)?;
+        let mut dy_fp8 = Fp8Tensor::from_parts(
+            view::<u8, u8>(&self.ctx, &self.dy_fp8, m * n)?,
+            &[m, n],
+            Fp8Format::E5M2,
+            self.scaling.scale(self.first_tensor + DY)?,
+            dy_si.clone(),
+            self.scaling.amax(self.first_tensor + DY)?,
+        )?;
+        cast_transpose(
+            stream,
+            HpBuffer::F32(dy),
+            m,
+            n,
+            &mut dy_fp8,
+            &mut self.dy_t,
+            None,
+        )?;
+        let opts = GemmOptions::new().path(self.path);
+        // dX[M, K] = dY[M, N] . W[N, K]: B = W^T [K, N].
+        gemm(
+            stream,
+            m,
+            k,
+            n,
+            Operand {
+                data: dy_fp8.data(),
+                format: Fp8Format::E5M2,
+                scale_inv: &dy_si,
+            },
+            Operand {
+                data: &self.w_t,
+                format: Fp8Format::E4M3,
+                scale_inv: self.w_fp8.scale_inv(),
+            },
+            GemmOut::F32(dx),
+            opts,
+        )?;
+        // dW[N, K] += dY^T[N, M] . X^T[K, M]^T.
+        gemm(
+            stream,
+            n,
+            k,
+            m,
+            Operand {
+                data: &self.dy_t,
+                format: Fp8Format::E5M2,
+                scale_inv: &dy_si,
+            },
+            Operand {
+                data: &x_t,
+                format: Fp8Format::E4M3,
+                scale_inv: &x_si,
+            },
+            GemmOut::F32(&self.dw),
+            opts.accumulate(true),
+        )?;
+        if let Some((_, db)) = &self.bias {
+            let (rows, cols) = (m as u32, n as u32);
+            // SAFETY: fp8_linear_bias_grad_f32(const float* dy, float* db, u32 rows, u32
+            // cols) reads rows * cols floats of dy (its length, checked by one_each) and adds
+            // to cols floats of db (out_features long); one thread per column,
+            // bound-checked.
+            unsafe {
+                stream.launch(
+                    &self.bias_grad,
+                    &LaunchConfig::for_elements(cols, 128),
+                    &kernel_args![*dy, *db, rows, cols],
+                )
+            }?;
+        }
+        Ok(())
+    }
+}
+
+/// The one input and one output of a pass, of lengths `a_len` and `b_len`; an error when
+/// the counts or lengths are wrong.
+fn one_each<'a>(
+    what: &str,
+    a: &[&'a DeviceBuffer<f32>],
+    b: &[&'a DeviceBuffer<f32>],
+    a_len: usize,
+    b_len: usize,
+) -> Result<(&'a DeviceBuffer<f32>, &'a DeviceBuffer<f32>)> {
+    match (a, b) {
+        ([a], [b]) if a.len() == a_len && b.len() == b_len => Ok((a, b)),
+        ([a], [b]) => Err(Error::InvalidArgument(format!(
+            "Fp8Linear {what}: buffers of {} and {} elements, the layer needs {a_len} and \
+             {b_len}",
+            a.len(),
+            b.len()
+        ))),
+        _ => Err(Error::InvalidArgument(format!(
+            "Fp8Linear {what}: takes one buffer each way, got {} and {}",
+            a.len(),
+            b.len()
+        ))),
+    }
+}
+
+/// The slot's two saved buffers (`X^T` bytes, its `scale_inv`).
+fn saved_pair<'a>(slot: &Slot<'a, f32>) -> Result<[&'a DeviceBuffer<f32>; 2]> {
+    match slot.saved() {
+        [xt, si] => Ok([*xt, *si]),
+        s => Err(Error::InvalidArgument(format!(
+            "Fp8Linear at {}: needs 2 saved buffers (X^T, its scale_inv), got {}",
+            slot.at(),
+            s.len()
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shapes_follow_the_gemm_rules() {
+        assert!(check_shape(64, 128, 256).is_ok());
+        assert!(check_shape(16, 16, 16).is_ok());
+        let e = check_shape(60, 128, 256).unwrap_err().to_string();
+        assert!(e.contains("tokens = 60"), "{e}");
+        let e = check_shape(64, 100, 256).unwrap_err().to_string();
+        assert!(e.contains("in_features = 100"), "{e}");
+        let e = check_shape(64, 128, 0).unwrap_err().to_string();
+        assert!(e.contains("out_features = 0"), "{e}");
+        assert!(check_shape(1 << 20, 1 << 13, 16).is_err(), "2^33 elements");
+    }
+
+    #[test]
+    fn saved_buffers_hold_xt_bytes_and_one_scale() {
+        assert_eq!(saved_lens(64, 128), vec![64 * 128 / 4, 1]);
+        assert_eq!(saved_lens(16, 16), vec![64, 1]);
+    }
+
+    #[test]
+    fn formats_are_e4m3_forward_e5m2_backward() {
+        assert_eq!(FORMATS[X], Fp8Format::E4M3);
+        assert_eq!(FORMATS[W], Fp8Format::E4M3);
+        assert_eq!(FORMATS[DY], Fp8Format::E5M2);
+        assert_eq!(FORMATS.len(), TENSORS);
+    }
+}

@@ -1,0 +1,68 @@
+//! [`ScalingSnapshot`]: a device copy of a [`DelayedScaling`] state (amax history, scales,
+//! inverse scales), to save it before graphed-callables warmup and restore it after (the
+//! `before_warmup` / `after_warmup` hooks), so training starts from the state it would have
+//! had without warmup.
+
+use std::sync::Arc;
+
+use cuda_graph::{Context, DeviceBuffer, Error, Result, Stream};
+use fp8_kernels::DelayedScaling;
+
+/// Device copies of a [`DelayedScaling`]'s history, scale and scale_inv buffers.
+#[derive(Debug)]
+pub struct ScalingSnapshot {
+    history: DeviceBuffer<f32>,
+    scale: DeviceBuffer<f32>,
+    scale_inv: DeviceBuffer<f32>,
+}
+
+/// A non-owning, writable view of `buf` (the state's buffers are shared through `Arc`s).
+fn view_mut(ctx: &Arc<Context>, buf: &Arc<DeviceBuffer<f32>>) -> DeviceBuffer<f32> {
+    // SAFETY: the view covers exactly `buf`'s live allocation (in `ctx`, the context of the
+    // stream the state is used on), which the state's `Arc` keeps alive for the
+    // stream-ordered copy enqueued on it; the view never frees it.
+    unsafe { DeviceBuffer::from_raw(ctx, buf.as_raw(), buf.len()) }
+}
+
+impl ScalingSnapshot {
+    /// Buffers shaped like `state`'s (contents unspecified until [`save`](Self::save)).
+    /// `ctx` is the context the state lives in.
+    pub fn new(ctx: &Arc<Context>, state: &DelayedScaling) -> Result<ScalingSnapshot> {
+        Ok(ScalingSnapshot {
+            history: DeviceBuffer::alloc(ctx, state.history_buffer().len())?,
+            scale: DeviceBuffer::alloc(ctx, state.scale_buffer().len())?,
+            scale_inv: DeviceBuffer::alloc(ctx, state.scale_inv_buffer().len())?,
+        })
+    }
+
+    fn check(&self, state: &DelayedScaling) -> Result<()> {
+        if self.history.len() == state.history_buffer().len()
+            && self.scale.len() == state.scale_buffer().len()
+        {
+            Ok(())
+        } else {
+            Err(Error::InvalidArgument(
+                "ScalingSnapshot: the state has another shape than the snapshot".into(),
+            ))
+        }
+    }
+
+    /// Enqueues copies of `state`'s buffers into the snapshot on `stream` (no wait).
+    pub fn save(&mut self, stream: &Stream, state: &DelayedScaling) -> Result<()> {
+        self.check(state)?;
+        self.history
+            .copy_from_device(stream, state.history_buffer())?;
+        self.scale.copy_from_device(stream, state.scale_buffer())?;
+        self.scale_inv
+            .copy_from_device(stream, state.scale_inv_buffer())
+    }
+
+    /// Enqueues copies of the snapshot back into `state`'s buffers on `stream` (no wait).
+    pub fn restore(&self, stream: &Stream, state: &DelayedScaling) -> Result<()> {
+        self.check(state)?;
+        let ctx = stream.context();
+        view_mut(ctx, state.history_buffer()).copy_from_device(stream, &self.history)?;
+        view_mut(ctx, state.scale_buffer()).copy_from_device(stream, &self.scale)?;
+        view_mut(ctx, state.scale_inv_buffer()).copy_from_device(stream, &self.scale_inv)
+    }
+}
