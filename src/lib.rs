@@ -6,6 +6,9 @@
 //!   gradients) and per-tensor delayed scaling, implementing
 //!   [`cuda_graph::graphed::Callable`] (weight casts, saved activations in the runtime's
 //!   per-microbatch buffers) and usable eagerly with the same kernels;
+//! * [`moe::Fp8Moe`]: a first FP8 top-1 MoE layer (forward only), eager, breaking-layer
+//!   (router graphed, experts eager) or full-layer (one graph, grouped GEMM with device
+//!   counts) under graphed callables;
 //! * [`scaling::ScalingSnapshot`]: save and restore a delayed-scaling state around
 //!   graphed-callables warmup.
 //!
@@ -14,7 +17,9 @@
 #![deny(missing_docs)]
 
 pub mod linear;
+pub mod moe;
 pub mod scaling;
 
 pub use linear::Fp8Linear;
+pub use moe::{ExpertGemm, Fp8Moe, MoeConfig};
 pub use scaling::ScalingSnapshot;
