@@ -21,5 +21,5 @@ pub mod moe;
 pub mod scaling;
 
 pub use linear::Fp8Linear;
-pub use moe::{ExpertGemm, Fp8Moe, MoeConfig};
+pub use moe::{ExpertGemm, Fp8Moe, MoeConfig, RoutingHandle};
 pub use scaling::ScalingSnapshot;

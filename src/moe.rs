@@ -183,6 +183,38 @@ pub fn plan_routing(logits: &[f32], experts: usize) -> (Vec<i32>, Vec<i32>, Vec<
     (expert, position, counts)
 }
 
+/// The device buffers of the routing: `[T, E]` logits, `[T]` expert, position and gate,
+/// `[E]` counts.
+#[derive(Debug)]
+struct RoutingBuffers {
+    logits: DeviceBuffer<f32>,
+    expert: DeviceBuffer<i32>,
+    pos: DeviceBuffer<i32>,
+    gate: DeviceBuffer<f32>,
+    counts: DeviceBuffer<i32>,
+}
+
+/// A handle on a layer's routing buffers that stays valid when the layer is moved into a
+/// [`GraphedCallables`](cuda_graph::graphed::GraphedCallables) (which hides its concrete
+/// type): [`read`](Self::read) gives the routing of the layer's last forward.
+#[derive(Debug, Clone)]
+pub struct RoutingHandle(Arc<RoutingBuffers>);
+
+impl RoutingHandle {
+    /// The routing of the last forward, read back (waits for `stream`; order it after the
+    /// forward, e.g. on the same stream).
+    pub fn read(&self, stream: &Stream) -> Result<Routing> {
+        let r = &self.0;
+        Ok(Routing {
+            logits: r.logits.to_vec(stream)?,
+            expert: r.expert.to_vec(stream)?,
+            position: r.pos.to_vec(stream)?,
+            gate: r.gate.to_vec(stream)?,
+            counts: r.counts.to_vec(stream)?,
+        })
+    }
+}
+
 /// A non-owning view of `len` elements of `T` at element `offset` (in `T`s) of `buf`.
 /// `buf` (or its owner) must outlive every use of the view, including graphs captured
 /// with it.
@@ -245,14 +277,8 @@ pub struct Fp8Moe {
     wr: DeviceBuffer<f32>,
     /// `[E * F, H]` E4M3 expert weights, one current scale.
     w_fp8: Fp8Tensor,
-    /// `[T, E]`.
-    logits: DeviceBuffer<f32>,
-    /// `[T]` each.
-    expert: DeviceBuffer<i32>,
-    pos: DeviceBuffer<i32>,
-    gate: DeviceBuffer<f32>,
-    /// `[E]`.
-    counts: DeviceBuffer<i32>,
+    /// Logits, expert, position, gate, counts (shared with [`RoutingHandle`]s).
+    r: Arc<RoutingBuffers>,
     /// `[T, H]` E4M3 x (current scaling).
     x_fp8: Fp8Tensor,
     /// `[E, T, H]` dispatched FP8 rows.
@@ -331,11 +357,13 @@ impl Fp8Moe {
             path: GemmPath::Auto,
             wr,
             w_fp8,
-            logits: DeviceBuffer::from_host(stream, &vec![0f32; t * e])?,
-            expert: DeviceBuffer::from_host(stream, &vec![0i32; t])?,
-            pos: DeviceBuffer::from_host(stream, &vec![0i32; t])?,
-            gate: DeviceBuffer::from_host(stream, &vec![0f32; t])?,
-            counts: DeviceBuffer::from_host(stream, &vec![0i32; e])?,
+            r: Arc::new(RoutingBuffers {
+                logits: DeviceBuffer::from_host(stream, &vec![0f32; t * e])?,
+                expert: DeviceBuffer::from_host(stream, &vec![0i32; t])?,
+                pos: DeviceBuffer::from_host(stream, &vec![0i32; t])?,
+                gate: DeviceBuffer::from_host(stream, &vec![0f32; t])?,
+                counts: DeviceBuffer::from_host(stream, &vec![0i32; e])?,
+            }),
             x_fp8: Fp8Tensor::new(stream, &[t, hd], Fp8Format::E4M3)?,
             x_disp: DeviceBuffer::from_host(stream, &vec![0u8; e * t * hd])?,
             h: DeviceBuffer::from_host(stream, &vec![0f32; e * t * f])?,
@@ -380,13 +408,13 @@ impl Fp8Moe {
 
     /// The routing of the last forward, read back (waits for `stream`).
     pub fn routing(&self, stream: &Stream) -> Result<Routing> {
-        Ok(Routing {
-            logits: self.logits.to_vec(stream)?,
-            expert: self.expert.to_vec(stream)?,
-            position: self.pos.to_vec(stream)?,
-            gate: self.gate.to_vec(stream)?,
-            counts: self.counts.to_vec(stream)?,
-        })
+        self.routing_handle().read(stream)
+    }
+
+    /// A handle on the routing buffers, to read the routing after the layer was moved into
+    /// a graphed runtime.
+    pub fn routing_handle(&self) -> RoutingHandle {
+        RoutingHandle(self.r.clone())
     }
 
     /// The expert outputs of the last forward, `[E, T, F]` (rows at or beyond an expert's
@@ -430,7 +458,16 @@ impl Fp8Moe {
             stream.launch(
                 &self.router,
                 &LaunchConfig::linear(t, ROUTER_BLOCK),
-                &kernel_args![*x, self.wr, self.logits, self.expert, self.gate, t, hd, e],
+                &kernel_args![
+                    *x,
+                    self.wr,
+                    self.r.logits,
+                    self.r.expert,
+                    self.r.gate,
+                    t,
+                    hd,
+                    e
+                ],
             )
         }?;
         let mut cfg = LaunchConfig::linear(1, PLAN_BLOCK);
@@ -443,7 +480,7 @@ impl Fp8Moe {
             stream.launch(
                 &self.plan,
                 &cfg,
-                &kernel_args![self.expert, self.pos, self.counts, t, e],
+                &kernel_args![self.r.expert, self.r.pos, self.r.counts, t, e],
             )
         }?;
         quantize_current(stream, HpBuffer::F32(x), &mut self.x_fp8, None)?;
@@ -459,8 +496,8 @@ impl Fp8Moe {
                 &kernel_args![
                     *self.x_fp8.data(),
                     self.x_disp,
-                    self.expert,
-                    self.pos,
+                    self.r.expert,
+                    self.r.pos,
                     t,
                     vecs,
                     t,
@@ -495,7 +532,7 @@ impl Fp8Moe {
                 scale_inv: self.w_fp8.scale_inv(),
             },
             GemmOut::F32(&self.h),
-            &self.counts,
+            &self.r.counts,
             GemmOptions::new().path(self.path),
         )
     }
@@ -509,7 +546,7 @@ impl Fp8Moe {
             ffn: f,
             experts: _,
         } = self.cfg;
-        let counts = self.counts.to_vec(stream)?;
+        let counts = self.r.counts.to_vec(stream)?;
         for (g, &c) in counts.iter().enumerate() {
             let c = usize::try_from(c).unwrap_or(0).min(t);
             if c == 0 {
@@ -555,7 +592,17 @@ impl Fp8Moe {
             stream.launch(
                 &self.combine,
                 &LaunchConfig::linear(t, ROW_BLOCK),
-                &kernel_args![self.h, self.expert, self.pos, self.gate, *y, t, f, t, e],
+                &kernel_args![
+                    self.h,
+                    self.r.expert,
+                    self.r.pos,
+                    self.r.gate,
+                    *y,
+                    t,
+                    f,
+                    t,
+                    e
+                ],
             )
         }
     }
