@@ -4,6 +4,8 @@
 //! * `fp8-moe bench graph [--json PATH]`: launch, replay, capture and update costs.
 //! * `fp8-moe bench fp8-cast [--json PATH]`: FP8 quantize and cast-transpose bandwidth.
 //! * `fp8-moe bench gemm [--json PATH]`: FP8 GEMM and grouped GEMM against cuBLASLt.
+//! * `fp8-moe bench graphed [--json PATH]`: eager against graphed step time of the FP8 MLP
+//!   stack and the FP8 MoE layer (eager, breaking-layer, full-layer).
 //!
 //! Errors print one line to stderr and exit non-zero; there is never a backtrace.
 
@@ -21,7 +23,10 @@ commands:
   bench fp8-cast [--json PATH]  FP8 quantize and cast-transpose bandwidth against a device
                                 copy (JSON default: bench-fp8-cast.json)
   bench gemm [--json PATH]      FP8 GEMM and MoE grouped GEMM against cuBLASLt (loaded at
-                                run time) (JSON default: bench-gemm.json)";
+                                run time) (JSON default: bench-gemm.json)
+  bench graphed [--json PATH]   eager vs graphed step time: FP8 MLP stack at 64 and 8192
+                                tokens, FP8 MoE layer eager vs breaking-layer vs
+                                full-layer (JSON default: bench-graphed.json)";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -67,6 +72,7 @@ enum Bench {
     Graph,
     Fp8Cast,
     Gemm,
+    Graphed,
 }
 
 impl Bench {
@@ -75,6 +81,7 @@ impl Bench {
             "graph" => Some(Bench::Graph),
             "fp8-cast" => Some(Bench::Fp8Cast),
             "gemm" => Some(Bench::Gemm),
+            "graphed" => Some(Bench::Graphed),
             _ => None,
         }
     }
@@ -96,6 +103,11 @@ fn run_bench(bench: Bench, json_path: &str) -> Result<(), info::CliError> {
             "gemm",
             "bench gemm: FP8 GEMM (M x N x K) against cuBLASLt in the same run",
             bench::gemm::run(),
+        ),
+        Bench::Graphed => (
+            "graphed",
+            "bench graphed: eager vs graphed step time (FP8 MLP stack, FP8 MoE layer)",
+            bench::graphed::run(),
         ),
     };
     let rows = rows.map_err(|e| info::CliError::Other(e.to_string()))?;

@@ -5,6 +5,7 @@ pub mod cublaslt;
 pub mod fp8_cast;
 pub mod gemm;
 pub mod graph;
+pub mod graphed;
 
 use std::fmt::Write as _;
 

@@ -1,0 +1,427 @@
+//! `fp8-moe bench graphed`: eager against graphed step time, CUDA events, medians.
+//!
+//! * The FP8 MLP stack of `tests/fp8_mlp.rs` ([`Fp8Linear`] layers with bias, alternating
+//!   1024 -> 2048 -> 1024 features, one [`DelayedScaling`] state updated after every
+//!   forward and backward), 1 chunk of 4 layers x 3 microbatches, order
+//!   `[1, 1, 1, -1, -1, -1]`: one training step eagerly (a `cast_weights` on microbatch 0,
+//!   every layer's forward and backward, the updates) against the same step replayed
+//!   through [`GraphedCallables`], at 64 tokens (launch-bound) and 8192 tokens.
+//! * The FP8 MoE layer ([`Fp8Moe`], forward only with a trivial backward), T = 4096,
+//!   H = 2048, F = 2048, E = 8: eager (per-expert dense GEMMs on host-read counts) against
+//!   breaking-layer (router graphed, experts eager, combine graphed) and full-layer (one
+//!   graph, grouped GEMM with device counts), one forward + backward per step, the input
+//!   rotating over 4 token sets so the distribution changes every step. Before timing, the
+//!   breaking-layer output is checked bit for bit against eager and the full-layer output
+//!   against eager to 2e-3.
+
+use std::sync::Arc;
+
+use cuda_graph::graphed::{
+    Callable, GraphIndex, GraphedCallables, GraphedOptions, Schedule, Slot, Step,
+};
+use cuda_graph::{Context, DeviceBuffer, GraphPool, Stream};
+use fp8_kernels::{AmaxAlgo, DelayedScaling, Fp8Format};
+use fp8_moe::linear::{self, Fp8Linear};
+use fp8_moe::moe::{ExpertGemm, Fp8Moe, MoeConfig};
+
+use super::{BenchResult, Row, event_median_ms, xorshift};
+
+const WARMUP: usize = 3;
+const REPS: usize = 20;
+const MLP_ORDER: [i64; 6] = [1, 1, 1, -1, -1, -1];
+const MLP_LAYERS: usize = 4;
+const NARROW: usize = 1024;
+const WIDE: usize = 2048;
+const MLP_TOKENS: [usize; 2] = [64, 8192];
+const MOE: MoeConfig = MoeConfig {
+    tokens: 4096,
+    hidden: 2048,
+    ffn: 2048,
+    experts: 8,
+};
+/// Token sets the MoE input rotates over.
+const MOE_INPUTS: usize = 4;
+const MOE_ORDER: [i64; 2] = [1, -1];
+const TENSOR_CORE_BOUND: f64 = 2e-3;
+
+/// `n` values uniform in `[-scale, scale]`, from `seed`.
+fn random(seed: u64, n: usize, scale: f32) -> Vec<f32> {
+    let mut next = xorshift(seed);
+    (0..n)
+        .map(|_| ((next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale)
+        .collect()
+}
+
+/// Copies `v` into `buf`, a buffer owned elsewhere (the runtime's static buffers); waits.
+fn overwrite(
+    ctx: &Arc<Context>,
+    stream: &Stream,
+    buf: &DeviceBuffer<f32>,
+    v: &[f32],
+) -> BenchResult<()> {
+    // SAFETY: a non-owning view of exactly `buf`'s live allocation; `buf` outlives the copy,
+    // which waits before returning, and the view never frees it.
+    let mut view = unsafe { DeviceBuffer::<f32>::from_raw(ctx, buf.as_raw(), buf.len()) };
+    view.copy_from_host(stream, v)?;
+    Ok(())
+}
+
+fn widths(layer: usize) -> (usize, usize) {
+    if layer % 2 == 0 {
+        (NARROW, WIDE)
+    } else {
+        (WIDE, NARROW)
+    }
+}
+
+fn mlp_layers(
+    stream: &Stream,
+    tokens: usize,
+    scaling: &Arc<DelayedScaling>,
+) -> BenchResult<Vec<Fp8Linear>> {
+    (0..MLP_LAYERS)
+        .map(|l| {
+            let (i, o) = widths(l);
+            Ok(Fp8Linear::new(
+                stream,
+                tokens,
+                i,
+                o,
+                &random(100 + l as u64, i * o, 0.03),
+                Some(&random(200 + l as u64, o, 0.1)),
+                scaling.clone(),
+                l * linear::TENSORS,
+            )?)
+        })
+        .collect()
+}
+
+fn mlp_scaling(stream: &Stream) -> BenchResult<Arc<DelayedScaling>> {
+    let formats: Vec<Fp8Format> = (0..MLP_LAYERS).flat_map(|_| linear::FORMATS).collect();
+    Ok(Arc::new(DelayedScaling::new(
+        stream,
+        &formats,
+        16,
+        0,
+        AmaxAlgo::Max,
+    )?))
+}
+
+/// The eager MLP step time (ms) at `tokens`.
+fn mlp_eager(ctx: &Arc<Context>, stream: &Stream, tokens: usize) -> BenchResult<f64> {
+    let scaling = mlp_scaling(stream)?;
+    let mut layers = mlp_layers(stream, tokens, &scaling)?;
+    let pool = GraphPool::new(ctx, 256)?;
+    let mbs = 3;
+    let alloc = |n: usize| DeviceBuffer::<f32>::from_host(stream, &vec![0f32; n]);
+    // Per microbatch: the input, and per layer the output, input gradient, saved buffers.
+    let mut xs = Vec::new();
+    let mut outs = Vec::new();
+    let mut dxs = Vec::new();
+    let mut saved = Vec::new();
+    for mb in 0..mbs {
+        xs.push(DeviceBuffer::from_host(
+            stream,
+            &random(300 + mb as u64, tokens * NARROW, 1.0),
+        )?);
+        let mut o = Vec::new();
+        let mut d = Vec::new();
+        let mut s = Vec::new();
+        for (l, layer) in layers.iter().enumerate() {
+            let (i, w) = widths(l);
+            o.push(alloc(tokens * w)?);
+            d.push(alloc(tokens * i)?);
+            s.push(
+                layer
+                    .saved_lens()
+                    .iter()
+                    .map(|&n| alloc(n))
+                    .collect::<Result<Vec<_>, _>>()?,
+            );
+        }
+        outs.push(o);
+        dxs.push(d);
+        saved.push(s);
+    }
+    let dy = DeviceBuffer::from_host(stream, &random(400, tokens * widths(MLP_LAYERS - 1).1, 0.1))?;
+    stream.synchronize()?;
+    let ms = event_median_ms(stream, WARMUP, REPS, || {
+        for mb in 0..mbs {
+            for l in 0..MLP_LAYERS {
+                let x = if l == 0 { &xs[mb] } else { &outs[mb][l - 1] };
+                let at = GraphIndex {
+                    chunk: 0,
+                    microbatch: mb,
+                    layer: l,
+                };
+                let slot = Slot::new(
+                    at,
+                    vec![x],
+                    vec![&outs[mb][l]],
+                    saved[mb][l].iter().collect(),
+                    &pool,
+                );
+                if mb == 0 {
+                    layers[l].cast_weights(stream, &slot)?;
+                }
+                layers[l].forward(stream, &[x], &[&outs[mb][l]], &slot)?;
+            }
+            scaling.update(stream)?;
+        }
+        for mb in 0..mbs {
+            for l in (0..MLP_LAYERS).rev() {
+                let x = if l == 0 { &xs[mb] } else { &outs[mb][l - 1] };
+                let g = if l == MLP_LAYERS - 1 {
+                    &dy
+                } else {
+                    &dxs[mb][l + 1]
+                };
+                let at = GraphIndex {
+                    chunk: 0,
+                    microbatch: mb,
+                    layer: l,
+                };
+                let slot = Slot::new(
+                    at,
+                    vec![x],
+                    vec![&outs[mb][l]],
+                    saved[mb][l].iter().collect(),
+                    &pool,
+                );
+                layers[l].backward(stream, &[g], &[&dxs[mb][l]], &slot)?;
+            }
+            scaling.update(stream)?;
+        }
+        Ok(())
+    })?;
+    Ok(ms)
+}
+
+/// The graphed MLP step time (ms) at `tokens`.
+fn mlp_graphed(ctx: &Arc<Context>, stream: &Stream, tokens: usize) -> BenchResult<f64> {
+    let scaling = mlp_scaling(stream)?;
+    let layers = mlp_layers(stream, tokens, &scaling)?;
+    let schedule = Schedule::new(&MLP_ORDER, vec![MLP_LAYERS])?;
+    let mut options = GraphedOptions::new(schedule.clone());
+    options.after_forward = Some(Box::new({
+        let s = scaling.clone();
+        move |st: &Stream, _step: Step| s.update(st)
+    }));
+    options.after_backward = Some(Box::new({
+        let s = scaling.clone();
+        move |st: &Stream, _step: Step| s.update(st)
+    }));
+    let sample = DeviceBuffer::from_host(stream, &random(300, tokens * NARROW, 1.0))?;
+    let layout = schedule.layout().clone();
+    let samples: Vec<Vec<&DeviceBuffer<f32>>> = layout
+        .iter()
+        .map(|at| if at.layer == 0 { vec![&sample] } else { vec![] })
+        .collect();
+    let callables: Vec<Box<dyn Callable<f32>>> = layers
+        .into_iter()
+        .map(|l| Box::new(l) as Box<dyn Callable<f32>>)
+        .collect();
+    let graphed = GraphedCallables::build(stream, callables, &samples, options)?;
+    // Inputs and output gradients written straight into the static buffers (no copies in
+    // the timed step, as the eager step reads its buffers in place).
+    for mb in 0..3 {
+        let x = graphed.static_inputs(0, mb)?;
+        overwrite(
+            ctx,
+            stream,
+            x[0],
+            &random(300 + mb as u64, tokens * NARROW, 1.0),
+        )?;
+        let g = graphed.static_grad_outputs(0, mb)?;
+        overwrite(
+            ctx,
+            stream,
+            g[0],
+            &random(400, tokens * widths(MLP_LAYERS - 1).1, 0.1),
+        )?;
+    }
+    stream.synchronize()?;
+    let ms = event_median_ms(stream, WARMUP, REPS, || {
+        for &st in schedule.steps() {
+            let mb = st.microbatch();
+            match st {
+                Step::Forward { .. } => {
+                    let x = graphed.static_inputs(0, mb)?;
+                    graphed.forward(0, mb, &x, stream)?;
+                }
+                Step::Backward { .. } => {
+                    let g = graphed.static_grad_outputs(0, mb)?;
+                    graphed.backward(0, mb, &g, stream)?;
+                }
+                Step::WeightGrad { .. } => return Err("no weight-gradient entries".into()),
+            }
+        }
+        Ok(())
+    })?;
+    Ok(ms)
+}
+
+fn moe_layer(stream: &Stream, mode: ExpertGemm) -> BenchResult<Fp8Moe> {
+    let (e, h, f) = (MOE.experts, MOE.hidden, MOE.ffn);
+    Ok(Fp8Moe::new(
+        stream,
+        MOE,
+        &random(500, e * h, 0.05),
+        &random(600, e * f * h, 0.03),
+        mode,
+    )?)
+}
+
+/// The MoE inputs the steps rotate over.
+fn moe_inputs(stream: &Stream) -> BenchResult<Vec<DeviceBuffer<f32>>> {
+    (0..MOE_INPUTS)
+        .map(|i| {
+            Ok(DeviceBuffer::from_host(
+                stream,
+                &random(700 + i as u64, MOE.tokens * MOE.hidden, 1.0),
+            )?)
+        })
+        .collect()
+}
+
+/// Eager MoE step time (ms) and the output of input 0.
+fn moe_eager(ctx: &Arc<Context>, stream: &Stream) -> BenchResult<(f64, Vec<f32>)> {
+    let mut layer = moe_layer(stream, ExpertGemm::PerExpert)?;
+    let inputs = moe_inputs(stream)?;
+    let pool = GraphPool::new(ctx, 256)?;
+    let mut x = DeviceBuffer::<f32>::alloc(ctx, MOE.tokens * MOE.hidden)?;
+    let y = DeviceBuffer::<f32>::alloc(ctx, MOE.tokens * MOE.ffn)?;
+    let dy = DeviceBuffer::from_host(stream, &vec![0f32; MOE.tokens * MOE.ffn])?;
+    let dx = DeviceBuffer::<f32>::alloc(ctx, MOE.tokens * MOE.hidden)?;
+    let at = GraphIndex {
+        chunk: 0,
+        microbatch: 0,
+        layer: 0,
+    };
+    let mut step = 0usize;
+    let body = |layer: &mut Fp8Moe, x: &mut DeviceBuffer<f32>, i: usize| -> BenchResult<()> {
+        x.copy_from_device(stream, &inputs[i])?;
+        let slot = Slot::new(at, vec![&*x], vec![&y], vec![], &pool);
+        layer.forward(stream, &[&*x], &[&y], &slot)?;
+        layer.backward(stream, &[&dy], &[&dx], &slot)?;
+        Ok(())
+    };
+    body(&mut layer, &mut x, 0)?;
+    let y0 = y.to_vec(stream)?;
+    let ms = event_median_ms(stream, WARMUP, REPS, || {
+        step += 1;
+        body(&mut layer, &mut x, step % MOE_INPUTS)
+    })?;
+    Ok((ms, y0))
+}
+
+/// Graphed MoE step time (ms) and the output of input 0.
+fn moe_graphed(stream: &Stream, mode: ExpertGemm) -> BenchResult<(f64, Vec<f32>)> {
+    let layer = moe_layer(stream, mode)?;
+    let inputs = moe_inputs(stream)?;
+    let schedule = Schedule::new(&MOE_ORDER, vec![1])?;
+    let graphed = GraphedCallables::build(
+        stream,
+        vec![Box::new(layer) as Box<dyn Callable<f32>>],
+        &[vec![&inputs[0]]],
+        GraphedOptions::new(schedule),
+    )?;
+    let dy = DeviceBuffer::from_host(stream, &vec![0f32; MOE.tokens * MOE.ffn])?;
+    let y0 = {
+        let y = graphed.forward(0, 0, &[&inputs[0]], stream)?;
+        let v = y[0].to_vec(stream)?;
+        graphed.backward(0, 0, &[&dy], stream)?;
+        v
+    };
+    let mut step = 0usize;
+    let ms = event_median_ms(stream, WARMUP, REPS, || {
+        step += 1;
+        graphed.forward(0, 0, &[&inputs[step % MOE_INPUTS]], stream)?;
+        graphed.backward(0, 0, &[&dy], stream)?;
+        Ok(())
+    })?;
+    Ok((ms, y0))
+}
+
+/// max |got - want| / max |want|; infinite on a non-finite value.
+fn rel_err(got: &[f32], want: &[f32]) -> f64 {
+    let (mut err, mut mag) = (0f64, 0f64);
+    for (&g, &w) in got.iter().zip(want) {
+        if !g.is_finite() || !w.is_finite() {
+            return f64::INFINITY;
+        }
+        err = err.max((f64::from(g) - f64::from(w)).abs());
+        mag = mag.max(f64::from(w).abs());
+    }
+    if got.len() != want.len() {
+        return f64::INFINITY;
+    }
+    if mag == 0.0 { err } else { err / mag }
+}
+
+/// Runs the benchmark on device 0.
+pub fn run() -> BenchResult<Vec<Row>> {
+    let ctx = Context::default_device()?;
+    let stream = Stream::new(&ctx)?;
+    let mut rows = Vec::new();
+    for tokens in MLP_TOKENS {
+        let eager = mlp_eager(&ctx, &stream, tokens)?;
+        let graphed = mlp_graphed(&ctx, &stream, tokens)?;
+        let what = format!("FP8 MLP {MLP_LAYERS} layers x 3 microbatches, {tokens} tokens");
+        rows.push(Row {
+            name: format!("{what}: eager step"),
+            value: eager,
+            unit: "ms",
+            yardstick: "fwd + bwd of every microbatch, scale updates".into(),
+            pass: None,
+        });
+        rows.push(Row {
+            name: format!("{what}: graphed step"),
+            value: graphed,
+            unit: "ms",
+            yardstick: format!("{:.2}x eager", eager / graphed),
+            pass: (tokens <= 64).then_some(graphed < eager),
+        });
+    }
+    let (eager, y_eager) = moe_eager(&ctx, &stream)?;
+    let (breaking, y_breaking) = moe_graphed(&stream, ExpertGemm::PerExpert)?;
+    let (full, y_full) = moe_graphed(&stream, ExpertGemm::Grouped)?;
+    if y_breaking.len() != y_eager.len()
+        || y_breaking
+            .iter()
+            .zip(&y_eager)
+            .any(|(a, b)| a.to_bits() != b.to_bits())
+    {
+        return Err("MoE breaking-layer output differs from eager".into());
+    }
+    let err = rel_err(&y_full, &y_eager);
+    if err > TENSOR_CORE_BOUND {
+        return Err(format!("MoE full-layer output off eager by {err:e}").into());
+    }
+    let what = format!(
+        "FP8 MoE T={} H={} F={} E={}",
+        MOE.tokens, MOE.hidden, MOE.ffn, MOE.experts
+    );
+    rows.push(Row {
+        name: format!("{what}: eager (per-expert GEMMs)"),
+        value: eager,
+        unit: "ms",
+        yardstick: "fwd + trivial bwd, counts read to the host".into(),
+        pass: None,
+    });
+    rows.push(Row {
+        name: format!("{what}: breaking-layer"),
+        value: breaking,
+        unit: "ms",
+        yardstick: format!("{:.2}x eager; bit-identical to eager", eager / breaking),
+        pass: None,
+    });
+    rows.push(Row {
+        name: format!("{what}: full-layer (grouped GEMM)"),
+        value: full,
+        unit: "ms",
+        yardstick: format!("{:.2}x eager; {err:.1e} from eager", eager / full),
+        pass: None,
+    });
+    Ok(rows)
+}
