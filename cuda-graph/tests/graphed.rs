@@ -13,64 +13,17 @@ use cuda_graph::graphed::{
     Step,
 };
 use cuda_graph::{
-    Allocation, Context, DeviceBuffer, Error, GraphPool, Kernel, LaunchConfig, Module, Result,
-    Stream, kernel_args,
+    Allocation, DeviceBuffer, Error, GraphPool, Kernel, LaunchConfig, Result, Stream, kernel_args,
 };
-use std::sync::Arc;
 
-const FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/graphed_kernels.fatbin"));
 /// Elements per buffer: more than one block, not a multiple of it.
+mod graphed_common;
+use graphed_common::Gpu;
+
 const N: usize = 300;
 /// Training steps each test runs (the replay cursor wraps between them, gradients keep
 /// accumulating).
 const STEPS: usize = 2;
-
-struct Gpu {
-    ctx: Arc<Context>,
-    stream: Stream,
-    module: Module,
-}
-
-impl Gpu {
-    fn new() -> Gpu {
-        let ctx = Context::default_device().expect("context");
-        let stream = Stream::new(&ctx).expect("stream");
-        let module = Module::from_image(&ctx, FATBIN).expect("graphed test kernels");
-        Gpu {
-            ctx,
-            stream,
-            module,
-        }
-    }
-    fn k(&self, name: &str) -> Kernel {
-        self.module.kernel(name).expect(name)
-    }
-    fn upload(&self, v: &[f32]) -> DeviceBuffer<f32> {
-        let b = DeviceBuffer::from_host(&self.stream, v).expect("upload");
-        self.stream.synchronize().expect("sync");
-        b
-    }
-    /// Sets every element of `b` (through `&`, as callables may) and waits.
-    fn fill(&self, b: &DeviceBuffer<f32>, v: f32) {
-        let n = b.len() as u32;
-        // SAFETY: gl_fill writes n floats of b.
-        unsafe {
-            self.stream
-                .launch(
-                    &self.k("gl_fill"),
-                    &LaunchConfig::for_elements(n, 128),
-                    &kernel_args![*b, v, n],
-                )
-                .expect("fill");
-        }
-        self.stream.synchronize().expect("sync");
-    }
-    fn read(&self, b: &DeviceBuffer<f32>) -> Vec<f32> {
-        let v = b.to_vec(&self.stream).expect("read back");
-        self.stream.synchronize().expect("sync");
-        v
-    }
-}
 
 // ---- the model: deterministic values per callable, chunk and microbatch ----
 

@@ -17,13 +17,14 @@ use cuda_graph::graphed::{
     Schedule, Slot, Step, WeightCaching,
 };
 use cuda_graph::{
-    Context, DeviceBuffer, GraphPool, Kernel, LaunchConfig, Module, NodeKind, Result, Stream,
-    kernel_args,
+    DeviceBuffer, GraphPool, Kernel, LaunchConfig, NodeKind, Result, Stream, kernel_args,
 };
 use std::sync::{Arc, Mutex};
 
-const FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/graphed_kernels.fatbin"));
 /// Elements per buffer: more than one block, not a multiple of it.
+mod graphed_common;
+use graphed_common::Gpu;
+
 const N: usize = 200;
 /// Training steps each test replays.
 const STEPS: usize = 2;
@@ -35,39 +36,6 @@ const B: f32 = 0.5;
 const ORDER_1X3: [i64; 6] = [1, 1, 1, -1, -1, -1];
 /// 2 chunks x 3 microbatches, interleaved.
 const ORDER_2X3: [i64; 12] = [1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1];
-
-struct Gpu {
-    ctx: Arc<Context>,
-    stream: Stream,
-    module: Module,
-}
-
-impl Gpu {
-    fn new() -> Gpu {
-        let ctx = Context::default_device().expect("context");
-        let stream = Stream::new(&ctx).expect("stream");
-        let module = Module::from_image(&ctx, FATBIN).expect("graphed test kernels");
-        Gpu {
-            ctx,
-            stream,
-            module,
-        }
-    }
-    fn k(&self, name: &str) -> Kernel {
-        self.module.kernel(name).expect(name)
-    }
-    fn upload<T: cuda_graph::DeviceRepr>(&self, v: &[T]) -> DeviceBuffer<T> {
-        let b = DeviceBuffer::from_host(&self.stream, v).expect("upload");
-        self.stream.synchronize().expect("sync");
-        b
-    }
-    fn read<T: cuda_graph::DeviceRepr + Default + Clone>(&self, b: &DeviceBuffer<T>) -> Vec<T> {
-        self.stream.synchronize().expect("sync before read back");
-        let v = b.to_vec(&self.stream).expect("read back");
-        self.stream.synchronize().expect("sync");
-        v
-    }
-}
 
 fn input(chunk: usize, microbatch: usize) -> Vec<f32> {
     (0..N)

@@ -20,13 +20,15 @@ use cuda_graph::graphed::{
     Step, WeightCaching,
 };
 use cuda_graph::{
-    CaptureMode, Context, DeviceBuffer, Error, GraphPool, Kernel, LaunchConfig, Module, NodeKind,
-    Result, Stream, kernel_args,
+    CaptureMode, DeviceBuffer, Error, GraphPool, Kernel, LaunchConfig, NodeKind, Result, Stream,
+    kernel_args,
 };
 use std::sync::{Arc, Mutex};
 
-const FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/graphed_kernels.fatbin"));
 /// Tokens (elements) per buffer: more than one block, not a multiple of it.
+mod graphed_common;
+use graphed_common::Gpu;
+
 const N: usize = 300;
 /// Training steps each test replays; inputs differ between them.
 const STEPS: usize = 2;
@@ -39,42 +41,6 @@ const ORDER_2X3: [i64; 12] = [1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1];
 const BLOCK: u32 = 128;
 
 use SegmentKind::{Eager as E, Graphed as G};
-
-struct Gpu {
-    ctx: Arc<Context>,
-    stream: Stream,
-    module: Module,
-}
-
-impl Gpu {
-    fn new() -> Gpu {
-        let ctx = Context::default_device().expect("context");
-        let stream = Stream::new(&ctx).expect("stream");
-        let module = Module::from_image(&ctx, FATBIN).expect("graphed test kernels");
-        Gpu {
-            ctx,
-            stream,
-            module,
-        }
-    }
-    fn k(&self, name: &str) -> Kernel {
-        self.module.kernel(name).expect(name)
-    }
-    fn upload<T: cuda_graph::DeviceRepr>(&self, v: &[T]) -> DeviceBuffer<T> {
-        let b = DeviceBuffer::from_host(&self.stream, v).expect("upload");
-        self.stream.synchronize().expect("sync");
-        b
-    }
-    fn read<T: cuda_graph::DeviceRepr>(&self, b: &DeviceBuffer<T>) -> Vec<T> {
-        let v = b.to_vec(&self.stream).expect("read back");
-        self.stream.synchronize().expect("sync");
-        v
-    }
-    /// A buffer of `len` NaNs (poison).
-    fn poisoned(&self, len: usize) -> DeviceBuffer<f32> {
-        self.upload(&vec![f32::NAN; len])
-    }
-}
 
 // ---- data: deterministic per callable, chunk, microbatch and training step ----
 
