@@ -99,21 +99,7 @@ fn cast_transpose_matches_reference() {
                     fmt,
                     exact_nan,
                 );
-                assert_eq!(
-                    scalar_bits(&stream, out.amax()),
-                    want_amax.to_bits(),
-                    "{what}: amax"
-                );
-                assert_eq!(
-                    out.scale_inv().read(&stream).unwrap(),
-                    1.0 / scale,
-                    "{what}: scale_inv"
-                );
-                assert_eq!(
-                    out.scale().read(&stream).unwrap(),
-                    scale,
-                    "{what}: scale kept"
-                );
+                assert_cast_scalars(&stream, &out, want_amax, scale, &what);
             }
         }
     }

@@ -56,21 +56,7 @@ fn quantize_matches_reference_with_fused_amax() {
                 let got = out.data().to_vec(&stream).unwrap();
                 check_bytes(&what, &got, &wide, scale, fmt);
                 let want_amax = r::amax(wide.iter().copied());
-                assert_eq!(
-                    scalar_bits(&stream, out.amax()),
-                    want_amax.to_bits(),
-                    "{what}: amax"
-                );
-                assert_eq!(
-                    out.scale_inv().read(&stream).unwrap(),
-                    1.0 / scale,
-                    "{what}: scale_inv"
-                );
-                assert_eq!(
-                    out.scale().read(&stream).unwrap(),
-                    scale,
-                    "{what}: scale kept"
-                );
+                assert_cast_scalars(&stream, &out, want_amax, scale, &what);
             }
         }
     }

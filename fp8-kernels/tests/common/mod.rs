@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use cuda_graph::{CaptureMode, Context, DeviceBuffer, Graph, Result, Stream};
 use fp8_kernels::reference as r;
-use fp8_kernels::{DType, DeviceScalar, HpBuffer};
+use fp8_kernels::{DType, DeviceScalar, Fp8Tensor, HpBuffer};
 
 pub const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::Bf16];
 
@@ -106,4 +106,30 @@ pub fn capture(_ctx: &Arc<Context>, stream: &Stream, f: impl FnOnce() -> Result<
     stream
         .capture(CaptureMode::ThreadLocal, |_| f())
         .expect("work enqueued during capture")
+}
+
+/// After a cast with a device-side `scale`: amax holds `want_amax` bit for bit, scale_inv is
+/// `1 / scale`, and the scale itself was left alone.
+pub fn assert_cast_scalars(
+    stream: &Stream,
+    out: &Fp8Tensor,
+    want_amax: f32,
+    scale: f32,
+    what: &str,
+) {
+    assert_eq!(
+        scalar_bits(stream, out.amax()),
+        want_amax.to_bits(),
+        "{what}: amax"
+    );
+    assert_eq!(
+        out.scale_inv().read(stream).unwrap(),
+        1.0 / scale,
+        "{what}: scale_inv"
+    );
+    assert_eq!(
+        out.scale().read(stream).unwrap(),
+        scale,
+        "{what}: scale kept"
+    );
 }
