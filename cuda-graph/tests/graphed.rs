@@ -155,38 +155,11 @@ struct Results {
 }
 
 fn assert_bit_equal(got: &Results, want: &Results, what: &str) {
-    assert_eq!(got.steps.len(), want.steps.len(), "{what}: number of steps");
-    for (k, ((sg, g), (sw, w))) in got.steps.iter().zip(&want.steps).enumerate() {
-        assert_eq!(sg, sw, "{what}: replay {k} ran another step");
-        for i in 0..N {
-            assert_eq!(
-                g[i].to_bits(),
-                w[i].to_bits(),
-                "{what}: replay {k} ({sg:?}) element {i}: {} vs expected {}",
-                g[i],
-                w[i]
-            );
-        }
-    }
-    assert_eq!(got.grads.len(), want.grads.len(), "{what}: callables");
-    for (c, ((gw, gb), (ww, wb))) in got.grads.iter().zip(&want.grads).enumerate() {
-        for i in 0..N {
-            assert_eq!(
-                gw[i].to_bits(),
-                ww[i].to_bits(),
-                "{what}: dw of callable {c}[{i}]: {} vs {}",
-                gw[i],
-                ww[i]
-            );
-            assert_eq!(
-                gb[i].to_bits(),
-                wb[i].to_bits(),
-                "{what}: db of callable {c}[{i}]: {} vs {}",
-                gb[i],
-                wb[i]
-            );
-        }
-    }
+    graphed_common::assert_replays_bit_equal(
+        (&got.steps, &got.grads),
+        (&want.steps, &want.grads),
+        what,
+    );
 }
 
 /// The reference on the host, over `training_steps` training steps.

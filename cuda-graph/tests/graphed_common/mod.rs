@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use cuda_graph::graphed::Step;
 use cuda_graph::{
     Context, DeviceBuffer, DeviceRepr, Kernel, LaunchConfig, Module, Stream, kernel_args,
 };
@@ -61,5 +62,37 @@ impl Gpu {
                 .expect("fill");
         }
         self.stream.synchronize().expect("sync");
+    }
+}
+
+/// Per replay, in order: the step and the forward's output or the backward's input gradient.
+pub type Replays = [(Step, Vec<f32>)];
+/// Per callable: `(dw, db)`.
+pub type Grads = [(Vec<f32>, Vec<f32>)];
+
+/// Every replay's values and every callable's `(dw, db)` are equal bit for bit: `steps` holds,
+/// in replay order, the step and the forward's output or the backward's input gradient.
+pub fn assert_replays_bit_equal(got: (&Replays, &Grads), want: (&Replays, &Grads), what: &str) {
+    assert_eq!(got.0.len(), want.0.len(), "{what}: number of steps");
+    for (k, ((sg, g), (sw, w))) in got.0.iter().zip(want.0).enumerate() {
+        assert_eq!(sg, sw, "{what}: replay {k} ran another step");
+        assert_bits_equal(g, w, &format!("{what}: replay {k} ({sg:?})"));
+    }
+    assert_eq!(got.1.len(), want.1.len(), "{what}: callables");
+    for (c, ((gw, gb), (ww, wb))) in got.1.iter().zip(want.1).enumerate() {
+        assert_bits_equal(gw, ww, &format!("{what}: dw of callable {c}"));
+        assert_bits_equal(gb, wb, &format!("{what}: db of callable {c}"));
+    }
+}
+
+/// `got` and `want` have the same length and the same bits, element by element.
+pub fn assert_bits_equal(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert_eq!(
+            g.to_bits(),
+            w.to_bits(),
+            "{what} element {i}: {g} vs expected {w}"
+        );
     }
 }
