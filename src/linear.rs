@@ -66,7 +66,7 @@ use fp8_kernels::gemm::{Bias, GemmOptions, GemmOut, GemmPath, K_ALIGN, Operand, 
 use fp8_kernels::{DelayedScaling, DeviceScalar, Fp8Format, Fp8Tensor, HpBuffer, cast_transpose};
 
 /// The crate's own kernels (the bias gradient), built from `src/kernels/fp8_linear.cu`.
-const FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/fp8_linear.fatbin"));
+static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/fp8_linear.fatbin"));
 
 /// How many tensors of the [`DelayedScaling`] state one layer uses.
 pub const TENSORS: usize = 3;
@@ -265,7 +265,7 @@ impl Fp8Linear {
                 }
             }
         }
-        let module = Module::from_image(&ctx, FATBIN)?;
+        let module = Module::embedded(&ctx, FATBIN)?;
         let bias_grad = module.kernel("fp8_linear_bias_grad_f32")?;
         // Load fp8-kernels' module now rather than lazily inside a capture.
         fp8_kernels::module(&ctx)?;

@@ -65,7 +65,7 @@ use fp8_kernels::gemm::{GemmOptions, GemmOut, GemmPath, K_ALIGN, Operand, gemm, 
 use fp8_kernels::{Fp8Format, Fp8Tensor, HpBuffer, quantize_current};
 
 /// The layer's kernels, built from `src/kernels/moe.cu`.
-const FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/moe.fatbin"));
+static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/moe.fatbin"));
 
 /// The most experts a layer may have (the dispatch kernel's shared memory holds
 /// `experts * 256` counters).
@@ -337,7 +337,7 @@ impl Fp8Moe {
             )));
         }
         let ctx = stream.context().clone();
-        let module = Module::from_image(&ctx, FATBIN)?;
+        let module = Module::embedded(&ctx, FATBIN)?;
         let router = module.kernel("moe_router_f32")?;
         let plan = module.kernel("moe_dispatch_plan")?;
         let scatter = module.kernel("moe_scatter_rows")?;

@@ -46,8 +46,7 @@
 //! # Ok::<(), cuda_graph::Error>(())
 //! ```
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Arc;
 
 use cuda_graph_sys::{
     CU_GRAPH_COND_ASSIGN_DEFAULT, CUDA_CONDITIONAL_NODE_PARAMS, CUgraph, CUgraphConditionalHandle,
@@ -63,7 +62,7 @@ use crate::exec::NodeId;
 use crate::graph::{Graph, Resource};
 use crate::launch::{KernelArgs, LaunchConfig};
 use crate::memory::DeviceBuffer;
-use crate::module::{Kernel, Module};
+use crate::module::Module;
 use crate::stream::Stream;
 
 /// The helper kernels of `kernels/conditional.cu`.
@@ -156,7 +155,7 @@ impl ConditionalHandle {
     /// use loads them otherwise; call this before a capture in `GLOBAL` mode, where loading a
     /// module may be a prohibited call that invalidates the capture.
     pub fn load_helpers(ctx: &Arc<Context>) -> Result<()> {
-        helpers(ctx).map(drop)
+        Module::embedded(ctx, HELPER_IMAGE).map(drop)
     }
 
     /// The raw handle, e.g. to pass to your own kernels that call `cudaGraphSetConditional`.
@@ -182,23 +181,24 @@ impl ConditionalHandle {
     pub fn set_on(&self, stream: &Stream, source: ConditionSource<'_>) -> Result<()> {
         self.check_context(stream.context())?;
         source.check()?;
-        let kernels = helpers(stream.context())?;
+        let module = Module::embedded(stream.context(), HELPER_IMAGE)?;
         let raw = self.raw;
         let config = LaunchConfig::linear(1, 1);
-        let (kernel, args): (&Kernel, KernelArgs<'_>) = match &source {
-            ConditionSource::Const(v) => (&kernels.set_const, KernelArgs::new().arg(&raw).arg(v)),
-            ConditionSource::I32(b) => (&kernels.from_i32, KernelArgs::new().arg(&raw).arg(*b)),
+        let (name, args) = match &source {
+            ConditionSource::Const(v) => ("cond_set_const", KernelArgs::new().arg(&raw).arg(v)),
+            ConditionSource::I32(b) => ("cond_set_from_i32", KernelArgs::new().arg(&raw).arg(*b)),
             ConditionSource::NonZeroI32(b) => {
-                (&kernels.nonzero_i32, KernelArgs::new().arg(&raw).arg(*b))
+                ("cond_set_nonzero_i32", KernelArgs::new().arg(&raw).arg(*b))
             }
             ConditionSource::PositiveI32(b) => {
-                (&kernels.positive_i32, KernelArgs::new().arg(&raw).arg(*b))
+                ("cond_set_positive_i32", KernelArgs::new().arg(&raw).arg(*b))
             }
-            ConditionSource::F32(b) => (&kernels.from_f32, KernelArgs::new().arg(&raw).arg(*b)),
+            ConditionSource::F32(b) => ("cond_set_from_f32", KernelArgs::new().arg(&raw).arg(*b)),
             ConditionSource::Decrement(b) => {
-                (&kernels.decrement, KernelArgs::new().arg(&raw).arg(*b))
+                ("cond_decrement", KernelArgs::new().arg(&raw).arg(*b))
             }
         };
+        let kernel = &module.kernel(name)?;
         // SAFETY: the helper kernels take (u64 handle, u32 or pointer) and touch only element
         // 0 of the buffer, which `source.check` proved exists; one thread, so the value is
         // set without races. The handle belongs to this context (checked above).
@@ -666,39 +666,6 @@ where
     let ends = ends?;
     end?;
     Ok((resources, ends))
-}
-
-/// The helper kernels, loaded once per context.
-struct Helpers {
-    set_const: Kernel,
-    from_i32: Kernel,
-    nonzero_i32: Kernel,
-    positive_i32: Kernel,
-    from_f32: Kernel,
-    decrement: Kernel,
-}
-
-/// The helper module of `ctx`, loaded on first use and then kept for the life of the process
-/// (so the context stays retained too: primary contexts live that long anyway).
-fn helpers(ctx: &Arc<Context>) -> Result<Arc<Helpers>> {
-    static CACHE: OnceLock<Mutex<HashMap<usize, Arc<Helpers>>>> = OnceLock::new();
-    let cache = CACHE.get_or_init(Default::default);
-    let key = ctx.as_raw() as usize;
-    let mut map = cache.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(h) = map.get(&key) {
-        return Ok(h.clone());
-    }
-    let module = Module::from_image(ctx, HELPER_IMAGE)?;
-    let h = Arc::new(Helpers {
-        set_const: module.kernel("cond_set_const")?,
-        from_i32: module.kernel("cond_set_from_i32")?,
-        nonzero_i32: module.kernel("cond_set_nonzero_i32")?,
-        positive_i32: module.kernel("cond_set_positive_i32")?,
-        from_f32: module.kernel("cond_set_from_f32")?,
-        decrement: module.kernel("cond_decrement")?,
-    });
-    map.insert(key, h.clone());
-    Ok(h)
 }
 
 #[cfg(test)]

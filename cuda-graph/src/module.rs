@@ -1,7 +1,8 @@
 //! Modules (fatbin, cubin or PTX images) and the kernels in them.
 
+use std::collections::HashMap;
 use std::ffi::{CString, c_void};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cuda_graph_sys::{CUfunction, CUfunction_attribute, CUjit_option, CUmodule, CUresult};
 
@@ -18,6 +19,18 @@ pub struct Module {
 pub(crate) struct ModuleInner {
     raw: CUmodule,
     ctx: Arc<Context>,
+    /// Kernels already looked up, by name: a lookup is several driver calls (the function and
+    /// each parameter's size), and launchers look kernels up on every call. Not `Kernel`s,
+    /// which hold an `Arc` of this module (a cycle).
+    kernels: Mutex<HashMap<String, KernelParts>>,
+}
+
+/// What [`Module::kernel`] caches of a kernel.
+#[derive(Debug, Clone)]
+struct KernelParts {
+    raw: CUfunction,
+    name: Arc<str>,
+    params: Option<Arc<[usize]>>,
 }
 
 // SAFETY: modules may be used from any thread.
@@ -76,17 +89,61 @@ impl Module {
         Ok(Module::wrap(ctx, raw))
     }
 
+    /// The module of an image embedded in the program (a `static` holding `include_bytes!`:
+    /// the cache is keyed by the image's address), loaded in `ctx` on first use and kept for
+    /// the life of the process (so the context stays retained too,
+    /// as primary contexts are anyway). Libraries that ship kernels use this so every layer,
+    /// launcher and thread shares one loaded copy.
+    pub fn embedded(ctx: &Arc<Context>, image: &'static [u8]) -> Result<Module> {
+        static CACHE: OnceLock<Mutex<HashMap<(usize, usize), Module>>> = OnceLock::new();
+        let key = (ctx.as_raw() as usize, image.as_ptr() as usize);
+        let mut cache = CACHE
+            .get_or_init(Default::default)
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(m) = cache.get(&key) {
+            return Ok(m.clone());
+        }
+        let module = Module::from_image(ctx, image)?;
+        cache.insert(key, module.clone());
+        Ok(module)
+    }
+
     fn wrap(ctx: &Arc<Context>, raw: CUmodule) -> Module {
         Module {
             inner: Arc::new(ModuleInner {
                 raw,
                 ctx: ctx.clone(),
+                kernels: Mutex::new(HashMap::new()),
             }),
         }
     }
 
-    /// The kernel `name` (an `extern "C"` symbol).
+    /// The kernel `name` (an `extern "C"` symbol); looked up once, then served from the
+    /// module's cache.
     pub fn kernel(&self, name: &str) -> Result<Kernel> {
+        let mut kernels = self
+            .inner
+            .kernels
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let parts = match kernels.get(name) {
+            Some(parts) => parts.clone(),
+            None => {
+                let parts = self.look_up(name)?;
+                kernels.insert(name.to_owned(), parts.clone());
+                parts
+            }
+        };
+        Ok(Kernel {
+            raw: parts.raw,
+            module: self.inner.clone(),
+            name: parts.name,
+            params: parts.params,
+        })
+    }
+
+    fn look_up(&self, name: &str) -> Result<KernelParts> {
         let cname = CString::new(name).map_err(|_| Error::invalid("kernel name contains NUL"))?;
         let mut raw = std::ptr::null_mut();
         // SAFETY: live module, valid out-pointer and name.
@@ -98,9 +155,8 @@ impl Module {
             ))
         }?;
         let params = param_sizes(raw)?;
-        Ok(Kernel {
+        Ok(KernelParts {
             raw,
-            module: self.inner.clone(),
             name: name.into(),
             params: params.map(Into::into),
         })
