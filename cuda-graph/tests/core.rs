@@ -232,10 +232,17 @@ fn embedded_images_load_once_per_context_and_kernels_are_cached() {
     let (ctx, _stream, _) = setup();
     let a = Module::embedded(&ctx, IMAGE).unwrap();
     let b = Module::embedded(&ctx, IMAGE).unwrap();
-    assert_eq!(a.as_raw(), b.as_raw(), "one loaded module per image and context");
+    assert_eq!(
+        a.as_raw(),
+        b.as_raw(),
+        "one loaded module per image and context"
+    );
     let (k1, k2) = (a.kernel("axpy_f32").unwrap(), b.kernel("axpy_f32").unwrap());
     assert_eq!(k1.as_raw(), k2.as_raw());
     assert_eq!(k1.param_sizes(), k2.param_sizes());
     assert_eq!(k2.name(), "axpy_f32");
-    assert!(a.kernel("no_such_kernel").is_err(), "a failed lookup is not cached as a hit");
+    assert!(
+        a.kernel("no_such_kernel").is_err(),
+        "a failed lookup is not cached as a hit"
+    );
 }
