@@ -392,6 +392,7 @@ impl Callable<f32> for Fp8Linear {
     /// Cast-transposes W into its E4M3 copies (`W`, `W^T`), maxing |W| into W's amax;
     /// skipped on the device when the slot's noop flag reads 1.0.
     fn cast_weights(&mut self, stream: &Stream, slot: &Slot<'_, f32>) -> Result<()> {
+        slot.record_fp8_tensors([self.first_tensor + W]);
         let noop = slot
             .skip_weight_cast()
             .map(|f| scalar_of(&self.ctx, f))
@@ -416,6 +417,7 @@ impl Callable<f32> for Fp8Linear {
     ) -> Result<()> {
         let (m, k, n) = (self.tokens, self.in_features, self.out_features);
         let (x, y) = one_each("forward", inputs, outputs, m * k, m * n)?;
+        slot.record_fp8_tensors([self.first_tensor + X]);
         let [xt_buf, si_buf] = saved_pair(slot)?;
         let x_si = scalar_of(&self.ctx, si_buf)?;
         let mut x_t = view::<u8, f32>(&self.ctx, xt_buf, m * k)?;
@@ -463,6 +465,7 @@ impl Callable<f32> for Fp8Linear {
     ) -> Result<()> {
         let (m, k, n) = (self.tokens, self.in_features, self.out_features);
         let (dy, dx) = one_each("backward", grad_outputs, grad_inputs, m * n, m * k)?;
+        slot.record_fp8_tensors([self.first_tensor + DY]);
         let [xt_buf, si_buf] = saved_pair(slot)?;
         let x_si = scalar_of(&self.ctx, si_buf)?;
         let x_t = view::<u8, f32>(&self.ctx, xt_buf, m * k)?;

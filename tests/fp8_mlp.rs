@@ -38,7 +38,7 @@ use std::sync::{Arc, Mutex};
 
 use cuda_graph::graphed::{
     Callable, GraphIndex, GraphedCallables, GraphedOptions, Layout, Schedule, Slot, Step,
-    WeightCaching,
+    WarmupRecord, WeightCaching,
 };
 use cuda_graph::{Context, DeviceBuffer, GraphPool, NodeKind, Stream};
 use fp8_kernels::{AmaxAlgo, DelayedScaling, Fp8Format};
@@ -321,8 +321,14 @@ fn check_tamper_point(schedule: &Schedule) {
     );
 }
 
-/// The graphed run.
-fn run_graphed(gpu: &Gpu, case: &Case, mode: WeightCaching, tamper_at: Tamper) -> Record {
+/// The graphed run, with weight caching `mode`, layers merged into one graph per step or
+/// one graph per layer.
+fn run_graphed(
+    gpu: &Gpu,
+    case: &Case,
+    (mode, merge): (WeightCaching, bool),
+    tamper_at: Tamper,
+) -> Record {
     mode.check()
         .unwrap_or_else(|e| panic!("{}: {mode:?} unsupported by this driver: {e}", case.name));
     let schedule = case.schedule();
@@ -335,7 +341,9 @@ fn run_graphed(gpu: &Gpu, case: &Case, mode: WeightCaching, tamper_at: Tamper) -
         .map(|l| Box::new(l) as Box<dyn Callable<f32>>)
         .collect();
 
-    let mut options = GraphedOptions::new(schedule.clone()).with_weight_caching(mode);
+    let mut options = GraphedOptions::new(schedule.clone())
+        .with_weight_caching(mode)
+        .with_merge_layers(merge);
     let snapshot = Arc::new(Mutex::new(
         ScalingSnapshot::new(&gpu.ctx, &scaling).expect("snapshot"),
     ));
@@ -345,7 +353,10 @@ fn run_graphed(gpu: &Gpu, case: &Case, mode: WeightCaching, tamper_at: Tamper) -
     }));
     options.after_warmup = Some(Box::new({
         let (snap, s) = (snapshot.clone(), scaling.clone());
-        move |st: &Stream| snap.lock().expect("snapshot lock").restore(st, &s)
+        move |st: &Stream, record: &WarmupRecord| {
+            snap.lock().expect("snapshot lock").restore(st, &s)?;
+            s.register(st, record.fp8_tensors())
+        }
     }));
     options.after_forward = Some(Box::new({
         let s = scaling.clone();
@@ -365,6 +376,23 @@ fn run_graphed(gpu: &Gpu, case: &Case, mode: WeightCaching, tamper_at: Tamper) -
         .unwrap_or_else(|e| panic!("{}: build ({mode:?}): {e}", case.name));
     gpu.stream.synchronize().expect("sync after build");
 
+    // Every layer ran its x, W and dY casts in warmup: all recorded, all registered.
+    let n = layout.total_callables() * linear::TENSORS;
+    for c in 0..layout.total_callables() {
+        let want: Vec<usize> = (c * linear::TENSORS..(c + 1) * linear::TENSORS).collect();
+        let got: Vec<usize> = graphed
+            .warmup_record()
+            .of_callable(c)
+            .expect("callable recorded")
+            .iter()
+            .copied()
+            .collect();
+        assert_eq!(
+            got, want,
+            "{}: FP8 tensors callable {c} ran in warmup",
+            case.name
+        );
+    assert_eq!(scaling.registered(), (0..n).collect::<Vec<_>>());
     // Warmup's changes to the FP8 state were undone by the hooks.
     let n = layout.total_callables() * linear::TENSORS;
     assert_eq!(
@@ -385,8 +413,16 @@ fn run_graphed(gpu: &Gpu, case: &Case, mode: WeightCaching, tamper_at: Tamper) -
         "{}: {mode:?}: inverse scales not restored after warmup",
         case.name
     );
-    // Every forward graph casts; in Conditional mode inside one IF node.
+    // Every forward graph casts; in Conditional mode inside one IF node per layer the graph
+    // holds (the chunk's layers when merged).
     for g in 0..layout.total_graphs() {
+        let layers = if merge {
+            layout
+                .layers(layout.locate(g).expect("graph").chunk)
+                .expect("chunk")
+        } else {
+            1
+        };
         assert_eq!(graphed.casts_weights(g), Some(true), "graph {g} casts");
         let conds = graphed
             .forward_graph(g)
@@ -396,7 +432,7 @@ fn run_graphed(gpu: &Gpu, case: &Case, mode: WeightCaching, tamper_at: Tamper) -
             .iter()
             .filter(|n| n.kind == NodeKind::Conditional)
             .count();
-        let want = usize::from(mode == WeightCaching::Conditional);
+        let want = layers * usize::from(mode == WeightCaching::Conditional);
         assert_eq!(
             conds, want,
             "{mode:?}: conditional nodes of forward graph {g}"
@@ -580,7 +616,16 @@ fn run_eager(gpu: &Gpu, case: &Case, tamper_at: Tamper) -> Record {
     rec
 }
 
-/// Graphed == eager, bit for bit, under both mechanisms.
+/// (weight caching, layers merged) of the graphed runs: both mechanisms, each with one
+/// graph per step and one graph per layer.
+const MODES: [(WeightCaching, bool); 4] = [
+    (WeightCaching::Conditional, true),
+    (WeightCaching::Conditional, false),
+    (WeightCaching::NoopFlag, true),
+    (WeightCaching::NoopFlag, false),
+];
+
+/// Graphed == eager, bit for bit, under both mechanisms, layers merged or not.
 fn graphed_equals_eager(case: Case) {
     let gpu = Gpu::new();
     let eager = run_eager(&gpu, &case, Tamper::No);
@@ -601,7 +646,7 @@ fn graphed_equals_eager(case: Case) {
             );
         }
     }
-    for mode in [WeightCaching::Conditional, WeightCaching::NoopFlag] {
+    for mode in MODES {
         let graphed = run_graphed(&gpu, &case, mode, Tamper::No);
         assert_same(
             &format!("{}, {mode:?}: graphed vs eager", case.name),
@@ -635,7 +680,7 @@ fn weights_cast_once_per_step(case: Case) {
     let gpu = Gpu::new();
     let untouched = run_eager(&gpu, &case, Tamper::No);
     let eager = run_eager(&gpu, &case, Tamper::AfterFirstForward);
-    for mode in [WeightCaching::Conditional, WeightCaching::NoopFlag] {
+    for mode in MODES {
         let what = format!("{}, {mode:?}", case.name);
         let graphed = run_graphed(&gpu, &case, mode, Tamper::AfterFirstForward);
         assert_same(

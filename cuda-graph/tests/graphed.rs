@@ -264,8 +264,9 @@ fn run_eager(gpu: &Gpu, schedule: &Schedule) -> Results {
 }
 
 /// Builds graphed callables for `schedule` (sample inputs deliberately different from the
-/// replayed ones), zeroes the gradients warmup touched.
-fn build(gpu: &Gpu, schedule: &Schedule) -> GraphedCallables<f32> {
+/// replayed ones), layers merged into one graph per step or not, zeroes the gradients
+/// warmup touched.
+fn build(gpu: &Gpu, schedule: &Schedule, merge: bool) -> GraphedCallables<f32> {
     let layout = schedule.layout();
     let callables: Vec<Box<dyn Callable<f32>>> = (0..layout.total_callables())
         .map(|c| Box::new(Lin::new(gpu, c)) as Box<dyn Callable<f32>>)
@@ -279,7 +280,7 @@ fn build(gpu: &Gpu, schedule: &Schedule) -> GraphedCallables<f32> {
         &gpu.stream,
         callables,
         &samples,
-        GraphedOptions::new(schedule.clone()),
+        GraphedOptions::new(schedule.clone()).with_merge_layers(merge),
     )
     .expect("build graphed callables");
     for c in graphed.callables() {
@@ -290,8 +291,8 @@ fn build(gpu: &Gpu, schedule: &Schedule) -> GraphedCallables<f32> {
     graphed
 }
 
-fn run_graphed(gpu: &Gpu, schedule: &Schedule) -> (Results, GraphedCallables<f32>) {
-    let graphed = build(gpu, schedule);
+fn run_graphed(gpu: &Gpu, schedule: &Schedule, merge: bool) -> (Results, GraphedCallables<f32>) {
+    let graphed = build(gpu, schedule, merge);
     let layout = schedule.layout();
     let mut steps = Vec::new();
     for _ in 0..STEPS {
@@ -320,15 +321,28 @@ fn run_graphed(gpu: &Gpu, schedule: &Schedule) -> (Results, GraphedCallables<f32
     (Results { steps, grads }, graphed)
 }
 
-/// Graphed == eager == host, bit for bit.
+/// Graphed == eager == host, bit for bit, with one graph per step (layers merged, the
+/// default) and with one graph per layer; returns the unmerged build.
 fn check_schedule(order: &[i64], layers: Vec<usize>) -> GraphedCallables<f32> {
     let gpu = Gpu::new();
     let schedule = Schedule::new(order, layers).expect("schedule");
     let host = run_host(&schedule, STEPS);
     let eager = run_eager(&gpu, &schedule);
     assert_bit_equal(&eager, &host, "eager vs host");
-    let (graphed_results, graphed) = run_graphed(&gpu, &schedule);
-    assert_bit_equal(&graphed_results, &eager, "graphed vs eager");
+    let (merged, m) = run_graphed(&gpu, &schedule, true);
+    assert_bit_equal(&merged, &eager, "graphed (layers merged) vs eager");
+    assert_eq!(m.num_graphs(), schedule.steps().len(), "one graph per step");
+    let (graphed_results, graphed) = run_graphed(&gpu, &schedule, false);
+    assert_bit_equal(
+        &graphed_results,
+        &eager,
+        "graphed (graph per layer) vs eager",
+    );
+    assert_eq!(
+        graphed.num_graphs(),
+        2 * schedule.layout().total_graphs(),
+        "a forward and a backward graph per (chunk, microbatch, layer)"
+    );
     // Not vacuous: gradients are non-zero and microbatches differ.
     assert!(
         host.grads
@@ -410,6 +424,30 @@ fn parameters_pair_with_the_right_graphs() {
         }
     }
     assert!(differs > 0, "the test must distinguish the two layouts");
+
+    // Layers merged: the one graph of a (chunk, microbatch) pass holds exactly its chunk's
+    // weights.
+    let gpu = Gpu::new();
+    let merged = build(&gpu, graphed.schedule(), true);
+    for g in 0..layout.total_graphs() {
+        let at = layout.locate(g).unwrap();
+        let chunk = layout.chunk_callables(at.chunk).unwrap();
+        let want: Vec<u64> = weight_ptrs[chunk].to_vec();
+        for (pass, exec) in [
+            ("forward", merged.forward_exec(g).unwrap()),
+            ("backward", merged.backward_exec(g).unwrap()),
+        ] {
+            let mut h = held(exec.resources());
+            h.sort_unstable();
+            h.dedup();
+            let mut w = want.clone();
+            w.sort_unstable();
+            assert_eq!(
+                h, w,
+                "merged {pass} graph of {at} must hold its chunk's weights"
+            );
+        }
+    }
 }
 
 /// Three forwards (distinct inputs) before any backward: each microbatch's saved z and
@@ -420,7 +458,7 @@ fn saved_activations_survive_until_their_backward() {
     let gpu = Gpu::new();
     let schedule = Schedule::new(&[1, 1, 1, -1, -1, -1], vec![2]).expect("schedule");
     let host = run_host(&schedule, 1);
-    let graphed = build(&gpu, &schedule);
+    let graphed = build(&gpu, &schedule, true);
     let mut first = Vec::new();
     for b in 0..3 {
         let x = gpu.upload(&input(0, b));
@@ -635,7 +673,7 @@ fn build_rejects_what_it_cannot_graph() {
 fn replay_out_of_schedule_order_is_rejected() {
     let gpu = Gpu::new();
     let schedule = Schedule::new(&[1, 1, -1, -1], vec![2]).expect("schedule");
-    let graphed = build(&gpu, &schedule);
+    let graphed = build(&gpu, &schedule, true);
     let x = gpu.upload(&input(0, 0));
     let dy = gpu.upload(&grad_output(0, 0));
 
@@ -726,7 +764,7 @@ fn replay_out_of_schedule_order_is_rejected() {
 fn input_is_not_copied_when_the_static_buffer_is_passed() {
     let gpu = Gpu::new();
     let schedule = Schedule::new(&[1, -1], vec![1]).expect("schedule");
-    let graphed = build(&gpu, &schedule);
+    let graphed = build(&gpu, &schedule, true);
     let (w, b) = weights(0);
     let expect = |x: f32| -> Vec<f32> { (0..N).map(|i| leaky(x * w[i] + b[i])).collect() };
 

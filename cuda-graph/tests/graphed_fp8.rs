@@ -14,7 +14,7 @@
 
 use cuda_graph::graphed::{
     Callable, GraphIndex, GraphedCallables, GraphedOptions, IdentityGroup, ReductionGroup,
-    Schedule, Slot, Step, WeightCaching,
+    Schedule, Slot, Step, WarmupRecord, WeightCaching,
 };
 use cuda_graph::{
     DeviceBuffer, GraphPool, Kernel, LaunchConfig, NodeKind, Result, Stream, kernel_args,
@@ -254,14 +254,15 @@ fn replay_step(gpu: &Gpu, graphed: &GraphedCallables<f32>, dy: &DeviceBuffer<f32
 /// steps; returns each step's per-callable cast count and the graphed callables.
 fn cast_counts(
     gpu: &Gpu,
-    mode: WeightCaching,
+    (mode, merge): (WeightCaching, bool),
     order: &[i64],
     layers_per_chunk: Vec<usize>,
     kind_of: impl Fn(usize) -> CastKind,
 ) -> (Vec<Vec<u32>>, GraphedCallables<f32>) {
     let options = GraphedOptions::from_order(order, layers_per_chunk)
         .expect("valid order")
-        .with_weight_caching(mode);
+        .with_weight_caching(mode)
+        .with_merge_layers(merge);
     assert_eq!(options.warmup_iters, WARMUP);
     let schedule = options.schedule.clone();
     let (callables, counters) = layers(gpu, &schedule, kind_of, 0);
@@ -315,14 +316,21 @@ fn conditional_nodes(graph: &cuda_graph::Graph) -> usize {
         .count()
 }
 
-/// Every forward graph holds exactly one conditional node (the IF around the casts) in
-/// Conditional mode and none in NoopFlag mode; backward graphs hold none.
+/// Every forward graph holds one conditional node (the IF around the casts) per layer it
+/// covers (one, or the whole chunk when layers are merged) in Conditional mode and none in
+/// NoopFlag mode; backward graphs hold none.
 fn check_structure(graphed: &GraphedCallables<f32>, mode: WeightCaching) {
-    let want = match mode {
-        WeightCaching::Conditional => 1,
-        WeightCaching::NoopFlag => 0,
-    };
-    for g in 0..graphed.schedule().layout().total_graphs() {
+    let layout = graphed.schedule().layout();
+    for g in 0..layout.total_graphs() {
+        let layers = if graphed.merges_layers() {
+            layout.layers(layout.locate(g).unwrap().chunk).unwrap()
+        } else {
+            1
+        };
+        let want = match mode {
+            WeightCaching::Conditional => layers,
+            WeightCaching::NoopFlag => 0,
+        };
         let f = graphed.forward_graph(g).expect("forward graph kept");
         assert_eq!(
             conditional_nodes(f),
@@ -342,7 +350,7 @@ fn conditional_casts_once_per_step_1x3() {
     let gpu = Gpu::new();
     let (per_step, graphed) = cast_counts(
         &gpu,
-        WeightCaching::Conditional,
+        (WeightCaching::Conditional, true),
         &ORDER_1X3,
         vec![2],
         |_| CastKind::HonoursFlag,
@@ -360,10 +368,11 @@ fn conditional_casts_once_per_step_1x3() {
 fn conditional_casts_once_per_step_interleaved_2x3_even_when_the_cast_ignores_flags() {
     let gpu = Gpu::new();
     // Chunk 0 has 2 layers, chunk 1 one; callable 1 ignores flags, which does not matter
-    // here: the IF node launches no cast on later microbatches.
+    // here: the IF node launches no cast on later microbatches. One graph per layer here
+    // (the 1x3 test above merges layers).
     let (per_step, graphed) = cast_counts(
         &gpu,
-        WeightCaching::Conditional,
+        (WeightCaching::Conditional, false),
         &ORDER_2X3,
         vec![2, 1],
         |c| {
@@ -390,14 +399,19 @@ fn conditional_casts_once_per_step_interleaved_2x3_even_when_the_cast_ignores_fl
 fn noop_flag_casts_once_per_step_1x3_and_detects_a_cast_ignoring_the_flag() {
     let gpu = Gpu::new();
     // Layer 1 of 2 ignores the skip flag.
-    let (per_step, graphed) =
-        cast_counts(&gpu, WeightCaching::NoopFlag, &ORDER_1X3, vec![2], |c| {
+    let (per_step, graphed) = cast_counts(
+        &gpu,
+        (WeightCaching::NoopFlag, true),
+        &ORDER_1X3,
+        vec![2],
+        |c| {
             if c == 1 {
                 CastKind::IgnoresFlag
             } else {
                 CastKind::HonoursFlag
             }
-        });
+        },
+    );
     // The honouring layer casts once per step; the ignoring one on all 3 microbatches.
     assert_eq!(
         per_step,
@@ -418,7 +432,7 @@ fn noop_flag_casts_once_per_step_interleaved_2x3() {
     let gpu = Gpu::new();
     let (per_step, graphed) = cast_counts(
         &gpu,
-        WeightCaching::NoopFlag,
+        (WeightCaching::NoopFlag, false),
         &ORDER_2X3,
         vec![2, 1],
         |_| CastKind::HonoursFlag,
@@ -431,13 +445,19 @@ fn noop_flag_casts_once_per_step_interleaved_2x3() {
     check_structure(&graphed, WeightCaching::NoopFlag);
 
     // The same order with chunk 1's only layer ignoring the flag: detected, 3 per step.
-    let (per_step, _) = cast_counts(&gpu, WeightCaching::NoopFlag, &ORDER_2X3, vec![2, 1], |c| {
-        if c == 2 {
-            CastKind::IgnoresFlag
-        } else {
-            CastKind::HonoursFlag
-        }
-    });
+    let (per_step, _) = cast_counts(
+        &gpu,
+        (WeightCaching::NoopFlag, true),
+        &ORDER_2X3,
+        vec![2, 1],
+        |c| {
+            if c == 2 {
+                CastKind::IgnoresFlag
+            } else {
+                CastKind::HonoursFlag
+            }
+        },
+    );
     assert_eq!(per_step, vec![vec![1, 1, 3]; STEPS]);
     assert_eq!(not_once_per_step(&per_step), vec![2]);
 }
@@ -550,7 +570,7 @@ fn hooks_run_once_per_replay_in_order_and_warmup_state_is_restored() {
             snapshots.clone(),
             counters.clone(),
         );
-        options.after_warmup = Some(Box::new(move |s: &Stream| {
+        options.after_warmup = Some(Box::new(move |s: &Stream, _record: &WarmupRecord| {
             log.lock().unwrap().push(Event::AfterWarmup);
             copy_all(s, &ctrs, &snaps)
         }));

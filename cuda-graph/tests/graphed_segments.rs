@@ -771,20 +771,32 @@ fn check_counts_vary(host: &Results) {
 }
 
 /// Graphed (layers of `mode_of`) == eager == host, bit for bit, over the interleaved 2x3
-/// order with layers [2, 2].
+/// order with layers [2, 2], with graphed segments merged across layers (the default) and
+/// with one graph per segment; returns the latter (whose structure the callers inspect),
+/// its results and the host's.
 fn check_mode(mode_of: &dyn Fn(usize) -> Mode) -> (GraphedCallables<f32>, Results, Results) {
     let gpu = Gpu::new();
-    let options = GraphedOptions::from_order(&ORDER_2X3, vec![2, 2]).expect("valid order");
-    let schedule = options.schedule.clone();
+    let options = || GraphedOptions::from_order(&ORDER_2X3, vec![2, 2]).expect("valid order");
+    let schedule = options().schedule.clone();
     let host = run_host(&schedule, STEPS);
     check_counts_vary(&host);
     let eager = run_eager(&gpu, &schedule);
     assert_bit_equal(&eager, &host, "eager vs host");
     assert_eq!(eager.counts, host.counts, "eager counts vs host");
     let log: Log = Arc::default();
+    let merged = build(&gpu, options(), mode_of, &log, None).expect("build (merged)");
+    assert!(merged.merges_layers());
+    let got = replay(&gpu, &merged, &log);
+    assert_bit_equal(
+        &got,
+        &eager,
+        "graphed (segments merged across layers) vs eager",
+    );
+    let log: Log = Arc::default();
+    let options = options().with_merge_layers(false);
     let graphed = build(&gpu, options, mode_of, &log, None).expect("build");
     let got = replay(&gpu, &graphed, &log);
-    assert_bit_equal(&got, &eager, "graphed vs eager");
+    assert_bit_equal(&got, &eager, "graphed (one graph per segment) vs eager");
     assert!(
         host.grads
             .iter()
@@ -925,9 +937,11 @@ fn weight_casts_go_in_the_first_graphed_segment() {
         }
     };
     for caching in modes {
+        // One graph per segment, so each IF node's graph is its layer's own.
         let options = GraphedOptions::from_order(&ORDER_2X3, vec![2, 2])
             .expect("valid order")
-            .with_weight_caching(caching);
+            .with_weight_caching(caching)
+            .with_merge_layers(false);
         let schedule = options.schedule.clone();
         let layout = schedule.layout().clone();
         let counters: Vec<Arc<DeviceBuffer<u32>>> = (0..layout.total_callables())

@@ -14,13 +14,16 @@ extern "C" __global__ void fp8_zero_amax(float *amax, const float *noop, uint2 i
 //   - takes amax = history[t*H] (most recent) or max over the H slots (fmaxf: NaN ignored),
 //   - rolls: new[i] = old[i+1] for 0 < i < H-1, new[H-1] = old[0], new[0] = 0
 //     (TransformerEngine's roll by -1 followed by zeroing slot 0),
+//   - (tensors with registered[t] == 0 are left alone entirely)
 //   - scale = scaled_max[t] / amax when amax is finite and > 0, else the old scale;
 //     an infinite scale becomes FLT_MAX; scale_inv = 1 / scale.
 extern "C" __global__ void fp8_delayed_scaling_update(float *history, float *scale, float *scale_inv,
-                                                      const float *scaled_max, unsigned H,
+                                                      const float *scaled_max,
+                                                      const unsigned *registered, unsigned H,
                                                       int most_recent) {
     __shared__ float warp_max[32];
     const unsigned t = blockIdx.x, i = threadIdx.x;
+    if (registered[t] == 0u) return; // not registered: history and scales untouched
     float *h = history + (unsigned long long)t * H;
     const float last = h[0];
     float a = 0.0f;

@@ -1,7 +1,7 @@
 //! Delayed scaling (TransformerEngine's default recipe), kept on the device for many tensors
 //! and updated by one launch.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use cuda_graph::{DeviceBuffer, Error, KernelArgs, LaunchConfig, Result, Stream};
 
@@ -42,6 +42,8 @@ pub struct DelayedScaling {
     scale: Arc<DeviceBuffer<f32>>,
     scale_inv: Arc<DeviceBuffer<f32>>,
     scaled_max: DeviceBuffer<f32>,
+    /// Per tensor 1 = registered (updated), 0 = left alone; the host copy beside it.
+    registered: Mutex<(DeviceBuffer<u32>, Vec<bool>)>,
 }
 
 impl DelayedScaling {
@@ -75,6 +77,7 @@ impl DelayedScaling {
         let scale_inv = DeviceBuffer::from_host(stream, &vec![1f32; t])?;
         let sm: Vec<f32> = formats.iter().map(|&f| scaled_max(f, margin)).collect();
         let scaled_max = DeviceBuffer::from_host(stream, &sm)?;
+        let registered = DeviceBuffer::from_host(stream, &vec![1u32; t])?;
         Ok(DelayedScaling {
             formats: formats.to_vec(),
             history_len,
@@ -84,6 +87,7 @@ impl DelayedScaling {
             scale: Arc::new(scale),
             scale_inv: Arc::new(scale_inv),
             scaled_max,
+            registered: Mutex::new((registered, vec![true; t])),
         })
     }
 
@@ -166,23 +170,63 @@ impl DelayedScaling {
         &self.scale_inv
     }
 
-    /// Enqueues the update of every tensor (one launch; see the type's docs).
+    /// Registers exactly `tensors` for [`update`](Self::update) (every tensor is registered
+    /// from the start): the others keep their history and scales, as TransformerEngine
+    /// does for FP8 modules that did not run while a graph was warmed up (MoE experts that
+    /// got no tokens). Typically called from graphed callables' `after_warmup` hook with
+    /// the tensors warmup recorded. The device copy is written on `stream` (a host copy that
+    /// waits; not during a capture); updates captured earlier read the new registration
+    /// too. An index out of range is [`Error::InvalidArgument`] and changes nothing.
+    pub fn register(
+        &self,
+        stream: &Stream,
+        tensors: impl IntoIterator<Item = usize>,
+    ) -> Result<()> {
+        let mut mask = vec![false; self.len()];
+        for t in tensors {
+            *mask.get_mut(t).ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "FP8 tensor {t} registered, the scaling state has {}",
+                    self.len()
+                ))
+            })? = true;
+        }
+        let words: Vec<u32> = mask.iter().map(|&r| u32::from(r)).collect();
+        let mut reg = self.registered.lock().unwrap_or_else(|p| p.into_inner());
+        reg.0.copy_from_host(stream, &words)?;
+        reg.1 = mask;
+        Ok(())
+    }
+
+    /// The registered tensors (all of them until [`register`](Self::register) is called).
+    pub fn registered(&self) -> Vec<usize> {
+        let reg = self.registered.lock().unwrap_or_else(|p| p.into_inner());
+        reg.1
+            .iter()
+            .enumerate()
+            .filter_map(|(t, &r)| r.then_some(t))
+            .collect()
+    }
+
+    /// Enqueues the update of every registered tensor (one launch; see the type's docs).
     pub fn update(&self, stream: &Stream) -> Result<()> {
         let (k, _) = kernel(stream.context(), "fp8_delayed_scaling_update")?;
         let h = self.history_len as u32;
         let most_recent = i32::from(self.algo == AmaxAlgo::MostRecent);
+        let reg = self.registered.lock().unwrap_or_else(|p| p.into_inner());
         let args = KernelArgs::new()
             .arg(&*self.history)
             .arg(&*self.scale)
             .arg(&*self.scale_inv)
             .arg(&self.scaled_max)
+            .arg(&reg.0)
             .arg(&h)
             .arg(&most_recent);
         let threads = h.div_ceil(32) * 32;
         let cfg = LaunchConfig::linear(self.len() as u32, threads);
         // SAFETY: block t touches history[t*H .. t*H+H], scale[t], scale_inv[t],
-        // scaled_max[t], all inside buffers sized len() x H and len(); blockDim >= H,
-        // a multiple of 32 and <= 1024 (history_len checked in new).
+        // scaled_max[t], registered[t], all inside buffers sized len() x H and len();
+        // blockDim >= H, a multiple of 32 and <= 1024 (history_len checked in new).
         unsafe { stream.launch(&k, &cfg, &args) }
     }
 }

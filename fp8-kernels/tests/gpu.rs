@@ -484,8 +484,22 @@ fn delayed_scaling_ten_steps_match_the_cpu_model() {
                         scale_inv[t].to_bits()
                     );
                 }
+                // Steps 4..=6: only tensors 0 and 2 registered (tensor 1 keeps its history
+                // and scales while its quantize still maxes into slot 0); all again after.
+                match step {
+                    4 => state.register(&stream, [0, 2]).unwrap(),
+                    7 => state.register(&stream, 0..formats.len()).unwrap(),
+                    _ => {}
+                }
+                let registered = |t: usize| !(4..7).contains(&step) || t != 1;
+                assert_eq!(
+                    state.registered(),
+                    (0..formats.len())
+                        .filter(|&t| registered(t))
+                        .collect::<Vec<_>>()
+                );
                 state.update(&stream).unwrap();
-                for t in 0..formats.len() {
+                for t in (0..formats.len()).filter(|&t| registered(t)) {
                     r::delayed_update(
                         &mut hist[t],
                         &mut scale[t],
@@ -569,6 +583,10 @@ fn bad_input_is_rejected_before_any_launch() {
     assert!(DelayedScaling::new(&stream, &[Fp8Format::E4M3], 1025, 0, AmaxAlgo::Max).is_err());
     assert!(DelayedScaling::new(&stream, &[], 4, 0, AmaxAlgo::Max).is_err());
     let st = DelayedScaling::new(&stream, &[Fp8Format::E4M3], 4, 0, AmaxAlgo::Max).unwrap();
+    // Registering a tensor that does not exist changes nothing.
+    let e = st.register(&stream, [0, 1]).unwrap_err();
+    assert!(e.to_string().contains("FP8 tensor 1 registered"), "{e}");
+    assert_eq!(st.registered(), [0]);
     assert!(
         st.tensor(1, DeviceBuffer::alloc(&ctx, 8).unwrap(), &[8])
             .is_err()

@@ -31,22 +31,50 @@ pub fn event_median_ms(
     stream: &Stream,
     warmup: usize,
     reps: usize,
-    mut body: impl FnMut() -> BenchResult<()>,
+    body: impl FnMut() -> BenchResult<()>,
 ) -> BenchResult<f64> {
+    Ok(timed_medians(stream, warmup, reps, body)?.gpu_ms)
+}
+
+/// Medians of one benchmark body: the time the stream took ([`event_median_ms`]) and the host
+/// time the body took to enqueue its work. When the two are close the body is bound by the
+/// host (launch overhead); when the host time is well below, by the device.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Timing {
+    /// Median milliseconds between events recorded on the stream before and after the body.
+    pub gpu_ms: f64,
+    /// Median milliseconds of host wall time the body took.
+    pub host_ms: f64,
+}
+
+/// Runs `body` `warmup` times, then `reps` times between two events on `stream` (waiting
+/// after each), and returns the medians of the event times and of the host time per call.
+pub fn timed_medians(
+    stream: &Stream,
+    warmup: usize,
+    reps: usize,
+    mut body: impl FnMut() -> BenchResult<()>,
+) -> BenchResult<Timing> {
     let (start, end) = (Event::new(stream.context())?, Event::new(stream.context())?);
     for _ in 0..warmup {
         body()?;
     }
     stream.synchronize()?;
-    let mut samples = Vec::with_capacity(reps);
+    let mut gpu = Vec::with_capacity(reps);
+    let mut host = Vec::with_capacity(reps);
     for _ in 0..reps {
         start.record(stream)?;
+        let t0 = std::time::Instant::now();
         body()?;
+        host.push(t0.elapsed().as_secs_f64() * 1e3);
         end.record(stream)?;
         end.synchronize()?;
-        samples.push(f64::from(Event::elapsed_ms(&start, &end)?));
+        gpu.push(f64::from(Event::elapsed_ms(&start, &end)?));
     }
-    Ok(median(&mut samples))
+    Ok(Timing {
+        gpu_ms: median(&mut gpu),
+        host_ms: median(&mut host),
+    })
 }
 
 /// The median of `samples` (the mean of the middle two for an even count); NaN when empty.

@@ -8,6 +8,7 @@ use crate::stream::Stream;
 
 use super::layout::GraphIndex;
 use super::segments::SegmentKind;
+use super::weights::Fp8Recorder;
 
 /// One layer (or part of a layer) that [`GraphedCallables`](super::GraphedCallables)
 /// captures: a forward and a backward pass over static device buffers.
@@ -284,6 +285,7 @@ pub struct Slot<'a, T: DeviceRepr> {
     pub(crate) pool: &'a GraphPool,
     pub(crate) warmup: bool,
     pub(crate) skip_weight_cast: Option<&'a DeviceBuffer<f32>>,
+    pub(crate) recorder: Option<&'a Fp8Recorder>,
 }
 
 impl<'a, T: DeviceRepr> Slot<'a, T> {
@@ -305,7 +307,15 @@ impl<'a, T: DeviceRepr> Slot<'a, T> {
             pool,
             warmup: false,
             skip_weight_cast: None,
+            recorder: None,
         }
+    }
+
+    /// This slot reporting [`record_fp8_tensors`](Self::record_fp8_tensors) to `recorder`
+    /// (e.g. to see what an eager reference run of a callable uses).
+    pub fn with_recorder(mut self, recorder: &'a Fp8Recorder) -> Slot<'a, T> {
+        self.recorder = Some(recorder);
+        self
     }
 
     /// This slot with `flag` as its [`skip_weight_cast`](Self::skip_weight_cast) flag, for
@@ -313,6 +323,28 @@ impl<'a, T: DeviceRepr> Slot<'a, T> {
     pub fn with_skip_weight_cast(mut self, flag: Option<&'a DeviceBuffer<f32>>) -> Slot<'a, T> {
         self.skip_weight_cast = flag;
         self
+    }
+
+    /// A slot for a part of this pass (e.g. one expert of a MoE layer run as its own
+    /// [`Callable`]) with its own buffers: the same position, pool, warmup state, weight-cast
+    /// flag and FP8 recorder, so what the part reports through
+    /// [`record_fp8_tensors`](Self::record_fp8_tensors) is recorded for this pass.
+    pub fn with_buffers<'b>(
+        &'b self,
+        inputs: Vec<&'b DeviceBuffer<T>>,
+        outputs: Vec<&'b DeviceBuffer<T>>,
+        saved: Vec<&'b DeviceBuffer<T>>,
+    ) -> Slot<'b, T> {
+        Slot {
+            at: self.at,
+            inputs,
+            outputs,
+            saved,
+            pool: self.pool,
+            warmup: self.warmup,
+            skip_weight_cast: self.skip_weight_cast,
+            recorder: self.recorder,
+        }
     }
 
     /// The (chunk, microbatch, layer) of this pass.
@@ -366,5 +398,20 @@ impl<'a, T: DeviceRepr> Slot<'a, T> {
     /// decides; cast unconditionally) and in slots made with [`Slot::new`].
     pub fn skip_weight_cast(&self) -> Option<&'a DeviceBuffer<f32>> {
         self.skip_weight_cast
+    }
+
+    /// Reports that this pass ran the FP8 tensors `tensors`: indices into the caller's
+    /// scaling state (a layer's input, weight and gradient tensors; a MoE layer reports
+    /// only the experts that got tokens). The runtime gives every warmup pass a recorder
+    /// per callable and hands what was reported to
+    /// [`GraphedOptions::after_warmup`](super::GraphedOptions::after_warmup) as a
+    /// [`WarmupRecord`](super::WarmupRecord), so that exactly the tensors that ran are
+    /// registered for amax reduction and scale updates (see [`weights`](super::weights)).
+    /// Captures and replays do not record (their work is fixed at capture); a slot without
+    /// a recorder ([`Slot::new`]) ignores the call.
+    pub fn record_fp8_tensors(&self, tensors: impl IntoIterator<Item = usize>) {
+        if let Some(r) = self.recorder {
+            r.record(tensors);
+        }
     }
 }

@@ -7,9 +7,12 @@
 //! * [`Callable`]: one layer's forward and backward over static buffers, enqueued on a
 //!   given stream; [`Slot`] is the per-(chunk, microbatch, layer) context it gets.
 //! * [`GraphedCallables::build`]: allocates the static buffers from one [`GraphPool`](crate::GraphPool),
-//!   warms up, captures a forward and a backward graph per (chunk, microbatch, layer) in
-//!   schedule order (one per graphed segment for layers split into segments, see
-//!   [`segments`]), instantiates and uploads them; [`GraphedOptions`] configures it.
+//!   warms up, captures every (chunk, microbatch, layer)'s forward and backward in schedule
+//!   order, instantiates and uploads the graphs; [`GraphedOptions`] configures it. By default
+//!   ([`GraphedOptions::merge_layers`]) the layers of one step (the forward or backward of a
+//!   (chunk, microbatch)) go into one graph, so a replay is one graph launch; without it
+//!   each layer's pass is a graph of its own, as in TransformerEngine. Layers split into
+//!   segments ([`segments`]) break the step's graph at their eager segments.
 //! * [`GraphedCallables::forward`] / [`GraphedCallables::backward`]: replay in schedule
 //!   order (anything else is [`Error::ReplayOrder`](crate::Error::ReplayOrder)).
 //! * [`Schedule`]: the pipeline order (the reference's `_order`: `k` forward, `-k` backward,
@@ -121,8 +124,9 @@
 //! Both run on one internal stream forked from the stream given to the build: warmup runs
 //! every pass [`GraphedOptions::warmup_iters`] times in exactly [`Schedule::layer_steps`]
 //! order with exactly the static buffers capture uses (sample inputs copied in first), then
-//! capture records each pass into its own graph in that same order (each graphed segment
-//! into its own graph; eager segments run in warmup but are never captured). Callable `c` runs in
+//! capture records the passes in that same order: a step's layers into one graph, or each
+//! layer's pass into its own without [`GraphedOptions::merge_layers`]; eager segments run
+//! in warmup but are never captured and split the step's graph. Callable `c` runs in
 //! the graphs of (chunk, microbatch, layer) with [`Layout::callable_of_graph`] = `c`, so
 //! parameters pair with graphs through [`Layout`] only.
 //!
@@ -159,6 +163,7 @@
 mod buffers;
 mod callable;
 mod layout;
+mod program;
 mod replay;
 mod runtime;
 mod schedule;
@@ -171,4 +176,7 @@ pub(crate) use replay::describe_step;
 pub use runtime::{GraphedCallables, GraphedOptions};
 pub use schedule::{LayerStep, OrderEntry, Pass, Schedule, ScheduleError, Step};
 pub use segments::{SegmentKind, SegmentPlan, SegmentRun};
-pub use weights::{IdentityGroup, ReductionGroup, StepHook, WarmupHook, WeightCaching};
+pub use weights::{
+    AfterWarmupHook, Fp8Recorder, IdentityGroup, ReductionGroup, StepHook, WarmupHook,
+    WarmupRecord, WeightCaching,
+};

@@ -4,9 +4,9 @@ use crate::error::{Error, Result};
 use crate::memory::{DeviceBuffer, DeviceRepr};
 use crate::stream::Stream;
 
+use super::program::{Item, Part};
 use super::runtime::{GraphedCallables, slot_of};
 use super::schedule::{Pass, Schedule, Step};
-use super::segments::SegmentRun;
 use super::weights::StepHook;
 
 /// Where a training step stands: the position of the next step in the schedule.
@@ -150,7 +150,7 @@ impl<T: DeviceRepr> GraphedCallables<T> {
         let step = Step::Forward { chunk, microbatch };
         let position = self.cursor.get().check(&self.schedule, step)?;
         let graphs = self.graphs_of(chunk, microbatch)?;
-        self.check_eager_outside_capture(graphs.clone(), Pass::Forward, stream)?;
+        self.check_eager_outside_capture(position, step, stream)?;
         let first = self.buffers.plan.graphs[graphs.start].inputs.clone();
         if inputs.len() != first.len() {
             return Err(Error::invalid(format!(
@@ -172,9 +172,7 @@ impl<T: DeviceRepr> GraphedCallables<T> {
         if graphs.clone().any(|g| self.weights.casts[g]) {
             self.write_cast_flag(chunk, microbatch, stream)?;
         }
-        for g in graphs.clone() {
-            self.run_layer(g, Pass::Forward, stream)?;
-        }
+        self.run_program(position, stream)?;
         self.advance(position);
         // Amax reduction and scale update (the caller's hook) after the forward replay.
         self.run_hook(step, stream, |h| &mut h.after_forward)?;
@@ -201,7 +199,7 @@ impl<T: DeviceRepr> GraphedCallables<T> {
         let step = Step::Backward { chunk, microbatch };
         let position = self.cursor.get().check(&self.schedule, step)?;
         let graphs = self.graphs_of(chunk, microbatch)?;
-        self.check_eager_outside_capture(graphs.clone(), Pass::Backward, stream)?;
+        self.check_eager_outside_capture(position, step, stream)?;
         let last = self.buffers.plan.graphs[graphs.end - 1]
             .grad_outputs
             .clone();
@@ -220,9 +218,7 @@ impl<T: DeviceRepr> GraphedCallables<T> {
                 &format!("output gradient {i}"),
             )?);
         }
-        for g in graphs.clone().rev() {
-            self.run_layer(g, Pass::Backward, stream)?;
-        }
+        self.run_program(position, stream)?;
         self.advance(position);
         // Amax reduction and scale update (the caller's hook) after the backward replay.
         self.run_hook(step, stream, |h| &mut h.after_backward)?;
@@ -243,83 +239,66 @@ impl<T: DeviceRepr> GraphedCallables<T> {
         self.cursor.set(c);
     }
 
-    /// Runs the `pass` segments of graph index `g` in order on `stream`: a graph launch per
-    /// graphed segment, a call of the callable's eager code per eager segment.
-    fn run_layer(&self, g: usize, pass: Pass, stream: &Stream) -> Result<()> {
-        let layout = self.schedule.layout();
-        let c = layout
-            .callable_of_graph(g)
-            .ok_or_else(|| Error::invalid(format!("internal: graph {g} out of range")))?;
-        let (plans, execs) = match pass {
-            Pass::Forward => (&self.forward_plans, &self.forward),
-            _ => (&self.backward_plans, &self.backward),
-        };
-        let internal = || Error::invalid(format!("internal: no segments for graph {g}"));
-        let plan = plans.get(c).ok_or_else(internal)?;
-        let execs = execs.get(g).ok_or_else(internal)?;
-        let callable = self.callables.get(c).ok_or_else(internal)?;
-        for run in plan.runs() {
-            match run {
-                SegmentRun::Graphed { graph, .. } => {
-                    execs.get(graph).ok_or_else(internal)?.launch(stream)?;
+    /// Runs the program of the step at `position` on `stream`: its graph launches and its
+    /// eager segments' host calls, in order.
+    fn run_program(&self, position: usize, stream: &Stream) -> Result<()> {
+        for item in self.programs.step(position) {
+            match item {
+                Item::Launch { exec, .. } => {
+                    let e = self
+                        .execs
+                        .get(*exec)
+                        .ok_or_else(|| Error::invalid(format!("internal: no exec {exec}")))?;
+                    e.launch(stream)?;
                 }
-                SegmentRun::Eager { segment } => {
-                    let slot = slot_of(
-                        &self.schedule,
-                        &self.buffers,
-                        &self.weights,
-                        &self.pool,
-                        g,
-                        false,
-                    )?;
-                    match pass {
-                        Pass::Forward => callable.forward_eager(
-                            segment,
-                            stream,
-                            &slot.inputs,
-                            &slot.outputs,
-                            &slot,
-                        )?,
-                        _ => {
-                            let go = self.buffers.grad_outputs(g);
-                            let gi = self.buffers.grad_inputs(g);
-                            callable.backward_eager(segment, stream, &go, &gi, &slot)?
-                        }
-                    }
-                }
+                Item::Eager(part) => self.run_eager(*part, stream)?,
             }
         }
         Ok(())
     }
 
-    /// Eager segments run on the host and may synchronize: a pass that has any is refused
+    /// Calls the eager code of `part` with its slot's static buffers on `stream`.
+    fn run_eager(&self, part: Part, stream: &Stream) -> Result<()> {
+        let ls = part.ls;
+        let callable = self
+            .callables
+            .get(ls.callable)
+            .ok_or_else(|| Error::invalid(format!("internal: callable {} missing", ls.callable)))?;
+        let slot = slot_of(
+            &self.schedule,
+            &self.buffers,
+            &self.weights,
+            &self.pool,
+            ls.graph,
+            None,
+        )?;
+        match ls.step.pass() {
+            Pass::Forward => {
+                callable.forward_eager(part.segment, stream, &slot.inputs, &slot.outputs, &slot)
+            }
+            _ => {
+                let go = self.buffers.grad_outputs(ls.graph);
+                let gi = self.buffers.grad_inputs(ls.graph);
+                callable.backward_eager(part.segment, stream, &go, &gi, &slot)
+            }
+        }
+    }
+
+    /// Eager segments run on the host and may synchronize: a step that has any is refused
     /// on a capturing stream (before anything is enqueued).
     fn check_eager_outside_capture(
         &self,
-        graphs: std::ops::Range<usize>,
-        pass: Pass,
+        position: usize,
+        step: Step,
         stream: &Stream,
     ) -> Result<()> {
-        let plans = match pass {
-            Pass::Forward => &self.forward_plans,
-            _ => &self.backward_plans,
-        };
-        let layout = self.schedule.layout();
-        let eager = graphs.clone().any(|g| {
-            layout
-                .callable_of_graph(g)
-                .and_then(|c| plans.get(c))
-                .is_some_and(|p| p.graphs() < p.len())
-        });
-        if eager && stream.capture_status()? != crate::CaptureStatus::None {
+        if self.programs.has_eager(position)
+            && stream.capture_status()? != crate::CaptureStatus::None
+        {
             return Err(Error::invalid(format!(
-                "graphed callables: the {} of graphs {graphs:?} has eager segments and can \
-                 not be replayed on a capturing stream",
-                if pass == Pass::Forward {
-                    "forward"
-                } else {
-                    "backward"
-                }
+                "graphed callables: the {} has eager segments and can not be replayed on a \
+                 capturing stream",
+                describe_step(&step)
             )));
         }
         Ok(())

@@ -15,10 +15,14 @@ use crate::stream::Stream;
 
 use super::buffers::{BufferPlan, Shapes, StaticBuffers};
 use super::callable::{Callable, Slot};
+use super::program::{Item, Programs};
 use super::replay::ReplayCursor;
 use super::schedule::{LayerStep, Pass, Schedule};
-use super::segments::{SegmentKind, SegmentPlan, SegmentRun};
-use super::weights::{ReductionGroup, StepHook, WarmupHook, WeightCaching, identity_group};
+use super::segments::{SegmentKind, SegmentPlan};
+use super::weights::{
+    AfterWarmupHook, Fp8Recorder, ReductionGroup, StepHook, WarmupHook, WarmupRecord,
+    WeightCaching, identity_group,
+};
 
 /// How [`GraphedCallables::build`] works.
 ///
@@ -40,6 +44,13 @@ pub struct GraphedOptions {
     pub scratch_bytes: usize,
     /// The capture mode of every graph. Default [`CaptureMode::ThreadLocal`].
     pub capture_mode: CaptureMode,
+    /// Capture the consecutive graphed segments of a step (the forward or backward of one
+    /// (chunk, microbatch)) into one graph, across its layers; only eager segments split
+    /// it. Default `true`: one graph launch per step instead of one per layer. `false`
+    /// gives one graph per (chunk, microbatch, layer), pass and graphed segment, as
+    /// TransformerEngine does. Replays compute the same either way; see
+    /// [`GraphedCallables::forward_exec`] for what the inspection methods return.
+    pub merge_layers: bool,
     /// How weight casts ([`Callable::cast_weights`]) are limited to the first microbatch of
     /// each step. Default [`WeightCaching::detect`]: `Conditional` when the driver has
     /// conditional IF nodes, else `NoopFlag`. See [`weights`](super::weights).
@@ -58,10 +69,13 @@ pub struct GraphedOptions {
     /// are zeroed and the sample inputs copied in): snapshot the scaling state warmup will
     /// change (amax histories, scales). Default `None`.
     pub before_warmup: Option<WarmupHook>,
-    /// Run once on the warmup stream after the last warmup pass, before capture: restore
-    /// what [`before_warmup`](Self::before_warmup) saved, so the delayed-scaling history
-    /// does not carry warmup's iterations. Default `None`.
-    pub after_warmup: Option<WarmupHook>,
+    /// Run once on the warmup stream after the last warmup pass, before capture, with what
+    /// warmup recorded ([`WarmupRecord`]: the FP8 tensors each callable reported through
+    /// [`Slot::record_fp8_tensors`]): restore what [`before_warmup`](Self::before_warmup)
+    /// saved, so the delayed-scaling history does not carry warmup's iterations, and
+    /// register the tensors that ran for the amax reduction (MoE filtering, see
+    /// [`weights`](super::weights)). Default `None`.
+    pub after_warmup: Option<AfterWarmupHook>,
 }
 
 impl std::fmt::Debug for GraphedOptions {
@@ -74,6 +88,7 @@ impl std::fmt::Debug for GraphedOptions {
             .field("pool", &self.pool)
             .field("scratch_bytes", &self.scratch_bytes)
             .field("capture_mode", &self.capture_mode)
+            .field("merge_layers", &self.merge_layers)
             .field("weight_caching", &self.weight_caching)
             .field("reduction_group", &self.reduction_group)
             .field("after_forward", &hook(self.after_forward.is_some()))
@@ -92,7 +107,7 @@ impl GraphedOptions {
     }
 
     /// The defaults for `schedule`: 3 warmup iterations, no buffer reuse, a new pool with
-    /// no scratch, thread-local capture, the weight caching the driver supports
+    /// no scratch, thread-local capture, one graph per step (layers merged), the weight caching the driver supports
     /// ([`WeightCaching::detect`]), the identity reduction group, no hooks.
     pub fn new(schedule: Schedule) -> GraphedOptions {
         GraphedOptions {
@@ -102,6 +117,7 @@ impl GraphedOptions {
             pool: None,
             scratch_bytes: 0,
             capture_mode: CaptureMode::ThreadLocal,
+            merge_layers: true,
             weight_caching: WeightCaching::detect(),
             reduction_group: identity_group(),
             after_forward: None,
@@ -109,6 +125,12 @@ impl GraphedOptions {
             before_warmup: None,
             after_warmup: None,
         }
+    }
+
+    /// These options with [`merge_layers`](Self::merge_layers) set to `merge`.
+    pub fn with_merge_layers(mut self, merge: bool) -> GraphedOptions {
+        self.merge_layers = merge;
+        self
     }
 
     /// These options with weight caching `mode`.
@@ -129,11 +151,12 @@ pub struct GraphedCallables<T: DeviceRepr> {
     pub(crate) schedule: Schedule,
     pub(crate) callables: Vec<Box<dyn Callable<T>>>,
     pub(crate) buffers: StaticBuffers<T>,
-    /// Forward execs by graph index ([`Layout::index`](super::Layout::index)), one per
-    /// graphed segment of the forward (in segment order; empty for an eager-only forward).
-    pub(crate) forward: Vec<Vec<GraphExec>>,
-    /// Backward execs by graph index, one per graphed backward segment.
-    pub(crate) backward: Vec<Vec<GraphExec>>,
+    /// What each step launches and runs ([`Programs`]), and which segments each exec holds.
+    pub(crate) programs: Programs,
+    /// [`GraphedOptions::merge_layers`] of the build.
+    pub(crate) merge_layers: bool,
+    /// The execs, by the programs' exec index.
+    pub(crate) execs: Vec<GraphExec>,
     /// The forward segments of each callable, by callable index.
     pub(crate) forward_plans: Vec<SegmentPlan>,
     /// The backward segments of each callable, by callable index.
@@ -143,13 +166,13 @@ pub struct GraphedCallables<T: DeviceRepr> {
     pub(crate) ctx: Arc<Context>,
     /// Input and output-gradient copies enqueued by replays.
     pub(crate) copies: Cell<u64>,
-    /// The captured graphs (kept for inspection), by graph index, like the execs.
-    pub(crate) forward_graphs: Vec<Vec<Graph>>,
-    pub(crate) backward_graphs: Vec<Vec<Graph>>,
+    /// The captured graphs (kept for inspection), like the execs.
+    pub(crate) graphs: Vec<Graph>,
     /// Weight caching: the mode, the flags, which forward graphs cast.
     pub(crate) weights: CastFlags,
     pub(crate) hooks: RefCell<ReplayHooks>,
     pub(crate) reduction_group: Arc<dyn ReductionGroup>,
+    pub(crate) warmup_record: WarmupRecord,
 }
 
 /// The hooks replays run.
@@ -223,7 +246,7 @@ impl<T: DeviceRepr> std::fmt::Debug for GraphedCallables<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GraphedCallables")
             .field("schedule", &self.schedule)
-            .field("graphs", &self.forward.len())
+            .field("graphs", &self.execs.len())
             .field("static_buffers", &self.buffers.arena.len())
             .field("next_step", &self.cursor.get().next_step(&self.schedule))
             .finish()
@@ -249,7 +272,7 @@ pub(crate) fn slot_of<'a, T: DeviceRepr>(
     flags: &'a CastFlags,
     pool: &'a GraphPool,
     graph: usize,
-    warmup: bool,
+    warmup: Option<&'a Fp8Recorder>,
 ) -> Result<Slot<'a, T>> {
     let layout = schedule.layout();
     let at = layout
@@ -262,14 +285,16 @@ pub(crate) fn slot_of<'a, T: DeviceRepr>(
         outputs: buffers.outputs(graph),
         saved: buffers.saved(graph),
         pool,
-        warmup,
+        warmup: warmup.is_some(),
         skip_weight_cast: flags.noop.get(pair),
+        recorder: warmup,
     })
 }
 
 /// Runs segment `segment` (of kind `kind`) of the pass of `ls` for its callable on `stream`:
-/// eagerly (warmup) or inside a capture (graphed segments only). `cast` applies before the
-/// segment (the caller passes non-`Skip` only for a forward's cast segment).
+/// eagerly (warmup, with the callable's recorder) or inside a capture (graphed segments
+/// only, `warmup` `None`). `cast` applies before the segment (the caller passes non-`Skip`
+/// only for a forward's cast segment).
 #[allow(clippy::too_many_arguments)]
 fn run_segment<T: DeviceRepr>(
     callables: &mut [Box<dyn Callable<T>>],
@@ -281,7 +306,7 @@ fn run_segment<T: DeviceRepr>(
     segment: usize,
     kind: SegmentKind,
     stream: &Stream,
-    warmup: bool,
+    warmup: Option<&Fp8Recorder>,
     cast: Cast<'_>,
 ) -> Result<()> {
     let slot = slot_of(schedule, buffers, flags, pool, ls.graph, warmup)?;
@@ -401,6 +426,7 @@ impl<T: DeviceRepr> GraphedCallables<T> {
             pool,
             scratch_bytes,
             capture_mode,
+            merge_layers,
             weight_caching,
             reduction_group,
             after_forward,
@@ -491,8 +517,10 @@ impl<T: DeviceRepr> GraphedCallables<T> {
         )?;
 
         let mut callables = callables;
-        // The caller snapshots its scaling state here and restores it after warmup (the
-        // hooks); MoE filtering of amax registration also hangs off these hooks.
+        // What each callable reports running during warmup (MoE filtering).
+        let recorders: Vec<Fp8Recorder> = callables.iter().map(|_| Fp8Recorder::new()).collect();
+        // The caller snapshots its scaling state here and restores it after warmup, and
+        // registers the FP8 tensors that ran (the hooks).
         if let Some(h) = before_warmup.as_mut() {
             h(&cap)?;
         }
@@ -522,14 +550,15 @@ impl<T: DeviceRepr> GraphedCallables<T> {
                         segment,
                         kind,
                         &cap,
-                        true,
+                        recorders.get(ls.callable),
                         cast,
                     )?;
                 }
             }
         }
+        let warmup_record = WarmupRecord::new(recorders.iter().map(Fp8Recorder::tensors).collect());
         if let Some(h) = after_warmup.as_mut() {
-            h(&cap)?;
+            h(&cap, &warmup_record)?;
         }
         cap.synchronize()?;
 
@@ -545,7 +574,7 @@ impl<T: DeviceRepr> GraphedCallables<T> {
                 continue;
             }
             let probe = cap.capture(capture_mode, |s| {
-                let slot = slot_of(&schedule, &buffers, &flags, &pool, ls.graph, false)?;
+                let slot = slot_of(&schedule, &buffers, &flags, &pool, ls.graph, None)?;
                 let callable = callables.get_mut(ls.callable).ok_or_else(|| {
                     Error::invalid(format!("internal: callable {} missing", ls.callable))
                 })?;
@@ -558,45 +587,40 @@ impl<T: DeviceRepr> GraphedCallables<T> {
             ConditionalHandle::load_helpers(&ctx)?;
         }
 
-        let total = layout.total_graphs();
-        let mut forward: Vec<Option<Vec<GraphExec>>> = (0..total).map(|_| None).collect();
-        let mut backward: Vec<Option<Vec<GraphExec>>> = (0..total).map(|_| None).collect();
-        let mut forward_graphs: Vec<Vec<Graph>> = (0..total).map(|_| Vec::new()).collect();
-        let mut backward_graphs: Vec<Vec<Graph>> = (0..total).map(|_| Vec::new()).collect();
-        for ls in schedule.layer_steps() {
-            let pair = {
-                let at = layout.locate(ls.graph).ok_or_else(|| {
-                    Error::invalid(format!("internal: graph {} out of range", ls.graph))
-                })?;
-                at.chunk * layout.num_microbatches() + at.microbatch
+        // Capture, step by step in schedule order, one graph per launch item of the
+        // programs (a run of graphed segments, merged across layers or not).
+        let programs = Programs::new(&schedule, &forward_plans, &backward_plans, merge_layers)?;
+        let mut execs = Vec::with_capacity(programs.execs());
+        let mut graphs = Vec::with_capacity(programs.execs());
+        for item in programs.steps().flatten() {
+            let Item::Launch { exec, parts } = item else {
+                continue;
             };
-            let plan = plan_of(&forward_plans, &backward_plans, ls)?;
-            let cast_at = match ls.step.pass() {
-                Pass::Forward => plan.cast_segment(),
-                _ => None,
-            };
-            let mut execs = Vec::with_capacity(plan.graphs());
-            let mut graphs = Vec::with_capacity(plan.graphs());
-            // One graph per graphed segment, in segment order; eager segments are never
-            // captured.
-            for run in plan.runs() {
-                let SegmentRun::Graphed { segment, .. } = run else {
-                    continue;
-                };
-                let cast = match (
-                    cast_at == Some(segment),
-                    flags.casts[ls.graph],
-                    weight_caching,
-                ) {
-                    (true, true, WeightCaching::Conditional) => {
-                        Cast::Conditional(flags.cond.get(pair).ok_or_else(|| {
-                            Error::invalid(format!("internal: no cast flag for pair {pair}"))
-                        })?)
-                    }
-                    (true, true, WeightCaching::NoopFlag) => Cast::Always,
-                    _ => Cast::Skip,
-                };
-                let graph = cap.capture(capture_mode, |s| {
+            debug_assert_eq!(*exec, execs.len());
+            let graph = cap.capture(capture_mode, |s| {
+                for part in parts {
+                    let ls = part.ls;
+                    let cast = match ls.step.pass() {
+                        Pass::Forward
+                            if plan_of(&forward_plans, &backward_plans, ls)?.cast_segment()
+                                == Some(part.segment)
+                                && flags.casts[ls.graph] =>
+                        {
+                            match weight_caching {
+                                WeightCaching::Conditional => {
+                                    let pair = ls.step.chunk() * layout.num_microbatches()
+                                        + ls.step.microbatch();
+                                    Cast::Conditional(flags.cond.get(pair).ok_or_else(|| {
+                                        Error::invalid(format!(
+                                            "internal: no cast flag for pair {pair}"
+                                        ))
+                                    })?)
+                                }
+                                WeightCaching::NoopFlag => Cast::Always,
+                            }
+                        }
+                        _ => Cast::Skip,
+                    };
                     run_segment(
                         &mut callables,
                         &schedule,
@@ -604,58 +628,42 @@ impl<T: DeviceRepr> GraphedCallables<T> {
                         &flags,
                         &pool,
                         ls,
-                        segment,
+                        part.segment,
                         SegmentKind::Graphed,
                         s.stream(),
-                        false,
+                        None,
                         cast,
-                    )
-                })?;
-                let exec = GraphExec::instantiate(&graph, InstantiateFlags::empty())?;
-                exec.upload(&cap)?;
-                execs.push(exec);
-                graphs.push(graph);
-            }
-            let (slot, kept) = match ls.step.pass() {
-                Pass::Forward => (&mut forward[ls.graph], &mut forward_graphs[ls.graph]),
-                _ => (&mut backward[ls.graph], &mut backward_graphs[ls.graph]),
-            };
-            *slot = Some(execs);
-            *kept = graphs;
+                    )?;
+                }
+                Ok(())
+            })?;
+            let e = GraphExec::instantiate(&graph, InstantiateFlags::empty())?;
+            e.upload(&cap)?;
+            execs.push(e);
+            graphs.push(graph);
         }
-        let collect = |v: Vec<Option<Vec<GraphExec>>>, what: &str| {
-            v.into_iter()
-                .enumerate()
-                .map(|(g, e)| {
-                    e.ok_or_else(|| {
-                        Error::invalid(format!("the schedule never runs the {what} of graph {g}"))
-                    })
-                })
-                .collect::<Result<Vec<_>>>()
-        };
-        let forward = collect(forward, "forward")?;
-        let backward = collect(backward, "backward")?;
         stream.wait_stream(&cap)?;
         Ok(GraphedCallables {
             schedule,
             callables,
             buffers,
-            forward,
-            backward,
+            programs,
+            merge_layers,
+            execs,
             forward_plans,
             backward_plans,
             pool,
             cursor: Cell::new(ReplayCursor::default()),
             ctx,
             copies: Cell::new(0),
-            forward_graphs,
-            backward_graphs,
+            graphs,
             weights: flags,
             hooks: RefCell::new(ReplayHooks {
                 after_forward,
                 after_backward,
             }),
             reduction_group,
+            warmup_record,
         })
     }
 
@@ -693,31 +701,49 @@ impl<T: DeviceRepr> GraphedCallables<T> {
         self.copies.get()
     }
 
-    /// The forward exec of graph index `graph`: that of its forward's first graphed segment
-    /// (the only one for a single-graph forward). `None` if out of range or the forward has
-    /// no graphed segment.
+    /// The exec that holds segment `segment` of graph index `graph`'s `pass`; `None` if out
+    /// of range or that segment is eager.
+    fn exec_index(&self, pass: Pass, graph: usize, segment: usize) -> Option<usize> {
+        self.programs.exec_of(pass, graph, segment)
+    }
+
+    /// The first graphed segment of graph index `graph`'s `pass`.
+    fn first_graphed(&self, pass: Pass, graph: usize) -> Option<usize> {
+        let plan = match pass {
+            Pass::Forward => self.forward_plan(graph)?,
+            _ => self.backward_plan(graph)?,
+        };
+        plan.cast_segment()
+    }
+
+    /// The forward exec of graph index `graph`: the one holding its forward's first graphed
+    /// segment. With [`GraphedOptions::merge_layers`] (the default) an exec holds a whole
+    /// run of graphed segments of its step, so the layers of one (chunk, microbatch) share
+    /// it; without, it is this layer's own. `None` if out of range or the forward has no
+    /// graphed segment.
     pub fn forward_exec(&self, graph: usize) -> Option<&GraphExec> {
-        self.forward.get(graph)?.first()
+        self.forward_segment_exec(graph, self.first_graphed(Pass::Forward, graph)?)
     }
 
-    /// The backward exec of graph index `graph`: that of its backward's first graphed
-    /// segment. `None` if out of range or the backward has no graphed segment.
+    /// The backward exec of graph index `graph`: the one holding its backward's first
+    /// graphed segment (shared as for [`forward_exec`](Self::forward_exec)). `None` if out
+    /// of range or the backward has no graphed segment.
     pub fn backward_exec(&self, graph: usize) -> Option<&GraphExec> {
-        self.backward.get(graph)?.first()
+        self.backward_segment_exec(graph, self.first_graphed(Pass::Backward, graph)?)
     }
 
-    /// The exec of forward segment `segment` of graph index `graph`; `None` if out of range
-    /// or that segment is eager.
+    /// The exec holding forward segment `segment` of graph index `graph`; `None` if out of
+    /// range or that segment is eager.
     pub fn forward_segment_exec(&self, graph: usize, segment: usize) -> Option<&GraphExec> {
-        let k = self.forward_plan(graph)?.graph_of(segment)?;
-        self.forward.get(graph)?.get(k)
+        self.execs
+            .get(self.exec_index(Pass::Forward, graph, segment)?)
     }
 
-    /// The exec of backward segment `segment` of graph index `graph`; `None` if out of
+    /// The exec holding backward segment `segment` of graph index `graph`; `None` if out of
     /// range or that segment is eager.
     pub fn backward_segment_exec(&self, graph: usize, segment: usize) -> Option<&GraphExec> {
-        let k = self.backward_plan(graph)?.graph_of(segment)?;
-        self.backward.get(graph)?.get(k)
+        self.execs
+            .get(self.exec_index(Pass::Backward, graph, segment)?)
     }
 
     /// The forward segments of graph index `graph` (those of its callable); `None` if out
@@ -733,33 +759,48 @@ impl<T: DeviceRepr> GraphedCallables<T> {
         self.backward_plans.get(c)
     }
 
-    /// The captured forward graph of graph index `graph` (the source of
-    /// [`forward_exec`](Self::forward_exec): its first graphed segment), for inspecting its
+    /// The captured graph of [`forward_exec`](Self::forward_exec), for inspecting its
     /// structure; `None` if out of range or the forward has no graphed segment. With
-    /// [`WeightCaching::Conditional`] and a callable that casts, it holds the setter kernel
-    /// and the IF node ([`NodeKind::Conditional`](crate::NodeKind::Conditional)).
+    /// [`WeightCaching::Conditional`] and a callable that casts, it holds a setter kernel
+    /// and an IF node ([`NodeKind::Conditional`](crate::NodeKind::Conditional)) per casting
+    /// layer in it.
     pub fn forward_graph(&self, graph: usize) -> Option<&Graph> {
-        self.forward_graphs.get(graph)?.first()
+        let segment = self.first_graphed(Pass::Forward, graph)?;
+        self.forward_segment_graph(graph, segment)
     }
 
-    /// The captured backward graph of graph index `graph` (its first graphed segment);
-    /// `None` if out of range or the backward has no graphed segment.
+    /// The captured graph of [`backward_exec`](Self::backward_exec); `None` if out of range
+    /// or the backward has no graphed segment.
     pub fn backward_graph(&self, graph: usize) -> Option<&Graph> {
-        self.backward_graphs.get(graph)?.first()
+        let segment = self.first_graphed(Pass::Backward, graph)?;
+        self.backward_segment_graph(graph, segment)
     }
 
-    /// The captured graph of forward segment `segment` of graph index `graph`; `None` if
-    /// out of range or that segment is eager.
+    /// The captured graph holding forward segment `segment` of graph index `graph`; `None`
+    /// if out of range or that segment is eager.
     pub fn forward_segment_graph(&self, graph: usize, segment: usize) -> Option<&Graph> {
-        let k = self.forward_plan(graph)?.graph_of(segment)?;
-        self.forward_graphs.get(graph)?.get(k)
+        self.graphs
+            .get(self.exec_index(Pass::Forward, graph, segment)?)
     }
 
-    /// The captured graph of backward segment `segment` of graph index `graph`; `None` if
-    /// out of range or that segment is eager.
+    /// The captured graph holding backward segment `segment` of graph index `graph`; `None`
+    /// if out of range or that segment is eager.
     pub fn backward_segment_graph(&self, graph: usize, segment: usize) -> Option<&Graph> {
-        let k = self.backward_plan(graph)?.graph_of(segment)?;
-        self.backward_graphs.get(graph)?.get(k)
+        self.graphs
+            .get(self.exec_index(Pass::Backward, graph, segment)?)
+    }
+
+    /// Whether consecutive graphed segments of a step share one graph
+    /// ([`GraphedOptions::merge_layers`]).
+    pub fn merges_layers(&self) -> bool {
+        self.merge_layers
+    }
+
+    /// The number of graphs (execs) the build captured: one per step with
+    /// [`GraphedOptions::merge_layers`] and no eager segments, one per (chunk, microbatch,
+    /// layer), pass and graphed segment without merging.
+    pub fn num_graphs(&self) -> usize {
+        self.execs.len()
     }
 
     /// The weight-caching mechanism the forward graphs were captured with.
@@ -773,6 +814,12 @@ impl<T: DeviceRepr> GraphedCallables<T> {
     /// with no graphed segment (the runtime does not cast for it); `None` if out of range.
     pub fn casts_weights(&self, graph: usize) -> Option<bool> {
         self.weights.casts.get(graph).copied()
+    }
+
+    /// What warmup recorded: the FP8 tensors each callable reported running
+    /// ([`Slot::record_fp8_tensors`]), the set [`GraphedOptions::after_warmup`] was given.
+    pub fn warmup_record(&self) -> &WarmupRecord {
+        &self.warmup_record
     }
 
     /// The amax reduction group of the options.

@@ -18,13 +18,15 @@
 //!   [`backward_segment`](super::Callable::backward_segment), eager ones through
 //!   [`Callable::forward_eager`](super::Callable::forward_eager) /
 //!   [`backward_eager`](super::Callable::backward_eager)).
-//! * Capture records each graphed segment of each (chunk, microbatch, layer) and pass into
-//!   its own graph, in schedule order, into the one pool. Eager segments are never called
+//! * Capture records the graphed segments in schedule order, into the one pool: each into
+//!   its own graph with [`GraphedOptions::merge_layers`](super::GraphedOptions::merge_layers)
+//!   off, else every run of consecutive graphed segments of a step (across its layers) into
+//!   one graph, so only eager segments split a step's graph. Eager segments are never called
 //!   inside a capture.
 //! * Replay ([`GraphedCallables::forward`](super::GraphedCallables::forward) /
 //!   [`backward`](super::GraphedCallables::backward)) runs each layer's segments in order
-//!   on the replay stream: a graph launch for a graphed segment, a host call for an eager
-//!   one, with the same slot ([`Slot`](super::Slot)) the graphed segments were captured
+//!   on the replay stream: a graph launch for a graphed segment (or run of them), a host call
+//!   for an eager one, with the same slot ([`Slot`](super::Slot)) the graphed segments were captured
 //!   with. An eager segment may copy sizes to the host, synchronize the stream and launch
 //!   work shaped by them. The step hooks run after the whole pass, as before.
 //!
@@ -70,7 +72,9 @@ use crate::error::{Error, Result};
 /// How one segment of a layer's pass runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum SegmentKind {
-    /// Captured into a graph of its own and replayed by a graph launch.
+    /// Captured into a graph (its own, or shared with the neighbouring graphed segments of
+    /// its step under [`GraphedOptions::merge_layers`](super::GraphedOptions::merge_layers))
+    /// and replayed by a graph launch.
     Graphed,
     /// Run by the host at replay time, between the graph launches, on the replay stream
     /// and outside any capture: it may read sizes to the host and launch dynamic-shaped

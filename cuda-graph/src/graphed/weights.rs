@@ -51,14 +51,21 @@
 //! that state (a device-to-device copy enqueued on the given stream) before, and copy it
 //! back after, so training starts from the state it would have had without warmup.
 //!
-//! MoE filtering (registering for amax reduction only the FP8 modules a callable actually
-//! ran, e.g. only the experts that got tokens during warmup) maps onto these hooks: the
-//! caller's callables record what they ran during warmup (see
-//! [`Slot::is_warmup`](super::Slot::is_warmup)), `after_warmup` turns that record into the
-//! list of tensors the `after_forward` / `after_backward` reduction covers. The runtime
-//! itself stays FP8-agnostic.
+//! # Which FP8 tensors ran: MoE filtering
+//!
+//! A layer does not always run all of its FP8 modules: a MoE layer's experts that get no
+//! tokens skip their quantization and GEMMs. TransformerEngine registers for amax
+//! reduction only the modules that actually ran while warming up; here a callable reports
+//! the FP8 tensors each pass ran through [`Slot::record_fp8_tensors`](super::Slot::record_fp8_tensors),
+//! the runtime records them per callable during warmup, and hands the result, a
+//! [`WarmupRecord`], to [`after_warmup`](super::GraphedOptions::after_warmup); that hook
+//! registers exactly those tensors with the scaling state (e.g. fp8-kernels'
+//! `DelayedScaling::register`), so the fused update after each replay covers only them. The
+//! record is also kept ([`GraphedCallables::warmup_record`](super::GraphedCallables::warmup_record)).
+//! The runtime itself stays FP8-agnostic: it never reads what the indices mean.
 
-use std::sync::Arc;
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
 
 use crate::driver::{DriverVersion, Feature, driver_version};
 use crate::error::Result;
@@ -140,6 +147,74 @@ pub type StepHook = Box<dyn FnMut(&Stream, Step) -> Result<()> + Send>;
 /// [`after_warmup`](super::GraphedOptions::after_warmup)) with the warmup stream: snapshot
 /// and restore scaling state there, stream-ordered.
 pub type WarmupHook = Box<dyn FnMut(&Stream) -> Result<()> + Send>;
+
+/// A hook run once after warmup
+/// ([`GraphedOptions::after_warmup`](super::GraphedOptions::after_warmup)) with the warmup
+/// stream and what warmup recorded: restore the scaling state saved before warmup and
+/// register the FP8 tensors that ran, stream-ordered.
+pub type AfterWarmupHook = Box<dyn FnMut(&Stream, &WarmupRecord) -> Result<()> + Send>;
+
+/// Collects the FP8 tensor indices passes report through
+/// [`Slot::record_fp8_tensors`](super::Slot::record_fp8_tensors). The runtime keeps one
+/// per callable during warmup; give one to a slot with
+/// [`Slot::with_recorder`](super::Slot::with_recorder) to see what an eager run reports.
+#[derive(Debug, Default)]
+pub struct Fp8Recorder {
+    tensors: Mutex<BTreeSet<usize>>,
+}
+
+impl Fp8Recorder {
+    /// An empty recorder.
+    pub fn new() -> Fp8Recorder {
+        Fp8Recorder::default()
+    }
+
+    /// Adds `tensors`.
+    pub fn record(&self, tensors: impl IntoIterator<Item = usize>) {
+        // A panic while the lock was held can only have come from a BTreeSet insert; the set
+        // is still a valid set, so keep using it.
+        let mut set = self.tensors.lock().unwrap_or_else(|p| p.into_inner());
+        set.extend(tensors);
+    }
+
+    /// Every index recorded so far.
+    pub fn tensors(&self) -> BTreeSet<usize> {
+        self.tensors
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+}
+
+/// What warmup recorded: per callable ([`Layout::callable_index`](super::Layout::callable_index)),
+/// the FP8 tensors its passes reported through
+/// [`Slot::record_fp8_tensors`](super::Slot::record_fp8_tensors).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct WarmupRecord {
+    per_callable: Vec<BTreeSet<usize>>,
+}
+
+impl WarmupRecord {
+    /// A record of `per_callable`'s sets, callable 0 first.
+    pub fn new(per_callable: Vec<BTreeSet<usize>>) -> WarmupRecord {
+        WarmupRecord { per_callable }
+    }
+
+    /// The tensors callable `callable` reported; `None` out of range.
+    pub fn of_callable(&self, callable: usize) -> Option<&BTreeSet<usize>> {
+        self.per_callable.get(callable)
+    }
+
+    /// Every tensor any callable reported: the ones to register for amax reduction.
+    pub fn fp8_tensors(&self) -> BTreeSet<usize> {
+        self.per_callable.iter().flatten().copied().collect()
+    }
+
+    /// The number of callables.
+    pub fn callables(&self) -> usize {
+        self.per_callable.len()
+    }
+}
 
 /// The group of processes over which amaxes are reduced (the data- or tensor-parallel group
 /// whose ranks must agree on FP8 scales). Hooks call
@@ -226,6 +301,19 @@ mod tests {
             Ok(v) => assert_eq!(m, WeightCaching::for_driver(v)),
             Err(_) => assert_eq!(m, WeightCaching::NoopFlag),
         }
+    }
+
+    #[test]
+    fn recorder_and_record_collect_sets() {
+        let r = Fp8Recorder::new();
+        r.record([3, 1]);
+        r.record([1, 7]);
+        assert_eq!(r.tensors(), BTreeSet::from([1, 3, 7]));
+        let rec = WarmupRecord::new(vec![r.tensors(), BTreeSet::new(), BTreeSet::from([2])]);
+        assert_eq!(rec.callables(), 3);
+        assert_eq!(rec.fp8_tensors(), BTreeSet::from([1, 2, 3, 7]));
+        assert!(rec.of_callable(1).unwrap().is_empty());
+        assert_eq!(rec.of_callable(3), None);
     }
 
     #[test]
