@@ -392,9 +392,9 @@ fn run_graphed(
             "{}: FP8 tensors callable {c} ran in warmup",
             case.name
         );
+    }
     assert_eq!(scaling.registered(), (0..n).collect::<Vec<_>>());
     // Warmup's changes to the FP8 state were undone by the hooks.
-    let n = layout.total_callables() * linear::TENSORS;
     assert_eq!(
         gpu.bits(scaling.history_buffer()),
         vec![0u32; n * HISTORY],
