@@ -413,16 +413,9 @@ fn run_graphed(
         "{}: {mode:?}: inverse scales not restored after warmup",
         case.name
     );
-    // Every forward graph casts; in Conditional mode inside one IF node per layer the graph
-    // holds (the chunk's layers when merged).
+    // Every forward graph casts; in Conditional mode inside one IF node (holding the casts
+    // of the chunk's layers when merged).
     for g in 0..layout.total_graphs() {
-        let layers = if merge {
-            layout
-                .layers(layout.locate(g).expect("graph").chunk)
-                .expect("chunk")
-        } else {
-            1
-        };
         assert_eq!(graphed.casts_weights(g), Some(true), "graph {g} casts");
         let conds = graphed
             .forward_graph(g)
@@ -432,7 +425,7 @@ fn run_graphed(
             .iter()
             .filter(|n| n.kind == NodeKind::Conditional)
             .count();
-        let want = layers * usize::from(mode == WeightCaching::Conditional);
+        let want = usize::from(mode == WeightCaching::Conditional);
         assert_eq!(
             conds, want,
             "{mode:?}: conditional nodes of forward graph {g}"

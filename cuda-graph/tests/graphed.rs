@@ -429,6 +429,18 @@ fn parameters_pair_with_the_right_graphs() {
     // weights.
     let gpu = Gpu::new();
     let merged = build(&gpu, graphed.schedule(), true);
+    let weight_ptrs: Vec<u64> = merged
+        .callables()
+        .iter()
+        .map(|c| c.parameters()[0].as_raw())
+        .collect();
+    let held = |resources: &[cuda_graph::Resource]| -> Vec<u64> {
+        resources
+            .iter()
+            .filter_map(|r| r.downcast_ref::<Allocation>().map(|a| a.ptr()))
+            .filter(|p| weight_ptrs.contains(p))
+            .collect()
+    };
     for g in 0..layout.total_graphs() {
         let at = layout.locate(g).unwrap();
         let chunk = layout.chunk_callables(at.chunk).unwrap();

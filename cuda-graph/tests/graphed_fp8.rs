@@ -316,21 +316,27 @@ fn conditional_nodes(graph: &cuda_graph::Graph) -> usize {
         .count()
 }
 
-/// Every forward graph holds one conditional node (the IF around the casts) per layer it
-/// covers (one, or the whole chunk when layers are merged) in Conditional mode and none in
-/// NoopFlag mode; backward graphs hold none.
+/// Every forward graph holds exactly one conditional node (the IF around the casts of every
+/// layer in it: one, or the whole chunk when layers are merged) in Conditional mode and none
+/// in NoopFlag mode; backward graphs hold none. Merged, a layer's forward graph is its
+/// chunk's.
 fn check_structure(graphed: &GraphedCallables<f32>, mode: WeightCaching) {
     let layout = graphed.schedule().layout();
+    let want = match mode {
+        WeightCaching::Conditional => 1,
+        WeightCaching::NoopFlag => 0,
+    };
     for g in 0..layout.total_graphs() {
-        let layers = if graphed.merges_layers() {
-            layout.layers(layout.locate(g).unwrap().chunk).unwrap()
-        } else {
-            1
-        };
-        let want = match mode {
-            WeightCaching::Conditional => layers,
-            WeightCaching::NoopFlag => 0,
-        };
+        let at = layout.locate(g).unwrap();
+        let first = layout.index(at.chunk, at.microbatch, 0).unwrap();
+        assert_eq!(
+            std::ptr::eq(
+                graphed.forward_graph(g).unwrap(),
+                graphed.forward_graph(first).unwrap()
+            ),
+            graphed.merges_layers() || at.layer == 0,
+            "graph {g}: merged layers share their step's graph"
+        );
         let f = graphed.forward_graph(g).expect("forward graph kept");
         assert_eq!(
             conditional_nodes(f),

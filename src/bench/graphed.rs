@@ -17,7 +17,7 @@
 use std::sync::Arc;
 
 use cuda_graph::graphed::{
-    Callable, GraphIndex, GraphedCallables, GraphedOptions, Schedule, Slot, Step,
+    Callable, GraphIndex, GraphedCallables, GraphedOptions, Schedule, Slot, Step, WeightCaching,
 };
 use cuda_graph::{Context, DeviceBuffer, GraphPool, Stream};
 use fp8_kernels::{AmaxAlgo, DelayedScaling, Fp8Format};
@@ -204,11 +204,14 @@ fn mlp_graphed(
     stream: &Stream,
     tokens: usize,
     merge: bool,
+    caching: WeightCaching,
 ) -> BenchResult<Timing> {
     let scaling = mlp_scaling(stream)?;
     let layers = mlp_layers(stream, tokens, &scaling)?;
     let schedule = Schedule::new(&MLP_ORDER, vec![MLP_LAYERS])?;
-    let mut options = GraphedOptions::new(schedule.clone()).with_merge_layers(merge);
+    let mut options = GraphedOptions::new(schedule.clone())
+        .with_merge_layers(merge)
+        .with_weight_caching(caching);
     options.after_forward = Some(Box::new({
         let s = scaling.clone();
         move |st: &Stream, _step: Step| s.update(st)
@@ -372,8 +375,10 @@ pub fn run() -> BenchResult<Vec<Row>> {
     let mut rows = Vec::new();
     for tokens in MLP_TOKENS {
         let eager = mlp_eager(&ctx, &stream, tokens)?;
-        let per_layer = mlp_graphed(&ctx, &stream, tokens, false)?;
-        let merged = mlp_graphed(&ctx, &stream, tokens, true)?;
+        let detect = WeightCaching::detect();
+        let per_layer = mlp_graphed(&ctx, &stream, tokens, false, detect)?;
+        let merged = mlp_graphed(&ctx, &stream, tokens, true, detect)?;
+        let noop = mlp_graphed(&ctx, &stream, tokens, true, WeightCaching::NoopFlag)?;
         let what = format!("FP8 MLP {MLP_LAYERS} layers x 3 microbatches, {tokens} tokens");
         let host = |t: &Timing| format!("host enqueue {:.3} ms", t.host_ms);
         rows.push(Row {
@@ -402,11 +407,22 @@ pub fn run() -> BenchResult<Vec<Row>> {
             value: merged.gpu_ms,
             unit: "ms",
             yardstick: format!(
-                "{:.2}x eager (layers merged, the default); {}",
+                "{:.2}x eager (layers merged, {detect:?} casts, the defaults); {}",
                 eager.gpu_ms / merged.gpu_ms,
                 host(&merged)
             ),
             pass: (tokens <= 64).then_some(merged.gpu_ms < eager.gpu_ms),
+        });
+        rows.push(Row {
+            name: format!("{what}: graphed, graph per step, noop-flag casts"),
+            value: noop.gpu_ms,
+            unit: "ms",
+            yardstick: format!(
+                "{:.2}x eager (casts always launched, skipped on the device); {}",
+                eager.gpu_ms / noop.gpu_ms,
+                host(&noop)
+            ),
+            pass: None,
         });
     }
     let (eager, y_eager) = moe_eager(&ctx, &stream)?;

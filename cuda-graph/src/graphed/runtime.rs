@@ -15,7 +15,7 @@ use crate::stream::Stream;
 
 use super::buffers::{BufferPlan, Shapes, StaticBuffers};
 use super::callable::{Callable, Slot};
-use super::program::{Item, Programs};
+use super::program::{Item, Part, Programs};
 use super::replay::ReplayCursor;
 use super::schedule::{LayerStep, Pass, Schedule};
 use super::segments::{SegmentKind, SegmentPlan};
@@ -253,16 +253,14 @@ impl<T: DeviceRepr> std::fmt::Debug for GraphedCallables<T> {
     }
 }
 
-/// What happens to a forward pass's weight casts.
-#[derive(Clone, Copy)]
-enum Cast<'a> {
-    /// No cast (backward passes, or a forward whose callable casts nothing).
+/// What happens to a forward pass's weight casts right before its cast segment.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Cast {
+    /// No cast here (backward passes, a forward whose callable casts nothing, or casts
+    /// already captured in the graph's IF node).
     Skip,
-    /// `cast_weights` then `forward`, unconditionally (warmup; the noop-flag mechanism).
+    /// `cast_weights` then the segment, unconditionally (warmup; the noop-flag mechanism).
     Always,
-    /// A setter kernel sets an IF handle from the flag, the IF body holds `cast_weights`,
-    /// then `forward` (captures only).
-    Conditional(&'a DeviceBuffer<i32>),
 }
 
 /// The slot of graph `graph`.
@@ -307,7 +305,7 @@ fn run_segment<T: DeviceRepr>(
     kind: SegmentKind,
     stream: &Stream,
     warmup: Option<&Fp8Recorder>,
-    cast: Cast<'_>,
+    cast: Cast,
 ) -> Result<()> {
     let slot = slot_of(schedule, buffers, flags, pool, ls.graph, warmup)?;
     let callable = callables
@@ -315,16 +313,8 @@ fn run_segment<T: DeviceRepr>(
         .ok_or_else(|| Error::invalid(format!("internal: callable {} missing", ls.callable)))?;
     match ls.step.pass() {
         Pass::Forward => {
-            match cast {
-                Cast::Skip => {}
-                Cast::Always => callable.cast_weights(stream, &slot)?,
-                Cast::Conditional(flag) => {
-                    // The handle starts every launch at 0 (no cast) and the setter copies
-                    // the flag into it right before the IF node reads it.
-                    let handle = ConditionalHandle::in_capture(stream, 0, true)?;
-                    handle.set_from_flag_on(stream, flag)?;
-                    stream.capture_if(handle, |body| callable.cast_weights(body, &slot))?;
-                }
+            if cast == Cast::Always {
+                callable.cast_weights(stream, &slot)?;
             }
             match kind {
                 SegmentKind::Graphed => {
@@ -597,40 +587,69 @@ impl<T: DeviceRepr> GraphedCallables<T> {
                 continue;
             };
             debug_assert_eq!(*exec, execs.len());
+            // The parts whose weight casts this graph holds: each casting forward's cast
+            // segment.
+            let casts_at = |part: &Part| -> Result<bool> {
+                let ls = part.ls;
+                Ok(ls.step.pass() == Pass::Forward
+                    && flags.casts[ls.graph]
+                    && plan_of(&forward_plans, &backward_plans, ls)?.cast_segment()
+                        == Some(part.segment))
+            };
+            let mut casting = Vec::new();
+            for part in parts {
+                if casts_at(part)? {
+                    casting.push(*part);
+                }
+            }
             let graph = cap.capture(capture_mode, |s| {
-                for part in parts {
-                    let ls = part.ls;
-                    let cast = match ls.step.pass() {
-                        Pass::Forward
-                            if plan_of(&forward_plans, &backward_plans, ls)?.cast_segment()
-                                == Some(part.segment)
-                                && flags.casts[ls.graph] =>
-                        {
-                            match weight_caching {
-                                WeightCaching::Conditional => {
-                                    let pair = ls.step.chunk() * layout.num_microbatches()
-                                        + ls.step.microbatch();
-                                    Cast::Conditional(flags.cond.get(pair).ok_or_else(|| {
-                                        Error::invalid(format!(
-                                            "internal: no cast flag for pair {pair}"
-                                        ))
-                                    })?)
-                                }
-                                WeightCaching::NoopFlag => Cast::Always,
-                            }
+                let stream = s.stream();
+                if weight_caching == WeightCaching::Conditional && !casting.is_empty() {
+                    // One IF node at the head of the graph holds the casts of every layer in
+                    // it (one per step when layers are merged): a setter kernel copies the
+                    // step's flag into the handle, which starts every launch at 0 (no cast).
+                    // Casts read only the weights, so casting a later layer's before an
+                    // earlier layer's forward changes nothing.
+                    let step = casting[0].ls.step;
+                    let pair = step.chunk() * layout.num_microbatches() + step.microbatch();
+                    let flag = flags.cond.get(pair).ok_or_else(|| {
+                        Error::invalid(format!("internal: no cast flag for pair {pair}"))
+                    })?;
+                    let handle = ConditionalHandle::in_capture(stream, 0, true)?;
+                    handle.set_from_flag_on(stream, flag)?;
+                    stream.capture_if(handle, |body| {
+                        for part in &casting {
+                            let slot =
+                                slot_of(&schedule, &buffers, &flags, &pool, part.ls.graph, None)?;
+                            let callable =
+                                callables.get_mut(part.ls.callable).ok_or_else(|| {
+                                    Error::invalid(format!(
+                                        "internal: callable {} missing",
+                                        part.ls.callable
+                                    ))
+                                })?;
+                            callable.cast_weights(body, &slot)?;
                         }
-                        _ => Cast::Skip,
-                    };
+                        Ok(())
+                    })?;
+                }
+                for part in parts {
+                    let cast =
+                        if weight_caching == WeightCaching::NoopFlag && casting.contains(part) {
+                            Cast::Always
+                        } else {
+                            Cast::Skip
+                        };
                     run_segment(
                         &mut callables,
                         &schedule,
                         &buffers,
                         &flags,
                         &pool,
-                        ls,
+                        part.ls,
                         part.segment,
                         SegmentKind::Graphed,
-                        s.stream(),
+                        stream,
                         None,
                         cast,
                     )?;
@@ -761,9 +780,9 @@ impl<T: DeviceRepr> GraphedCallables<T> {
 
     /// The captured graph of [`forward_exec`](Self::forward_exec), for inspecting its
     /// structure; `None` if out of range or the forward has no graphed segment. With
-    /// [`WeightCaching::Conditional`] and a callable that casts, it holds a setter kernel
-    /// and an IF node ([`NodeKind::Conditional`](crate::NodeKind::Conditional)) per casting
-    /// layer in it.
+    /// [`WeightCaching::Conditional`] and a callable that casts, it starts with a setter
+    /// kernel and one IF node ([`NodeKind::Conditional`](crate::NodeKind::Conditional))
+    /// whose body holds the casts of every casting layer in the graph.
     pub fn forward_graph(&self, graph: usize) -> Option<&Graph> {
         let segment = self.first_graphed(Pass::Forward, graph)?;
         self.forward_segment_graph(graph, segment)

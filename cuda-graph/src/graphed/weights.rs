@@ -12,10 +12,12 @@
 //! synchronization) before every forward replay, from
 //! [`GraphedCallables::is_first_microbatch`](super::GraphedCallables::is_first_microbatch):
 //!
-//! * [`WeightCaching::Conditional`]: each forward graph whose callable casts starts with a
-//!   one-thread setter kernel that copies the `i32` flag (1 = first microbatch) into the
-//!   handle of an IF conditional node, whose body holds the casts; the forward follows. On
-//!   later microbatches the IF body is skipped: no cast kernel is launched at all. Callables
+//! * [`WeightCaching::Conditional`]: each forward graph that casts starts with a one-thread
+//!   setter kernel that copies the `i32` flag (1 = first microbatch) into the handle of one
+//!   IF conditional node, whose body holds the casts of every layer in the graph (a whole
+//!   step's layers with [`GraphedOptions::merge_layers`](super::GraphedOptions::merge_layers));
+//!   the forwards follow. On later microbatches the IF body is skipped: no cast kernel is
+//!   launched at all. Callables
 //!   see [`Slot::skip_weight_cast`](super::Slot::skip_weight_cast) `== None` and cast
 //!   unconditionally. Needs a driver with [`Feature::ConditionalIfWhile`] (12.4).
 //! * [`WeightCaching::NoopFlag`]: the casts are captured unconditionally before the forward
