@@ -1,11 +1,15 @@
 //! `fp8-moe bench graphed`: eager against graphed step time, CUDA events, medians.
 //!
 //! * The FP8 MLP stack of `tests/fp8_mlp.rs` ([`Fp8Linear`] layers with bias, alternating
-//!   1024 -> 2048 -> 1024 features, one [`DelayedScaling`] state updated after every
+//!   narrow -> wide -> narrow features, one [`DelayedScaling`] state updated after every
 //!   forward and backward), 1 chunk of 4 layers x 3 microbatches, order
 //!   `[1, 1, 1, -1, -1, -1]`: one training step eagerly (a `cast_weights` on microbatch 0,
 //!   every layer's forward and backward, the updates) against the same step replayed
-//!   through [`GraphedCallables`], at 64 tokens (launch-bound) and 8192 tokens.
+//!   through [`GraphedCallables`] with one graph per layer (TransformerEngine's
+//!   granularity), one graph per step (the default) and one graph per step with noop-flag
+//!   casts. Sizes: 128/256 features at 16 tokens (launch-bound), 1024/2048 at 64 tokens
+//!   (bound by per-kernel latency on the device) and at 8192 tokens. Each row also gives
+//!   the host time the step took to enqueue.
 //! * The FP8 MoE layer ([`Fp8Moe`], forward only with a trivial backward), T = 4096,
 //!   H = 2048, F = 2048, E = 8: eager (per-expert dense GEMMs on host-read counts) against
 //!   breaking-layer (router graphed, experts eager, combine graphed) and full-layer (one
@@ -30,9 +34,35 @@ const WARMUP: usize = 3;
 const REPS: usize = 20;
 const MLP_ORDER: [i64; 6] = [1, 1, 1, -1, -1, -1];
 const MLP_LAYERS: usize = 4;
-const NARROW: usize = 1024;
-const WIDE: usize = 2048;
-const MLP_TOKENS: [usize; 2] = [64, 8192];
+/// The MLP stack's sizes.
+#[derive(Debug, Clone, Copy)]
+struct Mlp {
+    tokens: usize,
+    /// Layers alternate narrow -> wide, wide -> narrow.
+    narrow: usize,
+    wide: usize,
+}
+
+/// Small layers at 16 tokens (every kernel a few microseconds: bound by launches), the
+/// 1024/2048 stack at 64 tokens (bound by the device's per-kernel latency) and at 8192
+/// tokens (bound by the GEMMs).
+const MLPS: [Mlp; 3] = [
+    Mlp {
+        tokens: 16,
+        narrow: 128,
+        wide: 256,
+    },
+    Mlp {
+        tokens: 64,
+        narrow: 1024,
+        wide: 2048,
+    },
+    Mlp {
+        tokens: 8192,
+        narrow: 1024,
+        wide: 2048,
+    },
+];
 const MOE: MoeConfig = MoeConfig {
     tokens: 4096,
     hidden: 2048,
@@ -66,25 +96,27 @@ fn overwrite(
     Ok(())
 }
 
-fn widths(layer: usize) -> (usize, usize) {
-    if layer % 2 == 0 {
-        (NARROW, WIDE)
-    } else {
-        (WIDE, NARROW)
+impl Mlp {
+    fn widths(self, layer: usize) -> (usize, usize) {
+        if layer % 2 == 0 {
+            (self.narrow, self.wide)
+        } else {
+            (self.wide, self.narrow)
+        }
     }
 }
 
 fn mlp_layers(
     stream: &Stream,
-    tokens: usize,
+    mlp: Mlp,
     scaling: &Arc<DelayedScaling>,
 ) -> BenchResult<Vec<Fp8Linear>> {
     (0..MLP_LAYERS)
         .map(|l| {
-            let (i, o) = widths(l);
+            let (i, o) = mlp.widths(l);
             Ok(Fp8Linear::new(
                 stream,
-                tokens,
+                mlp.tokens,
                 i,
                 o,
                 &random(100 + l as u64, i * o, 0.03),
@@ -107,10 +139,11 @@ fn mlp_scaling(stream: &Stream) -> BenchResult<Arc<DelayedScaling>> {
     )?))
 }
 
-/// The eager MLP step time at `tokens`.
-fn mlp_eager(ctx: &Arc<Context>, stream: &Stream, tokens: usize) -> BenchResult<Timing> {
+/// The eager MLP step time.
+fn mlp_eager(ctx: &Arc<Context>, stream: &Stream, mlp: Mlp) -> BenchResult<Timing> {
+    let tokens = mlp.tokens;
     let scaling = mlp_scaling(stream)?;
-    let mut layers = mlp_layers(stream, tokens, &scaling)?;
+    let mut layers = mlp_layers(stream, mlp, &scaling)?;
     let pool = GraphPool::new(ctx, 256)?;
     let mbs = 3;
     let alloc = |n: usize| DeviceBuffer::<f32>::from_host(stream, &vec![0f32; n]);
@@ -122,13 +155,13 @@ fn mlp_eager(ctx: &Arc<Context>, stream: &Stream, tokens: usize) -> BenchResult<
     for mb in 0..mbs {
         xs.push(DeviceBuffer::from_host(
             stream,
-            &random(300 + mb as u64, tokens * NARROW, 1.0),
+            &random(300 + mb as u64, tokens * mlp.narrow, 1.0),
         )?);
         let mut o = Vec::new();
         let mut d = Vec::new();
         let mut s = Vec::new();
         for (l, layer) in layers.iter().enumerate() {
-            let (i, w) = widths(l);
+            let (i, w) = mlp.widths(l);
             o.push(alloc(tokens * w)?);
             d.push(alloc(tokens * i)?);
             s.push(
@@ -143,7 +176,10 @@ fn mlp_eager(ctx: &Arc<Context>, stream: &Stream, tokens: usize) -> BenchResult<
         dxs.push(d);
         saved.push(s);
     }
-    let dy = DeviceBuffer::from_host(stream, &random(400, tokens * widths(MLP_LAYERS - 1).1, 0.1))?;
+    let dy = DeviceBuffer::from_host(
+        stream,
+        &random(400, tokens * mlp.widths(MLP_LAYERS - 1).1, 0.1),
+    )?;
     stream.synchronize()?;
     let t = timed_medians(stream, WARMUP, REPS, || {
         for mb in 0..mbs {
@@ -197,17 +233,18 @@ fn mlp_eager(ctx: &Arc<Context>, stream: &Stream, tokens: usize) -> BenchResult<
     Ok(t)
 }
 
-/// The graphed MLP step time at `tokens`, with the layers of a step merged into one graph
-/// or one graph per layer.
+/// The graphed MLP step time, with the layers of a step merged into one graph or one graph
+/// per layer.
 fn mlp_graphed(
     ctx: &Arc<Context>,
     stream: &Stream,
-    tokens: usize,
+    mlp: Mlp,
     merge: bool,
     caching: WeightCaching,
 ) -> BenchResult<Timing> {
     let scaling = mlp_scaling(stream)?;
-    let layers = mlp_layers(stream, tokens, &scaling)?;
+    let tokens = mlp.tokens;
+    let layers = mlp_layers(stream, mlp, &scaling)?;
     let schedule = Schedule::new(&MLP_ORDER, vec![MLP_LAYERS])?;
     let mut options = GraphedOptions::new(schedule.clone())
         .with_merge_layers(merge)
@@ -220,7 +257,7 @@ fn mlp_graphed(
         let s = scaling.clone();
         move |st: &Stream, _step: Step| s.update(st)
     }));
-    let sample = DeviceBuffer::from_host(stream, &random(300, tokens * NARROW, 1.0))?;
+    let sample = DeviceBuffer::from_host(stream, &random(300, tokens * mlp.narrow, 1.0))?;
     let layout = schedule.layout().clone();
     let samples: Vec<Vec<&DeviceBuffer<f32>>> = layout
         .iter()
@@ -239,14 +276,14 @@ fn mlp_graphed(
             ctx,
             stream,
             x[0],
-            &random(300 + mb as u64, tokens * NARROW, 1.0),
+            &random(300 + mb as u64, tokens * mlp.narrow, 1.0),
         )?;
         let g = graphed.static_grad_outputs(0, mb)?;
         overwrite(
             ctx,
             stream,
             g[0],
-            &random(400, tokens * widths(MLP_LAYERS - 1).1, 0.1),
+            &random(400, tokens * mlp.widths(MLP_LAYERS - 1).1, 0.1),
         )?;
     }
     stream.synchronize()?;
@@ -373,13 +410,16 @@ pub fn run() -> BenchResult<Vec<Row>> {
     let ctx = Context::default_device()?;
     let stream = Stream::new(&ctx)?;
     let mut rows = Vec::new();
-    for tokens in MLP_TOKENS {
-        let eager = mlp_eager(&ctx, &stream, tokens)?;
+    for mlp in MLPS {
+        let eager = mlp_eager(&ctx, &stream, mlp)?;
         let detect = WeightCaching::detect();
-        let per_layer = mlp_graphed(&ctx, &stream, tokens, false, detect)?;
-        let merged = mlp_graphed(&ctx, &stream, tokens, true, detect)?;
-        let noop = mlp_graphed(&ctx, &stream, tokens, true, WeightCaching::NoopFlag)?;
-        let what = format!("FP8 MLP {MLP_LAYERS} layers x 3 microbatches, {tokens} tokens");
+        let per_layer = mlp_graphed(&ctx, &stream, mlp, false, detect)?;
+        let merged = mlp_graphed(&ctx, &stream, mlp, true, detect)?;
+        let noop = mlp_graphed(&ctx, &stream, mlp, true, WeightCaching::NoopFlag)?;
+        let what = format!(
+            "FP8 MLP {MLP_LAYERS} layers {}/{} x 3 mb, {} tokens",
+            mlp.narrow, mlp.wide, mlp.tokens
+        );
         let host = |t: &Timing| format!("host enqueue {:.3} ms", t.host_ms);
         rows.push(Row {
             name: format!("{what}: eager step"),
@@ -411,7 +451,9 @@ pub fn run() -> BenchResult<Vec<Row>> {
                 eager.gpu_ms / merged.gpu_ms,
                 host(&merged)
             ),
-            pass: (tokens <= 64).then_some(merged.gpu_ms < eager.gpu_ms),
+            // Judged where the eager step is bound by its launches (its host enqueue time
+            // reaches its device time); elsewhere graphs can only save the gaps.
+            pass: (eager.host_ms >= 0.9 * eager.gpu_ms).then_some(merged.gpu_ms < eager.gpu_ms),
         });
         rows.push(Row {
             name: format!("{what}: graphed, graph per step, noop-flag casts"),
