@@ -141,7 +141,8 @@ pub trait Callable<T: DeviceRepr>: Send {
     /// With segmented forwards ([`forward_segments`](Self::forward_segments)) the casts go at
     /// the head of the first *graphed* segment (warmup calls this right before it); a forward
     /// with no graphed segment never gets this call (cast in the eager code instead). See
-    /// [`segments`](super::segments#weight-casts).
+    /// [`segments`](super::segments#weight-casts). Nor does a callable with FP8 off
+    /// ([`Slot::fp8_enabled`]).
     fn cast_weights(&mut self, stream: &Stream, slot: &Slot<'_, T>) -> Result<()> {
         let _ = (stream, slot);
         Ok(())
@@ -286,6 +287,7 @@ pub struct Slot<'a, T: DeviceRepr> {
     pub(crate) warmup: bool,
     pub(crate) skip_weight_cast: Option<&'a DeviceBuffer<f32>>,
     pub(crate) recorder: Option<&'a Fp8Recorder>,
+    pub(crate) fp8: bool,
 }
 
 impl<'a, T: DeviceRepr> Slot<'a, T> {
@@ -308,7 +310,16 @@ impl<'a, T: DeviceRepr> Slot<'a, T> {
             warmup: false,
             skip_weight_cast: None,
             recorder: None,
+            fp8: true,
         }
+    }
+
+    /// This slot with FP8 on or off ([`fp8_enabled`](Self::fp8_enabled)), for running a
+    /// callable eagerly as the runtime would with
+    /// [`GraphedOptions::fp8`](super::GraphedOptions::fp8).
+    pub fn with_fp8(mut self, enabled: bool) -> Slot<'a, T> {
+        self.fp8 = enabled;
+        self
     }
 
     /// This slot reporting [`record_fp8_tensors`](Self::record_fp8_tensors) to `recorder`
@@ -344,6 +355,7 @@ impl<'a, T: DeviceRepr> Slot<'a, T> {
             warmup: self.warmup,
             skip_weight_cast: self.skip_weight_cast,
             recorder: self.recorder,
+            fp8: self.fp8,
         }
     }
 
@@ -398,6 +410,15 @@ impl<'a, T: DeviceRepr> Slot<'a, T> {
     /// decides; cast unconditionally) and in slots made with [`Slot::new`].
     pub fn skip_weight_cast(&self) -> Option<&'a DeviceBuffer<f32>> {
         self.skip_weight_cast
+    }
+
+    /// Whether this callable runs with FP8 ([`GraphedOptions::fp8`](super::GraphedOptions::fp8),
+    /// like TransformerEngine's per-callable `fp8_enabled`): a layer that has an FP8 path
+    /// and a high-precision one picks by this, the same in warmup, capture and its eager
+    /// use. With FP8 off the runtime never calls [`Callable::cast_weights`] for it. `true`
+    /// for [`Slot::new`].
+    pub fn fp8_enabled(&self) -> bool {
+        self.fp8
     }
 
     /// Reports that this pass ran the FP8 tensors `tensors`: indices into the caller's

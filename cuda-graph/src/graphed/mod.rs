@@ -177,6 +177,6 @@ pub use runtime::{GraphedCallables, GraphedOptions};
 pub use schedule::{LayerStep, OrderEntry, Pass, Schedule, ScheduleError, Step};
 pub use segments::{SegmentKind, SegmentPlan, SegmentRun};
 pub use weights::{
-    AfterWarmupHook, Fp8Recorder, IdentityGroup, ReductionGroup, StepHook, WarmupHook,
+    AfterWarmupHook, Fp8Enabled, Fp8Recorder, IdentityGroup, ReductionGroup, StepHook, WarmupHook,
     WarmupRecord, WeightCaching,
 };

@@ -20,7 +20,7 @@ use super::replay::ReplayCursor;
 use super::schedule::{LayerStep, Pass, Schedule};
 use super::segments::{SegmentKind, SegmentPlan};
 use super::weights::{
-    AfterWarmupHook, Fp8Recorder, ReductionGroup, StepHook, WarmupHook, WarmupRecord,
+    AfterWarmupHook, Fp8Enabled, Fp8Recorder, ReductionGroup, StepHook, WarmupHook, WarmupRecord,
     WeightCaching, identity_group,
 };
 
@@ -55,6 +55,9 @@ pub struct GraphedOptions {
     /// each step. Default [`WeightCaching::detect`]: `Conditional` when the driver has
     /// conditional IF nodes, else `NoopFlag`. See [`weights`](super::weights).
     pub weight_caching: WeightCaching,
+    /// Which callables run with FP8 ([`Slot::fp8_enabled`]); callables with FP8 off get no
+    /// runtime-managed weight casts. Default [`Fp8Enabled::All`].
+    pub fp8: Fp8Enabled,
     /// The group amaxes are reduced over, for the hooks to use
     /// ([`GraphedCallables::reduction_group`]). Default [`IdentityGroup`](super::IdentityGroup)
     /// (one process).
@@ -90,6 +93,7 @@ impl std::fmt::Debug for GraphedOptions {
             .field("capture_mode", &self.capture_mode)
             .field("merge_layers", &self.merge_layers)
             .field("weight_caching", &self.weight_caching)
+            .field("fp8", &self.fp8)
             .field("reduction_group", &self.reduction_group)
             .field("after_forward", &hook(self.after_forward.is_some()))
             .field("after_backward", &hook(self.after_backward.is_some()))
@@ -119,6 +123,7 @@ impl GraphedOptions {
             capture_mode: CaptureMode::ThreadLocal,
             merge_layers: true,
             weight_caching: WeightCaching::detect(),
+            fp8: Fp8Enabled::All,
             reduction_group: identity_group(),
             after_forward: None,
             after_backward: None,
@@ -191,8 +196,11 @@ pub(crate) struct CastFlags {
     /// `NoopFlag`: the noop flags (1.0 = skip).
     pub(crate) noop: Vec<DeviceBuffer<f32>>,
     /// Per forward graph: whether its `cast_weights` enqueues any work (always `false` for a
-    /// forward with no graphed segment: the runtime does not cast for it).
+    /// forward with no graphed segment or a callable with FP8 off: the runtime does not cast
+    /// for it).
     pub(crate) casts: Vec<bool>,
+    /// Per callable: FP8 on ([`GraphedOptions::fp8`]).
+    pub(crate) fp8: Vec<bool>,
 }
 
 impl CastFlags {
@@ -201,6 +209,7 @@ impl CastFlags {
         mode: WeightCaching,
         pairs: usize,
         graphs: usize,
+        fp8: Vec<bool>,
         stream: &Stream,
     ) -> Result<CastFlags> {
         let mut flags = CastFlags {
@@ -208,6 +217,7 @@ impl CastFlags {
             cond: Vec::new(),
             noop: Vec::new(),
             casts: vec![false; graphs],
+            fp8,
         };
         // Warmup casts on every microbatch: the flags start at "cast" (1 for IF, 0.0 for
         // the noop flag, both all-zero bits except the IF's 1).
@@ -277,6 +287,10 @@ pub(crate) fn slot_of<'a, T: DeviceRepr>(
         .locate(graph)
         .ok_or_else(|| Error::invalid(format!("internal: graph {graph} out of range")))?;
     let pair = at.chunk * layout.num_microbatches() + at.microbatch;
+    let fp8 = layout
+        .callable_of_graph(graph)
+        .and_then(|c| flags.fp8.get(c).copied())
+        .unwrap_or(true);
     Ok(Slot {
         at,
         inputs: buffers.inputs(graph),
@@ -286,6 +300,7 @@ pub(crate) fn slot_of<'a, T: DeviceRepr>(
         warmup: warmup.is_some(),
         skip_weight_cast: flags.noop.get(pair),
         recorder: warmup,
+        fp8,
     })
 }
 
@@ -418,6 +433,7 @@ impl<T: DeviceRepr> GraphedCallables<T> {
             capture_mode,
             merge_layers,
             weight_caching,
+            fp8,
             reduction_group,
             after_forward,
             after_backward,
@@ -503,6 +519,7 @@ impl<T: DeviceRepr> GraphedCallables<T> {
             weight_caching,
             layout.num_chunks() * layout.num_microbatches(),
             layout.total_graphs(),
+            fp8.resolve(layout.total_callables())?,
             &cap,
         )?;
 
@@ -521,7 +538,7 @@ impl<T: DeviceRepr> GraphedCallables<T> {
                 // cast state is created before capture.
                 let plan = plan_of(&forward_plans, &backward_plans, ls)?;
                 let cast_at = match ls.step.pass() {
-                    Pass::Forward => plan.cast_segment(),
+                    Pass::Forward if flags.fp8[ls.callable] => plan.cast_segment(),
                     _ => None,
                 };
                 for (segment, &kind) in plan.kinds().iter().enumerate() {
@@ -557,6 +574,7 @@ impl<T: DeviceRepr> GraphedCallables<T> {
         // a forward with no graphed segment gets no runtime casts at all.
         for ls in schedule.layer_steps() {
             if ls.step.pass() != Pass::Forward
+                || !flags.fp8[ls.callable]
                 || plan_of(&forward_plans, &backward_plans, ls)?
                     .cast_segment()
                     .is_none()

@@ -137,6 +137,37 @@ impl WeightCaching {
     }
 }
 
+/// Which callables run with FP8 ([`GraphedOptions::fp8`](super::GraphedOptions::fp8);
+/// TransformerEngine's `fp8_enabled`, a bool or one per callable). The runtime hands it to
+/// each callable as [`Slot::fp8_enabled`](super::Slot::fp8_enabled) and manages weight
+/// casts only for callables with FP8 on.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Fp8Enabled {
+    /// Every callable (the default).
+    #[default]
+    All,
+    /// No callable.
+    Off,
+    /// One flag per callable, by [`Layout::callable_index`](super::Layout::callable_index).
+    PerCallable(Vec<bool>),
+}
+
+impl Fp8Enabled {
+    /// The flag of each of `callables` callables; a per-callable list of another length is
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument).
+    pub fn resolve(&self, callables: usize) -> Result<Vec<bool>> {
+        match self {
+            Fp8Enabled::All => Ok(vec![true; callables]),
+            Fp8Enabled::Off => Ok(vec![false; callables]),
+            Fp8Enabled::PerCallable(v) if v.len() == callables => Ok(v.clone()),
+            Fp8Enabled::PerCallable(v) => Err(crate::Error::invalid(format!(
+                "fp8 enabled given for {} callables, there are {callables}",
+                v.len()
+            ))),
+        }
+    }
+}
+
 /// A hook run after each forward or backward replay
 /// ([`GraphedOptions::after_forward`](super::GraphedOptions::after_forward),
 /// [`after_backward`](super::GraphedOptions::after_backward)): the replay stream and the
@@ -316,6 +347,20 @@ mod tests {
         assert_eq!(rec.fp8_tensors(), BTreeSet::from([1, 2, 3, 7]));
         assert!(rec.of_callable(1).unwrap().is_empty());
         assert_eq!(rec.of_callable(3), None);
+    }
+
+    #[test]
+    fn fp8_enabled_resolves_per_callable() {
+        assert_eq!(Fp8Enabled::All.resolve(2).unwrap(), [true, true]);
+        assert_eq!(Fp8Enabled::Off.resolve(3).unwrap(), [false; 3]);
+        let per = Fp8Enabled::PerCallable(vec![true, false]);
+        assert_eq!(per.resolve(2).unwrap(), [true, false]);
+        let e = per.resolve(3).unwrap_err().to_string();
+        assert!(
+            e.contains("fp8 enabled given for 2 callables, there are 3"),
+            "{e}"
+        );
+        assert_eq!(Fp8Enabled::default(), Fp8Enabled::All);
     }
 
     #[test]
