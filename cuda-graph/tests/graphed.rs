@@ -65,6 +65,8 @@ struct Lin {
     db: DeviceBuffer<f32>,
     fwd: Kernel,
     bwd: Kernel,
+    bwd_input: Kernel,
+    bwd_weight: Kernel,
 }
 
 impl Lin {
@@ -78,6 +80,8 @@ impl Lin {
             db: gpu.upload(&[0.0; N]),
             fwd: gpu.k("gl_fwd"),
             bwd: gpu.k("gl_bwd"),
+            bwd_input: gpu.k("gl_bwd_input"),
+            bwd_weight: gpu.k("gl_bwd_weight"),
         }
     }
 }
@@ -144,6 +148,41 @@ impl Callable<f32> for Lin {
             )
         }
     }
+    fn backward_input(
+        &mut self,
+        stream: &Stream,
+        grad_outputs: &[&DeviceBuffer<f32>],
+        grad_inputs: &[&DeviceBuffer<f32>],
+        slot: &Slot<'_, f32>,
+    ) -> Result<()> {
+        let n = self.n;
+        let z = slot.saved()[0];
+        // SAFETY: gl_bwd_input touches n floats of each N-element buffer.
+        unsafe {
+            stream.launch(
+                &self.bwd_input,
+                &LaunchConfig::for_elements(n, 128),
+                &kernel_args![*grad_outputs[0], self.w, *z, *grad_inputs[0], n],
+            )
+        }
+    }
+    fn backward_weight(
+        &mut self,
+        stream: &Stream,
+        grad_outputs: &[&DeviceBuffer<f32>],
+        slot: &Slot<'_, f32>,
+    ) -> Result<()> {
+        let n = self.n;
+        let (x, z) = (slot.inputs()[0], slot.saved()[0]);
+        // SAFETY: gl_bwd_weight touches n floats of each N-element buffer.
+        unsafe {
+            stream.launch(
+                &self.bwd_weight,
+                &LaunchConfig::for_elements(n, 128),
+                &kernel_args![*grad_outputs[0], *x, *z, self.dw, self.db, n],
+            )
+        }
+    }
 }
 
 /// What one run produced: per replayed step (in order, over all training steps) the
@@ -170,12 +209,24 @@ fn run_host(schedule: &Schedule, training_steps: usize) -> Results {
     // Per graph: the layer's input and z.
     let mut xs = vec![Vec::new(); layout.total_graphs()];
     let mut zs = vec![Vec::new(); layout.total_graphs()];
+    // Per graph: g = leaky'(z) * dy of its backward, for a split weight-gradient step.
+    let mut grs = vec![Vec::new(); layout.total_graphs()];
+    let split = schedule.splits_weight_grad();
     let mut steps = Vec::new();
     for _ in 0..training_steps {
         for &step in schedule.steps() {
             let (m, b) = (step.chunk(), step.microbatch());
             let graphs = layout.microbatch_graphs(m, b).unwrap();
-            if let Step::Forward { .. } = step {
+            if let Step::WeightGrad { .. } = step {
+                for g in graphs.rev() {
+                    let c = layout.callable_of_graph(g).unwrap();
+                    for i in 0..N {
+                        grads[c].0[i] += grs[g][i] * xs[g][i];
+                        grads[c].1[i] += grs[g][i];
+                    }
+                }
+                steps.push((step, Vec::new()));
+            } else if let Step::Forward { .. } = step {
                 let mut x = input(m, b);
                 for g in graphs {
                     let (w, bias) = &params[layout.callable_of_graph(g).unwrap()];
@@ -193,11 +244,14 @@ fn run_host(schedule: &Schedule, training_steps: usize) -> Results {
                     let gr: Vec<f32> = (0..N)
                         .map(|i| if zs[g][i] > 0.0 { dy[i] } else { dy[i] * 0.125 })
                         .collect();
-                    for i in 0..N {
-                        grads[c].0[i] += gr[i] * xs[g][i];
-                        grads[c].1[i] += gr[i];
+                    if !split {
+                        for i in 0..N {
+                            grads[c].0[i] += gr[i] * xs[g][i];
+                            grads[c].1[i] += gr[i];
+                        }
                     }
                     dy = (0..N).map(|i| gr[i] * w[i]).collect();
+                    grs[g] = gr;
                 }
                 steps.push((step, dy));
             }
@@ -230,7 +284,21 @@ fn run_eager(gpu: &Gpu, schedule: &Schedule) -> Results {
             let dy = gpu.upload(&grad_output(m, b));
             let input_of = |g: usize| if g == graphs.start { &x0 } else { &ys[g - 1] };
             let at = |g: usize| layout.locate(g).unwrap();
-            if let Step::Forward { .. } = step {
+            if let Step::WeightGrad { .. } = step {
+                for g in graphs.clone().rev() {
+                    let go = if g + 1 == graphs.end {
+                        &dy
+                    } else {
+                        &dxs[g + 1]
+                    };
+                    let slot =
+                        Slot::new(at(g), vec![input_of(g)], vec![&ys[g]], vec![&zs[g]], &pool);
+                    callables[layout.callable_of_graph(g).unwrap()]
+                        .backward_weight(&gpu.stream, &[go], &slot)
+                        .expect("eager weight gradient");
+                }
+                steps.push((step, Vec::new()));
+            } else if let Step::Forward { .. } = step {
                 for g in graphs.clone() {
                     let slot =
                         Slot::new(at(g), vec![input_of(g)], vec![&ys[g]], vec![&zs[g]], &pool);
@@ -248,9 +316,13 @@ fn run_eager(gpu: &Gpu, schedule: &Schedule) -> Results {
                     };
                     let slot =
                         Slot::new(at(g), vec![input_of(g)], vec![&ys[g]], vec![&zs[g]], &pool);
-                    callables[layout.callable_of_graph(g).unwrap()]
-                        .backward(&gpu.stream, &[go], &[&dxs[g]], &slot)
-                        .expect("eager backward");
+                    let c = &mut callables[layout.callable_of_graph(g).unwrap()];
+                    if schedule.splits_weight_grad() {
+                        c.backward_input(&gpu.stream, &[go], &[&dxs[g]], &slot)
+                    } else {
+                        c.backward(&gpu.stream, &[go], &[&dxs[g]], &slot)
+                    }
+                    .expect("eager backward");
                 }
                 steps.push((step, gpu.read(&dxs[graphs.start])));
             }
@@ -267,6 +339,15 @@ fn run_eager(gpu: &Gpu, schedule: &Schedule) -> Results {
 /// replayed ones), layers merged into one graph per step or not, zeroes the gradients
 /// warmup touched.
 fn build(gpu: &Gpu, schedule: &Schedule, merge: bool) -> GraphedCallables<f32> {
+    build_with(
+        gpu,
+        schedule,
+        GraphedOptions::new(schedule.clone()).with_merge_layers(merge),
+    )
+}
+
+/// [`build`] with `options` (whose schedule must be `schedule`).
+fn build_with(gpu: &Gpu, schedule: &Schedule, options: GraphedOptions) -> GraphedCallables<f32> {
     let layout = schedule.layout();
     let callables: Vec<Box<dyn Callable<f32>>> = (0..layout.total_callables())
         .map(|c| Box::new(Lin::new(gpu, c)) as Box<dyn Callable<f32>>)
@@ -276,13 +357,8 @@ fn build(gpu: &Gpu, schedule: &Schedule, merge: bool) -> GraphedCallables<f32> {
         .iter()
         .map(|at| if at.layer == 0 { vec![&sample] } else { vec![] })
         .collect();
-    let graphed = GraphedCallables::build(
-        &gpu.stream,
-        callables,
-        &samples,
-        GraphedOptions::new(schedule.clone()).with_merge_layers(merge),
-    )
-    .expect("build graphed callables");
+    let graphed = GraphedCallables::build(&gpu.stream, callables, &samples, options)
+        .expect("build graphed callables");
     for c in graphed.callables() {
         for g in c.gradients() {
             gpu.fill(g, 0.0);
@@ -292,7 +368,15 @@ fn build(gpu: &Gpu, schedule: &Schedule, merge: bool) -> GraphedCallables<f32> {
 }
 
 fn run_graphed(gpu: &Gpu, schedule: &Schedule, merge: bool) -> (Results, GraphedCallables<f32>) {
-    let graphed = build(gpu, schedule, merge);
+    replay_all(gpu, schedule, build(gpu, schedule, merge))
+}
+
+/// Replays `STEPS` training steps of `graphed` with fresh inputs every time.
+fn replay_all(
+    gpu: &Gpu,
+    schedule: &Schedule,
+    graphed: GraphedCallables<f32>,
+) -> (Results, GraphedCallables<f32>) {
     let layout = schedule.layout();
     let mut steps = Vec::new();
     for _ in 0..STEPS {
@@ -304,7 +388,14 @@ fn run_graphed(gpu: &Gpu, schedule: &Schedule, merge: bool) -> (Results, Graphed
             let dy = gpu.upload(&grad_output(m, b));
             let out = match step {
                 Step::Forward { .. } => graphed.forward(m, b, &[&x], &gpu.stream),
-                _ => graphed.backward(m, b, &[&dy], &gpu.stream),
+                Step::Backward { .. } => graphed.backward(m, b, &[&dy], &gpu.stream),
+                Step::WeightGrad { .. } => {
+                    graphed
+                        .weight_grad(m, b, &gpu.stream)
+                        .expect("weight gradient");
+                    steps.push((step, Vec::new()));
+                    continue;
+                }
             }
             .expect("replay");
             assert_eq!(out.len(), 1);
@@ -324,8 +415,12 @@ fn run_graphed(gpu: &Gpu, schedule: &Schedule, merge: bool) -> (Results, Graphed
 /// Graphed == eager == host, bit for bit, with one graph per step (layers merged, the
 /// default) and with one graph per layer; returns the unmerged build.
 fn check_schedule(order: &[i64], layers: Vec<usize>) -> GraphedCallables<f32> {
+    check(Schedule::new(order, layers).expect("schedule"))
+}
+
+/// [`check_schedule`] of a built schedule.
+fn check(schedule: Schedule) -> GraphedCallables<f32> {
     let gpu = Gpu::new();
-    let schedule = Schedule::new(order, layers).expect("schedule");
     let host = run_host(&schedule, STEPS);
     let eager = run_eager(&gpu, &schedule);
     assert_bit_equal(&eager, &host, "eager vs host");
@@ -338,10 +433,15 @@ fn check_schedule(order: &[i64], layers: Vec<usize>) -> GraphedCallables<f32> {
         &eager,
         "graphed (graph per layer) vs eager",
     );
+    let layout = schedule.layout();
     assert_eq!(
         graphed.num_graphs(),
-        2 * schedule.layout().total_graphs(),
-        "a forward and a backward graph per (chunk, microbatch, layer)"
+        schedule
+            .steps()
+            .iter()
+            .map(|s| layout.layers(s.chunk()).unwrap())
+            .sum::<usize>(),
+        "a graph per step and layer"
     );
     // Not vacuous: gradients are non-zero and microbatches differ.
     assert!(
@@ -369,6 +469,87 @@ fn two_chunks_three_microbatches_interleaved_equals_eager() {
 fn uneven_layers_per_chunk_equal_eager() {
     let g = check_schedule(&[1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1], vec![1, 3]);
     assert_eq!(g.schedule().layout().total_graphs(), 12);
+}
+
+/// Split weight gradients (`-k - 0.5` entries): backward steps compute input gradients only,
+/// the weight-gradient steps the parameter gradients later; graphed == eager == host bit for
+/// bit, merged or not, interleaved over 2 chunks and delayed past later backwards.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn split_weight_gradients_equal_eager() {
+    let order = [
+        1.0, 2.0, 1.0, 2.0, -2.0, -2.5, -1.0, -1.5, 1.0, 2.0, -2.0, -1.0, -2.5, -1.5, -2.0, -2.5,
+        -1.0, -1.5,
+    ];
+    let graphed = check(Schedule::from_f64(&order, vec![2, 1]).expect("split schedule"));
+    let layout = graphed.schedule().layout().clone();
+    for g in 0..layout.total_graphs() {
+        assert!(graphed.weight_grad_exec(g).is_some(), "graph {g}");
+    }
+    check(Schedule::from_f64(&[1.0, 1.0, -1.0, -1.0, -1.5, -1.5], vec![3]).expect("delayed"));
+    // Without weight-gradient steps there are no such graphs, and replaying one is out of
+    // order.
+    let gpu = Gpu::new();
+    let plain = Schedule::new(&[1, -1], vec![1]).expect("schedule");
+    let g = build(&gpu, &plain, true);
+    assert!(g.weight_grad_exec(0).is_none());
+    assert!(matches!(
+        g.weight_grad(0, 0, &gpu.stream),
+        Err(Error::ReplayOrder { position: 0, .. })
+    ));
+}
+
+/// Buffer reuse: microbatches whose backward is done hand their buffer set to a later
+/// microbatch of the same chunk; the sets follow the schedule, the pool shrinks, and the
+/// results still equal the host bit for bit (plain, interleaved and split schedules).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn reused_buffers_equal_eager_with_fewer_sets() {
+    let gpu = Gpu::new();
+    let interleaved = [
+        1.0, 2.0, 1.0, 2.0, -2.0, -1.0, 1.0, 2.0, -2.0, -1.0, -2.0, -1.0,
+    ];
+    let cases: [(&[f64], Vec<usize>, Vec<usize>); 3] = [
+        (&[1.0, 1.0, -1.0, 1.0, -1.0, -1.0], vec![2], vec![0, 1, 0]),
+        (&interleaved, vec![2, 1], vec![0, 1, 0, 0, 1, 0]),
+        (
+            &[1.0, 1.0, -1.0, -1.5, 1.0, -1.0, -1.5, -1.0, -1.5],
+            vec![2],
+            vec![0, 1, 0],
+        ),
+    ];
+    for (order, layers, sets) in cases {
+        let schedule = Schedule::from_f64(order, layers).expect("schedule");
+        let host = run_host(&schedule, STEPS);
+        let own = build(&gpu, &schedule, true);
+        let mut options = GraphedOptions::new(schedule.clone());
+        options.reuse_buffers = true;
+        let reused = build_with(&gpu, &schedule, options);
+        let mbs = schedule.num_microbatches();
+        for pair in 0..sets.len() {
+            let (c, b) = (pair / mbs, pair % mbs);
+            assert_eq!(
+                reused.buffer_set(c, b),
+                Some(sets[pair]),
+                "{order:?}: {c}/{b}"
+            );
+            assert_eq!(own.buffer_set(c, b), Some(b));
+            // Same set, same static buffers.
+            let first = (0..mbs).find(|&o| sets[c * mbs + o] == sets[pair]).unwrap();
+            assert_eq!(
+                reused.static_inputs(c, b).unwrap()[0].as_raw(),
+                reused.static_inputs(c, first).unwrap()[0].as_raw()
+            );
+        }
+        assert!(
+            reused.pool().capacity() < own.pool().capacity(),
+            "{order:?}: {} vs {} bytes",
+            reused.pool().capacity(),
+            own.pool().capacity()
+        );
+        let (got, _) = replay_all(&gpu, &schedule, reused);
+        assert_bit_equal(&got, &host, "graphed with reused buffers vs host");
+    }
 }
 
 /// Layers [2, 3], 2 chunks x 3 microbatches, every layer with its own weights: results equal
@@ -570,7 +751,8 @@ fn bad_schedules_are_rejected_with_their_error() {
 }
 
 /// Build-time rejections that need a stream: wrong callable count, layers that do not
-/// chain, wrong sample lengths, weight-gradient split and buffer reuse (not implemented).
+/// chain, wrong sample lengths, a split weight-gradient schedule with a callable that can
+/// not split its backward.
 #[test]
 #[ignore = "needs a CUDA device"]
 fn build_rejects_what_it_cannot_graph() {
@@ -616,25 +798,6 @@ fn build_rejects_what_it_cannot_graph() {
         "{e}"
     );
 
-    let mut o = opts(&[1, -1], vec![1]);
-    o.reuse_buffers = true;
-    let e = err(GraphedCallables::build(
-        &gpu.stream,
-        lins(1),
-        &[vec![&sample]],
-        o,
-    ));
-    assert!(e.contains("reuse_buffers is not implemented"), "{e}");
-
-    let split = GraphedOptions::new(Schedule::from_f64(&[1.0, -1.0, -1.5], vec![1]).unwrap());
-    let e = err(GraphedCallables::build(
-        &gpu.stream,
-        lins(1),
-        &[vec![&sample]],
-        split,
-    ));
-    assert!(e.contains("weight-gradient pass"), "{e}");
-
     /// A layer whose output is longer than its input: cannot chain into a `Lin`.
     struct Widen(Lin);
     impl Callable<f32> for Widen {
@@ -675,6 +838,20 @@ fn build_rejects_what_it_cannot_graph() {
     ));
     assert!(
         e.contains("chunk 0: layer 0 outputs [600] elements but layer 1 takes [300]"),
+        "{e}"
+    );
+
+    // A schedule with weight-gradient steps needs backward_input / backward_weight, which
+    // Widen does not implement: warmup's first backward says so.
+    let split = GraphedOptions::new(Schedule::from_f64(&[1.0, -1.0, -1.5], vec![1]).unwrap());
+    let e = err(GraphedCallables::build(
+        &gpu.stream,
+        vec![Box::new(Widen(Lin::new(&gpu, 0)))],
+        &[vec![&sample]],
+        split,
+    ));
+    assert!(
+        e.contains("splits weight gradients") && e.contains("backward_input"),
         "{e}"
     );
 }

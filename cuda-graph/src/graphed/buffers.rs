@@ -9,8 +9,15 @@
 //! chunk whose layers do not chain is rejected at build, since a replay runs all of a
 //! chunk's layers and data could not flow between them.
 //!
-//! Nothing is shared across microbatches or chunks: the buffers of a microbatch hold its
-//! activations from its forward replay until its backward replay, whatever runs in between.
+//! By default nothing is shared across microbatches or chunks: the buffers of a microbatch
+//! hold its activations from its forward replay until its backward replay, whatever runs in
+//! between. With buffer reuse ([`GraphedOptions::reuse_buffers`](super::GraphedOptions::reuse_buffers))
+//! the microbatches of a chunk draw *buffer sets* (every layer's buffers of one microbatch)
+//! from a free list as the schedule runs ([`buffer_sets`]): a microbatch's forward takes a
+//! free set, its last backward step (the backward, or the weight-gradient step of a split
+//! schedule) gives it back. The assignment depends only on the schedule, so every graph
+//! still sees fixed addresses; a chunk then needs as many sets as it ever has microbatches
+//! in flight (forward done, backward not) instead of one per microbatch.
 
 use std::ops::Range;
 
@@ -19,6 +26,42 @@ use crate::memory::{DeviceBuffer, DeviceRepr};
 use crate::pool::{GraphPool, POOL_ALIGN};
 
 use super::layout::Layout;
+use super::schedule::{Pass, Schedule};
+
+/// The buffer set of each (chunk, microbatch), at `chunk * num_microbatches + microbatch`,
+/// numbered from 0 within each chunk: with `reuse`, sets are recycled in schedule order
+/// (a forward takes the lowest free set, the microbatch's last backward-side step frees
+/// it); without, set = microbatch.
+pub(crate) fn buffer_sets(schedule: &Schedule, reuse: bool) -> Vec<usize> {
+    let mbs = schedule.num_microbatches();
+    let chunks = schedule.num_chunks();
+    if !reuse {
+        return (0..chunks * mbs).map(|p| p % mbs).collect();
+    }
+    let last = if schedule.splits_weight_grad() {
+        Pass::WeightGrad
+    } else {
+        Pass::Backward
+    };
+    let mut sets = vec![0; chunks * mbs];
+    let mut free: Vec<Vec<usize>> = vec![Vec::new(); chunks];
+    let mut count = vec![0usize; chunks];
+    for step in schedule.steps() {
+        let (c, pair) = (step.chunk(), step.chunk() * mbs + step.microbatch());
+        if step.pass() == Pass::Forward {
+            sets[pair] = match free[c].iter().enumerate().min_by_key(|&(_, &s)| s) {
+                Some((i, _)) => free[c].swap_remove(i),
+                None => {
+                    count[c] += 1;
+                    count[c] - 1
+                }
+            };
+        } else if step.pass() == last {
+            free[c].push(sets[pair]);
+        }
+    }
+    sets
+}
 
 /// The buffer lengths one callable declares.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -46,8 +89,17 @@ pub(crate) struct BufferPlan {
 }
 
 impl BufferPlan {
-    /// Plans the buffers of every graph of `layout`, `shapes[c]` being callable `c`'s.
-    pub(crate) fn new(layout: &Layout, shapes: &[Shapes]) -> Result<BufferPlan> {
+    /// Plans the buffers of every graph of `layout`, `shapes[c]` being callable `c`'s;
+    /// microbatches of a chunk with the same entry in `sets` ([`buffer_sets`]) share their
+    /// buffers.
+    pub(crate) fn new(layout: &Layout, shapes: &[Shapes], sets: &[usize]) -> Result<BufferPlan> {
+        let pairs = layout.num_chunks() * layout.num_microbatches();
+        if sets.len() != pairs {
+            return Err(Error::invalid(format!(
+                "internal: {} buffer sets for {pairs} (chunk, microbatch) pairs",
+                sets.len()
+            )));
+        }
         if shapes.len() != layout.total_callables() {
             return Err(Error::invalid(format!(
                 "{} callables given, the layout has {}",
@@ -81,7 +133,17 @@ impl BufferPlan {
         let mut graphs: Vec<Option<GraphIo>> = vec![None; layout.total_graphs()];
         for chunk in 0..layout.num_chunks() {
             let layers = layout.layers_per_chunk()[chunk];
-            for microbatch in 0..layout.num_microbatches() {
+            let mbs = layout.num_microbatches();
+            // Each set's buffers, allocated at its first microbatch.
+            let mut allocated: Vec<Option<Vec<GraphIo>>> = vec![None; mbs];
+            for microbatch in 0..mbs {
+                let set = sets[chunk * mbs + microbatch];
+                if let Some(Some(ios)) = allocated.get(set) {
+                    for (layer, io) in ios.iter().enumerate() {
+                        graphs[layout.graph_at(chunk, microbatch, layer)] = Some(io.clone());
+                    }
+                    continue;
+                }
                 let mut prev_outputs: Option<Range<usize>> = None;
                 let mut ios: Vec<GraphIo> = Vec::with_capacity(layers);
                 for layer in 0..layers {
@@ -109,8 +171,16 @@ impl BufferPlan {
                     let s = &shapes[layout.callable_at(chunk, layers - 1)];
                     last.grad_outputs = take(&s.outputs).collect();
                 }
-                for (layer, io) in ios.into_iter().enumerate() {
-                    graphs[layout.graph_at(chunk, microbatch, layer)] = Some(io);
+                for (layer, io) in ios.iter().enumerate() {
+                    graphs[layout.graph_at(chunk, microbatch, layer)] = Some(io.clone());
+                }
+                match allocated.get_mut(set) {
+                    Some(slot) => *slot = Some(ios),
+                    None => {
+                        return Err(Error::invalid(format!(
+                            "internal: buffer set {set} of chunk {chunk} out of range"
+                        )));
+                    }
                 }
             }
         }
@@ -211,7 +281,7 @@ mod tests {
             shapes(&[8], &[3], &[]),
             shapes(&[5, 6], &[7], &[2]),
         ];
-        let plan = BufferPlan::new(&layout, &sh).unwrap();
+        let plan = BufferPlan::new(&layout, &sh, &[0, 1, 0, 1]).unwrap();
         assert_eq!(plan.graphs.len(), 6);
         for chunk0_mb in 0..2 {
             let g0 = &plan.graphs[layout.index(0, chunk0_mb, 0).unwrap()];
@@ -261,12 +331,68 @@ mod tests {
     fn layers_that_do_not_chain_are_rejected() {
         let layout = Layout::new(vec![2], 1).unwrap();
         let sh = vec![shapes(&[4], &[8], &[]), shapes(&[4], &[4], &[])];
-        let err = BufferPlan::new(&layout, &sh).unwrap_err().to_string();
+        let err = BufferPlan::new(&layout, &sh, &[0]).unwrap_err().to_string();
         assert!(
             err.contains("chunk 0: layer 0 outputs [8] elements but layer 1 takes [4]"),
             "{err}"
         );
-        let err = BufferPlan::new(&layout, &sh[..1]).unwrap_err().to_string();
+        let err = BufferPlan::new(&layout, &sh[..1], &[0])
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("1 callables given, the layout has 2"), "{err}");
+    }
+
+    #[test]
+    fn sets_are_recycled_in_schedule_order() {
+        // 1 chunk: F0 F1 B0 F2 B1 B2: microbatch 2 reuses microbatch 0's set.
+        let s = Schedule::new(&[1, 1, -1, 1, -1, -1], vec![1]).unwrap();
+        assert_eq!(buffer_sets(&s, true), [0, 1, 0]);
+        assert_eq!(buffer_sets(&s, false), [0, 1, 2]);
+        // All forwards first: nothing to reuse.
+        let s = Schedule::new(&[1, 1, 1, -1, -1, -1], vec![1]).unwrap();
+        assert_eq!(buffer_sets(&s, true), [0, 1, 2]);
+        // Interleaved 2 chunks x 3: chunk 0 (pairs 0..3) F0 F1 B0 F2 B1 B2, chunk 1 likewise.
+        let s = Schedule::new(&[1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1], vec![2, 1]).unwrap();
+        assert_eq!(buffer_sets(&s, true), [0, 1, 0, 0, 1, 0]);
+        // Split weight gradients: the set is freed by -k.5, not -k.
+        let s = Schedule::from_f64(
+            &[1.0, 1.0, -1.0, 1.0, -1.5, -1.0, -1.5, -1.0, -1.5],
+            vec![1],
+        )
+        .unwrap();
+        assert_eq!(buffer_sets(&s, true), [0, 1, 2]);
+        let s = Schedule::from_f64(
+            &[1.0, 1.0, -1.0, -1.5, 1.0, -1.0, -1.5, -1.0, -1.5],
+            vec![1],
+        )
+        .unwrap();
+        assert_eq!(buffer_sets(&s, true), [0, 1, 0]);
+        // The interleaved split order the GPU tests use is valid.
+        let s = Schedule::from_f64(
+            &[
+                1.0, 2.0, 1.0, 2.0, -2.0, -2.5, -1.0, -1.5, 1.0, 2.0, -2.0, -1.0, -2.5, -1.5, -2.0,
+                -2.5, -1.0, -1.5,
+            ],
+            vec![2, 1],
+        )
+        .unwrap();
+        assert_eq!(buffer_sets(&s, true), [0, 1, 0, 0, 1, 0]);
+    }
+
+    #[test]
+    fn shared_sets_share_every_buffer_and_shrink_the_arena() {
+        let layout = Layout::new(vec![2], 3).unwrap();
+        let sh = vec![shapes(&[4], &[8], &[4]), shapes(&[8], &[4], &[2])];
+        let own = BufferPlan::new(&layout, &sh, &[0, 1, 2]).unwrap();
+        let reused = BufferPlan::new(&layout, &sh, &[0, 1, 0]).unwrap();
+        assert_eq!(reused.lens.len() * 3, own.lens.len() * 2);
+        for layer in 0..2 {
+            let g0 = layout.index(0, 0, layer).unwrap();
+            let g2 = layout.index(0, 2, layer).unwrap();
+            let g1 = layout.index(0, 1, layer).unwrap();
+            assert_eq!(reused.graphs[g0], reused.graphs[g2]);
+            assert_ne!(reused.graphs[g0], reused.graphs[g1]);
+        }
+        assert!(BufferPlan::new(&layout, &sh, &[0, 1]).is_err());
     }
 }

@@ -171,6 +171,51 @@ pub trait Callable<T: DeviceRepr>: Send {
         slot: &Slot<'_, T>,
     ) -> Result<()>;
 
+    /// The input-gradient half of [`backward`](Self::backward), for schedules that split
+    /// weight gradients into their own step (order entries `-k - 0.5`, TransformerEngine's
+    /// delayed weight-gradient computation): the backward step calls this, the
+    /// weight-gradient step later calls [`backward_weight`](Self::backward_weight) for the
+    /// same slot. Reads `grad_outputs` and the slot, writes `grad_inputs` (overwrite), and
+    /// keeps in [`slot.saved()`](Slot::saved) whatever the weight gradient needs that is not
+    /// in the slot already (`grad_outputs` stay untouched until then).
+    /// `backward_input` then `backward_weight` must equal `backward`.
+    ///
+    /// Default: an error naming the slot (a callable that supports split schedules
+    /// implements both). A schedule with weight-gradient entries needs every callable's
+    /// backward to be the single default segment.
+    fn backward_input(
+        &mut self,
+        stream: &Stream,
+        grad_outputs: &[&DeviceBuffer<T>],
+        grad_inputs: &[&DeviceBuffer<T>],
+        slot: &Slot<'_, T>,
+    ) -> Result<()> {
+        let _ = (stream, grad_outputs, grad_inputs);
+        Err(Error::invalid(format!(
+            "callable of {}: the schedule splits weight gradients (-k - 0.5 entries) but the \
+             callable does not implement backward_input / backward_weight",
+            slot.at()
+        )))
+    }
+
+    /// The weight-gradient half of [`backward`](Self::backward) (see
+    /// [`backward_input`](Self::backward_input)): accumulates the parameter gradients from
+    /// `grad_outputs` (the static buffers the backward step read) and the slot's buffers.
+    /// Default: an error naming the slot.
+    fn backward_weight(
+        &mut self,
+        stream: &Stream,
+        grad_outputs: &[&DeviceBuffer<T>],
+        slot: &Slot<'_, T>,
+    ) -> Result<()> {
+        let _ = (stream, grad_outputs);
+        Err(Error::invalid(format!(
+            "callable of {}: the schedule splits weight gradients (-k - 0.5 entries) but the \
+             callable does not implement backward_weight",
+            slot.at()
+        )))
+    }
+
     /// The segments of the forward pass, run in this order (breaking-layer capture; see
     /// [`segments`](super::segments)). Default `[Graphed]`: the whole forward is one graph
     /// ([`forward_segment`](Self::forward_segment)`(0)` = [`forward`](Self::forward)). An

@@ -62,7 +62,10 @@
 //!             let dx = graphed.backward(chunk, microbatch, &[&dy], &stream)?;
 //!             let _ = &dx[0];
 //!         }
-//!         Step::WeightGrad { .. } => unreachable!("rejected at build"),
+//!         // Only in schedules with `-k - 0.5` entries (split weight gradients).
+//!         Step::WeightGrad { chunk, microbatch } => {
+//!             graphed.weight_grad(chunk, microbatch, &stream)?
+//!         }
 //!     }
 //! }
 //! stream.synchronize()?;
@@ -89,6 +92,12 @@
 //! assert_eq!(graphs, [8, 7, 6]);
 //! assert!(schedule.layer_steps().all(|g| g.step.pass() != Pass::WeightGrad));
 //!
+//! // Split weight gradients: `-k - 0.5` runs chunk k's weight gradients of its next
+//! // microbatch, after that microbatch's backward.
+//! let split = Schedule::from_f64(&[1.0, 1.0, -1.0, -1.0, -1.5, -1.5], vec![1])?;
+//! assert!(split.splits_weight_grad());
+//! assert_eq!(split.steps()[4], Step::WeightGrad { chunk: 0, microbatch: 0 });
+//!
 //! // Chunk 2 appears more often than chunk 1: rejected, with the position.
 //! let err = Schedule::new(&[1, 2, 2, -2, -2, -1], vec![1, 1]).unwrap_err();
 //! assert_eq!(
@@ -111,13 +120,24 @@
 //!
 //! # Saved activations
 //!
-//! Nothing is shared between microbatches: the buffers of microbatch `b` (its static
-//! inputs and outputs, and the saved buffers its callables fill) are written only by its
-//! own forward replay, so they hold its activations until its backward replay however many
-//! other microbatches run in between. A callable keeps per-microbatch state in
+//! By default nothing is shared between microbatches: the buffers of microbatch `b` (its
+//! static inputs and outputs, and the saved buffers its callables fill) are written only by
+//! its own forward replay, so they hold its activations until its backward replay however
+//! many other microbatches run in between. A callable keeps per-microbatch state in
 //! [`Slot::saved`] (or reads [`Slot::inputs`] / [`Slot::outputs`] in its backward), never
-//! in itself. Reusing buffers across microbatches ([`GraphedOptions::reuse_buffers`]) is
-//! not implemented yet.
+//! in itself. With [`GraphedOptions::reuse_buffers`] a microbatch whose backward (and
+//! weight-gradient step) is done hands its buffers to a later microbatch of the same chunk,
+//! as the schedule allows ([`GraphedCallables::buffer_set`]); activations still survive
+//! until their own backward.
+//!
+//! # Split weight gradients
+//!
+//! A schedule with `-k - 0.5` entries ([`Schedule::from_f64`]) gives each microbatch's
+//! weight gradients a step of their own after its backward (TransformerEngine's delayed
+//! weight-gradient computation, used to fill pipeline bubbles): the backward step calls
+//! [`Callable::backward_input`], the weight-gradient step
+//! ([`GraphedCallables::weight_grad`]) [`Callable::backward_weight`], each captured into
+//! graphs of their own.
 //!
 //! # Warmup and capture
 //!

@@ -46,8 +46,8 @@ pub(crate) enum Item {
 pub(crate) struct Programs {
     steps: Vec<Vec<Item>>,
     execs: usize,
-    /// (backward?, graph index, segment) -> exec.
-    lookup: HashMap<(bool, usize, usize), usize>,
+    /// (pass, graph index, segment) -> exec.
+    lookup: HashMap<(Pass, usize, usize), usize>,
 }
 
 impl Programs {
@@ -63,10 +63,16 @@ impl Programs {
             steps: vec![Vec::new(); schedule.steps().len()],
             ..Programs::default()
         };
+        // A weight-gradient step is one graphed segment per layer.
+        let single = SegmentPlan::single();
         for ls in schedule.layer_steps() {
-            let backward_pass = ls.step.pass() != Pass::Forward;
-            let plans = if backward_pass { backward } else { forward };
-            let plan = plans.get(ls.callable).ok_or_else(|| {
+            let pass = ls.step.pass();
+            let plan = match pass {
+                Pass::Forward => forward.get(ls.callable),
+                Pass::Backward => backward.get(ls.callable),
+                Pass::WeightGrad => Some(&single),
+            }
+            .ok_or_else(|| {
                 Error::invalid(format!("internal: callable {} has no plan", ls.callable))
             })?;
             let items = p.steps.get_mut(ls.position).ok_or_else(|| {
@@ -95,8 +101,7 @@ impl Programs {
                                 exec
                             }
                         };
-                        p.lookup
-                            .insert((backward_pass, ls.graph, part.segment), exec);
+                        p.lookup.insert((pass, ls.graph, part.segment), exec);
                     }
                 }
             }
@@ -122,9 +127,7 @@ impl Programs {
     /// The exec holding segment `segment` of graph index `graph`'s `pass`; `None` if that
     /// segment is eager or out of range.
     pub(crate) fn exec_of(&self, pass: Pass, graph: usize, segment: usize) -> Option<usize> {
-        self.lookup
-            .get(&(pass != Pass::Forward, graph, segment))
-            .copied()
+        self.lookup.get(&(pass, graph, segment)).copied()
     }
 
     /// Whether the step at `position` has an eager segment.
@@ -222,6 +225,20 @@ mod tests {
         }
         // Step 1 is the forward of chunk 1 (3 layers), microbatch 0.
         assert_eq!(shape(p.step(1)), ["G1[0.0 1.0 2.0]"]);
+    }
+
+    #[test]
+    fn weight_gradient_steps_get_their_own_graphs() {
+        let s = Schedule::from_f64(&[1.0, 1.0, -1.0, -1.0, -1.5, -1.5], vec![2]).unwrap();
+        let plans = vec![SegmentPlan::single(); 2];
+        let p = Programs::new(&s, &plans, &plans, true).unwrap();
+        assert_eq!(p.execs(), 6);
+        assert_eq!(shape(p.step(4)), ["G4[1.0 0.0]"]);
+        assert_eq!(p.exec_of(Pass::WeightGrad, 0, 0), Some(4));
+        assert_eq!(p.exec_of(Pass::Backward, 0, 0), Some(2));
+        let p = Programs::new(&s, &plans, &plans, false).unwrap();
+        assert_eq!(p.execs(), 12);
+        assert_eq!(shape(p.step(5)), ["G10[1.0]", "G11[0.0]"]);
     }
 
     #[test]

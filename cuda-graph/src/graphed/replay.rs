@@ -225,6 +225,24 @@ impl<T: DeviceRepr> GraphedCallables<T> {
         Ok(self.buffers.grad_inputs_slice(graphs.start))
     }
 
+    /// Replays the weight-gradient graphs of (`chunk`, `microbatch`) on `stream`, for
+    /// schedules that split weight gradients into their own steps (order entries
+    /// `-k - 0.5`): each layer's [`Callable::backward_weight`](super::Callable::backward_weight),
+    /// last layer first. It takes no buffers: it reads the static output gradients and saved
+    /// buffers its backward step left. No hook runs after it.
+    ///
+    /// Errors: [`Error::ReplayOrder`] if the schedule expects another step next (including
+    /// when it has no weight-gradient steps); [`Error::InvalidArgument`] for a (chunk,
+    /// microbatch) out of range. Nothing is enqueued then.
+    pub fn weight_grad(&self, chunk: usize, microbatch: usize, stream: &Stream) -> Result<()> {
+        self.graphs_of(chunk, microbatch)?;
+        let step = Step::WeightGrad { chunk, microbatch };
+        let position = self.cursor.get().check(&self.schedule, step)?;
+        self.run_program(position, stream)?;
+        self.advance(position);
+        Ok(())
+    }
+
     /// Starts a new training step: the next replay must be the schedule's first step,
     /// whatever ran of the current one.
     pub fn reset_step(&self) {

@@ -13,7 +13,7 @@ use crate::memory::{DeviceBuffer, DeviceRepr};
 use crate::pool::GraphPool;
 use crate::stream::Stream;
 
-use super::buffers::{BufferPlan, Shapes, StaticBuffers};
+use super::buffers::{BufferPlan, Shapes, StaticBuffers, buffer_sets};
 use super::callable::{Callable, Slot};
 use super::program::{Item, Part, Programs};
 use super::replay::ReplayCursor;
@@ -33,8 +33,12 @@ pub struct GraphedOptions {
     /// How often every callable runs (in schedule order) before capture, so lazily created
     /// handles, workspaces and allocations happen outside it. Default 3.
     pub warmup_iters: usize,
-    /// Reuse input/output buffers across microbatches once a chunk's backward is captured.
-    /// Not implemented yet: must be `false` (the default); `true` is rejected at build.
+    /// Reuse the static buffers (inputs, outputs, gradients, saved activations) of a
+    /// microbatch whose backward is done for a later microbatch of the same chunk, as the
+    /// schedule allows (see [the static buffers](super#static-buffers)): a chunk then holds
+    /// as many buffer sets as it has microbatches in flight at once. The static outputs a
+    /// replay returns stay valid until that chunk's next forward that takes the same set
+    /// ([`GraphedCallables::buffer_set`]). Default `false`.
     pub reuse_buffers: bool,
     /// The pool the static buffers and the callables' temporaries ([`Slot::pool`]) come
     /// from. Default `None`: a new pool sized for the static buffers plus
@@ -178,6 +182,8 @@ pub struct GraphedCallables<T: DeviceRepr> {
     pub(crate) hooks: RefCell<ReplayHooks>,
     pub(crate) reduction_group: Arc<dyn ReductionGroup>,
     pub(crate) warmup_record: WarmupRecord,
+    /// The buffer set of each (chunk, microbatch) ([`buffer_sets`]).
+    pub(crate) sets: Vec<usize>,
 }
 
 /// The hooks replays run.
@@ -344,14 +350,40 @@ fn run_segment<T: DeviceRepr>(
             let go = buffers.grad_outputs(ls.graph);
             let gi = buffers.grad_inputs(ls.graph);
             match kind {
+                // Split weight gradients: the backward step computes input gradients only
+                // (build checked the backward is the single default segment).
+                SegmentKind::Graphed if schedule.splits_weight_grad() => {
+                    callable.backward_input(stream, &go, &gi, &slot)
+                }
                 SegmentKind::Graphed => callable.backward_segment(segment, stream, &go, &gi, &slot),
                 SegmentKind::Eager => callable.backward_eager(segment, stream, &go, &gi, &slot),
             }
         }
-        Pass::WeightGrad => Err(Error::invalid(
-            "graphed callables: a separate weight-gradient pass is not supported yet",
-        )),
+        Pass::WeightGrad => {
+            let go = buffers.grad_outputs(ls.graph);
+            callable.backward_weight(stream, &go, &slot)
+        }
     }
+}
+
+/// Copies graph `graph`'s sample inputs into its static inputs on `stream` (those that are
+/// not the static buffers themselves; lengths were checked).
+fn copy_samples<T: DeviceRepr>(
+    buffers: &mut StaticBuffers<T>,
+    samples: &[Vec<&DeviceBuffer<T>>],
+    graph: usize,
+    stream: &Stream,
+) -> Result<()> {
+    let Some(sample) = samples.get(graph) else {
+        return Ok(());
+    };
+    let dst = buffers.plan.graphs[graph].inputs.clone();
+    for (src, d) in sample.iter().zip(dst) {
+        if src.as_raw() != buffers.arena[d].as_raw() {
+            buffers.arena[d].copy_from_device(stream, src)?;
+        }
+    }
+    Ok(())
 }
 
 /// The segment plan of `ls`'s pass.
@@ -406,17 +438,21 @@ impl<T: DeviceRepr> GraphedCallables<T> {
     ///   empty and are otherwise ignored.
     ///
     /// Every static buffer is zeroed first (so warmup's backward sees zero output
-    /// gradients), then the sample inputs are copied into the static inputs. Warmup runs
-    /// every graph's pass `warmup_iters` times in [`Schedule::layer_steps`] order (every
-    /// segment, eager ones included); capture records them in that order into the one pool
-    /// (one graph per graphed segment, see [`segments`](super::segments)) and instantiates
-    /// and uploads each.
+    /// gradients). Warmup runs every graph's pass `warmup_iters` times in
+    /// [`Schedule::layer_steps`] order (every segment, eager ones included), copying each
+    /// (chunk, microbatch)'s sample inputs into its static inputs right before its forward
+    /// (so microbatches that share buffers under
+    /// [`reuse_buffers`](GraphedOptions::reuse_buffers) each see their own); capture
+    /// records them in that order into the one pool (a graph per step, or per layer and
+    /// graphed segment, see [`GraphedOptions::merge_layers`]) and instantiates and uploads
+    /// each.
     ///
     /// Errors: [`Error::InvalidArgument`] for wrong counts or lengths, a callable declaring
-    /// an empty segment list ([`Callable::forward_segments`]), layers of a chunk
-    /// that do not chain (see [`buffers`](super#static-buffers)), a weight-gradient split
-    /// or `reuse_buffers` (not implemented), a pool too small; any error of a callable, of
-    /// a capture or of instantiation. Schedules are validated when built
+    /// an empty segment list ([`Callable::forward_segments`]), layers of a chunk that do not
+    /// chain (see [`buffers`](super#static-buffers)), a schedule with weight-gradient steps
+    /// and a callable with a segmented backward, a per-callable FP8 list of the wrong
+    /// length, a pool too small; any error of a callable, of a capture or of
+    /// instantiation. Schedules are validated when built
     /// ([`Error::Schedule`]).
     pub fn build(
         stream: &Stream,
@@ -441,17 +477,6 @@ impl<T: DeviceRepr> GraphedCallables<T> {
             mut after_warmup,
         } = options;
         weight_caching.check()?;
-        if reuse_buffers {
-            return Err(Error::invalid(
-                "graphed callables: reuse_buffers is not implemented yet",
-            ));
-        }
-        if schedule.splits_weight_grad() {
-            return Err(Error::invalid(
-                "graphed callables: a separate weight-gradient pass (-k - 0.5) is not \
-                 supported yet",
-            ));
-        }
         let layout = schedule.layout().clone();
         if sample_inputs.len() != layout.total_graphs() {
             return Err(Error::invalid(format!(
@@ -468,8 +493,17 @@ impl<T: DeviceRepr> GraphedCallables<T> {
                 saved: c.saved_lens(),
             })
             .collect();
-        let plan = BufferPlan::new(&layout, &shapes)?;
+        let sets = buffer_sets(&schedule, reuse_buffers);
+        let plan = BufferPlan::new(&layout, &shapes, &sets)?;
         let (forward_plans, backward_plans) = segment_plans(&callables)?;
+        if schedule.splits_weight_grad()
+            && let Some(c) = backward_plans.iter().position(|p| !p.is_single_graph())
+        {
+            return Err(Error::invalid(format!(
+                "callable {c} splits its backward into segments; a schedule with separate \
+                 weight-gradient steps (-k - 0.5) needs single-graph backwards"
+            )));
+        }
         let ctx = stream.context().clone();
         let pool = match pool {
             Some(p) => p,
@@ -503,15 +537,6 @@ impl<T: DeviceRepr> GraphedCallables<T> {
                      takes {want:?}"
                 )));
             }
-            if at.layer != 0 {
-                continue;
-            }
-            let dst = buffers.plan.graphs[g].inputs.clone();
-            for (src, d) in sample.iter().zip(dst) {
-                if src.as_raw() != buffers.arena[d].as_raw() {
-                    buffers.arena[d].copy_from_device(&cap, src)?;
-                }
-            }
         }
 
         let mut flags = CastFlags::new(
@@ -533,6 +558,9 @@ impl<T: DeviceRepr> GraphedCallables<T> {
         }
         for _ in 0..warmup_iters {
             for ls in schedule.layer_steps() {
+                if ls.step.pass() == Pass::Forward && ls.layer == 0 {
+                    copy_samples(&mut buffers, sample_inputs, ls.graph, &cap)?;
+                }
                 // Every segment in order, eagerly (eager segments included). First-microbatch
                 // semantics: every forward casts (before its first graphed segment), so lazy
                 // cast state is created before capture.
@@ -701,6 +729,7 @@ impl<T: DeviceRepr> GraphedCallables<T> {
             }),
             reduction_group,
             warmup_record,
+            sets,
         })
     }
 
@@ -783,6 +812,19 @@ impl<T: DeviceRepr> GraphedCallables<T> {
             .get(self.exec_index(Pass::Backward, graph, segment)?)
     }
 
+    /// The exec of graph index `graph`'s weight-gradient pass (schedules with `-k - 0.5`
+    /// entries; shared by the step's layers when merged); `None` if out of range or the
+    /// schedule has no weight-gradient steps.
+    pub fn weight_grad_exec(&self, graph: usize) -> Option<&GraphExec> {
+        self.execs.get(self.exec_index(Pass::WeightGrad, graph, 0)?)
+    }
+
+    /// The captured graph of [`weight_grad_exec`](Self::weight_grad_exec).
+    pub fn weight_grad_graph(&self, graph: usize) -> Option<&Graph> {
+        self.graphs
+            .get(self.exec_index(Pass::WeightGrad, graph, 0)?)
+    }
+
     /// The forward segments of graph index `graph` (those of its callable); `None` if out
     /// of range.
     pub fn forward_plan(&self, graph: usize) -> Option<&SegmentPlan> {
@@ -825,6 +867,20 @@ impl<T: DeviceRepr> GraphedCallables<T> {
     pub fn backward_segment_graph(&self, graph: usize, segment: usize) -> Option<&Graph> {
         self.graphs
             .get(self.exec_index(Pass::Backward, graph, segment)?)
+    }
+
+    /// The buffer set (numbered from 0 within the chunk) whose static buffers (chunk,
+    /// microbatch) uses: the microbatch itself without
+    /// [`reuse_buffers`](GraphedOptions::reuse_buffers); with it, microbatches of a chunk
+    /// with the same set share every static buffer, one after the other. `None` out of
+    /// range.
+    pub fn buffer_set(&self, chunk: usize, microbatch: usize) -> Option<usize> {
+        if chunk >= self.schedule.num_chunks() || microbatch >= self.schedule.num_microbatches() {
+            return None;
+        }
+        self.sets
+            .get(chunk * self.schedule.num_microbatches() + microbatch)
+            .copied()
     }
 
     /// Whether consecutive graphed segments of a step share one graph

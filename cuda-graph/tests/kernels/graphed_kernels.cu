@@ -29,6 +29,30 @@ extern "C" __global__ void gl_bwd(const float* __restrict__ dy, const float* __r
     }
 }
 
+// gl_bwd split in two, for schedules with separate weight-gradient steps: the input
+// gradient, then (later) the weight gradients, recomputing g the same way.
+extern "C" __global__ void gl_bwd_input(const float* __restrict__ dy, const float* __restrict__ w,
+                                        const float* __restrict__ z, float* __restrict__ dx,
+                                        unsigned int n) {
+    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        float g = z[i] > 0.0f ? dy[i] : __fmul_rn(dy[i], 0.125f);
+        dx[i] = __fmul_rn(g, w[i]);
+    }
+}
+
+extern "C" __global__ void gl_bwd_weight(const float* __restrict__ dy,
+                                         const float* __restrict__ x,
+                                         const float* __restrict__ z, float* __restrict__ dw,
+                                         float* __restrict__ db, unsigned int n) {
+    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        float g = z[i] > 0.0f ? dy[i] : __fmul_rn(dy[i], 0.125f);
+        dw[i] = __fadd_rn(dw[i], __fmul_rn(g, x[i]));
+        db[i] = __fadd_rn(db[i], g);
+    }
+}
+
 // x[i] = v.
 extern "C" __global__ void gl_fill(float* x, float v, unsigned int n) {
     unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
