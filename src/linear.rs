@@ -56,6 +56,32 @@
 //! one f32 `scale_inv` it was cast with. An eager caller passes one such set per
 //! microbatch. Everything else the layer keeps (the FP8 x and dY, `dY^T`) lives only within
 //! one pass and is shared by all microbatches.
+//!
+//! # FP8 off: the high-precision path
+//!
+//! A pass whose slot has FP8 off ([`Slot::fp8_enabled`] is `false`: graphed callables with
+//! [`GraphedOptions::fp8`](cuda_graph::graphed::GraphedOptions::fp8) off for this callable,
+//! or an eager slot made with [`Slot::with_fp8`]`(false)`) computes the same three GEMMs in
+//! f32 from the f32 weights, with no quantization at all:
+//! * forward: `Y = X . W^T (+ b)`;
+//! * backward: `dX = dY . W` and `dW += dY^T . X`, with `X` the microbatch's forward input
+//!   ([`Slot::inputs`]`[0]`, which the runtime keeps per microbatch; an eager caller passes
+//!   the same buffer to both passes), and `db +=` the column sums of dY as in the FP8 path.
+//!
+//! It reads and writes nothing of the scaling state (no amax, no scale, no
+//! [`Slot::record_fp8_tensors`]: warmup records no tensor of this layer, so none is
+//! registered), does not touch the FP8 weight copies, and leaves the saved buffers unused
+//! (the runtime allocates them all the same, [`Callable::saved_lens`] does not depend on
+//! the slot). The runtime never calls [`Callable::cast_weights`] for a callable with FP8
+//! off; called anyway, it still casts (harmless: nothing on this path reads the copies).
+//!
+//! The GEMMs are this crate's own kernels (`src/kernels/fp8_linear.cu`): a shared-memory
+//! tiled SGEMM, 32 x 32 output tiles, where one thread sums each output element with `fmaf`
+//! over `k = 0, 1, ...` in order (then adds the bias, or adds the sum onto `dW`). No atomics
+//! and no split-K, so every element's bits depend only on the inputs: graphed replays equal
+//! eager runs bit for bit. Built for correctness, not speed (no tensor cores). The error of
+//! an element is that of a sequential f32 sum of its `K` products: at most about
+//! `(K + 1) * 2^-24` times the sum of their magnitudes.
 
 use std::sync::Arc;
 
@@ -65,8 +91,15 @@ use cuda_graph::{Stream, kernel_args};
 use fp8_kernels::gemm::{Bias, GemmOptions, GemmOut, GemmPath, K_ALIGN, Operand, gemm};
 use fp8_kernels::{DelayedScaling, DeviceScalar, Fp8Format, Fp8Tensor, HpBuffer, cast_transpose};
 
-/// The crate's own kernels (the bias gradient), built from `src/kernels/fp8_linear.cu`.
+/// The crate's own kernels (the bias gradient and the f32 GEMMs of the FP8-off path), built
+/// from `src/kernels/fp8_linear.cu`.
 static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/fp8_linear.fatbin"));
+
+/// Output tile edge of the f32 GEMM kernels (`SGEMM_TILE` in `fp8_linear.cu`).
+const SGEMM_TILE: usize = 32;
+/// Threads per block in y of the f32 GEMM kernels (`SGEMM_ROWS` in `fp8_linear.cu`); x is
+/// [`SGEMM_TILE`].
+const SGEMM_ROWS: u32 = 8;
 
 /// How many tensors of the [`DelayedScaling`] state one layer uses.
 pub const TENSORS: usize = 3;
@@ -118,6 +151,12 @@ pub fn saved_lens(tokens: usize, in_features: usize) -> Vec<usize> {
 
 /// An FP8 linear layer `y = x W^T (+ b)` over a fixed number of tokens; see the
 /// [module documentation](self).
+///
+/// Each pass follows its slot's [`Slot::fp8_enabled`]: FP8 GEMMs with delayed scaling when
+/// on (the default of [`Slot::new`]), f32 GEMMs from the f32 weights that leave the FP8
+/// state alone when off ([FP8 off](self#fp8-off-the-high-precision-path)). A layer may run
+/// either way from pass to pass, as long as a microbatch's backward follows a forward of the
+/// same kind (the FP8 backward reads what the FP8 forward saved).
 ///
 /// # Example: eagerly, one microbatch
 ///
@@ -173,7 +212,53 @@ pub struct Fp8Linear {
     /// The `scale_inv` dY was cast with (one pass only).
     dy_scale_inv: Arc<DeviceBuffer<f32>>,
     bias_grad: Kernel,
+    /// The f32 GEMMs of the FP8-off path.
+    hp: HpKernels,
     _module: Module,
+}
+
+/// The f32 GEMM kernels of the FP8-off path (`fp8_linear_hp_*` in `fp8_linear.cu`).
+struct HpKernels {
+    /// `y = x . W^T`.
+    forward: Kernel,
+    /// `y = x . W^T + b`.
+    forward_bias: Kernel,
+    /// `dX = dY . W`.
+    dgrad: Kernel,
+    /// `dW += dY^T . X`.
+    wgrad: Kernel,
+}
+
+impl HpKernels {
+    fn load(module: &Module) -> Result<HpKernels> {
+        Ok(HpKernels {
+            forward: module.kernel("fp8_linear_hp_forward_f32")?,
+            forward_bias: module.kernel("fp8_linear_hp_forward_bias_f32")?,
+            dgrad: module.kernel("fp8_linear_hp_dgrad_f32")?,
+            wgrad: module.kernel("fp8_linear_hp_wgrad_f32")?,
+        })
+    }
+}
+
+/// The launch of an f32 GEMM kernel with a `rows x cols` output: one block of
+/// `SGEMM_TILE x SGEMM_ROWS` threads per `SGEMM_TILE`-square output tile, on a 1-D grid.
+fn sgemm_config(rows: usize, cols: usize) -> Result<LaunchConfig> {
+    let tiles = rows
+        .div_ceil(SGEMM_TILE)
+        .checked_mul(cols.div_ceil(SGEMM_TILE))
+        .filter(|&t| t <= i32::MAX as usize)
+        .ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "Fp8Linear: an f32 GEMM output of {rows} x {cols} needs more than 2^31 - 1 \
+                 blocks"
+            ))
+        })?;
+    Ok(LaunchConfig {
+        grid: (tiles.max(1) as u32, 1, 1),
+        block: (SGEMM_TILE as u32, SGEMM_ROWS, 1),
+        shared_mem_bytes: 0,
+        attributes: Vec::new(),
+    })
 }
 
 impl std::fmt::Debug for Fp8Linear {
@@ -267,6 +352,7 @@ impl Fp8Linear {
         }
         let module = Module::embedded(&ctx, FATBIN)?;
         let bias_grad = module.kernel("fp8_linear_bias_grad_f32")?;
+        let hp = HpKernels::load(&module)?;
         // Load fp8-kernels' module now rather than lazily inside a capture.
         fp8_kernels::module(&ctx)?;
 
@@ -304,6 +390,7 @@ impl Fp8Linear {
             dy_t: DeviceBuffer::alloc(&ctx, tokens * out_features)?,
             dy_scale_inv: Arc::new(DeviceBuffer::from_host(stream, &[1f32])?),
             bias_grad,
+            hp,
             _module: module,
             scaling,
             ctx,
@@ -362,6 +449,119 @@ impl Fp8Linear {
     pub fn weight_t_fp8(&self) -> &DeviceBuffer<u8> {
         &self.w_t
     }
+
+    /// The FP8-off forward: `y = x . W^T (+ b)` in f32 (`x`, `y` of the layer's lengths,
+    /// checked by the caller).
+    fn forward_hp(
+        &self,
+        stream: &Stream,
+        x: &DeviceBuffer<f32>,
+        y: &DeviceBuffer<f32>,
+    ) -> Result<()> {
+        let (m, n, k) = self.dims();
+        let cfg = sgemm_config(self.tokens, self.out_features)?;
+        match &self.bias {
+            // SAFETY: fp8_linear_hp_forward_bias_f32(const float* x, const float* w, const
+            // float* bias, float* y, u32 m, u32 n, u32 k) reads m * k floats of x, n * k of
+            // w and n of bias and writes m * n of y: the lengths of x and y (checked by
+            // one_each), of w ([out, in]) and of bias (out). Every access is bounds-checked
+            // against m, n, k; the grid is sgemm_config's for [m, n] and the block
+            // (SGEMM_TILE, SGEMM_ROWS), what the kernel expects. y is a separate buffer
+            // (the runtime's static output, or the caller's).
+            Some((b, _)) => unsafe {
+                stream.launch(
+                    &self.hp.forward_bias,
+                    &cfg,
+                    &kernel_args![*x, self.w, *b, *y, m, n, k],
+                )
+            },
+            // SAFETY: as above, fp8_linear_hp_forward_f32(x, w, y, m, n, k) without bias.
+            None => unsafe {
+                stream.launch(
+                    &self.hp.forward,
+                    &cfg,
+                    &kernel_args![*x, self.w, *y, m, n, k],
+                )
+            },
+        }
+    }
+
+    /// The FP8-off backward: `dX = dY . W`, `dW += dY^T . X` in f32, then the bias
+    /// gradient (`dy`, `dx` checked by the caller; `x` is the microbatch's forward input).
+    fn backward_hp(
+        &self,
+        stream: &Stream,
+        dy: &DeviceBuffer<f32>,
+        dx: &DeviceBuffer<f32>,
+        slot: &Slot<'_, f32>,
+    ) -> Result<()> {
+        let (m, n, k) = self.dims();
+        let x = match slot.inputs() {
+            [x] if x.len() == self.tokens * self.in_features => *x,
+            xs => {
+                return Err(Error::InvalidArgument(format!(
+                    "Fp8Linear backward at {} with FP8 off: needs the forward input (one \
+                     buffer of {} elements) in the slot's inputs, got lengths {:?}",
+                    slot.at(),
+                    self.tokens * self.in_features,
+                    xs.iter().map(|x| x.len()).collect::<Vec<_>>()
+                )));
+            }
+        };
+        // SAFETY: fp8_linear_hp_dgrad_f32(const float* dy, const float* w, float* dx, u32 m,
+        // u32 n, u32 k) reads m * n floats of dy and n * k of w and writes m * k of dx: the
+        // lengths of dy and dx (checked by one_each) and of w; accesses bounds-checked; the
+        // grid is sgemm_config's for the [m, k] output. dx is the pass's own gradient
+        // buffer, not read by the launch.
+        unsafe {
+            stream.launch(
+                &self.hp.dgrad,
+                &sgemm_config(self.tokens, self.in_features)?,
+                &kernel_args![*dy, self.w, *dx, m, n, k],
+            )
+        }?;
+        // SAFETY: fp8_linear_hp_wgrad_f32(const float* dy, const float* x, float* dw, u32 m,
+        // u32 n, u32 k) reads m * n floats of dy and m * k of x (its length, checked above)
+        // and adds into n * k of dw (the layer's [out, in] gradient); accesses
+        // bounds-checked; the grid is sgemm_config's for the [n, k] output.
+        unsafe {
+            stream.launch(
+                &self.hp.wgrad,
+                &sgemm_config(self.out_features, self.in_features)?,
+                &kernel_args![*dy, *x, self.dw, m, n, k],
+            )
+        }?;
+        self.add_bias_grad(stream, dy)
+    }
+
+    /// `db +=` the column sums of `dy` (`[tokens, out]`, its length checked by the caller),
+    /// if the layer has a bias.
+    fn add_bias_grad(&self, stream: &Stream, dy: &DeviceBuffer<f32>) -> Result<()> {
+        let Some((_, db)) = &self.bias else {
+            return Ok(());
+        };
+        let (rows, cols, _) = self.dims();
+        // SAFETY: fp8_linear_bias_grad_f32(const float* dy, float* db, u32 rows, u32 cols)
+        // reads rows * cols floats of dy (its length, checked by one_each) and adds to cols
+        // floats of db (out_features long); one thread per column, bound-checked.
+        unsafe {
+            stream.launch(
+                &self.bias_grad,
+                &LaunchConfig::for_elements(cols, 128),
+                &kernel_args![*dy, *db, rows, cols],
+            )
+        }
+    }
+
+    /// `(tokens, out_features, in_features)` as the kernels take them (`m`, `n`, `k`;
+    /// within `u32` by [`check_shape`]).
+    fn dims(&self) -> (u32, u32, u32) {
+        (
+            self.tokens as u32,
+            self.out_features as u32,
+            self.in_features as u32,
+        )
+    }
 }
 
 impl Callable<f32> for Fp8Linear {
@@ -390,7 +590,9 @@ impl Callable<f32> for Fp8Linear {
     }
 
     /// Cast-transposes W into its E4M3 copies (`W`, `W^T`), maxing |W| into W's amax;
-    /// skipped on the device when the slot's noop flag reads 1.0.
+    /// skipped on the device when the slot's noop flag reads 1.0. Casts whatever the slot's
+    /// [`fp8_enabled`](Slot::fp8_enabled) (the runtime does not call it with FP8 off; the
+    /// FP8-off passes never read the copies).
     fn cast_weights(&mut self, stream: &Stream, slot: &Slot<'_, f32>) -> Result<()> {
         slot.record_fp8_tensors([self.first_tensor + W]);
         let noop = slot
@@ -408,6 +610,8 @@ impl Callable<f32> for Fp8Linear {
         )
     }
 
+    /// FP8 on: casts x (and `X^T` into the saved buffers) to E4M3, then the FP8 GEMM. FP8
+    /// off: the f32 GEMM from the f32 weights, nothing else.
     fn forward(
         &mut self,
         stream: &Stream,
@@ -417,6 +621,9 @@ impl Callable<f32> for Fp8Linear {
     ) -> Result<()> {
         let (m, k, n) = (self.tokens, self.in_features, self.out_features);
         let (x, y) = one_each("forward", inputs, outputs, m * k, m * n)?;
+        if !slot.fp8_enabled() {
+            return self.forward_hp(stream, x, y);
+        }
         slot.record_fp8_tensors([self.first_tensor + X]);
         let [xt_buf, si_buf] = saved_pair(slot)?;
         let x_si = scalar_of(&self.ctx, si_buf)?;
@@ -456,6 +663,9 @@ impl Callable<f32> for Fp8Linear {
         )
     }
 
+    /// FP8 on: casts dY to E5M2, then the dgrad and wgrad FP8 GEMMs (X from the saved
+    /// buffers). FP8 off: the f32 GEMMs, X from [`Slot::inputs`]. Both: the bias gradient
+    /// from the unquantized dY.
     fn backward(
         &mut self,
         stream: &Stream,
@@ -465,6 +675,9 @@ impl Callable<f32> for Fp8Linear {
     ) -> Result<()> {
         let (m, k, n) = (self.tokens, self.in_features, self.out_features);
         let (dy, dx) = one_each("backward", grad_outputs, grad_inputs, m * n, m * k)?;
+        if !slot.fp8_enabled() {
+            return self.backward_hp(stream, dy, dx, slot);
+        }
         slot.record_fp8_tensors([self.first_tensor + DY]);
         let [xt_buf, si_buf] = saved_pair(slot)?;
         let x_si = scalar_of(&self.ctx, si_buf)?;
@@ -526,21 +739,7 @@ impl Callable<f32> for Fp8Linear {
             GemmOut::F32(&self.dw),
             opts.accumulate(true),
         )?;
-        if let Some((_, db)) = &self.bias {
-            let (rows, cols) = (m as u32, n as u32);
-            // SAFETY: fp8_linear_bias_grad_f32(const float* dy, float* db, u32 rows, u32
-            // cols) reads rows * cols floats of dy (its length, checked by one_each) and adds
-            // to cols floats of db (out_features long); one thread per column,
-            // bound-checked.
-            unsafe {
-                stream.launch(
-                    &self.bias_grad,
-                    &LaunchConfig::for_elements(cols, 128),
-                    &kernel_args![*dy, *db, rows, cols],
-                )
-            }?;
-        }
-        Ok(())
+        self.add_bias_grad(stream, dy)
     }
 }
 
@@ -602,6 +801,22 @@ mod tests {
     fn saved_buffers_hold_xt_bytes_and_one_scale() {
         assert_eq!(saved_lens(64, 128), vec![64 * 128 / 4, 1]);
         assert_eq!(saved_lens(16, 16), vec![64, 1]);
+    }
+
+    #[test]
+    fn sgemm_launch_covers_the_output_in_tiles() {
+        // 48 x 112: 2 x 4 tiles of 32 (partial at both edges), blocks of 32 x 8 threads.
+        let cfg = sgemm_config(48, 112).unwrap();
+        assert_eq!(cfg.grid, (8, 1, 1));
+        assert_eq!(cfg.block, (32, 8, 1));
+        assert_eq!(cfg.shared_mem_bytes, 0);
+        assert_eq!(sgemm_config(64, 256).unwrap().grid, (2 * 8, 1, 1));
+        assert_eq!(sgemm_config(1, 1).unwrap().grid, (1, 1, 1));
+        // A layer at check_shape's element limit, 2^27 x 16 (at most 2^23 tiles), fits.
+        assert!(check_shape(1 << 27, 16, 16).is_ok());
+        assert_eq!(sgemm_config(1 << 27, 16).unwrap().grid, (1 << 22, 1, 1));
+        let e = sgemm_config(1 << 40, 1 << 20).unwrap_err().to_string();
+        assert!(e.contains("2^31 - 1 blocks"), "{e}");
     }
 
     #[test]

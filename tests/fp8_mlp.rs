@@ -4,18 +4,22 @@
 //! state after every step, for (a) 1 chunk x 3 microbatches, (b) 2 chunks x 3 microbatches
 //! interleaved `[1,2,1,2,-2,-1,1,2,-2,-1,-2,-1]`, (c) uneven layers per chunk `[1, 2]`,
 //! under both weight-caching mechanisms; and FP8 weights are cast once per step (on the
-//! first microbatch).
+//! first microbatch). Case (b) also runs with FP8 on for some callables and off for others
+//! ([`Fp8Enabled::PerCallable`]; the eager run's slots carry the same flags): the FP8-off
+//! layers run their f32 path, get no weight casts and leave their scaling tensors alone.
 //!
 //! # The recipe both runs follow
 //!
 //! * One [`DelayedScaling`] state for the whole stack (3 tensors per layer: x E4M3, W E4M3,
-//!   dY E5M2; history 4, margin 0, max over the history), fresh (history 0, scales 1).
+//!   dY E5M2; history 4, margin 0, max over the history), fresh (history 0, scales 1), with
+//!   the tensors of the FP8-on layers registered for updates (graphed: what warmup
+//!   recorded; eager: the same set, given directly).
 //! * For every schedule entry in order: a forward of (chunk, microbatch) runs the chunk's
 //!   layers first to last (each casting its weights first when the microbatch is 0), then
 //!   one [`DelayedScaling::update`]; a backward runs them last to first, then one update.
 //!   Graphed: the runtime casts (IF node or noop flag) and the `after_forward` /
 //!   `after_backward` hooks update. Eager: the test calls `cast_weights` on microbatch 0
-//!   only, and `update` at the same points.
+//!   only (and never for an FP8-off layer), and `update` at the same points.
 //! * Graphed warmup moves the state (amaxes, scales); `before_warmup` saves it into a
 //!   [`ScalingSnapshot`] and `after_warmup` restores it, so both runs start from the fresh
 //!   state (checked right after the build). Warmup's backward sees zero output gradients,
@@ -37,8 +41,8 @@
 use std::sync::{Arc, Mutex};
 
 use cuda_graph::graphed::{
-    Callable, GraphIndex, GraphedCallables, GraphedOptions, Layout, Schedule, Slot, Step,
-    WarmupRecord, WeightCaching,
+    Callable, Fp8Enabled, Fp8Recorder, GraphIndex, GraphedCallables, GraphedOptions, Layout,
+    Schedule, Slot, Step, WarmupRecord, WeightCaching,
 };
 use cuda_graph::{Context, DeviceBuffer, GraphPool, NodeKind, Stream};
 use fp8_kernels::{AmaxAlgo, DelayedScaling, Fp8Format};
@@ -143,6 +147,19 @@ impl Case {
     fn schedule(&self) -> Schedule {
         Schedule::new(self.order, self.layers.clone()).expect("valid order")
     }
+    /// FP8 on for every callable.
+    fn all_fp8(&self) -> Vec<bool> {
+        vec![true; self.layers.iter().sum()]
+    }
+}
+
+/// The FP8 tensors (indices into the stack's scaling state) of the callables with FP8 on.
+fn fp8_tensors_of(fp8: &[bool]) -> Vec<usize> {
+    fp8.iter()
+        .enumerate()
+        .filter(|(_, on)| **on)
+        .flat_map(|(c, _)| c * linear::TENSORS..(c + 1) * linear::TENSORS)
+        .collect()
 }
 
 struct Gpu {
@@ -322,18 +339,24 @@ fn check_tamper_point(schedule: &Schedule) {
 }
 
 /// The graphed run, with weight caching `mode`, layers merged into one graph per step or
-/// one graph per layer.
+/// one graph per layer, FP8 on for callable `c` iff `fp8[c]`.
 fn run_graphed(
     gpu: &Gpu,
     case: &Case,
     (mode, merge): (WeightCaching, bool),
     tamper_at: Tamper,
+    fp8: &[bool],
 ) -> Record {
     mode.check()
         .unwrap_or_else(|e| panic!("{}: {mode:?} unsupported by this driver: {e}", case.name));
     let schedule = case.schedule();
     check_tamper_point(&schedule);
     let layout = schedule.layout().clone();
+    assert_eq!(
+        fp8.len(),
+        layout.total_callables(),
+        "one FP8 flag per callable"
+    );
     let scaling = new_scaling(gpu, layout.total_callables());
     let layers = new_layers(gpu, &layout, &scaling);
     let callables: Vec<Box<dyn Callable<f32>>> = layers
@@ -344,6 +367,7 @@ fn run_graphed(
     let mut options = GraphedOptions::new(schedule.clone())
         .with_weight_caching(mode)
         .with_merge_layers(merge);
+    options.fp8 = Fp8Enabled::PerCallable(fp8.to_vec());
     let snapshot = Arc::new(Mutex::new(
         ScalingSnapshot::new(&gpu.ctx, &scaling).expect("snapshot"),
     ));
@@ -376,10 +400,15 @@ fn run_graphed(
         .unwrap_or_else(|e| panic!("{}: build ({mode:?}): {e}", case.name));
     gpu.stream.synchronize().expect("sync after build");
 
-    // Every layer ran its x, W and dY casts in warmup: all recorded, all registered.
+    // Every FP8-on layer ran its x, W and dY casts in warmup, the FP8-off layers none: those
+    // recorded are registered.
     let n = layout.total_callables() * linear::TENSORS;
-    for c in 0..layout.total_callables() {
-        let want: Vec<usize> = (c * linear::TENSORS..(c + 1) * linear::TENSORS).collect();
+    for (c, &on) in fp8.iter().enumerate() {
+        let want: Vec<usize> = if on {
+            (c * linear::TENSORS..(c + 1) * linear::TENSORS).collect()
+        } else {
+            Vec::new()
+        };
         let got: Vec<usize> = graphed
             .warmup_record()
             .of_callable(c)
@@ -393,7 +422,7 @@ fn run_graphed(
             case.name
         );
     }
-    assert_eq!(scaling.registered(), (0..n).collect::<Vec<_>>());
+    assert_eq!(scaling.registered(), fp8_tensors_of(fp8));
     // Warmup's changes to the FP8 state were undone by the hooks.
     assert_eq!(
         gpu.bits(scaling.history_buffer()),
@@ -413,10 +442,26 @@ fn run_graphed(
         "{}: {mode:?}: inverse scales not restored after warmup",
         case.name
     );
-    // Every forward graph casts; in Conditional mode inside one IF node (holding the casts
-    // of the chunk's layers when merged).
+    // Every FP8-on layer's forward graph casts, no FP8-off one; in Conditional mode inside
+    // one IF node, holding the casts of every casting layer in the graph: with merged
+    // layers a forward graph holds all its chunk's layers (it has the IF node when any of
+    // them has FP8 on), without it holds its own layer only.
+    assert_eq!(graphed.merges_layers(), merge);
     for g in 0..layout.total_graphs() {
-        assert_eq!(graphed.casts_weights(g), Some(true), "graph {g} casts");
+        let c = layout.callable_of_graph(g).expect("callable of graph");
+        assert_eq!(
+            graphed.casts_weights(g),
+            Some(fp8[c]),
+            "graph {g} (callable {c}, FP8 {}) casts iff FP8 is on",
+            fp8[c]
+        );
+        let in_graph = if merge {
+            let chunk = layout.locate(g).expect("graph").chunk;
+            layout.chunk_callables(chunk).expect("chunk")
+        } else {
+            c..c + 1
+        };
+        let any_casts = in_graph.into_iter().any(|c| fp8[c]);
         let conds = graphed
             .forward_graph(g)
             .expect("forward graph")
@@ -425,10 +470,10 @@ fn run_graphed(
             .iter()
             .filter(|n| n.kind == NodeKind::Conditional)
             .count();
-        let want = usize::from(mode == WeightCaching::Conditional);
+        let want = usize::from(mode == WeightCaching::Conditional && any_casts);
         assert_eq!(
             conds, want,
-            "{mode:?}: conditional nodes of forward graph {g}"
+            "{mode:?}, merged {merge}, FP8 {fp8:?}: conditional nodes of forward graph {g}"
         );
     }
 
@@ -474,12 +519,23 @@ fn run_graphed(
 }
 
 /// The eager reference: the same layers (fresh, same values) driven directly, with one
-/// set of buffers per (chunk, microbatch, layer) like the runtime's.
-fn run_eager(gpu: &Gpu, case: &Case, tamper_at: Tamper) -> Record {
+/// set of buffers per (chunk, microbatch, layer) like the runtime's, FP8 on for callable `c`
+/// iff `fp8[c]` (its slots' flag; no weight casts when off), the FP8-on callables' tensors
+/// registered as the graphed run's warmup registers them.
+fn run_eager(gpu: &Gpu, case: &Case, tamper_at: Tamper, fp8: &[bool]) -> Record {
     let schedule = case.schedule();
     check_tamper_point(&schedule);
     let layout = schedule.layout().clone();
+    assert_eq!(
+        fp8.len(),
+        layout.total_callables(),
+        "one FP8 flag per callable"
+    );
     let scaling = new_scaling(gpu, layout.total_callables());
+    scaling
+        .register(&gpu.stream, fp8_tensors_of(fp8))
+        .expect("register");
+    gpu.stream.synchronize().expect("sync");
     let mut layers = new_layers(gpu, &layout, &scaling);
     let pool = GraphPool::new(&gpu.ctx, 256).expect("pool");
     let nm = layout.num_microbatches();
@@ -531,15 +587,17 @@ fn run_eager(gpu: &Gpu, case: &Case, tamper_at: Tamper) -> Record {
                             microbatch: mb,
                             layer: l,
                         };
+                        let c = layout.callable_index(chunk, l).expect("c");
                         let slot = Slot::new(
                             at,
                             vec![x],
                             vec![&outputs[g]],
                             saved[g].iter().collect(),
                             &pool,
-                        );
-                        let layer = &mut layers[layout.callable_index(chunk, l).expect("c")];
-                        if mb == 0 {
+                        )
+                        .with_fp8(fp8[c]);
+                        let layer = &mut layers[c];
+                        if mb == 0 && fp8[c] {
                             layer.cast_weights(&gpu.stream, &slot).expect("cast");
                         }
                         layer
@@ -582,14 +640,16 @@ fn run_eager(gpu: &Gpu, case: &Case, tamper_at: Tamper) -> Record {
                             microbatch: mb,
                             layer: l,
                         };
+                        let c = layout.callable_index(chunk, l).expect("c");
                         let slot = Slot::new(
                             at,
                             vec![x],
                             vec![&outputs[g]],
                             saved[g].iter().collect(),
                             &pool,
-                        );
-                        layers[layout.callable_index(chunk, l).expect("c")]
+                        )
+                        .with_fp8(fp8[c]);
+                        layers[c]
                             .backward(&gpu.stream, &[go], &[&grad_inputs[g]], &slot)
                             .unwrap_or_else(|e| panic!("eager backward {at}: {e}"));
                     }
@@ -618,10 +678,11 @@ const MODES: [(WeightCaching, bool); 4] = [
     (WeightCaching::NoopFlag, false),
 ];
 
-/// Graphed == eager, bit for bit, under both mechanisms, layers merged or not.
-fn graphed_equals_eager(case: Case) {
+/// Graphed == eager, bit for bit, under both mechanisms, layers merged or not, FP8 on for
+/// callable `c` iff `fp8[c]`. Returns the eager record.
+fn graphed_equals_eager(case: &Case, fp8: &[bool]) -> Record {
     let gpu = Gpu::new();
-    let eager = run_eager(&gpu, &case, Tamper::No);
+    let eager = run_eager(&gpu, case, Tamper::No, fp8);
     // The eager run is itself sane: finite outputs, non-zero gradients.
     for e in &eager.entries {
         assert!(
@@ -640,42 +701,103 @@ fn graphed_equals_eager(case: Case) {
         }
     }
     for mode in MODES {
-        let graphed = run_graphed(&gpu, &case, mode, Tamper::No);
+        let graphed = run_graphed(&gpu, case, mode, Tamper::No, fp8);
         assert_same(
-            &format!("{}, {mode:?}: graphed vs eager", case.name),
+            &format!("{}, {mode:?}, FP8 {fp8:?}: graphed vs eager", case.name),
             graphed.entries.iter(),
             eager.entries.iter(),
         );
     }
+    eager
 }
 
 #[test]
 #[ignore = "needs a CUDA device"]
 fn graphed_equals_eager_1_chunk_3_microbatches() {
-    graphed_equals_eager(Case::a());
+    let case = Case::a();
+    graphed_equals_eager(&case, &case.all_fp8());
 }
 
 #[test]
 #[ignore = "needs a CUDA device"]
 fn graphed_equals_eager_2_chunks_3_microbatches_interleaved() {
-    graphed_equals_eager(Case::b());
+    let case = Case::b();
+    graphed_equals_eager(&case, &case.all_fp8());
 }
 
 #[test]
 #[ignore = "needs a CUDA device"]
 fn graphed_equals_eager_uneven_layers_per_chunk() {
-    graphed_equals_eager(Case::c());
+    let case = Case::c();
+    graphed_equals_eager(&case, &case.all_fp8());
+}
+
+/// Case (b) with FP8 on for some callables and off for others
+/// ([`Fp8Enabled::PerCallable`]), graphed == eager bit for bit under every mode. Callables
+/// are (chunk, layer) `0 = (0, 0)`, `1 = (0, 1)`, `2 = (1, 0)`, `3 = (1, 1)`. Alternating
+/// on/off: every chunk mixes, an FP8 layer feeding an FP8-off one. Then off/on/off/off:
+/// chunk 0 has an FP8-off layer feeding an FP8 one, chunk 1 is all off (no casts at all;
+/// with merged layers its forward graphs have no IF node). The FP8-off layers' scaling
+/// tensors stay fresh (history 0, scales 1); the FP8 layers' x scales moved.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn graphed_equals_eager_with_fp8_per_callable() {
+    let case = Case::b();
+    for fp8 in [
+        vec![true, false, true, false],
+        vec![false, true, false, false],
+    ] {
+        let eager = graphed_equals_eager(&case, &fp8);
+        let last = |what: &str| -> Vec<f32> {
+            let label = format!("step {} {what}", STEPS - 1);
+            eager
+                .entries
+                .iter()
+                .find(|e| e.label == label)
+                .unwrap_or_else(|| panic!("{label} recorded"))
+                .bits
+                .iter()
+                .map(|&b| f32::from_bits(b))
+                .collect()
+        };
+        let (history, scale, scale_inv) = (last("amax history"), last("scale"), last("scale_inv"));
+        for (c, &on) in fp8.iter().enumerate() {
+            let tensors = c * linear::TENSORS..(c + 1) * linear::TENSORS;
+            if on {
+                assert_ne!(
+                    scale[c * linear::TENSORS],
+                    1.0,
+                    "FP8 {fp8:?}: callable {c} (FP8 on) updated x's scale"
+                );
+            } else {
+                for t in tensors {
+                    assert!(
+                        history[t * HISTORY..(t + 1) * HISTORY]
+                            .iter()
+                            .all(|&h| h.to_bits() == 0),
+                        "FP8 {fp8:?}: callable {c} (FP8 off): tensor {t}'s amax history"
+                    );
+                    assert_eq!(
+                        (scale[t].to_bits(), scale_inv[t].to_bits()),
+                        (1f32.to_bits(), 1f32.to_bits()),
+                        "FP8 {fp8:?}: callable {c} (FP8 off): tensor {t}'s scales"
+                    );
+                }
+            }
+        }
+    }
 }
 
 /// Weights are cast once per step: changing W after the first microbatch's forward does not
 /// reach the rest of the step, and does reach the next step.
 fn weights_cast_once_per_step(case: Case) {
     let gpu = Gpu::new();
-    let untouched = run_eager(&gpu, &case, Tamper::No);
-    let eager = run_eager(&gpu, &case, Tamper::AfterFirstForward);
+    let fp8 = case.all_fp8();
+    let untouched = run_eager(&gpu, &case, Tamper::No, &fp8);
+    let eager = run_eager(&gpu, &case, Tamper::AfterFirstForward, &fp8);
     for mode in MODES {
         let what = format!("{}, {mode:?}", case.name);
-        let graphed = run_graphed(&gpu, &case, mode, Tamper::AfterFirstForward);
+        let graphed = run_graphed(&gpu, &case, mode, Tamper::AfterFirstForward, &fp8);
         assert_same(
             &format!("{what}: graphed vs eager, weights changed after the first forward"),
             graphed.entries.iter(),
@@ -911,6 +1033,170 @@ fn fp8_linear_matches_host_reference() {
         want_db,
         "db: sequential f32 column sums of dY"
     );
+}
+
+/// One layer with FP8 off ([`Slot::with_fp8`]`(false)`), eagerly, against the host: y, dX
+/// and dW (accumulated onto a non-zero dW) against f64 sums of the unquantized f32 values,
+/// db bit for bit against a sequential f32 column sum of dY added onto a non-zero db; and
+/// nothing FP8 touched: the scaling state (history, scales) keeps its bits, nothing is
+/// recorded, the FP8 weight copies and the saved buffers are untouched.
+///
+/// Sizes 48 tokens, 80 -> 112 features: multiples of 16 (the layer's rule) that are not
+/// multiples of the kernels' 32-wide tiles, so every GEMM has partial edge tiles and a
+/// partial last K slab. Values are the test's deterministic ones divided by 3, so they
+/// carry full 24-bit mantissas and the sums round.
+///
+/// The bound: each output element is a sequential f32 sum (FMA per term) of `K` products,
+/// plus one more addition (the bias, or the old dW), so `|got - exact| <= gamma_(K+1) *
+/// (sum of |products| + |added|)` with `gamma_n = n u / (1 - n u)` and `u = 2^-24`
+/// (Higham, recursive summation). The test allows `2 (K + 1) 2^-24` times that magnitude
+/// per element; the f64 reference is exact up to `K 2^-53` of it (f32 products are exact in
+/// f64). A wrong layout, a missing or doubled term or a stale element (NaN poison) is far
+/// outside it.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn fp8_off_linear_matches_host_reference() {
+    const T: usize = 48;
+    const K: usize = 80;
+    const N: usize = 112;
+    let gpu = Gpu::new();
+    let scaling = new_scaling(&gpu, 1);
+    let rough = |seed: u64, n: usize, scale: f32| -> Vec<f32> {
+        values(seed, n, scale)
+            .into_iter()
+            .map(|v| v / 3.0)
+            .collect()
+    };
+    let (w, b) = (rough(11, N * K, 0.0625), rough(12, N, 0.25));
+    let (x_host, dy_host) = (rough(13, T * K, 2.0), rough(14, T * N, 0.5));
+    let (dw0, db0) = (rough(15, N * K, 0.5), rough(16, N, 0.5));
+    let mut layer =
+        Fp8Linear::new(&gpu.stream, T, K, N, &w, Some(&b), scaling.clone(), 0).expect("Fp8Linear");
+    gpu.overwrite(layer.weight_grad(), &dw0);
+    gpu.overwrite(layer.bias_grad().expect("bias"), &db0);
+    let x = gpu.upload(&x_host);
+    let dy = gpu.upload(&dy_host);
+    let y = gpu.upload(&vec![f32::NAN; T * N]);
+    let dx = gpu.upload(&vec![f32::NAN; T * K]);
+    let saved: Vec<DeviceBuffer<f32>> = layer
+        .saved_lens()
+        .iter()
+        .map(|&len| gpu.upload(&vec![f32::NAN; len]))
+        .collect();
+    let pool = GraphPool::new(&gpu.ctx, 256).expect("pool");
+    let at = GraphIndex {
+        chunk: 0,
+        microbatch: 0,
+        layer: 0,
+    };
+    let recorder = Fp8Recorder::new();
+    let slot = Slot::new(at, vec![&x], vec![&y], saved.iter().collect(), &pool)
+        .with_fp8(false)
+        .with_recorder(&recorder);
+    assert!(!slot.fp8_enabled());
+    let read = |buf: &DeviceBuffer<f32>| -> Vec<f32> {
+        gpu.bits(buf).into_iter().map(f32::from_bits).collect()
+    };
+    let read_u8 = |buf: &DeviceBuffer<u8>| -> Vec<u8> {
+        gpu.stream.synchronize().expect("sync");
+        buf.to_vec(&gpu.stream).expect("read back")
+    };
+    let fp8_state = |layer: &Fp8Linear| {
+        (
+            gpu.bits(scaling.history_buffer()),
+            gpu.bits(scaling.scale_buffer()),
+            gpu.bits(scaling.scale_inv_buffer()),
+            read_u8(layer.weight_fp8().data()),
+            read_u8(layer.weight_t_fp8()),
+            gpu.bits(layer.weight_fp8().scale_inv().buffer()),
+        )
+    };
+    let before = fp8_state(&layer);
+    // `want` holds (exact value, sum of the magnitudes of its terms) per element, `terms`
+    // the number of products.
+    let close = |what: &str, got: &[f32], want: &[(f64, f64)], terms: usize| {
+        assert_eq!(got.len(), want.len(), "{what}: length");
+        let ulp_bound = 2.0 * (terms + 1) as f64 * (-24f64).exp2();
+        let scale = want.iter().fold(0f64, |m, (v, _)| m.max(v.abs()));
+        assert!(scale > 0.0, "{what}: the reference is all zero");
+        let mut worst = 0f64;
+        for (i, (g, (v, mag))) in got.iter().zip(want).enumerate() {
+            let err = (f64::from(*g) - v).abs();
+            let bound = ulp_bound * mag;
+            assert!(
+                err <= bound,
+                "{what}[{i}]: got {g}, want {v} (error {err:e}, bound {bound:e})"
+            );
+            worst = worst.max(err / scale);
+        }
+        eprintln!("{what}: largest error {worst:e} of the largest |reference|");
+    };
+
+    layer
+        .forward(&gpu.stream, &[&x], &[&y], &slot)
+        .expect("forward");
+    let want_y: Vec<(f64, f64)> = (0..T * N)
+        .map(|i| {
+            let (r, o) = (i / N, i % N);
+            let terms = (0..K).map(|j| f64::from(x_host[r * K + j]) * f64::from(w[o * K + j]));
+            terms.fold((f64::from(b[o]), f64::from(b[o]).abs()), |(s, m), t| {
+                (s + t, m + t.abs())
+            })
+        })
+        .collect();
+    close("y", &read(&y), &want_y, K);
+
+    layer
+        .backward(&gpu.stream, &[&dy], &[&dx], &slot)
+        .expect("backward");
+    let want_dx: Vec<(f64, f64)> = (0..T * K)
+        .map(|i| {
+            let (r, j) = (i / K, i % K);
+            let terms = (0..N).map(|o| f64::from(dy_host[r * N + o]) * f64::from(w[o * K + j]));
+            terms.fold((0.0, 0.0), |(s, m), t| (s + t, m + t.abs()))
+        })
+        .collect();
+    close("dX", &read(&dx), &want_dx, N);
+    let want_dw: Vec<(f64, f64)> = (0..N * K)
+        .map(|i| {
+            let (o, j) = (i / K, i % K);
+            let terms =
+                (0..T).map(|r| f64::from(dy_host[r * N + o]) * f64::from(x_host[r * K + j]));
+            let d0 = f64::from(dw0[i]);
+            terms.fold((d0, d0.abs()), |(s, m), t| (s + t, m + t.abs()))
+        })
+        .collect();
+    close("dW", &read(layer.weight_grad()), &want_dw, T);
+    let want_db: Vec<u32> = (0..N)
+        .map(|o| {
+            let mut acc = 0f32;
+            for r in 0..T {
+                acc += dy_host[r * N + o];
+            }
+            (db0[o] + acc).to_bits()
+        })
+        .collect();
+    assert_eq!(
+        gpu.bits(layer.bias_grad().expect("bias")),
+        want_db,
+        "db: the old db plus sequential f32 column sums of dY"
+    );
+
+    assert!(
+        recorder.tensors().is_empty(),
+        "FP8 off records no FP8 tensor, got {:?}",
+        recorder.tensors()
+    );
+    assert!(
+        before == fp8_state(&layer),
+        "FP8 off changed the scaling state or the FP8 weight copies"
+    );
+    for (i, s) in saved.iter().enumerate() {
+        assert!(
+            gpu.bits(s).iter().all(|&v| f32::from_bits(v).is_nan()),
+            "FP8 off wrote saved buffer {i}"
+        );
+    }
 }
 
 /// `cast_weights` honours the slot's noop flag (the eager form of
