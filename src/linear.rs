@@ -53,9 +53,13 @@
 //! per-(chunk, microbatch, layer) saved buffers ([`Callable::saved_lens`], [`Slot::saved`]):
 //! `saved[0]` holds the E4M3 bytes of `X^T` (`[K, M]`, written by the forward's
 //! cast-transpose; an f32 buffer of `M * K / 4` elements viewed as bytes) and `saved[1]` the
-//! one f32 `scale_inv` it was cast with. An eager caller passes one such set per
-//! microbatch. Everything else the layer keeps (the FP8 x and dY, `dY^T`) lives only within
-//! one pass and is shared by all microbatches.
+//! one f32 `scale_inv` it was cast with; the backward adds the E5M2 bytes of `dY^T`
+//! (`saved[2]`, `[N, M]`) and its `scale_inv` (`saved[3]`) for the weight gradient, which
+//! may run later in a step of its own (split weight gradients:
+//! [`Callable::backward_input`] then [`Callable::backward_weight`], schedules with
+//! `-k - 0.5` entries). An eager caller passes one such set per microbatch. Everything else
+//! the layer keeps (the FP8 x and dY) lives only within one pass and is shared by all
+//! microbatches.
 //!
 //! # FP8 off: the high-precision path
 //!
@@ -144,9 +148,15 @@ pub fn check_shape(tokens: usize, in_features: usize, out_features: usize) -> Re
 }
 
 /// The saved-buffer lengths (f32 elements) of a layer: `X^T` as bytes (`tokens *
-/// in_features / 4` elements) and its `scale_inv` (1).
-pub fn saved_lens(tokens: usize, in_features: usize) -> Vec<usize> {
-    vec![(tokens * in_features).div_ceil(4), 1]
+/// in_features / 4` elements) and its `scale_inv` (1), then `dY^T` as bytes (`tokens *
+/// out_features / 4`) and its `scale_inv` (1).
+pub fn saved_lens(tokens: usize, in_features: usize, out_features: usize) -> Vec<usize> {
+    vec![
+        (tokens * in_features).div_ceil(4),
+        1,
+        (tokens * out_features).div_ceil(4),
+        1,
+    ]
 }
 
 /// An FP8 linear layer `y = x W^T (+ b)` over a fixed number of tokens; see the
@@ -206,11 +216,9 @@ pub struct Fp8Linear {
     w_t: DeviceBuffer<u8>,
     /// The forward's E4M3 x `[M, in]` (one pass only).
     x_fp8: DeviceBuffer<u8>,
-    /// The backward's E5M2 dY `[M, out]` and `dY^T` `[out, M]` (one pass only).
+    /// The backward's E5M2 dY `[M, out]` (one pass only; `dY^T` and its `scale_inv` go
+    /// into the saved buffers, for the weight gradient).
     dy_fp8: DeviceBuffer<u8>,
-    dy_t: DeviceBuffer<u8>,
-    /// The `scale_inv` dY was cast with (one pass only).
-    dy_scale_inv: Arc<DeviceBuffer<f32>>,
     bias_grad: Kernel,
     /// The f32 GEMMs of the FP8-off path.
     hp: HpKernels,
@@ -387,8 +395,6 @@ impl Fp8Linear {
             w_t: DeviceBuffer::alloc(&ctx, weight.len())?,
             x_fp8: DeviceBuffer::alloc(&ctx, tokens * in_features)?,
             dy_fp8: DeviceBuffer::alloc(&ctx, tokens * out_features)?,
-            dy_t: DeviceBuffer::alloc(&ctx, tokens * out_features)?,
-            dy_scale_inv: Arc::new(DeviceBuffer::from_host(stream, &[1f32])?),
             bias_grad,
             hp,
             _module: module,
@@ -486,28 +492,29 @@ impl Fp8Linear {
         }
     }
 
-    /// The FP8-off backward: `dX = dY . W`, `dW += dY^T . X` in f32, then the bias
-    /// gradient (`dy`, `dx` checked by the caller; `x` is the microbatch's forward input).
-    fn backward_hp(
+    /// The microbatch's forward input the FP8-off weight gradient reads ([`Slot::inputs`]);
+    /// an error naming the slot when it is not one buffer of `tokens * in_features`.
+    fn hp_input<'a>(&self, slot: &Slot<'a, f32>) -> Result<&'a DeviceBuffer<f32>> {
+        match slot.inputs() {
+            [x] if x.len() == self.tokens * self.in_features => Ok(*x),
+            xs => Err(Error::InvalidArgument(format!(
+                "Fp8Linear backward at {} with FP8 off: needs the forward input (one buffer of \
+                 {} elements) in the slot's inputs, got lengths {:?}",
+                slot.at(),
+                self.tokens * self.in_features,
+                xs.iter().map(|x| x.len()).collect::<Vec<_>>()
+            ))),
+        }
+    }
+
+    /// The FP8-off input gradient: `dX = dY . W` in f32 (`dy`, `dx` checked by the caller).
+    fn dgrad_hp(
         &self,
         stream: &Stream,
         dy: &DeviceBuffer<f32>,
         dx: &DeviceBuffer<f32>,
-        slot: &Slot<'_, f32>,
     ) -> Result<()> {
         let (m, n, k) = self.dims();
-        let x = match slot.inputs() {
-            [x] if x.len() == self.tokens * self.in_features => *x,
-            xs => {
-                return Err(Error::InvalidArgument(format!(
-                    "Fp8Linear backward at {} with FP8 off: needs the forward input (one \
-                     buffer of {} elements) in the slot's inputs, got lengths {:?}",
-                    slot.at(),
-                    self.tokens * self.in_features,
-                    xs.iter().map(|x| x.len()).collect::<Vec<_>>()
-                )));
-            }
-        };
         // SAFETY: fp8_linear_hp_dgrad_f32(const float* dy, const float* w, float* dx, u32 m,
         // u32 n, u32 k) reads m * n floats of dy and n * k of w and writes m * k of dx: the
         // lengths of dy and dx (checked by one_each) and of w; accesses bounds-checked; the
@@ -519,7 +526,19 @@ impl Fp8Linear {
                 &sgemm_config(self.tokens, self.in_features)?,
                 &kernel_args![*dy, self.w, *dx, m, n, k],
             )
-        }?;
+        }
+    }
+
+    /// The FP8-off weight gradient: `dW += dY^T . X` in f32 (`dy` checked by the caller;
+    /// `x` is the microbatch's forward input, [`Slot::inputs`]).
+    fn wgrad_hp(
+        &self,
+        stream: &Stream,
+        dy: &DeviceBuffer<f32>,
+        slot: &Slot<'_, f32>,
+    ) -> Result<()> {
+        let (m, n, k) = self.dims();
+        let x = self.hp_input(slot)?;
         // SAFETY: fp8_linear_hp_wgrad_f32(const float* dy, const float* x, float* dw, u32 m,
         // u32 n, u32 k) reads m * n floats of dy and m * k of x (its length, checked above)
         // and adds into n * k of dw (the layer's [out, in] gradient); accesses
@@ -530,8 +549,7 @@ impl Fp8Linear {
                 &sgemm_config(self.out_features, self.in_features)?,
                 &kernel_args![*dy, *x, self.dw, m, n, k],
             )
-        }?;
-        self.add_bias_grad(stream, dy)
+        }
     }
 
     /// `db +=` the column sums of `dy` (`[tokens, out]`, its length checked by the caller),
@@ -574,7 +592,7 @@ impl Callable<f32> for Fp8Linear {
     }
 
     fn saved_lens(&self) -> Vec<usize> {
-        saved_lens(self.tokens, self.in_features)
+        saved_lens(self.tokens, self.in_features, self.out_features)
     }
 
     fn parameters(&self) -> Vec<&DeviceBuffer<f32>> {
@@ -625,7 +643,7 @@ impl Callable<f32> for Fp8Linear {
             return self.forward_hp(stream, x, y);
         }
         slot.record_fp8_tensors([self.first_tensor + X]);
-        let [xt_buf, si_buf] = saved_pair(slot)?;
+        let [xt_buf, si_buf, _, _] = saved_buffers(slot)?;
         let x_si = scalar_of(&self.ctx, si_buf)?;
         let mut x_t = view::<u8, f32>(&self.ctx, xt_buf, m * k)?;
         let mut x_fp8 = Fp8Tensor::from_parts(
@@ -663,10 +681,26 @@ impl Callable<f32> for Fp8Linear {
         )
     }
 
-    /// FP8 on: casts dY to E5M2, then the dgrad and wgrad FP8 GEMMs (X from the saved
-    /// buffers). FP8 off: the f32 GEMMs, X from [`Slot::inputs`]. Both: the bias gradient
-    /// from the unquantized dY.
+    /// [`backward_input`](Callable::backward_input) then
+    /// [`backward_weight`](Callable::backward_weight): FP8 on, dY cast to E5M2 (and `dY^T`
+    /// kept in the saved buffers), the dgrad and wgrad FP8 GEMMs (X from the saved buffers);
+    /// FP8 off, the f32 GEMMs, X from [`Slot::inputs`]. Both: the bias gradient from the
+    /// unquantized dY.
     fn backward(
+        &mut self,
+        stream: &Stream,
+        grad_outputs: &[&DeviceBuffer<f32>],
+        grad_inputs: &[&DeviceBuffer<f32>],
+        slot: &Slot<'_, f32>,
+    ) -> Result<()> {
+        self.backward_input(stream, grad_outputs, grad_inputs, slot)?;
+        self.backward_weight(stream, grad_outputs, slot)
+    }
+
+    /// `dX = dY . W`. FP8 on: casts dY to E5M2 with its delayed scale (amax into the
+    /// state), keeping `dY^T` and its `scale_inv` in `saved[2..4]` for the weight gradient,
+    /// then the dgrad FP8 GEMM; FP8 off: the f32 dgrad.
+    fn backward_input(
         &mut self,
         stream: &Stream,
         grad_outputs: &[&DeviceBuffer<f32>],
@@ -676,13 +710,14 @@ impl Callable<f32> for Fp8Linear {
         let (m, k, n) = (self.tokens, self.in_features, self.out_features);
         let (dy, dx) = one_each("backward", grad_outputs, grad_inputs, m * n, m * k)?;
         if !slot.fp8_enabled() {
-            return self.backward_hp(stream, dy, dx, slot);
+            // Checked here too, so a bad slot fails before anything is enqueued.
+            self.hp_input(slot)?;
+            return self.dgrad_hp(stream, dy, dx);
         }
         slot.record_fp8_tensors([self.first_tensor + DY]);
-        let [xt_buf, si_buf] = saved_pair(slot)?;
-        let x_si = scalar_of(&self.ctx, si_buf)?;
-        let x_t = view::<u8, f32>(&self.ctx, xt_buf, m * k)?;
-        let dy_si = DeviceScalar::at(self.dy_scale_inv.clone(), 0)?;
+        let [_, _, dyt_buf, dy_si_buf] = saved_buffers(slot)?;
+        let dy_si = scalar_of(&self.ctx, dy_si_buf)?;
+        let mut dy_t = view::<u8, f32>(&self.ctx, dyt_buf, m * n)?;
         let mut dy_fp8 = Fp8Tensor::from_parts(
             view::<u8, u8>(&self.ctx, &self.dy_fp8, m * n)?,
             &[m, n],
@@ -697,10 +732,9 @@ impl Callable<f32> for Fp8Linear {
             m,
             n,
             &mut dy_fp8,
-            &mut self.dy_t,
+            &mut dy_t,
             None,
         )?;
-        let opts = GemmOptions::new().path(self.path);
         // dX[M, K] = dY[M, N] . W[N, K]: B = W^T [K, N].
         gemm(
             stream,
@@ -718,8 +752,40 @@ impl Callable<f32> for Fp8Linear {
                 scale_inv: self.w_fp8.scale_inv(),
             },
             GemmOut::F32(dx),
-            opts,
-        )?;
+            GemmOptions::new().path(self.path),
+        )
+    }
+
+    /// `dW += dY^T . X` and the bias gradient. FP8 on: the wgrad FP8 GEMM from the `dY^T`
+    /// and `X^T` the backward and forward kept in the saved buffers; FP8 off: the f32 wgrad
+    /// from dY and [`Slot::inputs`]. `grad_outputs` is the dY the backward read.
+    fn backward_weight(
+        &mut self,
+        stream: &Stream,
+        grad_outputs: &[&DeviceBuffer<f32>],
+        slot: &Slot<'_, f32>,
+    ) -> Result<()> {
+        let (m, k, n) = (self.tokens, self.in_features, self.out_features);
+        let dy = match grad_outputs {
+            [dy] if dy.len() == m * n => *dy,
+            _ => {
+                return Err(Error::InvalidArgument(format!(
+                    "Fp8Linear weight gradient: takes one output gradient of {} elements, \
+                     got lengths {:?}",
+                    m * n,
+                    grad_outputs.iter().map(|g| g.len()).collect::<Vec<_>>()
+                )));
+            }
+        };
+        if !slot.fp8_enabled() {
+            self.wgrad_hp(stream, dy, slot)?;
+            return self.add_bias_grad(stream, dy);
+        }
+        let [xt_buf, x_si_buf, dyt_buf, dy_si_buf] = saved_buffers(slot)?;
+        let x_si = scalar_of(&self.ctx, x_si_buf)?;
+        let dy_si = scalar_of(&self.ctx, dy_si_buf)?;
+        let x_t = view::<u8, f32>(&self.ctx, xt_buf, m * k)?;
+        let dy_t = view::<u8, f32>(&self.ctx, dyt_buf, m * n)?;
         // dW[N, K] += dY^T[N, M] . X^T[K, M]^T.
         gemm(
             stream,
@@ -727,7 +793,7 @@ impl Callable<f32> for Fp8Linear {
             k,
             m,
             Operand {
-                data: &self.dy_t,
+                data: &dy_t,
                 format: Fp8Format::E5M2,
                 scale_inv: &dy_si,
             },
@@ -737,7 +803,7 @@ impl Callable<f32> for Fp8Linear {
                 scale_inv: &x_si,
             },
             GemmOut::F32(&self.dw),
-            opts.accumulate(true),
+            GemmOptions::new().path(self.path).accumulate(true),
         )?;
         self.add_bias_grad(stream, dy)
     }
@@ -768,12 +834,14 @@ fn one_each<'a>(
     }
 }
 
-/// The slot's two saved buffers (`X^T` bytes, its `scale_inv`).
-fn saved_pair<'a>(slot: &Slot<'a, f32>) -> Result<[&'a DeviceBuffer<f32>; 2]> {
+/// The slot's four saved buffers (`X^T` bytes, its `scale_inv`, `dY^T` bytes, its
+/// `scale_inv`).
+fn saved_buffers<'a>(slot: &Slot<'a, f32>) -> Result<[&'a DeviceBuffer<f32>; 4]> {
     match slot.saved() {
-        [xt, si] => Ok([*xt, *si]),
+        [xt, x_si, dyt, dy_si] => Ok([*xt, *x_si, *dyt, *dy_si]),
         s => Err(Error::InvalidArgument(format!(
-            "Fp8Linear at {}: needs 2 saved buffers (X^T, its scale_inv), got {}",
+            "Fp8Linear at {}: needs 4 saved buffers (X^T, its scale_inv, dY^T, its \
+             scale_inv), got {}",
             slot.at(),
             s.len()
         ))),
@@ -799,8 +867,11 @@ mod tests {
 
     #[test]
     fn saved_buffers_hold_xt_bytes_and_one_scale() {
-        assert_eq!(saved_lens(64, 128), vec![64 * 128 / 4, 1]);
-        assert_eq!(saved_lens(16, 16), vec![64, 1]);
+        assert_eq!(
+            saved_lens(64, 128, 32),
+            vec![64 * 128 / 4, 1, 64 * 32 / 4, 1]
+        );
+        assert_eq!(saved_lens(16, 16, 16), vec![64, 1, 64, 1]);
     }
 
     #[test]

@@ -182,7 +182,8 @@ impl ExpertBank {
 
     /// Expert `e`'s part of `slot`: its output (or output gradient) and saved buffers.
     fn saved_of<'b>(slot: &'b Slot<'_, f32>, e: usize) -> Vec<&'b DeviceBuffer<f32>> {
-        slot.saved()[2 * e..2 * e + 2].to_vec()
+        let per = linear::saved_lens(T, H, H).len();
+        slot.saved()[per * e..per * (e + 1)].to_vec()
     }
 }
 
