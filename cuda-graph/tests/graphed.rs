@@ -807,6 +807,9 @@ fn build_rejects_what_it_cannot_graph() {
         fn output_lens(&self) -> Vec<usize> {
             vec![2 * N]
         }
+        fn saved_lens(&self) -> Vec<usize> {
+            self.0.saved_lens()
+        }
         fn forward(
             &mut self,
             s: &Stream,
