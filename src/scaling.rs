@@ -1,12 +1,61 @@
-//! [`ScalingSnapshot`]: a device copy of a [`DelayedScaling`] state (amax history, scales,
-//! inverse scales), to save it before graphed-callables warmup and restore it after (the
-//! `before_warmup` / `after_warmup` hooks), so training starts from the state it would have
-//! had without warmup.
+//! Delayed scaling under graphed callables.
+//!
+//! * [`ScalingSnapshot`]: a device copy of a [`DelayedScaling`] state (amax history, scales,
+//!   inverse scales), to save it before graphed-callables warmup and restore it after (the
+//!   `before_warmup` / `after_warmup` hooks), so training starts from the state it would
+//!   have had without warmup.
+//! * [`install_hooks`]: all four hooks a delayed-scaling recipe needs, in one call.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
+use cuda_graph::graphed::{GraphedOptions, Step, WarmupRecord};
 use cuda_graph::{Context, DeviceBuffer, Error, Result, Stream};
 use fp8_kernels::DelayedScaling;
+
+/// Sets `options`' hooks for one [`DelayedScaling`] state shared by the callables:
+///
+/// * `before_warmup`: snapshot the state ([`ScalingSnapshot::save`]);
+/// * `after_warmup`: restore it and [register](DelayedScaling::register) exactly the FP8
+///   tensors warmup recorded ([`WarmupRecord::fp8_tensors`]: MoE experts that got no tokens
+///   stay out of the updates);
+/// * `after_forward` and `after_backward`: reduce the amaxes over
+///   [`options.reduction_group`](GraphedOptions::reduction_group) (the whole history
+///   buffer: entries past slot 0 already agree across ranks, so only the current amaxes
+///   change) and run the fused [`update`](DelayedScaling::update) of every registered
+///   tensor.
+///
+/// `ctx` is the state's context. Replaces hooks already set; the snapshot's device memory is
+/// allocated here (not during a capture).
+pub fn install_hooks(
+    options: &mut GraphedOptions,
+    ctx: &Arc<Context>,
+    scaling: &Arc<DelayedScaling>,
+) -> Result<()> {
+    let snapshot = Arc::new(Mutex::new(ScalingSnapshot::new(ctx, scaling)?));
+    // A poisoned lock only means another hook panicked mid-copy enqueue; the buffers are
+    // still the snapshot's, so keep using them.
+    options.before_warmup = Some(Box::new({
+        let (snap, s) = (snapshot.clone(), scaling.clone());
+        move |st: &Stream| snap.lock().unwrap_or_else(|p| p.into_inner()).save(st, &s)
+    }));
+    options.after_warmup = Some(Box::new({
+        let (snap, s) = (snapshot, scaling.clone());
+        move |st: &Stream, record: &WarmupRecord| {
+            snap.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .restore(st, &s)?;
+            s.register(st, record.fp8_tensors())
+        }
+    }));
+    for hook in [&mut options.after_forward, &mut options.after_backward] {
+        let (s, group) = (scaling.clone(), options.reduction_group.clone());
+        *hook = Some(Box::new(move |st: &Stream, _: Step| {
+            group.all_reduce_max(st, s.history_buffer())?;
+            s.update(st)
+        }));
+    }
+    Ok(())
+}
 
 /// Device copies of a [`DelayedScaling`]'s history, scale and scale_inv buffers.
 #[derive(Debug)]

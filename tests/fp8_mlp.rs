@@ -38,16 +38,16 @@
 //! Sizes: 64 tokens, layers alternate 128 -> 256 and 256 -> 128 features, so every GEMM's K
 //! (128, 256 or 64) is a multiple of 16.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use cuda_graph::graphed::{
     Callable, Fp8Enabled, Fp8Recorder, GraphIndex, GraphedCallables, GraphedOptions, Layout,
-    Schedule, Slot, Step, WarmupRecord, WeightCaching,
+    Schedule, Slot, Step, WeightCaching,
 };
 use cuda_graph::{Context, DeviceBuffer, GraphPool, NodeKind, Stream};
 use fp8_kernels::{AmaxAlgo, DelayedScaling, Fp8Format};
 use fp8_moe::linear::{self, Fp8Linear};
-use fp8_moe::scaling::ScalingSnapshot;
+use fp8_moe::scaling;
 
 /// Tokens per microbatch.
 const M: usize = 64;
@@ -386,28 +386,9 @@ fn run_graphed(
         .with_weight_caching(mode)
         .with_merge_layers(merge);
     options.fp8 = Fp8Enabled::PerCallable(fp8.to_vec());
-    let snapshot = Arc::new(Mutex::new(
-        ScalingSnapshot::new(&gpu.ctx, &scaling).expect("snapshot"),
-    ));
-    options.before_warmup = Some(Box::new({
-        let (snap, s) = (snapshot.clone(), scaling.clone());
-        move |st: &Stream| snap.lock().expect("snapshot lock").save(st, &s)
-    }));
-    options.after_warmup = Some(Box::new({
-        let (snap, s) = (snapshot.clone(), scaling.clone());
-        move |st: &Stream, record: &WarmupRecord| {
-            snap.lock().expect("snapshot lock").restore(st, &s)?;
-            s.register(st, record.fp8_tensors())
-        }
-    }));
-    options.after_forward = Some(Box::new({
-        let s = scaling.clone();
-        move |st: &Stream, _step: Step| s.update(st)
-    }));
-    options.after_backward = Some(Box::new({
-        let s = scaling.clone();
-        move |st: &Stream, _step: Step| s.update(st)
-    }));
+    // Snapshot/restore around warmup, register what warmup ran, reduce + update after
+    // every replay.
+    scaling::install_hooks(&mut options, &gpu.ctx, &scaling).expect("scaling hooks");
 
     let sample = gpu.upload(&input(99, 9, 9));
     let samples: Vec<Vec<&DeviceBuffer<f32>>> = layout

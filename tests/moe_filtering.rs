@@ -27,7 +27,7 @@ use cuda_graph::graphed::{
 use cuda_graph::{Context, DeviceBuffer, GraphPool, Result, Stream};
 use fp8_kernels::{AmaxAlgo, DelayedScaling, Fp8Format};
 use fp8_moe::linear::{self, Fp8Linear};
-use fp8_moe::scaling::ScalingSnapshot;
+use fp8_moe::scaling;
 
 /// Tokens per microbatch.
 const T: usize = 64;
@@ -335,24 +335,9 @@ fn run_graphed(gpu: &Gpu) -> (Record, WarmupRecord, Arc<DelayedScaling>) {
     let (scaling, first, bank) = new_stack(gpu, &routes);
     let schedule = Schedule::new(&ORDER, vec![2]).expect("schedule");
     let mut options = GraphedOptions::new(schedule.clone());
-    let snapshot = Arc::new(Mutex::new(
-        ScalingSnapshot::new(&gpu.ctx, &scaling).expect("snapshot"),
-    ));
-    options.before_warmup = Some(Box::new({
-        let (snap, s) = (snapshot.clone(), scaling.clone());
-        move |st: &Stream| snap.lock().expect("snapshot").save(st, &s)
-    }));
-    options.after_warmup = Some(Box::new({
-        let (snap, s) = (snapshot.clone(), scaling.clone());
-        move |st: &Stream, record: &WarmupRecord| {
-            snap.lock().expect("snapshot").restore(st, &s)?;
-            s.register(st, record.fp8_tensors())
-        }
-    }));
-    for hook in [&mut options.after_forward, &mut options.after_backward] {
-        let s = scaling.clone();
-        *hook = Some(Box::new(move |st: &Stream, _: Step| s.update(st)));
-    }
+    // Snapshot/restore around warmup, register what warmup ran, reduce + update after
+    // every replay.
+    scaling::install_hooks(&mut options, &gpu.ctx, &scaling).expect("scaling hooks");
     let sample = gpu.upload(&input(99, 0));
     let samples: Vec<Vec<&DeviceBuffer<f32>>> = schedule
         .layout()

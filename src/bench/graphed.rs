@@ -249,14 +249,9 @@ fn mlp_graphed(
     let mut options = GraphedOptions::new(schedule.clone())
         .with_merge_layers(merge)
         .with_weight_caching(caching);
-    options.after_forward = Some(Box::new({
-        let s = scaling.clone();
-        move |st: &Stream, _step: Step| s.update(st)
-    }));
-    options.after_backward = Some(Box::new({
-        let s = scaling.clone();
-        move |st: &Stream, _step: Step| s.update(st)
-    }));
+    // The scale update after every replay, as in the eager step (plus the warmup snapshot
+    // and registration, outside the timed steps).
+    fp8_moe::scaling::install_hooks(&mut options, ctx, &scaling)?;
     let sample = DeviceBuffer::from_host(stream, &random(300, tokens * mlp.narrow, 1.0))?;
     let layout = schedule.layout().clone();
     let samples: Vec<Vec<&DeviceBuffer<f32>>> = layout
