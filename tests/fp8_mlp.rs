@@ -622,7 +622,9 @@ fn run_eager(gpu: &Gpu, case: &Case, tamper_at: Tamper, fp8: &[bool]) -> Record 
                         tamper(gpu, &targets);
                     }
                 }
-                Step::Backward { .. } => {
+                Step::Backward { .. } | Step::WeightGrad { .. } => {
+                    // A weight-gradient step reads the same dY (regenerated) and slots as
+                    // its backward did.
                     let dy = gpu.upload(&grad_output(step, chunk, mb, widths(nl - 1).1));
                     for l in (0..nl).rev() {
                         let g = g_of(l);
@@ -650,52 +652,25 @@ fn run_eager(gpu: &Gpu, case: &Case, tamper_at: Tamper, fp8: &[bool]) -> Record 
                             &pool,
                         )
                         .with_fp8(fp8[c]);
-                        if schedule.splits_weight_grad() {
-                            layers[c].backward_input(&gpu.stream, &[go], &[&grad_inputs[g]], &slot)
-                        } else {
-                            layers[c].backward(&gpu.stream, &[go], &[&grad_inputs[g]], &slot)
+                        let gi = [&grad_inputs[g]];
+                        match st {
+                            Step::WeightGrad { .. } => {
+                                layers[c].backward_weight(&gpu.stream, &[go], &slot)
+                            }
+                            _ if schedule.splits_weight_grad() => {
+                                layers[c].backward_input(&gpu.stream, &[go], &gi, &slot)
+                            }
+                            _ => layers[c].backward(&gpu.stream, &[go], &gi, &slot),
                         }
-                        .unwrap_or_else(|e| panic!("eager backward {at}: {e}"));
+                        .unwrap_or_else(|e| panic!("eager {st:?} at {at}: {e}"));
                     }
-                    scaling.update(&gpu.stream).expect("update");
-                    rec.push(
-                        step,
-                        backward_label(step, pos, chunk, mb),
-                        gpu.bits(&grad_inputs[g_of(0)]),
-                    );
-                }
-                Step::WeightGrad { .. } => {
-                    // The same dY the backward read (regenerated), the same slots.
-                    let dy = gpu.upload(&grad_output(step, chunk, mb, widths(nl - 1).1));
-                    for l in (0..nl).rev() {
-                        let g = g_of(l);
-                        let go = if l == nl - 1 {
-                            &dy
-                        } else {
-                            &grad_inputs[g_of(l + 1)]
-                        };
-                        let x = if l == 0 {
-                            &first_inputs[pair]
-                        } else {
-                            &outputs[g_of(l - 1)]
-                        };
-                        let at = GraphIndex {
-                            chunk,
-                            microbatch: mb,
-                            layer: l,
-                        };
-                        let c = layout.callable_index(chunk, l).expect("c");
-                        let slot = Slot::new(
-                            at,
-                            vec![x],
-                            vec![&outputs[g]],
-                            saved[g].iter().collect(),
-                            &pool,
-                        )
-                        .with_fp8(fp8[c]);
-                        layers[c]
-                            .backward_weight(&gpu.stream, &[go], &slot)
-                            .unwrap_or_else(|e| panic!("eager weight gradient {at}: {e}"));
+                    if let Step::Backward { .. } = st {
+                        scaling.update(&gpu.stream).expect("update");
+                        rec.push(
+                            step,
+                            backward_label(step, pos, chunk, mb),
+                            gpu.bits(&grad_inputs[g_of(0)]),
+                        );
                     }
                 }
             }
