@@ -519,6 +519,52 @@ fn run_graphed(
     rec
 }
 
+/// The eager run's buffers, from which [`EagerSlots::slot`] makes the slot of a (chunk,
+/// microbatch, layer) as the runtime would.
+struct EagerSlots<'a> {
+    layout: &'a Layout,
+    /// The first layer's input per (chunk, microbatch).
+    first_inputs: &'a [DeviceBuffer<f32>],
+    /// Per graph index.
+    outputs: &'a [DeviceBuffer<f32>],
+    saved: &'a [Vec<DeviceBuffer<f32>>],
+    pool: &'a GraphPool,
+    fp8: &'a [bool],
+}
+
+impl<'a> EagerSlots<'a> {
+    /// The graph index, callable, input and slot of layer `l` of (chunk, microbatch).
+    fn slot(
+        &self,
+        chunk: usize,
+        mb: usize,
+        l: usize,
+    ) -> (usize, usize, &'a DeviceBuffer<f32>, Slot<'a, f32>) {
+        let g_of = |l: usize| self.layout.index(chunk, mb, l).expect("graph index");
+        let g = g_of(l);
+        let x = if l == 0 {
+            &self.first_inputs[chunk * self.layout.num_microbatches() + mb]
+        } else {
+            &self.outputs[g_of(l - 1)]
+        };
+        let at = GraphIndex {
+            chunk,
+            microbatch: mb,
+            layer: l,
+        };
+        let c = self.layout.callable_index(chunk, l).expect("callable");
+        let slot = Slot::new(
+            at,
+            vec![x],
+            vec![&self.outputs[g]],
+            self.saved[g].iter().collect(),
+            self.pool,
+        )
+        .with_fp8(self.fp8[c]);
+        (g, c, x, slot)
+    }
+}
+
 /// The eager reference: the same layers (fresh, same values) driven directly, with one
 /// set of buffers per (chunk, microbatch, layer) like the runtime's, FP8 on for callable `c`
 /// iff `fp8[c]` (its slots' flag; no weight casts when off), the FP8-on callables' tensors
@@ -576,27 +622,17 @@ fn run_eager(gpu: &Gpu, case: &Case, tamper_at: Tamper, fp8: &[bool]) -> Record 
                     first_inputs[pair]
                         .copy_from_host(&gpu.stream, &input(step, chunk, mb))
                         .expect("input");
+                    let eager = EagerSlots {
+                        layout: &layout,
+                        first_inputs: &first_inputs,
+                        outputs: &outputs,
+                        saved: &saved,
+                        pool: &pool,
+                        fp8,
+                    };
                     for l in 0..nl {
-                        let g = g_of(l);
-                        let x = if l == 0 {
-                            &first_inputs[pair]
-                        } else {
-                            &outputs[g_of(l - 1)]
-                        };
-                        let at = GraphIndex {
-                            chunk,
-                            microbatch: mb,
-                            layer: l,
-                        };
-                        let c = layout.callable_index(chunk, l).expect("c");
-                        let slot = Slot::new(
-                            at,
-                            vec![x],
-                            vec![&outputs[g]],
-                            saved[g].iter().collect(),
-                            &pool,
-                        )
-                        .with_fp8(fp8[c]);
+                        let (g, c, x, slot) = eager.slot(chunk, mb, l);
+                        let at = slot.at();
                         let layer = &mut layers[c];
                         if mb == 0 && fp8[c] {
                             layer.cast_weights(&gpu.stream, &slot).expect("cast");
@@ -626,6 +662,14 @@ fn run_eager(gpu: &Gpu, case: &Case, tamper_at: Tamper, fp8: &[bool]) -> Record 
                     // A weight-gradient step reads the same dY (regenerated) and slots as
                     // its backward did.
                     let dy = gpu.upload(&grad_output(step, chunk, mb, widths(nl - 1).1));
+                    let eager = EagerSlots {
+                        layout: &layout,
+                        first_inputs: &first_inputs,
+                        outputs: &outputs,
+                        saved: &saved,
+                        pool: &pool,
+                        fp8,
+                    };
                     for l in (0..nl).rev() {
                         let g = g_of(l);
                         let go = if l == nl - 1 {
@@ -633,25 +677,8 @@ fn run_eager(gpu: &Gpu, case: &Case, tamper_at: Tamper, fp8: &[bool]) -> Record 
                         } else {
                             &grad_inputs[g_of(l + 1)]
                         };
-                        let x = if l == 0 {
-                            &first_inputs[pair]
-                        } else {
-                            &outputs[g_of(l - 1)]
-                        };
-                        let at = GraphIndex {
-                            chunk,
-                            microbatch: mb,
-                            layer: l,
-                        };
-                        let c = layout.callable_index(chunk, l).expect("c");
-                        let slot = Slot::new(
-                            at,
-                            vec![x],
-                            vec![&outputs[g]],
-                            saved[g].iter().collect(),
-                            &pool,
-                        )
-                        .with_fp8(fp8[c]);
+                        let (_, c, _, slot) = eager.slot(chunk, mb, l);
+                        let at = slot.at();
                         let gi = [&grad_inputs[g]];
                         match st {
                             Step::WeightGrad { .. } => {
