@@ -181,6 +181,7 @@
 //! [`segments`].
 //!
 mod buffers;
+mod build;
 mod callable;
 mod layout;
 mod program;

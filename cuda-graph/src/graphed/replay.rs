@@ -5,7 +5,7 @@ use crate::memory::{DeviceBuffer, DeviceRepr};
 use crate::stream::Stream;
 
 use super::program::{Item, Part};
-use super::runtime::{GraphedCallables, slot_of};
+use super::runtime::GraphedCallables;
 use super::schedule::{Pass, Schedule, Step};
 use super::weights::StepHook;
 
@@ -81,7 +81,7 @@ pub(crate) fn describe_step(step: &Step) -> String {
 ///
 /// The static buffers are written through `&` so that replays take `&self` and callers may
 /// pass buffers the runtime returned (e.g. chunk 0's outputs as chunk 1's inputs).
-fn copy_in<T: DeviceRepr>(
+pub(crate) fn copy_in<T: DeviceRepr>(
     dst: &DeviceBuffer<T>,
     src: &DeviceBuffer<T>,
     stream: &Stream,
@@ -282,14 +282,7 @@ impl<T: DeviceRepr> GraphedCallables<T> {
             .callables
             .get(ls.callable)
             .ok_or_else(|| Error::invalid(format!("internal: callable {} missing", ls.callable)))?;
-        let slot = slot_of(
-            &self.schedule,
-            &self.buffers,
-            &self.weights,
-            &self.pool,
-            ls.graph,
-            None,
-        )?;
+        let slot = self.rig().slot(ls.graph, None)?;
         match ls.step.pass() {
             Pass::Forward => {
                 callable.forward_eager(part.segment, stream, &slot.inputs, &slot.outputs, &slot)

@@ -1,27 +1,27 @@
-//! Building graphed callables: static buffers, warmup, capture.
+//! The graphed callables' options and state; building is in `build.rs`, replaying in
+//! `replay.rs`.
 
 use std::cell::{Cell, RefCell};
 use std::sync::Arc;
 
 use crate::capture::CaptureMode;
-use crate::conditional::ConditionalHandle;
 use crate::context::Context;
-use crate::error::{Error, Result};
-use crate::exec::{GraphExec, InstantiateFlags};
+use crate::error::Result;
+use crate::exec::GraphExec;
 use crate::graph::Graph;
 use crate::memory::{DeviceBuffer, DeviceRepr};
 use crate::pool::GraphPool;
 use crate::stream::Stream;
 
-use super::buffers::{BufferPlan, Shapes, StaticBuffers, buffer_sets};
-use super::callable::{Callable, Slot};
-use super::program::{Item, Part, Programs};
+use super::buffers::StaticBuffers;
+use super::callable::Callable;
+use super::program::Programs;
 use super::replay::ReplayCursor;
-use super::schedule::{LayerStep, Pass, Schedule};
-use super::segments::{SegmentKind, SegmentPlan};
+use super::schedule::{Pass, Schedule};
+use super::segments::SegmentPlan;
 use super::weights::{
-    AfterWarmupHook, Fp8Enabled, Fp8Recorder, ReductionGroup, StepHook, WarmupHook, WarmupRecord,
-    WeightCaching, identity_group,
+    AfterWarmupHook, Fp8Enabled, ReductionGroup, StepHook, WarmupHook, WarmupRecord, WeightCaching,
+    identity_group,
 };
 
 /// How [`GraphedCallables::build`] works.
@@ -40,7 +40,7 @@ pub struct GraphedOptions {
     /// replay returns stay valid until that chunk's next forward that takes the same set
     /// ([`GraphedCallables::buffer_set`]). Default `false`.
     pub reuse_buffers: bool,
-    /// The pool the static buffers and the callables' temporaries ([`Slot::pool`]) come
+    /// The pool the static buffers and the callables' temporaries ([`Slot::pool`](super::Slot::pool)) come
     /// from. Default `None`: a new pool sized for the static buffers plus
     /// [`scratch_bytes`](Self::scratch_bytes).
     pub pool: Option<GraphPool>,
@@ -59,7 +59,7 @@ pub struct GraphedOptions {
     /// each step. Default [`WeightCaching::detect`]: `Conditional` when the driver has
     /// conditional IF nodes, else `NoopFlag`. See [`weights`](super::weights).
     pub weight_caching: WeightCaching,
-    /// Which callables run with FP8 ([`Slot::fp8_enabled`]); callables with FP8 off get no
+    /// Which callables run with FP8 ([`Slot::fp8_enabled`](super::Slot::fp8_enabled)); callables with FP8 off get no
     /// runtime-managed weight casts. Default [`Fp8Enabled::All`].
     pub fp8: Fp8Enabled,
     /// The group amaxes are reduced over, for the hooks to use
@@ -78,7 +78,7 @@ pub struct GraphedOptions {
     pub before_warmup: Option<WarmupHook>,
     /// Run once on the warmup stream after the last warmup pass, before capture, with what
     /// warmup recorded ([`WarmupRecord`]: the FP8 tensors each callable reported through
-    /// [`Slot::record_fp8_tensors`]): restore what [`before_warmup`](Self::before_warmup)
+    /// [`Slot::record_fp8_tensors`](super::Slot::record_fp8_tensors)): restore what [`before_warmup`](Self::before_warmup)
     /// saved, so the delayed-scaling history does not carry warmup's iterations, and
     /// register the tensors that ran for the amax reduction (MoE filtering, see
     /// [`weights`](super::weights)). Default `None`.
@@ -109,7 +109,7 @@ impl std::fmt::Debug for GraphedOptions {
 
 impl GraphedOptions {
     /// The defaults for the schedule of `order` with `layers_per_chunk`
-    /// ([`Schedule::new`]); an invalid order is [`Error::Schedule`] naming the position.
+    /// ([`Schedule::new`]); an invalid order is [`Error::Schedule`](crate::Error::Schedule) naming the position.
     pub fn from_order(order: &[i64], layers_per_chunk: Vec<usize>) -> Result<GraphedOptions> {
         Ok(GraphedOptions::new(Schedule::new(order, layers_per_chunk)?))
     }
@@ -210,11 +210,12 @@ pub(crate) struct CastFlags {
 }
 
 impl CastFlags {
-    fn new(
+    /// The flags of `pairs` (chunk, microbatch) pairs for `mode`, starting at "cast";
+    /// `casts` empty until the build's probe fills it.
+    pub(crate) fn new(
         ctx: &Arc<Context>,
         mode: WeightCaching,
         pairs: usize,
-        graphs: usize,
         fp8: Vec<bool>,
         stream: &Stream,
     ) -> Result<CastFlags> {
@@ -222,7 +223,7 @@ impl CastFlags {
             mode,
             cond: Vec::new(),
             noop: Vec::new(),
-            casts: vec![false; graphs],
+            casts: Vec::new(),
             fp8,
         };
         // Warmup casts on every microbatch: the flags start at "cast" (1 for IF, 0.0 for
@@ -269,470 +270,7 @@ impl<T: DeviceRepr> std::fmt::Debug for GraphedCallables<T> {
     }
 }
 
-/// What happens to a forward pass's weight casts right before its cast segment.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Cast {
-    /// No cast here (backward passes, a forward whose callable casts nothing, or casts
-    /// already captured in the graph's IF node).
-    Skip,
-    /// `cast_weights` then the segment, unconditionally (warmup; the noop-flag mechanism).
-    Always,
-}
-
-/// The slot of graph `graph`.
-pub(crate) fn slot_of<'a, T: DeviceRepr>(
-    schedule: &Schedule,
-    buffers: &'a StaticBuffers<T>,
-    flags: &'a CastFlags,
-    pool: &'a GraphPool,
-    graph: usize,
-    warmup: Option<&'a Fp8Recorder>,
-) -> Result<Slot<'a, T>> {
-    let layout = schedule.layout();
-    let at = layout
-        .locate(graph)
-        .ok_or_else(|| Error::invalid(format!("internal: graph {graph} out of range")))?;
-    let pair = at.chunk * layout.num_microbatches() + at.microbatch;
-    let fp8 = layout
-        .callable_of_graph(graph)
-        .and_then(|c| flags.fp8.get(c).copied())
-        .unwrap_or(true);
-    Ok(Slot {
-        at,
-        inputs: buffers.inputs(graph),
-        outputs: buffers.outputs(graph),
-        saved: buffers.saved(graph),
-        pool,
-        warmup: warmup.is_some(),
-        skip_weight_cast: flags.noop.get(pair),
-        recorder: warmup,
-        fp8,
-    })
-}
-
-/// Runs segment `segment` (of kind `kind`) of the pass of `ls` for its callable on `stream`:
-/// eagerly (warmup, with the callable's recorder) or inside a capture (graphed segments
-/// only, `warmup` `None`). `cast` applies before the segment (the caller passes non-`Skip`
-/// only for a forward's cast segment).
-#[allow(clippy::too_many_arguments)]
-fn run_segment<T: DeviceRepr>(
-    callables: &mut [Box<dyn Callable<T>>],
-    schedule: &Schedule,
-    buffers: &StaticBuffers<T>,
-    flags: &CastFlags,
-    pool: &GraphPool,
-    ls: LayerStep,
-    segment: usize,
-    kind: SegmentKind,
-    stream: &Stream,
-    warmup: Option<&Fp8Recorder>,
-    cast: Cast,
-) -> Result<()> {
-    let slot = slot_of(schedule, buffers, flags, pool, ls.graph, warmup)?;
-    let callable = callables
-        .get_mut(ls.callable)
-        .ok_or_else(|| Error::invalid(format!("internal: callable {} missing", ls.callable)))?;
-    match ls.step.pass() {
-        Pass::Forward => {
-            if cast == Cast::Always {
-                callable.cast_weights(stream, &slot)?;
-            }
-            match kind {
-                SegmentKind::Graphed => {
-                    callable.forward_segment(segment, stream, &slot.inputs, &slot.outputs, &slot)
-                }
-                SegmentKind::Eager => {
-                    callable.forward_eager(segment, stream, &slot.inputs, &slot.outputs, &slot)
-                }
-            }
-        }
-        Pass::Backward => {
-            let go = buffers.grad_outputs(ls.graph);
-            let gi = buffers.grad_inputs(ls.graph);
-            match kind {
-                // Split weight gradients: the backward step computes input gradients only
-                // (build checked the backward is the single default segment).
-                SegmentKind::Graphed if schedule.splits_weight_grad() => {
-                    callable.backward_input(stream, &go, &gi, &slot)
-                }
-                SegmentKind::Graphed => callable.backward_segment(segment, stream, &go, &gi, &slot),
-                SegmentKind::Eager => callable.backward_eager(segment, stream, &go, &gi, &slot),
-            }
-        }
-        Pass::WeightGrad => {
-            let go = buffers.grad_outputs(ls.graph);
-            callable.backward_weight(stream, &go, &slot)
-        }
-    }
-}
-
-/// Copies graph `graph`'s sample inputs into its static inputs on `stream` (those that are
-/// not the static buffers themselves; lengths were checked).
-fn copy_samples<T: DeviceRepr>(
-    buffers: &mut StaticBuffers<T>,
-    samples: &[Vec<&DeviceBuffer<T>>],
-    graph: usize,
-    stream: &Stream,
-) -> Result<()> {
-    let Some(sample) = samples.get(graph) else {
-        return Ok(());
-    };
-    let dst = buffers.plan.graphs[graph].inputs.clone();
-    for (src, d) in sample.iter().zip(dst) {
-        if src.as_raw() != buffers.arena[d].as_raw() {
-            buffers.arena[d].copy_from_device(stream, src)?;
-        }
-    }
-    Ok(())
-}
-
-/// The segment plan of `ls`'s pass.
-fn plan_of<'p>(
-    forward: &'p [SegmentPlan],
-    backward: &'p [SegmentPlan],
-    ls: LayerStep,
-) -> Result<&'p SegmentPlan> {
-    let plans = match ls.step.pass() {
-        Pass::Forward => forward,
-        _ => backward,
-    };
-    plans
-        .get(ls.callable)
-        .ok_or_else(|| Error::invalid(format!("internal: callable {} has no plan", ls.callable)))
-}
-
-/// The validated segment plans of every callable, forward and backward.
-fn segment_plans<T: DeviceRepr>(
-    callables: &[Box<dyn Callable<T>>],
-) -> Result<(Vec<SegmentPlan>, Vec<SegmentPlan>)> {
-    let mut forward = Vec::with_capacity(callables.len());
-    let mut backward = Vec::with_capacity(callables.len());
-    for (c, callable) in callables.iter().enumerate() {
-        for (what, kinds, out) in [
-            ("forward", callable.forward_segments(), &mut forward),
-            ("backward", callable.backward_segments(), &mut backward),
-        ] {
-            if kinds.is_empty() {
-                return Err(Error::invalid(format!(
-                    "callable {c} declares no {what} segments; a pass needs at least one \
-                     (the default is one graphed segment)"
-                )));
-            }
-            out.push(SegmentPlan::new(kinds)?);
-        }
-    }
-    Ok((forward, backward))
-}
-
 impl<T: DeviceRepr> GraphedCallables<T> {
-    /// Allocates the static buffers, warms up and captures every graph.
-    ///
-    /// * `stream`: the work is ordered after what `stream` holds, and `stream` waits for
-    ///   it at the end (nothing here synchronizes it). Warmup and capture both run on one
-    ///   internal stream forked from it, so handles a callable creates lazily per stream
-    ///   are made during warmup on the very stream capture then uses.
-    /// * `callables`: one per (chunk, layer), at [`Layout::callable_index`](super::Layout::callable_index).
-    /// * `sample_inputs`: per graph index ([`Layout::index`](super::Layout::index)), the
-    ///   inputs warmup and capture use. Only layer 0 of each (chunk, microbatch) reads
-    ///   them (later layers read their predecessor's outputs); entries of later layers may be
-    ///   empty and are otherwise ignored.
-    ///
-    /// Every static buffer is zeroed first (so warmup's backward sees zero output
-    /// gradients). Warmup runs every graph's pass `warmup_iters` times in
-    /// [`Schedule::layer_steps`] order (every segment, eager ones included), copying each
-    /// (chunk, microbatch)'s sample inputs into its static inputs right before its forward
-    /// (so microbatches that share buffers under
-    /// [`reuse_buffers`](GraphedOptions::reuse_buffers) each see their own); capture
-    /// records them in that order into the one pool (a graph per step, or per layer and
-    /// graphed segment, see [`GraphedOptions::merge_layers`]) and instantiates and uploads
-    /// each.
-    ///
-    /// Errors: [`Error::InvalidArgument`] for wrong counts or lengths, a callable declaring
-    /// an empty segment list ([`Callable::forward_segments`]), layers of a chunk that do not
-    /// chain (see [`buffers`](super#static-buffers)), a schedule with weight-gradient steps
-    /// and a callable with a segmented backward, a per-callable FP8 list of the wrong
-    /// length, a pool too small; any error of a callable, of a capture or of
-    /// instantiation. Schedules are validated when built
-    /// ([`Error::Schedule`]).
-    pub fn build(
-        stream: &Stream,
-        callables: Vec<Box<dyn Callable<T>>>,
-        sample_inputs: &[Vec<&DeviceBuffer<T>>],
-        options: GraphedOptions,
-    ) -> Result<GraphedCallables<T>> {
-        let GraphedOptions {
-            schedule,
-            warmup_iters,
-            reuse_buffers,
-            pool,
-            scratch_bytes,
-            capture_mode,
-            merge_layers,
-            weight_caching,
-            fp8,
-            reduction_group,
-            after_forward,
-            after_backward,
-            mut before_warmup,
-            mut after_warmup,
-        } = options;
-        weight_caching.check()?;
-        let layout = schedule.layout().clone();
-        if sample_inputs.len() != layout.total_graphs() {
-            return Err(Error::invalid(format!(
-                "{} sets of sample inputs given, one per graph ({}) needed",
-                sample_inputs.len(),
-                layout.total_graphs()
-            )));
-        }
-        let shapes: Vec<Shapes> = callables
-            .iter()
-            .map(|c| Shapes {
-                inputs: c.input_lens(),
-                outputs: c.output_lens(),
-                saved: c.saved_lens(),
-            })
-            .collect();
-        let sets = buffer_sets(&schedule, reuse_buffers);
-        let plan = BufferPlan::new(&layout, &shapes, &sets)?;
-        let (forward_plans, backward_plans) = segment_plans(&callables)?;
-        if schedule.splits_weight_grad()
-            && let Some(c) = backward_plans.iter().position(|p| !p.is_single_graph())
-        {
-            return Err(Error::invalid(format!(
-                "callable {c} splits its backward into segments; a schedule with separate \
-                 weight-gradient steps (-k - 0.5) needs single-graph backwards"
-            )));
-        }
-        let ctx = stream.context().clone();
-        let pool = match pool {
-            Some(p) => p,
-            None => {
-                let bytes = plan
-                    .pool_bytes(size_of::<T>())?
-                    .checked_add(scratch_bytes)
-                    .ok_or_else(|| Error::invalid("pool size overflows usize"))?;
-                GraphPool::new(&ctx, bytes)?
-            }
-        };
-        let mut buffers = StaticBuffers::<T>::alloc(plan, &pool)?;
-
-        let cap = Stream::new(&ctx)?;
-        cap.wait_stream(stream)?;
-        for b in buffers.arena.iter_mut() {
-            b.memset_bytes(&cap, 0)?;
-        }
-        for (g, sample) in sample_inputs.iter().enumerate() {
-            let at = layout
-                .locate(g)
-                .ok_or_else(|| Error::invalid(format!("internal: graph {g} out of range")))?;
-            if at.layer != 0 && sample.is_empty() {
-                continue;
-            }
-            let want = &shapes[layout.callable_at(at.chunk, at.layer)].inputs;
-            let got: Vec<usize> = sample.iter().map(|b| b.len()).collect();
-            if &got != want {
-                return Err(Error::invalid(format!(
-                    "sample inputs of graph {g} ({at}) have lengths {got:?}, the callable \
-                     takes {want:?}"
-                )));
-            }
-        }
-
-        let mut flags = CastFlags::new(
-            &ctx,
-            weight_caching,
-            layout.num_chunks() * layout.num_microbatches(),
-            layout.total_graphs(),
-            fp8.resolve(layout.total_callables())?,
-            &cap,
-        )?;
-
-        let mut callables = callables;
-        // What each callable reports running during warmup (MoE filtering).
-        let recorders: Vec<Fp8Recorder> = callables.iter().map(|_| Fp8Recorder::new()).collect();
-        // The caller snapshots its scaling state here and restores it after warmup, and
-        // registers the FP8 tensors that ran (the hooks).
-        if let Some(h) = before_warmup.as_mut() {
-            h(&cap)?;
-        }
-        for _ in 0..warmup_iters {
-            for ls in schedule.layer_steps() {
-                if ls.step.pass() == Pass::Forward && ls.layer == 0 {
-                    copy_samples(&mut buffers, sample_inputs, ls.graph, &cap)?;
-                }
-                // Every segment in order, eagerly (eager segments included). First-microbatch
-                // semantics: every forward casts (before its first graphed segment), so lazy
-                // cast state is created before capture.
-                let plan = plan_of(&forward_plans, &backward_plans, ls)?;
-                let cast_at = match ls.step.pass() {
-                    Pass::Forward if flags.fp8[ls.callable] => plan.cast_segment(),
-                    _ => None,
-                };
-                for (segment, &kind) in plan.kinds().iter().enumerate() {
-                    let cast = if cast_at == Some(segment) {
-                        Cast::Always
-                    } else {
-                        Cast::Skip
-                    };
-                    run_segment(
-                        &mut callables,
-                        &schedule,
-                        &buffers,
-                        &flags,
-                        &pool,
-                        ls,
-                        segment,
-                        kind,
-                        &cap,
-                        recorders.get(ls.callable),
-                        cast,
-                    )?;
-                }
-            }
-        }
-        let warmup_record = WarmupRecord::new(recorders.iter().map(Fp8Recorder::tensors).collect());
-        if let Some(h) = after_warmup.as_mut() {
-            h(&cap, &warmup_record)?;
-        }
-        cap.synchronize()?;
-
-        // Which forward graphs cast anything: capture each one's casts into a throwaway
-        // graph (nothing runs). Graphs that cast nothing get no IF node and no flag write;
-        // a forward with no graphed segment gets no runtime casts at all.
-        for ls in schedule.layer_steps() {
-            if ls.step.pass() != Pass::Forward
-                || !flags.fp8[ls.callable]
-                || plan_of(&forward_plans, &backward_plans, ls)?
-                    .cast_segment()
-                    .is_none()
-            {
-                continue;
-            }
-            let probe = cap.capture(capture_mode, |s| {
-                let slot = slot_of(&schedule, &buffers, &flags, &pool, ls.graph, None)?;
-                let callable = callables.get_mut(ls.callable).ok_or_else(|| {
-                    Error::invalid(format!("internal: callable {} missing", ls.callable))
-                })?;
-                callable.cast_weights(s.stream(), &slot)
-            })?;
-            flags.casts[ls.graph] = !probe.nodes()?.is_empty();
-        }
-        if weight_caching == WeightCaching::Conditional && flags.casts.iter().any(|&c| c) {
-            // Loaded outside any capture: loading a module may invalidate a global capture.
-            ConditionalHandle::load_helpers(&ctx)?;
-        }
-
-        // Capture, step by step in schedule order, one graph per launch item of the
-        // programs (a run of graphed segments, merged across layers or not).
-        let programs = Programs::new(&schedule, &forward_plans, &backward_plans, merge_layers)?;
-        let mut execs = Vec::with_capacity(programs.execs());
-        let mut graphs = Vec::with_capacity(programs.execs());
-        for item in programs.steps().flatten() {
-            let Item::Launch { exec, parts } = item else {
-                continue;
-            };
-            debug_assert_eq!(*exec, execs.len());
-            // The parts whose weight casts this graph holds: each casting forward's cast
-            // segment.
-            let casts_at = |part: &Part| -> Result<bool> {
-                let ls = part.ls;
-                Ok(ls.step.pass() == Pass::Forward
-                    && flags.casts[ls.graph]
-                    && plan_of(&forward_plans, &backward_plans, ls)?.cast_segment()
-                        == Some(part.segment))
-            };
-            let mut casting = Vec::new();
-            for part in parts {
-                if casts_at(part)? {
-                    casting.push(*part);
-                }
-            }
-            let graph = cap.capture(capture_mode, |s| {
-                let stream = s.stream();
-                if weight_caching == WeightCaching::Conditional && !casting.is_empty() {
-                    // One IF node at the head of the graph holds the casts of every layer in
-                    // it (one per step when layers are merged): a setter kernel copies the
-                    // step's flag into the handle, which starts every launch at 0 (no cast).
-                    // Casts read only the weights, so casting a later layer's before an
-                    // earlier layer's forward changes nothing.
-                    let step = casting[0].ls.step;
-                    let pair = step.chunk() * layout.num_microbatches() + step.microbatch();
-                    let flag = flags.cond.get(pair).ok_or_else(|| {
-                        Error::invalid(format!("internal: no cast flag for pair {pair}"))
-                    })?;
-                    let handle = ConditionalHandle::in_capture(stream, 0, true)?;
-                    handle.set_from_flag_on(stream, flag)?;
-                    stream.capture_if(handle, |body| {
-                        for part in &casting {
-                            let slot =
-                                slot_of(&schedule, &buffers, &flags, &pool, part.ls.graph, None)?;
-                            let callable =
-                                callables.get_mut(part.ls.callable).ok_or_else(|| {
-                                    Error::invalid(format!(
-                                        "internal: callable {} missing",
-                                        part.ls.callable
-                                    ))
-                                })?;
-                            callable.cast_weights(body, &slot)?;
-                        }
-                        Ok(())
-                    })?;
-                }
-                for part in parts {
-                    let cast =
-                        if weight_caching == WeightCaching::NoopFlag && casting.contains(part) {
-                            Cast::Always
-                        } else {
-                            Cast::Skip
-                        };
-                    run_segment(
-                        &mut callables,
-                        &schedule,
-                        &buffers,
-                        &flags,
-                        &pool,
-                        part.ls,
-                        part.segment,
-                        SegmentKind::Graphed,
-                        stream,
-                        None,
-                        cast,
-                    )?;
-                }
-                Ok(())
-            })?;
-            let e = GraphExec::instantiate(&graph, InstantiateFlags::empty())?;
-            e.upload(&cap)?;
-            execs.push(e);
-            graphs.push(graph);
-        }
-        stream.wait_stream(&cap)?;
-        Ok(GraphedCallables {
-            schedule,
-            callables,
-            buffers,
-            programs,
-            merge_layers,
-            execs,
-            forward_plans,
-            backward_plans,
-            pool,
-            cursor: Cell::new(ReplayCursor::default()),
-            ctx,
-            copies: Cell::new(0),
-            graphs,
-            weights: flags,
-            hooks: RefCell::new(ReplayHooks {
-                after_forward,
-                after_backward,
-            }),
-            reduction_group,
-            warmup_record,
-            sets,
-        })
-    }
-
     /// The schedule the graphs were captured for.
     pub fn schedule(&self) -> &Schedule {
         &self.schedule
@@ -910,7 +448,7 @@ impl<T: DeviceRepr> GraphedCallables<T> {
     }
 
     /// What warmup recorded: the FP8 tensors each callable reported running
-    /// ([`Slot::record_fp8_tensors`]), the set [`GraphedOptions::after_warmup`] was given.
+    /// ([`Slot::record_fp8_tensors`](super::Slot::record_fp8_tensors)), the set [`GraphedOptions::after_warmup`] was given.
     pub fn warmup_record(&self) -> &WarmupRecord {
         &self.warmup_record
     }
