@@ -164,23 +164,19 @@ __device__ __forceinline__ void wgmma_fp8(float (&d)[BN / 2], uint64_t da, uint6
     }
 }
 
-template <typename Out> __device__ __forceinline__ void store2(Out *p, float a, float b, bool acc);
-template <> __device__ __forceinline__ void store2<float>(float *p, float a, float b, bool acc) {
-    float2 v = make_float2(a, b);
-    if (acc) {
-        const float2 o = *reinterpret_cast<const float2 *>(p);
-        v.x += o.x;
-        v.y += o.y;
-    }
-    *reinterpret_cast<float2 *>(p) = v;
+// Two consecutive outputs: read (for accumulation) and written as one 8- or 4-byte access.
+template <typename Out> __device__ __forceinline__ float2 load2(const Out *p);
+template <> __device__ __forceinline__ float2 load2<float>(const float *p) {
+    return *reinterpret_cast<const float2 *>(p);
 }
-template <>
-__device__ __forceinline__ void store2<__nv_bfloat16>(__nv_bfloat16 *p, float a, float b, bool acc) {
-    if (acc) {
-        const __nv_bfloat162 o = *reinterpret_cast<const __nv_bfloat162 *>(p);
-        a += __bfloat162float(o.x);
-        b += __bfloat162float(o.y);
-    }
+template <> __device__ __forceinline__ float2 load2<__nv_bfloat16>(const __nv_bfloat16 *p) {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(p));
+}
+template <typename Out> __device__ __forceinline__ void store2(Out *p, float a, float b);
+template <> __device__ __forceinline__ void store2<float>(float *p, float a, float b) {
+    *reinterpret_cast<float2 *>(p) = make_float2(a, b);
+}
+template <> __device__ __forceinline__ void store2<__nv_bfloat16>(__nv_bfloat16 *p, float a, float b) {
     *reinterpret_cast<__nv_bfloat162 *>(p) = __floats2bfloat162_rn(a, b);
 }
 
@@ -284,14 +280,40 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, Out *
             const int row0 = tl.mt * BM + cw * 64 + warp * 16 + lane / 4;
             const int col0 = tl.nt * BN + 2 * (lane % 4);
             Out *dg = d + size_t(tl.g) * size_t(m) * size_t(n);
+            // In chunks of EPI pairs: first every load the chunk needs (bias, and D when
+            // accumulating), independent of each other, then the stores. Loads interleaved
+            // with stores to the same array run one round trip at a time (the compiler can not
+            // move a load above a possibly aliasing store): an accumulating 256x128x16 took
+            // 9.5 us that way.
+            constexpr int EPI = 8;
+            static_assert((NACC / 2) % EPI == 0, "epilogue chunks");
 #pragma unroll
-            for (int j = 0; j < NACC / 2; ++j) {
-                const int r = row0 + 8 * (j & 1);
-                const int c = col0 + 8 * (j >> 1);
-                if (r < rows && c < n) {
-                    const float b0 = bias_at(bias, bias_kind, c), b1 = bias_at(bias, bias_kind, c + 1);
-                    store2<Out>(dg + size_t(r) * size_t(n) + c, alpha * acc[2 * j] + b0,
-                                alpha * acc[2 * j + 1] + b1, accumulate);
+            for (int j0 = 0; j0 < NACC / 2; j0 += EPI) {
+                float2 bv[EPI], old[EPI];
+#pragma unroll
+                for (int q = 0; q < EPI; ++q) {
+                    const int j = j0 + q;
+                    const int r = row0 + 8 * (j & 1), c = col0 + 8 * (j >> 1);
+                    bv[q] = make_float2(0.0f, 0.0f);
+                    old[q] = make_float2(0.0f, 0.0f);
+                    if (r < rows && c < n) {
+                        bv[q] = make_float2(bias_at(bias, bias_kind, c), bias_at(bias, bias_kind, c + 1));
+                        if (accumulate) old[q] = load2<Out>(dg + size_t(r) * size_t(n) + c);
+                    }
+                }
+#pragma unroll
+                for (int q = 0; q < EPI; ++q) {
+                    const int j = j0 + q;
+                    const int r = row0 + 8 * (j & 1), c = col0 + 8 * (j >> 1);
+                    if (r < rows && c < n) {
+                        // (alpha * acc + bias) + old: the rounding order of the unsplit form.
+                        float a = alpha * acc[2 * j] + bv[q].x, b = alpha * acc[2 * j + 1] + bv[q].y;
+                        if (accumulate) {
+                            a += old[q].x;
+                            b += old[q].y;
+                        }
+                        store2<Out>(dg + size_t(r) * size_t(n) + c, a, b);
+                    }
                 }
             }
         }

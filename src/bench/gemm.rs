@@ -3,8 +3,8 @@
 
 use std::sync::Arc;
 
-use cuda_graph::{Context, DeviceBuffer, Stream};
-use fp8_kernels::gemm::{GemmOptions, GemmOut, Operand, gemm, grouped_gemm};
+use cuda_graph::{CaptureMode, Context, DeviceBuffer, GraphExec, InstantiateFlags, Stream};
+use fp8_kernels::gemm::{GemmOptions, GemmOut, GemmPath, Operand, gemm, grouped_gemm};
 use fp8_kernels::{DeviceScalar, Fp8Format};
 
 use super::cublaslt::CublasLt;
@@ -26,6 +26,53 @@ const CUBLAS_BEFORE: [f64; 5] = [1440.0, 1094.0, 477.0, 121.0, 132.0];
 const GROUPS: usize = 8;
 const GROUP_N: usize = 4096;
 const GROUP_K: usize = 2048;
+
+/// Small problems (M, N, K, accumulate) whose time is the kernel's latency: the three GEMMs
+/// of the graphed-callables bench's FP8 linear layers (forward, dgrad, wgrad) at 16 tokens
+/// with 128/256 features and at 64 tokens with 1024/2048, f32 out.
+const SMALL: [(usize, usize, usize, bool); 6] = [
+    (16, 256, 128, false),
+    (16, 128, 256, false),
+    (256, 128, 16, true),
+    (64, 2048, 1024, false),
+    (64, 1024, 2048, false),
+    (2048, 1024, 64, true),
+];
+/// GEMMs per graph when timing the small problems.
+const CHAIN: usize = 50;
+
+/// Device microseconds per GEMM of a small problem on `path`: `CHAIN` launches captured
+/// into one graph, replayed (median), divided by `CHAIN`.
+fn small_us(
+    stream: &Stream,
+    (m, n, k, acc): (usize, usize, usize, bool),
+    path: GemmPath,
+    one: &DeviceScalar,
+) -> BenchResult<f64> {
+    let ctx = stream.context();
+    let a = DeviceBuffer::from_host(stream, &random_e4m3(m * k, 60))?;
+    let b = DeviceBuffer::from_host(stream, &random_e4m3(n * k, 61))?;
+    let d = DeviceBuffer::<f32>::alloc(ctx, m * n)?;
+    let run = |s: &Stream| {
+        gemm(
+            s,
+            m,
+            n,
+            k,
+            e4m3(&a, one),
+            e4m3(&b, one),
+            GemmOut::F32(&d),
+            GemmOptions::new().path(path).accumulate(acc),
+        )
+    };
+    run(stream)?;
+    let graph = stream.capture(CaptureMode::ThreadLocal, |s| {
+        (0..CHAIN).try_for_each(|_| run(s.stream()))
+    })?;
+    let exec = GraphExec::instantiate(&graph, InstantiateFlags::empty())?;
+    let ms = event_median_ms(stream, WARMUP, REPS, || Ok(exec.launch(stream)?))?;
+    Ok(ms * 1e3 / CHAIN as f64)
+}
 
 /// Random E4M3 bytes without NaN (0x7f, 0xff).
 fn random_e4m3(n: usize, seed: u64) -> Vec<u8> {
@@ -221,6 +268,25 @@ pub fn run() -> BenchResult<Vec<Row>> {
             yardstick: format!(
                 "counts real rows only; cuBLASLt dense {total}x{n}x{k} {theirs:.0} in this run ({:.2}x)",
                 ours / theirs
+            ),
+            pass: None,
+        });
+    }
+    // Small problems: latency per GEMM, Hopper against portable kernel.
+    for shape in SMALL {
+        let (m, n, k, acc) = shape;
+        let hopper = small_us(&stream, shape, GemmPath::Hopper, &one)?;
+        let portable = small_us(&stream, shape, GemmPath::Portable, &one)?;
+        rows.push(Row {
+            name: format!(
+                "small gemm {m}x{n}x{k} -> f32{}, per GEMM in a graph",
+                if acc { " (accumulate)" } else { "" }
+            ),
+            value: hopper,
+            unit: "us",
+            yardstick: format!(
+                "sm_90a kernel; portable mma.sync kernel {portable:.2} us ({:.2}x)",
+                portable / hopper
             ),
             pass: None,
         });
