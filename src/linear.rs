@@ -477,7 +477,7 @@ impl Fp8Linear {
             Some((b, _)) => unsafe {
                 stream.launch(
                     &self.hp.forward_bias,
-                    &cfg,
+                    &cfg.pdl(stream.context()),
                     &kernel_args![*x, self.w, *b, *y, m, n, k],
                 )
             },
@@ -485,7 +485,7 @@ impl Fp8Linear {
             None => unsafe {
                 stream.launch(
                     &self.hp.forward,
-                    &cfg,
+                    &cfg.pdl(stream.context()),
                     &kernel_args![*x, self.w, *y, m, n, k],
                 )
             },
@@ -523,7 +523,7 @@ impl Fp8Linear {
         unsafe {
             stream.launch(
                 &self.hp.dgrad,
-                &sgemm_config(self.tokens, self.in_features)?,
+                &sgemm_config(self.tokens, self.in_features)?.pdl(stream.context()),
                 &kernel_args![*dy, self.w, *dx, m, n, k],
             )
         }
@@ -546,7 +546,7 @@ impl Fp8Linear {
         unsafe {
             stream.launch(
                 &self.hp.wgrad,
-                &sgemm_config(self.out_features, self.in_features)?,
+                &sgemm_config(self.out_features, self.in_features)?.pdl(stream.context()),
                 &kernel_args![*dy, *x, self.dw, m, n, k],
             )
         }
@@ -565,7 +565,7 @@ impl Fp8Linear {
         unsafe {
             stream.launch(
                 &self.bias_grad,
-                &LaunchConfig::for_elements(cols, 128),
+                &LaunchConfig::for_elements(cols, 128).pdl(stream.context()),
                 &kernel_args![*dy, *db, rows, cols],
             )
         }

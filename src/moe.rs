@@ -457,7 +457,7 @@ impl Fp8Moe {
         unsafe {
             stream.launch(
                 &self.router,
-                &LaunchConfig::linear(t, ROUTER_BLOCK),
+                &LaunchConfig::linear(t, ROUTER_BLOCK).pdl(stream.context()),
                 &kernel_args![
                     *x,
                     self.wr,
@@ -479,7 +479,7 @@ impl Fp8Moe {
         unsafe {
             stream.launch(
                 &self.plan,
-                &cfg,
+                &cfg.pdl(stream.context()),
                 &kernel_args![self.r.expert, self.r.pos, self.r.counts, t, e],
             )
         }?;
@@ -492,7 +492,7 @@ impl Fp8Moe {
         unsafe {
             stream.launch(
                 &self.scatter,
-                &LaunchConfig::linear(t, ROW_BLOCK),
+                &LaunchConfig::linear(t, ROW_BLOCK).pdl(stream.context()),
                 &kernel_args![
                     *self.x_fp8.data(),
                     self.x_disp,
@@ -591,7 +591,7 @@ impl Fp8Moe {
         unsafe {
             stream.launch(
                 &self.combine,
-                &LaunchConfig::linear(t, ROW_BLOCK),
+                &LaunchConfig::linear(t, ROW_BLOCK).pdl(stream.context()),
                 &kernel_args![
                     self.h,
                     self.r.expert,
@@ -660,7 +660,7 @@ impl Callable<f32> for Fp8Moe {
         unsafe {
             stream.launch(
                 &self.zero,
-                &LaunchConfig::for_elements(n, 256),
+                &LaunchConfig::for_elements(n, 256).pdl(stream.context()),
                 &kernel_args![*dx, n],
             )
         }

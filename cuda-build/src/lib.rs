@@ -52,12 +52,22 @@ pub fn nvcc() -> PathBuf {
     nvcc
 }
 
-/// Compiles one source to a fatbin with [`GENCODE`], `-O3 -std=c++17`, and `extra` flags.
+/// This crate's headers for device code (`#include <cuda_graph/pdl.cuh>`: programmatic
+/// dependent launch helpers), on the include path of every [`compile`].
+pub fn include_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("include")
+}
+
+/// Compiles one source to a fatbin with [`GENCODE`], `-O3 -std=c++17`, this crate's
+/// [`include_dir`], and `extra` flags.
 pub fn compile(nvcc: &Path, src: &Path, out: &Path, extra: &[&str]) {
+    println!("cargo:rerun-if-changed={}", include_dir().display());
     let status = Command::new(nvcc)
         .arg("-fatbin")
         .args(GENCODE)
         .args(["-O3", "-std=c++17"])
+        .arg("-I")
+        .arg(include_dir())
         .args(extra)
         .arg("-o")
         .arg(out)

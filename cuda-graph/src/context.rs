@@ -1,6 +1,6 @@
 //! The primary context of a device, shared by everything created on it.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use cuda_graph_sys::CUcontext;
 
@@ -17,6 +17,8 @@ use crate::error::Result;
 pub struct Context {
     raw: CUcontext,
     device: Device,
+    /// Whether launches may use programmatic dependent launch ([`Context::supports_pdl`]).
+    pdl: OnceLock<bool>,
 }
 
 // SAFETY: a CUcontext may be used from any thread; the driver serialises what it must.
@@ -31,7 +33,11 @@ impl Context {
         let mut raw = std::ptr::null_mut();
         // SAFETY: valid out-pointer and device.
         unsafe { cu!(cuDevicePrimaryCtxRetain(&mut raw, device.as_raw())) }?;
-        let ctx = Arc::new(Context { raw, device });
+        let ctx = Arc::new(Context {
+            raw,
+            device,
+            pdl: OnceLock::new(),
+        });
         ctx.bind()?;
         Ok(ctx)
     }
@@ -56,6 +62,21 @@ impl Context {
     /// The device it belongs to.
     pub fn device(&self) -> Device {
         self.device
+    }
+
+    /// Whether kernels launched in this context may use programmatic dependent launch
+    /// ([`LaunchConfig::pdl`](crate::LaunchConfig::pdl)): the driver and device have it
+    /// ([`Feature::ProgrammaticDependentLaunch`](crate::driver::Feature::ProgrammaticDependentLaunch))
+    /// and the environment variable `CUDA_GRAPH_PDL` is not `0` (the switch for measuring
+    /// without it, or ruling it out when debugging). Asked once per context.
+    pub fn supports_pdl(&self) -> bool {
+        *self.pdl.get_or_init(|| {
+            std::env::var("CUDA_GRAPH_PDL").map_or(true, |v| v != "0")
+                && self
+                    .device
+                    .supports(crate::driver::Feature::ProgrammaticDependentLaunch)
+                    .unwrap_or(false)
+        })
     }
 
     /// The raw handle; valid while this value lives.

@@ -83,6 +83,21 @@ impl LaunchConfig {
         self.attributes.push(attribute);
         self
     }
+
+    /// With programmatic dependent launch
+    /// ([`LaunchAttribute::ProgrammaticStreamSerialization`]) where `ctx` supports it
+    /// ([`Context::supports_pdl`](crate::Context::supports_pdl)), unchanged elsewhere. The
+    /// kernel may then be scheduled while its predecessor on the stream (or in a captured
+    /// graph) still runs, hiding its launch latency; it must call `cuda_graph::pdl_wait()`
+    /// (`#include <cuda_graph/pdl.cuh>`, on the include path of `cuda-build` compiles)
+    /// before touching memory earlier work writes or reads. Only for such kernels.
+    pub fn pdl(self, ctx: &crate::Context) -> LaunchConfig {
+        if ctx.supports_pdl() {
+            self.with(LaunchAttribute::ProgrammaticStreamSerialization)
+        } else {
+            self
+        }
+    }
 }
 
 /// Something that can be passed to a kernel: a plain value or a device buffer (passed as its

@@ -141,16 +141,19 @@ __device__ __forceinline__ void quantize_128x128(const In *__restrict__ x, uint8
     extern "C" __global__ void fp8_quantize_1x128_##IN_NAME##_##FMT_NAME(                           \
         const IN_T *x, uint8_t *y, float *scale_inv, unsigned long long rows,                      \
         unsigned long long cols) {                                                                 \
+        cuda_graph::pdl_enter();                                                                   \
         fp8k::quantize_1x128<IN_T, FMT>(x, y, scale_inv, rows, cols);                              \
     }                                                                                              \
     extern "C" __global__ void fp8_quantize_1x128v_##IN_NAME##_##FMT_NAME(                          \
         const IN_T *x, uint8_t *y, float *scale_inv, unsigned long long rows,                      \
         unsigned long long cols) {                                                                 \
+        cuda_graph::pdl_enter();                                                                   \
         fp8k::quantize_1x128_vec<IN_T, FMT>(x, y, scale_inv, rows, cols);                          \
     }                                                                                              \
     extern "C" __global__ void fp8_quantize_128x128_##IN_NAME##_##FMT_NAME(                         \
         const IN_T *x, uint8_t *y, float *scale_inv, unsigned long long rows,                      \
         unsigned long long cols) {                                                                 \
+        cuda_graph::pdl_enter();                                                                   \
         fp8k::quantize_128x128<IN_T, FMT>(x, y, scale_inv, rows, cols);                            \
     }
 

@@ -134,6 +134,7 @@ __device__ __forceinline__ void cast_transpose(const In *__restrict__ x, uint8_t
                                                   unsigned long long rows, unsigned long long cols, \
                                                   float *scale, float *scale_inv, float *amax,     \
                                                   const float *noop, uint4 idx) {                  \
+        cuda_graph::pdl_enter();                                                                   \
         fp8k::cast_transpose<IN_T, FMT>(x, y, yt, rows, cols, fp8k::slot(scale, idx.x),            \
                                         fp8k::slot(scale_inv, idx.y), fp8k::slot(amax, idx.z),     \
                                         fp8k::slot(noop, idx.w));                                  \

@@ -5,6 +5,8 @@
 #include <cuda_fp8.h>
 #include <stdint.h>
 
+#include <cuda_graph/pdl.cuh>
+
 namespace fp8k {
 
 constexpr float E4M3_MAX = 448.0f;

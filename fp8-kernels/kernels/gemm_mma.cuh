@@ -256,6 +256,7 @@ __device__ __forceinline__ float gemm_alpha(const float *sa, unsigned ia, const 
         const uint8_t *a, const uint8_t *b, OT *d, const void *bias, int bias_kind, const int *counts, \
         const float *sa, unsigned ia, const float *sb, unsigned ib, unsigned long long m,           \
         unsigned long long n, unsigned long long k, int accumulate) {                              \
+        cuda_graph::pdl_enter();                                                                   \
         fp8k::gemm_mma<FA, FB, OT, 4, false>(a, b, d, bias, bias_kind, counts,                     \
                                              fp8k::gemm_alpha(sa, ia, sb, ib), nullptr, nullptr, m, \
                                              n, k, accumulate);                                     \
@@ -266,6 +267,7 @@ __device__ __forceinline__ float gemm_alpha(const float *sa, unsigned ia, const 
                                                const float *sb, unsigned long long m,              \
                                                unsigned long long n, unsigned long long k,         \
                                                int accumulate) {                                   \
+        cuda_graph::pdl_enter();                                                                   \
         fp8k::gemm_mma<FA, FB, OT, 2, true>(a, b, d, bias, bias_kind, nullptr, 1.0f, sa, sb, m, n, \
                                             k, accumulate);                                        \
     }                                                                                              \
@@ -273,6 +275,7 @@ __device__ __forceinline__ float gemm_alpha(const float *sa, unsigned ia, const 
         const uint8_t *a, const uint8_t *b, OT *d, const void *bias, int bias_kind, const int *counts, \
         const float *sa, unsigned ia, const float *sb, unsigned ib, unsigned long long groups,      \
         unsigned long long m, unsigned long long n, unsigned long long k, int accumulate) {        \
+        cuda_graph::pdl_enter();                                                                   \
         fp8k::gemm_reference<FA, FB, OT>(a, b, d, bias, bias_kind, counts,                         \
                                          fp8k::gemm_alpha(sa, ia, sb, ib), groups, m, n, k,        \
                                          accumulate);                                              \

@@ -219,6 +219,9 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, Out *
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
+    // Programmatic dependent launch: the set-up above overlaps the previous kernel's tail;
+    // counts, scales, A, B and D are touched only after the wait.
+    cuda_graph::pdl_enter();
     const int total = total_tiles(counts, groups, m, ntiles);
 
     if (wg == 0) {
@@ -361,6 +364,7 @@ __device__ __forceinline__ void gemm_ref(const uint8_t *a, const uint8_t *b, flo
     extern "C" __global__ void fp8_gemm_ref_##AN##_##BN_(const uint8_t *a, const uint8_t *b, float *d, \
                                                         const float *sa, const float *sb, uint4 dims,  \
                                                         uint2 idx) {                                   \
+        cuda_graph::pdl_enter();                                                                      \
         fp8k::sm90::gemm_ref<FA, FB>(a, b, d, sa, sb, dims, idx);                                     \
     }
 FP8K_GEMM_SM90_OUTS(e4m3, __NV_E4M3, e4m3, __NV_E4M3)

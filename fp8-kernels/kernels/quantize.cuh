@@ -175,6 +175,7 @@ __device__ __forceinline__ void dequantize(const uint8_t *__restrict__ x, Out *_
     extern "C" __global__ void fp8_quantize_##IN_NAME##_##FMT_NAME(                                 \
         const IN_T *x, uint8_t *y, unsigned long long n, float *scale, float *scale_inv,           \
         float *amax, const float *noop, uint4 idx) {                                               \
+        cuda_graph::pdl_enter();                                                                   \
         fp8k::quantize<IN_T, FMT, false>(x, y, n, fp8k::slot(scale, idx.x),                        \
                                          fp8k::slot(scale_inv, idx.y), fp8k::slot(amax, idx.z),    \
                                          fp8k::slot(noop, idx.w));                                 \
@@ -182,6 +183,7 @@ __device__ __forceinline__ void dequantize(const uint8_t *__restrict__ x, Out *_
     extern "C" __global__ void fp8_quantize_current_##IN_NAME##_##FMT_NAME(                         \
         const IN_T *x, uint8_t *y, unsigned long long n, float *scale, float *scale_inv,           \
         float *amax, const float *noop, uint4 idx) {                                               \
+        cuda_graph::pdl_enter();                                                                   \
         fp8k::quantize<IN_T, FMT, true>(x, y, n, fp8k::slot(scale, idx.x),                         \
                                         fp8k::slot(scale_inv, idx.y), fp8k::slot(amax, idx.z),     \
                                         fp8k::slot(noop, idx.w));                                  \
@@ -189,6 +191,7 @@ __device__ __forceinline__ void dequantize(const uint8_t *__restrict__ x, Out *_
     extern "C" __global__ void fp8_quantize_current_fused_##IN_NAME##_##FMT_NAME(                   \
         const IN_T *x, uint8_t *y, unsigned long long n, float *scale, float *scale_inv,           \
         float *amax, const float *noop, uint4 idx) {                                               \
+        cuda_graph::pdl_enter();                                                                   \
         fp8k::quantize_current_fused<IN_T, FMT>(x, y, unsigned(n), fp8k::slot(scale, idx.x),       \
                                                 fp8k::slot(scale_inv, idx.y),                      \
                                                 fp8k::slot(amax, idx.z), fp8k::slot(noop, idx.w)); \
@@ -205,6 +208,7 @@ FP8K_QUANTIZE(bf16, __nv_bfloat16, e5m2, __NV_E5M2)
 #define FP8K_AMAX(IN_NAME, IN_T)                                                                   \
     extern "C" __global__ void fp8_amax_##IN_NAME(const IN_T *x, unsigned long long n, float *amax, \
                                                   const float *noop, uint2 idx) {                  \
+        cuda_graph::pdl_enter();                                                                   \
         fp8k::amax_only<IN_T>(x, n, fp8k::slot(amax, idx.x), fp8k::slot(noop, idx.y));             \
     }
 
@@ -216,6 +220,7 @@ FP8K_AMAX(bf16, __nv_bfloat16)
 #define FP8K_DEQUANTIZE(FMT_NAME, FMT, OUT_NAME, OUT_T)                                             \
     extern "C" __global__ void fp8_dequantize_##FMT_NAME##_##OUT_NAME(                              \
         const uint8_t *x, OUT_T *y, unsigned long long n, const float *scale_inv, unsigned idx) {  \
+        cuda_graph::pdl_enter();                                                                   \
         fp8k::dequantize<OUT_T, FMT>(x, y, n, scale_inv + idx);                                    \
     }
 

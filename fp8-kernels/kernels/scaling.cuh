@@ -5,6 +5,7 @@
 // *amax = 0 unless *noop == 1 (a memset would ignore the noop flag). One thread.
 // Slots: idx = (amax, noop).
 extern "C" __global__ void fp8_zero_amax(float *amax, const float *noop, uint2 idx) {
+    cuda_graph::pdl_enter();
     if (fp8k::is_noop(fp8k::slot(noop, idx.y))) return;
     if (blockIdx.x == 0 && threadIdx.x == 0) amax[idx.x] = 0.0f;
 }
@@ -22,6 +23,7 @@ extern "C" __global__ void fp8_delayed_scaling_update(float *history, float *sca
                                                       const unsigned *registered, unsigned H,
                                                       int most_recent) {
     __shared__ float warp_max[32];
+    cuda_graph::pdl_enter();
     const unsigned t = blockIdx.x, i = threadIdx.x;
     if (registered[t] == 0u) return; // not registered: history and scales untouched
     float *h = history + (unsigned long long)t * H;

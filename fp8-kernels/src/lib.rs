@@ -20,6 +20,13 @@
 //! validate shapes, lengths and alignment before enqueueing anything, never synchronise and
 //! never allocate.
 //!
+//! Every kernel is launched with programmatic dependent launch where the device has it
+//! ([`LaunchConfig::pdl`](cuda_graph::LaunchConfig::pdl); sm_90, `CUDA_GRAPH_PDL=0` turns it
+//! off): it may be scheduled while the previous kernel on the stream still runs, and waits
+//! (`griddepcontrol.wait`) before touching any memory, so results are unchanged while the
+//! launch latency between back-to-back kernels (in a graph, a chain of them) is hidden. The
+//! Hopper GEMM sets up its barriers and prefetches its tensor maps before the wait.
+//!
 //! Conversion semantics: round to nearest even; finite values beyond the max finite value
 //! and +-inf saturate to +-max finite (448 for E4M3, 57344 for E5M2); NaN stays NaN.
 //!

@@ -3,8 +3,11 @@
 // Bias gradient: db[c] += sum over r of dy[r * cols + c], for a row-major [rows, cols] f32
 // dy. One thread per column sums its rows in order, so the result is deterministic (no
 // atomics; the same bits on every run).
+#include <cuda_graph/pdl.cuh>
+
 extern "C" __global__ void fp8_linear_bias_grad_f32(const float* dy, float* db,
                                                     unsigned int rows, unsigned int cols) {
+    cuda_graph::pdl_enter();
     unsigned int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= cols) return;
     float acc = 0.0f;
@@ -101,6 +104,7 @@ __device__ __forceinline__ void fp8_linear_sgemm(const float* __restrict__ a,
 extern "C" __global__ void fp8_linear_hp_forward_f32(const float* x, const float* w, float* y,
                                                      unsigned int m, unsigned int n,
                                                      unsigned int k) {
+    cuda_graph::pdl_enter();
     fp8_linear_sgemm<false, true, false, false>(x, w, nullptr, y, m, n, k);
 }
 
@@ -109,6 +113,7 @@ extern "C" __global__ void fp8_linear_hp_forward_bias_f32(const float* x, const 
                                                           const float* bias, float* y,
                                                           unsigned int m, unsigned int n,
                                                           unsigned int k) {
+    cuda_graph::pdl_enter();
     fp8_linear_sgemm<false, true, false, true>(x, w, bias, y, m, n, k);
 }
 
@@ -116,6 +121,7 @@ extern "C" __global__ void fp8_linear_hp_forward_bias_f32(const float* x, const 
 extern "C" __global__ void fp8_linear_hp_dgrad_f32(const float* dy, const float* w, float* dx,
                                                    unsigned int m, unsigned int n,
                                                    unsigned int k) {
+    cuda_graph::pdl_enter();
     fp8_linear_sgemm<false, false, false, false>(dy, w, nullptr, dx, m, k, n);
 }
 
@@ -124,5 +130,6 @@ extern "C" __global__ void fp8_linear_hp_dgrad_f32(const float* dy, const float*
 extern "C" __global__ void fp8_linear_hp_wgrad_f32(const float* dy, const float* x, float* dw,
                                                    unsigned int m, unsigned int n,
                                                    unsigned int k) {
+    cuda_graph::pdl_enter();
     fp8_linear_sgemm<true, false, true, false>(dy, x, nullptr, dw, n, k, m);
 }

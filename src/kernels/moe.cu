@@ -4,6 +4,8 @@
 // give the same bits on every run (eagerly and inside graphs alike).
 
 // Threads per block of moe_router_f32 (the launcher must use exactly this many).
+#include <cuda_graph/pdl.cuh>
+
 #define MOE_ROUTER_BLOCK 256
 
 // Router and top-1: one block per token t.
@@ -14,6 +16,7 @@
 extern "C" __global__ void moe_router_f32(const float* x, const float* wr, float* logits,
                                           int* expert, float* gate, unsigned int tokens,
                                           unsigned int hidden, unsigned int experts) {
+    cuda_graph::pdl_enter();
     __shared__ float red[MOE_ROUTER_BLOCK];
     unsigned int t = blockIdx.x;
     if (t >= tokens) return;
@@ -62,6 +65,7 @@ extern "C" __global__ void moe_router_f32(const float* x, const float* wr, float
 // pos = -1 and are not counted.
 extern "C" __global__ void moe_dispatch_plan(const int* expert, int* pos, int* counts,
                                              unsigned int tokens, unsigned int experts) {
+    cuda_graph::pdl_enter();
     extern __shared__ int sc[];  // [experts][blockDim.x]
     unsigned int nt = blockDim.x, i = threadIdx.x;
     unsigned int chunk = (tokens + nt - 1) / nt;
@@ -99,6 +103,7 @@ extern "C" __global__ void moe_scatter_rows(const uint4* src, uint4* dst, const 
                                             const int* pos, unsigned int tokens,
                                             unsigned int vecs, unsigned int m_max,
                                             unsigned int experts) {
+    cuda_graph::pdl_enter();
     unsigned int t = blockIdx.x;
     if (t >= tokens) return;
     int e = expert[t], p = pos[t];
@@ -114,6 +119,7 @@ extern "C" __global__ void moe_combine_f32(const float* h, const int* expert, co
                                            const float* gate, float* y, unsigned int tokens,
                                            unsigned int ffn, unsigned int m_max,
                                            unsigned int experts) {
+    cuda_graph::pdl_enter();
     unsigned int t = blockIdx.x;
     if (t >= tokens) return;
     int e = expert[t], p = pos[t];
@@ -126,6 +132,7 @@ extern "C" __global__ void moe_combine_f32(const float* h, const int* expert, co
 
 // out[i] = 0 for i < n (the trivial backward's input gradient).
 extern "C" __global__ void moe_zero_f32(float* out, unsigned int n) {
+    cuda_graph::pdl_enter();
     unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = 0.0f;
 }
