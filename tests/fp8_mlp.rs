@@ -708,13 +708,15 @@ fn run_eager(gpu: &Gpu, case: &Case, tamper_at: Tamper, fp8: &[bool]) -> Record 
     rec
 }
 
-/// (weight caching, layers merged) of the graphed runs: both mechanisms, each with one
-/// graph per step and one graph per layer.
-const MODES: [(WeightCaching, bool); 4] = [
+/// (weight caching, layers merged) of the graphed runs: the three mechanisms, each with
+/// one graph per step and one graph per layer.
+const MODES: [(WeightCaching, bool); 6] = [
     (WeightCaching::Conditional, true),
     (WeightCaching::Conditional, false),
     (WeightCaching::NoopFlag, true),
     (WeightCaching::NoopFlag, false),
+    (WeightCaching::Static, true),
+    (WeightCaching::Static, false),
 ];
 
 /// Graphed == eager, bit for bit, under both mechanisms, layers merged or not, FP8 on for

@@ -324,7 +324,7 @@ fn check_structure(graphed: &GraphedCallables<f32>, mode: WeightCaching) {
     let layout = graphed.schedule().layout();
     let want = match mode {
         WeightCaching::Conditional => 1,
-        WeightCaching::NoopFlag => 0,
+        WeightCaching::NoopFlag | WeightCaching::Static => 0,
     };
     for g in 0..layout.total_graphs() {
         let at = layout.locate(g).unwrap();
@@ -430,6 +430,57 @@ fn noop_flag_casts_once_per_step_1x3_and_detects_a_cast_ignoring_the_flag() {
         "exactly the flag-ignoring layer is detected"
     );
     check_structure(&graphed, WeightCaching::NoopFlag);
+}
+
+// ---- Static mechanism ----
+
+/// Static: the first microbatch's forward graphs hold the casts, the others none, so even
+/// a cast that ignores every flag runs once per step; no IF node; a later microbatch's
+/// forward graph has fewer kernels than the first's (the casts are simply not there).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn static_casts_once_per_step_interleaved_2x3() {
+    let gpu = Gpu::new();
+    for merge in [true, false] {
+        let (per_step, graphed) = cast_counts(
+            &gpu,
+            (WeightCaching::Static, merge),
+            &ORDER_2X3,
+            vec![2, 1],
+            |c| {
+                if c == 1 {
+                    CastKind::IgnoresFlag
+                } else {
+                    CastKind::HonoursFlag
+                }
+            },
+        );
+        assert_eq!(
+            per_step,
+            vec![vec![1, 1, 1]; STEPS],
+            "merge {merge}: casts per step per layer"
+        );
+        check_structure(&graphed, WeightCaching::Static);
+        let layout = graphed.schedule().layout().clone();
+        let kernels = |g: usize| {
+            graphed
+                .forward_graph(g)
+                .expect("forward graph")
+                .nodes()
+                .expect("nodes")
+                .iter()
+                .filter(|n| n.kind == NodeKind::Kernel)
+                .count()
+        };
+        for chunk in 0..layout.num_chunks() {
+            let first = layout.index(chunk, 0, 0).unwrap();
+            let later = layout.index(chunk, 1, 0).unwrap();
+            assert!(
+                kernels(first) > kernels(later),
+                "merge {merge}: chunk {chunk}: microbatch 0's forward graph holds the casts"
+            );
+        }
+    }
 }
 
 #[test]

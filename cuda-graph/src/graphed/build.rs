@@ -285,7 +285,14 @@ impl<'a, T: DeviceRepr> Rig<'a, T> {
                     self.capture_cast_if(callables, &casting, stream)?;
                 }
                 for part in parts {
-                    let cast = if caching == WeightCaching::NoopFlag && casting.contains(part) {
+                    // Noop flag: always captured, the kernels skip on the device. Static:
+                    // captured in the first microbatch's graphs only.
+                    let captured = match caching {
+                        WeightCaching::NoopFlag => true,
+                        WeightCaching::Static => part.ls.step.is_first_microbatch(),
+                        WeightCaching::Conditional => false,
+                    };
+                    let cast = if captured && casting.contains(part) {
                         Cast::Always
                     } else {
                         Cast::Skip

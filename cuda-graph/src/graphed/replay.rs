@@ -7,7 +7,7 @@ use crate::stream::Stream;
 use super::program::{Item, Part};
 use super::runtime::GraphedCallables;
 use super::schedule::{Pass, Schedule, Step};
-use super::weights::StepHook;
+use super::weights::{StepHook, WeightCaching};
 
 /// Where a training step stands: the position of the next step in the schedule.
 ///
@@ -169,7 +169,9 @@ impl<T: DeviceRepr> GraphedCallables<T> {
         }
         // Weight caching: the flag the IF node (or the casts' noop form) reads, written
         // stream-ordered before the launches.
-        if graphs.clone().any(|g| self.weights.casts[g]) {
+        if self.weights.mode != WeightCaching::Static
+            && graphs.clone().any(|g| self.weights.casts[g])
+        {
             self.write_cast_flag(chunk, microbatch, stream)?;
         }
         self.run_program(position, stream)?;

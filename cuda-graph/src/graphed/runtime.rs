@@ -243,11 +243,13 @@ impl CastFlags {
                     flags.noop.push(b);
                 }
             }
+            WeightCaching::Static => {}
         }
         Ok(flags)
     }
 
-    /// The flag buffer of pair `pair` as 32-bit words (whichever the mode uses).
+    /// The flag buffer of pair `pair` as 32-bit words (whichever the mode uses; `None` for
+    /// [`WeightCaching::Static`], which has none).
     pub(crate) fn raw_flag(
         &self,
         pair: usize,
@@ -255,6 +257,7 @@ impl CastFlags {
         match self.mode {
             WeightCaching::Conditional => self.cond.get(pair).map(|b| (b.as_raw(), b.resource())),
             WeightCaching::NoopFlag => self.noop.get(pair).map(|b| (b.as_raw(), b.resource())),
+            WeightCaching::Static => None,
         }
     }
 }
@@ -440,9 +443,11 @@ impl<T: DeviceRepr> GraphedCallables<T> {
     }
 
     /// Whether forward graph `graph`'s callable enqueued any work in
-    /// [`Callable::cast_weights`] at capture (only such graphs get the IF node or the flag
-    /// writes; the casts sit in the forward's first graphed segment); `false` for a forward
-    /// with no graphed segment (the runtime does not cast for it); `None` if out of range.
+    /// [`Callable::cast_weights`] at the build's probe (only such graphs get the IF node or
+    /// the flag writes; the casts sit in the forward's first graphed segment, and with
+    /// [`WeightCaching::Static`] only in the first microbatch's graphs); `false` for a
+    /// forward with no graphed segment or FP8 off (the runtime does not cast for it); `None`
+    /// if out of range.
     pub fn casts_weights(&self, graph: usize) -> Option<bool> {
         self.weights.casts.get(graph).copied()
     }

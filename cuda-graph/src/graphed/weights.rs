@@ -27,6 +27,11 @@
 //!   quantize. A cast kernel that ignores the flag recasts on every microbatch: the result
 //!   is the same (the weights did not change within the step) but the work is repeated; a
 //!   test can detect it by counting casts (see this crate's tests/graphed_fp8.rs).
+//! * [`WeightCaching::Static`]: since a replay's first-microbatch-ness follows from its
+//!   position in the schedule, the first microbatch's forward graphs hold the casts
+//!   unconditionally and the others hold none: no flag, no setter kernel, no IF node, no
+//!   launches on later microbatches. It is the cheapest on the device; the two flag
+//!   mechanisms keep the decision on the device, as TransformerEngine does.
 //!
 //! Whether a forward graph casts at all is found at build by capturing its
 //! `cast_weights` into a throwaway graph: a callable that enqueues nothing gets neither
@@ -87,6 +92,13 @@ pub enum WeightCaching {
     /// The casts are always captured and take [`Slot::skip_weight_cast`](super::Slot::skip_weight_cast)
     /// (`f32`, 1.0 = skip) as their noop flag. Works on any driver.
     NoopFlag,
+    /// No device flag at all: each chunk's first-microbatch forward graph holds the casts
+    /// unconditionally, the other microbatches' graphs hold none. A replay's
+    /// first-microbatch-ness is fixed by its position in the schedule
+    /// ([`GraphedCallables::is_first_microbatch`](super::GraphedCallables::is_first_microbatch)),
+    /// so this casts exactly when the other two do, with no setter kernel, IF node or noop
+    /// launches. Works on any driver.
+    Static,
 }
 
 impl WeightCaching {
@@ -116,16 +128,18 @@ impl WeightCaching {
             WeightCaching::Conditional => {
                 Feature::ConditionalIfWhile.check_driver(driver_version()?)
             }
-            WeightCaching::NoopFlag => Ok(()),
+            WeightCaching::NoopFlag | WeightCaching::Static => Ok(()),
         }
     }
 
     /// The value the runtime writes into a (chunk, microbatch)'s flag before its forward
     /// replay, as the 32 bits of the flag's element: for `Conditional` the `i32` IF value
-    /// (1 = cast), for `NoopFlag` the `f32` noop flag (1.0 = skip the cast).
+    /// (1 = cast), for `NoopFlag` the `f32` noop flag (1.0 = skip the cast); `Static` has no
+    /// flag (0, never written).
     pub fn flag_bits(self, first_microbatch: bool) -> u32 {
         match self {
             WeightCaching::Conditional => u32::from(first_microbatch),
+            WeightCaching::Static => 0,
             WeightCaching::NoopFlag => {
                 if first_microbatch {
                     0.0f32.to_bits()
