@@ -723,9 +723,9 @@ fn hooks_run_once_per_replay_in_order_and_warmup_state_is_restored() {
 // ---- CPU: options ----
 
 #[test]
-fn options_default_to_the_drivers_weight_caching_and_no_hooks() {
+fn options_default_to_static_weight_caching_and_no_hooks() {
     let o = GraphedOptions::from_order(&ORDER_2X3, vec![2, 1]).unwrap();
-    assert_eq!(o.weight_caching, WeightCaching::detect());
+    assert_eq!(o.weight_caching, WeightCaching::Static);
     assert!(o.after_forward.is_none() && o.after_backward.is_none());
     assert!(o.before_warmup.is_none() && o.after_warmup.is_none());
     assert_eq!(o.reduction_group.size(), 1);

@@ -920,14 +920,18 @@ fn several_graphed_segments_and_mixed_layers_equal_eager() {
 }
 
 /// The weight casts go into the first graphed forward segment (segment 0 of a breaking
-/// layer, segment 1 after an eager prologue): once per step per layer under both
+/// layer, segment 1 after an eager prologue): once per step per layer under all three
 /// mechanisms; in Conditional mode the IF node sits in that segment's graph only; warmup
 /// casts before every forward. Results still equal the host.
 #[test]
 #[ignore = "needs a CUDA device"]
 fn weight_casts_go_in_the_first_graphed_segment() {
     let gpu = Gpu::new();
-    let mut modes = vec![WeightCaching::detect(), WeightCaching::NoopFlag];
+    let mut modes = vec![
+        WeightCaching::detect(),
+        WeightCaching::NoopFlag,
+        WeightCaching::Static,
+    ];
     modes.dedup();
     let mode_of = |c: usize| {
         if c % 2 == 0 {

@@ -407,11 +407,10 @@ pub fn run() -> BenchResult<Vec<Row>> {
     let mut rows = Vec::new();
     for mlp in MLPS {
         let eager = mlp_eager(&ctx, &stream, mlp)?;
-        let detect = WeightCaching::detect();
-        let per_layer = mlp_graphed(&ctx, &stream, mlp, false, detect)?;
-        let merged = mlp_graphed(&ctx, &stream, mlp, true, detect)?;
+        let per_layer = mlp_graphed(&ctx, &stream, mlp, false, WeightCaching::Static)?;
+        let merged = mlp_graphed(&ctx, &stream, mlp, true, WeightCaching::Static)?;
+        let cond = mlp_graphed(&ctx, &stream, mlp, true, WeightCaching::Conditional)?;
         let noop = mlp_graphed(&ctx, &stream, mlp, true, WeightCaching::NoopFlag)?;
-        let fixed = mlp_graphed(&ctx, &stream, mlp, true, WeightCaching::Static)?;
         let what = format!(
             "FP8 MLP {MLP_LAYERS} layers {}/{} x 3 mb, {} tokens",
             mlp.narrow, mlp.wide, mlp.tokens
@@ -443,7 +442,7 @@ pub fn run() -> BenchResult<Vec<Row>> {
             value: merged.gpu_ms,
             unit: "ms",
             yardstick: format!(
-                "{:.2}x eager (layers merged, {detect:?} casts, the defaults); {}",
+                "{:.2}x eager (layers merged, static casts: the defaults); {}",
                 eager.gpu_ms / merged.gpu_ms,
                 host(&merged)
             ),
@@ -451,28 +450,25 @@ pub fn run() -> BenchResult<Vec<Row>> {
             // reaches its device time); elsewhere graphs can only save the gaps.
             pass: (eager.host_ms >= 0.9 * eager.gpu_ms).then_some(merged.gpu_ms < eager.gpu_ms),
         });
-        rows.push(Row {
-            name: format!("{what}: graphed, graph per step, noop-flag casts"),
-            value: noop.gpu_ms,
-            unit: "ms",
-            yardstick: format!(
-                "{:.2}x eager (casts always launched, skipped on the device); {}",
-                eager.gpu_ms / noop.gpu_ms,
-                host(&noop)
-            ),
-            pass: None,
-        });
-        rows.push(Row {
-            name: format!("{what}: graphed, graph per step, static casts"),
-            value: fixed.gpu_ms,
-            unit: "ms",
-            yardstick: format!(
-                "{:.2}x eager (casts only in the first microbatch's graphs); {}",
-                eager.gpu_ms / fixed.gpu_ms,
-                host(&fixed)
-            ),
-            pass: None,
-        });
+        for (label, t) in [
+            ("IF-node casts (set from a device flag)", &cond),
+            ("noop-flag casts (launched, skipped on the device)", &noop),
+        ] {
+            rows.push(Row {
+                name: format!(
+                    "{what}: graphed, graph per step, {}",
+                    &label[..label.find(" (").unwrap_or(label.len())]
+                ),
+                value: t.gpu_ms,
+                unit: "ms",
+                yardstick: format!(
+                    "{:.2}x eager ({label}); {}",
+                    eager.gpu_ms / t.gpu_ms,
+                    host(t)
+                ),
+                pass: None,
+            });
+        }
     }
     let (eager, y_eager) = moe_eager(&ctx, &stream)?;
     let (breaking, y_breaking) = moe_graphed(&stream, ExpertGemm::PerExpert)?;

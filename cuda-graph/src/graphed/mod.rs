@@ -160,8 +160,10 @@
 //! # Weight caching and hooks
 //!
 //! * FP8 weight caching, FP8-agnostic: [`Callable::cast_weights`] enqueues a layer's
-//!   per-step casts; the runtime owns a device flag per (chunk, microbatch), written on the
-//!   replay stream in [`GraphedCallables::forward`] before the launches from
+//!   per-step casts, which run on each chunk's first microbatch only. By default
+//!   ([`WeightCaching::Static`]) they are captured into the first microbatch's forward graphs
+//!   and nowhere else. Or the runtime owns a device flag per (chunk, microbatch), written on
+//!   the replay stream in [`GraphedCallables::forward`] before the launches from
 //!   [`GraphedCallables::is_first_microbatch`], and read either by an IF conditional node
 //!   around the casts ([`WeightCaching::Conditional`]) or by the cast kernels as a noop flag
 //!   ([`WeightCaching::NoopFlag`], [`Slot::skip_weight_cast`]). See [`weights`].

@@ -56,8 +56,9 @@ pub struct GraphedOptions {
     /// [`GraphedCallables::forward_exec`] for what the inspection methods return.
     pub merge_layers: bool,
     /// How weight casts ([`Callable::cast_weights`]) are limited to the first microbatch of
-    /// each step. Default [`WeightCaching::detect`]: `Conditional` when the driver has
-    /// conditional IF nodes, else `NoopFlag`. See [`weights`](super::weights).
+    /// each step. Default [`WeightCaching::Static`] (casts only in the first microbatch's
+    /// graphs: the cheapest, on any driver); [`WeightCaching::detect`] picks the best
+    /// device-flag mechanism instead. See [`weights`](super::weights).
     pub weight_caching: WeightCaching,
     /// Which callables run with FP8 ([`Slot::fp8_enabled`](super::Slot::fp8_enabled)); callables with FP8 off get no
     /// runtime-managed weight casts. Default [`Fp8Enabled::All`].
@@ -115,8 +116,9 @@ impl GraphedOptions {
     }
 
     /// The defaults for `schedule`: 3 warmup iterations, no buffer reuse, a new pool with
-    /// no scratch, thread-local capture, one graph per step (layers merged), the weight caching the driver supports
-    /// ([`WeightCaching::detect`]), the identity reduction group, no hooks.
+    /// no scratch, thread-local capture, one graph per step (layers merged), static weight
+    /// casts ([`WeightCaching::Static`]), FP8 on for every callable, the identity reduction
+    /// group, no hooks.
     pub fn new(schedule: Schedule) -> GraphedOptions {
         GraphedOptions {
             schedule,
@@ -126,7 +128,7 @@ impl GraphedOptions {
             scratch_bytes: 0,
             capture_mode: CaptureMode::ThreadLocal,
             merge_layers: true,
-            weight_caching: WeightCaching::detect(),
+            weight_caching: WeightCaching::Static,
             fp8: Fp8Enabled::All,
             reduction_group: identity_group(),
             after_forward: None,
