@@ -104,26 +104,30 @@ __device__ __forceinline__ void cast_transpose(const In *__restrict__ x, uint8_t
         }
     } else {
         uint8_t *smb = reinterpret_cast<uint8_t *>(sm);
-        // Every load of the thread first (a fixed, unrolled count, predicated), then the
-        // conversions and stores: independent loads in flight together instead of one round
-        // trip per element, which dominated small tensors (a whole 16 x 128 input is edge).
-        constexpr int PER = TR * TC / int(CT_THREADS);
-        float f[PER];
+        // The thread's loads in groups of EL (unrolled, predicated) ahead of their conversions
+        // and stores: independent loads in flight together instead of one round trip per
+        // element, which dominated small tensors (a whole 16 x 128 input is edge). Groups,
+        // not all PER at once, keep the register count (and the fast path's occupancy) low.
+        constexpr int PER = TR * TC / int(CT_THREADS), EL = 4;
+        static_assert(PER % EL == 0, "edge groups");
+        for (int i0 = 0; i0 < PER; i0 += EL) {
+            float f[EL];
 #pragma unroll
-        for (int i = 0; i < PER; ++i) {
-            const unsigned q = t + unsigned(i) * CT_THREADS, rr = q / TC, cc = q % TC;
-            const unsigned long long gr = row0 + rr, gc = col0 + cc;
-            f[i] = (gr < rows && gc < cols) ? to_f32(x[gr * cols + gc]) : 0.0f;
-        }
+            for (int e = 0; e < EL; ++e) {
+                const unsigned q = t + unsigned(i0 + e) * CT_THREADS, rr = q / TC, cc = q % TC;
+                const unsigned long long gr = row0 + rr, gc = col0 + cc;
+                f[e] = (gr < rows && gc < cols) ? to_f32(x[gr * cols + gc]) : 0.0f;
+            }
 #pragma unroll
-        for (int i = 0; i < PER; ++i) {
-            const unsigned q = t + unsigned(i) * CT_THREADS, rr = q / TC, cc = q % TC;
-            const unsigned long long gr = row0 + rr, gc = col0 + cc;
-            if (gr < rows && gc < cols) {
-                m = max(m, abs_bits(f[i]));
-                const uint8_t b = __nv_cvt_float_to_fp8(f[i] * s, __NV_SATFINITE, F);
-                y[gr * cols + gc] = b;
-                smb[cc * S * 4 + rr] = b;
+            for (int e = 0; e < EL; ++e) {
+                const unsigned q = t + unsigned(i0 + e) * CT_THREADS, rr = q / TC, cc = q % TC;
+                const unsigned long long gr = row0 + rr, gc = col0 + cc;
+                if (gr < rows && gc < cols) {
+                    m = max(m, abs_bits(f[e]));
+                    const uint8_t b = __nv_cvt_float_to_fp8(f[e] * s, __NV_SATFINITE, F);
+                    y[gr * cols + gc] = b;
+                    smb[cc * S * 4 + rr] = b;
+                }
             }
         }
         __syncthreads();
