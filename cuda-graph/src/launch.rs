@@ -219,8 +219,20 @@ impl Stream {
                 ))
             };
         }
-        let mut attrs: Vec<CUlaunchAttribute> =
-            config.attributes.iter().map(|a| a.to_raw()).collect();
+        // The raw attributes on the stack (every attribute kind at most once fits): no
+        // allocation per launch; a longer list goes to the heap.
+        const INLINE: usize = 4;
+        let mut inline = [CUlaunchAttribute::default(); INLINE];
+        let mut heap = Vec::new();
+        let attrs: &mut [CUlaunchAttribute] = if config.attributes.len() <= INLINE {
+            for (raw, a) in inline.iter_mut().zip(&config.attributes) {
+                *raw = a.to_raw();
+            }
+            &mut inline[..config.attributes.len()]
+        } else {
+            heap.extend(config.attributes.iter().map(|a| a.to_raw()));
+            &mut heap
+        };
         let raw = CUlaunchConfig {
             gridDimX: g.0,
             gridDimY: g.1,
