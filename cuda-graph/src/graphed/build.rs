@@ -124,42 +124,56 @@ impl<'a, T: DeviceRepr> Rig<'a, T> {
     ) -> Result<()> {
         let slot = self.slot(ls.graph, recorder)?;
         let callable = callable_mut(callables, ls.callable)?;
+        if ls.step.pass() == Pass::Forward && cast == Cast::Always {
+            callable.cast_weights(stream, &slot)?;
+        }
+        if kind == SegmentKind::Eager {
+            return self.run_eager_with(&**callable, ls, segment, stream, &slot);
+        }
         let go = || self.buffers.grad_outputs(ls.graph);
         let gi = || self.buffers.grad_inputs(ls.graph);
-        match (ls.step.pass(), kind) {
-            (Pass::Forward, _) if cast == Cast::Always => {
-                callable.cast_weights(stream, &slot)?;
-                self.run_forward(callable, segment, kind, stream, &slot)
+        match ls.step.pass() {
+            Pass::Forward => {
+                callable.forward_segment(segment, stream, &slot.inputs, &slot.outputs, &slot)
             }
-            (Pass::Forward, _) => self.run_forward(callable, segment, kind, stream, &slot),
             // Split weight gradients: the backward step computes input gradients only.
-            (Pass::Backward, SegmentKind::Graphed) if self.schedule.splits_weight_grad() => {
+            Pass::Backward if self.schedule.splits_weight_grad() => {
                 callable.backward_input(stream, &go(), &gi(), &slot)
             }
-            (Pass::Backward, SegmentKind::Graphed) => {
-                callable.backward_segment(segment, stream, &go(), &gi(), &slot)
-            }
-            (Pass::Backward, SegmentKind::Eager) => {
-                callable.backward_eager(segment, stream, &go(), &gi(), &slot)
-            }
-            (Pass::WeightGrad, _) => callable.backward_weight(stream, &go(), &slot),
+            Pass::Backward => callable.backward_segment(segment, stream, &go(), &gi(), &slot),
+            Pass::WeightGrad => callable.backward_weight(stream, &go(), &slot),
         }
     }
 
-    fn run_forward(
+    /// Runs eager segment `segment` of `ls`'s pass (in warmup, and between the launches of
+    /// a replay) with the slot's buffers.
+    pub(crate) fn run_eager(
         &self,
-        callable: &mut Box<dyn Callable<T>>,
+        callable: &dyn Callable<T>,
+        ls: LayerStep,
         segment: usize,
-        kind: SegmentKind,
+        stream: &Stream,
+    ) -> Result<()> {
+        let slot = self.slot(ls.graph, None)?;
+        self.run_eager_with(callable, ls, segment, stream, &slot)
+    }
+
+    fn run_eager_with(
+        &self,
+        callable: &dyn Callable<T>,
+        ls: LayerStep,
+        segment: usize,
         stream: &Stream,
         slot: &Slot<'a, T>,
     ) -> Result<()> {
-        match kind {
-            SegmentKind::Graphed => {
-                callable.forward_segment(segment, stream, &slot.inputs, &slot.outputs, slot)
-            }
-            SegmentKind::Eager => {
+        match ls.step.pass() {
+            Pass::Forward => {
                 callable.forward_eager(segment, stream, &slot.inputs, &slot.outputs, slot)
+            }
+            _ => {
+                let go = self.buffers.grad_outputs(ls.graph);
+                let gi = self.buffers.grad_inputs(ls.graph);
+                callable.backward_eager(segment, stream, &go, &gi, slot)
             }
         }
     }

@@ -279,22 +279,11 @@ impl<T: DeviceRepr> GraphedCallables<T> {
 
     /// Calls the eager code of `part` with its slot's static buffers on `stream`.
     fn run_eager(&self, part: Part, stream: &Stream) -> Result<()> {
-        let ls = part.ls;
-        let callable = self
-            .callables
-            .get(ls.callable)
-            .ok_or_else(|| Error::invalid(format!("internal: callable {} missing", ls.callable)))?;
-        let slot = self.rig().slot(ls.graph, None)?;
-        match ls.step.pass() {
-            Pass::Forward => {
-                callable.forward_eager(part.segment, stream, &slot.inputs, &slot.outputs, &slot)
-            }
-            _ => {
-                let go = self.buffers.grad_outputs(ls.graph);
-                let gi = self.buffers.grad_inputs(ls.graph);
-                callable.backward_eager(part.segment, stream, &go, &gi, &slot)
-            }
-        }
+        let callable = self.callables.get(part.ls.callable).ok_or_else(|| {
+            Error::invalid(format!("internal: callable {} missing", part.ls.callable))
+        })?;
+        self.rig()
+            .run_eager(&**callable, part.ls, part.segment, stream)
     }
 
     /// Eager segments run on the host and may synchronize: a step that has any is refused
