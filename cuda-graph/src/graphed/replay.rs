@@ -7,7 +7,7 @@ use crate::stream::Stream;
 use super::program::{Item, Part};
 use super::runtime::GraphedCallables;
 use super::schedule::{Pass, Schedule, Step};
-use super::weights::{StepHook, WeightCaching};
+use super::weights::StepHook;
 
 /// Where a training step stands: the position of the next step in the schedule.
 ///
@@ -128,9 +128,10 @@ impl<T: DeviceRepr> GraphedCallables<T> {
     /// its next forward replay (next training step), and are read by its backward.
     ///
     /// When a forward graph of this microbatch casts weights
-    /// ([`casts_weights`](Self::casts_weights)), the (chunk, microbatch)'s weight-cast flag is
-    /// first written on `stream` from [`is_first_microbatch`](Self::is_first_microbatch) (a
-    /// one-word memset, no synchronization). After the launches the
+    /// ([`casts_weights`](Self::casts_weights)) under a flag mechanism (IF node or noop
+    /// flag), the (chunk, microbatch)'s weight-cast flag is first written on `stream` from
+    /// [`is_first_microbatch`](Self::is_first_microbatch) (a one-word memset, no
+    /// synchronization). After the launches the
     /// [`after_forward`](super::GraphedOptions::after_forward) hook runs with `stream` and
     /// this step.
     ///
@@ -169,9 +170,7 @@ impl<T: DeviceRepr> GraphedCallables<T> {
         }
         // Weight caching: the flag the IF node (or the casts' noop form) reads, written
         // stream-ordered before the launches.
-        if self.weights.mode != WeightCaching::Static
-            && graphs.clone().any(|g| self.weights.casts[g])
-        {
+        if graphs.clone().any(|g| self.weights.casts[g]) {
             self.write_cast_flag(chunk, microbatch, stream)?;
         }
         self.run_program(position, stream)?;
@@ -309,14 +308,15 @@ impl<T: DeviceRepr> GraphedCallables<T> {
     /// Enqueues the write of (`chunk`, `microbatch`)'s weight-cast flag from
     /// [`is_first_microbatch`](Self::is_first_microbatch): a one-word memset on `stream`.
     fn write_cast_flag(&self, chunk: usize, microbatch: usize, stream: &Stream) -> Result<()> {
+        let first = self.is_first_microbatch(chunk, microbatch);
+        let Some(bits) = self.weights.mode.flag_bits(first) else {
+            // No flag in this mode (Static): the graphs themselves decide.
+            return Ok(());
+        };
         let pair = chunk * self.schedule.num_microbatches() + microbatch;
         let (ptr, resource) = self.weights.raw_flag(pair).ok_or_else(|| {
             Error::invalid(format!("internal: no weight-cast flag for pair {pair}"))
         })?;
-        let bits = self
-            .weights
-            .mode
-            .flag_bits(self.is_first_microbatch(chunk, microbatch));
         stream.retain_for_capture(|| resource);
         // SAFETY: `ptr` is a live one-element allocation of 4 bytes (an i32 or f32 flag the
         // runtime owns), written only by work ordered on the replay stream.

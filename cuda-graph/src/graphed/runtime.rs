@@ -229,23 +229,20 @@ impl CastFlags {
             fp8,
         };
         // Warmup casts on every microbatch: the flags start at "cast" (1 for IF, 0.0 for
-        // the noop flag, both all-zero bits except the IF's 1).
-        match mode {
-            WeightCaching::Conditional => {
-                for _ in 0..pairs {
-                    let mut b = DeviceBuffer::<i32>::alloc(ctx, 1)?;
-                    b.fill_u32_bits(stream, mode.flag_bits(true))?;
-                    flags.cond.push(b);
-                }
+        // the noop flag). A mode without a flag (Static) gets none.
+        let Some(bits) = mode.flag_bits(true) else {
+            return Ok(flags);
+        };
+        for _ in 0..pairs {
+            if mode == WeightCaching::Conditional {
+                let mut b = DeviceBuffer::<i32>::alloc(ctx, 1)?;
+                b.fill_u32_bits(stream, bits)?;
+                flags.cond.push(b);
+            } else {
+                let mut b = DeviceBuffer::<f32>::alloc(ctx, 1)?;
+                b.fill_u32_bits(stream, bits)?;
+                flags.noop.push(b);
             }
-            WeightCaching::NoopFlag => {
-                for _ in 0..pairs {
-                    let mut b = DeviceBuffer::<f32>::alloc(ctx, 1)?;
-                    b.fill_u32_bits(stream, mode.flag_bits(true))?;
-                    flags.noop.push(b);
-                }
-            }
-            WeightCaching::Static => {}
         }
         Ok(flags)
     }

@@ -134,19 +134,17 @@ impl WeightCaching {
 
     /// The value the runtime writes into a (chunk, microbatch)'s flag before its forward
     /// replay, as the 32 bits of the flag's element: for `Conditional` the `i32` IF value
-    /// (1 = cast), for `NoopFlag` the `f32` noop flag (1.0 = skip the cast); `Static` has no
-    /// flag (0, never written).
-    pub fn flag_bits(self, first_microbatch: bool) -> u32 {
+    /// (1 = cast), for `NoopFlag` the `f32` noop flag (1.0 = skip the cast); `None` for
+    /// `Static`, which has no flag.
+    pub fn flag_bits(self, first_microbatch: bool) -> Option<u32> {
         match self {
-            WeightCaching::Conditional => u32::from(first_microbatch),
-            WeightCaching::Static => 0,
-            WeightCaching::NoopFlag => {
-                if first_microbatch {
-                    0.0f32.to_bits()
-                } else {
-                    1.0f32.to_bits()
-                }
-            }
+            WeightCaching::Conditional => Some(u32::from(first_microbatch)),
+            WeightCaching::Static => None,
+            WeightCaching::NoopFlag => Some(if first_microbatch {
+                0.0f32.to_bits()
+            } else {
+                1.0f32.to_bits()
+            }),
         }
     }
 }
@@ -321,18 +319,19 @@ mod tests {
 
     #[test]
     fn flag_values() {
-        assert_eq!(WeightCaching::Conditional.flag_bits(true), 1);
-        assert_eq!(WeightCaching::Conditional.flag_bits(false), 0);
+        assert_eq!(WeightCaching::Conditional.flag_bits(true), Some(1));
+        assert_eq!(WeightCaching::Conditional.flag_bits(false), Some(0));
         assert_eq!(
-            f32::from_bits(WeightCaching::NoopFlag.flag_bits(true)),
-            0.0,
+            WeightCaching::NoopFlag.flag_bits(true).map(f32::from_bits),
+            Some(0.0),
             "first microbatch: do not skip"
         );
         assert_eq!(
-            f32::from_bits(WeightCaching::NoopFlag.flag_bits(false)),
-            1.0,
+            WeightCaching::NoopFlag.flag_bits(false).map(f32::from_bits),
+            Some(1.0),
             "later microbatches: skip"
         );
+        assert_eq!(WeightCaching::Static.flag_bits(true), None, "no flag");
     }
 
     #[test]
