@@ -191,11 +191,11 @@ pub trait Callable<T: DeviceRepr>: Send {
         slot: &Slot<'_, T>,
     ) -> Result<()> {
         let _ = (stream, grad_outputs, grad_inputs);
-        Err(Error::invalid(format!(
-            "callable of {}: the schedule splits weight gradients (-k - 0.5 entries) but the \
-             callable does not implement backward_input / backward_weight",
-            slot.at()
-        )))
+        Err(not_implemented(
+            slot,
+            "the schedule splits weight gradients (-k - 0.5 entries)",
+            "backward_input / backward_weight",
+        ))
     }
 
     /// The weight-gradient half of [`backward`](Self::backward) (see
@@ -209,11 +209,11 @@ pub trait Callable<T: DeviceRepr>: Send {
         slot: &Slot<'_, T>,
     ) -> Result<()> {
         let _ = (stream, grad_outputs);
-        Err(Error::invalid(format!(
-            "callable of {}: the schedule splits weight gradients (-k - 0.5 entries) but the \
-             callable does not implement backward_weight",
-            slot.at()
-        )))
+        Err(not_implemented(
+            slot,
+            "the schedule splits weight gradients (-k - 0.5 entries)",
+            "backward_weight",
+        ))
     }
 
     /// The segments of the forward pass, run in this order (breaking-layer capture; see
@@ -249,11 +249,11 @@ pub trait Callable<T: DeviceRepr>: Send {
         if segment == 0 {
             self.forward(stream, inputs, outputs, slot)
         } else {
-            Err(Error::invalid(format!(
-                "callable of {}: forward segment {segment} declared graphed but \
-                 forward_segment is not implemented",
-                slot.at()
-            )))
+            Err(not_implemented(
+                slot,
+                &format!("forward segment {segment} declared graphed"),
+                "forward_segment",
+            ))
         }
     }
 
@@ -270,11 +270,11 @@ pub trait Callable<T: DeviceRepr>: Send {
         if segment == 0 {
             self.backward(stream, grad_outputs, grad_inputs, slot)
         } else {
-            Err(Error::invalid(format!(
-                "callable of {}: backward segment {segment} declared graphed but \
-                 backward_segment is not implemented",
-                slot.at()
-            )))
+            Err(not_implemented(
+                slot,
+                &format!("backward segment {segment} declared graphed"),
+                "backward_segment",
+            ))
         }
     }
 
@@ -295,11 +295,11 @@ pub trait Callable<T: DeviceRepr>: Send {
         slot: &Slot<'_, T>,
     ) -> Result<()> {
         let _ = (stream, inputs, outputs);
-        Err(Error::invalid(format!(
-            "callable of {}: forward segment {segment} declared eager but forward_eager is \
-             not implemented",
-            slot.at()
-        )))
+        Err(not_implemented(
+            slot,
+            &format!("forward segment {segment} declared eager"),
+            "forward_eager",
+        ))
     }
 
     /// Runs eager backward segment `segment`, like [`forward_eager`](Self::forward_eager).
@@ -312,12 +312,21 @@ pub trait Callable<T: DeviceRepr>: Send {
         slot: &Slot<'_, T>,
     ) -> Result<()> {
         let _ = (stream, grad_outputs, grad_inputs);
-        Err(Error::invalid(format!(
-            "callable of {}: backward segment {segment} declared eager but backward_eager is \
-             not implemented",
-            slot.at()
-        )))
+        Err(not_implemented(
+            slot,
+            &format!("backward segment {segment} declared eager"),
+            "backward_eager",
+        ))
     }
+}
+
+/// The error of a default [`Callable`] method that what the callable declared (`why`) needs
+/// but it does not implement (`method`).
+fn not_implemented<T: DeviceRepr>(slot: &Slot<'_, T>, why: &str, method: &str) -> Error {
+    Error::invalid(format!(
+        "callable of {}: {why} but {method} is not implemented",
+        slot.at()
+    ))
 }
 
 /// The per-(chunk, microbatch, layer) context of one pass: where it is, and the static
