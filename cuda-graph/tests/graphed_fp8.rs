@@ -66,6 +66,17 @@ enum CastKind {
     IgnoresFlag,
 }
 
+/// Callable `bad` ignores the skip flag, every other one honours it.
+fn ignoring(bad: usize) -> impl Fn(usize) -> CastKind {
+    move |c| {
+        if c == bad {
+            CastKind::IgnoresFlag
+        } else {
+            CastKind::HonoursFlag
+        }
+    }
+}
+
 /// The elementwise layer of tests/graphed.rs plus a counting "weight cast".
 struct CastLayer {
     w: DeviceBuffer<f32>,
@@ -381,13 +392,7 @@ fn conditional_casts_once_per_step_interleaved_2x3_even_when_the_cast_ignores_fl
         (WeightCaching::Conditional, false),
         &ORDER_2X3,
         vec![2, 1],
-        |c| {
-            if c == 1 {
-                CastKind::IgnoresFlag
-            } else {
-                CastKind::HonoursFlag
-            }
-        },
+        ignoring(1),
     );
     assert_eq!(
         per_step,
@@ -410,13 +415,7 @@ fn noop_flag_casts_once_per_step_1x3_and_detects_a_cast_ignoring_the_flag() {
         (WeightCaching::NoopFlag, true),
         &ORDER_1X3,
         vec![2],
-        |c| {
-            if c == 1 {
-                CastKind::IgnoresFlag
-            } else {
-                CastKind::HonoursFlag
-            }
-        },
+        ignoring(1),
     );
     // The honouring layer casts once per step; the ignoring one on all 3 microbatches.
     assert_eq!(
@@ -447,13 +446,7 @@ fn static_casts_once_per_step_interleaved_2x3() {
             (WeightCaching::Static, merge),
             &ORDER_2X3,
             vec![2, 1],
-            |c| {
-                if c == 1 {
-                    CastKind::IgnoresFlag
-                } else {
-                    CastKind::HonoursFlag
-                }
-            },
+            ignoring(1),
         );
         assert_eq!(
             per_step,
@@ -507,13 +500,7 @@ fn noop_flag_casts_once_per_step_interleaved_2x3() {
         (WeightCaching::NoopFlag, true),
         &ORDER_2X3,
         vec![2, 1],
-        |c| {
-            if c == 2 {
-                CastKind::IgnoresFlag
-            } else {
-                CastKind::HonoursFlag
-            }
-        },
+        ignoring(2),
     );
     assert_eq!(per_step, vec![vec![1, 1, 3]; STEPS]);
     assert_eq!(not_once_per_step(&per_step), vec![2]);
