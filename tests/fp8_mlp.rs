@@ -202,12 +202,65 @@ impl Gpu {
         self.stream.synchronize().expect("sync");
         v.iter().map(|x| x.to_bits()).collect()
     }
+    /// `b`'s values, after the stream's work.
+    fn floats(&self, b: &DeviceBuffer<f32>) -> Vec<f32> {
+        self.bits(b).into_iter().map(f32::from_bits).collect()
+    }
+    /// `b`'s bytes, after the stream's work.
+    fn bytes(&self, b: &DeviceBuffer<u8>) -> Vec<u8> {
+        self.stream.synchronize().expect("sync");
+        b.to_vec(&self.stream).expect("read back")
+    }
     /// Overwrites `buf` (owned elsewhere, e.g. by a layer inside the runtime) with `v`.
     fn overwrite(&self, buf: &DeviceBuffer<f32>, v: &[f32]) {
         // SAFETY: a non-owning view of exactly `buf`'s live allocation; `buf` outlives the
         // copy, which waits before returning.
         let mut view = unsafe { DeviceBuffer::<f32>::from_raw(&self.ctx, buf.as_raw(), buf.len()) };
         view.copy_from_host(&self.stream, v).expect("overwrite");
+    }
+}
+
+/// One layer's buffers for running it eagerly on one microbatch: its input and output
+/// gradient uploaded; its output, input gradient and saved buffers poisoned (NaN).
+struct LayerIo {
+    x: DeviceBuffer<f32>,
+    dy: DeviceBuffer<f32>,
+    y: DeviceBuffer<f32>,
+    dx: DeviceBuffer<f32>,
+    saved: Vec<DeviceBuffer<f32>>,
+    pool: GraphPool,
+}
+
+impl LayerIo {
+    fn new(gpu: &Gpu, layer: &Fp8Linear, x: &[f32], dy: &[f32]) -> LayerIo {
+        let (m, n, k) = (layer.tokens(), layer.out_features(), layer.in_features());
+        LayerIo {
+            x: gpu.upload(x),
+            dy: gpu.upload(dy),
+            y: gpu.upload(&vec![f32::NAN; m * n]),
+            dx: gpu.upload(&vec![f32::NAN; m * k]),
+            saved: layer
+                .saved_lens()
+                .iter()
+                .map(|&len| gpu.upload(&vec![f32::NAN; len]))
+                .collect(),
+            pool: GraphPool::new(&gpu.ctx, 256).expect("pool"),
+        }
+    }
+
+    /// The slot of (chunk 0, microbatch 0, layer 0) over these buffers.
+    fn slot<'a>(
+        x: &'a DeviceBuffer<f32>,
+        y: &'a DeviceBuffer<f32>,
+        saved: &'a [DeviceBuffer<f32>],
+        pool: &'a GraphPool,
+    ) -> Slot<'a, f32> {
+        let at = GraphIndex {
+            chunk: 0,
+            microbatch: 0,
+            layer: 0,
+        };
+        Slot::new(at, vec![x], vec![y], saved.iter().collect(), pool)
     }
 }
 
@@ -933,29 +986,15 @@ fn fp8_linear_matches_host_reference() {
         Fp8Linear::new(&gpu.stream, M, k, n, &w, Some(&b), scaling.clone(), 0).expect("Fp8Linear");
     let x_host = input(0, 0, 0);
     let dy_host = grad_output(0, 0, 0, n);
-    let x = gpu.upload(&x_host);
-    let dy = gpu.upload(&dy_host);
-    let y = gpu.upload(&vec![f32::NAN; M * n]);
-    let dx = gpu.upload(&vec![f32::NAN; M * k]);
-    let saved: Vec<DeviceBuffer<f32>> = layer
-        .saved_lens()
-        .iter()
-        .map(|&len| gpu.upload(&vec![f32::NAN; len]))
-        .collect();
-    let pool = GraphPool::new(&gpu.ctx, 256).expect("pool");
-    let at = GraphIndex {
-        chunk: 0,
-        microbatch: 0,
-        layer: 0,
-    };
-    let slot = Slot::new(at, vec![&x], vec![&y], saved.iter().collect(), &pool);
-    let read = |buf: &DeviceBuffer<f32>| -> Vec<f32> {
-        gpu.bits(buf).into_iter().map(f32::from_bits).collect()
-    };
-    let read_u8 = |buf: &DeviceBuffer<u8>| -> Vec<u8> {
-        gpu.stream.synchronize().expect("sync");
-        buf.to_vec(&gpu.stream).expect("read back")
-    };
+    let LayerIo {
+        x,
+        dy,
+        y,
+        dx,
+        saved,
+        pool,
+    } = LayerIo::new(&gpu, &layer, &x_host, &dy_host);
+    let slot = LayerIo::slot(&x, &y, &saved, &pool);
     let close = |what: &str, got: &[f32], want: &[f64]| {
         let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
         assert!(scale > 0.0, "{what}: the reference is all zero");
@@ -976,9 +1015,9 @@ fn fp8_linear_matches_host_reference() {
         .expect("read");
     assert_eq!(w_scale, 1.0, "fresh state");
     let wq: Vec<u8> = w.iter().map(|&v| quantize(v, w_scale, e4)).collect();
-    assert_eq!(read_u8(layer.weight_fp8().data()), wq, "FP8 copy of W");
+    assert_eq!(gpu.bytes(layer.weight_fp8().data()), wq, "FP8 copy of W");
     let wtq: Vec<u8> = (0..k * n).map(|i| wq[(i % n) * k + i / n]).collect();
-    assert_eq!(read_u8(layer.weight_t_fp8()), wtq, "FP8 copy of W^T");
+    assert_eq!(gpu.bytes(layer.weight_t_fp8()), wtq, "FP8 copy of W^T");
     let wd: Vec<f64> = wq
         .iter()
         .map(|&q| f64::from(dequantize(q, 1.0 / w_scale, e4)))
@@ -1016,7 +1055,7 @@ fn fp8_linear_matches_host_reference() {
             .collect();
         assert_eq!(saved_xt, xtq, "pass {pass}: saved X^T bytes");
         assert_eq!(
-            read(&saved[1]),
+            gpu.floats(&saved[1]),
             vec![1.0 / x_scale],
             "pass {pass}: saved scale_inv"
         );
@@ -1030,7 +1069,7 @@ fn fp8_linear_matches_host_reference() {
                 (0..k).map(|j| xd[r * k + j] * wd[o * k + j]).sum::<f64>() + f64::from(b[o])
             })
             .collect();
-        close(&format!("pass {pass}: y"), &read(&y), &want);
+        close(&format!("pass {pass}: y"), &gpu.floats(&y), &want);
         last_x_scale = x_scale;
         scaling.update(&gpu.stream).expect("update");
     }
@@ -1043,7 +1082,7 @@ fn fp8_linear_matches_host_reference() {
         .read(&gpu.stream)
         .expect("read");
     assert_eq!(dy_scale, 1.0);
-    let (x_scale, x_scale_inv) = (last_x_scale, read(&saved[1])[0]);
+    let (x_scale, x_scale_inv) = (last_x_scale, gpu.floats(&saved[1])[0]);
     layer
         .backward(&gpu.stream, &[&dy], &[&dx], &slot)
         .expect("backward");
@@ -1061,14 +1100,14 @@ fn fp8_linear_matches_host_reference() {
             (0..n).map(|o| dyd[r * n + o] * wd[o * k + j]).sum()
         })
         .collect();
-    close("dX", &read(&dx), &want_dx);
+    close("dX", &gpu.floats(&dx), &want_dx);
     let want_dw: Vec<f64> = (0..n * k)
         .map(|i| {
             let (o, j) = (i / k, i % k);
             (0..M).map(|r| dyd[r * n + o] * xd[r * k + j]).sum()
         })
         .collect();
-    close("dW", &read(layer.weight_grad()), &want_dw);
+    close("dW", &gpu.floats(layer.weight_grad()), &want_dw);
     let want_db: Vec<u32> = (0..n)
         .map(|o| {
             let mut acc = 0f32;
@@ -1124,40 +1163,26 @@ fn fp8_off_linear_matches_host_reference() {
         Fp8Linear::new(&gpu.stream, T, K, N, &w, Some(&b), scaling.clone(), 0).expect("Fp8Linear");
     gpu.overwrite(layer.weight_grad(), &dw0);
     gpu.overwrite(layer.bias_grad().expect("bias"), &db0);
-    let x = gpu.upload(&x_host);
-    let dy = gpu.upload(&dy_host);
-    let y = gpu.upload(&vec![f32::NAN; T * N]);
-    let dx = gpu.upload(&vec![f32::NAN; T * K]);
-    let saved: Vec<DeviceBuffer<f32>> = layer
-        .saved_lens()
-        .iter()
-        .map(|&len| gpu.upload(&vec![f32::NAN; len]))
-        .collect();
-    let pool = GraphPool::new(&gpu.ctx, 256).expect("pool");
-    let at = GraphIndex {
-        chunk: 0,
-        microbatch: 0,
-        layer: 0,
-    };
+    let LayerIo {
+        x,
+        dy,
+        y,
+        dx,
+        saved,
+        pool,
+    } = LayerIo::new(&gpu, &layer, &x_host, &dy_host);
     let recorder = Fp8Recorder::new();
-    let slot = Slot::new(at, vec![&x], vec![&y], saved.iter().collect(), &pool)
+    let slot = LayerIo::slot(&x, &y, &saved, &pool)
         .with_fp8(false)
         .with_recorder(&recorder);
     assert!(!slot.fp8_enabled());
-    let read = |buf: &DeviceBuffer<f32>| -> Vec<f32> {
-        gpu.bits(buf).into_iter().map(f32::from_bits).collect()
-    };
-    let read_u8 = |buf: &DeviceBuffer<u8>| -> Vec<u8> {
-        gpu.stream.synchronize().expect("sync");
-        buf.to_vec(&gpu.stream).expect("read back")
-    };
     let fp8_state = |layer: &Fp8Linear| {
         (
             gpu.bits(scaling.history_buffer()),
             gpu.bits(scaling.scale_buffer()),
             gpu.bits(scaling.scale_inv_buffer()),
-            read_u8(layer.weight_fp8().data()),
-            read_u8(layer.weight_t_fp8()),
+            gpu.bytes(layer.weight_fp8().data()),
+            gpu.bytes(layer.weight_t_fp8()),
             gpu.bits(layer.weight_fp8().scale_inv().buffer()),
         )
     };
@@ -1194,7 +1219,7 @@ fn fp8_off_linear_matches_host_reference() {
             })
         })
         .collect();
-    close("y", &read(&y), &want_y, K);
+    close("y", &gpu.floats(&y), &want_y, K);
 
     layer
         .backward(&gpu.stream, &[&dy], &[&dx], &slot)
@@ -1206,7 +1231,7 @@ fn fp8_off_linear_matches_host_reference() {
             terms.fold((0.0, 0.0), |(s, m), t| (s + t, m + t.abs()))
         })
         .collect();
-    close("dX", &read(&dx), &want_dx, N);
+    close("dX", &gpu.floats(&dx), &want_dx, N);
     let want_dw: Vec<(f64, f64)> = (0..N * K)
         .map(|i| {
             let (o, j) = (i / K, i % K);
@@ -1216,7 +1241,7 @@ fn fp8_off_linear_matches_host_reference() {
             terms.fold((d0, d0.abs()), |(s, m), t| (s + t, m + t.abs()))
         })
         .collect();
-    close("dW", &read(layer.weight_grad()), &want_dw, T);
+    close("dW", &gpu.floats(layer.weight_grad()), &want_dw, T);
     let want_db: Vec<u32> = (0..N)
         .map(|o| {
             let mut acc = 0f32;
@@ -1275,10 +1300,6 @@ fn cast_weights_honours_the_noop_flag() {
         microbatch: 1,
         layer: 0,
     };
-    let read_u8 = |buf: &DeviceBuffer<u8>| -> Vec<u8> {
-        gpu.stream.synchronize().expect("sync");
-        buf.to_vec(&gpu.stream).expect("read back")
-    };
     let w_amax = || {
         scaling
             .amax(1)
@@ -1294,10 +1315,10 @@ fn cast_weights_honours_the_noop_flag() {
 
     let plain = Slot::new(at, vec![&x], vec![&y], saved.iter().collect(), &pool);
     layer.cast_weights(&gpu.stream, &plain).expect("cast");
-    assert_eq!(read_u8(layer.weight_fp8().data()), q(&w0), "first cast");
+    assert_eq!(gpu.bytes(layer.weight_fp8().data()), q(&w0), "first cast");
     let amax0 = w_amax();
     assert_eq!(amax0, fp8_kernels::reference::amax(w0.iter().copied()));
-    let wt0 = read_u8(layer.weight_t_fp8());
+    let wt0 = gpu.bytes(layer.weight_t_fp8());
 
     gpu.overwrite(layer.weight(), &w1);
     for (flag, cast) in [(1.0f32, false), (0.0, true)] {
@@ -1306,8 +1327,8 @@ fn cast_weights_honours_the_noop_flag() {
             .with_skip_weight_cast(Some(&f));
         layer.cast_weights(&gpu.stream, &slot).expect("cast");
         let (data, t) = (
-            read_u8(layer.weight_fp8().data()),
-            read_u8(layer.weight_t_fp8()),
+            gpu.bytes(layer.weight_fp8().data()),
+            gpu.bytes(layer.weight_t_fp8()),
         );
         if cast {
             assert_eq!(data, q(&w1), "flag 0.0: the new W is cast");
