@@ -85,11 +85,11 @@ pub(crate) fn copy_in<T: DeviceRepr>(
     dst: &DeviceBuffer<T>,
     src: &DeviceBuffer<T>,
     stream: &Stream,
-    what: &str,
 ) -> Result<bool> {
+    // Callers check lengths first, with messages that name the buffer.
     if src.len() != dst.len() {
         return Err(Error::invalid(format!(
-            "{what} has {} elements, the static buffer {}",
+            "a buffer of {} elements given for a static buffer of {}",
             src.len(),
             dst.len()
         )));
@@ -152,22 +152,8 @@ impl<T: DeviceRepr> GraphedCallables<T> {
         let position = self.cursor.get().check(&self.schedule, step)?;
         let graphs = self.graphs_of(chunk, microbatch)?;
         self.check_eager_outside_capture(position, step, stream)?;
-        let first = self.buffers.plan.graphs[graphs.start].inputs.clone();
-        if inputs.len() != first.len() {
-            return Err(Error::invalid(format!(
-                "forward of chunk {chunk}: {} inputs given, it takes {}",
-                inputs.len(),
-                first.len()
-            )));
-        }
-        for (i, (src, d)) in inputs.iter().zip(first).enumerate() {
-            self.count_copy(copy_in(
-                &self.buffers.arena[d],
-                src,
-                stream,
-                &format!("input {i}"),
-            )?);
-        }
+        let first = &self.buffers.plan.graphs[graphs.start].inputs;
+        self.copy_all_in(inputs, first, stream, "forward", chunk, "input")?;
         // Weight caching: the flag the IF node (or the casts' noop form) reads, written
         // stream-ordered before the launches.
         if graphs.clone().any(|g| self.weights.casts[g]) {
@@ -201,24 +187,15 @@ impl<T: DeviceRepr> GraphedCallables<T> {
         let position = self.cursor.get().check(&self.schedule, step)?;
         let graphs = self.graphs_of(chunk, microbatch)?;
         self.check_eager_outside_capture(position, step, stream)?;
-        let last = self.buffers.plan.graphs[graphs.end - 1]
-            .grad_outputs
-            .clone();
-        if grad_outputs.len() != last.len() {
-            return Err(Error::invalid(format!(
-                "backward of chunk {chunk}: {} output gradients given, it takes {}",
-                grad_outputs.len(),
-                last.len()
-            )));
-        }
-        for (i, (src, d)) in grad_outputs.iter().zip(last).enumerate() {
-            self.count_copy(copy_in(
-                &self.buffers.arena[d],
-                src,
-                stream,
-                &format!("output gradient {i}"),
-            )?);
-        }
+        let last = &self.buffers.plan.graphs[graphs.end - 1].grad_outputs;
+        self.copy_all_in(
+            grad_outputs,
+            last,
+            stream,
+            "backward",
+            chunk,
+            "output gradient",
+        )?;
         self.run_program(position, stream)?;
         self.advance(position);
         // Amax reduction and scale update (the caller's hook) after the backward replay.
@@ -339,8 +316,41 @@ impl<T: DeviceRepr> GraphedCallables<T> {
         }
     }
 
-    fn count_copy(&self, copied: bool) {
-        self.copies.set(self.copies.get() + u64::from(copied));
+    /// Copies `srcs` into the static buffers at arena indices `dsts` on `stream` (only the
+    /// ones that are other allocations), counting the copies. Every count and length is
+    /// checked first: on an error nothing is enqueued, and the message names the `pass` of
+    /// `chunk` and the `what` at fault.
+    fn copy_all_in(
+        &self,
+        srcs: &[&DeviceBuffer<T>],
+        dsts: &[usize],
+        stream: &Stream,
+        pass: &str,
+        chunk: usize,
+        what: &str,
+    ) -> Result<()> {
+        if srcs.len() != dsts.len() {
+            return Err(Error::invalid(format!(
+                "{pass} of chunk {chunk}: {} {what}s given, it takes {}",
+                srcs.len(),
+                dsts.len()
+            )));
+        }
+        for (i, (src, &d)) in srcs.iter().zip(dsts).enumerate() {
+            let want = self.buffers.arena[d].len();
+            if src.len() != want {
+                return Err(Error::invalid(format!(
+                    "{pass} of chunk {chunk}: {what} {i} has {} elements, the static buffer \
+                     {want}",
+                    src.len()
+                )));
+            }
+        }
+        for (src, &d) in srcs.iter().zip(dsts) {
+            let copied = copy_in(&self.buffers.arena[d], src, stream)?;
+            self.copies.set(self.copies.get() + u64::from(copied));
+        }
+        Ok(())
     }
 
     /// The step the schedule expects next.
