@@ -475,17 +475,17 @@ impl Fp8Linear {
             // (SGEMM_TILE, SGEMM_ROWS), what the kernel expects. y is a separate buffer
             // (the runtime's static output, or the caller's).
             Some((b, _)) => unsafe {
-                stream.launch(
+                stream.launch_pdl(
                     &self.hp.forward_bias,
-                    &cfg.pdl(stream.context()),
+                    &cfg,
                     &kernel_args![*x, self.w, *b, *y, m, n, k],
                 )
             },
             // SAFETY: as above, fp8_linear_hp_forward_f32(x, w, y, m, n, k) without bias.
             None => unsafe {
-                stream.launch(
+                stream.launch_pdl(
                     &self.hp.forward,
-                    &cfg.pdl(stream.context()),
+                    &cfg,
                     &kernel_args![*x, self.w, *y, m, n, k],
                 )
             },
@@ -521,9 +521,9 @@ impl Fp8Linear {
         // grid is sgemm_config's for the [m, k] output. dx is the pass's own gradient
         // buffer, not read by the launch.
         unsafe {
-            stream.launch(
+            stream.launch_pdl(
                 &self.hp.dgrad,
-                &sgemm_config(self.tokens, self.in_features)?.pdl(stream.context()),
+                &sgemm_config(self.tokens, self.in_features)?,
                 &kernel_args![*dy, self.w, *dx, m, n, k],
             )
         }
@@ -544,9 +544,9 @@ impl Fp8Linear {
         // and adds into n * k of dw (the layer's [out, in] gradient); accesses
         // bounds-checked; the grid is sgemm_config's for the [n, k] output.
         unsafe {
-            stream.launch(
+            stream.launch_pdl(
                 &self.hp.wgrad,
-                &sgemm_config(self.out_features, self.in_features)?.pdl(stream.context()),
+                &sgemm_config(self.out_features, self.in_features)?,
                 &kernel_args![*dy, *x, self.dw, m, n, k],
             )
         }
@@ -563,9 +563,9 @@ impl Fp8Linear {
         // reads rows * cols floats of dy (its length, checked by one_each) and adds to cols
         // floats of db (out_features long); one thread per column, bound-checked.
         unsafe {
-            stream.launch(
+            stream.launch_pdl(
                 &self.bias_grad,
-                &LaunchConfig::for_elements(cols, 128).pdl(stream.context()),
+                &LaunchConfig::for_elements(cols, 128),
                 &kernel_args![*dy, *db, rows, cols],
             )
         }

@@ -455,9 +455,9 @@ impl Fp8Moe {
         // by the caller) and wr [E, H], writes logits [T, E], expert [T], gate [T], all
         // owned by this layer with those lengths.
         unsafe {
-            stream.launch(
+            stream.launch_pdl(
                 &self.router,
-                &LaunchConfig::linear(t, ROUTER_BLOCK).pdl(stream.context()),
+                &LaunchConfig::linear(t, ROUTER_BLOCK),
                 &kernel_args![
                     *x,
                     self.wr,
@@ -477,9 +477,9 @@ impl Fp8Moe {
         // 32 * 256 * 4 = 32 KiB, under the 48 KiB default); reads expert [T], writes pos [T]
         // and counts [E]; experts <= MAX_EXPERTS <= PLAN_BLOCK (checked at construction).
         unsafe {
-            stream.launch(
+            stream.launch_pdl(
                 &self.plan,
-                &cfg.pdl(stream.context()),
+                &cfg,
                 &kernel_args![self.r.expert, self.r.pos, self.r.counts, t, e],
             )
         }?;
@@ -490,9 +490,9 @@ impl Fp8Moe {
         // = T rows of H / 16 16-byte vectors (H % 16 == 0, 16-byte aligned allocation), dst
         // x_disp [E, T, H] bytes; rows with an expert or position out of range are skipped.
         unsafe {
-            stream.launch(
+            stream.launch_pdl(
                 &self.scatter,
-                &LaunchConfig::linear(t, ROW_BLOCK).pdl(stream.context()),
+                &LaunchConfig::linear(t, ROW_BLOCK),
                 &kernel_args![
                     *self.x_fp8.data(),
                     self.x_disp,
@@ -589,9 +589,9 @@ impl Fp8Moe {
         // [E, T, F] at rows expert * T + pos (range-checked in the kernel), expert, pos,
         // gate [T]; writes y [T, F] (length checked by the caller).
         unsafe {
-            stream.launch(
+            stream.launch_pdl(
                 &self.combine,
-                &LaunchConfig::linear(t, ROW_BLOCK).pdl(stream.context()),
+                &LaunchConfig::linear(t, ROW_BLOCK),
                 &kernel_args![
                     self.h,
                     self.r.expert,
@@ -658,9 +658,9 @@ impl Callable<f32> for Fp8Moe {
         // by one_each; il fits u32 by MoeConfig::check); one thread per element,
         // bound-checked.
         unsafe {
-            stream.launch(
+            stream.launch_pdl(
                 &self.zero,
-                &LaunchConfig::for_elements(n, 256).pdl(stream.context()),
+                &LaunchConfig::for_elements(n, 256),
                 &kernel_args![*dx, n],
             )
         }

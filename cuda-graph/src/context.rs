@@ -65,7 +65,7 @@ impl Context {
     }
 
     /// Whether kernels launched in this context may use programmatic dependent launch
-    /// ([`LaunchConfig::pdl`](crate::LaunchConfig::pdl)): the driver and device have it
+    /// ([`Stream::launch_pdl`](crate::Stream::launch_pdl)): the driver and device have it
     /// ([`Feature::ProgrammaticDependentLaunch`](crate::driver::Feature::ProgrammaticDependentLaunch))
     /// and the environment variable `CUDA_GRAPH_PDL` is not `0` (the switch for measuring
     /// without it, or ruling it out when debugging). Asked once per context.

@@ -83,21 +83,6 @@ impl LaunchConfig {
         self.attributes.push(attribute);
         self
     }
-
-    /// With programmatic dependent launch
-    /// ([`LaunchAttribute::ProgrammaticStreamSerialization`]) where `ctx` supports it
-    /// ([`Context::supports_pdl`](crate::Context::supports_pdl)), unchanged elsewhere. The
-    /// kernel may then be scheduled while its predecessor on the stream (or in a captured
-    /// graph) still runs, hiding its launch latency; it must call `cuda_graph::pdl_wait()`
-    /// (`#include <cuda_graph/pdl.cuh>`, on the include path of `cuda-build` compiles)
-    /// before touching memory earlier work writes or reads. Only for such kernels.
-    pub fn pdl(self, ctx: &crate::Context) -> LaunchConfig {
-        if ctx.supports_pdl() {
-            self.with(LaunchAttribute::ProgrammaticStreamSerialization)
-        } else {
-            self
-        }
-    }
 }
 
 /// Something that can be passed to a kernel: a plain value or a device buffer (passed as its
@@ -193,6 +178,43 @@ impl Stream {
         config: &LaunchConfig,
         args: &KernelArgs<'_>,
     ) -> Result<()> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.launch_with(kernel, config, None, args) }
+    }
+
+    /// [`launch`](Self::launch) with programmatic dependent launch where this stream's
+    /// context supports it ([`Context::supports_pdl`](crate::Context::supports_pdl); the
+    /// attribute [`LaunchAttribute::ProgrammaticStreamSerialization`] added to `config`'s):
+    /// the kernel may be scheduled while its predecessor on the stream (or in a captured
+    /// graph) still runs, hiding its launch latency. Elsewhere it is a plain launch.
+    ///
+    /// # Safety
+    /// As [`launch`](Self::launch), and the kernel must call `cuda_graph::pdl_wait()`
+    /// (`#include <cuda_graph/pdl.cuh>`, on the include path of every `cuda-build` compile)
+    /// before it touches memory that earlier work on the stream writes or reads.
+    pub unsafe fn launch_pdl(
+        &self,
+        kernel: &Kernel,
+        config: &LaunchConfig,
+        args: &KernelArgs<'_>,
+    ) -> Result<()> {
+        let extra = self
+            .context()
+            .supports_pdl()
+            .then_some(LaunchAttribute::ProgrammaticStreamSerialization);
+        // SAFETY: forwarded from the caller.
+        unsafe { self.launch_with(kernel, config, extra, args) }
+    }
+
+    /// [`launch`](Self::launch) with `extra` appended to `config`'s attributes (without
+    /// copying the config).
+    unsafe fn launch_with(
+        &self,
+        kernel: &Kernel,
+        config: &LaunchConfig,
+        extra: Option<LaunchAttribute>,
+        args: &KernelArgs<'_>,
+    ) -> Result<()> {
         kernel.check_args(args.sizes())?;
         if self.is_collecting() {
             self.retain_all_for_capture(
@@ -200,7 +222,7 @@ impl Stream {
             );
         }
         let (g, b) = (config.grid, config.block);
-        if config.attributes.is_empty() {
+        if config.attributes.is_empty() && extra.is_none() {
             // SAFETY: live kernel and stream; the parameter array points at values borrowed
             // for the call; the caller vouches for what the kernel does.
             return unsafe {
@@ -222,15 +244,17 @@ impl Stream {
         // The raw attributes on the stack (every attribute kind at most once fits): no
         // allocation per launch; a longer list goes to the heap.
         const INLINE: usize = 4;
+        let all = config.attributes.iter().chain(extra.as_ref());
+        let n = config.attributes.len() + usize::from(extra.is_some());
         let mut inline = [CUlaunchAttribute::default(); INLINE];
         let mut heap = Vec::new();
-        let attrs: &mut [CUlaunchAttribute] = if config.attributes.len() <= INLINE {
-            for (raw, a) in inline.iter_mut().zip(&config.attributes) {
+        let attrs: &mut [CUlaunchAttribute] = if n <= INLINE {
+            for (raw, a) in inline.iter_mut().zip(all) {
                 *raw = a.to_raw();
             }
-            &mut inline[..config.attributes.len()]
+            &mut inline[..n]
         } else {
-            heap.extend(config.attributes.iter().map(|a| a.to_raw()));
+            heap.extend(all.map(|a| a.to_raw()));
             &mut heap
         };
         let raw = CUlaunchConfig {

@@ -184,7 +184,7 @@ pub fn quantize_blockwise(
     // out (both checked to hold exactly that many, aligned) and one f32 per block of
     // scales_inv (checked to hold scales_len); every access is bound-checked against
     // rows / cols in the kernel.
-    unsafe { stream.launch(&k, &cfg.pdl(stream.context()), &args) }
+    unsafe { stream.launch_pdl(&k, &cfg, &args) }
 }
 
 #[cfg(test)]

@@ -130,7 +130,7 @@ pub fn cast_transpose(
     // each of out.data() and out_t, all checked to hold exactly that many and to be 16-byte
     // aligned (its widest access); tiles cover the matrix with blocks that bound-check every
     // element; each scalar slot index is inside its buffer (DeviceScalar checks it).
-    unsafe { stream.launch(&k, &cfg.pdl(stream.context()), &args) }
+    unsafe { stream.launch_pdl(&k, &cfg, &args) }
 }
 
 #[cfg(test)]

@@ -21,7 +21,7 @@
 //! never allocate.
 //!
 //! Every kernel is launched with programmatic dependent launch where the device has it
-//! ([`LaunchConfig::pdl`](cuda_graph::LaunchConfig::pdl); sm_90, `CUDA_GRAPH_PDL=0` turns it
+//! ([`Stream::launch_pdl`](cuda_graph::Stream::launch_pdl); sm_90, `CUDA_GRAPH_PDL=0` turns it
 //! off): it may be scheduled while the previous kernel on the stream still runs, and waits
 //! (`griddepcontrol.wait`) before touching any memory, so results are unchanged while the
 //! launch latency between back-to-back kernels (in a graph, a chain of them) is hidden. The

@@ -124,13 +124,7 @@ pub fn quantize_current(
     .arg(&pair);
     // SAFETY: fp8_zero_amax(float*, const float*, uint2) writes amax[idx.x] only; the index
     // is inside the buffer (DeviceScalar checks it).
-    unsafe {
-        stream.launch(
-            &zero,
-            &LaunchConfig::linear(1, 32).pdl(stream.context()),
-            &args,
-        )
-    }?;
+    unsafe { stream.launch_pdl(&zero, &LaunchConfig::linear(1, 32), &args) }?;
     launch_amax(stream, &amax_k, sms, &input, out.amax(), noop)?;
     let cfg = cast_config(sms, &input);
     launch_cast(stream, &cast, cfg, &input, out, noop)
@@ -194,7 +188,7 @@ fn launch_cast(
     // SAFETY: the kernel reads n elements of the input type from the input buffer and writes
     // n bytes to out.data(), both checked to hold n elements and 16-byte aligned (the vector
     // width); each scalar slot index is inside its buffer (DeviceScalar checks it).
-    unsafe { stream.launch(k, &cfg.pdl(stream.context()), &args) }
+    unsafe { stream.launch_pdl(k, &cfg, &args) }
 }
 
 /// Maxes `max |input|` (NaN wins) into `amax`, which must hold a non-negative value. With
@@ -239,7 +233,7 @@ fn launch_amax(
     let cfg = LaunchConfig::linear(grid(sms, n / vec), BLOCK);
     // SAFETY: reads n input elements (buffer holds n, 16-byte aligned), writes amax[idx]
     // (inside its buffer).
-    unsafe { stream.launch(k, &cfg.pdl(stream.context()), &args) }
+    unsafe { stream.launch_pdl(k, &cfg, &args) }
 }
 
 /// `out = narrow_rne(decode(input) * scale_inv)` with `scale_inv` read from
@@ -269,7 +263,7 @@ pub fn dequantize(stream: &Stream, input: &Fp8Tensor, out: HpBufferMut<'_>) -> R
     let cfg = LaunchConfig::linear(grid(sms, n / 8), BLOCK);
     // SAFETY: reads n bytes of input.data() and writes n elements of out (both checked to
     // hold n, 16-byte aligned); reads scale_inv[idx] inside its buffer.
-    unsafe { stream.launch(&k, &cfg.pdl(stream.context()), &args) }
+    unsafe { stream.launch_pdl(&k, &cfg, &args) }
 }
 
 #[cfg(test)]

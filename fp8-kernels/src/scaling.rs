@@ -227,6 +227,6 @@ impl DelayedScaling {
         // SAFETY: block t touches history[t*H .. t*H+H], scale[t], scale_inv[t],
         // scaled_max[t], registered[t], all inside buffers sized len() x H and len();
         // blockDim >= H, a multiple of 32 and <= 1024 (history_len checked in new).
-        unsafe { stream.launch(&k, &cfg.pdl(stream.context()), &args) }
+        unsafe { stream.launch_pdl(&k, &cfg, &args) }
     }
 }

@@ -1,5 +1,5 @@
 // Programmatic dependent launch (PDL) for kernels launched with
-// `LaunchConfig::pdl` (cuda-graph): such a kernel may be scheduled while the previous kernel
+// `Stream::launch_pdl` (cuda-graph): such a kernel may be scheduled while the previous kernel
 // on its stream (or its predecessor node in a graph) is still running, so it must call
 // `cuda_graph::pdl_wait()` before it touches any memory earlier work writes or reads; the
 // wait returns once the predecessor grid has completed and its writes are visible. Nothing

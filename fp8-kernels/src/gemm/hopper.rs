@@ -210,7 +210,7 @@ fn launch_with(stream: &Stream, p: &GemmProblem<'_>, bn: Option<usize>) -> Resul
     // below min(count, m) and columns below N of each group's [m, N] block, which the entry
     // points' validation sized; bias has N elements; counts has `groups` int32s; each scalar
     // index is inside its buffer (DeviceScalar checks it).
-    unsafe { stream.launch(&k, &cfg.pdl(stream.context()), &args) }
+    unsafe { stream.launch_pdl(&k, &cfg, &args) }
 }
 
 /// A bias buffer of either element type, pushed as its device address.

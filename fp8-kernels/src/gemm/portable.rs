@@ -91,7 +91,7 @@ pub(crate) fn launch(stream: &Stream, p: &GemmProblem<'_>) -> Result<()> {
     // writes D only at rows < min(m, counts[g]) and columns < n; the scale slot indices are
     // inside their buffers (DeviceScalar checks them). Argument order and types match
     // fp8_gemm_mma_* in gemm_mma.cuh.
-    unsafe { stream.launch(&k, &cfg.pdl(stream.context()), &args) }
+    unsafe { stream.launch_pdl(&k, &cfg, &args) }
 }
 
 /// Enqueues the block-scaled MMA kernel for a validated problem (scale lengths checked).
@@ -133,7 +133,7 @@ pub(crate) fn launch_blockwise(
     // SAFETY: as for `launch` with one group; in addition the kernel reads
     // sa[r * ceil(k/128) + kb] for rows r < m and sb[(c / 128) * ceil(k/128) + kb] for
     // column tiles c / 128 < ceil(n/128), kb < ceil(k/128): both lengths were checked.
-    unsafe { stream.launch(&kern, &cfg.pdl(stream.context()), &args) }
+    unsafe { stream.launch_pdl(&kern, &cfg, &args) }
 }
 
 /// Enqueues the reference kernel (grid-stride, one thread per output) for a validated
@@ -171,5 +171,5 @@ pub(crate) fn launch_reference(stream: &Stream, p: &GemmProblem<'_>) -> Result<(
     let cfg = LaunchConfig::linear(grid, REF_THREADS);
     // SAFETY: as for `launch`; the kernel visits i < groups * m * n (the validated length of
     // D) and reads whole rows of A and B inside their validated lengths.
-    unsafe { stream.launch(&k, &cfg.pdl(stream.context()), &args) }
+    unsafe { stream.launch_pdl(&k, &cfg, &args) }
 }
