@@ -78,7 +78,8 @@ use cuda_graph_sys::{
 
 use crate::error::{CaptureCause, Error, Result, replace_capture_cause};
 use crate::event::Event;
-use crate::graph::{Graph, Resource};
+use crate::graph::Graph;
+use crate::resources::Resource;
 use crate::stream::Stream;
 
 /// The `call` of an [`Error::CaptureInvalidated`] whose cause was not seen on the capturing
@@ -587,8 +588,32 @@ impl Stream {
     where
         F: FnOnce(&mut CaptureScope<'_>) -> Result<()>,
     {
+        self.capture_with(mode, f).map(|(graph, ())| graph)
+    }
+
+    /// [`Stream::capture`] for a closure that returns a value besides the graph (buffers it
+    /// made, node handles, sizes): `Ok((graph, value))`. Errors of your own code inside the
+    /// closure travel as [`Error::External`] (`Error::external(e)`).
+    ///
+    /// ```no_run
+    /// # use cuda_graph::{CaptureMode, DeviceBuffer, GraphPool, Stream};
+    /// # fn f(stream: &Stream, pool: &GraphPool) -> cuda_graph::Result<()> {
+    /// let (graph, out) = stream.capture_with(CaptureMode::Global, |s| {
+    ///     let out = pool.alloc::<f32>(1024)?; // no driver call: legal while capturing
+    ///     out.memset_bytes(s.stream(), 0)?;
+    ///     Ok(out)
+    /// })?;
+    /// # Ok(()) }
+    /// ```
+    pub fn capture_with<F, R>(&self, mode: CaptureMode, f: F) -> Result<(Graph, R)>
+    where
+        F: FnOnce(&mut CaptureScope<'_>) -> Result<R>,
+    {
         let mut scope = CaptureScope::begin(self, mode, None)?;
-        let outcome = f(&mut scope);
+        let (outcome, value) = match f(&mut scope) {
+            Ok(v) => (Ok(()), Some(v)),
+            Err(e) => (Err(e), None),
+        };
         let captured = scope.finish(outcome)?;
         // SAFETY: the graph was just returned by cuStreamEndCapture, in this context, and
         // is owned by nobody else.
@@ -596,7 +621,12 @@ impl Stream {
         for r in captured.resources {
             graph.keep_alive(r);
         }
-        Ok(graph)
+        match value {
+            Some(v) => Ok((graph, v)),
+            None => Err(Error::invalid(
+                "capture: the closure failed but finish succeeded",
+            )),
+        }
     }
 
     /// Like [`Stream::capture`], but appends the captured nodes to `graph`

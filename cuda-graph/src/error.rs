@@ -64,7 +64,7 @@ pub enum Error {
         /// The driver's instantiate result.
         result: cuda_graph_sys::CUgraphInstantiateResult,
         /// The failing node.
-        node: crate::exec::NodeId,
+        node: crate::ids::NodeId,
     },
     /// `cuGraphExecUpdate` refused the new graph; the exec is unchanged.
     #[error("graph exec update failed ({reason:?}) at node {node:?}: {source}")]
@@ -72,9 +72,9 @@ pub enum Error {
         /// The failing driver call.
         source: Box<Error>,
         /// The driver's reason.
-        reason: crate::exec::UpdateReason,
+        reason: UpdateReason,
         /// The node the driver blamed (`info.errorNode`; null if none).
-        node: crate::exec::NodeId,
+        node: crate::ids::NodeId,
     },
     /// A module failed to load; `log` is the JIT compiler's error log (PTX only).
     #[error("{source}; JIT log: {log}")]
@@ -110,23 +110,6 @@ pub enum Error {
         /// the invalidating call's error, else `cuStreamEndCapture`'s.
         source: Box<Error>,
     },
-    /// A pipeline schedule or graph layout was rejected before any driver call.
-    #[error("invalid schedule: {0}")]
-    Schedule(#[from] crate::graphed::ScheduleError),
-    /// A graphed-callables replay did not follow the schedule; nothing was enqueued.
-    #[error(
-        "replay out of schedule order at order[{position}]: expected {}, got {}",
-        crate::graphed::describe_step(expected),
-        crate::graphed::describe_step(got)
-    )]
-    ReplayOrder {
-        /// The position in the order of the step expected next.
-        position: usize,
-        /// The step the schedule expects there.
-        expected: crate::graphed::Step,
-        /// The step asked for.
-        got: crate::graphed::Step,
-    },
     /// A capture scope ended while side streams it forked had work not joined back to the
     /// origin stream. The partial graph was discarded and the streams are usable again.
     #[error("stream capture ended with {forks} forked stream(s) not joined back to the origin")]
@@ -134,6 +117,61 @@ pub enum Error {
         /// How many forked streams had unjoined work.
         forks: usize,
     },
+    /// An error of the caller's own code, carried through this crate (returned from inside
+    /// a capture closure, a host-node callback, a layer of a runtime built on this crate).
+    /// Make one with [`Error::external`]; get it back with `std::error::Error::source` or
+    /// by matching and downcasting.
+    #[error("{0}")]
+    External(Box<dyn std::error::Error + Send + Sync + 'static>),
+}
+
+/// Why `cuGraphExecUpdate` refused a graph (`CUgraphExecUpdateResult`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum UpdateReason {
+    /// An unexpected failure, described by the driver's return code (e.g. an invalid value).
+    Error,
+    /// Nodes or edges were added, removed or reordered.
+    TopologyChanged,
+    /// A node's kind changed.
+    NodeTypeChanged,
+    /// A kernel node's function changed (drivers before 11.2).
+    FunctionChanged,
+    /// A node's parameters changed in a way that cannot be updated (e.g. a memcpy's device).
+    ParametersChanged,
+    /// Something about a node cannot be updated.
+    NotSupported,
+    /// A kernel node's function changed in a way that cannot be updated.
+    UnsupportedFunctionChange,
+    /// A node's attributes changed in a way that cannot be updated.
+    AttributesChanged,
+    /// A value this crate does not know (from a newer driver).
+    Unknown(u32),
+}
+
+impl UpdateReason {
+    /// The reason for a driver value; `None` for `CU_GRAPH_EXEC_UPDATE_SUCCESS`.
+    pub fn from_raw(r: cuda_graph_sys::CUgraphExecUpdateResult) -> Option<UpdateReason> {
+        Some(match r.0 {
+            0 => return None,
+            1 => UpdateReason::Error,
+            2 => UpdateReason::TopologyChanged,
+            3 => UpdateReason::NodeTypeChanged,
+            4 => UpdateReason::FunctionChanged,
+            5 => UpdateReason::ParametersChanged,
+            6 => UpdateReason::NotSupported,
+            7 => UpdateReason::UnsupportedFunctionChange,
+            8 => UpdateReason::AttributesChanged,
+            v => UpdateReason::Unknown(v),
+        })
+    }
+
+    /// Whether a fresh instantiation of the new graph can succeed where the update failed:
+    /// true for every structural reason; false for [`UpdateReason::Error`], which means the
+    /// arguments were wrong, and for unknown values.
+    pub fn reinstantiate_helps(self) -> bool {
+        !matches!(self, UpdateReason::Error | UpdateReason::Unknown(_))
+    }
 }
 
 impl Error {
@@ -148,8 +186,13 @@ impl Error {
         }
     }
 
-    /// An [`Error::InvalidArgument`].
-    pub(crate) fn invalid(msg: impl Into<String>) -> Error {
+    /// An [`Error::External`] carrying `error`.
+    pub fn external(error: impl Into<Box<dyn std::error::Error + Send + Sync + 'static>>) -> Error {
+        Error::External(error.into())
+    }
+
+    /// An [`Error::InvalidArgument`]: an argument rejected before any driver call.
+    pub fn invalid(msg: impl Into<String>) -> Error {
         Error::InvalidArgument(msg.into())
     }
 

@@ -1,19 +1,20 @@
 //! Executable graphs: instantiate, upload, launch, whole-graph update and per-node updates.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 use bitflags::bitflags;
 use cuda_graph_sys::{
-    CUDA_GRAPH_INSTANTIATE_PARAMS, CUgraphExec, CUgraphInstantiateResult, CUgraphNode,
+    CUDA_GRAPH_INSTANTIATE_PARAMS, CUgraph, CUgraphExec, CUgraphInstantiateResult, CUgraphNode,
 };
 
 use crate::context::Context;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, UpdateReason};
 use crate::event::Event;
 use crate::graph::{
     Graph, Resource, copy_bytes, host_params, kernel_params, memcpy_d2d, memset_params,
 };
+use crate::ids::NodeId;
 use crate::launch::{KernelArgs, LaunchConfig};
 use crate::memory::{DeviceBuffer, DeviceRepr};
 use crate::module::Kernel;
@@ -23,55 +24,6 @@ use crate::node::{
 };
 use crate::resources::ResourceSet;
 use crate::stream::Stream;
-
-/// Why `cuGraphExecUpdate` refused a graph (`CUgraphExecUpdateResult`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum UpdateReason {
-    /// An unexpected failure, described by the driver's return code (e.g. an invalid value).
-    Error,
-    /// Nodes or edges were added, removed or reordered.
-    TopologyChanged,
-    /// A node's kind changed.
-    NodeTypeChanged,
-    /// A kernel node's function changed (drivers before 11.2).
-    FunctionChanged,
-    /// A node's parameters changed in a way that cannot be updated (e.g. a memcpy's device).
-    ParametersChanged,
-    /// Something about a node cannot be updated.
-    NotSupported,
-    /// A kernel node's function changed in a way that cannot be updated.
-    UnsupportedFunctionChange,
-    /// A node's attributes changed in a way that cannot be updated.
-    AttributesChanged,
-    /// A value this crate does not know (from a newer driver).
-    Unknown(u32),
-}
-
-impl UpdateReason {
-    /// The reason for a driver value; `None` for `CU_GRAPH_EXEC_UPDATE_SUCCESS`.
-    pub fn from_raw(r: cuda_graph_sys::CUgraphExecUpdateResult) -> Option<UpdateReason> {
-        Some(match r.0 {
-            0 => return None,
-            1 => UpdateReason::Error,
-            2 => UpdateReason::TopologyChanged,
-            3 => UpdateReason::NodeTypeChanged,
-            4 => UpdateReason::FunctionChanged,
-            5 => UpdateReason::ParametersChanged,
-            6 => UpdateReason::NotSupported,
-            7 => UpdateReason::UnsupportedFunctionChange,
-            8 => UpdateReason::AttributesChanged,
-            v => UpdateReason::Unknown(v),
-        })
-    }
-
-    /// Whether a fresh instantiation of the new graph can succeed where the update failed:
-    /// true for every structural reason; false for [`UpdateReason::Error`], which means the
-    /// arguments were wrong, and for unknown values.
-    pub fn reinstantiate_helps(self) -> bool {
-        !matches!(self, UpdateReason::Error | UpdateReason::Unknown(_))
-    }
-}
 
 /// What [`GraphExec::update_or_reinstantiate`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -100,16 +52,48 @@ bitflags! {
 /// An instantiated graph. It keeps alive everything its graph held at instantiation (and
 /// what later updates install), so the memory and modules its nodes use outlive it even if
 /// the user's handles and the graph are dropped. It also keeps the graph object it was
-/// instantiated from (not the `Graph` value): the per-node setters take that graph's node
-/// handles, and the driver resolves them through it.
-#[derive(Debug)]
+/// instantiated from (not the `Graph` value): the driver resolves node handles through it.
+///
+/// # Node handles
+///
+/// The per-node setters take handles of the graph the exec was instantiated from, and —
+/// unlike the raw driver — also handles of any graph it was later [updated](Self::update)
+/// to, which the exec translates (nodes pair in creation order, which is how graphs built or
+/// captured by the same code pair; the kinds are checked). So after
+/// [`update_or_reinstantiate(g)`](Self::update_or_reinstantiate), `g`'s handles are valid
+/// whichever way it went; the first graph's handles stay valid after updates, but not after
+/// a reinstantiation (a new topology has other nodes).
+///
+/// # Dropping
+///
+/// Every launch is followed by an event record (under a lock, so the event always marks
+/// the latest launch; launches of one exec run in launch order). Dropping a launched exec
+/// waits for that event only — not for the whole context — before releasing what it keeps
+/// alive. If that wait fails (the context hit a sticky error), the memory is leaked rather
+/// than freed under work that may still run.
 pub struct GraphExec {
     raw: CUgraphExec,
     ctx: Arc<Context>,
     resources: ResourceSet,
-    /// Set by the first launch: dropping must then wait for the device before releasing
-    /// memory the launches may still use.
-    launched: AtomicBool,
+    /// The graph the exec was instantiated from (kept alive among `resources`).
+    origin: CUgraph,
+    /// Node handles of graphs this exec was updated to, mapped to `origin`'s.
+    aliases: HashMap<CUgraphNode, CUgraphNode>,
+    /// The graph of the latest update whose handles are not mapped yet (mapped on first
+    /// use, so that updates stay cheap), with what keeps it alive.
+    pending_alias: Option<(CUgraph, Resource)>,
+    /// Recorded after every launch; `None` until the first launch.
+    completion: Mutex<Option<Event>>,
+}
+
+impl std::fmt::Debug for GraphExec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GraphExec")
+            .field("raw", &self.raw)
+            .field("resources", &self.resources.as_slice().len())
+            .field("aliases", &self.aliases.len())
+            .finish()
+    }
 }
 
 // SAFETY: an exec may be launched from any thread; mutation (updates) takes &mut self.
@@ -180,7 +164,10 @@ impl GraphExec {
                 .cloned()
                 .chain([graph.handle_resource()])
                 .collect(),
-            launched: AtomicBool::new(false),
+            origin: graph.as_raw(),
+            aliases: HashMap::new(),
+            pending_alias: None,
+            completion: Mutex::new(None),
         })
     }
 
@@ -190,11 +177,61 @@ impl GraphExec {
         unsafe { cu!(cuGraphUpload(self.raw, stream.as_raw())) }
     }
 
-    /// Launches the graph on `stream`. One exec runs one launch at a time, in stream order.
+    /// Launches the graph on `stream` ([`cuGraphLaunch`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html)).
+    /// One exec runs one launch at a time, in launch order, whatever the streams.
+    ///
+    /// Errors: the driver's (e.g. an invalid stream, a graph whose memory nodes were not
+    /// freed, a sticky error of the context).
     pub fn launch(&self, stream: &Stream) -> Result<()> {
-        self.launched.store(true, Ordering::Relaxed);
+        let mut completion = self
+            .completion
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if completion.is_none() {
+            *completion = Some(Event::for_sync(&self.ctx)?);
+        }
         // SAFETY: live exec and stream; the exec keeps alive what its nodes use.
-        unsafe { cu!(cuGraphLaunch(self.raw, stream.as_raw())) }
+        unsafe { cu!(cuGraphLaunch(self.raw, stream.as_raw())) }?;
+        match completion.as_ref() {
+            Some(event) => event.record(stream),
+            None => Ok(()),
+        }
+    }
+
+    /// Waits until every launch of this exec so far has finished (one event, not the whole
+    /// context). Returns at once if it was never launched.
+    pub fn synchronize(&self) -> Result<()> {
+        let completion = self
+            .completion
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        match completion.as_ref() {
+            Some(event) => event.synchronize(),
+            None => Ok(()),
+        }
+    }
+
+    /// The node of the instantiated graph that `node` stands for: itself, or its pair if it
+    /// belongs to a graph this exec was updated to.
+    fn resolve(&mut self, node: NodeId) -> Result<CUgraphNode> {
+        if let Some((graph, _keep)) = self.pending_alias.take() {
+            let ours = crate::graph::raw_nodes(self.origin)?;
+            let theirs = crate::graph::raw_nodes(graph)?;
+            if ours.len() == theirs.len() {
+                let mut pairs = Vec::with_capacity(ours.len());
+                for (&a, &b) in ours.iter().zip(&theirs) {
+                    if crate::graph::raw_node_type(a)? != crate::graph::raw_node_type(b)? {
+                        pairs.clear();
+                        break;
+                    }
+                    if a != b {
+                        pairs.push((b, a));
+                    }
+                }
+                self.aliases.extend(pairs);
+            }
+        }
+        Ok(self.aliases.get(&node.0).copied().unwrap_or(node.0))
     }
 
     /// The raw handle; valid while this exec lives.
@@ -259,6 +296,9 @@ impl GraphExec {
             });
         }
         self.absorb(graph.resources().iter().cloned());
+        if graph.as_raw() != self.origin {
+            self.pending_alias = Some((graph.as_raw(), graph.handle_resource()));
+        }
         Ok(())
     }
 
@@ -266,7 +306,8 @@ impl GraphExec {
     /// ([`UpdateReason::reinstantiate_helps`]), replaces this exec with a fresh instantiation
     /// of `graph` with `flags` (the old exec is dropped, which waits for the device if it
     /// was launched). Other errors are returned and leave the exec unchanged. After
-    /// [`UpdateOutcome::Reinstantiated`], per-node setters take `graph`'s node handles.
+    /// Either way, per-node setters then take `graph`'s node handles (see
+    /// [node handles](Self#node-handles)).
     pub fn update_or_reinstantiate(
         &mut self,
         graph: &Graph,
@@ -275,7 +316,9 @@ impl GraphExec {
         match self.update(graph) {
             Ok(()) => Ok(UpdateOutcome::Updated),
             Err(Error::Update { reason, .. }) if reason.reinstantiate_helps() => {
-                *self = GraphExec::instantiate(graph, flags)?;
+                let fresh = GraphExec::instantiate(graph, flags)?;
+                // The old exec is dropped here: it waits for its own launches only.
+                *self = fresh;
                 Ok(UpdateOutcome::Reinstantiated)
             }
             Err(e) => Err(e),
@@ -298,15 +341,10 @@ impl GraphExec {
         args: &KernelArgs<'_>,
     ) -> Result<()> {
         let params = kernel_params(kernel, config, args)?;
+        let node = self.resolve(node.id())?;
         self.ctx.bind()?;
         // SAFETY: live exec; the params point at argument values borrowed for the call.
-        unsafe {
-            cu!(cuGraphExecKernelNodeSetParams(
-                self.raw,
-                node.id().0,
-                &params
-            ))
-        }?;
+        unsafe { cu!(cuGraphExecKernelNodeSetParams(self.raw, node, &params)) }?;
         self.absorb(std::iter::once(kernel.module_resource()).chain(args.resources()));
         Ok(())
     }
@@ -321,12 +359,13 @@ impl GraphExec {
     ) -> Result<()> {
         let bytes = copy_bytes(dst, src)?;
         let params = memcpy_d2d(dst.as_raw(), src.as_raw(), bytes);
+        let node = self.resolve(node.id())?;
         self.ctx.bind()?;
         // SAFETY: live exec and context; both ranges live, kept alive below.
         unsafe {
             cu!(cuGraphExecMemcpyNodeSetParams(
                 self.raw,
-                node.id().0,
+                node,
                 &params,
                 self.ctx.as_raw()
             ))
@@ -344,12 +383,13 @@ impl GraphExec {
         value: MemsetValue,
     ) -> Result<()> {
         let params = memset_params(dst, value)?;
+        let node = self.resolve(node.id())?;
         self.ctx.bind()?;
         // SAFETY: live exec and context; dst live, kept alive below.
         unsafe {
             cu!(cuGraphExecMemsetNodeSetParams(
                 self.raw,
-                node.id().0,
+                node,
                 &params,
                 self.ctx.as_raw()
             ))
@@ -367,8 +407,9 @@ impl GraphExec {
     ) -> Result<HostNode> {
         let cb = Arc::new(HostCallback::new(f));
         let params = host_params(&cb);
+        let raw = self.resolve(node.id())?;
         // SAFETY: live exec; the callback stays alive while the exec holds `cb`.
-        unsafe { cu!(cuGraphExecHostNodeSetParams(self.raw, node.id().0, &params)) }?;
+        unsafe { cu!(cuGraphExecHostNodeSetParams(self.raw, raw, &params)) }?;
         self.resources.insert(cb.clone());
         Ok(HostNode {
             id: node.id(),
@@ -379,11 +420,12 @@ impl GraphExec {
     /// Replaces a child graph node's graph; `child` must have the child's topology. The exec
     /// keeps `child`'s resources.
     pub fn set_child_graph(&mut self, node: &ChildGraphNode, child: &Graph) -> Result<()> {
+        let node = self.resolve(node.id())?;
         // SAFETY: live exec and graph.
         unsafe {
             cu!(cuGraphExecChildGraphNodeSetParams(
                 self.raw,
-                node.id().0,
+                node,
                 child.as_raw()
             ))
         }?;
@@ -397,11 +439,12 @@ impl GraphExec {
         node: &EventRecordNode,
         event: &Arc<Event>,
     ) -> Result<()> {
+        let node = self.resolve(node.id())?;
         // SAFETY: live exec and event.
         unsafe {
             cu!(cuGraphExecEventRecordNodeSetEvent(
                 self.raw,
-                node.id().0,
+                node,
                 event.as_raw()
             ))
         }?;
@@ -411,11 +454,12 @@ impl GraphExec {
 
     /// Makes an event wait node wait for `event` in later launches; the exec keeps it alive.
     pub fn set_event_wait_event(&mut self, node: &EventWaitNode, event: &Arc<Event>) -> Result<()> {
+        let node = self.resolve(node.id())?;
         // SAFETY: live exec and event.
         unsafe {
             cu!(cuGraphExecEventWaitNodeSetEvent(
                 self.raw,
-                node.id().0,
+                node,
                 event.as_raw()
             ))
         }?;
@@ -428,16 +472,18 @@ impl GraphExec {
     /// [`Error::InvalidArgument`] without a driver call.
     pub fn set_node_enabled(&mut self, node: impl Into<Node>, enabled: bool) -> Result<()> {
         let node = check_toggle(node.into())?;
+        let raw = self.resolve(node.id)?;
         // SAFETY: live exec.
-        unsafe { cu!(cuGraphNodeSetEnabled(self.raw, node.id.0, enabled as u32)) }
+        unsafe { cu!(cuGraphNodeSetEnabled(self.raw, raw, enabled as u32)) }
     }
 
     /// Whether a kernel, memcpy or memset node is enabled.
-    pub fn node_enabled(&self, node: impl Into<Node>) -> Result<bool> {
+    pub fn node_enabled(&mut self, node: impl Into<Node>) -> Result<bool> {
         let node = check_toggle(node.into())?;
+        let raw = self.resolve(node.id)?;
         let mut on = 0u32;
         // SAFETY: live exec, valid out-pointer.
-        unsafe { cu!(cuGraphNodeGetEnabled(self.raw, node.id.0, &mut on)) }?;
+        unsafe { cu!(cuGraphNodeGetEnabled(self.raw, raw, &mut on)) }?;
         Ok(on != 0)
     }
 }
@@ -456,9 +502,10 @@ fn check_toggle(node: Node) -> Result<Node> {
 impl Drop for GraphExec {
     fn drop(&mut self) {
         // A launch may still be running on any stream, and stream-ordered frees of the
-        // resources would not be ordered after it: wait for the device first.
-        if self.launched.load(Ordering::Relaxed) && !self.resources.is_empty() {
-            let _ = self.ctx.synchronize();
+        // resources would not be ordered after it: wait for this exec's last launch first.
+        // If the wait fails, leak what the exec holds rather than free it under the device.
+        if !self.resources.is_empty() && self.synchronize().is_err() {
+            std::mem::forget(std::mem::take(&mut self.resources));
         }
         if let Ok(destroy) = cuda_graph_sys::driver().and_then(|d| d.cuGraphExecDestroy()) {
             // SAFETY: owned exec, destroyed once; the driver defers destruction until a
@@ -467,16 +514,6 @@ impl Drop for GraphExec {
         }
     }
 }
-
-/// A node of a graph, as the driver names it (`CUgraphNode`); a plain identifier, valid
-/// while its graph lives. Typed node handles in `graph.rs` wrap it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct NodeId(pub CUgraphNode);
-
-// SAFETY: an opaque identifier; using it requires the graph, which enforces thread rules.
-unsafe impl Send for NodeId {}
-// SAFETY: as above.
-unsafe impl Sync for NodeId {}
 
 #[cfg(test)]
 mod tests {

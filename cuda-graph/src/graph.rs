@@ -15,7 +15,7 @@ use cuda_graph_sys::{
 use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::event::Event;
-use crate::exec::NodeId;
+use crate::ids::NodeId;
 use crate::launch::{KernelArgs, LaunchConfig};
 use crate::memory::{DeviceBuffer, DeviceRepr};
 use crate::module::Kernel;
@@ -119,6 +119,30 @@ impl Graph {
     pub(crate) fn handle_resource(&self) -> Resource {
         self.owner.clone()
     }
+}
+
+/// The nodes of a live graph, in creation order (`cuGraphGetNodes`).
+pub(crate) fn raw_nodes(graph: CUgraph) -> Result<Vec<CUgraphNode>> {
+    let mut n = 0usize;
+    // SAFETY: null array asks for the count.
+    unsafe { cu!(cuGraphGetNodes(graph, std::ptr::null_mut(), &mut n)) }?;
+    // The driver refuses a zero-length array, so an empty answer ends here.
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    let mut raw = vec![std::ptr::null_mut(); n];
+    // SAFETY: the array has room for n nodes.
+    unsafe { cu!(cuGraphGetNodes(graph, raw.as_mut_ptr(), &mut n)) }?;
+    raw.truncate(n);
+    Ok(raw)
+}
+
+/// The driver's type of a live node.
+pub(crate) fn raw_node_type(node: CUgraphNode) -> Result<cuda_graph_sys::CUgraphNodeType> {
+    let mut t = cuda_graph_sys::CUgraphNodeType(0);
+    // SAFETY: a live node, valid out-pointer.
+    unsafe { cu!(cuGraphNodeGetType(node, &mut t)) }?;
+    Ok(t)
 }
 
 fn raw_deps(deps: &[Node]) -> Vec<CUgraphNode> {
@@ -525,20 +549,9 @@ impl Graph {
         }
     }
 
-    /// Every node, with its kind.
+    /// Every node, with its kind, in creation order.
     pub fn nodes(&self) -> Result<Vec<Node>> {
-        let mut n = 0usize;
-        // SAFETY: null array asks for the count.
-        unsafe { cu!(cuGraphGetNodes(self.raw, std::ptr::null_mut(), &mut n)) }?;
-        // The driver refuses a zero-length array, so an empty answer ends here.
-        if n == 0 {
-            return Ok(Vec::new());
-        }
-        let mut raw = vec![std::ptr::null_mut(); n];
-        // SAFETY: the array has room for n nodes.
-        unsafe { cu!(cuGraphGetNodes(self.raw, raw.as_mut_ptr(), &mut n)) }?;
-        raw.truncate(n);
-        self.typed(raw)
+        self.typed(raw_nodes(self.raw)?)
     }
 
     /// The nodes without dependencies.

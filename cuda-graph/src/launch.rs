@@ -7,9 +7,9 @@ use std::sync::Arc;
 use cuda_graph_sys::{CUlaunchAttribute, CUlaunchAttributeID, CUlaunchConfig};
 
 use crate::error::Result;
-use crate::graph::Resource;
 use crate::memory::{Allocation, DeviceBuffer, DeviceRepr};
 use crate::module::Kernel;
+use crate::resources::Resource;
 use crate::stream::Stream;
 
 /// A launch attribute (`CUlaunchAttribute`), for [`LaunchConfig::attributes`].
@@ -105,6 +105,21 @@ impl<T: DeviceRepr> KernelArg for DeviceBuffer<T> {
             .push((self.ptr_ref() as *const u64).cast_mut().cast());
         args.sizes.push(size_of::<u64>());
         args.buffers.push(self.allocation());
+    }
+}
+
+/// A borrowed buffer passes its device address, like the buffer: `kernel_args![x, y]` with
+/// `x: &DeviceBuffer<f32>` needs no `*`.
+impl<T: DeviceRepr> KernelArg for &DeviceBuffer<T> {
+    fn push_to<'a>(&'a self, args: &mut KernelArgs<'a>) {
+        (**self).push_to(args);
+    }
+}
+
+/// A shared buffer passes its device address, like the buffer.
+impl<T: DeviceRepr> KernelArg for Arc<DeviceBuffer<T>> {
+    fn push_to<'a>(&'a self, args: &mut KernelArgs<'a>) {
+        (**self).push_to(args);
     }
 }
 

@@ -17,8 +17,6 @@
 //!   conditional nodes (IF, IF-ELSE, WHILE, SWITCH) and the device helpers that set them.
 //! * [`capture`]: stream capture as a closure scope ([`Stream::capture`]), with forks and
 //!   joins to side streams.
-//! * [`graphed`]: graphed callables ([`graphed::GraphedCallables`]): forward and backward
-//!   graphs per (chunk, microbatch, layer) under a pipeline [`graphed::Schedule`].
 //! * [`Error`]: every failure, carrying the driver call, its result code, name and message.
 //!
 //! # Lifetimes: what keeps device memory alive
@@ -65,18 +63,18 @@
 #[macro_use]
 mod error;
 pub mod capture;
-mod conditional;
+pub mod conditional;
 mod context;
 pub mod driver;
 mod event;
 mod exec;
 mod graph;
-pub mod graphed;
+mod ids;
 mod launch;
-mod memory;
+pub mod memory;
 mod module;
 mod node;
-mod pool;
+pub mod pool;
 mod resources;
 mod stream;
 
@@ -84,16 +82,23 @@ pub use capture::{CaptureMode, CaptureScope, CaptureStatus, UNKNOWN_CAPTURE_CALL
 pub use conditional::{Body, ConditionSource, ConditionalHandle, ConditionalKind};
 pub use context::Context;
 pub use cuda_graph_sys as sys;
-pub use error::{Error, Result};
+pub use error::{Error, Result, UpdateReason};
 pub use event::{Event, EventFlags};
-pub use exec::{GraphExec, InstantiateFlags, NodeId, UpdateOutcome, UpdateReason};
-pub use graph::{Graph, Resource};
+pub use exec::{GraphExec, InstantiateFlags, UpdateOutcome};
+pub use graph::Graph;
+pub use ids::NodeId;
 pub use launch::{KernelArg, KernelArgs, LaunchAttribute, LaunchConfig};
 pub use memory::{Allocation, DeviceBuffer, DeviceRepr, MemPool, PinnedBuffer};
 pub use module::{Kernel, Module};
 pub use node::{
-    ChildGraphNode, Edge, EdgeKind, EmptyNode, EventRecordNode, EventWaitNode, HostNode,
-    KernelNode, MemAllocNode, MemFreeNode, MemcpyNode, MemsetNode, MemsetValue, Node, NodeKind,
+    ChildGraphNode, ConditionalNode, Edge, EdgeKind, EmptyNode, EventRecordNode, EventWaitNode,
+    HostNode, KernelNode, MemAllocNode, MemFreeNode, MemcpyNode, MemsetNode, MemsetValue, Node,
+    NodeKind,
 };
 pub use pool::{GraphPool, POOL_ALIGN};
+pub use resources::Resource;
 pub use stream::Stream;
+
+/// `half`, whose [`f16`](half::f16) and [`bf16`](half::bf16) are this crate's half-precision
+/// element types (re-exported so users name the same version).
+pub use half;

@@ -234,7 +234,7 @@ impl Kernel {
     }
 
     /// The module, to keep it alive from a graph.
-    pub(crate) fn module_resource(&self) -> crate::graph::Resource {
+    pub(crate) fn module_resource(&self) -> crate::resources::Resource {
         self.module.clone()
     }
 

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use cuda_graph_sys::{CUdeviceptr, CUgraphEdgeData, CUgraphNodeType};
 
-use crate::exec::NodeId;
+use crate::ids::NodeId;
 
 /// The kind of a graph node (`CUgraphNodeType`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -114,6 +114,12 @@ macro_rules! typed_node {
     };
 }
 
+typed_node!(
+    /// A conditional node ([`crate::Graph::add_if`], [`add_while`](crate::Graph::add_while),
+    /// ...).
+    ConditionalNode,
+    NodeKind::Conditional
+);
 typed_node!(
     /// A kernel node ([`crate::Graph::add_kernel`]).
     KernelNode,

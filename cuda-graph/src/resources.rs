@@ -1,9 +1,12 @@
-//! The set of resources a graph or exec keeps alive.
+//! What graphs and execs keep alive: the [`Resource`] alias and the set that holds each once.
 
+use std::any::Any;
 use std::collections::HashSet;
 use std::sync::Arc;
 
-use crate::graph::Resource;
+/// Something a graph's nodes use (a device allocation, a module, a child graph's resources)
+/// and must keep alive for as long as the graph, or an exec made from it, may run.
+pub type Resource = Arc<dyn Any + Send + Sync>;
 
 /// Resources kept alive, each once (compared by address), in insertion order.
 ///

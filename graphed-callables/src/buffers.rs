@@ -11,7 +11,7 @@
 //!
 //! By default nothing is shared across microbatches or chunks: the buffers of a microbatch
 //! hold its activations from its forward replay until its backward replay, whatever runs in
-//! between. With buffer reuse ([`GraphedOptions::reuse_buffers`](super::GraphedOptions::reuse_buffers))
+//! between. With buffer reuse ([`GraphedOptions::reuse_buffers`](crate::GraphedOptions::reuse_buffers))
 //! the microbatches of a chunk draw *buffer sets* (every layer's buffers of one microbatch)
 //! from a free list as the schedule runs ([`buffer_sets`]): a microbatch's forward takes a
 //! free set, its last backward step (the backward, or the weight-gradient step of a split
@@ -21,12 +21,12 @@
 
 use std::ops::Range;
 
-use crate::error::{Error, Result};
-use crate::memory::{DeviceBuffer, DeviceRepr};
-use crate::pool::{GraphPool, POOL_ALIGN};
+use cuda_graph::{DeviceBuffer, DeviceRepr};
+use cuda_graph::{Error, Result};
+use cuda_graph::{GraphPool, POOL_ALIGN};
 
-use super::layout::Layout;
-use super::schedule::{Pass, Schedule};
+use crate::layout::Layout;
+use crate::schedule::{Pass, Schedule};
 
 /// The buffer set of each (chunk, microbatch), at `chunk * num_microbatches + microbatch`,
 /// numbered from 0 within each chunk: with `reuse`, sets are recycled in schedule order
@@ -262,7 +262,7 @@ impl<T: DeviceRepr> StaticBuffers<T> {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use crate::*;
 
     fn shapes(i: &[usize], o: &[usize], s: &[usize]) -> Shapes {
         Shapes {

@@ -4,7 +4,7 @@
 //! A step (the forward or backward of one (chunk, microbatch)) runs its chunk's layers in
 //! pass order, and each layer its segments ([`SegmentPlan`]). Without merging every graphed
 //! segment of every layer is a graph of its own (TransformerEngine's granularity: one graph
-//! per callable and microbatch). With merging ([`GraphedOptions::merge_layers`](super::GraphedOptions::merge_layers),
+//! per callable and microbatch). With merging ([`GraphedOptions::merge_layers`](crate::GraphedOptions::merge_layers),
 //! the default) consecutive graphed segments of a step are captured into one graph, across
 //! layer boundaries; only eager segments split it. A chain of small layers then costs one
 //! graph launch per step instead of one per layer: graph launches are not free on the
@@ -15,8 +15,8 @@ use std::collections::HashMap;
 
 use crate::error::{Error, Result};
 
-use super::schedule::{LayerStep, Pass, Schedule};
-use super::segments::{SegmentPlan, SegmentRun};
+use crate::schedule::{LayerStep, Pass, Schedule};
+use crate::segments::{SegmentPlan, SegmentRun};
 
 /// One segment of one layer's pass in a step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -140,8 +140,8 @@ impl Programs {
 
 #[cfg(test)]
 mod tests {
-    use super::super::segments::SegmentKind::{Eager, Graphed};
-    use super::*;
+    use crate::crate::segments::SegmentKind::{Eager, Graphed};
+    use crate::*;
 
     fn shape(items: &[Item]) -> Vec<String> {
         items

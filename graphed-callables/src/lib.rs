@@ -6,7 +6,7 @@
 //!
 //! * [`Callable`]: one layer's forward and backward over static buffers, enqueued on a
 //!   given stream; [`Slot`] is the per-(chunk, microbatch, layer) context it gets.
-//! * [`GraphedCallables::build`]: allocates the static buffers from one [`GraphPool`](crate::GraphPool),
+//! * [`GraphedCallables::build`]: allocates the static buffers from one [`GraphPool`](cuda_graph::GraphPool),
 //!   warms up, captures every (chunk, microbatch, layer)'s forward and backward in schedule
 //!   order, instantiates and uploads the graphs; [`GraphedOptions`] configures it. By default
 //!   ([`GraphedOptions::merge_layers`]) the layers of one step (the forward or backward of a
@@ -30,7 +30,7 @@
 //! # Example: build and train
 //!
 //! ```no_run
-//! use cuda_graph::graphed::{Callable, GraphedCallables, GraphedOptions, Step};
+//! use graphed_callables::{Callable, GraphedCallables, GraphedOptions, Step};
 //! use cuda_graph::{Context, DeviceBuffer, Stream};
 //! # fn my_layers() -> Vec<Box<dyn Callable<f32>>> { unimplemented!() }
 //! let ctx = Context::default_device()?;
@@ -69,13 +69,13 @@
 //!     }
 //! }
 //! stream.synchronize()?;
-//! # Ok::<(), cuda_graph::Error>(())
+//! # Ok::<(), graphed_callables::Error>(())
 //! ```
 //!
 //! # Example: schedules
 //!
 //! ```
-//! use cuda_graph::graphed::{Pass, Schedule, Step};
+//! use graphed_callables::{Pass, Schedule, Step};
 //!
 //! // An interleaved pipeline: 2 chunks x 3 microbatches, chunks of 2 and 3 layers.
 //! let schedule = Schedule::new(&[1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1], vec![2, 3])?;
@@ -105,14 +105,14 @@
 //!     "order[3] = -2 is entry 3 of chunk 2, but chunk 1 appears only 2 times: every chunk \
 //!      needs the same number of entries, a forward and a backward per microbatch"
 //! );
-//! # Ok::<(), cuda_graph::graphed::ScheduleError>(())
+//! # Ok::<(), graphed_callables::ScheduleError>(())
 //! ```
 
 //! # Static buffers
 //!
 //! Every (chunk, microbatch, layer) has its own static inputs, outputs, output gradients,
 //! input gradients and saved activations ([`Callable::saved_lens`]), all carved from the
-//! one [`GraphPool`](crate::GraphPool). Within a (chunk, microbatch) the layers chain: layer `l + 1`'s inputs
+//! one [`GraphPool`](cuda_graph::GraphPool). Within a (chunk, microbatch) the layers chain: layer `l + 1`'s inputs
 //! are layer `l`'s outputs (the same allocations), and layer `l`'s output gradients are
 //! layer `l + 1`'s input gradients, so a replay moves no data between layers. That needs
 //! layer `l`'s output lengths to equal layer `l + 1`'s input lengths; a chunk whose layers
@@ -185,6 +185,7 @@
 mod buffers;
 mod build;
 mod callable;
+mod error;
 mod layout;
 mod program;
 mod replay;
@@ -194,8 +195,8 @@ pub mod segments;
 pub mod weights;
 
 pub use callable::{Callable, Slot};
+pub use error::{Error, Result};
 pub use layout::{GraphIndex, Layout};
-pub(crate) use replay::describe_step;
 pub use runtime::{GraphedCallables, GraphedOptions};
 pub use schedule::{LayerStep, OrderEntry, Pass, Schedule, ScheduleError, Step};
 pub use segments::{SegmentKind, SegmentPlan, SegmentRun};

@@ -8,25 +8,25 @@
 //! the expert launches; that can not be captured. Breaking-layer capture splits the layer:
 //! the router (and, if wanted, the dispatch preprocessing) is graphed, the experts run
 //! eagerly from the router's outputs, the combine is graphed again. The split is chosen per
-//! layer through [`Callable::forward_segments`](super::Callable::forward_segments) and
-//! [`Callable::backward_segments`](super::Callable::backward_segments).
+//! layer through [`Callable::forward_segments`](crate::Callable::forward_segments) and
+//! [`Callable::backward_segments`](crate::Callable::backward_segments).
 //!
 //! # How the runtime runs segments
 //!
 //! * Warmup runs every segment of every pass eagerly, in order, on the warmup stream
-//!   (graphed ones through [`Callable::forward_segment`](super::Callable::forward_segment) /
-//!   [`backward_segment`](super::Callable::backward_segment), eager ones through
-//!   [`Callable::forward_eager`](super::Callable::forward_eager) /
-//!   [`backward_eager`](super::Callable::backward_eager)).
+//!   (graphed ones through [`Callable::forward_segment`](crate::Callable::forward_segment) /
+//!   [`backward_segment`](crate::Callable::backward_segment), eager ones through
+//!   [`Callable::forward_eager`](crate::Callable::forward_eager) /
+//!   [`backward_eager`](crate::Callable::backward_eager)).
 //! * Capture records the graphed segments in schedule order, into the one pool: each into
-//!   its own graph with [`GraphedOptions::merge_layers`](super::GraphedOptions::merge_layers)
+//!   its own graph with [`GraphedOptions::merge_layers`](crate::GraphedOptions::merge_layers)
 //!   off, else every run of consecutive graphed segments of a step (across its layers) into
 //!   one graph, so only eager segments split a step's graph. Eager segments are never called
 //!   inside a capture.
-//! * Replay ([`GraphedCallables::forward`](super::GraphedCallables::forward) /
-//!   [`backward`](super::GraphedCallables::backward)) runs each layer's segments in order
+//! * Replay ([`GraphedCallables::forward`](crate::GraphedCallables::forward) /
+//!   [`backward`](crate::GraphedCallables::backward)) runs each layer's segments in order
 //!   on the replay stream: a graph launch for a graphed segment (or run of them), a host call
-//!   for an eager one, with the same slot ([`Slot`](super::Slot)) the graphed segments were captured
+//!   for an eager one, with the same slot ([`Slot`](crate::Slot)) the graphed segments were captured
 //!   with. An eager segment may copy sizes to the host, synchronize the stream and launch
 //!   work shaped by them. The step hooks run after the whole pass, as before.
 //!
@@ -34,8 +34,8 @@
 //!
 //! Graphs hold fixed device addresses, so whatever one segment produces for a later one
 //! must live in the slot's static buffers: its inputs, outputs, gradients and above all its
-//! saved buffers ([`Slot::saved`](super::Slot::saved), declared with
-//! [`Callable::saved_lens`](super::Callable::saved_lens)), one set per (chunk, microbatch,
+//! saved buffers ([`Slot::saved`](crate::Slot::saved), declared with
+//! [`Callable::saved_lens`](crate::Callable::saved_lens)), one set per (chunk, microbatch,
 //! layer). In particular an eager segment that feeds a later graphed segment must write
 //! into such buffers, never into memory it allocates at replay time; and a graphed segment
 //! must read data-dependent sizes from device memory (the captured graph can not depend on
@@ -52,19 +52,19 @@
 //!
 //! # Weight casts
 //!
-//! [`Callable::cast_weights`](super::Callable::cast_weights) belongs to the *first graphed*
+//! [`Callable::cast_weights`](crate::Callable::cast_weights) belongs to the *first graphed*
 //! segment of the forward: it is captured at the head of that segment's graph (the IF node
-//! of [`WeightCaching::Conditional`](super::WeightCaching::Conditional), or the noop-flag
+//! of [`WeightCaching::Conditional`](crate::WeightCaching::Conditional), or the noop-flag
 //! casts), and warmup calls it right before that segment. Eager segments before it run
 //! before the casts and must not read the cast weights. A forward with no graphed segment
 //! gets no runtime-managed casts at all (the runtime never calls `cast_weights` for it): such
-//! a layer casts in its eager code, e.g. when [`Slot::is_first_microbatch`](super::Slot::is_first_microbatch).
+//! a layer casts in its eager code, e.g. when [`Slot::is_first_microbatch`](crate::Slot::is_first_microbatch).
 //!
 //! # Edge cases
 //!
 //! An empty segment list is an error at build (a pass must do something, and "no segment"
 //! would be ambiguous between "nothing" and "the default"). A pass of only eager segments
-//! is allowed: it has no graph ([`GraphedCallables::forward_exec`](super::GraphedCallables::forward_exec)
+//! is allowed: it has no graph ([`GraphedCallables::forward_exec`](crate::GraphedCallables::forward_exec)
 //! is `None` for it) and runs entirely at replay.
 
 use crate::error::{Error, Result};
@@ -73,7 +73,7 @@ use crate::error::{Error, Result};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum SegmentKind {
     /// Captured into a graph (its own, or shared with the neighbouring graphed segments of
-    /// its step under [`GraphedOptions::merge_layers`](super::GraphedOptions::merge_layers))
+    /// its step under [`GraphedOptions::merge_layers`](crate::GraphedOptions::merge_layers))
     /// and replayed by a graph launch.
     Graphed,
     /// Run by the host at replay time, between the graph launches, on the replay stream
@@ -227,8 +227,8 @@ impl SegmentPlan {
 
 #[cfg(test)]
 mod tests {
-    use super::SegmentKind::{Eager, Graphed};
-    use super::*;
+    use crate::SegmentKind::{Eager, Graphed};
+    use crate::*;
 
     #[test]
     fn default_is_one_graph() {

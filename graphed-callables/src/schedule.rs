@@ -10,7 +10,7 @@
 use std::collections::BTreeSet;
 use std::fmt;
 
-use super::layout::Layout;
+use crate::layout::Layout;
 
 /// One entry of a schedule order, with its 1-based chunk id as written in the order.
 ///

@@ -1,5 +1,5 @@
 //! Weight caching and step hooks, FP8-agnostic: how the runtime makes a callable's per-step
-//! weight casts ([`Callable::cast_weights`](super::Callable::cast_weights)) run once per
+//! weight casts ([`Callable::cast_weights`](crate::Callable::cast_weights)) run once per
 //! training step, and the hooks through which a caller runs amax reductions and scale
 //! updates after replays and saves and restores its scaling state around warmup.
 //!
@@ -10,19 +10,19 @@
 //! branch on the host, so the decision is made on the device from a flag the runtime owns
 //! per (chunk, microbatch) and writes on the replay stream (a stream-ordered memset, no host
 //! synchronization) before every forward replay, from
-//! [`GraphedCallables::is_first_microbatch`](super::GraphedCallables::is_first_microbatch):
+//! [`GraphedCallables::is_first_microbatch`](crate::GraphedCallables::is_first_microbatch):
 //!
 //! * [`WeightCaching::Conditional`]: each forward graph that casts starts with a one-thread
 //!   setter kernel that copies the `i32` flag (1 = first microbatch) into the handle of one
 //!   IF conditional node, whose body holds the casts of every layer in the graph (a whole
-//!   step's layers with [`GraphedOptions::merge_layers`](super::GraphedOptions::merge_layers));
+//!   step's layers with [`GraphedOptions::merge_layers`](crate::GraphedOptions::merge_layers));
 //!   the forwards follow. On later microbatches the IF body is skipped: no cast kernel is
 //!   launched at all. Callables
-//!   see [`Slot::skip_weight_cast`](super::Slot::skip_weight_cast) `== None` and cast
+//!   see [`Slot::skip_weight_cast`](crate::Slot::skip_weight_cast) `== None` and cast
 //!   unconditionally. Needs a driver with [`Feature::ConditionalIfWhile`] (12.4).
 //! * [`WeightCaching::NoopFlag`]: the casts are captured unconditionally before the forward
 //!   and every cast kernel must read the `f32` flag of
-//!   [`Slot::skip_weight_cast`](super::Slot::skip_weight_cast) (1.0 = skip: not the first
+//!   [`Slot::skip_weight_cast`](crate::Slot::skip_weight_cast) (1.0 = skip: not the first
 //!   microbatch) as its noop flag and do nothing when it is 1.0, like fp8-kernels'
 //!   quantize. A cast kernel that ignores the flag recasts on every microbatch: the result
 //!   is the same (the weights did not change within the step) but the work is repeated; a
@@ -36,7 +36,7 @@
 //! Whether a forward graph casts at all is found at build by capturing its
 //! `cast_weights` into a throwaway graph: a callable that enqueues nothing gets neither
 //! the IF node nor a flag write
-//! ([`GraphedCallables::casts_weights`](super::GraphedCallables::casts_weights)).
+//! ([`GraphedCallables::casts_weights`](crate::GraphedCallables::casts_weights)).
 //!
 //! Warmup calls `cast_weights` eagerly before every forward with first-microbatch
 //! semantics (in `NoopFlag` mode the flags read 0.0 then), so lazily created state (cast
@@ -44,15 +44,15 @@
 //!
 //! # Hooks: amax reduction, scale update, warmup state
 //!
-//! [`GraphedOptions::after_forward`](super::GraphedOptions::after_forward) and
-//! [`after_backward`](super::GraphedOptions::after_backward) run on the host right after a
+//! [`GraphedOptions::after_forward`](crate::GraphedOptions::after_forward) and
+//! [`after_backward`](crate::GraphedOptions::after_backward) run on the host right after a
 //! replay's graphs were launched, with the replay stream and the step: they enqueue, e.g.,
 //! one fused launch that reduces the amaxes of all registered FP8 tensors (through a
 //! [`ReductionGroup`], [`IdentityGroup`] in a single process) and updates the scales. They
 //! must not synchronize. They run once per replay, in replay order.
 //!
-//! [`before_warmup`](super::GraphedOptions::before_warmup) and
-//! [`after_warmup`](super::GraphedOptions::after_warmup) run once each, on the warmup
+//! [`before_warmup`](crate::GraphedOptions::before_warmup) and
+//! [`after_warmup`](crate::GraphedOptions::after_warmup) run once each, on the warmup
 //! stream, around the warmup iterations: warmup runs real forwards and backwards, so a
 //! delayed-scaling recipe's amax history and scales move; the intended use is to snapshot
 //! that state (a device-to-device copy enqueued on the given stream) before, and copy it
@@ -63,25 +63,25 @@
 //! A layer does not always run all of its FP8 modules: a MoE layer's experts that get no
 //! tokens skip their quantization and GEMMs. TransformerEngine registers for amax
 //! reduction only the modules that actually ran while warming up; here a callable reports
-//! the FP8 tensors each pass ran through [`Slot::record_fp8_tensors`](super::Slot::record_fp8_tensors),
+//! the FP8 tensors each pass ran through [`Slot::record_fp8_tensors`](crate::Slot::record_fp8_tensors),
 //! the runtime records them per callable during warmup, and hands the result, a
-//! [`WarmupRecord`], to [`after_warmup`](super::GraphedOptions::after_warmup); that hook
+//! [`WarmupRecord`], to [`after_warmup`](crate::GraphedOptions::after_warmup); that hook
 //! registers exactly those tensors with the scaling state (e.g. fp8-kernels'
 //! `DelayedScaling::register`), so the fused update after each replay covers only them. The
-//! record is also kept ([`GraphedCallables::warmup_record`](super::GraphedCallables::warmup_record)).
+//! record is also kept ([`GraphedCallables::warmup_record`](crate::GraphedCallables::warmup_record)).
 //! The runtime itself stays FP8-agnostic: it never reads what the indices mean.
 
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 
-use crate::driver::{DriverVersion, Feature, driver_version};
-use crate::error::Result;
-use crate::memory::DeviceBuffer;
-use crate::stream::Stream;
+use cuda_graph::DeviceBuffer;
+use cuda_graph::Result;
+use cuda_graph::Stream;
+use cuda_graph::driver::{DriverVersion, Feature, driver_version};
 
-use super::schedule::Step;
+use crate::schedule::Step;
 
-/// How the weight casts of [`Callable::cast_weights`](super::Callable::cast_weights) are
+/// How the weight casts of [`Callable::cast_weights`](crate::Callable::cast_weights) are
 /// limited to the first microbatch of each training step in the forward graphs (see the
 /// [module documentation](self)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -89,13 +89,13 @@ pub enum WeightCaching {
     /// An IF conditional node around the casts, set on the device from a runtime-owned
     /// `i32` flag: later microbatches launch no cast kernel. Needs a driver >= 12.4.
     Conditional,
-    /// The casts are always captured and take [`Slot::skip_weight_cast`](super::Slot::skip_weight_cast)
+    /// The casts are always captured and take [`Slot::skip_weight_cast`](crate::Slot::skip_weight_cast)
     /// (`f32`, 1.0 = skip) as their noop flag. Works on any driver.
     NoopFlag,
     /// No device flag at all: each chunk's first-microbatch forward graph holds the casts
     /// unconditionally, the other microbatches' graphs hold none. A replay's
     /// first-microbatch-ness is fixed by its position in the schedule
-    /// ([`GraphedCallables::is_first_microbatch`](super::GraphedCallables::is_first_microbatch)),
+    /// ([`GraphedCallables::is_first_microbatch`](crate::GraphedCallables::is_first_microbatch)),
     /// so this casts exactly when the other two do, with no setter kernel, IF node or noop
     /// launches. Works on any driver.
     Static,
@@ -122,7 +122,7 @@ impl WeightCaching {
     }
 
     /// Checks that the installed driver supports this mechanism
-    /// ([`Error::Unsupported`](crate::Error::Unsupported) otherwise).
+    /// ([`Error::Unsupported`](cuda_graph::Error::Unsupported) otherwise).
     pub fn check(self) -> Result<()> {
         match self {
             WeightCaching::Conditional => {
@@ -149,9 +149,9 @@ impl WeightCaching {
     }
 }
 
-/// Which callables run with FP8 ([`GraphedOptions::fp8`](super::GraphedOptions::fp8);
+/// Which callables run with FP8 ([`GraphedOptions::fp8`](crate::GraphedOptions::fp8);
 /// TransformerEngine's `fp8_enabled`, a bool or one per callable). The runtime hands it to
-/// each callable as [`Slot::fp8_enabled`](super::Slot::fp8_enabled) and manages weight
+/// each callable as [`Slot::fp8_enabled`](crate::Slot::fp8_enabled) and manages weight
 /// casts only for callables with FP8 on.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub enum Fp8Enabled {
@@ -160,19 +160,19 @@ pub enum Fp8Enabled {
     All,
     /// No callable.
     Off,
-    /// One flag per callable, by [`Layout::callable_index`](super::Layout::callable_index).
+    /// One flag per callable, by [`Layout::callable_index`](crate::Layout::callable_index).
     PerCallable(Vec<bool>),
 }
 
 impl Fp8Enabled {
     /// The flag of each of `callables` callables; a per-callable list of another length is
-    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument).
+    /// [`Error::InvalidArgument`](cuda_graph::Error::InvalidArgument).
     pub fn resolve(&self, callables: usize) -> Result<Vec<bool>> {
         match self {
             Fp8Enabled::All => Ok(vec![true; callables]),
             Fp8Enabled::Off => Ok(vec![false; callables]),
             Fp8Enabled::PerCallable(v) if v.len() == callables => Ok(v.clone()),
-            Fp8Enabled::PerCallable(v) => Err(crate::Error::invalid(format!(
+            Fp8Enabled::PerCallable(v) => Err(cuda_graph::Error::InvalidArgument(format!(
                 "fp8 enabled given for {} callables, there are {callables}",
                 v.len()
             ))),
@@ -181,28 +181,28 @@ impl Fp8Enabled {
 }
 
 /// A hook run after each forward or backward replay
-/// ([`GraphedOptions::after_forward`](super::GraphedOptions::after_forward),
-/// [`after_backward`](super::GraphedOptions::after_backward)): the replay stream and the
+/// ([`GraphedOptions::after_forward`](crate::GraphedOptions::after_forward),
+/// [`after_backward`](crate::GraphedOptions::after_backward)): the replay stream and the
 /// step that was just launched. It enqueues work (e.g. an amax reduction and scale update)
 /// on the stream and must not synchronize it.
 pub type StepHook = Box<dyn FnMut(&Stream, Step) -> Result<()> + Send>;
 
 /// A hook run once before or after warmup
-/// ([`GraphedOptions::before_warmup`](super::GraphedOptions::before_warmup),
-/// [`after_warmup`](super::GraphedOptions::after_warmup)) with the warmup stream: snapshot
+/// ([`GraphedOptions::before_warmup`](crate::GraphedOptions::before_warmup),
+/// [`after_warmup`](crate::GraphedOptions::after_warmup)) with the warmup stream: snapshot
 /// and restore scaling state there, stream-ordered.
 pub type WarmupHook = Box<dyn FnMut(&Stream) -> Result<()> + Send>;
 
 /// A hook run once after warmup
-/// ([`GraphedOptions::after_warmup`](super::GraphedOptions::after_warmup)) with the warmup
+/// ([`GraphedOptions::after_warmup`](crate::GraphedOptions::after_warmup)) with the warmup
 /// stream and what warmup recorded: restore the scaling state saved before warmup and
 /// register the FP8 tensors that ran, stream-ordered.
 pub type AfterWarmupHook = Box<dyn FnMut(&Stream, &WarmupRecord) -> Result<()> + Send>;
 
 /// Collects the FP8 tensor indices passes report through
-/// [`Slot::record_fp8_tensors`](super::Slot::record_fp8_tensors). The runtime keeps one
+/// [`Slot::record_fp8_tensors`](crate::Slot::record_fp8_tensors). The runtime keeps one
 /// per callable during warmup; give one to a slot with
-/// [`Slot::with_recorder`](super::Slot::with_recorder) to see what an eager run reports.
+/// [`Slot::with_recorder`](crate::Slot::with_recorder) to see what an eager run reports.
 #[derive(Debug, Default)]
 pub struct Fp8Recorder {
     tensors: Mutex<BTreeSet<usize>>,
@@ -231,9 +231,9 @@ impl Fp8Recorder {
     }
 }
 
-/// What warmup recorded: per callable ([`Layout::callable_index`](super::Layout::callable_index)),
+/// What warmup recorded: per callable ([`Layout::callable_index`](crate::Layout::callable_index)),
 /// the FP8 tensors its passes reported through
-/// [`Slot::record_fp8_tensors`](super::Slot::record_fp8_tensors).
+/// [`Slot::record_fp8_tensors`](crate::Slot::record_fp8_tensors).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct WarmupRecord {
     per_callable: Vec<BTreeSet<usize>>,
@@ -295,7 +295,7 @@ pub(crate) fn identity_group() -> Arc<dyn ReductionGroup> {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use crate::*;
 
     #[test]
     fn mode_follows_the_driver() {

@@ -1,16 +1,16 @@
 //! What a graphed layer is: the [`Callable`] trait, and the [`Slot`] of static buffers the
 //! runtime hands each forward and backward.
 
-use crate::error::{Error, Result};
-use crate::memory::{DeviceBuffer, DeviceRepr};
-use crate::pool::GraphPool;
-use crate::stream::Stream;
+use cuda_graph::GraphPool;
+use cuda_graph::Stream;
+use cuda_graph::{DeviceBuffer, DeviceRepr};
+use cuda_graph::{Error, Result};
 
-use super::layout::GraphIndex;
-use super::segments::SegmentKind;
-use super::weights::Fp8Recorder;
+use crate::layout::GraphIndex;
+use crate::segments::SegmentKind;
+use crate::weights::Fp8Recorder;
 
-/// One layer (or part of a layer) that [`GraphedCallables`](super::GraphedCallables)
+/// One layer (or part of a layer) that [`GraphedCallables`](crate::GraphedCallables)
 /// captures: a forward and a backward pass over static device buffers.
 ///
 /// A callable belongs to one (chunk, layer) and serves all of that chunk's microbatches; its
@@ -31,7 +31,7 @@ use super::weights::Fp8Recorder;
 ///   microbatch's forward before this one's backward runs.
 ///
 /// A layer may split either pass into segments, each graphed or eager (breaking-layer
-/// capture for MoE, see [`segments`](super::segments)): it declares them with
+/// capture for MoE, see [`segments`](crate::segments)): it declares them with
 /// [`forward_segments`](Self::forward_segments) / [`backward_segments`](Self::backward_segments)
 /// and implements [`forward_segment`](Self::forward_segment) /
 /// [`backward_segment`](Self::backward_segment) for the graphed ones and
@@ -110,7 +110,7 @@ pub trait Callable<T: DeviceRepr>: Send {
     }
 
     /// The parameters (buffers the callable owns). The runtime does not touch them; it
-    /// reports them per graph ([`GraphedCallables::parameters_of`](super::GraphedCallables::parameters_of)).
+    /// reports them per graph ([`GraphedCallables::parameters_of`](crate::GraphedCallables::parameters_of)).
     fn parameters(&self) -> Vec<&DeviceBuffer<T>> {
         Vec::new()
     }
@@ -127,7 +127,7 @@ pub trait Callable<T: DeviceRepr>: Send {
     ///
     /// The runtime calls it before [`forward`](Self::forward) and makes it take effect only
     /// on the chunk's first microbatch of each training step, by one of two mechanisms
-    /// ([`WeightCaching`](super::WeightCaching)): with an IF conditional node around the casts
+    /// ([`WeightCaching`](crate::WeightCaching)): with an IF conditional node around the casts
     /// ([`slot.skip_weight_cast()`](Slot::skip_weight_cast) is `None`: cast
     /// unconditionally), or with a device noop flag every cast kernel must honour
     /// (`Some(flag)`: skip the cast when `flag[0] == 1.0`). Warmup calls it eagerly before
@@ -141,7 +141,7 @@ pub trait Callable<T: DeviceRepr>: Send {
     /// With segmented forwards ([`forward_segments`](Self::forward_segments)) the casts go at
     /// the head of the first *graphed* segment (warmup calls this right before it); a forward
     /// with no graphed segment never gets this call (cast in the eager code instead). See
-    /// [`segments`](super::segments#weight-casts). Nor does a callable with FP8 off
+    /// [`segments`](crate::segments#weight-casts). Nor does a callable with FP8 off
     /// ([`Slot::fp8_enabled`]).
     fn cast_weights(&mut self, stream: &Stream, slot: &Slot<'_, T>) -> Result<()> {
         let _ = (stream, slot);
@@ -217,7 +217,7 @@ pub trait Callable<T: DeviceRepr>: Send {
     }
 
     /// The segments of the forward pass, run in this order (breaking-layer capture; see
-    /// [`segments`](super::segments)). Default `[Graphed]`: the whole forward is one graph
+    /// [`segments`](crate::segments)). Default `[Graphed]`: the whole forward is one graph
     /// ([`forward_segment`](Self::forward_segment)`(0)` = [`forward`](Self::forward)). An
     /// empty list is an error at build; a list of only eager segments is allowed (the pass
     /// has no graph). Asked once, at build.
@@ -234,7 +234,7 @@ pub trait Callable<T: DeviceRepr>: Send {
     /// Enqueues graphed forward segment `segment` on `stream`: called in warmup (eagerly)
     /// and inside the capture of that segment's graph, under the rules of
     /// [`forward`](Self::forward). Data for later segments goes into static buffers (see
-    /// [`segments`](super::segments#data-across-segment-boundaries)).
+    /// [`segments`](crate::segments#data-across-segment-boundaries)).
     ///
     /// Default: segment 0 is [`forward`](Self::forward); any other segment is an error
     /// (a callable that declares more segments implements this).
@@ -323,7 +323,7 @@ pub trait Callable<T: DeviceRepr>: Send {
 /// The error of a default [`Callable`] method that what the callable declared (`why`) needs
 /// but it does not implement (`method`).
 fn not_implemented<T: DeviceRepr>(slot: &Slot<'_, T>, why: &str, method: &str) -> Error {
-    Error::invalid(format!(
+    Error::InvalidArgument(format!(
         "callable of {}: {why} but {method} is not implemented",
         slot.at()
     ))
@@ -370,7 +370,7 @@ impl<'a, T: DeviceRepr> Slot<'a, T> {
 
     /// This slot with FP8 on or off ([`fp8_enabled`](Self::fp8_enabled)), for running a
     /// callable eagerly as the runtime would with
-    /// [`GraphedOptions::fp8`](super::GraphedOptions::fp8).
+    /// [`GraphedOptions::fp8`](crate::GraphedOptions::fp8).
     pub fn with_fp8(mut self, enabled: bool) -> Slot<'a, T> {
         self.fp8 = enabled;
         self
@@ -456,17 +456,17 @@ impl<'a, T: DeviceRepr> Slot<'a, T> {
         self.warmup
     }
 
-    /// In [`WeightCaching::NoopFlag`](super::WeightCaching::NoopFlag) mode, the device flag
+    /// In [`WeightCaching::NoopFlag`](crate::WeightCaching::NoopFlag) mode, the device flag
     /// (one `f32`) the weight-cast kernels of [`Callable::cast_weights`] must take as their
     /// noop flag: 1.0 means skip the cast (not the first microbatch of the step), 0.0 cast.
     /// The runtime writes it before every forward replay of this (chunk, microbatch).
-    /// `None` in [`Conditional`](super::WeightCaching::Conditional) mode (the IF node
+    /// `None` in [`Conditional`](crate::WeightCaching::Conditional) mode (the IF node
     /// decides; cast unconditionally) and in slots made with [`Slot::new`].
     pub fn skip_weight_cast(&self) -> Option<&'a DeviceBuffer<f32>> {
         self.skip_weight_cast
     }
 
-    /// Whether this callable runs with FP8 ([`GraphedOptions::fp8`](super::GraphedOptions::fp8),
+    /// Whether this callable runs with FP8 ([`GraphedOptions::fp8`](crate::GraphedOptions::fp8),
     /// like TransformerEngine's per-callable `fp8_enabled`): a layer that has an FP8 path
     /// and a high-precision one picks by this, the same in warmup, capture and its eager
     /// use. With FP8 off the runtime never calls [`Callable::cast_weights`] for it. `true`
@@ -479,9 +479,9 @@ impl<'a, T: DeviceRepr> Slot<'a, T> {
     /// scaling state (a layer's input, weight and gradient tensors; a MoE layer reports
     /// only the experts that got tokens). The runtime gives every warmup pass a recorder
     /// per callable and hands what was reported to
-    /// [`GraphedOptions::after_warmup`](super::GraphedOptions::after_warmup) as a
-    /// [`WarmupRecord`](super::WarmupRecord), so that exactly the tensors that ran are
-    /// registered for amax reduction and scale updates (see [`weights`](super::weights)).
+    /// [`GraphedOptions::after_warmup`](crate::GraphedOptions::after_warmup) as a
+    /// [`WarmupRecord`](crate::WarmupRecord), so that exactly the tensors that ran are
+    /// registered for amax reduction and scale updates (see [`weights`](crate::weights)).
     /// Captures and replays do not record (their work is fixed at capture); a slot without
     /// a recorder ([`Slot::new`]) ignores the call.
     pub fn record_fp8_tensors(&self, tensors: impl IntoIterator<Item = usize>) {

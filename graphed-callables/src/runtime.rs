@@ -4,22 +4,22 @@
 use std::cell::{Cell, RefCell};
 use std::sync::Arc;
 
-use crate::capture::CaptureMode;
-use crate::context::Context;
 use crate::error::Result;
-use crate::exec::GraphExec;
-use crate::graph::Graph;
-use crate::memory::{DeviceBuffer, DeviceRepr};
-use crate::pool::GraphPool;
-use crate::stream::Stream;
+use cuda_graph::CaptureMode;
+use cuda_graph::Context;
+use cuda_graph::Graph;
+use cuda_graph::GraphExec;
+use cuda_graph::GraphPool;
+use cuda_graph::Stream;
+use cuda_graph::{DeviceBuffer, DeviceRepr};
 
-use super::buffers::StaticBuffers;
-use super::callable::Callable;
-use super::program::Programs;
-use super::replay::ReplayCursor;
-use super::schedule::{Pass, Schedule};
-use super::segments::SegmentPlan;
-use super::weights::{
+use crate::buffers::StaticBuffers;
+use crate::callable::Callable;
+use crate::program::Programs;
+use crate::replay::ReplayCursor;
+use crate::schedule::{Pass, Schedule};
+use crate::segments::SegmentPlan;
+use crate::weights::{
     AfterWarmupHook, Fp8Enabled, ReductionGroup, StepHook, WarmupHook, WarmupRecord, WeightCaching,
     identity_group,
 };
@@ -40,7 +40,7 @@ pub struct GraphedOptions {
     /// replay returns stay valid until that chunk's next forward that takes the same set
     /// ([`GraphedCallables::buffer_set`]). Default `false`.
     pub reuse_buffers: bool,
-    /// The pool the static buffers and the callables' temporaries ([`Slot::pool`](super::Slot::pool)) come
+    /// The pool the static buffers and the callables' temporaries ([`Slot::pool`](crate::Slot::pool)) come
     /// from. Default `None`: a new pool sized for the static buffers plus
     /// [`scratch_bytes`](Self::scratch_bytes).
     pub pool: Option<GraphPool>,
@@ -58,13 +58,13 @@ pub struct GraphedOptions {
     /// How weight casts ([`Callable::cast_weights`]) are limited to the first microbatch of
     /// each step. Default [`WeightCaching::Static`] (casts only in the first microbatch's
     /// graphs: the cheapest, on any driver); [`WeightCaching::detect`] picks the best
-    /// device-flag mechanism instead. See [`weights`](super::weights).
+    /// device-flag mechanism instead. See [`weights`](crate::weights).
     pub weight_caching: WeightCaching,
-    /// Which callables run with FP8 ([`Slot::fp8_enabled`](super::Slot::fp8_enabled)); callables with FP8 off get no
+    /// Which callables run with FP8 ([`Slot::fp8_enabled`](crate::Slot::fp8_enabled)); callables with FP8 off get no
     /// runtime-managed weight casts. Default [`Fp8Enabled::All`].
     pub fp8: Fp8Enabled,
     /// The group amaxes are reduced over, for the hooks to use
-    /// ([`GraphedCallables::reduction_group`]). Default [`IdentityGroup`](super::IdentityGroup)
+    /// ([`GraphedCallables::reduction_group`]). Default [`IdentityGroup`](crate::IdentityGroup)
     /// (one process).
     pub reduction_group: Arc<dyn ReductionGroup>,
     /// Run after every forward replay's launches, with the replay stream and the step (e.g.
@@ -79,10 +79,10 @@ pub struct GraphedOptions {
     pub before_warmup: Option<WarmupHook>,
     /// Run once on the warmup stream after the last warmup pass, before capture, with what
     /// warmup recorded ([`WarmupRecord`]: the FP8 tensors each callable reported through
-    /// [`Slot::record_fp8_tensors`](super::Slot::record_fp8_tensors)): restore what [`before_warmup`](Self::before_warmup)
+    /// [`Slot::record_fp8_tensors`](crate::Slot::record_fp8_tensors)): restore what [`before_warmup`](Self::before_warmup)
     /// saved, so the delayed-scaling history does not carry warmup's iterations, and
     /// register the tensors that ran for the amax reduction (MoE filtering, see
-    /// [`weights`](super::weights)). Default `None`.
+    /// [`weights`](crate::weights)). Default `None`.
     pub after_warmup: Option<AfterWarmupHook>,
 }
 
@@ -235,11 +235,11 @@ impl CastFlags {
         };
         for _ in 0..pairs {
             if mode == WeightCaching::Conditional {
-                let mut b = DeviceBuffer::<i32>::alloc(ctx, 1)?;
+                let b = DeviceBuffer::<i32>::alloc(ctx, 1)?;
                 b.fill_u32_bits(stream, bits)?;
                 flags.cond.push(b);
             } else {
-                let mut b = DeviceBuffer::<f32>::alloc(ctx, 1)?;
+                let b = DeviceBuffer::<f32>::alloc(ctx, 1)?;
                 b.fill_u32_bits(stream, bits)?;
                 flags.noop.push(b);
             }
@@ -247,15 +247,12 @@ impl CastFlags {
         Ok(flags)
     }
 
-    /// The flag buffer of pair `pair` as 32-bit words (whichever the mode uses; `None` for
-    /// [`WeightCaching::Static`], which has none).
-    pub(crate) fn raw_flag(
-        &self,
-        pair: usize,
-    ) -> Option<(cuda_graph_sys::CUdeviceptr, crate::graph::Resource)> {
+    /// The flag buffer of pair `pair` as one 32-bit word (whichever the mode uses; `None`
+    /// for [`WeightCaching::Static`], which has none).
+    pub(crate) fn flag_word(&self, pair: usize) -> Option<DeviceBuffer<u32>> {
         match self.mode {
-            WeightCaching::Conditional => self.cond.get(pair).map(|b| (b.as_raw(), b.resource())),
-            WeightCaching::NoopFlag => self.noop.get(pair).map(|b| (b.as_raw(), b.resource())),
+            WeightCaching::Conditional => self.cond.get(pair)?.reinterpret().ok(),
+            WeightCaching::NoopFlag => self.noop.get(pair)?.reinterpret().ok(),
             WeightCaching::Static => None,
         }
     }
@@ -288,13 +285,13 @@ impl<T: DeviceRepr> GraphedCallables<T> {
         &self.ctx
     }
 
-    /// The callables, by [`Layout::callable_index`](super::Layout::callable_index).
+    /// The callables, by [`Layout::callable_index`](crate::Layout::callable_index).
     pub fn callables(&self) -> &[Box<dyn Callable<T>>] {
         &self.callables
     }
 
     /// The parameters graph `graph` (forward and backward) runs with: those of its
-    /// callable ([`Layout::callable_of_graph`](super::Layout::callable_of_graph)). `None`
+    /// callable ([`Layout::callable_of_graph`](crate::Layout::callable_of_graph)). `None`
     /// if out of range.
     pub fn parameters_of(&self, graph: usize) -> Option<Vec<&DeviceBuffer<T>>> {
         let c = self.schedule.layout().callable_of_graph(graph)?;
@@ -381,7 +378,7 @@ impl<T: DeviceRepr> GraphedCallables<T> {
     /// The captured graph of [`forward_exec`](Self::forward_exec), for inspecting its
     /// structure; `None` if out of range or the forward has no graphed segment. With
     /// [`WeightCaching::Conditional`] and a callable that casts, it starts with a setter
-    /// kernel and one IF node ([`NodeKind::Conditional`](crate::NodeKind::Conditional))
+    /// kernel and one IF node ([`NodeKind::Conditional`](cuda_graph::NodeKind::Conditional))
     /// whose body holds the casts of every casting layer in the graph.
     pub fn forward_graph(&self, graph: usize) -> Option<&Graph> {
         let segment = self.first_graphed(Pass::Forward, graph)?;
@@ -452,7 +449,7 @@ impl<T: DeviceRepr> GraphedCallables<T> {
     }
 
     /// What warmup recorded: the FP8 tensors each callable reported running
-    /// ([`Slot::record_fp8_tensors`](super::Slot::record_fp8_tensors)), the set [`GraphedOptions::after_warmup`] was given.
+    /// ([`Slot::record_fp8_tensors`](crate::Slot::record_fp8_tensors)), the set [`GraphedOptions::after_warmup`] was given.
     pub fn warmup_record(&self) -> &WarmupRecord {
         &self.warmup_record
     }

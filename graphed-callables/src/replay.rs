@@ -1,13 +1,13 @@
 //! Replaying graphed callables in schedule order.
 
 use crate::error::{Error, Result};
-use crate::memory::{DeviceBuffer, DeviceRepr};
-use crate::stream::Stream;
+use cuda_graph::Stream;
+use cuda_graph::{DeviceBuffer, DeviceRepr};
 
-use super::program::{Item, Part};
-use super::runtime::GraphedCallables;
-use super::schedule::{Pass, Schedule, Step};
-use super::weights::StepHook;
+use crate::program::{Item, Part};
+use crate::runtime::GraphedCallables;
+use crate::schedule::{Pass, Schedule, Step};
+use crate::weights::StepHook;
 
 /// Where a training step stands: the position of the next step in the schedule.
 ///
@@ -99,27 +99,15 @@ pub(crate) fn copy_in<T: DeviceRepr>(
     if src.as_raw() == dst.as_raw() || dst.is_empty() {
         return Ok(false);
     }
-    stream.retain_for_capture(|| src.resource());
-    stream.retain_for_capture(|| dst.resource());
-    // SAFETY: both are live allocations of `dst.bytes()` bytes (equal lengths, checked) and
-    // distinct; the static buffer is device memory the runtime owns, written only by work
-    // ordered on the replay stream, as a kernel writing through `&DeviceBuffer` would.
-    unsafe {
-        cu!(cuMemcpyDtoDAsync(
-            dst.as_raw(),
-            src.as_raw(),
-            dst.bytes(),
-            stream.as_raw()
-        ))
-    }?;
+    dst.copy_from_device(stream, src)?;
     Ok(true)
 }
 
 impl<T: DeviceRepr> GraphedCallables<T> {
     /// Replays the forward graphs of (`chunk`, `microbatch`), layer 0 to last, on `stream`.
-    /// A layer with several forward segments ([`Callable::forward_segments`](super::Callable::forward_segments))
+    /// A layer with several forward segments ([`Callable::forward_segments`](crate::Callable::forward_segments))
     /// runs them in order: a graph launch per graphed segment, a call of
-    /// [`Callable::forward_eager`](super::Callable::forward_eager) (on the host, with `stream`
+    /// [`Callable::forward_eager`](crate::Callable::forward_eager) (on the host, with `stream`
     /// and the slot's static buffers; it may synchronize `stream`) per eager segment.
     ///
     /// Each input is copied into the static input of layer 0 unless it *is* that buffer
@@ -132,7 +120,7 @@ impl<T: DeviceRepr> GraphedCallables<T> {
     /// flag), the (chunk, microbatch)'s weight-cast flag is first written on `stream` from
     /// [`is_first_microbatch`](Self::is_first_microbatch) (a one-word memset, no
     /// synchronization). After the launches the
-    /// [`after_forward`](super::GraphedOptions::after_forward) hook runs with `stream` and
+    /// [`after_forward`](crate::GraphedOptions::after_forward) hook runs with `stream` and
     /// this step.
     ///
     /// Errors: [`Error::ReplayOrder`] if the schedule expects another step next (nothing is
@@ -168,11 +156,11 @@ impl<T: DeviceRepr> GraphedCallables<T> {
 
     /// Replays the backward graphs of (`chunk`, `microbatch`), last layer to layer 0, on
     /// `stream`; each layer's backward segments run in their order
-    /// ([`Callable::backward_segments`](super::Callable::backward_segments)), eager ones
-    /// through [`Callable::backward_eager`](super::Callable::backward_eager). Each output gradient is copied into the static output gradient of the last
+    /// ([`Callable::backward_segments`](crate::Callable::backward_segments)), eager ones
+    /// through [`Callable::backward_eager`](crate::Callable::backward_eager). Each output gradient is copied into the static output gradient of the last
     /// layer unless it is that buffer ([`static_grad_outputs`](Self::static_grad_outputs)).
     /// Returns the static input gradients of layer 0. After the launches the
-    /// [`after_backward`](super::GraphedOptions::after_backward) hook runs with `stream` and
+    /// [`after_backward`](crate::GraphedOptions::after_backward) hook runs with `stream` and
     /// this step.
     ///
     /// Errors as [`forward`](Self::forward).
@@ -205,7 +193,7 @@ impl<T: DeviceRepr> GraphedCallables<T> {
 
     /// Replays the weight-gradient graphs of (`chunk`, `microbatch`) on `stream`, for
     /// schedules that split weight gradients into their own steps (order entries
-    /// `-k - 0.5`): each layer's [`Callable::backward_weight`](super::Callable::backward_weight),
+    /// `-k - 0.5`): each layer's [`Callable::backward_weight`](crate::Callable::backward_weight),
     /// last layer first. It takes no buffers: it reads the static output gradients and saved
     /// buffers its backward step left. No hook runs after it.
     ///
@@ -258,8 +246,9 @@ impl<T: DeviceRepr> GraphedCallables<T> {
         let callable = self.callables.get(part.ls.callable).ok_or_else(|| {
             Error::invalid(format!("internal: callable {} missing", part.ls.callable))
         })?;
-        self.rig()
-            .run_eager(&**callable, part.ls, part.segment, stream)
+        Ok(self
+            .rig()
+            .run_eager(&**callable, part.ls, part.segment, stream)?)
     }
 
     /// Eager segments run on the host and may synchronize: a step that has any is refused
@@ -271,7 +260,7 @@ impl<T: DeviceRepr> GraphedCallables<T> {
         stream: &Stream,
     ) -> Result<()> {
         if self.programs.has_eager(position)
-            && stream.capture_status()? != crate::CaptureStatus::None
+            && stream.capture_status()? != cuda_graph::CaptureStatus::None
         {
             return Err(Error::invalid(format!(
                 "graphed callables: the {} has eager segments and can not be replayed on a \
@@ -291,13 +280,10 @@ impl<T: DeviceRepr> GraphedCallables<T> {
             return Ok(());
         };
         let pair = chunk * self.schedule.num_microbatches() + microbatch;
-        let (ptr, resource) = self.weights.raw_flag(pair).ok_or_else(|| {
+        let flag = self.weights.flag_word(pair).ok_or_else(|| {
             Error::invalid(format!("internal: no weight-cast flag for pair {pair}"))
         })?;
-        stream.retain_for_capture(|| resource);
-        // SAFETY: `ptr` is a live one-element allocation of 4 bytes (an i32 or f32 flag the
-        // runtime owns), written only by work ordered on the replay stream.
-        unsafe { cu!(cuMemsetD32Async(ptr, bits, 1, stream.as_raw())) }
+        Ok(flag.fill_u32_bits(stream, bits)?)
     }
 
     /// Runs the hook `pick` selects, if any, with `stream` and `step`.
@@ -305,13 +291,13 @@ impl<T: DeviceRepr> GraphedCallables<T> {
         &self,
         step: Step,
         stream: &Stream,
-        pick: impl FnOnce(&mut super::runtime::ReplayHooks) -> &mut Option<StepHook>,
+        pick: impl FnOnce(&mut crate::runtime::ReplayHooks) -> &mut Option<StepHook>,
     ) -> Result<()> {
         let mut hooks = self.hooks.try_borrow_mut().map_err(|_| {
             Error::invalid("a replay hook replayed the graphed callables it belongs to")
         })?;
         match pick(&mut hooks) {
-            Some(h) => h(stream, step),
+            Some(h) => Ok(h(stream, step)?),
             None => Ok(()),
         }
     }
@@ -418,7 +404,7 @@ impl<T: DeviceRepr> GraphedCallables<T> {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use crate::*;
 
     #[test]
     fn cursor_follows_the_schedule_and_wraps() {

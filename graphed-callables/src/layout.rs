@@ -23,7 +23,7 @@
 use std::fmt;
 use std::ops::Range;
 
-use super::schedule::ScheduleError;
+use crate::schedule::ScheduleError;
 
 /// The position of one graph: chunk, microbatch and layer, all 0-based.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -240,7 +240,7 @@ impl Layout {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use crate::*;
 
     fn gi(chunk: usize, microbatch: usize, layer: usize) -> GraphIndex {
         GraphIndex {

@@ -4,23 +4,23 @@
 
 use std::cell::{Cell, RefCell};
 
-use crate::capture::CaptureMode;
-use crate::conditional::ConditionalHandle;
-use crate::error::{Error, Result};
-use crate::exec::{GraphExec, InstantiateFlags};
-use crate::graph::Graph;
-use crate::memory::{DeviceBuffer, DeviceRepr};
-use crate::pool::GraphPool;
-use crate::stream::Stream;
+use cuda_graph::CaptureMode;
+use cuda_graph::ConditionalHandle;
+use cuda_graph::Graph;
+use cuda_graph::GraphPool;
+use cuda_graph::Stream;
+use cuda_graph::{DeviceBuffer, DeviceRepr};
+use cuda_graph::{Error, Result};
+use cuda_graph::{GraphExec, InstantiateFlags};
 
-use super::buffers::{BufferPlan, Shapes, StaticBuffers, buffer_sets};
-use super::callable::{Callable, Slot};
-use super::program::{Item, Part, Programs};
-use super::replay::{ReplayCursor, copy_in};
-use super::runtime::{CastFlags, GraphedCallables, GraphedOptions, ReplayHooks};
-use super::schedule::{LayerStep, Pass, Schedule};
-use super::segments::{SegmentKind, SegmentPlan};
-use super::weights::{Fp8Recorder, WarmupRecord, WeightCaching};
+use crate::buffers::{BufferPlan, Shapes, StaticBuffers, buffer_sets};
+use crate::callable::{Callable, Slot};
+use crate::program::{Item, Part, Programs};
+use crate::replay::{ReplayCursor, copy_in};
+use crate::runtime::{CastFlags, GraphedCallables, GraphedOptions, ReplayHooks};
+use crate::schedule::{LayerStep, Pass, Schedule};
+use crate::segments::{SegmentKind, SegmentPlan};
+use crate::weights::{Fp8Recorder, WarmupRecord, WeightCaching};
 
 /// The callables, boxed.
 type Callables<T> = [Box<dyn Callable<T>>];
@@ -414,8 +414,8 @@ impl<T: DeviceRepr> GraphedCallables<T> {
     ///   it at the end (nothing here synchronizes it). Warmup and capture both run on one
     ///   internal stream forked from it, so handles a callable creates lazily per stream
     ///   are made during warmup on the very stream capture then uses.
-    /// * `callables`: one per (chunk, layer), at [`Layout::callable_index`](super::Layout::callable_index).
-    /// * `sample_inputs`: per graph index ([`Layout::index`](super::Layout::index)), the
+    /// * `callables`: one per (chunk, layer), at [`Layout::callable_index`](crate::Layout::callable_index).
+    /// * `sample_inputs`: per graph index ([`Layout::index`](crate::Layout::index)), the
     ///   inputs warmup and capture use. Only layer 0 of each (chunk, microbatch) reads
     ///   them (later layers read their predecessor's outputs); entries of later layers may be
     ///   empty and are otherwise ignored.

@@ -1,0 +1,141 @@
+//! Conditional nodes of explicitly built graphs: [`Graph::add_if`] and friends.
+
+use cuda_graph_sys::CUgraphNode;
+
+use crate::error::{Error, Result};
+use crate::graph::Graph;
+use crate::ids::NodeId;
+use crate::node::{ConditionalNode, KernelNode, Node};
+use crate::stream::Stream;
+
+use super::body::{add_node, capture_into, fill_bodies};
+use super::handle::check_handle_graph;
+use super::{Body, ConditionSource, ConditionalHandle, ConditionalKind};
+
+impl Graph {
+    /// Adds an IF node after `deps`: `then` fills the body through a capturing stream, which
+    /// runs when the handle's value is non-zero. Needs a driver >= 12.4.
+    pub fn add_if<F>(
+        &mut self,
+        deps: &[Node],
+        handle: ConditionalHandle,
+        then: F,
+    ) -> Result<ConditionalNode>
+    where
+        F: FnOnce(&Stream) -> Result<()>,
+    {
+        self.add_conditional(
+            deps,
+            handle,
+            ConditionalKind::If,
+            vec![Box::new(then) as Body<'_>],
+        )
+    }
+
+    /// Adds an IF node with an else body: `then` runs when the value is non-zero, `else_`
+    /// when it is zero. Needs a driver >= 12.8.
+    pub fn add_if_else<F, G>(
+        &mut self,
+        deps: &[Node],
+        handle: ConditionalHandle,
+        then: F,
+        else_: G,
+    ) -> Result<ConditionalNode>
+    where
+        F: FnOnce(&Stream) -> Result<()>,
+        G: FnOnce(&Stream) -> Result<()>,
+    {
+        self.add_conditional(
+            deps,
+            handle,
+            ConditionalKind::IfElse,
+            vec![Box::new(then) as Body<'_>, Box::new(else_)],
+        )
+    }
+
+    /// Adds a WHILE node: the body runs while the handle's value is non-zero, tested before
+    /// each iteration; the body must set the value (e.g. [`ConditionalHandle::decrement_on`])
+    /// or the loop never ends. Needs a driver >= 12.4.
+    pub fn add_while<F>(
+        &mut self,
+        deps: &[Node],
+        handle: ConditionalHandle,
+        body: F,
+    ) -> Result<ConditionalNode>
+    where
+        F: FnOnce(&Stream) -> Result<()>,
+    {
+        self.add_conditional(
+            deps,
+            handle,
+            ConditionalKind::While,
+            vec![Box::new(body) as Body<'_>],
+        )
+    }
+
+    /// Adds a SWITCH node over `cases`: case `value` runs, a value `>= cases.len()` runs
+    /// nothing. Needs a driver >= 12.8.
+    pub fn add_switch(
+        &mut self,
+        deps: &[Node],
+        handle: ConditionalHandle,
+        cases: Vec<Body<'_>>,
+    ) -> Result<ConditionalNode> {
+        let n = u32::try_from(cases.len())
+            .map_err(|_| Error::invalid(format!("{} SWITCH cases", cases.len())))?;
+        self.add_conditional(deps, handle, ConditionalKind::Switch(n), cases)
+    }
+
+    /// Adds a one-thread kernel node after `deps` that sets `handle` from `source`, and
+    /// returns it; put it before the conditional node that reads the handle.
+    pub fn add_set_condition(
+        &mut self,
+        deps: &[Node],
+        handle: ConditionalHandle,
+        source: ConditionSource<'_>,
+    ) -> Result<KernelNode> {
+        handle.check_context(self.context())?;
+        source.check()?;
+        let raw_deps: Vec<CUgraphNode> = deps.iter().map(|d| d.id.0).collect();
+        let (resources, ends) = capture_into(self.context(), self.as_raw(), &raw_deps, |s| {
+            handle.set_on(s, source)
+        })?;
+        for r in resources {
+            self.keep_alive(r);
+        }
+        match ends.as_slice() {
+            [one] => Ok(KernelNode(NodeId(*one))),
+            // One kernel launch captured after `deps` is exactly one new node.
+            _ => Err(Error::invalid(format!(
+                "expected the setter to add one node, the capture ended on {}",
+                ends.len()
+            ))),
+        }
+    }
+
+    fn add_conditional(
+        &mut self,
+        deps: &[Node],
+        handle: ConditionalHandle,
+        kind: ConditionalKind,
+        bodies: Vec<Body<'_>>,
+    ) -> Result<ConditionalNode> {
+        kind.check()?;
+        check_handle_graph(&handle, self.as_raw())?;
+        let raw_deps: Vec<CUgraphNode> = deps.iter().map(|d| d.id.0).collect();
+        let ctx = self.context().clone();
+        let (node, body_graphs) = add_node(
+            &ctx,
+            self.as_raw(),
+            &raw_deps,
+            std::ptr::null(),
+            handle,
+            kind,
+        )?;
+        let resources = fill_bodies(&ctx, &body_graphs, bodies)?;
+        for r in resources {
+            self.keep_alive(r);
+        }
+        Ok(ConditionalNode(NodeId(node)))
+    }
+}

@@ -1,0 +1,147 @@
+//! Stream-ordered copies and memsets of device buffers. All take `&self`: see the
+//! [rule for device writes](crate::memory#one-rule-for-device-writes).
+
+use crate::error::{Error, Result};
+use crate::memory::{DeviceBuffer, DeviceRepr};
+use crate::stream::Stream;
+
+impl<T: DeviceRepr> DeviceBuffer<T> {
+    fn check_len(&self, other: usize, what: &str) -> Result<()> {
+        if other == self.len() {
+            Ok(())
+        } else {
+            Err(Error::invalid(format!(
+                "{what}: buffer has {} elements, host slice {other}",
+                self.len()
+            )))
+        }
+    }
+
+    /// Copies `src` into the buffer, ordered on `stream`, and waits for the copy (and all
+    /// earlier work on `stream`).
+    pub fn copy_from_host(&self, stream: &Stream, src: &[T]) -> Result<()> {
+        self.check_len(src.len(), "copy_from_host")?;
+        if self.len() == 0 {
+            return Ok(());
+        }
+        // SAFETY: src is valid for `bytes` reads until the synchronize below returns.
+        unsafe {
+            cu!(cuMemcpyHtoDAsync(
+                self.as_raw(),
+                src.as_ptr().cast(),
+                self.bytes(),
+                stream.as_raw()
+            ))
+        }?;
+        stream.synchronize()
+    }
+
+    /// Copies the buffer into `dst`, ordered on `stream` after earlier work, and waits.
+    pub fn copy_to_host(&self, stream: &Stream, dst: &mut [T]) -> Result<()> {
+        self.check_len(dst.len(), "copy_to_host")?;
+        if self.len() == 0 {
+            return Ok(());
+        }
+        // SAFETY: dst is valid for `bytes` writes until the synchronize below returns; every
+        // bit pattern is a valid T.
+        unsafe {
+            cu!(cuMemcpyDtoHAsync(
+                dst.as_mut_ptr().cast(),
+                self.as_raw(),
+                self.bytes(),
+                stream.as_raw()
+            ))
+        }?;
+        stream.synchronize()
+    }
+
+    /// The buffer's contents, copied after earlier work on `stream`.
+    pub fn to_vec(&self, stream: &Stream) -> Result<Vec<T>> {
+        let mut v = Vec::with_capacity(self.len());
+        // SAFETY: T is plain data (any bit pattern valid); copy_to_host writes every element
+        // before the vector is read, and an error drops it without reading.
+        #[allow(clippy::uninit_vec)]
+        unsafe {
+            v.set_len(self.len())
+        };
+        self.copy_to_host(stream, &mut v)?;
+        Ok(v)
+    }
+
+    /// Enqueues a device-to-device copy of `src` into this buffer on `stream`
+    /// ([`cuMemcpyDtoDAsync`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)).
+    /// Copying a buffer onto itself (the same view) does nothing.
+    ///
+    /// Errors: lengths differ; the two ranges overlap otherwise; the driver's.
+    pub fn copy_from_device(&self, stream: &Stream, src: &DeviceBuffer<T>) -> Result<()> {
+        if src.len() != self.len() {
+            return Err(Error::invalid(format!(
+                "copy_from_device: destination has {} elements, source {}",
+                self.len(),
+                src.len()
+            )));
+        }
+        if self.len() == 0 || self.same_memory(src) {
+            return Ok(());
+        }
+        if self.overlaps(src) {
+            return Err(Error::invalid(format!(
+                "copy_from_device: source {:#x} and destination {:#x} ({} bytes) overlap",
+                src.as_raw(),
+                self.as_raw(),
+                self.bytes()
+            )));
+        }
+        stream.retain_for_capture(|| src.resource());
+        stream.retain_for_capture(|| self.resource());
+        // SAFETY: both ranges are live allocations of `bytes` bytes.
+        unsafe {
+            cu!(cuMemcpyDtoDAsync(
+                self.as_raw(),
+                src.as_raw(),
+                self.bytes(),
+                stream.as_raw()
+            ))
+        }
+    }
+
+    /// Enqueues setting every byte to `value` on `stream`.
+    pub fn memset_bytes(&self, stream: &Stream, value: u8) -> Result<()> {
+        if self.len() == 0 {
+            return Ok(());
+        }
+        stream.retain_for_capture(|| self.resource());
+        // SAFETY: live allocation of `bytes` bytes.
+        unsafe {
+            cu!(cuMemsetD8Async(
+                self.as_raw(),
+                value,
+                self.bytes(),
+                stream.as_raw()
+            ))
+        }
+    }
+
+    /// Enqueues setting every element to `value` on `stream`; `T` must be 4 bytes wide.
+    pub fn fill_u32_bits(&self, stream: &Stream, value: u32) -> Result<()> {
+        if size_of::<T>() != 4 {
+            return Err(Error::invalid(format!(
+                "fill_u32_bits needs 4-byte elements, not {}",
+                size_of::<T>()
+            )));
+        }
+        if self.len() == 0 {
+            return Ok(());
+        }
+        stream.retain_for_capture(|| self.resource());
+        // SAFETY: live allocation of `len` 4-byte words.
+        unsafe {
+            cu!(cuMemsetD32Async(
+                self.as_raw(),
+                value,
+                self.len(),
+                stream.as_raw()
+            ))
+        }
+    }
+}

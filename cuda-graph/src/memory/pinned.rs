@@ -1,0 +1,63 @@
+//! Page-locked host memory.
+
+use std::sync::Arc;
+
+use crate::context::Context;
+use crate::error::Result;
+use crate::memory::{DeviceBuffer, DeviceRepr};
+
+/// Page-locked host memory (`cuMemAllocHost`): fast, truly asynchronous host-device copies.
+#[derive(Debug)]
+pub struct PinnedBuffer<T: DeviceRepr> {
+    ptr: *mut T,
+    len: usize,
+    ctx: Arc<Context>,
+}
+
+// SAFETY: owns its memory like a Box<[T]>.
+unsafe impl<T: DeviceRepr> Send for PinnedBuffer<T> {}
+// SAFETY: shared access is read-only.
+unsafe impl<T: DeviceRepr> Sync for PinnedBuffer<T> {}
+
+impl<T: DeviceRepr> PinnedBuffer<T> {
+    /// `len` elements of pinned memory, every byte zero.
+    pub fn zeroed(ctx: &Arc<Context>, len: usize) -> Result<PinnedBuffer<T>> {
+        let bytes = DeviceBuffer::<T>::bytes_for(len)?.max(1);
+        ctx.bind()?;
+        let mut p = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; context current.
+        unsafe { cu!(cuMemAllocHost(&mut p, bytes)) }?;
+        // SAFETY: p is valid for `bytes` writes.
+        unsafe { std::ptr::write_bytes(p.cast::<u8>(), 0, bytes) };
+        Ok(PinnedBuffer {
+            ptr: p.cast(),
+            len,
+            ctx: ctx.clone(),
+        })
+    }
+}
+
+impl<T: DeviceRepr> std::ops::Deref for PinnedBuffer<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        // SAFETY: ptr is valid for len initialised elements while self lives.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl<T: DeviceRepr> std::ops::DerefMut for PinnedBuffer<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        // SAFETY: as above, and &mut self is unique.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl<T: DeviceRepr> Drop for PinnedBuffer<T> {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind();
+        if let Ok(free) = cuda_graph_sys::driver().and_then(|d| d.cuMemFreeHost()) {
+            // SAFETY: owned allocation, freed once.
+            unsafe { free(self.ptr.cast()) };
+        }
+    }
+}
