@@ -4,9 +4,9 @@
 //!
 //! * [`linear::Fp8Linear`]: `y = x W^T (+ b)` with FP8 GEMMs (E4M3 forward, E5M2
 //!   gradients) and per-tensor delayed scaling, implementing
-//!   [`cuda_graph::graphed::Callable`] (weight casts, saved activations in the runtime's
+//!   [`graphed_callables::Callable`] (weight casts, saved activations in the runtime's
 //!   per-microbatch buffers) and usable eagerly with the same kernels; with FP8 off for it
-//!   ([`cuda_graph::graphed::Slot::fp8_enabled`]) it runs f32 GEMMs instead;
+//!   ([`graphed_callables::Slot::low_precision`]) it runs f32 GEMMs instead;
 //! * [`moe::Fp8Moe`]: a first FP8 top-1 MoE layer (forward only), eager, breaking-layer
 //!   (router graphed, experts eager) or full-layer (one graph, grouped GEMM with device
 //!   counts) under graphed callables;

@@ -1,5 +1,5 @@
 //! [`Fp8Linear`]: `y = x W^T (+ b)` with FP8 GEMMs and per-tensor delayed scaling, usable
-//! as a [`Callable`] of [`GraphedCallables`](cuda_graph::graphed::GraphedCallables) and
+//! as a [`Callable`] of [`GraphedCallables`](graphed_callables::GraphedCallables) and
 //! eagerly (the same struct, driven directly with [`Slot::new`]).
 //!
 //! # Activations are f32
@@ -42,9 +42,9 @@
 //! [`Callable::cast_weights`] cast-transposes W into the layer's FP8 copies (`W` and `W^T`,
 //! shared by all microbatches: they change only on a step's first microbatch). It passes
 //! [`Slot::skip_weight_cast`] to the kernel as its noop flag when the runtime gives one
-//! ([`WeightCaching::NoopFlag`](cuda_graph::graphed::WeightCaching::NoopFlag)); otherwise it
+//! ([`WeightCaching::NoopFlag`](graphed_callables::WeightCaching::NoopFlag)); otherwise it
 //! casts unconditionally (the IF node of
-//! [`WeightCaching::Conditional`](cuda_graph::graphed::WeightCaching::Conditional), or an
+//! [`WeightCaching::Conditional`](graphed_callables::WeightCaching::Conditional), or an
 //! eager caller that calls it only on the first microbatch).
 //!
 //! # Saved activations
@@ -52,8 +52,8 @@
 //! What the backward of a microbatch needs from its forward lives in the runtime's
 //! per-(chunk, microbatch, layer) saved buffers ([`Callable::saved_lens`], [`Slot::saved`]):
 //! `saved[0]` holds the E4M3 bytes of `X^T` (`[K, M]`, written by the forward's
-//! cast-transpose; an f32 buffer of `M * K / 4` elements viewed as bytes) and `saved[1]` the
-//! one f32 `scale_inv` it was cast with; the backward adds the E5M2 bytes of `dY^T`
+//! cast-transpose) and `saved[1]` the one f32 `scale_inv` it was cast with (4 bytes, viewed
+//! as an `f32`); the backward adds the E5M2 bytes of `dY^T`
 //! (`saved[2]`, `[N, M]`) and its `scale_inv` (`saved[3]`) for the weight gradient, which
 //! may run later in a step of its own (split weight gradients:
 //! [`Callable::backward_input`] then [`Callable::backward_weight`], schedules with
@@ -63,9 +63,9 @@
 //!
 //! # FP8 off: the high-precision path
 //!
-//! A pass whose slot has FP8 off ([`Slot::fp8_enabled`] is `false`: graphed callables with
-//! [`GraphedOptions::fp8`](cuda_graph::graphed::GraphedOptions::fp8) off for this callable,
-//! or an eager slot made with [`Slot::with_fp8`]`(false)`) computes the same three GEMMs in
+//! A pass whose slot has FP8 off ([`Slot::low_precision`] is `false`: graphed callables with
+//! [`GraphedOptions::low_precision`](graphed_callables::GraphedOptions::low_precision) off for this callable,
+//! or an eager slot made with [`Slot::with_low_precision`]`(false)`) computes the same three GEMMs in
 //! f32 from the f32 weights, with no quantization at all:
 //! * forward: `Y = X . W^T (+ b)`;
 //! * backward: `dX = dY . W` and `dW += dY^T . X`, with `X` the microbatch's forward input
@@ -73,7 +73,7 @@
 //!   the same buffer to both passes), and `db +=` the column sums of dY as in the FP8 path.
 //!
 //! It reads and writes nothing of the scaling state (no amax, no scale, no
-//! [`Slot::record_fp8_tensors`]: warmup records no tensor of this layer, so none is
+//! [`Slot::record_tensors`]: warmup records no tensor of this layer, so none is
 //! registered), does not touch the FP8 weight copies, and leaves the saved buffers unused
 //! (the runtime allocates them all the same, [`Callable::saved_lens`] does not depend on
 //! the slot). The runtime never calls [`Callable::cast_weights`] for a callable with FP8
@@ -89,11 +89,11 @@
 
 use std::sync::Arc;
 
-use cuda_graph::graphed::{Callable, Slot};
-use cuda_graph::{Context, DeviceBuffer, DeviceRepr, Error, Kernel, LaunchConfig, Module, Result};
+use graphed_callables::{Callable, Slot};
+use cuda_graph::{DeviceBuffer, Error, Kernel, LaunchConfig, Module, Result};
 use cuda_graph::{Stream, kernel_args};
-use fp8_kernels::gemm::{Bias, GemmOptions, GemmOut, GemmPath, K_ALIGN, Operand, gemm};
-use fp8_kernels::{DelayedScaling, DeviceScalar, Fp8Format, Fp8Tensor, HpBuffer, cast_transpose};
+use fp8_kernels::gemm::{GemmOptions, GemmPath, GemmShape, K_ALIGN, Operand, gemm};
+use fp8_kernels::{DelayedScaling, DeviceScalar, Fp8Format, Fp8Tensor, cast_transpose};
 
 /// The crate's own kernels (the bias gradient and the f32 GEMMs of the FP8-off path), built
 /// from `src/kernels/fp8_linear.cu`.
@@ -147,22 +147,22 @@ pub fn check_shape(tokens: usize, in_features: usize, out_features: usize) -> Re
     Ok(())
 }
 
-/// The saved-buffer lengths (f32 elements) of a layer: `X^T` as bytes (`tokens *
-/// in_features / 4` elements) and its `scale_inv` (1), then `dY^T` as bytes (`tokens *
-/// out_features / 4`) and its `scale_inv` (1).
-pub fn saved_lens(tokens: usize, in_features: usize, out_features: usize) -> Vec<usize> {
+/// The saved-buffer sizes in bytes of a layer: `X^T` (`tokens * in_features` E4M3 bytes)
+/// and its `scale_inv` (one f32), then `dY^T` (`tokens * out_features` E5M2 bytes) and its
+/// `scale_inv`.
+pub fn saved_bytes(tokens: usize, in_features: usize, out_features: usize) -> Vec<usize> {
     vec![
-        (tokens * in_features).div_ceil(4),
-        1,
-        (tokens * out_features).div_ceil(4),
-        1,
+        tokens * in_features,
+        size_of::<f32>(),
+        tokens * out_features,
+        size_of::<f32>(),
     ]
 }
 
 /// An FP8 linear layer `y = x W^T (+ b)` over a fixed number of tokens; see the
 /// [module documentation](self).
 ///
-/// Each pass follows its slot's [`Slot::fp8_enabled`]: FP8 GEMMs with delayed scaling when
+/// Each pass follows its slot's [`Slot::low_precision`]: FP8 GEMMs with delayed scaling when
 /// on (the default of [`Slot::new`]), f32 GEMMs from the f32 weights that leave the FP8
 /// state alone when off ([FP8 off](self#fp8-off-the-high-precision-path)). A layer may run
 /// either way from pass to pass, as long as a microbatch's backward follows a forward of the
@@ -172,7 +172,7 @@ pub fn saved_lens(tokens: usize, in_features: usize, out_features: usize) -> Vec
 ///
 /// ```no_run
 /// use std::sync::Arc;
-/// use cuda_graph::graphed::{Callable, GraphIndex, Slot};
+/// use graphed_callables::{Callable, GraphIndex, Slot};
 /// use cuda_graph::{Context, DeviceBuffer, GraphPool, Stream};
 /// use fp8_kernels::{AmaxAlgo, DelayedScaling};
 /// use fp8_moe::linear::{self, Fp8Linear};
@@ -199,7 +199,6 @@ pub fn saved_lens(tokens: usize, in_features: usize, out_features: usize) -> Vec
 /// # Ok::<(), cuda_graph::Error>(())
 /// ```
 pub struct Fp8Linear {
-    ctx: Arc<Context>,
     tokens: usize,
     in_features: usize,
     out_features: usize,
@@ -282,34 +281,9 @@ impl std::fmt::Debug for Fp8Linear {
     }
 }
 
-/// A `len`-element view of `T` over the memory of `buf`, which must hold at least that
-/// many bytes. The view does not own the memory: `buf` (or whoever owns it) must outlive
-/// every use of the view, including graphs captured with it.
-fn view<T: DeviceRepr, U: DeviceRepr>(
-    ctx: &Arc<Context>,
-    buf: &DeviceBuffer<U>,
-    len: usize,
-) -> Result<DeviceBuffer<T>> {
-    let need = len
-        .checked_mul(size_of::<T>())
-        .ok_or_else(|| Error::InvalidArgument("view size overflows usize".into()))?;
-    if buf.bytes() < need {
-        return Err(Error::InvalidArgument(format!(
-            "Fp8Linear: a buffer of {} bytes is too small for {need}",
-            buf.bytes()
-        )));
-    }
-    // SAFETY: the range [ptr, ptr + need) lies inside `buf`'s live allocation (checked
-    // above); the view never frees it. The callers use views only within a pass, on buffers
-    // owned by the runtime's static buffers, the caller's eager slots or this layer, all of
-    // which outlive the pass and the graphs it is captured into (the runtime keeps its
-    // buffers for as long as its execs; an eager caller's slot buffers outlive the call).
-    Ok(unsafe { DeviceBuffer::from_raw(ctx, buf.as_raw(), len) })
-}
-
-/// Element 0 of `buf` as a device scalar (a non-owning view, see [`view`]).
-fn scalar_of(ctx: &Arc<Context>, buf: &DeviceBuffer<f32>) -> Result<DeviceScalar> {
-    DeviceScalar::at(Arc::new(view::<f32, f32>(ctx, buf, 1)?), 0)
+/// The f32 `scale_inv` kept in a 4-byte saved buffer, as a device scalar (a view).
+fn scalar_of(buf: &DeviceBuffer<u8>) -> Result<DeviceScalar> {
+    DeviceScalar::at(&buf.slice(..size_of::<f32>())?.reinterpret::<f32>()?, 0)
 }
 
 impl Fp8Linear {
@@ -373,13 +347,13 @@ impl Fp8Linear {
             )),
             None => None,
         };
-        let w_scale_inv = Arc::new(DeviceBuffer::from_host(stream, &[1f32])?);
+        let w_scale_inv = DeviceBuffer::from_host(stream, &[1f32])?;
         let w_fp8 = Fp8Tensor::from_parts(
             DeviceBuffer::alloc(&ctx, weight.len())?,
             &[out_features, in_features],
             Fp8Format::E4M3,
             scaling.scale(first_tensor + W)?,
-            DeviceScalar::at(w_scale_inv, 0)?,
+            DeviceScalar::at(&w_scale_inv, 0)?,
             scaling.amax(first_tensor + W)?,
         )?;
         let layer = Fp8Linear {
@@ -399,7 +373,6 @@ impl Fp8Linear {
             hp,
             _module: module,
             scaling,
-            ctx,
         };
         stream.synchronize()?;
         Ok(layer)
@@ -591,8 +564,8 @@ impl Callable<f32> for Fp8Linear {
         vec![self.tokens * self.out_features]
     }
 
-    fn saved_lens(&self) -> Vec<usize> {
-        saved_lens(self.tokens, self.in_features, self.out_features)
+    fn saved_bytes(&self) -> Vec<usize> {
+        saved_bytes(self.tokens, self.in_features, self.out_features)
     }
 
     fn parameters(&self) -> Vec<&DeviceBuffer<f32>> {
@@ -609,21 +582,21 @@ impl Callable<f32> for Fp8Linear {
 
     /// Cast-transposes W into its E4M3 copies (`W`, `W^T`), maxing |W| into W's amax;
     /// skipped on the device when the slot's noop flag reads 1.0. Casts whatever the slot's
-    /// [`fp8_enabled`](Slot::fp8_enabled) (the runtime does not call it with FP8 off; the
+    /// [`fp8_enabled`](Slot::low_precision) (the runtime does not call it with FP8 off; the
     /// FP8-off passes never read the copies).
     fn cast_weights(&mut self, stream: &Stream, slot: &Slot<'_, f32>) -> Result<()> {
-        slot.record_fp8_tensors([self.first_tensor + W]);
+        slot.record_tensors([self.first_tensor + W]);
         let noop = slot
             .skip_weight_cast()
-            .map(|f| scalar_of(&self.ctx, f))
+            .map(|f| DeviceScalar::at(f, 0))
             .transpose()?;
         cast_transpose(
             stream,
-            HpBuffer::F32(&self.w),
+            &self.w,
             self.out_features,
             self.in_features,
-            &mut self.w_fp8,
-            &mut self.w_t,
+            &self.w_fp8,
+            &self.w_t,
             noop.as_ref(),
         )
     }
@@ -639,15 +612,14 @@ impl Callable<f32> for Fp8Linear {
     ) -> Result<()> {
         let (m, k, n) = (self.tokens, self.in_features, self.out_features);
         let (x, y) = one_each("forward", inputs, outputs, m * k, m * n)?;
-        if !slot.fp8_enabled() {
+        if !slot.low_precision() {
             return self.forward_hp(stream, x, y);
         }
-        slot.record_fp8_tensors([self.first_tensor + X]);
-        let [xt_buf, si_buf, _, _] = saved_buffers(slot)?;
-        let x_si = scalar_of(&self.ctx, si_buf)?;
-        let mut x_t = view::<u8, f32>(&self.ctx, xt_buf, m * k)?;
-        let mut x_fp8 = Fp8Tensor::from_parts(
-            view::<u8, u8>(&self.ctx, &self.x_fp8, m * k)?,
+        slot.record_tensors([self.first_tensor + X]);
+        let [x_t, si_buf, _, _] = saved_buffers(slot)?;
+        let x_si = scalar_of(si_buf)?;
+        let x_fp8 = Fp8Tensor::from_parts(
+            self.x_fp8.share(),
             &[m, k],
             Fp8Format::E4M3,
             self.scaling.scale(self.first_tensor + X)?,
@@ -656,16 +628,14 @@ impl Callable<f32> for Fp8Linear {
         )?;
         // x and X^T in one pass; X^T (and the scale_inv it was cast with) stay in the
         // microbatch's saved buffers for the weight gradient.
-        cast_transpose(stream, HpBuffer::F32(x), m, k, &mut x_fp8, &mut x_t, None)?;
+        cast_transpose(stream, x, m, k, &x_fp8, x_t, None)?;
         let mut opts = GemmOptions::new().path(self.path);
         if let Some((b, _)) = &self.bias {
-            opts = opts.bias(Bias::F32(b));
+            opts = opts.bias(b);
         }
         gemm(
             stream,
-            m,
-            n,
-            k,
+            GemmShape::new(m, n, k),
             Operand {
                 data: x_fp8.data(),
                 format: Fp8Format::E4M3,
@@ -676,7 +646,7 @@ impl Callable<f32> for Fp8Linear {
                 format: Fp8Format::E4M3,
                 scale_inv: self.w_fp8.scale_inv(),
             },
-            GemmOut::F32(y),
+            y,
             opts,
         )
     }
@@ -709,38 +679,27 @@ impl Callable<f32> for Fp8Linear {
     ) -> Result<()> {
         let (m, k, n) = (self.tokens, self.in_features, self.out_features);
         let (dy, dx) = one_each("backward", grad_outputs, grad_inputs, m * n, m * k)?;
-        if !slot.fp8_enabled() {
+        if !slot.low_precision() {
             // Checked here too, so a bad slot fails before anything is enqueued.
             self.hp_input(slot)?;
             return self.dgrad_hp(stream, dy, dx);
         }
-        slot.record_fp8_tensors([self.first_tensor + DY]);
-        let [_, _, dyt_buf, dy_si_buf] = saved_buffers(slot)?;
-        let dy_si = scalar_of(&self.ctx, dy_si_buf)?;
-        let mut dy_t = view::<u8, f32>(&self.ctx, dyt_buf, m * n)?;
-        let mut dy_fp8 = Fp8Tensor::from_parts(
-            view::<u8, u8>(&self.ctx, &self.dy_fp8, m * n)?,
+        slot.record_tensors([self.first_tensor + DY]);
+        let [_, _, dy_t, dy_si_buf] = saved_buffers(slot)?;
+        let dy_si = scalar_of(dy_si_buf)?;
+        let dy_fp8 = Fp8Tensor::from_parts(
+            self.dy_fp8.share(),
             &[m, n],
             Fp8Format::E5M2,
             self.scaling.scale(self.first_tensor + DY)?,
             dy_si.clone(),
             self.scaling.amax(self.first_tensor + DY)?,
         )?;
-        cast_transpose(
-            stream,
-            HpBuffer::F32(dy),
-            m,
-            n,
-            &mut dy_fp8,
-            &mut dy_t,
-            None,
-        )?;
+        cast_transpose(stream, dy, m, n, &dy_fp8, dy_t, None)?;
         // dX[M, K] = dY[M, N] . W[N, K]: B = W^T [K, N].
         gemm(
             stream,
-            m,
-            k,
-            n,
+            GemmShape::new(m, k, n),
             Operand {
                 data: dy_fp8.data(),
                 format: Fp8Format::E5M2,
@@ -751,7 +710,7 @@ impl Callable<f32> for Fp8Linear {
                 format: Fp8Format::E4M3,
                 scale_inv: self.w_fp8.scale_inv(),
             },
-            GemmOut::F32(dx),
+            dx,
             GemmOptions::new().path(self.path),
         )
     }
@@ -777,32 +736,28 @@ impl Callable<f32> for Fp8Linear {
                 )));
             }
         };
-        if !slot.fp8_enabled() {
+        if !slot.low_precision() {
             self.wgrad_hp(stream, dy, slot)?;
             return self.add_bias_grad(stream, dy);
         }
-        let [xt_buf, x_si_buf, dyt_buf, dy_si_buf] = saved_buffers(slot)?;
-        let x_si = scalar_of(&self.ctx, x_si_buf)?;
-        let dy_si = scalar_of(&self.ctx, dy_si_buf)?;
-        let x_t = view::<u8, f32>(&self.ctx, xt_buf, m * k)?;
-        let dy_t = view::<u8, f32>(&self.ctx, dyt_buf, m * n)?;
+        let [x_t, x_si_buf, dy_t, dy_si_buf] = saved_buffers(slot)?;
+        let x_si = scalar_of(x_si_buf)?;
+        let dy_si = scalar_of(dy_si_buf)?;
         // dW[N, K] += dY^T[N, M] . X^T[K, M]^T.
         gemm(
             stream,
-            n,
-            k,
-            m,
+            GemmShape::new(n, k, m),
             Operand {
-                data: &dy_t,
+                data: dy_t,
                 format: Fp8Format::E5M2,
                 scale_inv: &dy_si,
             },
             Operand {
-                data: &x_t,
+                data: x_t,
                 format: Fp8Format::E4M3,
                 scale_inv: &x_si,
             },
-            GemmOut::F32(&self.dw),
+            &self.dw,
             GemmOptions::new().path(self.path).accumulate(true),
         )?;
         self.add_bias_grad(stream, dy)
@@ -836,7 +791,7 @@ fn one_each<'a>(
 
 /// The slot's four saved buffers (`X^T` bytes, its `scale_inv`, `dY^T` bytes, its
 /// `scale_inv`).
-fn saved_buffers<'a>(slot: &Slot<'a, f32>) -> Result<[&'a DeviceBuffer<f32>; 4]> {
+fn saved_buffers<'a>(slot: &Slot<'a, f32>) -> Result<[&'a DeviceBuffer<u8>; 4]> {
     match slot.saved() {
         [xt, x_si, dyt, dy_si] => Ok([*xt, *x_si, *dyt, *dy_si]),
         s => Err(Error::InvalidArgument(format!(
@@ -867,11 +822,8 @@ mod tests {
 
     #[test]
     fn saved_buffers_hold_xt_bytes_and_one_scale() {
-        assert_eq!(
-            saved_lens(64, 128, 32),
-            vec![64 * 128 / 4, 1, 64 * 32 / 4, 1]
-        );
-        assert_eq!(saved_lens(16, 16, 16), vec![64, 1, 64, 1]);
+        assert_eq!(saved_bytes(64, 128, 32), vec![64 * 128, 4, 64 * 32, 4]);
+        assert_eq!(saved_bytes(16, 16, 16), vec![256, 4, 256, 4]);
     }
 
     #[test]

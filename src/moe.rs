@@ -33,7 +33,7 @@
 //!   [`ExpertGemm::PerExpert`] it reads the counts to the host and runs dense GEMMs of the
 //!   exact sizes.
 //! * Breaking-layer ([`ExpertGemm::PerExpert`] under
-//!   [`GraphedCallables`](cuda_graph::graphed::GraphedCallables)): forward segments
+//!   [`GraphedCallables`](graphed_callables::GraphedCallables)): forward segments
 //!   `[Graphed: router + dispatch] [Eager: experts] [Graphed: combine]`. The eager segment
 //!   runs the same per-expert GEMMs as the eager mode, so the two are bit-identical.
 //! * Full-layer ([`ExpertGemm::Grouped`]): the whole forward is one graph; the experts are
@@ -58,11 +58,13 @@
 
 use std::sync::Arc;
 
-use cuda_graph::graphed::{Callable, SegmentKind, Slot};
-use cuda_graph::{Context, DeviceBuffer, DeviceRepr, Error, Kernel, LaunchConfig, Module, Result};
+use graphed_callables::{Callable, SegmentKind, Slot};
+use cuda_graph::{DeviceBuffer, Error, Kernel, LaunchConfig, Module, Result};
 use cuda_graph::{Stream, kernel_args};
-use fp8_kernels::gemm::{GemmOptions, GemmOut, GemmPath, K_ALIGN, Operand, gemm, grouped_gemm};
-use fp8_kernels::{Fp8Format, Fp8Tensor, HpBuffer, quantize_current};
+use fp8_kernels::gemm::{
+    GemmOptions, GemmPath, GemmShape, GroupedShape, K_ALIGN, Operand, gemm, grouped_gemm,
+};
+use fp8_kernels::{Fp8Format, Fp8Tensor, quantize_current};
 
 /// The layer's kernels, built from `src/kernels/moe.cu`.
 static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/moe.fatbin"));
@@ -195,7 +197,7 @@ struct RoutingBuffers {
 }
 
 /// A handle on a layer's routing buffers that stays valid when the layer is moved into a
-/// [`GraphedCallables`](cuda_graph::graphed::GraphedCallables) (which hides its concrete
+/// [`GraphedCallables`](graphed_callables::GraphedCallables) (which hides its concrete
 /// type): [`read`](Self::read) gives the routing of the layer's last forward.
 #[derive(Debug, Clone)]
 pub struct RoutingHandle(Arc<RoutingBuffers>);
@@ -215,40 +217,13 @@ impl RoutingHandle {
     }
 }
 
-/// A non-owning view of `len` elements of `T` at element `offset` (in `T`s) of `buf`.
-/// `buf` (or its owner) must outlive every use of the view, including graphs captured
-/// with it.
-fn view<T: DeviceRepr, U: DeviceRepr>(
-    ctx: &Arc<Context>,
-    buf: &DeviceBuffer<U>,
-    offset: usize,
-    len: usize,
-) -> Result<DeviceBuffer<T>> {
-    let end = offset
-        .checked_add(len)
-        .and_then(|e| e.checked_mul(size_of::<T>()))
-        .ok_or_else(|| Error::InvalidArgument("Fp8Moe: view size overflows usize".into()))?;
-    if buf.bytes() < end {
-        return Err(Error::InvalidArgument(format!(
-            "Fp8Moe: a view ending at byte {end} of a {}-byte buffer",
-            buf.bytes()
-        )));
-    }
-    let ptr = buf.as_raw() + (offset * size_of::<T>()) as u64;
-    // SAFETY: [ptr, ptr + len * size_of::<T>()) lies inside `buf`'s live allocation (checked
-    // above); the view never frees it. Views are used only within one call, on buffers
-    // owned by this layer (which the graphed runtime keeps for as long as its graphs), so
-    // the memory outlives every use.
-    Ok(unsafe { DeviceBuffer::from_raw(ctx, ptr, len) })
-}
-
 /// An FP8 top-1 MoE layer over a fixed number of tokens, forward only; see the
 /// [module documentation](self).
 ///
 /// # Example: eagerly
 ///
 /// ```no_run
-/// use cuda_graph::graphed::{Callable, GraphIndex, Slot};
+/// use graphed_callables::{Callable, GraphIndex, Slot};
 /// use cuda_graph::{Context, DeviceBuffer, GraphPool, Stream};
 /// use fp8_moe::moe::{ExpertGemm, Fp8Moe, MoeConfig};
 ///
@@ -269,7 +244,6 @@ fn view<T: DeviceRepr, U: DeviceRepr>(
 /// # Ok::<(), cuda_graph::Error>(())
 /// ```
 pub struct Fp8Moe {
-    ctx: Arc<Context>,
     cfg: MoeConfig,
     experts_gemm: ExpertGemm,
     path: GemmPath,
@@ -348,10 +322,9 @@ impl Fp8Moe {
 
         let wr = DeviceBuffer::from_host(stream, router_weight)?;
         let w = DeviceBuffer::from_host(stream, expert_weights)?;
-        let mut w_fp8 = Fp8Tensor::new(stream, &[e * f, hd], Fp8Format::E4M3)?;
-        quantize_current(stream, HpBuffer::F32(&w), &mut w_fp8, None)?;
+        let w_fp8 = Fp8Tensor::new(stream, &[e * f, hd], Fp8Format::E4M3)?;
+        quantize_current(stream, &w, &w_fp8, None)?;
         let moe = Fp8Moe {
-            ctx: ctx.clone(),
             cfg,
             experts_gemm,
             path: GemmPath::Auto,
@@ -483,7 +456,7 @@ impl Fp8Moe {
                 &kernel_args![self.r.expert, self.r.pos, self.r.counts, t, e],
             )
         }?;
-        quantize_current(stream, HpBuffer::F32(x), &mut self.x_fp8, None)?;
+        quantize_current(stream, x, &self.x_fp8, None)?;
         let vecs = hd / 16;
         // SAFETY: moe_scatter_rows(const uint4* src, uint4* dst, const int* expert, const
         // int* pos, u32 tokens, u32 vecs, u32 m_max, u32 experts): src is x_fp8 [T, H] bytes
@@ -517,10 +490,12 @@ impl Fp8Moe {
         } = self.cfg;
         grouped_gemm(
             stream,
-            e,
-            t,
-            f,
-            hd,
+            GroupedShape {
+                groups: e,
+                m_max: t,
+                n: f,
+                k: hd,
+            },
             Operand {
                 data: &self.x_disp,
                 format: Fp8Format::E4M3,
@@ -531,7 +506,7 @@ impl Fp8Moe {
                 format: Fp8Format::E4M3,
                 scale_inv: self.w_fp8.scale_inv(),
             },
-            GemmOut::F32(&self.h),
+            &self.h,
             &self.r.counts,
             GemmOptions::new().path(self.path),
         )
@@ -552,14 +527,12 @@ impl Fp8Moe {
             if c == 0 {
                 continue;
             }
-            let a = view::<u8, u8>(&self.ctx, &self.x_disp, g * t * hd, c * hd)?;
-            let b = view::<u8, u8>(&self.ctx, self.w_fp8.data(), g * f * hd, f * hd)?;
-            let d = view::<f32, f32>(&self.ctx, &self.h, g * t * f, c * f)?;
+            let a = self.x_disp.slice(g * t * hd..(g * t + c) * hd)?;
+            let b = self.w_fp8.data().slice(g * f * hd..(g + 1) * f * hd)?;
+            let d = self.h.slice(g * t * f..(g * t + c) * f)?;
             gemm(
                 stream,
-                c,
-                f,
-                hd,
+                GemmShape::new(c, f, hd),
                 Operand {
                     data: &a,
                     format: Fp8Format::E4M3,
@@ -570,7 +543,7 @@ impl Fp8Moe {
                     format: Fp8Format::E4M3,
                     scale_inv: self.w_fp8.scale_inv(),
                 },
-                GemmOut::F32(&d),
+                &d,
                 GemmOptions::new().path(self.path),
             )?;
         }
@@ -794,7 +767,7 @@ mod tests {
     #[test]
     fn per_expert_segments_break_the_layer() {
         // The plans the two modes declare, checked without a device through SegmentPlan.
-        use cuda_graph::graphed::SegmentPlan;
+        use graphed_callables::SegmentPlan;
         let breaking = SegmentPlan::new(vec![
             SegmentKind::Graphed,
             SegmentKind::Eager,

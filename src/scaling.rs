@@ -8,21 +8,21 @@
 
 use std::sync::{Arc, Mutex};
 
-use cuda_graph::graphed::{GraphedOptions, Step, WarmupRecord};
 use cuda_graph::{Context, DeviceBuffer, Error, Result, Stream};
-use fp8_kernels::DelayedScaling;
+use fp8_kernels::{DelayedScaling, ReductionGroup};
+use graphed_callables::{GraphedOptions, Step, WarmupRecord};
 
 /// Sets `options`' hooks for one [`DelayedScaling`] state shared by the callables:
 ///
 /// * `before_warmup`: snapshot the state ([`ScalingSnapshot::save`]);
 /// * `after_warmup`: restore it and [register](DelayedScaling::register) exactly the FP8
-///   tensors warmup recorded ([`WarmupRecord::fp8_tensors`]: MoE experts that got no tokens
+///   tensors warmup recorded ([`WarmupRecord::tensors`]: MoE experts that got no tokens
 ///   stay out of the updates);
-/// * `after_forward` and `after_backward`: reduce the amaxes over
-///   [`options.reduction_group`](GraphedOptions::reduction_group) (the whole history
-///   buffer: entries past slot 0 already agree across ranks, so only the current amaxes
-///   change) and run the fused [`update`](DelayedScaling::update) of every registered
-///   tensor.
+/// * `after_forward` and `after_backward`: reduce the amaxes over `group` (TransformerEngine's
+///   `fp8_group`; [`IdentityGroup`](fp8_kernels::IdentityGroup) in one process) over the
+///   whole history buffer (entries past slot 0 already agree across ranks, so only the
+///   current amaxes change) and run the fused [`update`](DelayedScaling::update) of every
+///   registered tensor.
 ///
 /// `ctx` is the state's context. Replaces hooks already set; the snapshot's device memory is
 /// allocated here (not during a capture).
@@ -30,6 +30,7 @@ pub fn install_hooks(
     options: &mut GraphedOptions,
     ctx: &Arc<Context>,
     scaling: &Arc<DelayedScaling>,
+    group: Arc<dyn ReductionGroup>,
 ) -> Result<()> {
     let snapshot = Arc::new(Mutex::new(ScalingSnapshot::new(ctx, scaling)?));
     // A poisoned lock only means another hook panicked mid-copy enqueue; the buffers are
@@ -44,11 +45,11 @@ pub fn install_hooks(
             snap.lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .restore(st, &s)?;
-            s.register(st, record.fp8_tensors())
+            s.register(st, record.tensors())
         }
     }));
     for hook in [&mut options.after_forward, &mut options.after_backward] {
-        let (s, group) = (scaling.clone(), options.reduction_group.clone());
+        let (s, group) = (scaling.clone(), group.clone());
         *hook = Some(Box::new(move |st: &Stream, _: Step| {
             group.all_reduce_max(st, s.history_buffer())?;
             s.update(st)
@@ -63,14 +64,6 @@ pub struct ScalingSnapshot {
     history: DeviceBuffer<f32>,
     scale: DeviceBuffer<f32>,
     scale_inv: DeviceBuffer<f32>,
-}
-
-/// A non-owning, writable view of `buf` (the state's buffers are shared through `Arc`s).
-fn view_mut(ctx: &Arc<Context>, buf: &Arc<DeviceBuffer<f32>>) -> DeviceBuffer<f32> {
-    // SAFETY: the view covers exactly `buf`'s live allocation (in `ctx`, the context of the
-    // stream the state is used on), which the state's `Arc` keeps alive for the
-    // stream-ordered copy enqueued on it; the view never frees it.
-    unsafe { DeviceBuffer::from_raw(ctx, buf.as_raw(), buf.len()) }
 }
 
 impl ScalingSnapshot {
@@ -97,7 +90,7 @@ impl ScalingSnapshot {
     }
 
     /// Enqueues copies of `state`'s buffers into the snapshot on `stream` (no wait).
-    pub fn save(&mut self, stream: &Stream, state: &DelayedScaling) -> Result<()> {
+    pub fn save(&self, stream: &Stream, state: &DelayedScaling) -> Result<()> {
         self.check(state)?;
         self.history
             .copy_from_device(stream, state.history_buffer())?;
@@ -109,9 +102,12 @@ impl ScalingSnapshot {
     /// Enqueues copies of the snapshot back into `state`'s buffers on `stream` (no wait).
     pub fn restore(&self, stream: &Stream, state: &DelayedScaling) -> Result<()> {
         self.check(state)?;
-        let ctx = stream.context();
-        view_mut(ctx, state.history_buffer()).copy_from_device(stream, &self.history)?;
-        view_mut(ctx, state.scale_buffer()).copy_from_device(stream, &self.scale)?;
-        view_mut(ctx, state.scale_inv_buffer()).copy_from_device(stream, &self.scale_inv)
+        state
+            .history_buffer()
+            .copy_from_device(stream, &self.history)?;
+        state.scale_buffer().copy_from_device(stream, &self.scale)?;
+        state
+            .scale_inv_buffer()
+            .copy_from_device(stream, &self.scale_inv)
     }
 }

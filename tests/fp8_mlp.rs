@@ -5,7 +5,7 @@
 //! interleaved `[1,2,1,2,-2,-1,1,2,-2,-1,-2,-1]`, (c) uneven layers per chunk `[1, 2]`,
 //! under both weight-caching mechanisms; and FP8 weights are cast once per step (on the
 //! first microbatch). Case (b) also runs with FP8 on for some callables and off for others
-//! ([`Fp8Enabled::PerCallable`]; the eager run's slots carry the same flags): the FP8-off
+//! ([`LowPrecision::PerCallable`]; the eager run's slots carry the same flags): the FP8-off
 //! layers run their f32 path, get no weight casts and leave their scaling tensors alone.
 //!
 //! # The recipe both runs follow
@@ -40,8 +40,8 @@
 
 use std::sync::Arc;
 
-use cuda_graph::graphed::{
-    Callable, Fp8Enabled, Fp8Recorder, GraphIndex, GraphedCallables, GraphedOptions, Layout,
+use graphed_callables::{
+    Callable, LowPrecision, TensorRecorder, GraphIndex, GraphedCallables, GraphedOptions, Layout,
     Schedule, Slot, Step, WeightCaching,
 };
 use cuda_graph::{Context, DeviceBuffer, GraphPool, NodeKind, Stream};
@@ -438,7 +438,7 @@ fn run_graphed(
     let mut options = GraphedOptions::new(schedule.clone())
         .with_weight_caching(mode)
         .with_merge_layers(merge);
-    options.fp8 = Fp8Enabled::PerCallable(fp8.to_vec());
+    options.low_precision = LowPrecision::PerCallable(fp8.to_vec());
     // Snapshot/restore around warmup, register what warmup ran, reduce + update after
     // every replay.
     scaling::install_hooks(&mut options, &gpu.ctx, &scaling).expect("scaling hooks");
@@ -613,7 +613,7 @@ impl<'a> EagerSlots<'a> {
             self.saved[g].iter().collect(),
             self.pool,
         )
-        .with_fp8(self.fp8[c]);
+        .with_low_precision(self.fp8[c]);
         (g, c, x, slot)
     }
 }
@@ -836,7 +836,7 @@ fn graphed_equals_eager_uneven_layers_per_chunk() {
 }
 
 /// Case (b) with FP8 on for some callables and off for others
-/// ([`Fp8Enabled::PerCallable`]), graphed == eager bit for bit under every mode. Callables
+/// ([`LowPrecision::PerCallable`]), graphed == eager bit for bit under every mode. Callables
 /// are (chunk, layer) `0 = (0, 0)`, `1 = (0, 1)`, `2 = (1, 0)`, `3 = (1, 1)`. Alternating
 /// on/off: every chunk mixes, an FP8 layer feeding an FP8-off one. Then off/on/off/off:
 /// chunk 0 has an FP8-off layer feeding an FP8 one, chunk 1 is all off (no casts at all;
@@ -1124,7 +1124,7 @@ fn fp8_linear_matches_host_reference() {
     );
 }
 
-/// One layer with FP8 off ([`Slot::with_fp8`]`(false)`), eagerly, against the host: y, dX
+/// One layer with FP8 off ([`Slot::with_low_precision`]`(false)`), eagerly, against the host: y, dX
 /// and dW (accumulated onto a non-zero dW) against f64 sums of the unquantized f32 values,
 /// db bit for bit against a sequential f32 column sum of dY added onto a non-zero db; and
 /// nothing FP8 touched: the scaling state (history, scales) keeps its bits, nothing is
@@ -1171,11 +1171,11 @@ fn fp8_off_linear_matches_host_reference() {
         saved,
         pool,
     } = LayerIo::new(&gpu, &layer, &x_host, &dy_host);
-    let recorder = Fp8Recorder::new();
+    let recorder = TensorRecorder::new();
     let slot = LayerIo::slot(&x, &y, &saved, &pool)
-        .with_fp8(false)
+        .with_low_precision(false)
         .with_recorder(&recorder);
-    assert!(!slot.fp8_enabled());
+    assert!(!slot.low_precision());
     let fp8_state = |layer: &Fp8Linear| {
         (
             gpu.bits(scaling.history_buffer()),

@@ -16,7 +16,7 @@
 
 use std::sync::Arc;
 
-use cuda_graph::graphed::{
+use graphed_callables::{
     Callable, GraphIndex, GraphedCallables, GraphedOptions, Schedule, SegmentKind, Slot, Step,
 };
 use cuda_graph::{Context, DeviceBuffer, GraphPool, Stream};

@@ -20,8 +20,8 @@
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 
-use cuda_graph::graphed::{
-    Callable, Fp8Recorder, GraphIndex, GraphedCallables, GraphedOptions, Schedule, SegmentKind,
+use graphed_callables::{
+    Callable, TensorRecorder, GraphIndex, GraphedCallables, GraphedOptions, Schedule, SegmentKind,
     Slot, Step, WarmupRecord,
 };
 use cuda_graph::{Context, DeviceBuffer, GraphPool, Result, Stream};
@@ -502,7 +502,7 @@ fn only_the_fp8_tensors_warmup_ran_are_registered() {
     // The record: the first layer's three tensors, every expert's W, x and dY of the experts
     // warmup routed to; nothing of expert 1's activations.
     let want = expected_record();
-    assert_eq!(record.fp8_tensors(), want);
+    assert_eq!(record.tensors(), want);
     assert_eq!(record.of_callable(0), Some(&BTreeSet::from(tensors_of(0))));
     let e1 = tensors_of(2);
     assert!(!want.contains(&e1[X]) && !want.contains(&e1[DY]) && want.contains(&e1[W]));
@@ -566,7 +566,7 @@ fn an_eager_slot_records_what_the_layer_ran() {
         .iter()
         .map(|&n| gpu.upload(&vec![0.0; n]))
         .collect();
-    let recorder = Fp8Recorder::new();
+    let recorder = TensorRecorder::new();
     let at = GraphIndex {
         chunk: 0,
         microbatch: 0,
@@ -588,5 +588,5 @@ fn an_eager_slot_records_what_the_layer_ran() {
     want.insert(tensors_of(2)[X]);
     assert_eq!(recorder.tensors(), want);
     // A slot without a recorder ignores the reports.
-    Slot::new(at, vec![&x], vec![], vec![], &pool).record_fp8_tensors([1, 2]);
+    Slot::new(at, vec![&x], vec![], vec![], &pool).record_tensors([1, 2]);
 }

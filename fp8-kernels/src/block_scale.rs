@@ -133,16 +133,17 @@ pub(crate) fn blockwise_grid(
 // The signature mirrors the other launchers (stream, input, shape, then outputs); a
 // parameter struct would only hide that.
 #[allow(clippy::too_many_arguments)]
-pub fn quantize_blockwise(
+pub fn quantize_blockwise<'a>(
     stream: &Stream,
-    input: HpBuffer<'_>,
+    input: impl Into<HpBuffer<'a>>,
     rows: usize,
     cols: usize,
     block: BlockShape,
     format: Fp8Format,
-    out: &mut DeviceBuffer<u8>,
-    scales_inv: &mut DeviceBuffer<f32>,
+    out: &DeviceBuffer<u8>,
+    scales_inv: &DeviceBuffer<f32>,
 ) -> Result<()> {
+    let input: HpBuffer<'a> = input.into();
     let n = matrix_numel("quantize_blockwise", rows, cols)?;
     if input.len() != n || out.len() != n {
         return Err(Error::InvalidArgument(format!(

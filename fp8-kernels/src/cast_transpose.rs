@@ -65,15 +65,16 @@ pub(crate) fn matrix_numel(what: &str, rows: usize, cols: usize) -> Result<usize
 /// `out_t.len() == rows * cols`; input, `out.data()` and `out_t` 16-byte aligned (buffers
 /// from [`DeviceBuffer::alloc`] always are). Any `rows` and `cols` work; the fast path
 /// covers matrices with `rows % 16 == 0` and `cols % 16 == 0` (all but the edge tiles).
-pub fn cast_transpose(
+pub fn cast_transpose<'a>(
     stream: &Stream,
-    input: HpBuffer<'_>,
+    input: impl Into<HpBuffer<'a>>,
     rows: usize,
     cols: usize,
-    out: &mut Fp8Tensor,
-    out_t: &mut DeviceBuffer<u8>,
+    out: &Fp8Tensor,
+    out_t: &DeviceBuffer<u8>,
     noop: Option<&DeviceScalar>,
 ) -> Result<()> {
+    let input: HpBuffer<'a> = input.into();
     let n = matrix_numel("cast_transpose", rows, cols)?;
     if input.len() != n {
         return Err(Error::InvalidArgument(format!(
@@ -117,11 +118,11 @@ pub fn cast_transpose(
         .arg(out_t)
         .arg(&rows64)
         .arg(&cols64)
-        .arg(&**out.scale().buffer())
-        .arg(&**out.scale_inv().buffer())
-        .arg(&**out.amax().buffer());
+        .arg(out.scale().buffer())
+        .arg(out.scale_inv().buffer())
+        .arg(out.amax().buffer());
     let args = match noop {
-        Some(s) => args.arg(&**s.buffer()),
+        Some(s) => args.arg(s.buffer()),
         None => args.arg(&null),
     }
     .arg(&indices);

@@ -4,8 +4,9 @@
 //!
 //! * [`Fp8Format`] (E4M3, E5M2) and [`DType`] (f32, f16, bf16 inputs and outputs);
 //! * [`Fp8Tensor`]: FP8 bytes plus the device scalars that go with them ([`DeviceScalar`]:
-//!   scale, scale_inv, amax); high-precision buffers are passed as [`HpBuffer`] /
-//!   [`HpBufferMut`] (f16 and bf16 as their `u16` bits);
+//!   scale, scale_inv, amax); high-precision buffers are `DeviceBuffer<f32>`,
+//!   `DeviceBuffer<f16>` or `DeviceBuffer<bf16>` (`half`'s types), passed as they are
+//!   (launchers take `impl Into<`[`HpBuffer`]`>`);
 //! * [`quantize`] (fused amax, optional noop flag), [`quantize_current`] (current scaling),
 //!   [`amax`], [`dequantize`];
 //! * [`cast_transpose`]: the FP8 cast row-major and transposed in one pass, amax fused;
@@ -34,14 +35,14 @@
 //!
 //! ```no_run
 //! use cuda_graph::{Context, DeviceBuffer, Stream};
-//! use fp8_kernels::{Fp8Format, Fp8Tensor, HpBuffer, quantize};
+//! use fp8_kernels::{Fp8Format, Fp8Tensor, quantize};
 //!
 //! let ctx = Context::default_device()?;
 //! let stream = Stream::new(&ctx)?;
 //! let x = DeviceBuffer::from_host(&stream, &[1.0f32, -2.5, 300.0, 1e6, 0.01])?;
-//! let mut y = Fp8Tensor::new(&stream, &[5], Fp8Format::E4M3)?;
+//! let y = Fp8Tensor::new(&stream, &[5], Fp8Format::E4M3)?;
 //! y.scale().write(&stream, 2.0)?;
-//! quantize(&stream, HpBuffer::F32(&x), &mut y, None)?;
+//! quantize(&stream, &x, &y, None)?;
 //! let bytes = y.data().to_vec(&stream)?;
 //! assert_eq!(bytes[3], 0x7e); // 2e6 saturates to 448
 //! assert_eq!(y.amax().read(&stream)?, 1e6); // amax of the unscaled input
@@ -66,5 +67,5 @@ pub use cast_transpose::{TILE_COLS, cast_transpose, tile_rows};
 pub use format::{DType, Fp8Format};
 pub use module::{FATBIN, module};
 pub use quantize::{ALIGN, FUSED_CURRENT_MAX, amax, dequantize, quantize, quantize_current};
-pub use scaling::{AmaxAlgo, DelayedScaling, MAX_HISTORY};
-pub use tensor::{DeviceScalar, Fp8Tensor, HpBuffer, HpBufferMut};
+pub use scaling::{AmaxAlgo, DelayedScaling, IdentityGroup, MAX_HISTORY, ReductionGroup};
+pub use tensor::{DeviceScalar, Fp8Tensor, HpBuffer};

@@ -10,7 +10,7 @@
 use cuda_graph::{DeviceBuffer, Error, KernelArgs, LaunchConfig, Result, Stream};
 
 use crate::module::kernel;
-use crate::tensor::{DeviceScalar, Fp8Tensor, HpBuffer, HpBufferMut, check_align};
+use crate::tensor::{DeviceScalar, Fp8Tensor, HpBuffer, check_align};
 
 /// Threads per block of the elementwise kernels.
 const BLOCK: u32 = 256;
@@ -48,10 +48,7 @@ fn same_len(what: &str, a: usize, b: usize) -> Result<()> {
 
 /// Pushes a high-precision input buffer onto an argument list.
 pub(crate) fn push_input<'a>(args: KernelArgs<'a>, input: &HpBuffer<'a>) -> KernelArgs<'a> {
-    match *input {
-        HpBuffer::F32(b) => args.arg(b),
-        HpBuffer::F16(b) | HpBuffer::Bf16(b) => args.arg(b),
-    }
+    input.push_to(args)
 }
 
 /// `out = saturate_rne(input * scale)` in `out.format()`, with `scale` read from
@@ -61,12 +58,13 @@ pub(crate) fn push_input<'a>(args: KernelArgs<'a>, input: &HpBuffer<'a>) -> Kern
 /// 1.0 at run time, nothing at all is written.
 ///
 /// Requirements: `input.len() == out.numel()`; input and `out.data()` 16-byte aligned.
-pub fn quantize(
+pub fn quantize<'a>(
     stream: &Stream,
-    input: HpBuffer<'_>,
-    out: &mut Fp8Tensor,
+    input: impl Into<HpBuffer<'a>>,
+    out: &Fp8Tensor,
     noop: Option<&DeviceScalar>,
 ) -> Result<()> {
+    let input: HpBuffer<'a> = input.into();
     launch_quantize(stream, "fp8_quantize", input, out, noop)
 }
 
@@ -78,12 +76,13 @@ pub fn quantize(
 /// honour `noop`: with `noop == 1.0` nothing is written.
 ///
 /// Requirements: `input.len() == out.numel()`; input and `out.data()` 16-byte aligned.
-pub fn quantize_current(
+pub fn quantize_current<'a>(
     stream: &Stream,
-    input: HpBuffer<'_>,
-    out: &mut Fp8Tensor,
+    input: impl Into<HpBuffer<'a>>,
+    out: &Fp8Tensor,
     noop: Option<&DeviceScalar>,
 ) -> Result<()> {
+    let input: HpBuffer<'a> = input.into();
     validate_quantize(&input, out)?;
     if input.len() <= FUSED_CURRENT_MAX {
         let name = format!(
@@ -118,7 +117,7 @@ pub fn quantize_current(
     let amax_buf: &DeviceBuffer<f32> = out.amax().buffer();
     let args = KernelArgs::new().arg(amax_buf);
     let args = match noop {
-        Some(s) => args.arg(&**s.buffer()),
+        Some(s) => args.arg(s.buffer()),
         None => args.arg(&null),
     }
     .arg(&pair);
@@ -140,7 +139,7 @@ fn launch_quantize(
     stream: &Stream,
     prefix: &str,
     input: HpBuffer<'_>,
-    out: &mut Fp8Tensor,
+    out: &Fp8Tensor,
     noop: Option<&DeviceScalar>,
 ) -> Result<()> {
     validate_quantize(&input, out)?;
@@ -177,11 +176,11 @@ fn launch_cast(
     let args = push_input(KernelArgs::new(), input)
         .arg(out.data())
         .arg(&n)
-        .arg(&**out.scale().buffer())
-        .arg(&**out.scale_inv().buffer())
-        .arg(&**out.amax().buffer());
+        .arg(out.scale().buffer())
+        .arg(out.scale_inv().buffer())
+        .arg(out.amax().buffer());
     let args = match noop {
-        Some(s) => args.arg(&**s.buffer()),
+        Some(s) => args.arg(s.buffer()),
         None => args.arg(&null),
     }
     .arg(&indices);
@@ -195,12 +194,13 @@ fn launch_cast(
 /// `noop == 1.0` at run time nothing is written.
 ///
 /// Requirements: input 16-byte aligned.
-pub fn amax(
+pub fn amax<'a>(
     stream: &Stream,
-    input: HpBuffer<'_>,
+    input: impl Into<HpBuffer<'a>>,
     amax: &DeviceScalar,
     noop: Option<&DeviceScalar>,
 ) -> Result<()> {
+    let input: HpBuffer<'a> = input.into();
     check_align("amax input", input.device_ptr(), ALIGN)?;
     idx(amax)?;
     let (k, sms) = kernel(
@@ -224,9 +224,9 @@ fn launch_amax(
     let indices = [idx(amax)?, noop.map(idx).transpose()?.unwrap_or(0)];
     let args = push_input(KernelArgs::new(), input)
         .arg(&n)
-        .arg(&**amax.buffer());
+        .arg(amax.buffer());
     let args = match noop {
-        Some(s) => args.arg(&**s.buffer()),
+        Some(s) => args.arg(s.buffer()),
         None => args.arg(&null),
     }
     .arg(&indices);
@@ -240,7 +240,8 @@ fn launch_amax(
 /// `input.scale_inv()` on the device. NaN bytes give NaN, E5M2 infinities give infinities.
 ///
 /// Requirements: `out.len() == input.numel()`; `input.data()` and `out` 16-byte aligned.
-pub fn dequantize(stream: &Stream, input: &Fp8Tensor, out: HpBufferMut<'_>) -> Result<()> {
+pub fn dequantize<'a>(stream: &Stream, input: &Fp8Tensor, out: impl Into<HpBuffer<'a>>) -> Result<()> {
+    let out: HpBuffer<'a> = out.into();
     same_len("dequantize", input.numel(), out.len())?;
     check_align("FP8 input", input.data().as_raw(), ALIGN)?;
     check_align("dequantize output", out.device_ptr(), ALIGN)?;
@@ -252,13 +253,10 @@ pub fn dequantize(stream: &Stream, input: &Fp8Tensor, out: HpBufferMut<'_>) -> R
     );
     let (k, sms) = kernel(stream.context(), &name)?;
     let n = input.numel() as u64;
-    let args = KernelArgs::new().arg(input.data());
-    let args = match &out {
-        HpBufferMut::F32(b) => args.arg(&**b),
-        HpBufferMut::F16(b) | HpBufferMut::Bf16(b) => args.arg(&**b),
-    }
-    .arg(&n)
-    .arg(&**input.scale_inv().buffer())
+    let args = out
+        .push_to(KernelArgs::new().arg(input.data()))
+        .arg(&n)
+    .arg(input.scale_inv().buffer())
     .arg(&si_idx);
     let cfg = LaunchConfig::linear(grid(sms, n / 8), BLOCK);
     // SAFETY: reads n bytes of input.data() and writes n elements of out (both checked to

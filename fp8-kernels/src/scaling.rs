@@ -130,17 +130,17 @@ impl DelayedScaling {
     /// Tensor `t`'s current amax slot (history slot 0).
     pub fn amax(&self, t: usize) -> Result<DeviceScalar> {
         self.check(t)?;
-        DeviceScalar::at(self.history.clone(), t * self.history_len)
+        DeviceScalar::at(&self.history, t * self.history_len)
     }
     /// Tensor `t`'s scale.
     pub fn scale(&self, t: usize) -> Result<DeviceScalar> {
         self.check(t)?;
-        DeviceScalar::at(self.scale.clone(), t)
+        DeviceScalar::at(&self.scale, t)
     }
     /// Tensor `t`'s scale_inv.
     pub fn scale_inv(&self, t: usize) -> Result<DeviceScalar> {
         self.check(t)?;
-        DeviceScalar::at(self.scale_inv.clone(), t)
+        DeviceScalar::at(&self.scale_inv, t)
     }
 
     /// An FP8 tensor of `shape` for slot `t`, with `data` as its bytes and this state's scale,
@@ -230,3 +230,31 @@ impl DelayedScaling {
         unsafe { stream.launch_pdl(&k, &cfg, &args) }
     }
 }
+/// The group of processes over which amaxes are reduced (the data- or tensor-parallel group
+/// whose ranks must agree on FP8 scales). TransformerEngine's `fp8_group`. Scaling hooks call [`all_reduce_max`](Self::all_reduce_max)
+/// on the amax buffer between computing local amaxes and updating scales
+/// (before [`DelayedScaling::update`]).
+pub trait ReductionGroup: Send + Sync + std::fmt::Debug {
+    /// Replaces every element of `amaxes` by its maximum over the group, stream-ordered on
+    /// `stream` (enqueue only; no synchronization).
+    fn all_reduce_max(&self, stream: &Stream, amaxes: &DeviceBuffer<f32>) -> Result<()>;
+
+    /// The number of ranks in the group.
+    fn size(&self) -> usize {
+        1
+    }
+}
+
+/// The single-process [`ReductionGroup`]: the maximum over one rank is the value itself, so
+/// [`all_reduce_max`](ReductionGroup::all_reduce_max) enqueues nothing. Multi-GPU groups
+/// (NCCL) come later.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct IdentityGroup;
+
+impl ReductionGroup for IdentityGroup {
+    fn all_reduce_max(&self, _stream: &Stream, _amaxes: &DeviceBuffer<f32>) -> Result<()> {
+        Ok(())
+    }
+}
+
+

@@ -1,19 +1,27 @@
 //! Tensor descriptions: device scalars (scale, scale_inv, amax, noop flags), FP8 tensors,
 //! and views of high-precision buffers.
 
-use std::sync::Arc;
-
+use cuda_graph::half::{bf16, f16};
 use cuda_graph::{DeviceBuffer, Error, Result, Stream};
 
 use crate::format::{DType, Fp8Format};
 
-/// One f32 in device memory: element `index` of a shared buffer. Scales, amaxes and noop
-/// flags are these, so kernels read them at run time and a captured graph stays right when
-/// their values change.
-#[derive(Debug, Clone)]
+/// One f32 in device memory: element `index` of a buffer (a view sharing its allocation).
+/// Scales, amaxes and noop flags are these, so kernels read them at run time and a captured
+/// graph stays right when their values change.
+#[derive(Debug)]
 pub struct DeviceScalar {
-    buf: Arc<DeviceBuffer<f32>>,
+    buf: DeviceBuffer<f32>,
     index: usize,
+}
+
+impl Clone for DeviceScalar {
+    fn clone(&self) -> DeviceScalar {
+        DeviceScalar {
+            buf: self.buf.share(),
+            index: self.index,
+        }
+    }
 }
 
 impl DeviceScalar {
@@ -21,26 +29,31 @@ impl DeviceScalar {
     /// for use during a capture).
     pub fn new(stream: &Stream, value: f32) -> Result<DeviceScalar> {
         let buf = DeviceBuffer::from_host(stream, &[value])?;
-        Ok(DeviceScalar {
-            buf: Arc::new(buf),
-            index: 0,
-        })
+        Ok(DeviceScalar { buf, index: 0 })
     }
 
-    /// Element `index` of `buf`.
-    pub fn at(buf: Arc<DeviceBuffer<f32>>, index: usize) -> Result<DeviceScalar> {
+    /// Element `index` of `buf` (the scalar keeps `buf`'s memory alive).
+    pub fn at(buf: &DeviceBuffer<f32>, index: usize) -> Result<DeviceScalar> {
         if index >= buf.len() {
             return Err(Error::InvalidArgument(format!(
                 "scalar index {index} out of a buffer of {} elements",
                 buf.len()
             )));
         }
-        Ok(DeviceScalar { buf, index })
+        Ok(DeviceScalar {
+            buf: buf.share(),
+            index,
+        })
     }
 
     /// The buffer holding it.
-    pub fn buffer(&self) -> &Arc<DeviceBuffer<f32>> {
+    pub fn buffer(&self) -> &DeviceBuffer<f32> {
         &self.buf
+    }
+
+    /// The scalar as a one-element view.
+    pub fn view(&self) -> Result<DeviceBuffer<f32>> {
+        self.buf.slice(self.index..=self.index)
     }
 
     /// Its index in [`DeviceScalar::buffer`].
@@ -55,50 +68,16 @@ impl DeviceScalar {
 
     /// Reads it after earlier work on `stream` (copies and waits; not during a capture).
     pub fn read(&self, stream: &Stream) -> Result<f32> {
-        let mut v = 0f32;
-        self.copy(stream, Dir::ToHost(&mut v))?;
-        Ok(v)
+        let mut v = [0f32];
+        self.view()?.copy_to_host(stream, &mut v)?;
+        Ok(v[0])
     }
 
     /// Sets it, ordered after earlier work on `stream`, and waits (not during a capture).
     pub fn write(&self, stream: &Stream, value: f32) -> Result<()> {
-        self.copy(stream, Dir::FromHost(&value))
+        self.view()?.copy_from_host(stream, &[value])
     }
 
-    fn copy(&self, stream: &Stream, dir: Dir<'_>) -> Result<()> {
-        let d = cuda_graph::sys::driver()?;
-        let rc = match dir {
-            // SAFETY: device_ptr() is inside the live buffer (index checked at
-            // construction), 4 bytes; the host value outlives the call, which is followed by
-            // a synchronize before it goes.
-            Dir::ToHost(v) => unsafe {
-                d.cuMemcpyDtoHAsync()?(
-                    (v as *mut f32).cast(),
-                    self.device_ptr(),
-                    4,
-                    stream.as_raw(),
-                )
-            },
-            // SAFETY: as above.
-            Dir::FromHost(v) => unsafe {
-                d.cuMemcpyHtoDAsync()?(
-                    self.device_ptr(),
-                    (v as *const f32).cast(),
-                    4,
-                    stream.as_raw(),
-                )
-            },
-        };
-        if rc != cuda_graph::sys::CUresult::CUDA_SUCCESS {
-            return Err(Error::driver("cuMemcpyAsync (device scalar)", rc));
-        }
-        stream.synchronize()
-    }
-}
-
-enum Dir<'a> {
-    ToHost(&'a mut f32),
-    FromHost(&'a f32),
 }
 
 /// An FP8 tensor: its bytes, shape, format, and the device scalars that go with it (`scale`
@@ -128,14 +107,14 @@ impl Fp8Tensor {
     pub fn new(stream: &Stream, shape: &[usize], format: Fp8Format) -> Result<Fp8Tensor> {
         let n = numel(shape)?;
         let data = DeviceBuffer::alloc(stream.context(), n)?;
-        let scalars = Arc::new(DeviceBuffer::from_host(stream, &[1.0f32, 1.0, 0.0])?);
+        let scalars = DeviceBuffer::from_host(stream, &[1.0f32, 1.0, 0.0])?;
         Fp8Tensor::from_parts(
             data,
             shape,
             format,
-            DeviceScalar::at(scalars.clone(), 0)?,
-            DeviceScalar::at(scalars.clone(), 1)?,
-            DeviceScalar::at(scalars, 2)?,
+            DeviceScalar::at(&scalars, 0)?,
+            DeviceScalar::at(&scalars, 1)?,
+            DeviceScalar::at(&scalars, 2)?,
         )
     }
 
@@ -169,10 +148,6 @@ impl Fp8Tensor {
     pub fn data(&self) -> &DeviceBuffer<u8> {
         &self.data
     }
-    /// The bytes, to fill or poison.
-    pub fn data_mut(&mut self) -> &mut DeviceBuffer<u8> {
-        &mut self.data
-    }
     /// The shape.
     pub fn shape(&self) -> &[usize] {
         &self.shape
@@ -203,15 +178,35 @@ impl Fp8Tensor {
     }
 }
 
-/// A high-precision buffer to read: f32, or f16 / bf16 held as their raw `u16` bits.
+/// A high-precision buffer an FP8 kernel reads or writes: f32, f16 or bf16 elements
+/// ([`half`](cuda_graph::half)'s types). Launchers take `impl Into<HpBuffer>`, so a
+/// `&DeviceBuffer<f32>`, `&DeviceBuffer<f16>` or `&DeviceBuffer<bf16>` is passed as it is.
 #[derive(Debug, Clone, Copy)]
 pub enum HpBuffer<'a> {
     /// f32 elements.
     F32(&'a DeviceBuffer<f32>),
-    /// IEEE half elements, as bits.
-    F16(&'a DeviceBuffer<u16>),
-    /// bfloat16 elements, as bits.
-    Bf16(&'a DeviceBuffer<u16>),
+    /// IEEE half elements.
+    F16(&'a DeviceBuffer<f16>),
+    /// bfloat16 elements.
+    Bf16(&'a DeviceBuffer<bf16>),
+}
+
+impl<'a> From<&'a DeviceBuffer<f32>> for HpBuffer<'a> {
+    fn from(b: &'a DeviceBuffer<f32>) -> HpBuffer<'a> {
+        HpBuffer::F32(b)
+    }
+}
+
+impl<'a> From<&'a DeviceBuffer<f16>> for HpBuffer<'a> {
+    fn from(b: &'a DeviceBuffer<f16>) -> HpBuffer<'a> {
+        HpBuffer::F16(b)
+    }
+}
+
+impl<'a> From<&'a DeviceBuffer<bf16>> for HpBuffer<'a> {
+    fn from(b: &'a DeviceBuffer<bf16>) -> HpBuffer<'a> {
+        HpBuffer::Bf16(b)
+    }
 }
 
 impl HpBuffer<'_> {
@@ -227,7 +222,8 @@ impl HpBuffer<'_> {
     pub fn len(&self) -> usize {
         match self {
             HpBuffer::F32(b) => b.len(),
-            HpBuffer::F16(b) | HpBuffer::Bf16(b) => b.len(),
+            HpBuffer::F16(b) => b.len(),
+            HpBuffer::Bf16(b) => b.len(),
         }
     }
     /// Whether it has no elements.
@@ -238,47 +234,19 @@ impl HpBuffer<'_> {
     pub fn device_ptr(&self) -> u64 {
         match self {
             HpBuffer::F32(b) => b.as_raw(),
-            HpBuffer::F16(b) | HpBuffer::Bf16(b) => b.as_raw(),
+            HpBuffer::F16(b) => b.as_raw(),
+            HpBuffer::Bf16(b) => b.as_raw(),
         }
     }
-}
-
-/// A high-precision buffer to write: f32, or f16 / bf16 held as their raw `u16` bits.
-#[derive(Debug)]
-pub enum HpBufferMut<'a> {
-    /// f32 elements.
-    F32(&'a mut DeviceBuffer<f32>),
-    /// IEEE half elements, as bits.
-    F16(&'a mut DeviceBuffer<u16>),
-    /// bfloat16 elements, as bits.
-    Bf16(&'a mut DeviceBuffer<u16>),
-}
-
-impl HpBufferMut<'_> {
-    /// The element type.
-    pub fn dtype(&self) -> DType {
-        match self {
-            HpBufferMut::F32(_) => DType::F32,
-            HpBufferMut::F16(_) => DType::F16,
-            HpBufferMut::Bf16(_) => DType::Bf16,
-        }
-    }
-    /// The element count.
-    pub fn len(&self) -> usize {
-        match self {
-            HpBufferMut::F32(b) => b.len(),
-            HpBufferMut::F16(b) | HpBufferMut::Bf16(b) => b.len(),
-        }
-    }
-    /// Whether it has no elements.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-    /// The device address.
-    pub fn device_ptr(&self) -> u64 {
-        match self {
-            HpBufferMut::F32(b) => b.as_raw(),
-            HpBufferMut::F16(b) | HpBufferMut::Bf16(b) => b.as_raw(),
+    /// Appends the buffer to a kernel argument list (its device address).
+    pub(crate) fn push_to<'k>(&self, args: cuda_graph::KernelArgs<'k>) -> cuda_graph::KernelArgs<'k>
+    where
+        Self: 'k,
+    {
+        match *self {
+            HpBuffer::F32(b) => args.arg(b),
+            HpBuffer::F16(b) => args.arg(b),
+            HpBuffer::Bf16(b) => args.arg(b),
         }
     }
 }

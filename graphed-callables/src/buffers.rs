@@ -63,7 +63,8 @@ pub(crate) fn buffer_sets(schedule: &Schedule, reuse: bool) -> Vec<usize> {
     sets
 }
 
-/// The buffer lengths one callable declares.
+/// The buffer lengths one callable declares: inputs and outputs in elements, saved
+/// buffers in bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Shapes {
     pub(crate) inputs: Vec<usize>,
@@ -78,13 +79,17 @@ pub(crate) struct GraphIo {
     pub(crate) outputs: Range<usize>,
     pub(crate) grad_outputs: Vec<usize>,
     pub(crate) grad_inputs: Range<usize>,
+    /// Indices into the byte arena.
     pub(crate) saved: Range<usize>,
 }
 
 /// Where every static buffer goes: the arena's lengths and each graph's indices into it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct BufferPlan {
+    /// Element counts of the typed arena (inputs, outputs and their gradients).
     pub(crate) lens: Vec<usize>,
+    /// Byte counts of the byte arena (saved buffers).
+    pub(crate) saved_bytes: Vec<usize>,
     pub(crate) graphs: Vec<GraphIo>,
 }
 
@@ -130,6 +135,12 @@ impl BufferPlan {
             lens.extend_from_slice(want);
             start..lens.len()
         };
+        let mut saved_bytes = Vec::new();
+        let mut take_saved = |want: &[usize]| {
+            let start = saved_bytes.len();
+            saved_bytes.extend_from_slice(want);
+            start..saved_bytes.len()
+        };
         let mut graphs: Vec<Option<GraphIo>> = vec![None; layout.total_graphs()];
         for chunk in 0..layout.num_chunks() {
             let layers = layout.layers_per_chunk()[chunk];
@@ -154,7 +165,7 @@ impl BufferPlan {
                     };
                     let grad_inputs = take(&s.inputs);
                     let outputs = take(&s.outputs);
-                    let saved = take(&s.saved);
+                    let saved = take_saved(&s.saved);
                     prev_outputs = Some(outputs.clone());
                     if let Some(prev) = ios.last_mut() {
                         prev.grad_outputs = grad_inputs.clone().collect();
@@ -191,14 +202,19 @@ impl BufferPlan {
                 io.ok_or_else(|| Error::invalid(format!("internal: graph {g} got no buffers")))
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(BufferPlan { lens, graphs })
+        Ok(BufferPlan {
+            lens,
+            saved_bytes,
+            graphs,
+        })
     }
 
     /// The pool bytes the arena needs, with [`GraphPool`]'s per-range rounding.
     pub(crate) fn pool_bytes(&self, elem: usize) -> Result<usize> {
-        self.lens.iter().try_fold(0usize, |acc, &len| {
-            len.checked_mul(elem)
-                .map(|b| b.max(1).next_multiple_of(POOL_ALIGN))
+        let typed = self.lens.iter().map(|&len| len.checked_mul(elem));
+        let bytes = self.saved_bytes.iter().map(|&b| Some(b));
+        typed.chain(bytes).try_fold(0usize, |acc, b| {
+            b.map(|b| b.max(1).next_multiple_of(POOL_ALIGN))
                 .and_then(|b| acc.checked_add(b))
                 .ok_or_else(|| Error::invalid("static buffers overflow usize bytes"))
         })
@@ -210,6 +226,9 @@ impl BufferPlan {
 pub(crate) struct StaticBuffers<T: DeviceRepr> {
     pub(crate) plan: BufferPlan,
     pub(crate) arena: Vec<DeviceBuffer<T>>,
+    /// The saved buffers, as bytes (each [`POOL_ALIGN`]-aligned: a callable views them as
+    /// any element type).
+    pub(crate) saved_arena: Vec<DeviceBuffer<u8>>,
 }
 
 impl<T: DeviceRepr> StaticBuffers<T> {
@@ -220,7 +239,16 @@ impl<T: DeviceRepr> StaticBuffers<T> {
             .iter()
             .map(|&len| pool.alloc::<T>(len))
             .collect::<Result<Vec<_>>>()?;
-        Ok(StaticBuffers { plan, arena })
+        let saved_arena = plan
+            .saved_bytes
+            .iter()
+            .map(|&bytes| pool.alloc::<u8>(bytes))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(StaticBuffers {
+            plan,
+            arena,
+            saved_arena,
+        })
     }
 
     fn pick(&self, idx: impl IntoIterator<Item = usize>) -> Vec<&DeviceBuffer<T>> {
@@ -255,8 +283,8 @@ impl<T: DeviceRepr> StaticBuffers<T> {
         &self.arena[self.io(graph).grad_inputs.clone()]
     }
 
-    pub(crate) fn saved(&self, graph: usize) -> Vec<&DeviceBuffer<T>> {
-        self.pick(self.io(graph).saved.clone())
+    pub(crate) fn saved(&self, graph: usize) -> Vec<&DeviceBuffer<u8>> {
+        self.saved_arena[self.io(graph).saved.clone()].iter().collect()
     }
 }
 
@@ -291,7 +319,7 @@ mod tests {
             assert_eq!(g1.inputs, g0.outputs.clone().collect::<Vec<_>>());
             assert_eq!(g0.grad_outputs, g1.grad_inputs.clone().collect::<Vec<_>>());
             assert_eq!(plan.lens[g0.inputs[0]], 4);
-            assert_eq!(plan.lens[g0.saved.start], 4);
+            assert_eq!(plan.saved_bytes[g0.saved.start], 4);
             assert_eq!(plan.lens[g1.grad_outputs[0]], 3);
             assert!(g1.saved.is_empty());
         }
@@ -307,7 +335,8 @@ mod tests {
             v.extend(io.outputs.clone());
             v.extend(io.grad_outputs.iter().copied());
             v.extend(io.grad_inputs.clone());
-            v.extend(io.saved.clone());
+            // Saved buffers live in the byte arena: offset their indices past the typed one.
+            v.extend(io.saved.clone().map(|i| i + plan.lens.len()));
             v
         };
         for a in 0..6 {
@@ -324,7 +353,10 @@ mod tests {
             }
         }
         // Every arena entry is used by exactly one microbatch; bytes are rounded per range.
-        assert_eq!(plan.pool_bytes(4).unwrap(), plan.lens.len() * POOL_ALIGN);
+        assert_eq!(
+            plan.pool_bytes(4).unwrap(),
+            (plan.lens.len() + plan.saved_bytes.len()) * POOL_ALIGN
+        );
     }
 
     #[test]

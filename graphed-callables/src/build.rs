@@ -20,7 +20,7 @@ use crate::replay::{ReplayCursor, copy_in};
 use crate::runtime::{CastFlags, GraphedCallables, GraphedOptions, ReplayHooks};
 use crate::schedule::{LayerStep, Pass, Schedule};
 use crate::segments::{SegmentKind, SegmentPlan};
-use crate::weights::{Fp8Recorder, WarmupRecord, WeightCaching};
+use crate::weights::{TensorRecorder, WarmupRecord, WeightCaching};
 
 /// The callables, boxed.
 type Callables<T> = [Box<dyn Callable<T>>];
@@ -61,7 +61,7 @@ impl<'a, T: DeviceRepr> Rig<'a, T> {
     pub(crate) fn slot(
         &self,
         graph: usize,
-        recorder: Option<&'a Fp8Recorder>,
+        recorder: Option<&'a TensorRecorder>,
     ) -> Result<Slot<'a, T>> {
         let layout = self.schedule.layout();
         let at = layout
@@ -77,7 +77,7 @@ impl<'a, T: DeviceRepr> Rig<'a, T> {
             inputs: self.buffers.inputs(graph),
             outputs: self.buffers.outputs(graph),
             saved: self.buffers.saved(graph),
-            pool: self.pool,
+            pool: Some(self.pool),
             warmup: recorder.is_some(),
             skip_weight_cast: self.flags.noop.get(pair),
             recorder,
@@ -119,7 +119,7 @@ impl<'a, T: DeviceRepr> Rig<'a, T> {
         segment: usize,
         kind: SegmentKind,
         stream: &Stream,
-        recorder: Option<&'a Fp8Recorder>,
+        recorder: Option<&'a TensorRecorder>,
         cast: Cast,
     ) -> Result<()> {
         let slot = self.slot(ls.graph, recorder)?;
@@ -187,7 +187,7 @@ impl<'a, T: DeviceRepr> Rig<'a, T> {
         callables: &mut Callables<T>,
         samples: &[Vec<&DeviceBuffer<T>>],
         iters: usize,
-        recorders: &'a [Fp8Recorder],
+        recorders: &'a [TensorRecorder],
         stream: &Stream,
     ) -> Result<()> {
         for _ in 0..iters {
@@ -218,7 +218,11 @@ impl<'a, T: DeviceRepr> Rig<'a, T> {
         graph: usize,
         stream: &Stream,
     ) -> Result<()> {
-        let Some(sample) = samples.get(graph) else {
+        let layout = self.schedule.layout();
+        let Some(sample) = layout
+            .callable_of_graph(graph)
+            .and_then(|c| samples.get(c))
+        else {
             return Ok(());
         };
         // Lengths were checked by check_samples.
@@ -373,35 +377,40 @@ fn segment_plans<T: DeviceRepr>(
     Ok((forward, backward))
 }
 
-/// Checks that the sample inputs fit: one set per graph index; layer 0's (and any non-empty
-/// set) with the lengths its callable takes.
+/// Checks that the sample inputs fit: one set per callable; the first callable of each
+/// chunk's with the lengths it takes, any other's empty or with its lengths.
 fn check_samples<T: DeviceRepr>(
     schedule: &Schedule,
     shapes: &[Shapes],
     samples: &[Vec<&DeviceBuffer<T>>],
 ) -> Result<()> {
     let layout = schedule.layout();
-    if samples.len() != layout.total_graphs() {
+    if samples.len() != layout.total_callables() {
         return Err(Error::invalid(format!(
-            "{} sets of sample inputs given, one per graph ({}) needed",
+            "{} sets of sample inputs given, one per callable ({}) needed",
             samples.len(),
-            layout.total_graphs()
+            layout.total_callables()
         )));
     }
-    for (g, sample) in samples.iter().enumerate() {
-        let at = layout
-            .locate(g)
-            .ok_or_else(|| Error::invalid(format!("internal: graph {g} out of range")))?;
-        if at.layer != 0 && sample.is_empty() {
-            continue;
-        }
-        let want = &shapes[layout.callable_at(at.chunk, at.layer)].inputs;
-        let got: Vec<usize> = sample.iter().map(|b| b.len()).collect();
-        if &got != want {
-            return Err(Error::invalid(format!(
-                "sample inputs of graph {g} ({at}) have lengths {got:?}, the callable takes \
-                 {want:?}"
-            )));
+    for chunk in 0..layout.num_chunks() {
+        let callables = layout
+            .chunk_callables(chunk)
+            .ok_or_else(|| Error::invalid(format!("internal: chunk {chunk} out of range")))?;
+        let first = callables.start;
+        for c in callables {
+            let sample = &samples[c];
+            if c != first && sample.is_empty() {
+                continue;
+            }
+            let want = &shapes[c].inputs;
+            let got: Vec<usize> = sample.iter().map(|b| b.len()).collect();
+            if &got != want {
+                return Err(Error::invalid(format!(
+                    "sample inputs of callable {c} (chunk {chunk}, layer {}) have lengths \
+                     {got:?}, the callable takes {want:?}",
+                    c - first
+                )));
+            }
         }
     }
     Ok(())
@@ -415,10 +424,10 @@ impl<T: DeviceRepr> GraphedCallables<T> {
     ///   internal stream forked from it, so handles a callable creates lazily per stream
     ///   are made during warmup on the very stream capture then uses.
     /// * `callables`: one per (chunk, layer), at [`Layout::callable_index`](crate::Layout::callable_index).
-    /// * `sample_inputs`: per graph index ([`Layout::index`](crate::Layout::index)), the
-    ///   inputs warmup and capture use. Only layer 0 of each (chunk, microbatch) reads
-    ///   them (later layers read their predecessor's outputs); entries of later layers may be
-    ///   empty and are otherwise ignored.
+    /// * `sample_inputs`: per callable (same order as `callables`), the inputs warmup and
+    ///   capture use, for every microbatch. Only the first callable of each chunk reads them
+    ///   (later layers read their predecessor's outputs); the others' may be empty (if
+    ///   given, their lengths are checked and the data unused).
     ///
     /// Every static buffer is zeroed first (so warmup's backward sees zero output
     /// gradients). Warmup runs every graph's pass `warmup_iters` times in
@@ -452,8 +461,7 @@ impl<T: DeviceRepr> GraphedCallables<T> {
             capture_mode,
             merge_layers,
             weight_caching,
-            fp8,
-            reduction_group,
+            low_precision: fp8,
             after_forward,
             after_backward,
             mut before_warmup,
@@ -469,7 +477,7 @@ impl<T: DeviceRepr> GraphedCallables<T> {
             .map(|c| Shapes {
                 inputs: c.input_lens(),
                 outputs: c.output_lens(),
-                saved: c.saved_lens(),
+                saved: c.saved_bytes(),
             })
             .collect();
         let sets = buffer_sets(&schedule, reuse_buffers);
@@ -521,7 +529,7 @@ impl<T: DeviceRepr> GraphedCallables<T> {
         }
 
         // Warmup, between the caller's hooks (snapshot; restore and register what ran).
-        let recorders: Vec<Fp8Recorder> = callables.iter().map(|_| Fp8Recorder::new()).collect();
+        let recorders: Vec<TensorRecorder> = callables.iter().map(|_| TensorRecorder::new()).collect();
         if let Some(h) = before_warmup.as_mut() {
             h(&cap)?;
         }
@@ -532,7 +540,7 @@ impl<T: DeviceRepr> GraphedCallables<T> {
             &recorders,
             &cap,
         )?;
-        let warmup_record = WarmupRecord::new(recorders.iter().map(Fp8Recorder::tensors).collect());
+        let warmup_record = WarmupRecord::new(recorders.iter().map(TensorRecorder::tensors).collect());
         if let Some(h) = after_warmup.as_mut() {
             h(&cap, &warmup_record)?;
         }
@@ -573,7 +581,6 @@ impl<T: DeviceRepr> GraphedCallables<T> {
                 after_forward,
                 after_backward,
             }),
-            reduction_group,
             warmup_record,
             sets,
         })

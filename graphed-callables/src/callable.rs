@@ -8,7 +8,7 @@ use cuda_graph::{Error, Result};
 
 use crate::layout::GraphIndex;
 use crate::segments::SegmentKind;
-use crate::weights::Fp8Recorder;
+use crate::weights::TensorRecorder;
 
 /// One layer (or part of a layer) that [`GraphedCallables`](crate::GraphedCallables)
 /// captures: a forward and a backward pass over static device buffers.
@@ -47,7 +47,7 @@ use crate::weights::Fp8Recorder;
 /// # Example
 ///
 /// ```no_run
-/// use cuda_graph::graphed::{Callable, Slot};
+/// use graphed_callables::{Callable, Slot};
 /// use cuda_graph::{kernel_args, DeviceBuffer, Kernel, LaunchConfig, Result, Stream};
 ///
 /// /// y = x * w elementwise; dx = dy * w, dw += dy * x.
@@ -102,10 +102,13 @@ pub trait Callable<T: DeviceRepr>: Send {
     /// The length in elements of each output.
     fn output_lens(&self) -> Vec<usize>;
 
-    /// The lengths of the buffers the backward needs from its microbatch's forward (saved
-    /// activations). The runtime allocates one set per (chunk, microbatch, layer) and
-    /// passes it as [`Slot::saved`] to both passes of that microbatch. Default: none.
-    fn saved_lens(&self) -> Vec<usize> {
+    /// The sizes in bytes of the buffers the backward needs from its microbatch's forward
+    /// (saved activations: FP8 bytes, scales, indices, anything). The runtime allocates one
+    /// set per (chunk, microbatch, layer), each aligned to
+    /// [`POOL_ALIGN`](cuda_graph::POOL_ALIGN) bytes, and passes it as [`Slot::saved`] to both
+    /// passes of that microbatch; view one as the type it holds with
+    /// [`DeviceBuffer::reinterpret`] and [`DeviceBuffer::slice`]. Default: none.
+    fn saved_bytes(&self) -> Vec<usize> {
         Vec::new()
     }
 
@@ -142,7 +145,7 @@ pub trait Callable<T: DeviceRepr>: Send {
     /// the head of the first *graphed* segment (warmup calls this right before it); a forward
     /// with no graphed segment never gets this call (cast in the eager code instead). See
     /// [`segments`](crate::segments#weight-casts). Nor does a callable with FP8 off
-    /// ([`Slot::fp8_enabled`]).
+    /// ([`Slot::low_precision`]).
     fn cast_weights(&mut self, stream: &Stream, slot: &Slot<'_, T>) -> Result<()> {
         let _ = (stream, slot);
         Ok(())
@@ -336,31 +339,32 @@ pub struct Slot<'a, T: DeviceRepr> {
     pub(crate) at: GraphIndex,
     pub(crate) inputs: Vec<&'a DeviceBuffer<T>>,
     pub(crate) outputs: Vec<&'a DeviceBuffer<T>>,
-    pub(crate) saved: Vec<&'a DeviceBuffer<T>>,
-    pub(crate) pool: &'a GraphPool,
+    pub(crate) saved: Vec<&'a DeviceBuffer<u8>>,
+    pub(crate) pool: Option<&'a GraphPool>,
     pub(crate) warmup: bool,
     pub(crate) skip_weight_cast: Option<&'a DeviceBuffer<f32>>,
-    pub(crate) recorder: Option<&'a Fp8Recorder>,
+    pub(crate) recorder: Option<&'a TensorRecorder>,
     pub(crate) fp8: bool,
 }
 
 impl<'a, T: DeviceRepr> Slot<'a, T> {
     /// A slot for running a callable outside the runtime (eagerly, e.g. as the reference a
     /// test compares the graphs with): the caller provides the microbatch's buffers and
-    /// keeps `saved` from the forward to the backward.
+    /// keeps `saved` (sized by [`Callable::saved_bytes`]) from the forward to the backward.
+    /// No pool: give one with [`with_pool`](Self::with_pool) to callables that allocate
+    /// temporaries from [`pool`](Self::pool).
     pub fn new(
         at: GraphIndex,
         inputs: Vec<&'a DeviceBuffer<T>>,
         outputs: Vec<&'a DeviceBuffer<T>>,
-        saved: Vec<&'a DeviceBuffer<T>>,
-        pool: &'a GraphPool,
+        saved: Vec<&'a DeviceBuffer<u8>>,
     ) -> Slot<'a, T> {
         Slot {
             at,
             inputs,
             outputs,
             saved,
-            pool,
+            pool: None,
             warmup: false,
             skip_weight_cast: None,
             recorder: None,
@@ -368,17 +372,23 @@ impl<'a, T: DeviceRepr> Slot<'a, T> {
         }
     }
 
+    /// This slot with `pool` as its [`pool`](Self::pool).
+    pub fn with_pool(mut self, pool: &'a GraphPool) -> Slot<'a, T> {
+        self.pool = Some(pool);
+        self
+    }
+
     /// This slot with FP8 on or off ([`fp8_enabled`](Self::fp8_enabled)), for running a
     /// callable eagerly as the runtime would with
-    /// [`GraphedOptions::fp8`](crate::GraphedOptions::fp8).
-    pub fn with_fp8(mut self, enabled: bool) -> Slot<'a, T> {
+    /// [`GraphedOptions::low_precision`](crate::GraphedOptions::low_precision).
+    pub fn with_low_precision(mut self, enabled: bool) -> Slot<'a, T> {
         self.fp8 = enabled;
         self
     }
 
-    /// This slot reporting [`record_fp8_tensors`](Self::record_fp8_tensors) to `recorder`
+    /// This slot reporting [`record_tensors`](Self::record_tensors) to `recorder`
     /// (e.g. to see what an eager reference run of a callable uses).
-    pub fn with_recorder(mut self, recorder: &'a Fp8Recorder) -> Slot<'a, T> {
+    pub fn with_recorder(mut self, recorder: &'a TensorRecorder) -> Slot<'a, T> {
         self.recorder = Some(recorder);
         self
     }
@@ -393,12 +403,12 @@ impl<'a, T: DeviceRepr> Slot<'a, T> {
     /// A slot for a part of this pass (e.g. one expert of a MoE layer run as its own
     /// [`Callable`]) with its own buffers: the same position, pool, warmup state, weight-cast
     /// flag and FP8 recorder, so what the part reports through
-    /// [`record_fp8_tensors`](Self::record_fp8_tensors) is recorded for this pass.
+    /// [`record_tensors`](Self::record_tensors) is recorded for this pass.
     pub fn with_buffers<'b>(
         &'b self,
         inputs: Vec<&'b DeviceBuffer<T>>,
         outputs: Vec<&'b DeviceBuffer<T>>,
-        saved: Vec<&'b DeviceBuffer<T>>,
+        saved: Vec<&'b DeviceBuffer<u8>>,
     ) -> Slot<'b, T> {
         Slot {
             at: self.at,
@@ -440,14 +450,15 @@ impl<'a, T: DeviceRepr> Slot<'a, T> {
     }
 
     /// This microbatch's saved-activation buffers, lengths
-    /// [`Callable::saved_lens`]; the same buffers in the forward and the backward.
-    pub fn saved(&self) -> &[&'a DeviceBuffer<T>] {
+    /// [`Callable::saved_bytes`]; the same buffers in the forward and the backward.
+    pub fn saved(&self) -> &[&'a DeviceBuffer<u8>] {
         &self.saved
     }
 
     /// The pool all graphs draw from, for temporaries that live within one pass (a later
-    /// graph may reuse their memory once they are dropped).
-    pub fn pool(&self) -> &'a GraphPool {
+    /// graph may reuse their memory once they are dropped). Always `Some` in the runtime;
+    /// `None` in a slot made with [`Slot::new`] unless given [`with_pool`](Self::with_pool).
+    pub fn pool(&self) -> Option<&'a GraphPool> {
         self.pool
     }
 
@@ -466,12 +477,12 @@ impl<'a, T: DeviceRepr> Slot<'a, T> {
         self.skip_weight_cast
     }
 
-    /// Whether this callable runs with FP8 ([`GraphedOptions::fp8`](crate::GraphedOptions::fp8),
+    /// Whether this callable runs with FP8 ([`GraphedOptions::low_precision`](crate::GraphedOptions::low_precision),
     /// like TransformerEngine's per-callable `fp8_enabled`): a layer that has an FP8 path
     /// and a high-precision one picks by this, the same in warmup, capture and its eager
     /// use. With FP8 off the runtime never calls [`Callable::cast_weights`] for it. `true`
     /// for [`Slot::new`].
-    pub fn fp8_enabled(&self) -> bool {
+    pub fn low_precision(&self) -> bool {
         self.fp8
     }
 
@@ -484,7 +495,7 @@ impl<'a, T: DeviceRepr> Slot<'a, T> {
     /// registered for amax reduction and scale updates (see [`weights`](crate::weights)).
     /// Captures and replays do not record (their work is fixed at capture); a slot without
     /// a recorder ([`Slot::new`]) ignores the call.
-    pub fn record_fp8_tensors(&self, tensors: impl IntoIterator<Item = usize>) {
+    pub fn record_tensors(&self, tensors: impl IntoIterator<Item = usize>) {
         if let Some(r) = self.recorder {
             r.record(tensors);
         }

@@ -50,7 +50,7 @@ impl fmt::Display for GraphIndex {
 /// number of layers) and microbatches.
 ///
 /// ```
-/// use cuda_graph::graphed::{GraphIndex, Layout};
+/// use graphed_callables::{GraphIndex, Layout};
 /// // Two chunks with 2 and 3 layers, 3 microbatches each.
 /// let layout = Layout::new(vec![2, 3], 3)?;
 /// assert_eq!(layout.total_graphs(), 15);
@@ -60,7 +60,7 @@ impl fmt::Display for GraphIndex {
 ///     Some(GraphIndex { chunk: 1, microbatch: 2, layer: 0 })
 /// );
 /// assert_eq!(layout.callable_index(1, 0), Some(2));
-/// # Ok::<(), cuda_graph::graphed::ScheduleError>(())
+/// # Ok::<(), graphed_callables::ScheduleError>(())
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Layout {

@@ -39,13 +39,9 @@
 //! // every layer maps 1024 floats to 1024 floats.
 //! let order = [1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1];
 //! let options = GraphedOptions::from_order(&order, vec![2, 2])?;
-//! let layout = options.schedule.layout().clone();
 //! let sample = DeviceBuffer::<f32>::alloc(&ctx, 1024)?;
-//! // Sample inputs per graph index; only each microbatch's first layer reads them.
-//! let samples: Vec<Vec<&DeviceBuffer<f32>>> = layout
-//!     .iter()
-//!     .map(|at| if at.layer == 0 { vec![&sample] } else { vec![] })
-//!     .collect();
+//! // Sample inputs per callable; only each chunk's first layer reads them.
+//! let samples = vec![vec![&sample], vec![], vec![&sample], vec![]];
 //! let graphed = GraphedCallables::build(&stream, my_layers(), &samples, options)?;
 //!
 //! let x = DeviceBuffer::<f32>::alloc(&ctx, 1024)?; // a microbatch's input
@@ -111,7 +107,7 @@
 //! # Static buffers
 //!
 //! Every (chunk, microbatch, layer) has its own static inputs, outputs, output gradients,
-//! input gradients and saved activations ([`Callable::saved_lens`]), all carved from the
+//! input gradients and saved activations ([`Callable::saved_bytes`]), all carved from the
 //! one [`GraphPool`](cuda_graph::GraphPool). Within a (chunk, microbatch) the layers chain: layer `l + 1`'s inputs
 //! are layer `l`'s outputs (the same allocations), and layer `l`'s output gradients are
 //! layer `l + 1`'s input gradients, so a replay moves no data between layers. That needs
@@ -169,7 +165,7 @@
 //!   ([`WeightCaching::NoopFlag`], [`Slot::skip_weight_cast`]). See [`weights`].
 //! * Amax reduction and scale updates: [`GraphedOptions::after_forward`] and
 //!   [`GraphedOptions::after_backward`] run after every replay's launches (one fused launch
-//!   of the caller's, through a [`ReductionGroup`]); [`GraphedOptions::before_warmup`] and
+//!   of the caller's, e.g. an amax reduction and scale update); [`GraphedOptions::before_warmup`] and
 //!   [`GraphedOptions::after_warmup`] snapshot and restore scaling state around warmup.
 //!
 //! # Breaking-layer capture (MoE)
@@ -201,6 +197,6 @@ pub use runtime::{GraphedCallables, GraphedOptions};
 pub use schedule::{LayerStep, OrderEntry, Pass, Schedule, ScheduleError, Step};
 pub use segments::{SegmentKind, SegmentPlan, SegmentRun};
 pub use weights::{
-    AfterWarmupHook, Fp8Enabled, Fp8Recorder, IdentityGroup, ReductionGroup, StepHook, WarmupHook,
+    AfterWarmupHook, LowPrecision, StepHook, TensorRecorder, WarmupHook,
     WarmupRecord, WeightCaching,
 };

@@ -20,8 +20,7 @@ use crate::replay::ReplayCursor;
 use crate::schedule::{Pass, Schedule};
 use crate::segments::SegmentPlan;
 use crate::weights::{
-    AfterWarmupHook, Fp8Enabled, ReductionGroup, StepHook, WarmupHook, WarmupRecord, WeightCaching,
-    identity_group,
+    AfterWarmupHook, LowPrecision, StepHook, WarmupHook, WarmupRecord, WeightCaching,
 };
 
 /// How [`GraphedCallables::build`] works.
@@ -60,13 +59,9 @@ pub struct GraphedOptions {
     /// graphs: the cheapest, on any driver); [`WeightCaching::detect`] picks the best
     /// device-flag mechanism instead. See [`weights`](crate::weights).
     pub weight_caching: WeightCaching,
-    /// Which callables run with FP8 ([`Slot::fp8_enabled`](crate::Slot::fp8_enabled)); callables with FP8 off get no
-    /// runtime-managed weight casts. Default [`Fp8Enabled::All`].
-    pub fp8: Fp8Enabled,
-    /// The group amaxes are reduced over, for the hooks to use
-    /// ([`GraphedCallables::reduction_group`]). Default [`IdentityGroup`](crate::IdentityGroup)
-    /// (one process).
-    pub reduction_group: Arc<dyn ReductionGroup>,
+    /// Which callables run with FP8 ([`Slot::low_precision`](crate::Slot::low_precision)); callables with FP8 off get no
+    /// runtime-managed weight casts. Default [`LowPrecision::All`].
+    pub low_precision: LowPrecision,
     /// Run after every forward replay's launches, with the replay stream and the step (e.g.
     /// to enqueue the fused amax reduction and scale update). Default `None`.
     pub after_forward: Option<StepHook>,
@@ -79,7 +74,7 @@ pub struct GraphedOptions {
     pub before_warmup: Option<WarmupHook>,
     /// Run once on the warmup stream after the last warmup pass, before capture, with what
     /// warmup recorded ([`WarmupRecord`]: the FP8 tensors each callable reported through
-    /// [`Slot::record_fp8_tensors`](crate::Slot::record_fp8_tensors)): restore what [`before_warmup`](Self::before_warmup)
+    /// [`Slot::record_tensors`](crate::Slot::record_tensors)): restore what [`before_warmup`](Self::before_warmup)
     /// saved, so the delayed-scaling history does not carry warmup's iterations, and
     /// register the tensors that ran for the amax reduction (MoE filtering, see
     /// [`weights`](crate::weights)). Default `None`.
@@ -98,8 +93,7 @@ impl std::fmt::Debug for GraphedOptions {
             .field("capture_mode", &self.capture_mode)
             .field("merge_layers", &self.merge_layers)
             .field("weight_caching", &self.weight_caching)
-            .field("fp8", &self.fp8)
-            .field("reduction_group", &self.reduction_group)
+            .field("low_precision", &self.low_precision)
             .field("after_forward", &hook(self.after_forward.is_some()))
             .field("after_backward", &hook(self.after_backward.is_some()))
             .field("before_warmup", &hook(self.before_warmup.is_some()))
@@ -129,8 +123,7 @@ impl GraphedOptions {
             capture_mode: CaptureMode::ThreadLocal,
             merge_layers: true,
             weight_caching: WeightCaching::Static,
-            fp8: Fp8Enabled::All,
-            reduction_group: identity_group(),
+            low_precision: LowPrecision::All,
             after_forward: None,
             after_backward: None,
             before_warmup: None,
@@ -182,7 +175,6 @@ pub struct GraphedCallables<T: DeviceRepr> {
     /// Weight caching: the mode, the flags, which forward graphs cast.
     pub(crate) weights: CastFlags,
     pub(crate) hooks: RefCell<ReplayHooks>,
-    pub(crate) reduction_group: Arc<dyn ReductionGroup>,
     pub(crate) warmup_record: WarmupRecord,
     /// The buffer set of each (chunk, microbatch) ([`buffer_sets`]).
     pub(crate) sets: Vec<usize>,
@@ -207,7 +199,7 @@ pub(crate) struct CastFlags {
     /// forward with no graphed segment or a callable with FP8 off: the runtime does not cast
     /// for it).
     pub(crate) casts: Vec<bool>,
-    /// Per callable: FP8 on ([`GraphedOptions::fp8`]).
+    /// Per callable: FP8 on ([`GraphedOptions::low_precision`]).
     pub(crate) fp8: Vec<bool>,
 }
 
@@ -449,13 +441,9 @@ impl<T: DeviceRepr> GraphedCallables<T> {
     }
 
     /// What warmup recorded: the FP8 tensors each callable reported running
-    /// ([`Slot::record_fp8_tensors`](crate::Slot::record_fp8_tensors)), the set [`GraphedOptions::after_warmup`] was given.
+    /// ([`Slot::record_tensors`](crate::Slot::record_tensors)), the set [`GraphedOptions::after_warmup`] was given.
     pub fn warmup_record(&self) -> &WarmupRecord {
         &self.warmup_record
     }
 
-    /// The amax reduction group of the options.
-    pub fn reduction_group(&self) -> &Arc<dyn ReductionGroup> {
-        &self.reduction_group
-    }
 }

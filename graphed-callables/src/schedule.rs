@@ -421,7 +421,7 @@ pub enum ScheduleError {
 /// graphs.
 ///
 /// ```
-/// use cuda_graph::graphed::{Schedule, Step};
+/// use graphed_callables::{Schedule, Step};
 /// // 2 chunks x 3 microbatches (an interleaved pipeline), 2 and 3 layers.
 /// let s = Schedule::new(&[1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1], vec![2, 3])?;
 /// assert_eq!((s.num_chunks(), s.num_microbatches()), (2, 3));
@@ -431,7 +431,7 @@ pub enum ScheduleError {
 /// // A backward before its forward is rejected, naming the position.
 /// let err = Schedule::new(&[1, -1, -1, 1], vec![1]).unwrap_err();
 /// assert!(err.to_string().starts_with("order[2] = -1 is the backward of microbatch 1"));
-/// # Ok::<(), cuda_graph::graphed::ScheduleError>(())
+/// # Ok::<(), graphed_callables::ScheduleError>(())
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Schedule {

@@ -35,7 +35,7 @@
 //! Graphs hold fixed device addresses, so whatever one segment produces for a later one
 //! must live in the slot's static buffers: its inputs, outputs, gradients and above all its
 //! saved buffers ([`Slot::saved`](crate::Slot::saved), declared with
-//! [`Callable::saved_lens`](crate::Callable::saved_lens)), one set per (chunk, microbatch,
+//! [`Callable::saved_bytes`](crate::Callable::saved_bytes)), one set per (chunk, microbatch,
 //! layer). In particular an eager segment that feeds a later graphed segment must write
 //! into such buffers, never into memory it allocates at replay time; and a graphed segment
 //! must read data-dependent sizes from device memory (the captured graph can not depend on
@@ -113,7 +113,7 @@ impl SegmentRun {
 /// the order they run in.
 ///
 /// ```
-/// use cuda_graph::graphed::{SegmentKind::*, SegmentPlan, SegmentRun};
+/// use graphed_callables::{SegmentKind::*, SegmentPlan, SegmentRun};
 /// // A MoE layer: router graphed, experts eager, combine graphed.
 /// let plan = SegmentPlan::new(vec![Graphed, Eager, Graphed])?;
 /// assert_eq!(plan.graphs(), 2);

@@ -63,7 +63,7 @@
 //! A layer does not always run all of its FP8 modules: a MoE layer's experts that get no
 //! tokens skip their quantization and GEMMs. TransformerEngine registers for amax
 //! reduction only the modules that actually ran while warming up; here a callable reports
-//! the FP8 tensors each pass ran through [`Slot::record_fp8_tensors`](crate::Slot::record_fp8_tensors),
+//! the FP8 tensors each pass ran through [`Slot::record_tensors`](crate::Slot::record_tensors),
 //! the runtime records them per callable during warmup, and hands the result, a
 //! [`WarmupRecord`], to [`after_warmup`](crate::GraphedOptions::after_warmup); that hook
 //! registers exactly those tensors with the scaling state (e.g. fp8-kernels'
@@ -72,9 +72,8 @@
 //! The runtime itself stays FP8-agnostic: it never reads what the indices mean.
 
 use std::collections::BTreeSet;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 
-use cuda_graph::DeviceBuffer;
 use cuda_graph::Result;
 use cuda_graph::Stream;
 use cuda_graph::driver::{DriverVersion, Feature, driver_version};
@@ -149,12 +148,12 @@ impl WeightCaching {
     }
 }
 
-/// Which callables run with FP8 ([`GraphedOptions::fp8`](crate::GraphedOptions::fp8);
+/// Which callables run with FP8 ([`GraphedOptions::low_precision`](crate::GraphedOptions::low_precision);
 /// TransformerEngine's `fp8_enabled`, a bool or one per callable). The runtime hands it to
-/// each callable as [`Slot::fp8_enabled`](crate::Slot::fp8_enabled) and manages weight
+/// each callable as [`Slot::low_precision`](crate::Slot::low_precision) and manages weight
 /// casts only for callables with FP8 on.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub enum Fp8Enabled {
+pub enum LowPrecision {
     /// Every callable (the default).
     #[default]
     All,
@@ -164,15 +163,15 @@ pub enum Fp8Enabled {
     PerCallable(Vec<bool>),
 }
 
-impl Fp8Enabled {
+impl LowPrecision {
     /// The flag of each of `callables` callables; a per-callable list of another length is
     /// [`Error::InvalidArgument`](cuda_graph::Error::InvalidArgument).
     pub fn resolve(&self, callables: usize) -> Result<Vec<bool>> {
         match self {
-            Fp8Enabled::All => Ok(vec![true; callables]),
-            Fp8Enabled::Off => Ok(vec![false; callables]),
-            Fp8Enabled::PerCallable(v) if v.len() == callables => Ok(v.clone()),
-            Fp8Enabled::PerCallable(v) => Err(cuda_graph::Error::InvalidArgument(format!(
+            LowPrecision::All => Ok(vec![true; callables]),
+            LowPrecision::Off => Ok(vec![false; callables]),
+            LowPrecision::PerCallable(v) if v.len() == callables => Ok(v.clone()),
+            LowPrecision::PerCallable(v) => Err(cuda_graph::Error::InvalidArgument(format!(
                 "fp8 enabled given for {} callables, there are {callables}",
                 v.len()
             ))),
@@ -200,18 +199,18 @@ pub type WarmupHook = Box<dyn FnMut(&Stream) -> Result<()> + Send>;
 pub type AfterWarmupHook = Box<dyn FnMut(&Stream, &WarmupRecord) -> Result<()> + Send>;
 
 /// Collects the FP8 tensor indices passes report through
-/// [`Slot::record_fp8_tensors`](crate::Slot::record_fp8_tensors). The runtime keeps one
+/// [`Slot::record_tensors`](crate::Slot::record_tensors). The runtime keeps one
 /// per callable during warmup; give one to a slot with
 /// [`Slot::with_recorder`](crate::Slot::with_recorder) to see what an eager run reports.
 #[derive(Debug, Default)]
-pub struct Fp8Recorder {
+pub struct TensorRecorder {
     tensors: Mutex<BTreeSet<usize>>,
 }
 
-impl Fp8Recorder {
+impl TensorRecorder {
     /// An empty recorder.
-    pub fn new() -> Fp8Recorder {
-        Fp8Recorder::default()
+    pub fn new() -> TensorRecorder {
+        TensorRecorder::default()
     }
 
     /// Adds `tensors`.
@@ -233,7 +232,7 @@ impl Fp8Recorder {
 
 /// What warmup recorded: per callable ([`Layout::callable_index`](crate::Layout::callable_index)),
 /// the FP8 tensors its passes reported through
-/// [`Slot::record_fp8_tensors`](crate::Slot::record_fp8_tensors).
+/// [`Slot::record_tensors`](crate::Slot::record_tensors).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct WarmupRecord {
     per_callable: Vec<BTreeSet<usize>>,
@@ -251,7 +250,7 @@ impl WarmupRecord {
     }
 
     /// Every tensor any callable reported: the ones to register for amax reduction.
-    pub fn fp8_tensors(&self) -> BTreeSet<usize> {
+    pub fn tensors(&self) -> BTreeSet<usize> {
         self.per_callable.iter().flatten().copied().collect()
     }
 
@@ -259,38 +258,6 @@ impl WarmupRecord {
     pub fn callables(&self) -> usize {
         self.per_callable.len()
     }
-}
-
-/// The group of processes over which amaxes are reduced (the data- or tensor-parallel group
-/// whose ranks must agree on FP8 scales). Hooks call
-/// [`all_reduce_max`](Self::all_reduce_max) between computing local amaxes and updating
-/// scales.
-pub trait ReductionGroup: Send + Sync + std::fmt::Debug {
-    /// Replaces every element of `amaxes` by its maximum over the group, stream-ordered on
-    /// `stream` (enqueue only; no synchronization).
-    fn all_reduce_max(&self, stream: &Stream, amaxes: &DeviceBuffer<f32>) -> Result<()>;
-
-    /// The number of ranks in the group.
-    fn size(&self) -> usize {
-        1
-    }
-}
-
-/// The single-process [`ReductionGroup`]: the maximum over one rank is the value itself, so
-/// [`all_reduce_max`](ReductionGroup::all_reduce_max) enqueues nothing. Multi-GPU groups
-/// (NCCL) come later.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct IdentityGroup;
-
-impl ReductionGroup for IdentityGroup {
-    fn all_reduce_max(&self, _stream: &Stream, _amaxes: &DeviceBuffer<f32>) -> Result<()> {
-        Ok(())
-    }
-}
-
-/// The default reduction group: [`IdentityGroup`].
-pub(crate) fn identity_group() -> Arc<dyn ReductionGroup> {
-    Arc::new(IdentityGroup)
 }
 
 #[cfg(test)]
@@ -351,35 +318,28 @@ mod tests {
 
     #[test]
     fn recorder_and_record_collect_sets() {
-        let r = Fp8Recorder::new();
+        let r = TensorRecorder::new();
         r.record([3, 1]);
         r.record([1, 7]);
         assert_eq!(r.tensors(), BTreeSet::from([1, 3, 7]));
         let rec = WarmupRecord::new(vec![r.tensors(), BTreeSet::new(), BTreeSet::from([2])]);
         assert_eq!(rec.callables(), 3);
-        assert_eq!(rec.fp8_tensors(), BTreeSet::from([1, 2, 3, 7]));
+        assert_eq!(rec.tensors(), BTreeSet::from([1, 2, 3, 7]));
         assert!(rec.of_callable(1).unwrap().is_empty());
         assert_eq!(rec.of_callable(3), None);
     }
 
     #[test]
     fn fp8_enabled_resolves_per_callable() {
-        assert_eq!(Fp8Enabled::All.resolve(2).unwrap(), [true, true]);
-        assert_eq!(Fp8Enabled::Off.resolve(3).unwrap(), [false; 3]);
-        let per = Fp8Enabled::PerCallable(vec![true, false]);
+        assert_eq!(LowPrecision::All.resolve(2).unwrap(), [true, true]);
+        assert_eq!(LowPrecision::Off.resolve(3).unwrap(), [false; 3]);
+        let per = LowPrecision::PerCallable(vec![true, false]);
         assert_eq!(per.resolve(2).unwrap(), [true, false]);
         let e = per.resolve(3).unwrap_err().to_string();
         assert!(
             e.contains("fp8 enabled given for 2 callables, there are 3"),
             "{e}"
         );
-        assert_eq!(Fp8Enabled::default(), Fp8Enabled::All);
-    }
-
-    #[test]
-    fn identity_group_is_one_rank() {
-        assert_eq!(IdentityGroup.size(), 1);
-        let g = identity_group();
-        assert_eq!(g.size(), 1);
+        assert_eq!(LowPrecision::default(), LowPrecision::All);
     }
 }

@@ -8,7 +8,7 @@
 //! explicitly rounded float op and no thread sums another's values, so eager, graphed and
 //! host results are bit-exact. Gradients accumulate in schedule order in all three.
 
-use cuda_graph::graphed::{
+use graphed_callables::{
     Callable, GraphIndex, GraphedCallables, GraphedOptions, Layout, Schedule, ScheduleError, Slot,
     Step,
 };

@@ -12,7 +12,7 @@
 //! is the elementwise layer of tests/graphed.rs with w = 2, b = 0.5, checked against the host
 //! bit for bit so the forward still runs after the IF node.
 
-use cuda_graph::graphed::{
+use graphed_callables::{
     Callable, GraphIndex, GraphedCallables, GraphedOptions, IdentityGroup, ReductionGroup,
     Schedule, Slot, Step, WarmupRecord, WeightCaching,
 };

@@ -15,7 +15,7 @@
 //! the routed indices in a saved buffer and their count in another (u32 bits in f32
 //! buffers), which carry the routing from segment to segment and from forward to backward.
 
-use cuda_graph::graphed::{
+use graphed_callables::{
     Callable, GraphIndex, GraphedCallables, GraphedOptions, Pass, Schedule, SegmentKind, Slot,
     Step, WeightCaching,
 };
@@ -1082,7 +1082,7 @@ fn empty_segment_list_is_rejected() {
 /// expect them.
 #[test]
 fn segment_plans_of_the_test_modes() {
-    use cuda_graph::graphed::SegmentPlan;
+    use graphed_callables::SegmentPlan;
 
     /// A callable that overrides nothing about segments.
     struct Plain;

@@ -2,7 +2,7 @@
 //! position) and the order of the graphs warmup runs and capture records.
 
 use cuda_graph::Error;
-use cuda_graph::graphed::{LayerStep, Layout, OrderEntry, Pass, Schedule, ScheduleError, Step};
+use graphed_callables::{LayerStep, Layout, OrderEntry, Pass, Schedule, ScheduleError, Step};
 
 use OrderEntry::{Backward as B, Forward as F, WeightGrad as W};
 

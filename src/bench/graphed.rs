@@ -20,7 +20,7 @@
 
 use std::sync::Arc;
 
-use cuda_graph::graphed::{
+use graphed_callables::{
     Callable, GraphIndex, GraphedCallables, GraphedOptions, Schedule, Slot, Step, WeightCaching,
 };
 use cuda_graph::{Context, DeviceBuffer, GraphPool, Stream};

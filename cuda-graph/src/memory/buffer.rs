@@ -245,6 +245,13 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         self.alloc.keep_alive()
     }
 
+    /// Another handle to all of this buffer's memory (a view of every element), kept alive
+    /// like this buffer. Cheap (an `Arc` clone, no driver call). Not `Clone`, so that a copy
+    /// of the *data* is never implied: this is a handle.
+    pub fn share(&self) -> DeviceBuffer<T> {
+        self.view(0, self.len)
+    }
+
     /// A view of elements `range` of this buffer: the same memory, kept alive like this
     /// buffer. Cheap (no driver call).
     ///

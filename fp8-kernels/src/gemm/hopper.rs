@@ -20,6 +20,7 @@ use cuda_graph::sys::{
     CUresult, CUtensorMap, CUtensorMapDataType, CUtensorMapFloatOOBfill, CUtensorMapInterleave,
     CUtensorMapL2promotion, CUtensorMapSwizzle,
 };
+use cuda_graph::half::bf16;
 use cuda_graph::{Context, DeviceBuffer, Error, KernelArgs, LaunchConfig, Result, Stream};
 
 use super::{Bias, GemmOut, GemmProblem};
@@ -193,8 +194,8 @@ fn launch_with(stream: &Stream, p: &GemmProblem<'_>, bn: Option<usize>) -> Resul
         Some(b) => b.push(args),
         None => args.arg(&null),
     }
-    .arg(&**p.a.scale_inv.buffer())
-    .arg(&**p.b.scale_inv.buffer());
+    .arg(p.a.scale_inv.buffer())
+    .arg(p.b.scale_inv.buffer());
     let args = match p.counts {
         Some(c) => args.arg(c),
         None => args.arg(&null),
@@ -217,7 +218,7 @@ fn launch_with(stream: &Stream, p: &GemmProblem<'_>, bn: Option<usize>) -> Resul
 trait BiasArg {
     fn push<'a>(&'a self, args: KernelArgs<'a>) -> KernelArgs<'a>;
 }
-impl BiasArg for DeviceBuffer<u16> {
+impl BiasArg for DeviceBuffer<bf16> {
     fn push<'a>(&'a self, args: KernelArgs<'a>) -> KernelArgs<'a> {
         args.arg(self)
     }
@@ -398,9 +399,9 @@ mod tests {
         b: DeviceBuffer<u8>,
         sa: DeviceScalar,
         sb: DeviceScalar,
-        d16: DeviceBuffer<u16>,
+        d16: DeviceBuffer<bf16>,
         d32: DeviceBuffer<f32>,
-        bias16: DeviceBuffer<u16>,
+        bias16: DeviceBuffer<bf16>,
         bias32: DeviceBuffer<f32>,
         counts: DeviceBuffer<i32>,
     }
@@ -704,8 +705,8 @@ mod tests {
             .arg(&dv.a)
             .arg(&dv.b)
             .arg(out)
-            .arg(&**dv.sa.buffer())
-            .arg(&**dv.sb.buffer())
+            .arg(dv.sa.buffer())
+            .arg(dv.sb.buffer())
             .arg(&dims)
             .arg(&ids);
         let cfg = LaunchConfig {

@@ -42,6 +42,7 @@
 mod portable;
 pub mod reference;
 
+use cuda_graph::half::bf16;
 use cuda_graph::{DeviceBuffer, Error, Result, Stream};
 
 pub(crate) mod hopper;
@@ -58,26 +59,85 @@ const MAX_GRID_YZ: usize = 65535;
 /// Largest `gridDim.x` (M tiles).
 const MAX_GRID_X: usize = (1 << 31) - 1;
 
+/// The shape of a GEMM: `D[m, n] = A[m, k] . B[n, k]^T`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct GemmShape {
+    /// Rows of A and D (tokens, for a linear layer's forward).
+    pub m: usize,
+    /// Rows of B, columns of D (output features).
+    pub n: usize,
+    /// The reduction length: columns of A and B (input features); a multiple of
+    /// [`K_ALIGN`].
+    pub k: usize,
+}
+
+impl GemmShape {
+    /// `m x n x k`.
+    pub fn new(m: usize, n: usize, k: usize) -> GemmShape {
+        GemmShape { m, n, k }
+    }
+}
+
+/// The shape of a grouped GEMM ([`grouped_gemm`]): `groups` GEMMs of up to `m_max` rows
+/// each, all `n x k`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct GroupedShape {
+    /// The number of groups (experts).
+    pub groups: usize,
+    /// Rows allocated per group; each group's real row count is read on the device.
+    pub m_max: usize,
+    /// Rows of each B, columns of D.
+    pub n: usize,
+    /// The reduction length, a multiple of [`K_ALIGN`].
+    pub k: usize,
+}
+
 /// Where a GEMM writes its output: `[M, N]` row-major (or `[G, m_max, N]` grouped).
-#[derive(Clone, Copy)]
+/// `From` a `&DeviceBuffer<bf16>` or `&DeviceBuffer<f32>`.
+#[derive(Debug, Clone, Copy)]
 pub enum GemmOut<'a> {
-    /// bf16 output, as `u16` bits.
-    Bf16(&'a DeviceBuffer<u16>),
+    /// bf16 output.
+    Bf16(&'a DeviceBuffer<bf16>),
     /// f32 output.
     F32(&'a DeviceBuffer<f32>),
 }
 
-/// An optional bias of `N` elements, added to every row.
-#[derive(Clone, Copy)]
+impl<'a> From<&'a DeviceBuffer<bf16>> for GemmOut<'a> {
+    fn from(b: &'a DeviceBuffer<bf16>) -> GemmOut<'a> {
+        GemmOut::Bf16(b)
+    }
+}
+
+impl<'a> From<&'a DeviceBuffer<f32>> for GemmOut<'a> {
+    fn from(b: &'a DeviceBuffer<f32>) -> GemmOut<'a> {
+        GemmOut::F32(b)
+    }
+}
+
+/// An optional bias of `N` elements, added to every row. `From` a `&DeviceBuffer<bf16>` or
+/// `&DeviceBuffer<f32>`.
+#[derive(Debug, Clone, Copy)]
 pub enum Bias<'a> {
-    /// bf16 bias, as `u16` bits.
-    Bf16(&'a DeviceBuffer<u16>),
+    /// bf16 bias.
+    Bf16(&'a DeviceBuffer<bf16>),
     /// f32 bias.
     F32(&'a DeviceBuffer<f32>),
 }
 
+impl<'a> From<&'a DeviceBuffer<bf16>> for Bias<'a> {
+    fn from(b: &'a DeviceBuffer<bf16>) -> Bias<'a> {
+        Bias::Bf16(b)
+    }
+}
+
+impl<'a> From<&'a DeviceBuffer<f32>> for Bias<'a> {
+    fn from(b: &'a DeviceBuffer<f32>) -> Bias<'a> {
+        Bias::F32(b)
+    }
+}
+
 /// One FP8 operand: K-major data and its per-tensor `scale_inv` on the device.
-#[derive(Clone, Copy)]
+#[derive(Debug, Clone, Copy)]
 pub struct Operand<'a> {
     /// `[rows, K]` row-major bytes (grouped: `[G, rows, K]`).
     pub data: &'a DeviceBuffer<u8>,
@@ -176,7 +236,7 @@ pub enum GemmPath {
 
 /// The optional parts of a GEMM: bias, accumulation, kernel path. `GemmOptions::default()`
 /// is no bias, overwrite D, [`GemmPath::Auto`]; the builder methods set one field each.
-#[derive(Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy, Default)]
 pub struct GemmOptions<'a> {
     /// `N` elements added to every row of D (16-byte aligned).
     pub bias: Option<Bias<'a>>,
@@ -192,8 +252,8 @@ impl<'a> GemmOptions<'a> {
         GemmOptions::default()
     }
     /// With a bias.
-    pub fn bias(mut self, bias: Bias<'a>) -> GemmOptions<'a> {
-        self.bias = Some(bias);
+    pub fn bias(mut self, bias: impl Into<Bias<'a>>) -> GemmOptions<'a> {
+        self.bias = Some(bias.into());
         self
     }
     /// Accumulating into D (or not).
@@ -210,7 +270,7 @@ impl<'a> GemmOptions<'a> {
 
 /// A block-scaled FP8 operand: K-major data and one f32 `scale_inv` per block, as
 /// [`quantize_blockwise`](crate::quantize_blockwise) writes them.
-#[derive(Clone, Copy)]
+#[derive(Debug, Clone, Copy)]
 pub struct BlockOperand<'a> {
     /// `[rows, K]` row-major bytes.
     pub data: &'a DeviceBuffer<u8>,
@@ -385,18 +445,16 @@ fn dispatch(stream: &Stream, p: &GemmProblem<'_>, path: GemmPath) -> Result<()> 
 /// `opts.accumulate` the result is added to D's current contents (read in D's type).
 /// Validation follows the module's rules; nothing is enqueued on an error. Enqueues one
 /// kernel, never synchronises or allocates (capturable).
-#[allow(clippy::too_many_arguments)] // stream, shape, operands, output, options
-pub fn gemm(
+pub fn gemm<'a>(
     stream: &Stream,
-    m: usize,
-    n: usize,
-    k: usize,
-    a: Operand<'_>,
-    b: Operand<'_>,
-    d: GemmOut<'_>,
-    opts: GemmOptions<'_>,
+    shape: GemmShape,
+    a: Operand<'a>,
+    b: Operand<'a>,
+    d: impl Into<GemmOut<'a>>,
+    opts: GemmOptions<'a>,
 ) -> Result<()> {
-    let p = dense_problem("gemm", m, n, k, a, b, d, &opts)?;
+    let GemmShape { m, n, k } = shape;
+    let p = dense_problem("gemm", m, n, k, a, b, d.into(), &opts)?;
     dispatch(stream, &p, opts.path)
 }
 
@@ -440,19 +498,22 @@ fn dense_problem<'a>(
 /// group's count are neither read nor written. One launch, no host synchronisation: a
 /// captured graph stays correct when the counts change between replays. Validation follows
 /// the module's rules (and `counts.len() == groups`); nothing is enqueued on an error.
-#[allow(clippy::too_many_arguments)] // stream, shape, operands, output, counts, options
-pub fn grouped_gemm(
+pub fn grouped_gemm<'a>(
     stream: &Stream,
-    groups: usize,
-    m_max: usize,
-    n: usize,
-    k: usize,
-    a: Operand<'_>,
-    b: Operand<'_>,
-    d: GemmOut<'_>,
-    counts: &DeviceBuffer<i32>,
-    opts: GemmOptions<'_>,
+    shape: GroupedShape,
+    a: Operand<'a>,
+    b: Operand<'a>,
+    d: impl Into<GemmOut<'a>>,
+    counts: &'a DeviceBuffer<i32>,
+    opts: GemmOptions<'a>,
 ) -> Result<()> {
+    let GroupedShape {
+        groups,
+        m_max,
+        n,
+        k,
+    } = shape;
+    let d = d.into();
     let what = "grouped_gemm";
     validate(
         what,
@@ -495,17 +556,16 @@ pub fn grouped_gemm(
 /// [`BlockShape::Tile128x128`](crate::BlockShape::Tile128x128). The portable path runs it
 /// (`opts.path` is ignored: there is no Hopper block-scaled kernel yet). Validation follows
 /// the module's rules plus the two scale lengths; nothing is enqueued on an error.
-#[allow(clippy::too_many_arguments)] // stream, shape, operands, output, options
-pub fn gemm_blockwise(
+pub fn gemm_blockwise<'a>(
     stream: &Stream,
-    m: usize,
-    n: usize,
-    k: usize,
-    a: BlockOperand<'_>,
-    b: BlockOperand<'_>,
-    d: GemmOut<'_>,
-    opts: GemmOptions<'_>,
+    shape: GemmShape,
+    a: BlockOperand<'a>,
+    b: BlockOperand<'a>,
+    d: impl Into<GemmOut<'a>>,
+    opts: GemmOptions<'a>,
 ) -> Result<()> {
+    let GemmShape { m, n, k } = shape;
+    let d = d.into();
     let what = "gemm_blockwise";
     validate(
         what,
@@ -526,18 +586,16 @@ pub fn gemm_blockwise(
 /// element, FP8 decoded exactly and multiplied and summed in f32 in k order, then the same
 /// epilogue. For checking the fast paths on shapes too large for the CPU reference; not for
 /// production use. Same arguments and rules as [`gemm`] (`opts.path` is ignored).
-#[allow(clippy::too_many_arguments)] // mirrors gemm
-pub fn gemm_reference(
+pub fn gemm_reference<'a>(
     stream: &Stream,
-    m: usize,
-    n: usize,
-    k: usize,
-    a: Operand<'_>,
-    b: Operand<'_>,
-    d: GemmOut<'_>,
-    opts: GemmOptions<'_>,
+    shape: GemmShape,
+    a: Operand<'a>,
+    b: Operand<'a>,
+    d: impl Into<GemmOut<'a>>,
+    opts: GemmOptions<'a>,
 ) -> Result<()> {
-    let p = dense_problem("gemm_reference", m, n, k, a, b, d, &opts)?;
+    let GemmShape { m, n, k } = shape;
+    let p = dense_problem("gemm_reference", m, n, k, a, b, d.into(), &opts)?;
     portable::launch_reference(stream, &p)
 }
 

@@ -74,9 +74,9 @@ pub(crate) fn launch(stream: &Stream, p: &GemmProblem<'_>) -> Result<()> {
         Some(c) => args.arg(c),
         None => args.arg(&NULL),
     }
-    .arg(&**p.a.scale_inv.buffer())
+    .arg(p.a.scale_inv.buffer())
     .arg(&ia)
-    .arg(&**p.b.scale_inv.buffer())
+    .arg(p.b.scale_inv.buffer())
     .arg(&ib)
     .arg(&m64)
     .arg(&n64)
@@ -156,9 +156,9 @@ pub(crate) fn launch_reference(stream: &Stream, p: &GemmProblem<'_>) -> Result<(
         Some(c) => args.arg(c),
         None => args.arg(&NULL),
     }
-    .arg(&**p.a.scale_inv.buffer())
+    .arg(p.a.scale_inv.buffer())
     .arg(&ia)
-    .arg(&**p.b.scale_inv.buffer())
+    .arg(p.b.scale_inv.buffer())
     .arg(&ib)
     .arg(&g64)
     .arg(&m64)

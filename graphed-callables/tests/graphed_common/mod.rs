@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use cuda_graph::graphed::Step;
+use graphed_callables::Step;
 use cuda_graph::{
     Context, DeviceBuffer, DeviceRepr, Kernel, LaunchConfig, Module, Stream, kernel_args,
 };
