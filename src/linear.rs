@@ -89,11 +89,11 @@
 
 use std::sync::Arc;
 
-use graphed_callables::{Callable, Slot};
 use cuda_graph::{DeviceBuffer, Error, Kernel, LaunchConfig, Module, Result};
 use cuda_graph::{Stream, kernel_args};
 use fp8_kernels::gemm::{GemmOptions, GemmPath, GemmShape, K_ALIGN, Operand, gemm};
 use fp8_kernels::{DelayedScaling, DeviceScalar, Fp8Format, Fp8Tensor, cast_transpose};
+use graphed_callables::{Callable, Slot};
 
 /// The crate's own kernels (the bias gradient and the f32 GEMMs of the FP8-off path), built
 /// from `src/kernels/fp8_linear.cu`.
@@ -173,7 +173,7 @@ pub fn saved_bytes(tokens: usize, in_features: usize, out_features: usize) -> Ve
 /// ```no_run
 /// use std::sync::Arc;
 /// use graphed_callables::{Callable, GraphIndex, Slot};
-/// use cuda_graph::{Context, DeviceBuffer, GraphPool, Stream};
+/// use cuda_graph::{Context, DeviceBuffer, Stream};
 /// use fp8_kernels::{AmaxAlgo, DelayedScaling};
 /// use fp8_moe::linear::{self, Fp8Linear};
 ///
@@ -184,14 +184,14 @@ pub fn saved_bytes(tokens: usize, in_features: usize, out_features: usize) -> Ve
 /// let mut layer = Fp8Linear::new(&stream, 64, 128, 256, &w, None, scaling.clone(), 0)?;
 /// let x = DeviceBuffer::from_host(&stream, &vec![0.5f32; 64 * 128])?;
 /// let y = DeviceBuffer::<f32>::alloc(&ctx, 64 * 256)?;
-/// let saved: Vec<DeviceBuffer<f32>> = layer
-///     .saved_lens()
+/// // The saved buffers the backward reads (FP8 X^T and dY^T, their scales), in bytes.
+/// let saved: Vec<DeviceBuffer<u8>> = layer
+///     .saved_bytes()
 ///     .iter()
 ///     .map(|&n| DeviceBuffer::alloc(&ctx, n))
 ///     .collect::<Result<_, _>>()?;
-/// let pool = GraphPool::new(&ctx, 256)?;
 /// let at = GraphIndex { chunk: 0, microbatch: 0, layer: 0 };
-/// let slot = Slot::new(at, vec![&x], vec![&y], saved.iter().collect(), &pool);
+/// let slot = Slot::new(at, vec![&x], vec![&y], saved.iter().collect());
 /// layer.cast_weights(&stream, &slot)?; // first microbatch of the step
 /// layer.forward(&stream, &[&x], &[&y], &slot)?;
 /// scaling.update(&stream)?;

@@ -58,13 +58,13 @@
 
 use std::sync::Arc;
 
-use graphed_callables::{Callable, SegmentKind, Slot};
 use cuda_graph::{DeviceBuffer, Error, Kernel, LaunchConfig, Module, Result};
 use cuda_graph::{Stream, kernel_args};
 use fp8_kernels::gemm::{
     GemmOptions, GemmPath, GemmShape, GroupedShape, K_ALIGN, Operand, gemm, grouped_gemm,
 };
 use fp8_kernels::{Fp8Format, Fp8Tensor, quantize_current};
+use graphed_callables::{Callable, SegmentKind, Slot};
 
 /// The layer's kernels, built from `src/kernels/moe.cu`.
 static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/moe.fatbin"));
@@ -237,7 +237,7 @@ impl RoutingHandle {
 /// let y = DeviceBuffer::<f32>::alloc(&ctx, 64 * 256)?;
 /// let pool = GraphPool::new(&ctx, 256)?;
 /// let at = GraphIndex { chunk: 0, microbatch: 0, layer: 0 };
-/// let slot = Slot::new(at, vec![&x], vec![&y], vec![], &pool);
+/// let slot = Slot::new(at, vec![&x], vec![&y], vec![]).with_pool(&pool);
 /// moe.forward(&stream, &[&x], &[&y], &slot)?;
 /// let routing = moe.routing(&stream)?;
 /// assert_eq!(routing.counts.iter().sum::<i32>(), 64);

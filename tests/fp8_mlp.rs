@@ -40,14 +40,14 @@
 
 use std::sync::Arc;
 
-use graphed_callables::{
-    Callable, LowPrecision, TensorRecorder, GraphIndex, GraphedCallables, GraphedOptions, Layout,
-    Schedule, Slot, Step, WeightCaching,
-};
 use cuda_graph::{Context, DeviceBuffer, GraphPool, NodeKind, Stream};
-use fp8_kernels::{AmaxAlgo, DelayedScaling, Fp8Format};
+use fp8_kernels::{AmaxAlgo, DelayedScaling, Fp8Format, IdentityGroup};
 use fp8_moe::linear::{self, Fp8Linear};
 use fp8_moe::scaling;
+use graphed_callables::{
+    Callable, GraphIndex, GraphedCallables, GraphedOptions, Layout, LowPrecision, Schedule, Slot,
+    Step, TensorRecorder, WeightCaching,
+};
 
 /// Tokens per microbatch.
 const M: usize = 64;
@@ -213,10 +213,11 @@ impl Gpu {
     }
     /// Overwrites `buf` (owned elsewhere, e.g. by a layer inside the runtime) with `v`.
     fn overwrite(&self, buf: &DeviceBuffer<f32>, v: &[f32]) {
-        // SAFETY: a non-owning view of exactly `buf`'s live allocation; `buf` outlives the
-        // copy, which waits before returning.
-        let mut view = unsafe { DeviceBuffer::<f32>::from_raw(&self.ctx, buf.as_raw(), buf.len()) };
-        view.copy_from_host(&self.stream, v).expect("overwrite");
+        buf.copy_from_host(&self.stream, v).expect("overwrite");
+    }
+    /// `n` bytes of `fill` on the device (0xff poisons: as f32 words they are NaN).
+    fn filled_bytes(&self, n: usize, fill: u8) -> DeviceBuffer<u8> {
+        DeviceBuffer::from_host(&self.stream, &vec![fill; n]).expect("upload")
     }
 }
 
@@ -227,7 +228,7 @@ struct LayerIo {
     dy: DeviceBuffer<f32>,
     y: DeviceBuffer<f32>,
     dx: DeviceBuffer<f32>,
-    saved: Vec<DeviceBuffer<f32>>,
+    saved: Vec<DeviceBuffer<u8>>,
     pool: GraphPool,
 }
 
@@ -240,9 +241,9 @@ impl LayerIo {
             y: gpu.upload(&vec![f32::NAN; m * n]),
             dx: gpu.upload(&vec![f32::NAN; m * k]),
             saved: layer
-                .saved_lens()
+                .saved_bytes()
                 .iter()
-                .map(|&len| gpu.upload(&vec![f32::NAN; len]))
+                .map(|&len| gpu.filled_bytes(len, 0xff))
                 .collect(),
             pool: GraphPool::new(&gpu.ctx, 256).expect("pool"),
         }
@@ -252,7 +253,7 @@ impl LayerIo {
     fn slot<'a>(
         x: &'a DeviceBuffer<f32>,
         y: &'a DeviceBuffer<f32>,
-        saved: &'a [DeviceBuffer<f32>],
+        saved: &'a [DeviceBuffer<u8>],
         pool: &'a GraphPool,
     ) -> Slot<'a, f32> {
         let at = GraphIndex {
@@ -260,7 +261,7 @@ impl LayerIo {
             microbatch: 0,
             layer: 0,
         };
-        Slot::new(at, vec![x], vec![y], saved.iter().collect(), pool)
+        Slot::new(at, vec![x], vec![y], saved.iter().collect()).with_pool(pool)
     }
 }
 
@@ -441,7 +442,8 @@ fn run_graphed(
     options.low_precision = LowPrecision::PerCallable(fp8.to_vec());
     // Snapshot/restore around warmup, register what warmup ran, reduce + update after
     // every replay.
-    scaling::install_hooks(&mut options, &gpu.ctx, &scaling).expect("scaling hooks");
+    scaling::install_hooks(&mut options, &gpu.ctx, &scaling, Arc::new(IdentityGroup))
+        .expect("scaling hooks");
 
     let sample = gpu.upload(&input(99, 9, 9));
     let samples: Vec<Vec<&DeviceBuffer<f32>>> = layout
@@ -580,7 +582,7 @@ struct EagerSlots<'a> {
     first_inputs: &'a [DeviceBuffer<f32>],
     /// Per graph index.
     outputs: &'a [DeviceBuffer<f32>],
-    saved: &'a [Vec<DeviceBuffer<f32>>],
+    saved: &'a [Vec<DeviceBuffer<u8>>],
     pool: &'a GraphPool,
     fp8: &'a [bool],
 }
@@ -611,8 +613,8 @@ impl<'a> EagerSlots<'a> {
             vec![x],
             vec![&self.outputs[g]],
             self.saved[g].iter().collect(),
-            self.pool,
         )
+        .with_pool(self.pool)
         .with_low_precision(self.fp8[c]);
         (g, c, x, slot)
     }
@@ -653,13 +655,13 @@ fn run_eager(gpu: &Gpu, case: &Case, tamper_at: Tamper, fp8: &[bool]) -> Record 
         outputs.push(gpu.upload(&vec![f32::NAN; M * l.out_features()]));
         grad_inputs.push(gpu.upload(&vec![f32::NAN; M * l.in_features()]));
         saved.push(
-            l.saved_lens()
+            l.saved_bytes()
                 .iter()
-                .map(|&n| gpu.upload(&vec![f32::NAN; n]))
+                .map(|&n| gpu.filled_bytes(n, 0xff))
                 .collect::<Vec<_>>(),
         );
     }
-    let mut first_inputs: Vec<DeviceBuffer<f32>> = (0..layout.num_chunks() * nm)
+    let first_inputs: Vec<DeviceBuffer<f32>> = (0..layout.num_chunks() * nm)
         .map(|_| gpu.upload(&vec![f32::NAN; M * NARROW]))
         .collect();
 
@@ -1047,15 +1049,10 @@ fn fp8_linear_matches_host_reference() {
         );
         let xq: Vec<u8> = x_host.iter().map(|&v| quantize(v, x_scale, e4)).collect();
         let xtq: Vec<u8> = (0..M * k).map(|i| xq[(i % M) * k + i / M]).collect();
-        let saved_xt: Vec<u8> = gpu
-            .bits(&saved[0])
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .take(M * k)
-            .collect();
+        let saved_xt: Vec<u8> = gpu.bytes(&saved[0]);
         assert_eq!(saved_xt, xtq, "pass {pass}: saved X^T bytes");
         assert_eq!(
-            gpu.floats(&saved[1]),
+            gpu.floats(&saved[1].reinterpret().expect("an f32")),
             vec![1.0 / x_scale],
             "pass {pass}: saved scale_inv"
         );
@@ -1082,7 +1079,10 @@ fn fp8_linear_matches_host_reference() {
         .read(&gpu.stream)
         .expect("read");
     assert_eq!(dy_scale, 1.0);
-    let (x_scale, x_scale_inv) = (last_x_scale, gpu.floats(&saved[1])[0]);
+    let (x_scale, x_scale_inv) = (
+        last_x_scale,
+        gpu.floats(&saved[1].reinterpret().expect("an f32"))[0],
+    );
     layer
         .backward(&gpu.stream, &[&dy], &[&dx], &slot)
         .expect("backward");
@@ -1268,7 +1268,7 @@ fn fp8_off_linear_matches_host_reference() {
     );
     for (i, s) in saved.iter().enumerate() {
         assert!(
-            gpu.bits(s).iter().all(|&v| f32::from_bits(v).is_nan()),
+            gpu.bytes(s).iter().all(|&b| b == 0xff),
             "FP8 off wrote saved buffer {i}"
         );
     }
@@ -1289,10 +1289,10 @@ fn cast_weights_honours_the_noop_flag() {
         Fp8Linear::new(&gpu.stream, M, k, n, &w0, None, scaling.clone(), 0).expect("Fp8Linear");
     let x = gpu.upload(&input(0, 0, 0));
     let y = gpu.upload(&vec![0f32; M * n]);
-    let saved: Vec<DeviceBuffer<f32>> = layer
-        .saved_lens()
+    let saved: Vec<DeviceBuffer<u8>> = layer
+        .saved_bytes()
         .iter()
-        .map(|&len| gpu.upload(&vec![0f32; len]))
+        .map(|&len| gpu.filled_bytes(len, 0))
         .collect();
     let pool = GraphPool::new(&gpu.ctx, 256).expect("pool");
     let at = GraphIndex {
@@ -1313,7 +1313,7 @@ fn cast_weights_honours_the_noop_flag() {
             .collect()
     };
 
-    let plain = Slot::new(at, vec![&x], vec![&y], saved.iter().collect(), &pool);
+    let plain = Slot::new(at, vec![&x], vec![&y], saved.iter().collect()).with_pool(&pool);
     layer.cast_weights(&gpu.stream, &plain).expect("cast");
     assert_eq!(gpu.bytes(layer.weight_fp8().data()), q(&w0), "first cast");
     let amax0 = w_amax();
@@ -1323,7 +1323,8 @@ fn cast_weights_honours_the_noop_flag() {
     gpu.overwrite(layer.weight(), &w1);
     for (flag, cast) in [(1.0f32, false), (0.0, true)] {
         let f = gpu.upload(&[flag]);
-        let slot = Slot::new(at, vec![&x], vec![&y], saved.iter().collect(), &pool)
+        let slot = Slot::new(at, vec![&x], vec![&y], saved.iter().collect())
+            .with_pool(&pool)
             .with_skip_weight_cast(Some(&f));
         layer.cast_weights(&gpu.stream, &slot).expect("cast");
         let (data, t) = (

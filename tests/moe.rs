@@ -16,13 +16,13 @@
 
 use std::sync::Arc;
 
-use graphed_callables::{
-    Callable, GraphIndex, GraphedCallables, GraphedOptions, Schedule, SegmentKind, Slot, Step,
-};
 use cuda_graph::{Context, DeviceBuffer, GraphPool, Stream};
 use fp8_kernels::Fp8Format;
 use fp8_kernels::reference::decode;
 use fp8_moe::moe::{ExpertGemm, Fp8Moe, MoeConfig, Routing, RoutingHandle, plan_routing};
+use graphed_callables::{
+    Callable, GraphIndex, GraphedCallables, GraphedOptions, Schedule, SegmentKind, Slot, Step,
+};
 
 const T: usize = 128;
 const H: usize = 128;
@@ -157,7 +157,7 @@ impl Gpu {
     fn overwrite(&self, buf: &DeviceBuffer<f32>, v: &[f32]) {
         // SAFETY: a non-owning view of exactly `buf`'s live allocation; `buf` outlives the
         // copy, which waits before returning.
-        let mut view = unsafe { DeviceBuffer::<f32>::from_raw(&self.ctx, buf.as_raw(), buf.len()) };
+        let view = unsafe { DeviceBuffer::<f32>::from_raw(&self.ctx, buf.as_raw(), buf.len()) };
         view.copy_from_host(&self.stream, v).expect("overwrite");
     }
 }
@@ -306,7 +306,7 @@ fn run_eager(gpu: &Gpu, mode: ExpertGemm) -> Vec<Fwd> {
                 microbatch: mb,
                 layer: 0,
             };
-            let slot = Slot::new(at, vec![&x], vec![&y], vec![], &pool);
+            let slot = Slot::new(at, vec![&x], vec![&y], vec![]).with_pool(&pool);
             layer
                 .forward(&gpu.stream, &[&x], &[&y], &slot)
                 .unwrap_or_else(|e| panic!("{l}: forward: {e}"));
@@ -546,7 +546,7 @@ fn moe_rejects_bad_buffers() {
         microbatch: 0,
         layer: 0,
     };
-    let slot = Slot::new(at, vec![&x], vec![&y], vec![], &pool);
+    let slot = Slot::new(at, vec![&x], vec![&y], vec![]).with_pool(&pool);
     let e = layer
         .forward(&gpu.stream, &[&x], &[&y], &slot)
         .unwrap_err()

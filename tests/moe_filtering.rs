@@ -20,14 +20,14 @@
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 
-use graphed_callables::{
-    Callable, TensorRecorder, GraphIndex, GraphedCallables, GraphedOptions, Schedule, SegmentKind,
-    Slot, Step, WarmupRecord,
-};
 use cuda_graph::{Context, DeviceBuffer, GraphPool, Result, Stream};
-use fp8_kernels::{AmaxAlgo, DelayedScaling, Fp8Format};
+use fp8_kernels::{AmaxAlgo, DelayedScaling, Fp8Format, IdentityGroup};
 use fp8_moe::linear::{self, Fp8Linear};
 use fp8_moe::scaling;
+use graphed_callables::{
+    Callable, GraphIndex, GraphedCallables, GraphedOptions, Schedule, SegmentKind, Slot, Step,
+    TensorRecorder, WarmupRecord,
+};
 
 /// Tokens per microbatch.
 const T: usize = 64;
@@ -74,6 +74,10 @@ impl Gpu {
         let stream = Stream::new(&ctx).expect("stream");
         Gpu { ctx, stream }
     }
+    fn upload_bytes(&self, v: &[u8]) -> DeviceBuffer<u8> {
+        DeviceBuffer::from_host(&self.stream, v).expect("upload")
+    }
+
     fn upload(&self, v: &[f32]) -> DeviceBuffer<f32> {
         let b = DeviceBuffer::from_host(&self.stream, v).expect("upload");
         self.stream.synchronize().expect("sync");
@@ -181,8 +185,8 @@ impl ExpertBank {
     }
 
     /// Expert `e`'s part of `slot`: its output (or output gradient) and saved buffers.
-    fn saved_of<'b>(slot: &'b Slot<'_, f32>, e: usize) -> Vec<&'b DeviceBuffer<f32>> {
-        let per = linear::saved_lens(T, H, H).len();
+    fn saved_of<'b>(slot: &'b Slot<'_, f32>, e: usize) -> Vec<&'b DeviceBuffer<u8>> {
+        let per = linear::saved_bytes(T, H, H).len();
         slot.saved()[per * e..per * (e + 1)].to_vec()
     }
 }
@@ -194,10 +198,10 @@ impl Callable<f32> for ExpertBank {
     fn output_lens(&self) -> Vec<usize> {
         vec![T * H; E]
     }
-    fn saved_lens(&self) -> Vec<usize> {
+    fn saved_bytes(&self) -> Vec<usize> {
         self.experts
             .iter()
-            .flat_map(|x| x.lock().expect("expert").saved_lens())
+            .flat_map(|x| x.lock().expect("expert").saved_bytes())
             .collect()
     }
     fn forward(
@@ -337,13 +341,11 @@ fn run_graphed(gpu: &Gpu) -> (Record, WarmupRecord, Arc<DelayedScaling>) {
     let mut options = GraphedOptions::new(schedule.clone());
     // Snapshot/restore around warmup, register what warmup ran, reduce + update after
     // every replay.
-    scaling::install_hooks(&mut options, &gpu.ctx, &scaling).expect("scaling hooks");
+    scaling::install_hooks(&mut options, &gpu.ctx, &scaling, Arc::new(IdentityGroup))
+        .expect("scaling hooks");
     let sample = gpu.upload(&input(99, 0));
-    let samples: Vec<Vec<&DeviceBuffer<f32>>> = schedule
-        .layout()
-        .iter()
-        .map(|at| if at.layer == 0 { vec![&sample] } else { vec![] })
-        .collect();
+    // One set per callable: the first layer's input; the bank reads the first's outputs.
+    let samples: Vec<Vec<&DeviceBuffer<f32>>> = vec![vec![&sample], vec![]];
     let experts = bank.experts.clone();
     let callables: Vec<Box<dyn Callable<f32>>> = vec![Box::new(first), Box::new(bank)];
     let graphed =
@@ -395,15 +397,16 @@ fn run_eager(gpu: &Gpu) -> Record {
         .expect("register");
     let pool = GraphPool::new(&gpu.ctx, 256).expect("pool");
     let zeros = |n: usize| gpu.upload(&vec![0.0; n]);
+    let zero_bytes = |n: usize| gpu.upload_bytes(&vec![0u8; n]);
     let per_mb = |_| {
         (
             zeros(T * H),                                     // x
             zeros(T * H),                                     // first layer's y
             (0..E).map(|_| zeros(T * H)).collect::<Vec<_>>(), // bank outputs
-            first_saved(&first, &zeros),
-            bank.saved_lens()
+            first_saved(&first, &zero_bytes),
+            bank.saved_bytes()
                 .iter()
-                .map(|&n| zeros(n))
+                .map(|&n| zero_bytes(n))
                 .collect::<Vec<_>>(),
             zeros(T * H), // dh (bank's dx)
             zeros(T * H), // dx
@@ -420,14 +423,9 @@ fn run_eager(gpu: &Gpu) -> Record {
                 microbatch: mb,
                 layer,
             };
-            let slot0 = Slot::new(at(0), vec![x], vec![h], s0.iter().collect(), &pool);
-            let slot1 = Slot::new(
-                at(1),
-                vec![h],
-                ys.iter().collect(),
-                s1.iter().collect(),
-                &pool,
-            );
+            let slot0 = Slot::new(at(0), vec![x], vec![h], s0.iter().collect()).with_pool(&pool);
+            let slot1 = Slot::new(at(1), vec![h], ys.iter().collect(), s1.iter().collect())
+                .with_pool(&pool);
             match st {
                 Step::Forward { .. } => {
                     // SAFETY-free upload into the microbatch's own input buffer.
@@ -479,17 +477,14 @@ fn run_eager(gpu: &Gpu) -> Record {
 
 fn first_saved(
     first: &Fp8Linear,
-    zeros: &dyn Fn(usize) -> DeviceBuffer<f32>,
-) -> Vec<DeviceBuffer<f32>> {
-    first.saved_lens().iter().map(|&n| zeros(n)).collect()
+    zeros: &dyn Fn(usize) -> DeviceBuffer<u8>,
+) -> Vec<DeviceBuffer<u8>> {
+    first.saved_bytes().iter().map(|&n| zeros(n)).collect()
 }
 
 /// Copies `src` into `dst` (a buffer the test owns) and waits.
 fn copy(gpu: &Gpu, dst: &DeviceBuffer<f32>, src: &DeviceBuffer<f32>) {
-    // SAFETY: a non-owning view of exactly `dst`'s live allocation; `dst` outlives the copy,
-    // which is waited for before returning, and the view never frees it.
-    let mut view = unsafe { DeviceBuffer::<f32>::from_raw(&gpu.ctx, dst.as_raw(), dst.len()) };
-    view.copy_from_device(&gpu.stream, src).expect("copy");
+    dst.copy_from_device(&gpu.stream, src).expect("copy");
     gpu.stream.synchronize().expect("sync");
 }
 
@@ -561,10 +556,10 @@ fn an_eager_slot_records_what_the_layer_ran() {
     let pool = GraphPool::new(&gpu.ctx, 256).expect("pool");
     let x = gpu.upload(&input(0, 0));
     let ys: Vec<DeviceBuffer<f32>> = (0..E).map(|_| gpu.upload(&vec![0.0; T * H])).collect();
-    let saved: Vec<DeviceBuffer<f32>> = bank
-        .saved_lens()
+    let saved: Vec<DeviceBuffer<u8>> = bank
+        .saved_bytes()
         .iter()
-        .map(|&n| gpu.upload(&vec![0.0; n]))
+        .map(|&n| gpu.upload_bytes(&vec![0u8; n]))
         .collect();
     let recorder = TensorRecorder::new();
     let at = GraphIndex {
@@ -572,14 +567,9 @@ fn an_eager_slot_records_what_the_layer_ran() {
         microbatch: 0,
         layer: 1,
     };
-    let slot = Slot::new(
-        at,
-        vec![&x],
-        ys.iter().collect(),
-        saved.iter().collect(),
-        &pool,
-    )
-    .with_recorder(&recorder);
+    let slot = Slot::new(at, vec![&x], ys.iter().collect(), saved.iter().collect())
+        .with_pool(&pool)
+        .with_recorder(&recorder);
     let ys_ref: Vec<&DeviceBuffer<f32>> = ys.iter().collect();
     bank.forward(&gpu.stream, &[&x], &ys_ref, &slot)
         .expect("forward");
@@ -588,5 +578,7 @@ fn an_eager_slot_records_what_the_layer_ran() {
     want.insert(tensors_of(2)[X]);
     assert_eq!(recorder.tensors(), want);
     // A slot without a recorder ignores the reports.
-    Slot::new(at, vec![&x], vec![], vec![], &pool).record_tensors([1, 2]);
+    Slot::new(at, vec![&x], vec![], vec![])
+        .with_pool(&pool)
+        .record_tensors([1, 2]);
 }

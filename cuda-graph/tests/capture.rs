@@ -118,7 +118,7 @@ fn buffer(stream: &Stream, data: &[f32]) -> DeviceBuffer<f32> {
     DeviceBuffer::from_host(stream, data).unwrap()
 }
 
-fn poison(stream: &Stream, x: &mut DeviceBuffer<f32>) {
+fn poison(stream: &Stream, x: &DeviceBuffer<f32>) {
     x.copy_from_host(stream, &vec![f32::NAN; x.len()]).unwrap();
 }
 
@@ -138,8 +138,8 @@ fn assert_usable(ctx: &Arc<Context>, s: &Stream, k: &Kernels, what: &str) {
         CaptureStatus::None,
         "{what}: still capturing"
     );
-    let mut x = DeviceBuffer::<f32>::alloc(ctx, 77).unwrap();
-    poison(s, &mut x);
+    let x = DeviceBuffer::<f32>::alloc(ctx, 77).unwrap();
+    poison(s, &x);
     k.set(s, &x, 6.5)
         .unwrap_or_else(|e| panic!("{what}: eager launch: {e}"));
     k.add(s, &x, 0.25).unwrap();
@@ -185,8 +185,8 @@ impl Bufs {
         let (a, b) = inputs();
         self.a.copy_from_host(s, &a).unwrap();
         self.b.copy_from_host(s, &b).unwrap();
-        poison(s, &mut self.c);
-        poison(s, &mut self.d);
+        poison(s, &self.c);
+        poison(s, &self.d);
     }
 
     fn read(&self, s: &Stream) -> [Vec<f32>; 4] {
@@ -332,7 +332,7 @@ fn graph_and_exec_keep_captured_buffers_alive() {
     let src_data: Vec<f32> = (0..n).map(|i| i as f32).collect();
     let src = buffer(&stream, &src_data);
     let tmp = DeviceBuffer::<f32>::alloc(&ctx, n).unwrap();
-    let mut out = buffer(&stream, &vec![f32::NAN; n]);
+    let out = buffer(&stream, &vec![f32::NAN; n]);
     let (src_ptr, tmp_ptr) = (src.as_raw(), tmp.as_raw());
 
     let graph = stream
@@ -363,7 +363,7 @@ fn graph_and_exec_keep_captured_buffers_alive() {
         decoys.push(d);
     }
     for _ in 0..2 {
-        poison(&stream, &mut out);
+        poison(&stream, &out);
         exec.launch(&stream).unwrap();
         stream.synchronize().unwrap();
         let want: Vec<f32> = src_data.iter().map(|&x| 2.0f32.mul_add(x, 3.0)).collect();
@@ -642,9 +642,9 @@ fn concurrent_thread_local_captures_on_two_threads() {
                     })
                     .unwrap_or_else(|e| panic!("thread {t}: capture: {e}"));
                 let exec = instantiate(&graph);
-                let mut x = x;
+                let x = x;
                 for _ in 0..3 {
-                    poison(&stream, &mut x);
+                    poison(&stream, &x);
                     exec.launch(&stream).unwrap();
                     stream.synchronize().unwrap();
                     assert_eq!(
@@ -681,7 +681,7 @@ fn node_count(g: &Graph) -> usize {
 fn capture_into_appends_after_the_existing_graph() {
     let _serial = serial();
     let (ctx, stream, k) = setup();
-    let mut x = DeviceBuffer::<f32>::alloc(&ctx, 1000).unwrap();
+    let x = DeviceBuffer::<f32>::alloc(&ctx, 1000).unwrap();
     let y = DeviceBuffer::<f32>::alloc(&ctx, 1000).unwrap();
     let mut graph = stream
         .capture(CaptureMode::Global, |s| {
@@ -723,7 +723,7 @@ fn capture_into_appends_after_the_existing_graph() {
 
     let exec = instantiate(&graph);
     for _ in 0..3 {
-        poison(&stream, &mut x);
+        poison(&stream, &x);
         exec.launch(&stream).unwrap();
         stream.synchronize().unwrap();
         assert_eq!(x.to_vec(&stream).unwrap(), vec![34.0f32; 1000]);

@@ -53,7 +53,7 @@ fn filled(s: &Stream, v: f32) -> DeviceBuffer<f32> {
     DeviceBuffer::from_host(s, &[v; N]).expect("buffer")
 }
 
-fn set_i32(s: &Stream, b: &mut DeviceBuffer<i32>, v: i32) {
+fn set_i32(s: &Stream, b: &DeviceBuffer<i32>, v: i32) {
     b.copy_from_host(s, &[v]).expect("copy flag");
 }
 
@@ -105,20 +105,20 @@ fn end_capture(ctx: &Arc<Context>, s: &Stream) -> Graph {
 fn if_in_an_explicit_graph_follows_a_device_flag() {
     let f = fixture();
     let x = filled(&f.stream, 5.0);
-    let mut flag = DeviceBuffer::<i32>::from_host(&f.stream, &[0]).unwrap();
+    let flag = DeviceBuffer::<i32>::from_host(&f.stream, &[0]).unwrap();
     let mut graph = Graph::new(&f.ctx).unwrap();
     let h = ConditionalHandle::new(&mut graph, 0, true).unwrap();
     let set = graph
         .add_set_condition(&[], h, ConditionSource::I32(&flag))
         .unwrap();
     graph
-        .add_if(&[set], h, |s| add(s, &f.add, &x, 1.0))
+        .add_if(&[set.node()], h, |s| add(s, &f.add, &x, 1.0))
         .unwrap();
     let exec = GraphExec::instantiate(&graph, Default::default()).unwrap();
     let mut want = 5.0;
     for i in 0..4 {
         let v = i % 2;
-        set_i32(&f.stream, &mut flag, v);
+        set_i32(&f.stream, &flag, v);
         replay(&exec, &f.stream);
         want += v as f32;
         assert_all(&f.stream, &x, want, &format!("IF replay {i} with flag {v}"));
@@ -130,7 +130,7 @@ fn if_in_an_explicit_graph_follows_a_device_flag() {
 fn if_else_in_an_explicit_graph_takes_one_branch() {
     let f = fixture();
     let x = filled(&f.stream, 0.5);
-    let mut flag = DeviceBuffer::<f32>::from_host(&f.stream, &[0.0]).unwrap();
+    let flag = DeviceBuffer::<f32>::from_host(&f.stream, &[0.0]).unwrap();
     let mut graph = Graph::new(&f.ctx).unwrap();
     let h = ConditionalHandle::new(&mut graph, 0, true).unwrap();
     let set = graph
@@ -138,7 +138,7 @@ fn if_else_in_an_explicit_graph_takes_one_branch() {
         .unwrap();
     graph
         .add_if_else(
-            &[set],
+            &[set.node()],
             h,
             |s| add(s, &f.add, &x, 1.0),
             |s| add(s, &f.add, &x, 100.0),
@@ -164,14 +164,14 @@ fn if_else_in_an_explicit_graph_takes_one_branch() {
 fn while_loop_counts_on_the_device() {
     let f = fixture();
     let x = filled(&f.stream, 3.0);
-    let mut counter = DeviceBuffer::<i32>::from_host(&f.stream, &[0]).unwrap();
+    let counter = DeviceBuffer::<i32>::from_host(&f.stream, &[0]).unwrap();
     let mut graph = Graph::new(&f.ctx).unwrap();
     let h = ConditionalHandle::new(&mut graph, 0, true).unwrap();
     let test = graph
         .add_set_condition(&[], h, ConditionSource::PositiveI32(&counter))
         .unwrap();
     graph
-        .add_while(&[test], h, |s| {
+        .add_while(&[test.node()], h, |s| {
             add(s, &f.add, &x, 1.0)?;
             h.decrement_on(s, &counter)
         })
@@ -179,7 +179,7 @@ fn while_loop_counts_on_the_device() {
     let exec = GraphExec::instantiate(&graph, Default::default()).unwrap();
     let mut want = 3.0;
     for k in [1, 5, 17, 0] {
-        set_i32(&f.stream, &mut counter, k);
+        set_i32(&f.stream, &counter, k);
         replay(&exec, &f.stream);
         want += k as f32;
         assert_all(&f.stream, &x, want, &format!("WHILE with k = {k}"));
@@ -193,7 +193,7 @@ fn while_loop_counts_on_the_device() {
 fn switch_runs_the_selected_case_or_none() {
     let f = fixture();
     let x = filled(&f.stream, 0.0);
-    let mut index = DeviceBuffer::<i32>::from_host(&f.stream, &[0]).unwrap();
+    let index = DeviceBuffer::<i32>::from_host(&f.stream, &[0]).unwrap();
     let mut graph = Graph::new(&f.ctx).unwrap();
     let h = ConditionalHandle::new(&mut graph, 0, true).unwrap();
     let set = graph
@@ -202,7 +202,7 @@ fn switch_runs_the_selected_case_or_none() {
     let (k, xr) = (&f.add, &x);
     graph
         .add_switch(
-            &[set],
+            &[set.node()],
             h,
             vec![
                 Box::new(move |s: &Stream| add(s, k, xr, 1.0)),
@@ -214,7 +214,7 @@ fn switch_runs_the_selected_case_or_none() {
     let exec = GraphExec::instantiate(&graph, Default::default()).unwrap();
     let mut want = 0.0;
     for (i, inc) in [(0, 1.0), (1, 10.0), (2, 100.0), (3, 0.0), (1, 10.0)] {
-        set_i32(&f.stream, &mut index, i);
+        set_i32(&f.stream, &index, i);
         replay(&exec, &f.stream);
         want += inc;
         assert_all(&f.stream, &x, want, &format!("SWITCH with index {i}"));
@@ -227,15 +227,15 @@ fn while_containing_an_if() {
     let f = fixture();
     let every = filled(&f.stream, 0.0);
     let gated = filled(&f.stream, 0.0);
-    let mut counter = DeviceBuffer::<i32>::from_host(&f.stream, &[0]).unwrap();
-    let mut flag = DeviceBuffer::<i32>::from_host(&f.stream, &[0]).unwrap();
+    let counter = DeviceBuffer::<i32>::from_host(&f.stream, &[0]).unwrap();
+    let flag = DeviceBuffer::<i32>::from_host(&f.stream, &[0]).unwrap();
     let mut graph = Graph::new(&f.ctx).unwrap();
     let h = ConditionalHandle::new(&mut graph, 0, true).unwrap();
     let test = graph
         .add_set_condition(&[], h, ConditionSource::PositiveI32(&counter))
         .unwrap();
     graph
-        .add_while(&[test], h, |s| {
+        .add_while(&[test.node()], h, |s| {
             add(s, &f.add, &every, 1.0)?;
             let inner = ConditionalHandle::in_capture(s, 0, false)?;
             inner.set_from_flag_on(s, &flag)?;
@@ -246,8 +246,8 @@ fn while_containing_an_if() {
     let exec = GraphExec::instantiate(&graph, Default::default()).unwrap();
     let (mut want_every, mut want_gated) = (0.0, 0.0);
     for (k, v) in [(4, 1), (3, 0), (2, 1)] {
-        set_i32(&f.stream, &mut counter, k);
-        set_i32(&f.stream, &mut flag, v);
+        set_i32(&f.stream, &counter, k);
+        set_i32(&f.stream, &flag, v);
         replay(&exec, &f.stream);
         want_every += k as f32;
         want_gated += if v != 0 { 10.0 * k as f32 } else { 0.0 };
@@ -272,7 +272,7 @@ fn if_inside_a_stream_capture() {
     let f = fixture();
     let x = filled(&f.stream, 2.0);
     let after = filled(&f.stream, 0.0);
-    let mut flag = DeviceBuffer::<i32>::from_host(&f.stream, &[0]).unwrap();
+    let flag = DeviceBuffer::<i32>::from_host(&f.stream, &[0]).unwrap();
     ConditionalHandle::load_helpers(&f.ctx).unwrap();
     begin_capture(&f.stream);
     let built = (|| -> Result<()> {
@@ -288,7 +288,7 @@ fn if_inside_a_stream_capture() {
     let mut want = 2.0;
     for i in 0..4 {
         let v = (i + 1) % 2;
-        set_i32(&f.stream, &mut flag, v);
+        set_i32(&f.stream, &flag, v);
         replay(&exec, &f.stream);
         want += v as f32;
         assert_all(
@@ -311,7 +311,7 @@ fn if_inside_a_stream_capture() {
 fn while_inside_a_stream_capture() {
     let f = fixture();
     let x = filled(&f.stream, 0.0);
-    let mut counter = DeviceBuffer::<i32>::from_host(&f.stream, &[0]).unwrap();
+    let counter = DeviceBuffer::<i32>::from_host(&f.stream, &[0]).unwrap();
     ConditionalHandle::load_helpers(&f.ctx).unwrap();
     begin_capture(&f.stream);
     let built = (|| -> Result<()> {
@@ -328,7 +328,7 @@ fn while_inside_a_stream_capture() {
     let exec = GraphExec::instantiate(&graph, Default::default()).unwrap();
     let mut want = 0.0;
     for k in [1, 5, 17] {
-        set_i32(&f.stream, &mut counter, k);
+        set_i32(&f.stream, &counter, k);
         replay(&exec, &f.stream);
         want += k as f32 + 1000.0;
         assert_all(&f.stream, &x, want, &format!("captured WHILE, k = {k}"));
@@ -362,16 +362,16 @@ fn default_value_with_reset_runs_the_body_every_launch() {
 fn value_without_reset_persists_across_launches() {
     let f = fixture();
     let x = filled(&f.stream, 0.0);
-    let mut flag = DeviceBuffer::<i32>::from_host(&f.stream, &[0]).unwrap();
+    let flag = DeviceBuffer::<i32>::from_host(&f.stream, &[0]).unwrap();
     let mut graph = Graph::new(&f.ctx).unwrap();
     let h = ConditionalHandle::new(&mut graph, 0, false).unwrap();
     // The IF reads the value the previous launch left: the setter runs after it.
     let node = graph.add_if(&[], h, |s| add(s, &f.add, &x, 1.0)).unwrap();
     graph
-        .add_set_condition(&[node], h, ConditionSource::I32(&flag))
+        .add_set_condition(&[node.node()], h, ConditionSource::I32(&flag))
         .unwrap();
     let exec = GraphExec::instantiate(&graph, Default::default()).unwrap();
-    set_i32(&f.stream, &mut flag, 1);
+    set_i32(&f.stream, &flag, 1);
     replay(&exec, &f.stream);
     // The first launch reads the driver's initial value (0 on driver 13.0, not promised).
     let first = x.to_vec(&f.stream).unwrap()[0];
@@ -381,7 +381,7 @@ fn value_without_reset_persists_across_launches() {
         .into_iter()
         .enumerate()
     {
-        set_i32(&f.stream, &mut flag, next);
+        set_i32(&f.stream, &flag, next);
         replay(&exec, &f.stream);
         want += if runs { 1.0 } else { 0.0 };
         assert_all(

@@ -35,11 +35,11 @@ fn data(n: usize, seed: u32) -> Vec<f32> {
 fn copies_round_trip_and_memsets_write_every_element() {
     let (ctx, stream, _) = setup();
     let host = data(10_007, 1);
-    let mut buf = DeviceBuffer::<f32>::alloc(&ctx, host.len()).unwrap();
+    let buf = DeviceBuffer::<f32>::alloc(&ctx, host.len()).unwrap();
     buf.copy_from_host(&stream, &host).unwrap();
     assert_eq!(buf.to_vec(&stream).unwrap(), host);
 
-    let mut other = DeviceBuffer::<f32>::from_host(&stream, &data(10_007, 2)).unwrap();
+    let other = DeviceBuffer::<f32>::from_host(&stream, &data(10_007, 2)).unwrap();
     other.copy_from_device(&stream, &buf).unwrap();
     assert_eq!(other.to_vec(&stream).unwrap(), host);
 
@@ -54,7 +54,7 @@ fn copies_round_trip_and_memsets_write_every_element() {
             .all(|&v| v.to_bits() == 0)
     );
 
-    let mut bytes = DeviceBuffer::<u8>::alloc(&ctx, 3).unwrap();
+    let bytes = DeviceBuffer::<u8>::alloc(&ctx, 3).unwrap();
     assert!(matches!(
         bytes.fill_u32_bits(&stream, 0),
         Err(Error::InvalidArgument(_))
@@ -75,8 +75,8 @@ fn async_and_pool_allocations_work_and_free_in_stream_order() {
     let add = module.kernel("add_f32").unwrap();
     let host = data(4099, 3);
     for round in 0..3 {
-        let mut a = DeviceBuffer::<f32>::alloc_async(&stream, host.len()).unwrap();
-        let mut b = DeviceBuffer::<f32>::alloc_from_pool(&stream, &pool, host.len()).unwrap();
+        let a = DeviceBuffer::<f32>::alloc_async(&stream, host.len()).unwrap();
+        let b = DeviceBuffer::<f32>::alloc_from_pool(&stream, &pool, host.len()).unwrap();
         a.copy_from_host(&stream, &host).unwrap();
         b.copy_from_device(&stream, &a).unwrap();
         let n = host.len() as u32;
@@ -109,8 +109,8 @@ fn graph_pool_hands_out_disjoint_aligned_ranges_and_reuses_freed_ones() {
     let b = pool.alloc::<f32>(1000).unwrap();
     assert_eq!(a.as_raw() % 256, 0);
     assert!(b.as_raw() >= a.as_raw() + 4000, "ranges overlap");
-    let mut a = a;
-    let mut b = b;
+    let a = a;
+    let b = b;
     a.copy_from_host(&stream, &data(1000, 4)).unwrap();
     b.copy_from_host(&stream, &data(1000, 5)).unwrap();
     assert_eq!(

@@ -41,7 +41,7 @@ fn build(gpu: &Gpu, x: &DeviceBuffer<f32>, v: f32, adds: usize) -> Graph {
 #[ignore = "needs a CUDA device"]
 fn update_with_new_arguments_takes_effect_on_the_next_launch() {
     let gpu = Gpu::new(N);
-    let mut x1 = gpu.buf();
+    let x1 = gpu.buf();
     let g1 = build(&gpu, &x1, 2.0, 1);
     let mut exec = GraphExec::instantiate(&g1, InstantiateFlags::empty()).unwrap();
     drop(g1);
@@ -61,7 +61,7 @@ fn update_with_new_arguments_takes_effect_on_the_next_launch() {
         // SAFETY: the exec holds the allocation alive; N floats.
         unsafe { DeviceBuffer::<f32>::from_raw(&gpu.ctx, x2_addr, N as usize) }
     };
-    gpu.poison(&mut x1);
+    gpu.poison(&x1);
     gpu.run(&exec);
     assert_all(&gpu.read(&x2_read), 11.0, "x2 after the update");
     let untouched: Vec<u32> = gpu.read(&x1).iter().map(|f| f.to_bits()).collect();
@@ -75,7 +75,7 @@ fn update_with_new_arguments_takes_effect_on_the_next_launch() {
 #[ignore = "needs a CUDA device"]
 fn topology_change_is_reported_and_the_helper_reinstantiates() {
     let gpu = Gpu::new(N);
-    let mut x = gpu.buf();
+    let x = gpu.buf();
     let g1 = build(&gpu, &x, 2.0, 1);
     let mut exec = GraphExec::instantiate(&g1, InstantiateFlags::empty()).unwrap();
     gpu.run(&exec);
@@ -89,7 +89,7 @@ fn topology_change_is_reported_and_the_helper_reinstantiates() {
         other => panic!("expected Error::Update(TopologyChanged), got {other:?}"),
     }
     // The refused update left the exec as it was.
-    gpu.poison(&mut x);
+    gpu.poison(&x);
     gpu.run(&exec);
     assert_all(&gpu.read(&x), 3.0, "x after the refused update");
 
@@ -97,7 +97,7 @@ fn topology_change_is_reported_and_the_helper_reinstantiates() {
         .update_or_reinstantiate(&g2, InstantiateFlags::empty())
         .expect("reinstantiate");
     assert_eq!(outcome, UpdateOutcome::Reinstantiated);
-    gpu.poison(&mut x);
+    gpu.poison(&x);
     gpu.run(&exec);
     assert_all(&gpu.read(&x), 5.0, "x, two adds");
 
@@ -106,7 +106,7 @@ fn topology_change_is_reported_and_the_helper_reinstantiates() {
         .update_or_reinstantiate(&g3, InstantiateFlags::empty())
         .expect("update");
     assert_eq!(outcome, UpdateOutcome::Updated);
-    gpu.poison(&mut x);
+    gpu.poison(&x);
     gpu.run(&exec);
     assert_all(&gpu.read(&x), 9.0, "x, two adds of 4");
 }
@@ -116,7 +116,7 @@ fn topology_change_is_reported_and_the_helper_reinstantiates() {
 fn per_node_setters_and_enable_disable_take_effect() {
     let gpu = Gpu::new(N);
     let add = gpu.k("add_f32");
-    let (mut x, mut y) = (gpu.buf(), gpu.buf());
+    let (mut x, y) = (gpu.buf(), gpu.buf());
     let w = DeviceBuffer::from_host(&gpu.stream, &vec![42.0f32; N as usize]).unwrap();
 
     // x = 1; x += 2; y = x; (empty)
@@ -133,7 +133,7 @@ fn per_node_setters_and_enable_disable_take_effect() {
     // The setters take node handles of the graph the exec was made from; that graph may be
     // gone by then.
     drop(g);
-    let reset = |gpu: &Gpu, x: &mut DeviceBuffer<f32>, y: &mut DeviceBuffer<f32>| {
+    let reset = |gpu: &Gpu, x: &DeviceBuffer<f32>, y: &DeviceBuffer<f32>| {
         gpu.poison(x);
         gpu.poison(y);
     };
@@ -143,7 +143,7 @@ fn per_node_setters_and_enable_disable_take_effect() {
     // Kernel scalar change.
     // SAFETY: add_f32 over N elements of x.
     unsafe { exec.set_kernel_params(&k, &add, &cfg(), &kernel_args![x, 5.0f32, N]) }.unwrap();
-    reset(&gpu, &mut x, &mut y);
+    reset(&gpu, &mut x, &y);
     gpu.run(&exec);
     assert_all(&gpu.read(&y), 6.0, "y after the scalar change");
 
@@ -151,7 +151,7 @@ fn per_node_setters_and_enable_disable_take_effect() {
     let half = LaunchConfig::linear(N / 2 / 128, 128);
     // SAFETY: as above; fewer threads than elements.
     unsafe { exec.set_kernel_params(&k, &add, &half, &kernel_args![x, 5.0f32, N]) }.unwrap();
-    reset(&gpu, &mut x, &mut y);
+    reset(&gpu, &mut x, &y);
     gpu.run(&exec);
     let v = gpu.read(&y);
     assert_all(
@@ -170,13 +170,13 @@ fn per_node_setters_and_enable_disable_take_effect() {
     // Memset value change.
     exec.set_memset_params(&m, &x, MemsetValue::U32(2.0f32.to_bits()))
         .unwrap();
-    reset(&gpu, &mut x, &mut y);
+    reset(&gpu, &mut x, &y);
     gpu.run(&exec);
     assert_all(&gpu.read(&y), 7.0, "y after the memset change");
 
     // Memcpy source change.
     exec.set_memcpy_params(&c, &y, &w).unwrap();
-    reset(&gpu, &mut x, &mut y);
+    reset(&gpu, &mut x, &y);
     gpu.run(&exec);
     assert_all(&gpu.read(&y), 42.0, "y after the memcpy source change");
     assert_all(&gpu.read(&x), 7.0, "x still computed");
@@ -186,11 +186,11 @@ fn per_node_setters_and_enable_disable_take_effect() {
     assert!(exec.node_enabled(k).unwrap());
     exec.set_node_enabled(k, false).unwrap();
     assert!(!exec.node_enabled(k).unwrap());
-    reset(&gpu, &mut x, &mut y);
+    reset(&gpu, &mut x, &y);
     gpu.run(&exec);
     assert_all(&gpu.read(&y), 2.0, "y with the kernel disabled");
     exec.set_node_enabled(k, true).unwrap();
-    reset(&gpu, &mut x, &mut y);
+    reset(&gpu, &mut x, &y);
     gpu.run(&exec);
     assert_all(&gpu.read(&y), 7.0, "y with the kernel re-enabled");
 
@@ -218,7 +218,7 @@ fn per_node_setters_and_enable_disable_take_effect() {
 fn host_and_child_graph_setters_take_effect() {
     let gpu = Gpu::new(N);
     let add = gpu.k("add_f32");
-    let mut x = gpu.buf();
+    let x = gpu.buf();
     let child_adding = |v: f32| {
         let mut c = Graph::new(&gpu.ctx).unwrap();
         // SAFETY: add_f32 over N elements of x.
@@ -260,7 +260,7 @@ fn host_and_child_graph_setters_take_effect() {
             s.fetch_add(1, Ordering::SeqCst);
         })
         .unwrap();
-    gpu.poison(&mut x);
+    gpu.poison(&x);
     gpu.run(&exec);
     gpu.run(&exec);
     assert_all(&gpu.read(&x), 8.0, "x with the replaced child");

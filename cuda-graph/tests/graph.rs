@@ -190,7 +190,7 @@ fn queries_report_what_was_built_and_clone_and_dot_work() {
 fn host_callback_runs_each_replay_and_panics_are_contained() {
     let gpu = Gpu::new(N);
     let count_up = gpu.k("count_up");
-    let mut dev_count = DeviceBuffer::<u32>::from_host(&gpu.stream, &[0]).expect("counter");
+    let dev_count = DeviceBuffer::<u32>::from_host(&gpu.stream, &[0]).expect("counter");
     let hits = Arc::new(AtomicU64::new(0));
 
     let mut g = Graph::new(&gpu.ctx).unwrap();
@@ -262,7 +262,7 @@ fn event_nodes_order_two_graphs_and_a_stream() {
     let gpu = Gpu::new(N);
     let other = Stream::new(&gpu.ctx).unwrap();
     let set = gpu.k("set_f32");
-    let (x, mut y) = (gpu.buf(), gpu.buf());
+    let (x, y) = (gpu.buf(), gpu.buf());
     let event = Arc::new(Event::for_sync(&gpu.ctx).unwrap());
 
     // Graph 1 (on gpu.stream): x = 7, then record.
@@ -290,7 +290,7 @@ fn event_nodes_order_two_graphs_and_a_stream() {
     );
 
     // Graph -> plain stream: the stream waits on the event the graph records.
-    gpu.poison(&mut y);
+    gpu.poison(&y);
     e1.launch(&gpu.stream).unwrap();
     other.wait_event(&event).unwrap();
     y.copy_from_device(&other, &x).unwrap();
@@ -307,7 +307,7 @@ fn event_nodes_order_two_graphs_and_a_stream() {
 fn child_graph_nodes_run_the_child() {
     let gpu = Gpu::new(N);
     let (add, mul) = (gpu.k("add_f32"), gpu.k("mul_f32"));
-    let mut x = gpu.buf();
+    let x = gpu.buf();
 
     // Child: x += 1; x *= 2.
     let mut child = Graph::new(&gpu.ctx).unwrap();
@@ -328,7 +328,7 @@ fn child_graph_nodes_run_the_child() {
     let exec = GraphExec::instantiate(&g, InstantiateFlags::empty()).unwrap();
     drop(g);
     for replay in 0..2 {
-        gpu.poison(&mut x);
+        gpu.poison(&x);
         exec.launch(&gpu.stream).unwrap();
         assert_all(&gpu.read(&x), 18.0, &format!("x, replay {replay}"));
     }
@@ -339,7 +339,7 @@ fn child_graph_nodes_run_the_child() {
 fn mem_alloc_and_free_nodes_give_working_scratch_memory() {
     let gpu = Gpu::new(N);
     let (set, add) = (gpu.k("set_f32"), gpu.k("add_f32"));
-    let mut out = gpu.buf();
+    let out = gpu.buf();
 
     let mut g = Graph::new(&gpu.ctx).unwrap();
     let alloc = g.add_mem_alloc(&[], N as usize * 4).expect("alloc node");
@@ -381,7 +381,7 @@ fn mem_alloc_and_free_nodes_give_working_scratch_memory() {
 
     let exec = GraphExec::instantiate(&g, InstantiateFlags::empty()).unwrap();
     for replay in 0..3 {
-        gpu.poison(&mut out);
+        gpu.poison(&out);
         exec.launch(&gpu.stream).unwrap();
         assert_all(&gpu.read(&out), 4.75, &format!("out, replay {replay}"));
     }
@@ -394,7 +394,7 @@ fn programmatic_edges_compute_the_same_as_full_edges() {
     let gpu = Gpu::new(N);
     let pdl = gpu.k("add_one_pdl");
     for programmatic in [false, true] {
-        let mut x = gpu.buf();
+        let x = gpu.buf();
         let mut g = Graph::new(&gpu.ctx).unwrap();
         let m = g.add_memset(&[], &x, MemsetValue::U32(0)).unwrap();
         let mut prev: Option<KernelNode> = None;
@@ -430,7 +430,7 @@ fn programmatic_edges_compute_the_same_as_full_edges() {
         );
         let exec = GraphExec::instantiate(&g, InstantiateFlags::empty()).expect("instantiate");
         for replay in 0..3 {
-            gpu.poison(&mut x);
+            gpu.poison(&x);
             exec.launch(&gpu.stream).unwrap();
             assert_all(
                 &gpu.read(&x),

@@ -240,7 +240,11 @@ fn launch_amax(
 /// `input.scale_inv()` on the device. NaN bytes give NaN, E5M2 infinities give infinities.
 ///
 /// Requirements: `out.len() == input.numel()`; `input.data()` and `out` 16-byte aligned.
-pub fn dequantize<'a>(stream: &Stream, input: &Fp8Tensor, out: impl Into<HpBuffer<'a>>) -> Result<()> {
+pub fn dequantize<'a>(
+    stream: &Stream,
+    input: &Fp8Tensor,
+    out: impl Into<HpBuffer<'a>>,
+) -> Result<()> {
     let out: HpBuffer<'a> = out.into();
     same_len("dequantize", input.numel(), out.len())?;
     check_align("FP8 input", input.data().as_raw(), ALIGN)?;
@@ -256,8 +260,8 @@ pub fn dequantize<'a>(stream: &Stream, input: &Fp8Tensor, out: impl Into<HpBuffe
     let args = out
         .push_to(KernelArgs::new().arg(input.data()))
         .arg(&n)
-    .arg(input.scale_inv().buffer())
-    .arg(&si_idx);
+        .arg(input.scale_inv().buffer())
+        .arg(&si_idx);
     let cfg = LaunchConfig::linear(grid(sms, n / 8), BLOCK);
     // SAFETY: reads n bytes of input.data() and writes n elements of out (both checked to
     // hold n, 16-byte aligned); reads scale_inv[idx] inside its buffer.

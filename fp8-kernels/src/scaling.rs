@@ -256,5 +256,3 @@ impl ReductionGroup for IdentityGroup {
         Ok(())
     }
 }
-
-

@@ -77,7 +77,6 @@ impl DeviceScalar {
     pub fn write(&self, stream: &Stream, value: f32) -> Result<()> {
         self.view()?.copy_from_host(stream, &[value])
     }
-
 }
 
 /// An FP8 tensor: its bytes, shape, format, and the device scalars that go with it (`scale`

@@ -38,14 +38,14 @@ fn check_against(what: &str, got: &[u8], want: &[u8], fmt: Fp8Format, exact_nan:
 }
 
 fn poisoned_matrix(stream: &Stream, rows: usize, cols: usize, fmt: Fp8Format) -> Fp8Tensor {
-    let mut t = Fp8Tensor::new(stream, &[rows, cols], fmt).unwrap();
-    t.data_mut().memset_bytes(stream, 0xff).unwrap();
+    let t = Fp8Tensor::new(stream, &[rows, cols], fmt).unwrap();
+    t.data().memset_bytes(stream, 0xff).unwrap();
     stream.synchronize().unwrap();
     t
 }
 
 fn poisoned_bytes(stream: &Stream, n: usize) -> DeviceBuffer<u8> {
-    let mut b = DeviceBuffer::<u8>::alloc(stream.context(), n).unwrap();
+    let b = DeviceBuffer::<u8>::alloc(stream.context(), n).unwrap();
     b.memset_bytes(stream, 0xff).unwrap();
     stream.synchronize().unwrap();
     b
@@ -65,22 +65,14 @@ fn cast_transpose_matches_reference() {
                 let seed = 11 + (di * 100 + si) as u64 * 7 + fmt as u64;
                 let xs = random_data(seed, n, true);
                 let (input, wide) = upload(&stream, dtype, &xs);
-                let mut out = poisoned_matrix(&stream, rows, cols, fmt);
-                let mut out_t = poisoned_bytes(&stream, n);
+                let out = poisoned_matrix(&stream, rows, cols, fmt);
+                let out_t = poisoned_bytes(&stream, n);
                 out.scale().write(&stream, scale).unwrap();
                 out.scale_inv()
                     .write(&stream, f32::from_bits(POISON_F32))
                     .unwrap();
-                fp8_kernels::cast_transpose(
-                    &stream,
-                    input.view(),
-                    rows,
-                    cols,
-                    &mut out,
-                    &mut out_t,
-                    None,
-                )
-                .unwrap();
+                fp8_kernels::cast_transpose(&stream, input.view(), rows, cols, &out, &out_t, None)
+                    .unwrap();
                 let (want_y, want_t, want_amax) =
                     r::cast_transpose_ref(&wide, rows, cols, scale, fmt);
                 let got_y = out.data().to_vec(&stream).unwrap();
@@ -115,21 +107,13 @@ fn cast_transpose_amax_accumulates_and_noop_writes_nothing() {
     for dtype in DTYPES {
         let xs = random_data(31, n, true);
         let (input, wide) = upload(&stream, dtype, &xs);
-        let mut out = poisoned_matrix(&stream, rows, cols, Fp8Format::E4M3);
-        let mut out_t = poisoned_bytes(&stream, n);
+        let out = poisoned_matrix(&stream, rows, cols, Fp8Format::E4M3);
+        let out_t = poisoned_bytes(&stream, n);
         out.scale().write(&stream, 3.0).unwrap();
         out.scale_inv().write(&stream, 7.0).unwrap();
         out.amax().write(&stream, 11.0).unwrap();
-        fp8_kernels::cast_transpose(
-            &stream,
-            input.view(),
-            rows,
-            cols,
-            &mut out,
-            &mut out_t,
-            Some(&noop),
-        )
-        .unwrap();
+        fp8_kernels::cast_transpose(&stream, input.view(), rows, cols, &out, &out_t, Some(&noop))
+            .unwrap();
         assert!(
             out.data()
                 .to_vec(&stream)
@@ -156,16 +140,8 @@ fn cast_transpose_amax_accumulates_and_noop_writes_nothing() {
         let (input, wide_f) = upload(&stream, dtype, &finite);
         let big = r::amax(wide_f.iter().copied()) * 2.0;
         out.amax().write(&stream, big).unwrap();
-        fp8_kernels::cast_transpose(
-            &stream,
-            input.view(),
-            rows,
-            cols,
-            &mut out,
-            &mut out_t,
-            Some(&noop),
-        )
-        .unwrap();
+        fp8_kernels::cast_transpose(&stream, input.view(), rows, cols, &out, &out_t, Some(&noop))
+            .unwrap();
         assert_eq!(
             out.scale_inv().read(&stream).unwrap(),
             1.0 / 3.0,
@@ -250,8 +226,8 @@ fn captured_graph_replays_like_eager() {
             bc,
             BlockShape::Row1x128,
             fmt,
-            &mut side.bq,
-            &mut side.bs,
+            &side.bq,
+            &side.bs,
         )
     };
     let mut g = mk();
@@ -270,7 +246,7 @@ fn captured_graph_replays_like_eager() {
                 out.scale_inv()
                     .write(&stream, f32::from_bits(POISON_F32))
                     .unwrap();
-                out.data_mut().memset_bytes(&stream, 0xff).unwrap();
+                out.data().memset_bytes(&stream, 0xff).unwrap();
                 out_t.memset_bytes(&stream, 0xff).unwrap();
             }
             side.bq.memset_bytes(&stream, 0xff).unwrap();
@@ -405,9 +381,9 @@ fn blockwise_matches_reference() {
                     let seed = 7000 + (di * 100 + si) as u64 * 3 + fmt as u64;
                     let xs = blockwise_data(seed, rows, cols, block);
                     let (input, wide) = upload(&stream, dtype, &xs);
-                    let mut out = poisoned_bytes(&stream, rows * cols);
+                    let out = poisoned_bytes(&stream, rows * cols);
                     let ns = block.scales_len(rows, cols);
-                    let mut scales = DeviceBuffer::<f32>::alloc(&ctx, ns).unwrap();
+                    let scales = DeviceBuffer::<f32>::alloc(&ctx, ns).unwrap();
                     scales.fill_u32_bits(&stream, POISON_F32).unwrap();
                     fp8_kernels::quantize_blockwise(
                         &stream,
@@ -416,8 +392,8 @@ fn blockwise_matches_reference() {
                         cols,
                         block,
                         fmt,
-                        &mut out,
-                        &mut scales,
+                        &out,
+                        &scales,
                     )
                     .unwrap();
                     let (wy, ws) = r::quantize_blockwise_ref(&wide, rows, cols, block, fmt);
@@ -455,25 +431,25 @@ fn bad_input_is_rejected_before_any_launch() {
             DeviceBuffer::<f32>::from_raw(&ctx, x.as_raw() + 4, n),
         )
     };
-    let mut out = poisoned_matrix(&stream, rows, cols, Fp8Format::E4M3);
+    let out = poisoned_matrix(&stream, rows, cols, Fp8Format::E4M3);
     out.amax().write(&stream, 5.0).unwrap();
     out.scale_inv().write(&stream, 9.0).unwrap();
-    let mut out_t = poisoned_bytes(&stream, n);
+    let out_t = poisoned_bytes(&stream, n);
     let mut short_t = poisoned_bytes(&stream, n - 1);
     let mut transposed_shape = poisoned_matrix(&stream, cols, rows, Fp8Format::E4M3);
-    let ct = |input: HpBuffer<'_>, rr, cc, o: &mut Fp8Tensor, t: &mut DeviceBuffer<u8>| {
+    let ct = |input: HpBuffer<'_>, rr, cc, o: &Fp8Tensor, t: &DeviceBuffer<u8>| {
         fp8_kernels::cast_transpose(&stream, input, rr, cc, o, t, None)
     };
     assert!(
-        ct(HpBuffer::F32(&x), rows, cols, &mut out, &mut out_t).is_err(),
+        ct(HpBuffer::F32(&x), rows, cols, &out, &out_t).is_err(),
         "input length"
     );
     assert!(
-        ct(HpBuffer::F32(&misaligned), rows, cols, &mut out, &mut out_t).is_err(),
+        ct(HpBuffer::F32(&misaligned), rows, cols, &out, &out_t).is_err(),
         "misaligned"
     );
     assert!(
-        ct(HpBuffer::F32(&exact), rows, cols, &mut out, &mut short_t).is_err(),
+        ct(HpBuffer::F32(&exact), rows, cols, &out, &mut short_t).is_err(),
         "out_t length"
     );
     assert!(
@@ -482,31 +458,24 @@ fn bad_input_is_rejected_before_any_launch() {
             rows,
             cols,
             &mut transposed_shape,
-            &mut out_t
+            &out_t
         )
         .is_err(),
         "out shape [cols, rows]"
     );
     assert!(
-        ct(HpBuffer::F32(&exact), 0, cols, &mut out, &mut out_t).is_err(),
+        ct(HpBuffer::F32(&exact), 0, cols, &out, &out_t).is_err(),
         "empty rows"
     );
     assert!(
-        ct(HpBuffer::F32(&exact), cols, rows, &mut out, &mut out_t).is_err(),
+        ct(HpBuffer::F32(&exact), cols, rows, &out, &out_t).is_err(),
         "swapped dims"
     );
     let big_t = poisoned_bytes(&stream, n + 16);
     // SAFETY: a view of n bytes 1 byte into big_t (n + 16 bytes), which outlives it.
     let mut misaligned_t = unsafe { DeviceBuffer::<u8>::from_raw(&ctx, big_t.as_raw() + 1, n) };
     assert!(
-        ct(
-            HpBuffer::F32(&exact),
-            rows,
-            cols,
-            &mut out,
-            &mut misaligned_t
-        )
-        .is_err(),
+        ct(HpBuffer::F32(&exact), rows, cols, &out, &mut misaligned_t).is_err(),
         "misaligned out_t"
     );
     // Block-scaled.
@@ -515,7 +484,7 @@ fn bad_input_is_rejected_before_any_launch() {
         DeviceBuffer::<f32>::alloc(&ctx, BlockShape::Row1x128.scales_len(rows, cols)).unwrap();
     bs.fill_u32_bits(&stream, POISON_F32).unwrap();
     let mut bs_short = DeviceBuffer::<f32>::alloc(&ctx, 1).unwrap();
-    let bw = |input: HpBuffer<'_>, block, o: &mut DeviceBuffer<u8>, s: &mut DeviceBuffer<f32>| {
+    let bw = |input: HpBuffer<'_>, block, o: &DeviceBuffer<u8>, s: &DeviceBuffer<f32>| {
         fp8_kernels::quantize_blockwise(&stream, input, rows, cols, block, Fp8Format::E4M3, o, s)
     };
     assert!(
@@ -599,7 +568,7 @@ fn bad_input_is_rejected_before_any_launch() {
         "scales written on error"
     );
     // The valid call still works afterwards.
-    ct(HpBuffer::F32(&exact), rows, cols, &mut out, &mut out_t).unwrap();
+    ct(HpBuffer::F32(&exact), rows, cols, &out, &out_t).unwrap();
     assert_eq!(out.amax().read(&stream).unwrap(), 5.0, "amax max(5, 1)");
     assert!(
         out_t.to_vec(&stream).unwrap().iter().all(|&v| v == 0x38),
@@ -617,14 +586,13 @@ fn bandwidth_probe_cast_transpose_bf16() {
     let (ctx, stream) = setup();
     let (rows, cols) = (8192usize, 16384usize);
     let n = rows * cols;
-    let mut x = DeviceBuffer::<u16>::alloc(&ctx, n).unwrap();
+    let x = DeviceBuffer::<cuda_graph::half::bf16>::alloc(&ctx, n).unwrap();
     x.memset_bytes(&stream, 0x3f).unwrap(); // every element bf16 0x3f3f
-    let mut copy = DeviceBuffer::<u16>::alloc(&ctx, n).unwrap();
-    let mut out = Fp8Tensor::new(&stream, &[rows, cols], Fp8Format::E4M3).unwrap();
-    let mut out_t = DeviceBuffer::<u8>::alloc(&ctx, n).unwrap();
-    let mut bq = DeviceBuffer::<u8>::alloc(&ctx, n).unwrap();
-    let mut bs =
-        DeviceBuffer::<f32>::alloc(&ctx, BlockShape::Row1x128.scales_len(rows, cols)).unwrap();
+    let copy = DeviceBuffer::<cuda_graph::half::bf16>::alloc(&ctx, n).unwrap();
+    let out = Fp8Tensor::new(&stream, &[rows, cols], Fp8Format::E4M3).unwrap();
+    let out_t = DeviceBuffer::<u8>::alloc(&ctx, n).unwrap();
+    let bq = DeviceBuffer::<u8>::alloc(&ctx, n).unwrap();
+    let bs = DeviceBuffer::<f32>::alloc(&ctx, BlockShape::Row1x128.scales_len(rows, cols)).unwrap();
     let (start, end) = (Event::new(&ctx).unwrap(), Event::new(&ctx).unwrap());
     let iters = 20;
     let time = |f: &mut dyn FnMut()| {
@@ -638,16 +606,8 @@ fn bandwidth_probe_cast_transpose_bf16() {
         Event::elapsed_ms(&start, &end).unwrap() / iters as f32
     };
     let ct_ms = time(&mut || {
-        fp8_kernels::cast_transpose(
-            &stream,
-            HpBuffer::Bf16(&x),
-            rows,
-            cols,
-            &mut out,
-            &mut out_t,
-            None,
-        )
-        .unwrap()
+        fp8_kernels::cast_transpose(&stream, HpBuffer::Bf16(&x), rows, cols, &out, &out_t, None)
+            .unwrap()
     });
     let c_ms = time(&mut || copy.copy_from_device(&stream, &x).unwrap());
     let b_ms = time(&mut || {
@@ -658,8 +618,8 @@ fn bandwidth_probe_cast_transpose_bf16() {
             cols,
             BlockShape::Row1x128,
             Fp8Format::E4M3,
-            &mut bq,
-            &mut bs,
+            &bq,
+            &bs,
         )
         .unwrap()
     });

@@ -14,13 +14,15 @@
 
 use std::sync::Arc;
 
+use cuda_graph::half::bf16;
+
 use cuda_graph::{
     CaptureMode, Context, DeviceBuffer, Error, GraphExec, InstantiateFlags, Result, Stream,
 };
 use fp8_kernels::gemm::reference::{RefGemm, RefScaling, gemm_f64, rel_error};
 use fp8_kernels::gemm::{
-    Bias, BlockOperand, GemmOptions, GemmOut, GemmPath, Operand, gemm, gemm_blockwise,
-    gemm_reference, grouped_gemm,
+    Bias, BlockOperand, GemmOptions, GemmOut, GemmPath, GemmShape, GroupedShape, Operand, gemm,
+    gemm_blockwise, gemm_reference, grouped_gemm,
 };
 use fp8_kernels::reference as r;
 use fp8_kernels::{BlockShape, DType, DeviceScalar, Fp8Format, HpBuffer, quantize_blockwise};
@@ -80,7 +82,7 @@ fn bound(out: DType, path: GemmPath) -> f64 {
 /// An output buffer of either type.
 enum Out {
     F32(DeviceBuffer<f32>),
-    Bf16(DeviceBuffer<u16>),
+    Bf16(DeviceBuffer<bf16>),
 }
 
 impl Out {
@@ -117,7 +119,7 @@ impl Out {
         match self {
             Out::F32(b) => b.copy_from_host(stream, xs).unwrap(),
             Out::Bf16(b) => {
-                let h: Vec<u16> = bits.iter().map(|&x| x as u16).collect();
+                let h: Vec<bf16> = bits.iter().map(|&x| bf16::from_bits(x as u16)).collect();
                 b.copy_from_host(stream, &h).unwrap()
             }
         }
@@ -137,7 +139,7 @@ impl Out {
                 .to_vec(stream)
                 .unwrap()
                 .iter()
-                .map(|&x| u32::from(x))
+                .map(|&x| u32::from(x.to_bits()))
                 .collect(),
         }
     }
@@ -156,7 +158,7 @@ impl Out {
 /// A bias of either type on the device, with its values as the kernel sees them.
 enum BiasBuf {
     F32(DeviceBuffer<f32>),
-    Bf16(DeviceBuffer<u16>),
+    Bf16(DeviceBuffer<bf16>),
 }
 
 impl BiasBuf {
@@ -166,7 +168,7 @@ impl BiasBuf {
         let buf = match dtype {
             DType::F32 => BiasBuf::F32(DeviceBuffer::from_host(stream, xs).unwrap()),
             _ => {
-                let h: Vec<u16> = bits.iter().map(|&b| b as u16).collect();
+                let h: Vec<bf16> = bits.iter().map(|&b| bf16::from_bits(b as u16)).collect();
                 BiasBuf::Bf16(DeviceBuffer::from_host(stream, &h).unwrap())
             }
         };
@@ -238,9 +240,7 @@ fn check_case(ctx: &Arc<Context>, stream: &Stream, c: Case) {
     }
     gemm(
         stream,
-        c.m,
-        c.n,
-        c.k,
+        GemmShape::new(c.m, c.n, c.k),
         Operand {
             data: &a,
             format: c.fa,
@@ -388,7 +388,15 @@ fn gemm_large_matches_gpu_reference() {
         };
         let mut want = Out::new(&ctx, DType::F32, m * n);
         want.poison(&stream);
-        gemm_reference(&stream, m, n, k, oa, ob, want.view(), GemmOptions::new()).unwrap();
+        gemm_reference(
+            &stream,
+            GemmShape::new(m, n, k),
+            oa,
+            ob,
+            want.view(),
+            GemmOptions::new(),
+        )
+        .unwrap();
         stream.synchronize().unwrap();
         let want = want.values(&stream);
         // The oracle itself, on 4 rows, against the CPU.
@@ -418,9 +426,7 @@ fn gemm_large_matches_gpu_reference() {
                 d.poison(&stream);
                 gemm(
                     &stream,
-                    m,
-                    n,
-                    k,
+                    GemmShape::new(m, n, k),
                     oa,
                     ob,
                     d.view(),
@@ -456,17 +462,19 @@ fn grouped_gemm_in_a_graph_with_changing_counts() {
             let sb = DeviceScalar::new(&stream, 0.75).unwrap();
             let bias_vals: Vec<f32> = (0..n).map(|_| rng.unit() * 100.0).collect();
             let (bias, bias_w) = BiasBuf::new(&stream, DType::F32, &bias_vals);
-            let mut counts = DeviceBuffer::<i32>::from_host(&stream, &[0, 0, 0, 0]).unwrap();
+            let counts = DeviceBuffer::<i32>::from_host(&stream, &[0, 0, 0, 0]).unwrap();
             let mut d = Out::new(&ctx, out, groups * m_max * n);
             let opts = GemmOptions::new().bias(bias.view()).path(path);
             let graph = stream
                 .capture(CaptureMode::Global, |s| {
                     grouped_gemm(
                         s.stream(),
-                        groups,
-                        m_max,
-                        n,
-                        k,
+                        GroupedShape {
+                            groups,
+                            m_max,
+                            n,
+                            k,
+                        },
                         Operand {
                             data: &a,
                             format: E4,
@@ -557,11 +565,10 @@ fn blockwise_gemm_matches_fp64_reference() {
             .collect();
         let xa_d = DeviceBuffer::from_host(&stream, &xa).unwrap();
         let xb_d = DeviceBuffer::from_host(&stream, &xb).unwrap();
-        let mut a = DeviceBuffer::<u8>::alloc(&ctx, m * k).unwrap();
-        let mut b = DeviceBuffer::<u8>::alloc(&ctx, n * k).unwrap();
-        let mut sa =
-            DeviceBuffer::<f32>::alloc(&ctx, BlockShape::Row1x128.scales_len(m, k)).unwrap();
-        let mut sb =
+        let a = DeviceBuffer::<u8>::alloc(&ctx, m * k).unwrap();
+        let b = DeviceBuffer::<u8>::alloc(&ctx, n * k).unwrap();
+        let sa = DeviceBuffer::<f32>::alloc(&ctx, BlockShape::Row1x128.scales_len(m, k)).unwrap();
+        let sb =
             DeviceBuffer::<f32>::alloc(&ctx, BlockShape::Tile128x128.scales_len(n, k)).unwrap();
         quantize_blockwise(
             &stream,
@@ -570,8 +577,8 @@ fn blockwise_gemm_matches_fp64_reference() {
             k,
             BlockShape::Row1x128,
             fa,
-            &mut a,
-            &mut sa,
+            &a,
+            &sa,
         )
         .unwrap();
         quantize_blockwise(
@@ -581,8 +588,8 @@ fn blockwise_gemm_matches_fp64_reference() {
             k,
             BlockShape::Tile128x128,
             fb,
-            &mut b,
-            &mut sb,
+            &b,
+            &sb,
         )
         .unwrap();
         stream.synchronize().unwrap();
@@ -600,9 +607,7 @@ fn blockwise_gemm_matches_fp64_reference() {
                 };
                 gemm_blockwise(
                     &stream,
-                    m,
-                    n,
-                    k,
+                    GemmShape::new(m, n, k),
                     BlockOperand {
                         data: &a,
                         format: fa,
@@ -661,7 +666,14 @@ fn bad_shapes_are_rejected_and_nothing_is_written() {
         scale_inv: &s,
     };
     let plain = |m: usize, n: usize, k: usize, a, opts| {
-        gemm(&stream, m, n, k, op(a), op(&b), d.view(), opts)
+        gemm(
+            &stream,
+            GemmShape::new(m, n, k),
+            op(a),
+            op(&b),
+            d.view(),
+            opts,
+        )
     };
     let none = GemmOptions::new().path(GemmPath::Portable);
     let results: Vec<(&str, Result<()>)> = vec![
@@ -673,9 +685,7 @@ fn bad_shapes_are_rejected_and_nothing_is_written() {
             "bias length",
             gemm(
                 &stream,
-                2 * m,
-                n,
-                k,
+                GemmShape::new(2 * m, n, k),
                 op(&a),
                 op(&b),
                 d.view(),
@@ -684,19 +694,43 @@ fn bad_shapes_are_rejected_and_nothing_is_written() {
         ),
         (
             "counts length",
-            grouped_gemm(&stream, 2, m, n, k, op(&a), op(&b), d.view(), &counts, none),
+            grouped_gemm(
+                &stream,
+                GroupedShape {
+                    groups: 2,
+                    m_max: m,
+                    n,
+                    k,
+                },
+                op(&a),
+                op(&b),
+                d.view(),
+                &counts,
+                none,
+            ),
         ),
         (
             "groups = 0",
-            grouped_gemm(&stream, 0, m, n, k, op(&a), op(&b), d.view(), &counts, none),
+            grouped_gemm(
+                &stream,
+                GroupedShape {
+                    groups: 0,
+                    m_max: m,
+                    n,
+                    k,
+                },
+                op(&a),
+                op(&b),
+                d.view(),
+                &counts,
+                none,
+            ),
         ),
         (
             "blockwise scales",
             gemm_blockwise(
                 &stream,
-                2 * m,
-                n,
-                k,
+                GemmShape::new(2 * m, n, k),
                 BlockOperand {
                     data: &a,
                     format: E4,
@@ -766,9 +800,7 @@ fn portable_gemm_throughput() {
         let run = || {
             gemm(
                 &stream,
-                m,
-                n,
-                k,
+                GemmShape::new(m, n, k),
                 Operand {
                     data: &a,
                     format: E4,

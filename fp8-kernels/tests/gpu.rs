@@ -2,11 +2,10 @@
 //! sizes, outputs poisoned first; noop flags; graph capture and replay; delayed scaling over
 //! ten steps. Run with `cargo test -p fp8-kernels -- --include-ignored` on a CUDA machine.
 
+use cuda_graph::half::{bf16, f16};
 use cuda_graph::{DeviceBuffer, GraphExec, InstantiateFlags, Stream};
 use fp8_kernels::reference as r;
-use fp8_kernels::{
-    AmaxAlgo, DType, DelayedScaling, DeviceScalar, Fp8Format, Fp8Tensor, HpBuffer, HpBufferMut,
-};
+use fp8_kernels::{AmaxAlgo, DType, DelayedScaling, DeviceScalar, Fp8Format, Fp8Tensor, HpBuffer};
 
 mod common;
 use common::*;
@@ -30,8 +29,8 @@ fn check_bytes(what: &str, got: &[u8], wide: &[f32], scale: f32, fmt: Fp8Format)
 }
 
 fn poisoned_fp8(stream: &Stream, n: usize, fmt: Fp8Format) -> Fp8Tensor {
-    let mut t = Fp8Tensor::new(stream, &[n], fmt).unwrap();
-    t.data_mut().memset_bytes(stream, 0xff).unwrap();
+    let t = Fp8Tensor::new(stream, &[n], fmt).unwrap();
+    t.data().memset_bytes(stream, 0xff).unwrap();
     stream.synchronize().unwrap();
     t
 }
@@ -47,12 +46,12 @@ fn quantize_matches_reference_with_fused_amax() {
                 let what = format!("quantize {dtype:?}->{fmt:?} n={n}");
                 let xs = random_data(1 + (di * 100 + si) as u64 * 7 + fmt as u64, n, true);
                 let (input, wide) = upload(&stream, dtype, &xs);
-                let mut out = poisoned_fp8(&stream, n, fmt);
+                let out = poisoned_fp8(&stream, n, fmt);
                 out.scale().write(&stream, scale).unwrap();
                 out.scale_inv()
                     .write(&stream, f32::from_bits(POISON_F32))
                     .unwrap();
-                fp8_kernels::quantize(&stream, input.view(), &mut out, None).unwrap();
+                fp8_kernels::quantize(&stream, input.view(), &out, None).unwrap();
                 let got = out.data().to_vec(&stream).unwrap();
                 check_bytes(&what, &got, &wide, scale, fmt);
                 let want_amax = r::amax(wide.iter().copied());
@@ -68,17 +67,17 @@ fn quantize_amax_accumulates_into_the_slot() {
     let (_ctx, stream) = setup();
     let xs = random_data(77, 1001, false);
     let (input, wide) = upload(&stream, DType::Bf16, &xs);
-    let mut out = poisoned_fp8(&stream, 1001, Fp8Format::E4M3);
+    let out = poisoned_fp8(&stream, 1001, Fp8Format::E4M3);
     let amax = r::amax(wide.iter().copied());
     out.amax().write(&stream, amax * 2.0).unwrap();
-    fp8_kernels::quantize(&stream, input.view(), &mut out, None).unwrap();
+    fp8_kernels::quantize(&stream, input.view(), &out, None).unwrap();
     assert_eq!(
         out.amax().read(&stream).unwrap(),
         amax * 2.0,
         "larger slot value kept"
     );
     out.amax().write(&stream, amax * 0.5).unwrap();
-    fp8_kernels::quantize(&stream, input.view(), &mut out, None).unwrap();
+    fp8_kernels::quantize(&stream, input.view(), &out, None).unwrap();
     assert_eq!(
         out.amax().read(&stream).unwrap(),
         amax,
@@ -118,8 +117,8 @@ fn special_values_convert_like_the_reference() {
         ]);
         let n = vals.len();
         let (input, wide) = upload(&stream, DType::F32, &vals);
-        let mut out = poisoned_fp8(&stream, n, fmt);
-        fp8_kernels::quantize(&stream, input.view(), &mut out, None).unwrap();
+        let out = poisoned_fp8(&stream, n, fmt);
+        fp8_kernels::quantize(&stream, input.view(), &out, None).unwrap();
         let got = out.data().to_vec(&stream).unwrap();
         for (i, (&g, &x)) in got.iter().zip(&wide).enumerate() {
             let want = r::encode(x, fmt);
@@ -175,16 +174,16 @@ fn dequantize_matches_reference() {
             let bytes: Vec<u8> = (0..n)
                 .map(|i| if i < 256 { i as u8 } else { rng.next() as u8 })
                 .collect();
-            let mut t = Fp8Tensor::new(&stream, &[n], fmt).unwrap();
-            t.data_mut().copy_from_host(&stream, &bytes).unwrap();
+            let t = Fp8Tensor::new(&stream, &[n], fmt).unwrap();
+            t.data().copy_from_host(&stream, &bytes).unwrap();
             t.scale_inv().write(&stream, scale_inv).unwrap();
             for dtype in DTYPES {
                 let what = format!("dequantize {fmt:?}->{dtype:?} n={n}");
                 let got: Vec<u32> = match dtype {
                     DType::F32 => {
-                        let mut o = DeviceBuffer::<f32>::alloc(stream.context(), n).unwrap();
+                        let o = DeviceBuffer::<f32>::alloc(stream.context(), n).unwrap();
                         o.fill_u32_bits(&stream, POISON_F32).unwrap();
-                        fp8_kernels::dequantize(&stream, &t, HpBufferMut::F32(&mut o)).unwrap();
+                        fp8_kernels::dequantize(&stream, &t, &o).unwrap();
                         o.to_vec(&stream)
                             .unwrap()
                             .iter()
@@ -192,14 +191,15 @@ fn dequantize_matches_reference() {
                             .collect()
                     }
                     _ => {
-                        let mut o = DeviceBuffer::<u16>::alloc(stream.context(), n).unwrap();
+                        let o = DeviceBuffer::<u16>::alloc(stream.context(), n).unwrap();
                         o.memset_bytes(&stream, 0xff).unwrap();
-                        let view = if dtype == DType::F16 {
-                            HpBufferMut::F16(&mut o)
+                        if dtype == DType::F16 {
+                            let v = o.reinterpret::<f16>().unwrap();
+                            fp8_kernels::dequantize(&stream, &t, &v).unwrap();
                         } else {
-                            HpBufferMut::Bf16(&mut o)
-                        };
-                        fp8_kernels::dequantize(&stream, &t, view).unwrap();
+                            let v = o.reinterpret::<bf16>().unwrap();
+                            fp8_kernels::dequantize(&stream, &t, &v).unwrap();
+                        }
                         o.to_vec(&stream)
                             .unwrap()
                             .iter()
@@ -237,13 +237,13 @@ fn current_scaling_derives_the_scale_on_the_device() {
                 let what = format!("current {dtype:?}->{fmt:?} n={n}");
                 let xs = random_data(5000 + (di * 100 + si) as u64 + fmt as u64, n, false);
                 let (input, wide) = upload(&stream, dtype, &xs);
-                let mut out = poisoned_fp8(&stream, n, fmt);
+                let out = poisoned_fp8(&stream, n, fmt);
                 // Stale values everywhere: the amax must be reset, the scale recomputed.
                 out.amax().write(&stream, 1e30).unwrap();
                 out.scale()
                     .write(&stream, f32::from_bits(POISON_F32))
                     .unwrap();
-                fp8_kernels::quantize_current(&stream, input.view(), &mut out, None).unwrap();
+                fp8_kernels::quantize_current(&stream, input.view(), &out, None).unwrap();
                 let amax = r::amax(wide.iter().copied());
                 let scale = r::current_scale(amax, fmt);
                 assert_eq!(
@@ -274,9 +274,9 @@ fn current_scaling_derives_the_scale_on_the_device() {
         (vec![1.0, f32::NAN, 2.0], 0x7fc0_0000),
     ] {
         let (input, wide) = upload(&stream, DType::F32, &xs);
-        let mut out = poisoned_fp8(&stream, xs.len(), Fp8Format::E4M3);
+        let out = poisoned_fp8(&stream, xs.len(), Fp8Format::E4M3);
         out.scale().write(&stream, 5.0).unwrap();
-        fp8_kernels::quantize_current(&stream, input.view(), &mut out, None).unwrap();
+        fp8_kernels::quantize_current(&stream, input.view(), &out, None).unwrap();
         assert_eq!(scalar_bits(&stream, out.amax()), amax_bits, "{xs:?}: amax");
         assert_eq!(
             out.scale().read(&stream).unwrap(),
@@ -302,12 +302,12 @@ fn noop_flag_writes_nothing() {
     for dtype in DTYPES {
         let xs = random_data(31, n, true);
         let (input, _) = upload(&stream, dtype, &xs);
-        let mut out = poisoned_fp8(&stream, n, Fp8Format::E4M3);
+        let out = poisoned_fp8(&stream, n, Fp8Format::E4M3);
         out.scale().write(&stream, 3.0).unwrap();
         out.scale_inv().write(&stream, 7.0).unwrap();
         out.amax().write(&stream, 11.0).unwrap();
-        fp8_kernels::quantize(&stream, input.view(), &mut out, Some(&noop)).unwrap();
-        fp8_kernels::quantize_current(&stream, input.view(), &mut out, Some(&noop)).unwrap();
+        fp8_kernels::quantize(&stream, input.view(), &out, Some(&noop)).unwrap();
+        fp8_kernels::quantize_current(&stream, input.view(), &out, Some(&noop)).unwrap();
         fp8_kernels::amax(&stream, input.view(), out.amax(), Some(&noop)).unwrap();
         let bytes = out.data().to_vec(&stream).unwrap();
         assert!(
@@ -323,7 +323,7 @@ fn noop_flag_writes_nothing() {
         assert_eq!(out.amax().read(&stream).unwrap(), 11.0, "{dtype:?}: amax");
         // Any other flag value runs normally.
         noop.write(&stream, 0.0).unwrap();
-        fp8_kernels::quantize(&stream, input.view(), &mut out, Some(&noop)).unwrap();
+        fp8_kernels::quantize(&stream, input.view(), &out, Some(&noop)).unwrap();
         assert_eq!(
             out.scale_inv().read(&stream).unwrap(),
             1.0 / 3.0,
@@ -352,9 +352,9 @@ fn captured_graph_replays_like_eager() {
     let (g_noop, mut gq, mut gc, mut gd) = mk();
     let (e_noop, mut eq, mut ec, mut ed) = mk();
     let graph = capture(&ctx, &stream, || {
-        fp8_kernels::quantize(&stream, input.view(), &mut gq, Some(&g_noop))?;
-        fp8_kernels::quantize_current(&stream, input.view(), &mut gc, Some(&g_noop))?;
-        fp8_kernels::dequantize(&stream, &gq, HpBufferMut::F32(&mut gd))
+        fp8_kernels::quantize(&stream, input.view(), &gq, Some(&g_noop))?;
+        fp8_kernels::quantize_current(&stream, input.view(), &gc, Some(&g_noop))?;
+        fp8_kernels::dequantize(&stream, &gq, &gd)
     });
     let exec = GraphExec::instantiate(&graph, InstantiateFlags::empty()).unwrap();
     for (step, (scale, flag)) in [(1.0f32, 0.0f32), (0.25, 0.0), (3.5, 1.0), (100.0, 0.0)]
@@ -368,14 +368,14 @@ fn captured_graph_replays_like_eager() {
             noop.write(&stream, flag).unwrap();
             q.scale().write(&stream, scale).unwrap();
             q.amax().write(&stream, 0.0).unwrap();
-            q.data_mut().memset_bytes(&stream, 0xff).unwrap();
-            c.data_mut().memset_bytes(&stream, 0xff).unwrap();
+            q.data().memset_bytes(&stream, 0xff).unwrap();
+            c.data().memset_bytes(&stream, 0xff).unwrap();
             d.fill_u32_bits(&stream, POISON_F32).unwrap();
         }
         exec.launch(&stream).unwrap();
-        fp8_kernels::quantize(&stream, input.view(), &mut eq, Some(&e_noop)).unwrap();
-        fp8_kernels::quantize_current(&stream, input.view(), &mut ec, Some(&e_noop)).unwrap();
-        fp8_kernels::dequantize(&stream, &eq, HpBufferMut::F32(&mut ed)).unwrap();
+        fp8_kernels::quantize(&stream, input.view(), &eq, Some(&e_noop)).unwrap();
+        fp8_kernels::quantize_current(&stream, input.view(), &ec, Some(&e_noop)).unwrap();
+        fp8_kernels::dequantize(&stream, &eq, &ed).unwrap();
         stream.synchronize().unwrap();
         let what = format!("step {step} scale {scale} noop {flag}");
         let gqb = gq.data().to_vec(&stream).unwrap();
@@ -467,7 +467,7 @@ fn delayed_scaling_ten_steps_match_the_cpu_model() {
                         _ => {}
                     }
                     let (input, wide) = upload(&stream, DType::F32, &xs);
-                    tensor.data_mut().memset_bytes(&stream, 0xff).unwrap();
+                    tensor.data().memset_bytes(&stream, 0xff).unwrap();
                     fp8_kernels::quantize(&stream, input.view(), tensor, None).unwrap();
                     let got = tensor.data().to_vec(&stream).unwrap();
                     check_bytes(
@@ -539,23 +539,20 @@ fn delayed_scaling_ten_steps_match_the_cpu_model() {
 fn bad_input_is_rejected_before_any_launch() {
     let (ctx, stream) = setup();
     let x = DeviceBuffer::from_host(&stream, &[1.0f32; 64]).unwrap();
-    let mut wrong_len = poisoned_fp8(&stream, 63, Fp8Format::E4M3);
-    assert!(fp8_kernels::quantize(&stream, HpBuffer::F32(&x), &mut wrong_len, None).is_err());
-    assert!(
-        fp8_kernels::quantize_current(&stream, HpBuffer::F32(&x), &mut wrong_len, None).is_err()
-    );
+    let wrong_len = poisoned_fp8(&stream, 63, Fp8Format::E4M3);
+    assert!(fp8_kernels::quantize(&stream, HpBuffer::F32(&x), &wrong_len, None).is_err());
+    assert!(fp8_kernels::quantize_current(&stream, HpBuffer::F32(&x), &wrong_len, None).is_err());
     // SAFETY: a view 4 bytes into x, 60 elements: inside x, which outlives it.
     let misaligned = unsafe { DeviceBuffer::<f32>::from_raw(&ctx, x.as_raw() + 4, 60) };
-    let mut out60 = poisoned_fp8(&stream, 60, Fp8Format::E4M3);
+    let out60 = poisoned_fp8(&stream, 60, Fp8Format::E4M3);
     out60.amax().write(&stream, 5.0).unwrap();
-    assert!(fp8_kernels::quantize(&stream, HpBuffer::F32(&misaligned), &mut out60, None).is_err());
+    assert!(fp8_kernels::quantize(&stream, HpBuffer::F32(&misaligned), &out60, None).is_err());
     assert!(
-        fp8_kernels::quantize_current(&stream, HpBuffer::F32(&misaligned), &mut out60, None)
-            .is_err()
+        fp8_kernels::quantize_current(&stream, HpBuffer::F32(&misaligned), &out60, None).is_err()
     );
     assert!(fp8_kernels::amax(&stream, HpBuffer::F32(&misaligned), out60.amax(), None).is_err());
-    let mut d = DeviceBuffer::<f32>::alloc(&ctx, 62).unwrap();
-    assert!(fp8_kernels::dequantize(&stream, &out60, HpBufferMut::F32(&mut d)).is_err());
+    let d = DeviceBuffer::<f32>::alloc(&ctx, 62).unwrap();
+    assert!(fp8_kernels::dequantize(&stream, &out60, &d).is_err());
     stream.synchronize().unwrap();
     assert!(
         wrong_len
@@ -606,10 +603,10 @@ fn bandwidth_probe_quantize_bf16() {
     use cuda_graph::Event;
     let (ctx, stream) = setup();
     let n = 1usize << 28;
-    let mut x = DeviceBuffer::<u16>::alloc(&ctx, n).unwrap();
+    let x = DeviceBuffer::<bf16>::alloc(&ctx, n).unwrap();
     x.memset_bytes(&stream, 0x3f).unwrap(); // every element bf16 0x3f3f
-    let mut copy = DeviceBuffer::<u16>::alloc(&ctx, n).unwrap();
-    let mut out = Fp8Tensor::new(&stream, &[n], Fp8Format::E4M3).unwrap();
+    let copy = DeviceBuffer::<bf16>::alloc(&ctx, n).unwrap();
+    let out = Fp8Tensor::new(&stream, &[n], Fp8Format::E4M3).unwrap();
     let (start, end) = (Event::new(&ctx).unwrap(), Event::new(&ctx).unwrap());
     let iters = 20;
     let time = |f: &mut dyn FnMut()| {
@@ -623,7 +620,7 @@ fn bandwidth_probe_quantize_bf16() {
         Event::elapsed_ms(&start, &end).unwrap() / iters as f32
     };
     let q_ms =
-        time(&mut || fp8_kernels::quantize(&stream, HpBuffer::Bf16(&x), &mut out, None).unwrap());
+        time(&mut || fp8_kernels::quantize(&stream, HpBuffer::Bf16(&x), &out, None).unwrap());
     let c_ms = time(&mut || copy.copy_from_device(&stream, &x).unwrap());
     let q_gbs = 3.0 * n as f64 / (f64::from(q_ms) * 1e6);
     let c_gbs = 4.0 * n as f64 / (f64::from(c_ms) * 1e6);
@@ -649,10 +646,10 @@ fn current_scaling_of_a_small_tensor_is_one_launch() {
     ] {
         let xs = random_data(77, n, false);
         let (input, _) = upload(&stream, DType::Bf16, &xs);
-        let mut out = poisoned_fp8(&stream, n, Fp8Format::E4M3);
+        let out = poisoned_fp8(&stream, n, Fp8Format::E4M3);
         let graph = stream
             .capture(CaptureMode::Global, |s| {
-                fp8_kernels::quantize_current(s.stream(), input.view(), &mut out, None)
+                fp8_kernels::quantize_current(s.stream(), input.view(), &out, None)
             })
             .unwrap();
         assert_eq!(graph.nodes().unwrap().len(), launches, "n = {n}");

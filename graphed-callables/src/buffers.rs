@@ -284,13 +284,15 @@ impl<T: DeviceRepr> StaticBuffers<T> {
     }
 
     pub(crate) fn saved(&self, graph: usize) -> Vec<&DeviceBuffer<u8>> {
-        self.saved_arena[self.io(graph).saved.clone()].iter().collect()
+        self.saved_arena[self.io(graph).saved.clone()]
+            .iter()
+            .collect()
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use crate::*;
+    use super::*;
 
     fn shapes(i: &[usize], o: &[usize], s: &[usize]) -> Shapes {
         Shapes {

@@ -219,10 +219,7 @@ impl<'a, T: DeviceRepr> Rig<'a, T> {
         stream: &Stream,
     ) -> Result<()> {
         let layout = self.schedule.layout();
-        let Some(sample) = layout
-            .callable_of_graph(graph)
-            .and_then(|c| samples.get(c))
-        else {
+        let Some(sample) = layout.callable_of_graph(graph).and_then(|c| samples.get(c)) else {
             return Ok(());
         };
         // Lengths were checked by check_samples.
@@ -529,7 +526,8 @@ impl<T: DeviceRepr> GraphedCallables<T> {
         }
 
         // Warmup, between the caller's hooks (snapshot; restore and register what ran).
-        let recorders: Vec<TensorRecorder> = callables.iter().map(|_| TensorRecorder::new()).collect();
+        let recorders: Vec<TensorRecorder> =
+            callables.iter().map(|_| TensorRecorder::new()).collect();
         if let Some(h) = before_warmup.as_mut() {
             h(&cap)?;
         }
@@ -540,7 +538,8 @@ impl<T: DeviceRepr> GraphedCallables<T> {
             &recorders,
             &cap,
         )?;
-        let warmup_record = WarmupRecord::new(recorders.iter().map(TensorRecorder::tensors).collect());
+        let warmup_record =
+            WarmupRecord::new(recorders.iter().map(TensorRecorder::tensors).collect());
         if let Some(h) = after_warmup.as_mut() {
             h(&cap, &warmup_record)?;
         }

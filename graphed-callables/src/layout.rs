@@ -240,7 +240,7 @@ impl Layout {
 
 #[cfg(test)]
 mod tests {
-    use crate::*;
+    use super::*;
 
     fn gi(chunk: usize, microbatch: usize, layer: usize) -> GraphIndex {
         GraphIndex {

@@ -197,6 +197,6 @@ pub use runtime::{GraphedCallables, GraphedOptions};
 pub use schedule::{LayerStep, OrderEntry, Pass, Schedule, ScheduleError, Step};
 pub use segments::{SegmentKind, SegmentPlan, SegmentRun};
 pub use weights::{
-    AfterWarmupHook, LowPrecision, StepHook, TensorRecorder, WarmupHook,
-    WarmupRecord, WeightCaching,
+    AfterWarmupHook, LowPrecision, StepHook, TensorRecorder, WarmupHook, WarmupRecord,
+    WeightCaching,
 };

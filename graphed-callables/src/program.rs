@@ -140,8 +140,8 @@ impl Programs {
 
 #[cfg(test)]
 mod tests {
-    use crate::crate::segments::SegmentKind::{Eager, Graphed};
-    use crate::*;
+    use super::*;
+    use crate::segments::SegmentKind::{Eager, Graphed};
 
     fn shape(items: &[Item]) -> Vec<String> {
         items

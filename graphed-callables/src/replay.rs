@@ -404,7 +404,7 @@ impl<T: DeviceRepr> GraphedCallables<T> {
 
 #[cfg(test)]
 mod tests {
-    use crate::*;
+    use super::*;
 
     #[test]
     fn cursor_follows_the_schedule_and_wraps() {

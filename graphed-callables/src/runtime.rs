@@ -445,5 +445,4 @@ impl<T: DeviceRepr> GraphedCallables<T> {
     pub fn warmup_record(&self) -> &WarmupRecord {
         &self.warmup_record
     }
-
 }

@@ -227,8 +227,8 @@ impl SegmentPlan {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
     use crate::SegmentKind::{Eager, Graphed};
-    use crate::*;
 
     #[test]
     fn default_is_one_graph() {
@@ -250,7 +250,10 @@ mod tests {
     #[test]
     fn empty_is_rejected() {
         let e = SegmentPlan::new(vec![]).unwrap_err();
-        assert!(matches!(e, Error::InvalidArgument(_)), "{e:?}");
+        assert!(
+            matches!(e, Error::Cuda(cuda_graph::Error::InvalidArgument(_))),
+            "{e:?}"
+        );
         assert!(e.to_string().contains("at least one segment"), "{e}");
     }
 

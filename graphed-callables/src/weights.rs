@@ -262,7 +262,7 @@ impl WarmupRecord {
 
 #[cfg(test)]
 mod tests {
-    use crate::*;
+    use super::*;
 
     #[test]
     fn mode_follows_the_driver() {

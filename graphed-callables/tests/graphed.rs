@@ -8,12 +8,12 @@
 //! explicitly rounded float op and no thread sums another's values, so eager, graphed and
 //! host results are bit-exact. Gradients accumulate in schedule order in all three.
 
-use graphed_callables::{
-    Callable, GraphIndex, GraphedCallables, GraphedOptions, Layout, Schedule, ScheduleError, Slot,
-    Step,
-};
 use cuda_graph::{
-    Allocation, DeviceBuffer, Error, GraphPool, Kernel, LaunchConfig, Result, Stream, kernel_args,
+    Allocation, DeviceBuffer, GraphPool, Kernel, LaunchConfig, Result, Stream, kernel_args,
+};
+use graphed_callables::{
+    Callable, Error, GraphIndex, GraphedCallables, GraphedOptions, Layout, Schedule, ScheduleError,
+    Slot, Step,
 };
 
 /// Elements per buffer: more than one block, not a multiple of it.
@@ -93,8 +93,8 @@ impl Callable<f32> for Lin {
     fn output_lens(&self) -> Vec<usize> {
         vec![N]
     }
-    fn saved_lens(&self) -> Vec<usize> {
-        vec![N]
+    fn saved_bytes(&self) -> Vec<usize> {
+        vec![N * size_of::<f32>()]
     }
     fn parameters(&self) -> Vec<&DeviceBuffer<f32>> {
         vec![&self.w, &self.b]
@@ -110,14 +110,14 @@ impl Callable<f32> for Lin {
         slot: &Slot<'_, f32>,
     ) -> Result<()> {
         let n = self.n;
-        let z = slot.saved()[0];
+        let z = slot.saved()[0].reinterpret::<f32>()?;
         // SAFETY: gl_fwd reads n floats of x, w, b and writes n floats of z and y; all are
         // N-element buffers.
         unsafe {
             stream.launch(
                 &self.fwd,
                 &LaunchConfig::for_elements(n, 128),
-                &kernel_args![*inputs[0], self.w, self.b, *z, *outputs[0], n],
+                &kernel_args![*inputs[0], self.w, self.b, z, *outputs[0], n],
             )
         }
     }
@@ -129,7 +129,7 @@ impl Callable<f32> for Lin {
         slot: &Slot<'_, f32>,
     ) -> Result<()> {
         let n = self.n;
-        let (x, z) = (slot.inputs()[0], slot.saved()[0]);
+        let (x, z) = (slot.inputs()[0], slot.saved()[0].reinterpret::<f32>()?);
         // SAFETY: gl_bwd touches n floats of each N-element buffer.
         unsafe {
             stream.launch(
@@ -139,7 +139,7 @@ impl Callable<f32> for Lin {
                     *grad_outputs[0],
                     *x,
                     self.w,
-                    *z,
+                    z,
                     *grad_inputs[0],
                     self.dw,
                     self.db,
@@ -156,13 +156,13 @@ impl Callable<f32> for Lin {
         slot: &Slot<'_, f32>,
     ) -> Result<()> {
         let n = self.n;
-        let z = slot.saved()[0];
+        let z = slot.saved()[0].reinterpret::<f32>()?;
         // SAFETY: gl_bwd_input touches n floats of each N-element buffer.
         unsafe {
             stream.launch(
                 &self.bwd_input,
                 &LaunchConfig::for_elements(n, 128),
-                &kernel_args![*grad_outputs[0], self.w, *z, *grad_inputs[0], n],
+                &kernel_args![*grad_outputs[0], self.w, z, *grad_inputs[0], n],
             )
         }
     }
@@ -173,13 +173,13 @@ impl Callable<f32> for Lin {
         slot: &Slot<'_, f32>,
     ) -> Result<()> {
         let n = self.n;
-        let (x, z) = (slot.inputs()[0], slot.saved()[0]);
+        let (x, z) = (slot.inputs()[0], slot.saved()[0].reinterpret::<f32>()?);
         // SAFETY: gl_bwd_weight touches n floats of each N-element buffer.
         unsafe {
             stream.launch(
                 &self.bwd_weight,
                 &LaunchConfig::for_elements(n, 128),
-                &kernel_args![*grad_outputs[0], *x, *z, self.dw, self.db, n],
+                &kernel_args![*grad_outputs[0], *x, z, self.dw, self.db, n],
             )
         }
     }
@@ -273,7 +273,9 @@ fn run_eager(gpu: &Gpu, schedule: &Schedule) -> Results {
         b
     };
     let ys: Vec<_> = (0..layout.total_graphs()).map(|_| poisoned()).collect();
-    let zs: Vec<_> = (0..layout.total_graphs()).map(|_| poisoned()).collect();
+    let zs: Vec<_> = (0..layout.total_graphs())
+        .map(|_| gpu.poisoned_bytes(N * size_of::<f32>()))
+        .collect();
     let dxs: Vec<_> = (0..layout.total_graphs()).map(|_| poisoned()).collect();
     let mut steps = Vec::new();
     for _ in 0..STEPS {
@@ -291,8 +293,8 @@ fn run_eager(gpu: &Gpu, schedule: &Schedule) -> Results {
                     } else {
                         &dxs[g + 1]
                     };
-                    let slot =
-                        Slot::new(at(g), vec![input_of(g)], vec![&ys[g]], vec![&zs[g]], &pool);
+                    let slot = Slot::new(at(g), vec![input_of(g)], vec![&ys[g]], vec![&zs[g]])
+                        .with_pool(&pool);
                     callables[layout.callable_of_graph(g).unwrap()]
                         .backward_weight(&gpu.stream, &[go], &slot)
                         .expect("eager weight gradient");
@@ -300,8 +302,8 @@ fn run_eager(gpu: &Gpu, schedule: &Schedule) -> Results {
                 steps.push((step, Vec::new()));
             } else if let Step::Forward { .. } = step {
                 for g in graphs.clone() {
-                    let slot =
-                        Slot::new(at(g), vec![input_of(g)], vec![&ys[g]], vec![&zs[g]], &pool);
+                    let slot = Slot::new(at(g), vec![input_of(g)], vec![&ys[g]], vec![&zs[g]])
+                        .with_pool(&pool);
                     callables[layout.callable_of_graph(g).unwrap()]
                         .forward(&gpu.stream, &[input_of(g)], &[&ys[g]], &slot)
                         .expect("eager forward");
@@ -314,8 +316,8 @@ fn run_eager(gpu: &Gpu, schedule: &Schedule) -> Results {
                     } else {
                         &dxs[g + 1]
                     };
-                    let slot =
-                        Slot::new(at(g), vec![input_of(g)], vec![&ys[g]], vec![&zs[g]], &pool);
+                    let slot = Slot::new(at(g), vec![input_of(g)], vec![&ys[g]], vec![&zs[g]])
+                        .with_pool(&pool);
                     let c = &mut callables[layout.callable_of_graph(g).unwrap()];
                     if schedule.splits_weight_grad() {
                         c.backward_input(&gpu.stream, &[go], &[&dxs[g]], &slot)
@@ -807,8 +809,8 @@ fn build_rejects_what_it_cannot_graph() {
         fn output_lens(&self) -> Vec<usize> {
             vec![2 * N]
         }
-        fn saved_lens(&self) -> Vec<usize> {
-            self.0.saved_lens()
+        fn saved_bytes(&self) -> Vec<usize> {
+            self.0.saved_bytes()
         }
         fn forward(
             &mut self,

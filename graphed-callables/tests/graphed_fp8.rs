@@ -12,12 +12,12 @@
 //! is the elementwise layer of tests/graphed.rs with w = 2, b = 0.5, checked against the host
 //! bit for bit so the forward still runs after the IF node.
 
-use graphed_callables::{
-    Callable, GraphIndex, GraphedCallables, GraphedOptions, IdentityGroup, ReductionGroup,
-    Schedule, Slot, Step, WarmupRecord, WeightCaching,
-};
 use cuda_graph::{
     DeviceBuffer, GraphPool, Kernel, LaunchConfig, NodeKind, Result, Stream, kernel_args,
+};
+use graphed_callables::{
+    Callable, GraphIndex, GraphedCallables, GraphedOptions, Schedule, Slot, Step, WarmupRecord,
+    WeightCaching,
 };
 use std::sync::{Arc, Mutex};
 
@@ -116,8 +116,8 @@ impl Callable<f32> for CastLayer {
     fn output_lens(&self) -> Vec<usize> {
         vec![N]
     }
-    fn saved_lens(&self) -> Vec<usize> {
-        vec![N]
+    fn saved_bytes(&self) -> Vec<usize> {
+        vec![N * size_of::<f32>()]
     }
     fn parameters(&self) -> Vec<&DeviceBuffer<f32>> {
         vec![&self.w, &self.b]
@@ -145,14 +145,14 @@ impl Callable<f32> for CastLayer {
         slot: &Slot<'_, f32>,
     ) -> Result<()> {
         let n = N as u32;
-        let z = slot.saved()[0];
+        let z = slot.saved()[0].reinterpret::<f32>()?;
         // SAFETY: gl_fwd reads n floats of x, w, b and writes n floats of z and y; all are
         // N-element buffers.
         unsafe {
             stream.launch(
                 &self.fwd,
                 &LaunchConfig::for_elements(n, 128),
-                &kernel_args![*inputs[0], self.w, self.b, *z, *outputs[0], n],
+                &kernel_args![*inputs[0], self.w, self.b, z, *outputs[0], n],
             )
         }
     }
@@ -164,7 +164,7 @@ impl Callable<f32> for CastLayer {
         slot: &Slot<'_, f32>,
     ) -> Result<()> {
         let n = N as u32;
-        let (x, z) = (slot.inputs()[0], slot.saved()[0]);
+        let (x, z) = (slot.inputs()[0], slot.saved()[0].reinterpret::<f32>()?);
         // SAFETY: gl_bwd touches n floats of each N-element buffer.
         unsafe {
             stream.launch(
@@ -174,7 +174,7 @@ impl Callable<f32> for CastLayer {
                     *grad_outputs[0],
                     *x,
                     self.w,
-                    *z,
+                    z,
                     *grad_inputs[0],
                     self.dw,
                     self.db,
@@ -525,7 +525,8 @@ fn eager_casts_follow_the_slot_flag() {
         let counter = Arc::new(gpu.upload(&[0u32]));
         let mut layer = CastLayer::new(&gpu, kind, counter.clone());
         for flag in [&skip, &cast] {
-            let slot = Slot::new(at, vec![&x], vec![&x], vec![&x], &pool)
+            let slot = Slot::new(at, vec![&x], vec![&x], vec![])
+                .with_pool(&pool)
                 .with_skip_weight_cast(Some(flag));
             assert!(slot.skip_weight_cast().is_some());
             layer.cast_weights(&gpu.stream, &slot).expect("eager cast");
@@ -537,7 +538,8 @@ fn eager_casts_follow_the_slot_flag() {
         );
     }
     assert!(
-        Slot::new(at, vec![&x], vec![&x], vec![&x], &pool)
+        Slot::new(at, vec![&x], vec![&x], vec![])
+            .with_pool(&pool)
             .skip_weight_cast()
             .is_none()
     );
@@ -574,10 +576,6 @@ fn hooks_run_once_per_replay_in_order_and_warmup_state_is_restored() {
     // Device-side evidence that the replay hooks enqueue on the replay stream.
     let fwd_hook_count = Arc::new(gpu.upload(&[0u32]));
     let bwd_hook_count = Arc::new(gpu.upload(&[0u32]));
-    let amax_values = [0.5f32, 3.0, 2.25];
-    let amaxes = Arc::new(gpu.upload(&amax_values));
-    let group: Arc<dyn ReductionGroup> = Arc::new(IdentityGroup);
-    options.reduction_group = group.clone();
 
     let copy_all = {
         let copy = copy.clone();
@@ -628,23 +626,15 @@ fn hooks_run_once_per_replay_in_order_and_warmup_state_is_restored() {
         }));
     }
     {
-        let (log, bump, count, group, amaxes) = (
-            log.clone(),
-            bump.clone(),
-            bwd_hook_count.clone(),
-            group.clone(),
-            amaxes.clone(),
-        );
+        let (log, bump, count) = (log.clone(), bump.clone(), bwd_hook_count.clone());
         options.after_backward = Some(Box::new(move |s: &Stream, step: Step| {
             log.lock().unwrap().push(Event::Backward(step));
-            group.all_reduce_max(s, &amaxes)?;
             // SAFETY: one thread increments count[0] of a one-element buffer.
             unsafe { s.launch(&bump, &LaunchConfig::linear(1, 1), &kernel_args![*count]) }
         }));
     }
 
     let graphed = build(&gpu, options, callables);
-    assert_eq!(graphed.reduction_group().size(), 1);
     assert_eq!(
         *log.lock().unwrap(),
         vec![Event::BeforeWarmup, Event::AfterWarmup],
@@ -700,11 +690,6 @@ fn hooks_run_once_per_replay_in_order_and_warmup_state_is_restored() {
         replays,
         "after_backward launches"
     );
-    assert_eq!(
-        gpu.read(&amaxes),
-        amax_values,
-        "the identity group leaves amaxes alone"
-    );
 }
 
 // ---- CPU: options ----
@@ -715,7 +700,6 @@ fn options_default_to_static_weight_caching_and_no_hooks() {
     assert_eq!(o.weight_caching, WeightCaching::Static);
     assert!(o.after_forward.is_none() && o.after_backward.is_none());
     assert!(o.before_warmup.is_none() && o.after_warmup.is_none());
-    assert_eq!(o.reduction_group.size(), 1);
     assert_eq!(o.warmup_iters, WARMUP);
     let o = o.with_weight_caching(WeightCaching::NoopFlag);
     assert_eq!(o.weight_caching, WeightCaching::NoopFlag);

@@ -12,16 +12,16 @@
 //! The layer (tests/kernels/graphed_kernels.cu, `gs_*`): with `thr = 0.5`,
 //! `y[i] = x[i] > thr ? x[i] * w[i] + b[i] : x[i] / 2`; backward `dx[i] = routed ? dy[i] * w[i]
 //! : dy[i] / 2`, `dw[i] += dy[i] * x[i]`, `db[i] += dy[i]` for routed `i`. The router lists
-//! the routed indices in a saved buffer and their count in another (u32 bits in f32
+//! the routed indices in a saved buffer and their count in another (typed views of
 //! buffers), which carry the routing from segment to segment and from forward to backward.
 
-use graphed_callables::{
-    Callable, GraphIndex, GraphedCallables, GraphedOptions, Pass, Schedule, SegmentKind, Slot,
-    Step, WeightCaching,
-};
 use cuda_graph::{
     CaptureMode, DeviceBuffer, Error, GraphPool, Kernel, LaunchConfig, NodeKind, Result, Stream,
     kernel_args,
+};
+use graphed_callables::{
+    Callable, GraphIndex, GraphedCallables, GraphedOptions, Pass, Schedule, SegmentKind, Slot,
+    Step, WeightCaching,
 };
 use std::sync::{Arc, Mutex};
 
@@ -182,8 +182,8 @@ struct Io<'a> {
     y: &'a DeviceBuffer<f32>,
     dy: Option<&'a DeviceBuffer<f32>>,
     dx: Option<&'a DeviceBuffer<f32>>,
-    /// saved[0]: count (1 word), saved[1]: idx (N words), saved[2]: h (N floats).
-    saved: &'a [&'a DeviceBuffer<f32>],
+    /// saved[0]: count (one u32), saved[1]: idx (N u32), saved[2]: h (N floats).
+    saved: &'a [&'a DeviceBuffer<u8>],
 }
 
 impl Moe {
@@ -213,15 +213,19 @@ impl Moe {
 
     /// Reads the routed count to the host: a device-to-host copy that synchronizes `stream`
     /// (the dynamic part a graph can not hold).
-    fn host_count(stream: &Stream, count: &DeviceBuffer<f32>) -> Result<u32> {
+    fn host_count(stream: &Stream, count: &DeviceBuffer<u32>) -> Result<u32> {
         let v = count.to_vec(stream)?;
         stream.synchronize()?;
-        Ok(v[0].to_bits())
+        Ok(v[0])
     }
 
     fn run(&self, stage: Stage, stream: &Stream, io: &Io<'_>, slot: &Slot<'_, f32>) -> Result<()> {
         let n = N as u32;
-        let (count, idx, h) = (io.saved[0], io.saved[1], io.saved[2]);
+        let (count, idx, h) = (
+            io.saved[0].reinterpret::<u32>()?,
+            io.saved[1].reinterpret::<u32>()?,
+            io.saved[2].reinterpret::<f32>()?,
+        );
         let full = LaunchConfig::for_elements(n, BLOCK);
         // SAFETY (every launch below): x, y, dy, dx, w, b, dw, db, idx and h have N elements
         // and count one; the kernels touch at most n elements of each (idx entries are < n,
@@ -232,11 +236,11 @@ impl Moe {
                 stream.launch(
                     &self.k.route,
                     &LaunchConfig::linear(1, 1),
-                    &kernel_args![*io.x, THR, *idx, *count, n],
+                    &kernel_args![*io.x, THR, idx, count, n],
                 )
             },
             Stage::ExpertsHost => {
-                let c = Moe::host_count(stream, count)?;
+                let c = Moe::host_count(stream, &count)?;
                 self.log
                     .lock()
                     .expect("log")
@@ -249,7 +253,7 @@ impl Moe {
                     stream.launch(
                         &self.k.expert,
                         &LaunchConfig::for_elements(c, BLOCK),
-                        &kernel_args![*io.x, self.w, self.b, *idx, *h, c],
+                        &kernel_args![*io.x, self.w, self.b, idx, h, c],
                     )
                 }
             }
@@ -257,17 +261,13 @@ impl Moe {
                 stream.launch(
                     &self.k.expert_dev,
                     &full,
-                    &kernel_args![*io.x, self.w, self.b, *idx, *h, *count],
+                    &kernel_args![*io.x, self.w, self.b, idx, h, count],
                 )
             },
             Stage::Combine => {
                 unsafe { stream.launch(&self.k.pass, &full, &kernel_args![*io.x, *io.y, n]) }?;
                 unsafe {
-                    stream.launch(
-                        &self.k.scatter,
-                        &full,
-                        &kernel_args![*h, *idx, *count, *io.y],
-                    )
+                    stream.launch(&self.k.scatter, &full, &kernel_args![h, idx, count, *io.y])
                 }
             }
             Stage::BwdPass => {
@@ -276,7 +276,7 @@ impl Moe {
             }
             Stage::BwdExpertsHost => {
                 let (dy, dx) = (need(io.dy, stage)?, need(io.dx, stage)?);
-                let c = Moe::host_count(stream, count)?;
+                let c = Moe::host_count(stream, &count)?;
                 self.log.lock().expect("log").push((
                     slot.is_warmup(),
                     Pass::Backward,
@@ -290,7 +290,7 @@ impl Moe {
                     stream.launch(
                         &self.k.expert_bwd,
                         &LaunchConfig::for_elements(c, BLOCK),
-                        &kernel_args![*dy, *io.x, self.w, *idx, *dx, self.dw, self.db, c],
+                        &kernel_args![*dy, *io.x, self.w, idx, *dx, self.dw, self.db, c],
                     )
                 }
             }
@@ -300,7 +300,7 @@ impl Moe {
                     stream.launch(
                         &self.k.expert_bwd_dev,
                         &full,
-                        &kernel_args![*dy, *io.x, self.w, *idx, *dx, self.dw, self.db, *count],
+                        &kernel_args![*dy, *io.x, self.w, idx, *dx, self.dw, self.db, count],
                     )
                 }
             }
@@ -392,8 +392,8 @@ impl Callable<f32> for Moe {
     fn output_lens(&self) -> Vec<usize> {
         vec![N]
     }
-    fn saved_lens(&self) -> Vec<usize> {
-        vec![1, N, N]
+    fn saved_bytes(&self) -> Vec<usize> {
+        vec![4, 4 * N, 4 * N]
     }
     fn parameters(&self) -> Vec<&DeviceBuffer<f32>> {
         vec![&self.w, &self.b]
@@ -595,8 +595,14 @@ fn run_eager(gpu: &Gpu, schedule: &Schedule) -> Results {
     let total = layout.total_graphs();
     let ys: Vec<_> = (0..total).map(|_| gpu.poisoned(N)).collect();
     let dxs: Vec<_> = (0..total).map(|_| gpu.poisoned(N)).collect();
-    let saved: Vec<[DeviceBuffer<f32>; 3]> = (0..total)
-        .map(|_| [gpu.poisoned(1), gpu.poisoned(N), gpu.poisoned(N)])
+    let saved: Vec<[DeviceBuffer<u8>; 3]> = (0..total)
+        .map(|_| {
+            [
+                gpu.poisoned_bytes(4),
+                gpu.poisoned_bytes(4 * N),
+                gpu.poisoned_bytes(4 * N),
+            ]
+        })
         .collect();
     let mut steps = Vec::new();
     for s in 0..STEPS {
@@ -612,8 +618,8 @@ fn run_eager(gpu: &Gpu, schedule: &Schedule) -> Results {
                     vec![input_of(g)],
                     vec![&ys[g]],
                     saved[g].iter().collect(),
-                    &pool,
                 )
+                .with_pool(&pool)
             };
             if let Step::Forward { .. } = step {
                 for g in graphs.clone() {
@@ -1034,7 +1040,10 @@ fn eager_only_layers_are_allowed_and_capture_is_refused() {
     let side = Stream::new(&gpu.ctx).expect("stream");
     let e = side
         .capture(CaptureMode::ThreadLocal, |s| {
-            graphed.forward(0, 0, &[&x], s.stream()).map(|_| ())
+            graphed
+                .forward(0, 0, &[&x], s.stream())
+                .map(|_| ())
+                .map_err(Into::into)
         })
         .map(|_| ())
         .unwrap_err();

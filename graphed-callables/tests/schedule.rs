@@ -1,7 +1,7 @@
 //! CPU tests of pipeline schedules: parsing, validation (every `ScheduleError` with its exact
 //! position) and the order of the graphs warmup runs and capture records.
 
-use cuda_graph::Error;
+use graphed_callables::Error;
 use graphed_callables::{LayerStep, Layout, OrderEntry, Pass, Schedule, ScheduleError, Step};
 
 use OrderEntry::{Backward as B, Forward as F, WeightGrad as W};
@@ -601,7 +601,7 @@ fn converts_into_the_crate_error() {
         e.to_string()
             .starts_with("invalid schedule: order[0] = -1 is the backward")
     );
-    fn build() -> cuda_graph::Result<Schedule> {
+    fn build() -> graphed_callables::Result<Schedule> {
         Ok(Schedule::new(&[1, 1, -1], vec![1])?)
     }
     assert!(matches!(

@@ -9,6 +9,7 @@
 //!
 //! Each kernel's output is spot-checked against the CPU reference before it is timed.
 
+use cuda_graph::half::bf16;
 use cuda_graph::{Context, DeviceBuffer, Stream};
 use fp8_kernels::reference;
 use fp8_kernels::{DType, Fp8Format, Fp8Tensor, HpBuffer, cast_transpose, quantize};
@@ -24,25 +25,25 @@ const CT_COLS: usize = 16384;
 const SCALE: f32 = 2.0;
 
 /// Random bf16 bits, roughly uniform in +-100, never all zero.
-fn random_bf16(n: usize, seed: u64) -> Vec<u16> {
+fn random_bf16(n: usize, seed: u64) -> Vec<bf16> {
     let mut next = xorshift(seed);
     (0..n)
         .map(|_| {
             let x = ((next() >> 11) as f64 / (1u64 << 53) as f64 * 200.0 - 100.0) as f32;
-            reference::narrow(x, DType::Bf16) as u16
+            bf16::from_bits(reference::narrow(x, DType::Bf16) as u16)
         })
         .collect()
 }
 
 /// Checks `got` against the reference quantization of `input` at the given indices.
 fn spot_check(
-    input: &[u16],
+    input: &[bf16],
     got: &[u8],
     picks: impl Iterator<Item = usize>,
     what: &str,
 ) -> BenchResult<()> {
     for i in picks {
-        let x = reference::widen(u32::from(input[i]), DType::Bf16);
+        let x = reference::widen(u32::from(input[i].to_bits()), DType::Bf16);
         let want = reference::quantize(x, SCALE, Fp8Format::E4M3);
         if got[i] != want {
             return Err(
@@ -66,11 +67,11 @@ pub fn run() -> BenchResult<Vec<Row>> {
     // Quantize with fused amax, and the copy yardstick on the same buffer.
     let host = random_bf16(QUANT_N, 1);
     let input = DeviceBuffer::from_host(&stream, &host)?;
-    let mut copy = DeviceBuffer::<u16>::alloc(&ctx, QUANT_N)?;
-    let mut q = Fp8Tensor::new(&stream, &[QUANT_N], Fp8Format::E4M3)?;
+    let copy = DeviceBuffer::<bf16>::alloc(&ctx, QUANT_N)?;
+    let q = Fp8Tensor::new(&stream, &[QUANT_N], Fp8Format::E4M3)?;
     q.scale().write(&stream, SCALE)?;
-    q.data_mut().memset_bytes(&stream, 0xff)?;
-    quantize(&stream, HpBuffer::Bf16(&input), &mut q, None)?;
+    q.data().memset_bytes(&stream, 0xff)?;
+    quantize(&stream, HpBuffer::Bf16(&input), &q, None)?;
     spot_check(
         &host,
         &q.data().to_vec(&stream)?,
@@ -79,7 +80,7 @@ pub fn run() -> BenchResult<Vec<Row>> {
     )?;
     let want_amax = reference::amax(
         host.iter()
-            .map(|&b| reference::widen(u32::from(b), DType::Bf16)),
+            .map(|&b| reference::widen(u32::from(b.to_bits()), DType::Bf16)),
     );
     if q.amax().read(&stream)? != want_amax {
         return Err("quantize: amax differs from the reference".into());
@@ -89,7 +90,7 @@ pub fn run() -> BenchResult<Vec<Row>> {
         copy.copy_from_device(&stream, &input).map_err(Into::into)
     })?;
     let quant_ms = event_median_ms(&stream, WARMUP, REPS, || {
-        quantize(&stream, HpBuffer::Bf16(&input), &mut q, None).map_err(Into::into)
+        quantize(&stream, HpBuffer::Bf16(&input), &q, None).map_err(Into::into)
     })?;
     drop((copy, q, input));
 
@@ -97,8 +98,8 @@ pub fn run() -> BenchResult<Vec<Row>> {
     let n = CT_ROWS * CT_COLS;
     let host = random_bf16(n, 2);
     let input = DeviceBuffer::from_host(&stream, &host)?;
-    let mut out = Fp8Tensor::new(&stream, &[CT_ROWS, CT_COLS], Fp8Format::E4M3)?;
-    let mut out_t = DeviceBuffer::<u8>::alloc(&ctx, n)?;
+    let out = Fp8Tensor::new(&stream, &[CT_ROWS, CT_COLS], Fp8Format::E4M3)?;
+    let out_t = DeviceBuffer::<u8>::alloc(&ctx, n)?;
     out.scale().write(&stream, SCALE)?;
     out_t.memset_bytes(&stream, 0xff)?;
     cast_transpose(
@@ -106,8 +107,8 @@ pub fn run() -> BenchResult<Vec<Row>> {
         HpBuffer::Bf16(&input),
         CT_ROWS,
         CT_COLS,
-        &mut out,
-        &mut out_t,
+        &out,
+        &out_t,
         None,
     )?;
     spot_check(
@@ -130,8 +131,8 @@ pub fn run() -> BenchResult<Vec<Row>> {
             HpBuffer::Bf16(&input),
             CT_ROWS,
             CT_COLS,
-            &mut out,
-            &mut out_t,
+            &out,
+            &out_t,
             None,
         )
         .map_err(Into::into)

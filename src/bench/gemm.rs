@@ -3,8 +3,11 @@
 
 use std::sync::Arc;
 
+use cuda_graph::half::bf16;
 use cuda_graph::{CaptureMode, Context, DeviceBuffer, GraphExec, InstantiateFlags, Stream};
-use fp8_kernels::gemm::{GemmOptions, GemmOut, GemmPath, Operand, gemm, grouped_gemm};
+use fp8_kernels::gemm::{
+    GemmOptions, GemmOut, GemmPath, GemmShape, GroupedShape, Operand, gemm, grouped_gemm,
+};
 use fp8_kernels::{DeviceScalar, Fp8Format};
 
 use super::cublaslt::CublasLt;
@@ -56,9 +59,7 @@ fn small_us(
     let run = |s: &Stream| {
         gemm(
             s,
-            m,
-            n,
-            k,
+            GemmShape::new(m, n, k),
             e4m3(&a, one),
             e4m3(&b, one),
             GemmOut::F32(&d),
@@ -85,19 +86,15 @@ fn random_e4m3(n: usize, seed: u64) -> Vec<u8> {
         .collect()
 }
 
-fn bf16_to_f32(b: u16) -> f32 {
-    f32::from_bits(u32::from(b) << 16)
-}
-
 /// max |ours - theirs| / max |theirs| over the whole output; infinite when either holds a
 /// non-finite value (an unwritten, poisoned element) or the lengths differ.
-fn rel_err(ours: &[u16], theirs: &[u16]) -> f64 {
+fn rel_err(ours: &[bf16], theirs: &[bf16]) -> f64 {
     let (mut err, mut mag) = (0.0f64, 0.0f64);
     if ours.len() != theirs.len() {
         return f64::INFINITY;
     }
     for (&o, &t) in ours.iter().zip(theirs) {
-        let (o, t) = (f64::from(bf16_to_f32(o)), f64::from(bf16_to_f32(t)));
+        let (o, t) = (f64::from(o), f64::from(t));
         if !o.is_finite() || !t.is_finite() {
             return f64::INFINITY;
         }
@@ -110,14 +107,14 @@ fn rel_err(ours: &[u16], theirs: &[u16]) -> f64 {
 struct Dense {
     a: DeviceBuffer<u8>,
     b: DeviceBuffer<u8>,
-    d: DeviceBuffer<u16>,
-    d_ref: DeviceBuffer<u16>,
+    d: DeviceBuffer<bf16>,
+    d_ref: DeviceBuffer<bf16>,
 }
 
 fn dense(stream: &Stream, m: usize, n: usize, k: usize, seed: u64) -> BenchResult<Dense> {
     let ctx = stream.context();
-    let mut d = DeviceBuffer::<u16>::alloc(ctx, m * n)?;
-    let mut d_ref = DeviceBuffer::<u16>::alloc(ctx, m * n)?;
+    let d = DeviceBuffer::<bf16>::alloc(ctx, m * n)?;
+    let d_ref = DeviceBuffer::<bf16>::alloc(ctx, m * n)?;
     d.memset_bytes(stream, 0xff)?;
     d_ref.memset_bytes(stream, 0xff)?;
     Ok(Dense {
@@ -155,9 +152,7 @@ pub fn run() -> BenchResult<Vec<Row>> {
         let run_ours = || {
             gemm(
                 &stream,
-                m,
-                n,
-                k,
+                GemmShape::new(m, n, k),
                 e4m3(&p.a, &one),
                 e4m3(&p.b, &one),
                 GemmOut::Bf16(&p.d),
@@ -209,15 +204,17 @@ pub fn run() -> BenchResult<Vec<Row>> {
         let (n, k) = (GROUP_N, GROUP_K);
         let a = DeviceBuffer::from_host(&stream, &random_e4m3(GROUPS * m_max * k, 40))?;
         let b = DeviceBuffer::from_host(&stream, &random_e4m3(GROUPS * n * k, 41))?;
-        let d = DeviceBuffer::<u16>::alloc(&ctx, GROUPS * m_max * n)?;
+        let d = DeviceBuffer::<bf16>::alloc(&ctx, GROUPS * m_max * n)?;
         let counts_dev = DeviceBuffer::from_host(&stream, &counts)?;
         let run_ours = || {
             grouped_gemm(
                 &stream,
-                GROUPS,
-                m_max,
-                n,
-                k,
+                GroupedShape {
+                    groups: GROUPS,
+                    m_max,
+                    n,
+                    k,
+                },
                 e4m3(&a, &one),
                 e4m3(&b, &one),
                 GemmOut::Bf16(&d),
@@ -231,7 +228,7 @@ pub fn run() -> BenchResult<Vec<Row>> {
         for (g, &c) in counts.iter().enumerate().filter(|(_, c)| **c > 0) {
             let c = c as usize;
             let plan = lt.plan(c, n, k, scales)?;
-            let d_ref = DeviceBuffer::<u16>::alloc(&ctx, c * n)?;
+            let d_ref = DeviceBuffer::<bf16>::alloc(&ctx, c * n)?;
             let a_g = a.as_raw() + (g * m_max * k) as u64;
             let b_g = b.as_raw() + (g * n * k) as u64;
             plan.run(stream.as_raw(), a_g, b_g, d_ref.as_raw())?;

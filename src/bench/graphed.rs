@@ -20,13 +20,13 @@
 
 use std::sync::Arc;
 
+use cuda_graph::{Context, DeviceBuffer, GraphPool, Stream};
+use fp8_kernels::{AmaxAlgo, DelayedScaling, Fp8Format, IdentityGroup};
+use fp8_moe::linear::{self, Fp8Linear};
+use fp8_moe::moe::{ExpertGemm, Fp8Moe, MoeConfig};
 use graphed_callables::{
     Callable, GraphIndex, GraphedCallables, GraphedOptions, Schedule, Slot, Step, WeightCaching,
 };
-use cuda_graph::{Context, DeviceBuffer, GraphPool, Stream};
-use fp8_kernels::{AmaxAlgo, DelayedScaling, Fp8Format};
-use fp8_moe::linear::{self, Fp8Linear};
-use fp8_moe::moe::{ExpertGemm, Fp8Moe, MoeConfig};
 
 use super::{BenchResult, Row, Timing, event_median_ms, timed_medians, xorshift};
 
@@ -82,17 +82,9 @@ fn random(seed: u64, n: usize, scale: f32) -> Vec<f32> {
         .collect()
 }
 
-/// Copies `v` into `buf`, a buffer owned elsewhere (the runtime's static buffers); waits.
-fn overwrite(
-    ctx: &Arc<Context>,
-    stream: &Stream,
-    buf: &DeviceBuffer<f32>,
-    v: &[f32],
-) -> BenchResult<()> {
-    // SAFETY: a non-owning view of exactly `buf`'s live allocation; `buf` outlives the copy,
-    // which waits before returning, and the view never frees it.
-    let mut view = unsafe { DeviceBuffer::<f32>::from_raw(ctx, buf.as_raw(), buf.len()) };
-    view.copy_from_host(stream, v)?;
+/// Copies `v` into `buf` (e.g. one of the runtime's static buffers); waits.
+fn overwrite(stream: &Stream, buf: &DeviceBuffer<f32>, v: &[f32]) -> BenchResult<()> {
+    buf.copy_from_host(stream, v)?;
     Ok(())
 }
 
@@ -166,9 +158,9 @@ fn mlp_eager(ctx: &Arc<Context>, stream: &Stream, mlp: Mlp) -> BenchResult<Timin
             d.push(alloc(tokens * i)?);
             s.push(
                 layer
-                    .saved_lens()
+                    .saved_bytes()
                     .iter()
-                    .map(|&n| alloc(n))
+                    .map(|&n| DeviceBuffer::<u8>::from_host(stream, &vec![0u8; n]))
                     .collect::<Result<Vec<_>, _>>()?,
             );
         }
@@ -195,8 +187,8 @@ fn mlp_eager(ctx: &Arc<Context>, stream: &Stream, mlp: Mlp) -> BenchResult<Timin
                     vec![x],
                     vec![&outs[mb][l]],
                     saved[mb][l].iter().collect(),
-                    &pool,
-                );
+                )
+                .with_pool(&pool);
                 if mb == 0 {
                     layers[l].cast_weights(stream, &slot)?;
                 }
@@ -222,8 +214,8 @@ fn mlp_eager(ctx: &Arc<Context>, stream: &Stream, mlp: Mlp) -> BenchResult<Timin
                     vec![x],
                     vec![&outs[mb][l]],
                     saved[mb][l].iter().collect(),
-                    &pool,
-                );
+                )
+                .with_pool(&pool);
                 layers[l].backward(stream, &[g], &[&dxs[mb][l]], &slot)?;
             }
             scaling.update(stream)?;
@@ -251,12 +243,11 @@ fn mlp_graphed(
         .with_weight_caching(caching);
     // The scale update after every replay, as in the eager step (plus the warmup snapshot
     // and registration, outside the timed steps).
-    fp8_moe::scaling::install_hooks(&mut options, ctx, &scaling)?;
+    fp8_moe::scaling::install_hooks(&mut options, ctx, &scaling, Arc::new(IdentityGroup))?;
     let sample = DeviceBuffer::from_host(stream, &random(300, tokens * mlp.narrow, 1.0))?;
-    let layout = schedule.layout().clone();
-    let samples: Vec<Vec<&DeviceBuffer<f32>>> = layout
-        .iter()
-        .map(|at| if at.layer == 0 { vec![&sample] } else { vec![] })
+    // One set per callable: only the first layer reads its sample.
+    let samples: Vec<Vec<&DeviceBuffer<f32>>> = (0..MLP_LAYERS)
+        .map(|l| if l == 0 { vec![&sample] } else { vec![] })
         .collect();
     let callables: Vec<Box<dyn Callable<f32>>> = layers
         .into_iter()
@@ -268,14 +259,12 @@ fn mlp_graphed(
     for mb in 0..3 {
         let x = graphed.static_inputs(0, mb)?;
         overwrite(
-            ctx,
             stream,
             x[0],
             &random(300 + mb as u64, tokens * mlp.narrow, 1.0),
         )?;
         let g = graphed.static_grad_outputs(0, mb)?;
         overwrite(
-            ctx,
             stream,
             g[0],
             &random(400, tokens * mlp.widths(MLP_LAYERS - 1).1, 0.1),
@@ -340,10 +329,10 @@ fn moe_eager(ctx: &Arc<Context>, stream: &Stream) -> BenchResult<(f64, Vec<f32>)
         layer: 0,
     };
     let mut step = 0usize;
-    let body = |layer: &mut Fp8Moe, x: &mut DeviceBuffer<f32>, i: usize| -> BenchResult<()> {
+    let body = |layer: &mut Fp8Moe, x: &DeviceBuffer<f32>, i: usize| -> BenchResult<()> {
         x.copy_from_device(stream, &inputs[i])?;
-        let slot = Slot::new(at, vec![&*x], vec![&y], vec![], &pool);
-        layer.forward(stream, &[&*x], &[&y], &slot)?;
+        let slot = Slot::new(at, vec![x], vec![&y], vec![]).with_pool(&pool);
+        layer.forward(stream, &[x], &[&y], &slot)?;
         layer.backward(stream, &[&dy], &[&dx], &slot)?;
         Ok(())
     };

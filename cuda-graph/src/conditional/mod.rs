@@ -190,6 +190,6 @@ mod tests {
 
     #[test]
     fn helper_image_is_embedded() {
-        assert!(HELPER_IMAGE.len() > 64);
+        assert!(handle::HELPER_IMAGE.len() > 64);
     }
 }

@@ -21,7 +21,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// earlier work on `stream`).
     pub fn copy_from_host(&self, stream: &Stream, src: &[T]) -> Result<()> {
         self.check_len(src.len(), "copy_from_host")?;
-        if self.len() == 0 {
+        if self.is_empty() {
             return Ok(());
         }
         // SAFETY: src is valid for `bytes` reads until the synchronize below returns.
@@ -39,7 +39,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// Copies the buffer into `dst`, ordered on `stream` after earlier work, and waits.
     pub fn copy_to_host(&self, stream: &Stream, dst: &mut [T]) -> Result<()> {
         self.check_len(dst.len(), "copy_to_host")?;
-        if self.len() == 0 {
+        if self.is_empty() {
             return Ok(());
         }
         // SAFETY: dst is valid for `bytes` writes until the synchronize below returns; every
@@ -81,7 +81,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
                 src.len()
             )));
         }
-        if self.len() == 0 || self.same_memory(src) {
+        if self.is_empty() || self.same_memory(src) {
             return Ok(());
         }
         if self.overlaps(src) {
@@ -107,7 +107,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
 
     /// Enqueues setting every byte to `value` on `stream`.
     pub fn memset_bytes(&self, stream: &Stream, value: u8) -> Result<()> {
-        if self.len() == 0 {
+        if self.is_empty() {
             return Ok(());
         }
         stream.retain_for_capture(|| self.resource());
@@ -130,7 +130,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
                 size_of::<T>()
             )));
         }
-        if self.len() == 0 {
+        if self.is_empty() {
             return Ok(());
         }
         stream.retain_for_capture(|| self.resource());

@@ -35,11 +35,11 @@ impl Gpu {
     }
     /// A poisoned buffer of `n` floats.
     pub fn buf(&self) -> DeviceBuffer<f32> {
-        let mut b = DeviceBuffer::alloc(&self.ctx, self.n as usize).expect("alloc");
-        self.poison(&mut b);
+        let b = DeviceBuffer::alloc(&self.ctx, self.n as usize).expect("alloc");
+        self.poison(&b);
         b
     }
-    pub fn poison(&self, b: &mut DeviceBuffer<f32>) {
+    pub fn poison(&self, b: &DeviceBuffer<f32>) {
         b.fill_u32_bits(&self.stream, POISON).expect("poison");
         self.stream.synchronize().expect("sync");
     }

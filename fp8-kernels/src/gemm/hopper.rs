@@ -16,11 +16,11 @@
 
 use std::sync::Arc;
 
+use cuda_graph::half::bf16;
 use cuda_graph::sys::{
     CUresult, CUtensorMap, CUtensorMapDataType, CUtensorMapFloatOOBfill, CUtensorMapInterleave,
     CUtensorMapL2promotion, CUtensorMapSwizzle,
 };
-use cuda_graph::half::bf16;
 use cuda_graph::{Context, DeviceBuffer, Error, KernelArgs, LaunchConfig, Result, Stream};
 
 use super::{Bias, GemmOut, GemmProblem};
@@ -307,11 +307,11 @@ mod tests {
         }
     }
 
-    fn bf16(x: f32) -> u16 {
-        half::bf16::from_f32(x).to_bits()
+    fn to_bf16(x: f32) -> bf16 {
+        bf16::from_f32(x)
     }
-    fn from_bf16(b: u16) -> f32 {
-        half::bf16::from_bits(b).to_f32()
+    fn from_bf16(b: bf16) -> f32 {
+        b.to_f32()
     }
 
     #[derive(Clone, Copy, PartialEq)]
@@ -367,10 +367,10 @@ mod tests {
         let mut d0 = rng.f32s(c.groups * c.m * c.n, 1000.0);
         // Round what is stored as bf16 so host and device see the same values.
         if c.bias == BiasKind::Bf16 {
-            bias.iter_mut().for_each(|x| *x = from_bf16(bf16(*x)));
+            bias.iter_mut().for_each(|x| *x = from_bf16(to_bf16(*x)));
         }
         if !c.f32_out {
-            d0.iter_mut().for_each(|x| *x = from_bf16(bf16(*x)));
+            d0.iter_mut().for_each(|x| *x = from_bf16(to_bf16(*x)));
         }
         HostData { a, b, bias, d0 }
     }
@@ -407,7 +407,7 @@ mod tests {
     }
 
     fn upload(s: &Stream, c: &Case, h: &HostData) -> Dev {
-        let b16: Vec<u16> = h.bias.iter().map(|&x| bf16(x)).collect();
+        let b16: Vec<bf16> = h.bias.iter().map(|&x| to_bf16(x)).collect();
         let counts = c.counts.clone().unwrap_or_else(|| vec![0; c.groups]);
         Dev {
             a: DeviceBuffer::from_host(s, &h.a).unwrap(),
@@ -433,10 +433,10 @@ mod tests {
             };
             dv.d32.copy_from_host(s, &v).unwrap();
         } else {
-            let v: Vec<u16> = if c.accumulate {
-                h.d0.iter().map(|&x| bf16(x)).collect()
+            let v: Vec<bf16> = if c.accumulate {
+                h.d0.iter().map(|&x| to_bf16(x)).collect()
             } else {
-                vec![POISON_BF16; len]
+                vec![bf16::from_bits(POISON_BF16); len]
             };
             dv.d16.copy_from_host(s, &v).unwrap();
         }
@@ -502,7 +502,7 @@ mod tests {
                         let untouched = if c.accumulate {
                             got[i] == h.d0[i]
                         } else if let Some(raw) = &raw16 {
-                            raw[i] == POISON_BF16
+                            raw[i].to_bits() == POISON_BF16
                         } else {
                             got[i].to_bits() == POISON_F32
                         };

@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use cuda_graph::half::{bf16, f16};
 use cuda_graph::{CaptureMode, Context, DeviceBuffer, Graph, Result, Stream};
 use fp8_kernels::reference as r;
 use fp8_kernels::{DType, DeviceScalar, Fp8Tensor, HpBuffer};
@@ -41,15 +42,16 @@ impl Rng {
 /// A high-precision input on the device, with its exact f32 widening on the host.
 pub enum Input {
     F32(DeviceBuffer<f32>),
-    U16(DeviceBuffer<u16>, DType),
+    F16(DeviceBuffer<f16>),
+    Bf16(DeviceBuffer<bf16>),
 }
 
 impl Input {
     pub fn view(&self) -> HpBuffer<'_> {
         match self {
             Input::F32(b) => HpBuffer::F32(b),
-            Input::U16(b, DType::F16) => HpBuffer::F16(b),
-            Input::U16(b, _) => HpBuffer::Bf16(b),
+            Input::F16(b) => HpBuffer::F16(b),
+            Input::Bf16(b) => HpBuffer::Bf16(b),
         }
     }
 }
@@ -60,9 +62,13 @@ pub fn upload(stream: &Stream, dtype: DType, xs: &[f32]) -> (Input, Vec<f32>) {
     let wide: Vec<f32> = bits.iter().map(|&b| r::widen(b, dtype)).collect();
     let input = match dtype {
         DType::F32 => Input::F32(DeviceBuffer::from_host(stream, xs).unwrap()),
-        _ => {
-            let h: Vec<u16> = bits.iter().map(|&b| b as u16).collect();
-            Input::U16(DeviceBuffer::from_host(stream, &h).unwrap(), dtype)
+        DType::F16 => {
+            let h: Vec<f16> = bits.iter().map(|&b| f16::from_bits(b as u16)).collect();
+            Input::F16(DeviceBuffer::from_host(stream, &h).unwrap())
+        }
+        DType::Bf16 => {
+            let h: Vec<bf16> = bits.iter().map(|&b| bf16::from_bits(b as u16)).collect();
+            Input::Bf16(DeviceBuffer::from_host(stream, &h).unwrap())
         }
     };
     (input, wide)

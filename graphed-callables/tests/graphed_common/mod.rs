@@ -4,10 +4,10 @@
 
 use std::sync::Arc;
 
-use graphed_callables::Step;
 use cuda_graph::{
     Context, DeviceBuffer, DeviceRepr, Kernel, LaunchConfig, Module, Stream, kernel_args,
 };
+use graphed_callables::Step;
 
 /// tests/kernels/graphed_kernels.cu.
 pub const FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/graphed_kernels.fatbin"));
@@ -47,6 +47,10 @@ impl Gpu {
     /// A buffer of `len` NaNs (poison).
     pub fn poisoned(&self, len: usize) -> DeviceBuffer<f32> {
         self.upload(&vec![f32::NAN; len])
+    }
+    /// `bytes` bytes of 0xff (NaN as f32 words), for saved buffers.
+    pub fn poisoned_bytes(&self, bytes: usize) -> DeviceBuffer<u8> {
+        self.upload(&vec![0xffu8; bytes])
     }
     /// Sets every element of `b` (through `&`, as callables may) and waits.
     pub fn fill(&self, b: &DeviceBuffer<f32>, v: f32) {
