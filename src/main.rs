@@ -7,54 +7,108 @@
 //! * `fp8-moe bench graphed [--json PATH]`: eager against graphed step time of the FP8 MLP
 //!   stack and the FP8 MoE layer (eager, breaking-layer, full-layer).
 //!
-//! Errors print one line to stderr and exit non-zero; there is never a backtrace.
+//! Arguments are parsed by `clap`: usage errors print the error and usage to stderr and exit
+//! 2; `--help` and `--version` work for the tool and each subcommand. Runtime errors print one
+//! line to stderr and exit 1; there is never a backtrace.
 
 mod bench;
 mod info;
 
+use std::path::PathBuf;
 use std::process::ExitCode;
 
-const USAGE: &str = "usage: fp8-moe <command>
+use clap::error::{ContextKind, ContextValue, ErrorKind};
+use clap::{Args, CommandFactory, Parser, Subcommand};
 
-commands:
-  info                          driver version, devices, graph features of this driver
-  bench graph [--json PATH]     launch, replay, capture and update costs (JSON default:
-                                bench-graph.json)
-  bench fp8-cast [--json PATH]  FP8 quantize and cast-transpose bandwidth against a device
-                                copy (JSON default: bench-fp8-cast.json)
-  bench gemm [--json PATH]      FP8 GEMM and MoE grouped GEMM against cuBLASLt (loaded at
-                                run time) (JSON default: bench-gemm.json)
-  bench graphed [--json PATH]   eager vs graphed step time: FP8 MLP stack at 64 and 8192
-                                tokens, FP8 MoE layer eager vs breaking-layer vs
-                                full-layer (JSON default: bench-graphed.json)";
+/// FP8 mixture-of-experts layer run as CUDA graphs: device report and benchmarks.
+#[derive(Debug, Parser)]
+#[command(name = "fp8-moe", version, propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Driver version, devices, graph features of this driver.
+    Info,
+    /// Runs a benchmark, prints its table and writes its rows as JSON.
+    Bench(BenchArgs),
+}
+
+#[derive(Debug, Args)]
+#[command(
+    subcommand_value_name = "BENCH",
+    subcommand_help_heading = "Benchmarks"
+)]
+struct BenchArgs {
+    #[command(subcommand)]
+    bench: Bench,
+    /// Where to write the rows as JSON [default: bench-<name>.json].
+    #[arg(long, value_name = "PATH", global = true)]
+    json: Option<PathBuf>,
+}
+
+/// The benchmarks `bench` runs.
+#[derive(Debug, Clone, Copy, Subcommand)]
+enum Bench {
+    /// Launch, replay, capture and update costs.
+    Graph,
+    /// FP8 quantize and cast-transpose bandwidth against a device copy.
+    #[command(name = "fp8-cast")]
+    Fp8Cast,
+    /// FP8 GEMM and MoE grouped GEMM against cuBLASLt (loaded at run time).
+    Gemm,
+    /// Eager vs graphed step time of the FP8 MLP stack and the FP8 MoE layer.
+    ///
+    /// The FP8 MLP stack at 64 and 8192 tokens; the FP8 MoE layer eager vs breaking-layer vs
+    /// full-layer.
+    Graphed,
+}
+
+impl Bench {
+    /// The name on the command line, which also names the default JSON file.
+    fn name(self) -> &'static str {
+        match self {
+            Bench::Graph => "graph",
+            Bench::Fp8Cast => "fp8-cast",
+            Bench::Gemm => "gemm",
+            Bench::Graphed => "graphed",
+        }
+    }
+}
+
+/// Parses the command line. `--help` and `--version` print to stdout and exit 0; a usage error
+/// prints clap's error and the usage to stderr and exits 2. clap leaves the usage out of a few
+/// errors (`--json` without a path, for one); those get the usage of the deepest subcommand
+/// named on the command line.
+fn parse_args() -> Cli {
+    Cli::try_parse().unwrap_or_else(|mut e| {
+        if e.use_stderr()
+            && e.kind() != ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+            && e.get(ContextKind::Usage).is_none()
+        {
+            let mut cmd = Cli::command();
+            cmd.build();
+            let mut sub = &cmd;
+            for arg in std::env::args_os().skip(1) {
+                if let Some(next) = arg.to_str().and_then(|a| sub.find_subcommand(a)) {
+                    sub = next;
+                }
+            }
+            let usage = sub.clone().render_usage();
+            e.insert(ContextKind::Usage, ContextValue::StyledStr(usage));
+        }
+        e.exit()
+    })
+}
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let result = match args.first().map(String::as_str) {
-        Some("info") if args.len() == 1 => info::run(&mut std::io::stdout().lock()),
-        Some("bench") if args.len() >= 2 => {
-            let Some(bench) = Bench::parse(&args[1]) else {
-                eprintln!("{USAGE}");
-                return ExitCode::from(2);
-            };
-            let json = match &args[2..] {
-                [] => Some(format!("bench-{}.json", args[1])),
-                [flag, path] if flag == "--json" => Some(path.clone()),
-                _ => None,
-            };
-            let Some(json) = json else {
-                eprintln!("{USAGE}");
-                return ExitCode::from(2);
-            };
+    let result = match parse_args().command {
+        Command::Info => info::run(&mut std::io::stdout().lock()),
+        Command::Bench(BenchArgs { bench, json }) => {
+            let json = json.unwrap_or_else(|| format!("bench-{}.json", bench.name()).into());
             run_bench(bench, &json)
-        }
-        Some("-h" | "--help" | "help") => {
-            println!("{USAGE}");
-            return ExitCode::SUCCESS;
-        }
-        _ => {
-            eprintln!("{USAGE}");
-            return ExitCode::from(2);
         }
     };
     match result {
@@ -66,53 +120,66 @@ fn main() -> ExitCode {
     }
 }
 
-/// The benchmarks `bench` runs.
-#[derive(Debug, Clone, Copy)]
-enum Bench {
-    Graph,
-    Fp8Cast,
-    Gemm,
-    Graphed,
-}
-
-impl Bench {
-    fn parse(name: &str) -> Option<Bench> {
-        match name {
-            "graph" => Some(Bench::Graph),
-            "fp8-cast" => Some(Bench::Fp8Cast),
-            "gemm" => Some(Bench::Gemm),
-            "graphed" => Some(Bench::Graphed),
-            _ => None,
-        }
-    }
-}
-
-fn run_bench(bench: Bench, json_path: &str) -> Result<(), info::CliError> {
-    let (name, title, rows) = match bench {
+fn run_bench(bench: Bench, json_path: &std::path::Path) -> Result<(), info::CliError> {
+    let (title, rows) = match bench {
         Bench::Graph => (
-            "graph",
             "bench graph: chain of 1000 x add 1.0 to 1024 floats (4 x 256)",
             bench::graph::run(),
         ),
         Bench::Fp8Cast => (
-            "fp8-cast",
             "bench fp8-cast: memory-bound FP8 kernels against a device copy",
             bench::fp8_cast::run(),
         ),
         Bench::Gemm => (
-            "gemm",
             "bench gemm: FP8 GEMM (M x N x K) against cuBLASLt in the same run",
             bench::gemm::run(),
         ),
         Bench::Graphed => (
-            "graphed",
             "bench graphed: eager vs graphed step time (FP8 MLP stack, FP8 MoE layer)",
             bench::graphed::run(),
         ),
     };
     let rows = rows.map_err(|e| info::CliError::Other(e.to_string()))?;
     print!("{}", bench::table(title, &rows));
-    std::fs::write(json_path, bench::json(name, &rows))?;
-    println!("wrote {json_path}");
+    let file = std::fs::File::create(json_path)?;
+    bench::write_json(&mut std::io::BufWriter::new(file), bench.name(), &rows)?;
+    println!("wrote {}", json_path.display());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cli_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn bench_json_defaults_to_none_and_takes_a_path() {
+        let cli = Cli::try_parse_from(["fp8-moe", "bench", "fp8-cast"]).unwrap();
+        let Command::Bench(args) = cli.command else {
+            panic!("not bench: {cli:?}")
+        };
+        assert!(matches!(args.bench, Bench::Fp8Cast));
+        assert_eq!(args.json, None);
+        let cli = Cli::try_parse_from(["fp8-moe", "bench", "gemm", "--json", "x.json"]).unwrap();
+        let Command::Bench(args) = cli.command else {
+            panic!("not bench: {cli:?}")
+        };
+        assert!(matches!(args.bench, Bench::Gemm));
+        assert_eq!(args.json, Some(PathBuf::from("x.json")));
+    }
+
+    #[test]
+    fn subcommand_names_match_bench_names() {
+        for bench in [Bench::Graph, Bench::Fp8Cast, Bench::Gemm, Bench::Graphed] {
+            let cli = Cli::try_parse_from(["fp8-moe", "bench", bench.name()]).unwrap();
+            let Command::Bench(args) = cli.command else {
+                panic!("not bench: {cli:?}")
+            };
+            assert_eq!(args.bench.name(), bench.name());
+        }
+    }
 }

@@ -31,15 +31,85 @@ fn info_without_a_driver_fails_with_one_clear_line() {
     assert!(!err.contains("panicked"), "{err:?}");
 }
 
+/// Asserts a usage error: exit code 2, nothing on stdout, and stderr with clap's error line
+/// (mentioning `what`) followed by the usage of `usage`.
+fn assert_usage_error(out: Output, what: &str, usage: &str) {
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(out.stdout.is_empty(), "nothing on stdout: {out:?}");
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(err.starts_with("error: "), "{err:?}");
+    assert!(err.lines().next().unwrap().contains(what), "{err:?}");
+    assert!(err.contains(&format!("Usage: {usage}")), "{err:?}");
+    assert!(!err.contains("panicked"), "{err:?}");
+}
+
 #[test]
 fn unknown_command_prints_usage_and_exits_2() {
     let out = cli(&["frobnicate"], &[]);
-    assert_eq!(out.status.code(), Some(2));
-    assert!(
-        String::from_utf8(out.stderr)
-            .unwrap()
-            .starts_with("usage: fp8-moe")
-    );
+    assert_usage_error(out, "'frobnicate'", "fp8-moe <COMMAND>");
+}
+
+#[test]
+fn unknown_bench_prints_usage_and_exits_2() {
+    let out = cli(&["bench", "nope"], &[]);
+    assert_usage_error(out, "'nope'", "fp8-moe bench [OPTIONS] <BENCH>");
+}
+
+#[test]
+fn bench_json_without_a_path_exits_2() {
+    let out = cli(&["bench", "graph", "--json"], &[]);
+    assert_usage_error(out, "--json", "fp8-moe bench graph");
+}
+
+#[test]
+fn help_lists_the_commands_and_benchmarks() {
+    let out = cli(&["--help"], &[]);
+    assert!(out.status.success(), "{out:?}");
+    let help = String::from_utf8(out.stdout).unwrap();
+    assert!(help.contains("Usage: fp8-moe <COMMAND>"), "{help}");
+    for line in ["info ", "bench "] {
+        assert!(
+            help.lines().any(|l| l.trim_start().starts_with(line)),
+            "no {line:?} in {help}"
+        );
+    }
+
+    let out = cli(&["bench", "--help"], &[]);
+    assert!(out.status.success(), "{out:?}");
+    let help = String::from_utf8(out.stdout).unwrap();
+    assert!(help.contains("--json <PATH>"), "{help}");
+    assert!(help.contains("bench-<name>.json"), "{help}");
+    for bench in ["graph", "fp8-cast", "gemm", "graphed"] {
+        assert!(
+            help.lines()
+                .any(|l| l.trim_start().starts_with(&format!("{bench} "))),
+            "no {bench:?} in {help}"
+        );
+        let out = cli(&["bench", bench, "--help"], &[]);
+        assert!(out.status.success(), "{out:?}");
+        let help = String::from_utf8(out.stdout).unwrap();
+        assert!(
+            help.contains(&format!("Usage: fp8-moe bench {bench} [OPTIONS]")),
+            "{help}"
+        );
+    }
+}
+
+#[test]
+fn version_is_the_package_version() {
+    for args in [
+        &["--version"][..],
+        &["info", "--version"],
+        &["bench", "gemm", "--version"],
+    ] {
+        let out = cli(args, &[]);
+        assert!(out.status.success(), "{args:?}: {out:?}");
+        let stdout = String::from_utf8(out.stdout).unwrap();
+        assert!(
+            stdout.trim_end().ends_with(env!("CARGO_PKG_VERSION")),
+            "{args:?}: {stdout:?}"
+        );
+    }
 }
 
 #[test]

@@ -8,8 +8,10 @@ pub mod graph;
 pub mod graphed;
 
 use std::fmt::Write as _;
+use std::io;
 
 use cuda_graph::{Event, Stream};
+use serde::Serialize;
 
 /// A seeded xorshift64 stream: deterministic benchmark data that differs per seed.
 pub fn xorshift(seed: u64) -> impl FnMut() -> u64 {
@@ -92,11 +94,12 @@ pub fn median(samples: &mut [f64]) -> f64 {
 }
 
 /// One row of a benchmark table: a figure, its unit, and the yardstick it is judged by.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Serialize)]
 pub struct Row {
     /// What was measured.
     pub name: String,
-    /// The median.
+    /// The median (`null` in JSON when it is not finite).
+    #[serde(serialize_with = "finite_or_null")]
     pub value: f64,
     /// Unit of `value`.
     pub unit: &'static str,
@@ -125,31 +128,30 @@ pub fn table(title: &str, rows: &[Row]) -> String {
     s
 }
 
-/// Renders rows as a JSON object `{"bench": name, "rows": [...]}` (no dependency needed for
-/// this flat shape).
-pub fn json(bench: &str, rows: &[Row]) -> String {
-    let esc = |s: &str| s.replace('\\', "\\\\").replace('"', "\\\"");
-    let mut s = format!("{{\"bench\":\"{}\",\"rows\":[", esc(bench));
-    for (i, r) in rows.iter().enumerate() {
-        if i > 0 {
-            s.push(',');
-        }
-        let value = if r.value.is_finite() {
-            format!("{}", r.value)
-        } else {
-            "null".into()
-        };
-        let pass = r.pass.map_or("null".into(), |p| p.to_string());
-        let _ = write!(
-            s,
-            "{{\"name\":\"{}\",\"value\":{value},\"unit\":\"{}\",\"yardstick\":\"{}\",\"pass\":{pass}}}",
-            esc(&r.name),
-            esc(r.unit),
-            esc(&r.yardstick)
-        );
+/// The JSON document of one benchmark run: `{"bench": name, "rows": [...]}`.
+#[derive(Serialize)]
+struct Report<'a> {
+    bench: &'a str,
+    rows: &'a [Row],
+}
+
+/// Writes rows as one line of JSON, `{"bench": name, "rows": [...]}`, to `out` and flushes it.
+/// Each row is `{"name", "value", "unit", "yardstick", "pass"}`; a value that is not finite
+/// and a missing verdict are `null`.
+pub fn write_json(out: &mut impl io::Write, bench: &str, rows: &[Row]) -> io::Result<()> {
+    serde_json::to_writer(&mut *out, &Report { bench, rows })?;
+    out.write_all(b"\n")?;
+    out.flush()
+}
+
+/// Serializes a figure as a JSON number, or `null` when it is NaN or infinite (JSON has
+/// neither).
+fn finite_or_null<S: serde::Serializer>(value: &f64, s: S) -> Result<S::Ok, S::Error> {
+    if value.is_finite() {
+        s.serialize_f64(*value)
+    } else {
+        s.serialize_none()
     }
-    s.push_str("]}\n");
-    s
 }
 
 #[cfg(test)]
@@ -163,18 +165,79 @@ mod tests {
         assert!(median(&mut []).is_nan());
     }
 
+    fn json(bench: &str, rows: &[Row]) -> String {
+        let mut out = Vec::new();
+        write_json(&mut out, bench, rows).unwrap();
+        String::from_utf8(out).unwrap()
+    }
+
     #[test]
     fn json_escapes_and_marks_missing_values() {
         let rows = [Row {
-            name: "a \"b\"".into(),
+            name: "a \"b\"\\".into(),
             value: f64::NAN,
             unit: "us",
-            yardstick: "x".into(),
+            yardstick: "x\ny".into(),
             pass: Some(false),
         }];
         assert_eq!(
             json("g", &rows),
-            "{\"bench\":\"g\",\"rows\":[{\"name\":\"a \\\"b\\\"\",\"value\":null,\"unit\":\"us\",\"yardstick\":\"x\",\"pass\":false}]}\n"
+            "{\"bench\":\"g\",\"rows\":[{\"name\":\"a \\\"b\\\"\\\\\",\"value\":null,\"unit\":\"us\",\"yardstick\":\"x\\ny\",\"pass\":false}]}\n"
         );
+        let rows = [Row {
+            name: "inf".into(),
+            value: f64::INFINITY,
+            unit: "GB/s",
+            yardstick: String::new(),
+            pass: None,
+        }];
+        assert_eq!(
+            json("h", &rows),
+            "{\"bench\":\"h\",\"rows\":[{\"name\":\"inf\",\"value\":null,\"unit\":\"GB/s\",\"yardstick\":\"\",\"pass\":null}]}\n"
+        );
+    }
+
+    #[test]
+    fn written_json_parses_back() {
+        let rows = [
+            Row {
+                name: "replay \"1000 nodes\"".into(),
+                value: 12.5,
+                unit: "us",
+                yardstick: "eager launch: 3.2 ms".into(),
+                pass: Some(true),
+            },
+            Row {
+                name: "capture".into(),
+                value: f64::NAN,
+                unit: "ms",
+                yardstick: "none\tyet".into(),
+                pass: None,
+            },
+        ];
+        let path = std::env::temp_dir().join(format!("fp8-moe-bench-{}.json", std::process::id()));
+        let mut file = std::io::BufWriter::new(std::fs::File::create(&path).unwrap());
+        write_json(&mut file, "graph", &rows).unwrap();
+        drop(file);
+        let text = std::fs::read_to_string(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+
+        let doc: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(doc["bench"], "graph");
+        let parsed = doc["rows"].as_array().unwrap();
+        assert_eq!(parsed.len(), rows.len());
+        for (p, r) in parsed.iter().zip(&rows) {
+            let keys: Vec<&str> = p.as_object().unwrap().keys().map(String::as_str).collect();
+            assert_eq!(keys.len(), 5, "{p}");
+            assert_eq!(p["name"], r.name.as_str());
+            assert_eq!(p["unit"], r.unit);
+            assert_eq!(p["yardstick"], r.yardstick.as_str());
+            assert_eq!(p["pass"].as_bool(), r.pass);
+            if r.value.is_finite() {
+                assert_eq!(p["value"].as_f64(), Some(r.value));
+            } else {
+                assert!(p["value"].is_null(), "{p}");
+            }
+        }
     }
 }
