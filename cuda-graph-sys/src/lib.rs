@@ -8,6 +8,12 @@
 //! * Functions are not linked. [`driver()`] opens `libcuda.so.1`, takes `cuGetProcAddress_v2`
 //!   and resolves every entry of the table with the ABI version of its `PFN_*_vNNNNN`
 //!   typedef. Binaries therefore build and start on machines without a GPU.
+//! * A driver older than an entry's newest ABI gets an older one: the table lists
+//!   same-signature fallback versions (`cuEventElapsedTime` 12080, else 2000), and older ABIs
+//!   with another signature have accessors of their own (`cuCtxSynchronize_v2000` next to
+//!   the 13.0 `cuCtxSynchronize`). [`Driver::fallbacks`] says which were needed.
+//! * The table is the same with every supported header (CUDA >= 12.4): `compat.h` declares
+//!   the few typedefs of newer ABIs that a 12.x `cudaTypedefs.h` lacks.
 //! * The header's `CUDA_VERSION` is [`CUDA_VERSION`] here and `DEP_CUDAGRAPH_CUDA_VERSION` in
 //!   dependent build scripts (with `DEP_CUDAGRAPH_ROOT` and `DEP_CUDAGRAPH_INCLUDE`, the
 //!   toolkit this crate was built against).
@@ -32,7 +38,7 @@
 mod loader;
 mod table;
 
-pub use loader::{Driver, LIBCUDA, LIBCUDA_ENV, LoadError, driver};
+pub use loader::{Driver, Fallback, LIBCUDA, LIBCUDA_ENV, LoadError, driver};
 pub use table::{ENTRIES, ENTRY_COUNT, EntryFn, EntrySpec};
 
 #[allow(
