@@ -58,6 +58,12 @@ fn main() {
         ));
     }
 
+    // A header older than 12.8 lacks enum values the safe crate names; lib.rs declares them.
+    println!("cargo::rustc-check-cfg=cfg(cuda_header_before_12080)");
+    if version < 12080 {
+        println!("cargo:rustc-cfg=cuda_header_before_12080");
+    }
+
     // Dependent crates read these as DEP_CUDAGRAPH_ROOT, _INCLUDE, _CUDA_VERSION.
     println!("cargo:root={}", root.display());
     println!("cargo:include={}", include.display());

@@ -13,7 +13,8 @@
 //!   with another signature have accessors of their own (`cuCtxSynchronize_v2000` next to
 //!   the 13.0 `cuCtxSynchronize`). [`Driver::fallbacks`] says which were needed.
 //! * The table is the same with every supported header (CUDA >= 12.4): `compat.h` declares
-//!   the few typedefs of newer ABIs that a 12.x `cudaTypedefs.h` lacks.
+//!   the few typedefs of newer ABIs that a 12.x `cudaTypedefs.h` lacks, and the enum values
+//!   of 12.8 that the workspace names are declared here for an older header.
 //! * The header's `CUDA_VERSION` is [`CUDA_VERSION`] here and `DEP_CUDAGRAPH_CUDA_VERSION` in
 //!   dependent build scripts (with `DEP_CUDAGRAPH_ROOT` and `DEP_CUDAGRAPH_INCLUDE`, the
 //!   toolkit this crate was built against).
@@ -50,3 +51,12 @@ mod bindings {
     include!(concat!(env!("OUT_DIR"), "/bindings.rs"));
 }
 pub use bindings::*;
+
+/// Enum values of CUDA 12.8 that the workspace names, declared here when the header is older
+/// (values from CUDA 13.0's `cuda.h`; drivers before 12.8 reject them, and the safe crate
+/// checks the driver version first).
+#[cfg(cuda_header_before_12080)]
+impl CUgraphConditionalNodeType {
+    /// Conditional SWITCH node (CUDA 12.8).
+    pub const CU_GRAPH_COND_TYPE_SWITCH: Self = Self(2);
+}
