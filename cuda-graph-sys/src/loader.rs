@@ -131,7 +131,8 @@ pub struct Driver {
     ptrs: [*mut c_void; ENTRY_COUNT],
     /// The ABI version each entry resolved at; 0 when it did not resolve.
     resolved: [u32; ENTRY_COUNT],
-    /// What the last attempt of each unresolved entry returned: version, result, status.
+    /// What the last attempt for each entry returned (for an unresolved one, the error):
+    /// version, result, status.
     results: [(u32, CUresult, CUdriverProcAddressQueryResult); ENTRY_COUNT],
 }
 

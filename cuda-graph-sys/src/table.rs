@@ -44,21 +44,22 @@ pub struct EntrySpec {
     pub version: u32,
     /// The typedef the table uses for it, e.g. `PFN_cuGraphAddNode_v12030`.
     pub typedef: &'static str,
-    /// Typedefs of older ABI versions with the same signature, newest first, that the loader
-    /// tries in order when the driver lacks `version`. Empty for most entries.
-    pub fallbacks: &'static [&'static str],
+    /// Older ABI versions with the same signature (their `PFN_<name>_v<version>` typedefs are
+    /// the entry's type), newest first, that the loader tries in order when the driver lacks
+    /// `version`. Empty for most entries.
+    pub fallbacks: &'static [u32],
 }
 
 impl EntrySpec {
     /// Parses `PFN_<name>_v<digits>` and checks the accessor name and the fallbacks; panics
-    /// (at compile time, as the table is a `const`) when a typedef does not belong to `name`,
-    /// when an older-ABI accessor is not `<name>_v<version>`, or when the fallbacks are not
-    /// strictly older, newest first.
+    /// (at compile time, as the table is a `const`) when the typedef does not belong to
+    /// `name`, when an older-ABI accessor is not `<name>_v<version>`, or when the fallbacks
+    /// are not strictly older, newest first.
     const fn parse(
         accessor: &'static str,
         name: &'static str,
         typedef: &'static str,
-        fallbacks: &'static [&'static str],
+        fallbacks: &'static [u32],
     ) -> Self {
         let version = version_of(name, typedef);
         if !str_eq(accessor, name) {
@@ -80,7 +81,7 @@ impl EntrySpec {
         let mut newer = version;
         let mut i = 0;
         while i < fallbacks.len() {
-            let v = version_of(name, fallbacks[i]);
+            let v = fallbacks[i];
             assert!(
                 v < newer,
                 "fallbacks must be older than the entry, newest first"
@@ -100,19 +101,38 @@ impl EntrySpec {
     /// The ABI versions the loader tries, in order: [`version`](Self::version), then each of
     /// the [`fallbacks`](Self::fallbacks).
     pub fn versions(&self) -> impl Iterator<Item = u32> + '_ {
-        std::iter::once(self.version).chain(self.fallbacks.iter().map(|t| version_of(self.name, t)))
+        std::iter::once(self.version).chain(self.fallbacks.iter().copied())
     }
 }
 
 /// The version of `PFN_<name>_v<digits>`; panics (at compile time for the table) when the
 /// typedef does not belong to `name`.
 const fn version_of(name: &str, typedef: &str) -> u32 {
-    let n = name.as_bytes();
+    version_of_bytes(name.as_bytes(), typedef.as_bytes())
+}
+
+/// The version of `fallback`, which must be a typedef of the same function as `typedef`
+/// (`PFN_<name>_v<digits>` with the same name); panics at compile time for the table.
+const fn sibling_version(typedef: &str, fallback: &str) -> u32 {
     let t = typedef.as_bytes();
+    let mut end = t.len();
+    while end > 0 && t[end - 1].is_ascii_digit() {
+        end -= 1;
+    }
+    assert!(
+        end > 6 && t[end - 1] == b'v' && t[end - 2] == b'_',
+        "typedef must end in _v<version>"
+    );
+    let (head, _) = t.split_at(end - 2);
+    let (_, name) = head.split_at(4);
+    version_of_bytes(name, fallback.as_bytes())
+}
+
+const fn version_of_bytes(n: &[u8], t: &[u8]) -> u32 {
     let prefix = b"PFN_";
     assert!(
         t.len() > prefix.len() + n.len() + 2,
-        "typedef name too short"
+        "typedef does not match the field name: too short"
     );
     let mut i = 0;
     while i < prefix.len() {
@@ -188,7 +208,14 @@ macro_rules! driver_entries {
                 stringify!($accessor),
                 base_name!($accessor $($symbol)?),
                 stringify!($pfn),
-                &[$(stringify!($fallback)),*],
+                {
+                    // Each fallback's version, from its typedef (checked to be the same
+                    // function's as the entry's typedef).
+                    const FALLBACKS: &[u32] = &[$(
+                        sibling_version(stringify!($pfn), stringify!($fallback)),
+                    )*];
+                    FALLBACKS
+                },
             ), )*
         ];
 
@@ -471,7 +498,7 @@ mod tests {
             "cuEventElapsedTime",
             "cuEventElapsedTime",
             "PFN_cuEventElapsedTime_v12080",
-            &["PFN_cuEventElapsedTime_v2000"],
+            &[2000],
         );
         assert_eq!(e.versions().collect::<Vec<_>>(), [12080, 2000]);
     }
@@ -479,13 +506,14 @@ mod tests {
     #[test]
     #[should_panic(expected = "fallbacks must be older")]
     fn parse_rejects_a_newer_fallback() {
-        EntrySpec::parse("cuX", "cuX", "PFN_cuX_v2000", &["PFN_cuX_v12080"]);
+        EntrySpec::parse("cuX", "cuX", "PFN_cuX_v2000", &[12080]);
     }
 
     #[test]
     #[should_panic(expected = "does not match the field name")]
-    fn parse_rejects_a_fallback_of_another_function() {
-        EntrySpec::parse("cuX", "cuX", "PFN_cuX_v12080", &["PFN_cuY_v2000"]);
+    fn a_fallback_typedef_of_another_function_is_rejected() {
+        assert_eq!(sibling_version("PFN_cuX_v12080", "PFN_cuX_v2000"), 2000);
+        sibling_version("PFN_cuX_v12080", "PFN_cuY_v2000");
     }
 
     #[test]

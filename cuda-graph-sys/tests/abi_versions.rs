@@ -162,8 +162,7 @@ fn fallbacks_are_older_abis_with_the_same_signature() {
     for e in ENTRIES {
         let own = params(&header, &compat, e.name, e.version);
         let mut newer = e.version;
-        for (i, v) in e.versions().enumerate().skip(1) {
-            assert_eq!(e.fallbacks[i - 1], format!("PFN_{}_v{v}", e.name));
+        for v in e.versions().skip(1) {
             assert!(v < newer, "{}: fallback {v} not older than {newer}", e.name);
             newer = v;
             match params(&header, &compat, e.name, v) {
