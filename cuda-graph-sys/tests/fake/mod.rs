@@ -1,5 +1,6 @@
 //! The fake driver of the CPU tests: `fake_cuda.c`, compiled with the system C compiler (`cc`,
-//! or `$CC`) into a shared library per configuration, under the target's temporary folder.
+//! or `$CC`) into a shared library per configuration, under the target's temporary folder
+//! (or the system's).
 //!
 //! Shared by this crate's `tests/fake_driver.rs` and by `cuda-graph/tests/fake_driver.rs`
 //! (through `#[path]`), so it names the sys crate as `cuda_graph_sys`, a dependency of both.
@@ -86,8 +87,15 @@ impl Fake {
         let cc = std::env::var("CC").unwrap_or_else(|_| "cc".to_owned());
         let mut h = DefaultHasher::new();
         (SOURCE, &self.defines, &cc).hash(&mut h);
-        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("fake-cuda");
-        std::fs::create_dir_all(&dir).unwrap();
+        // The target's temporary folder; the system's where that is gone (a test binary
+        // copied to another machine, as scripts/gpu-bundle.sh does).
+        let dir = [
+            PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("fake-cuda"),
+            std::env::temp_dir().join("cuda-graph-fake-cuda"),
+        ]
+        .into_iter()
+        .find(|d| std::fs::create_dir_all(d).is_ok())
+        .expect("no writable folder for the fake driver");
         let lib = dir.join(format!("libcuda-fake-{:016x}.so", h.finish()));
         if lib.is_file() {
             return lib;
