@@ -21,6 +21,7 @@ fn main() {
     }
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed=wrapper.h");
+    println!("cargo:rerun-if-changed=compat.h");
     println!("cargo:rerun-if-changed=tests/kernels/add.cu");
 
     let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("cargo sets this"));
@@ -55,6 +56,12 @@ fn main() {
             version / 1000,
             version % 1000 / 10
         ));
+    }
+
+    // A header older than 12.8 lacks enum values the safe crate names; lib.rs declares them.
+    println!("cargo::rustc-check-cfg=cfg(cuda_header_before_12080)");
+    if version < 12080 {
+        println!("cargo:rustc-cfg=cuda_header_before_12080");
     }
 
     // Dependent crates read these as DEP_CUDAGRAPH_ROOT, _INCLUDE, _CUDA_VERSION.

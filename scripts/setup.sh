@@ -5,12 +5,27 @@
 #   - libclang for bindgen, from the `libclang` wheel.
 # With CUDA_HOME (or CUDA_PATH) set, that toolkit is used instead of the wheels; with
 # LIBCLANG_PATH set, that libclang. Idempotent: a second run only checks and returns.
+#
+# `scripts/setup.sh --cuda12-headers` also installs the CUDA 12.4 headers (cuda.h and
+# cudaTypedefs.h, from the nvidia-cuda-runtime-cu12 wheel; no compiler: no 12.x pip wheel
+# ships nvcc) into .toolchain/cuda12, and prints the CUDA_HOME to build cuda-graph-sys
+# against them. CI uses it to check that the sys crate builds with the oldest headers it
+# accepts.
 set -euo pipefail
+
+cuda12=0
+for arg in "$@"; do
+  case $arg in
+    --cuda12-headers) cuda12=1 ;;
+    *) printf 'setup: unknown argument %s (only --cuda12-headers)\n' "$arg" >&2; exit 2 ;;
+  esac
+done
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 tc="$root/.toolchain"
 cuda_stamp="$tc/cuda/.installed-13.0"
 clang_stamp="$tc/libclang/.installed-18.1.1"
+cuda12_stamp="$tc/cuda12/.installed-12.4"
 cuda_wheels=(
   "nvidia-cuda-nvcc==13.0.*" "nvidia-nvvm==13.0.*" "nvidia-cuda-crt==13.0.*"
   "nvidia-cuda-runtime==13.0.*" "nvidia-cuda-cccl==13.0.*"
@@ -60,4 +75,22 @@ if [ -z "${LIBCLANG_PATH:-}" ] && [ ! -f "$clang_stamp" ]; then
   say "installing libclang into .toolchain/libclang"
   mkdir -p "$tc"
   pip_into "$tc/libclang" "$clang_stamp" "libclang==18.1.1"
+fi
+
+# install_cuda12_headers: the CUDA 12.4 headers into .toolchain/cuda12 (under 1 MB); prints
+# the folder to use as CUDA_HOME.
+install_cuda12_headers() {
+  local home="$tc/cuda12/nvidia/cuda_runtime"
+  if [ ! -f "$cuda12_stamp" ]; then
+    say "installing the CUDA 12.4 headers into .toolchain/cuda12"
+    mkdir -p "$tc"
+    pip_into "$tc/cuda12" "$cuda12_stamp" "nvidia-cuda-runtime-cu12==12.4.*"
+  fi
+  [ -f "$home/include/cuda.h" ] && [ -f "$home/include/cudaTypedefs.h" ] ||
+    die "the nvidia-cuda-runtime-cu12 wheel installed no include/cuda.h and cudaTypedefs.h"
+  printf '%s\n' "$home"
+}
+
+if [ "$cuda12" = 1 ]; then
+  install_cuda12_headers
 fi

@@ -8,6 +8,13 @@
 //! * Functions are not linked. [`driver()`] opens `libcuda.so.1`, takes `cuGetProcAddress_v2`
 //!   and resolves every entry of the table with the ABI version of its `PFN_*_vNNNNN`
 //!   typedef. Binaries therefore build and start on machines without a GPU.
+//! * A driver older than an entry's newest ABI gets an older one: the table lists
+//!   same-signature fallback versions (`cuEventElapsedTime` 12080, else 2000), and older ABIs
+//!   with another signature have accessors of their own (`cuCtxSynchronize_v2000` next to
+//!   the 13.0 `cuCtxSynchronize`). [`Driver::fallbacks`] says which were needed.
+//! * The table is the same with every supported header (CUDA >= 12.4): `compat.h` declares
+//!   the few typedefs of newer ABIs that a 12.x `cudaTypedefs.h` lacks, and the enum values
+//!   of 12.8 that the workspace names are declared here for an older header.
 //! * The header's `CUDA_VERSION` is [`CUDA_VERSION`] here and `DEP_CUDAGRAPH_CUDA_VERSION` in
 //!   dependent build scripts (with `DEP_CUDAGRAPH_ROOT` and `DEP_CUDAGRAPH_INCLUDE`, the
 //!   toolkit this crate was built against).
@@ -32,7 +39,7 @@
 mod loader;
 mod table;
 
-pub use loader::{Driver, LIBCUDA, LIBCUDA_ENV, LoadError, driver};
+pub use loader::{Driver, Fallback, LIBCUDA, LIBCUDA_ENV, LoadError, driver};
 pub use table::{ENTRIES, ENTRY_COUNT, EntryFn, EntrySpec};
 
 #[allow(
@@ -44,3 +51,12 @@ mod bindings {
     include!(concat!(env!("OUT_DIR"), "/bindings.rs"));
 }
 pub use bindings::*;
+
+/// Enum values of CUDA 12.8 that the workspace names, declared here when the header is older
+/// (values from CUDA 13.0's `cuda.h`; drivers before 12.8 reject them, and the safe crate
+/// checks the driver version first).
+#[cfg(cuda_header_before_12080)]
+impl CUgraphConditionalNodeType {
+    /// Conditional SWITCH node (CUDA 12.8).
+    pub const CU_GRAPH_COND_TYPE_SWITCH: Self = Self(2);
+}

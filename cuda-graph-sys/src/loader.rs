@@ -12,7 +12,7 @@
 use std::ffi::{CStr, CString, c_int, c_void};
 use std::sync::OnceLock;
 
-use crate::table::{ENTRIES, ENTRY_COUNT};
+use crate::table::{ENTRIES, ENTRY_COUNT, SYMBOLS};
 use crate::{
     CUdriverProcAddress_flags, CUdriverProcAddressQueryResult, CUresult,
     PFN_cuGetProcAddress_v12000,
@@ -31,13 +31,14 @@ pub enum LoadError {
     },
     /// The driver has no `cuGetProcAddress_v2` (drivers before CUDA 12.0).
     DriverTooOld,
-    /// The installed driver does not provide this entry point at this ABI version.
+    /// The installed driver does not provide this entry point at this ABI version (nor at
+    /// any of the entry's fallback versions).
     Missing {
         /// The base name, e.g. `cuGraphConditionalHandleCreate`.
         name: &'static str,
-        /// The ABI version asked for.
+        /// The ABI version asked for last: the entry's own, or its oldest fallback.
         version: u32,
-        /// What `cuGetProcAddress_v2` returned.
+        /// What `cuGetProcAddress_v2` returned for it.
         result: CUresult,
         /// Its query status: symbol not found, or version not sufficient.
         status: CUdriverProcAddressQueryResult,
@@ -68,6 +69,11 @@ impl std::fmt::Display for LoadError {
                     CUdriverProcAddressQueryResult::CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND => {
                         "the driver has no such symbol"
                     }
+                    // Documented for a version newer than the driver; the status may be unset.
+                    _ if *result == CUresult::CUDA_ERROR_INVALID_VALUE => {
+                        "the driver rejected the request, as it does for ABI versions newer \
+                         than itself"
+                    }
                     _ => "the driver did not resolve it",
                 };
                 write!(
@@ -83,6 +89,32 @@ impl std::fmt::Display for LoadError {
 
 impl std::error::Error for LoadError {}
 
+/// A table entry that the installed driver lacks at its newest ABI but has at an older one
+/// ([`Driver::fallbacks`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fallback {
+    /// The driver's base name, e.g. `cuCtxSynchronize`.
+    pub name: &'static str,
+    /// The newest ABI version the table asks for, which the driver lacks.
+    pub wanted: u32,
+    /// The older ABI version that resolved.
+    pub resolved: u32,
+    /// The accessor that reaches it: the entry's own when the older ABI has the same
+    /// signature (`cuEventElapsedTime`), else an older-ABI accessor with its own signature
+    /// (`cuCtxSynchronize_v2000`).
+    pub accessor: &'static str,
+}
+
+impl std::fmt::Display for Fallback {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} at ABI {} instead of {} (through {})",
+            self.name, self.resolved, self.wanted, self.accessor
+        )
+    }
+}
+
 /// The loaded driver: the library handle and every entry point of the table, resolved once.
 ///
 /// Obtain it with [`driver()`]. Each entry point has an accessor named after it that returns
@@ -97,7 +129,11 @@ pub struct Driver {
         *mut CUdriverProcAddressQueryResult,
     ) -> CUresult,
     ptrs: [*mut c_void; ENTRY_COUNT],
-    results: [(CUresult, CUdriverProcAddressQueryResult); ENTRY_COUNT],
+    /// The ABI version each entry resolved at; 0 when it did not resolve.
+    resolved: [u32; ENTRY_COUNT],
+    /// What the last attempt for each entry returned (for an unresolved one, the error):
+    /// version, result, status.
+    results: [(u32, CUresult, CUdriverProcAddressQueryResult); ENTRY_COUNT],
 }
 
 // SAFETY: the pointers are immutable after loading and point to thread-safe driver entry
@@ -111,6 +147,7 @@ impl std::fmt::Debug for Driver {
         f.debug_struct("Driver")
             .field("resolved", &(ENTRY_COUNT - self.missing_entries().len()))
             .field("entries", &ENTRY_COUNT)
+            .field("fallbacks", &self.fallbacks())
             .finish()
     }
 }
@@ -159,14 +196,23 @@ impl Driver {
         let mut driver = Driver {
             get_proc,
             ptrs: [std::ptr::null_mut(); ENTRY_COUNT],
-            results: [(CUresult::CUDA_SUCCESS, CUdriverProcAddressQueryResult(0)); ENTRY_COUNT],
+            resolved: [0; ENTRY_COUNT],
+            results: [(0, CUresult::CUDA_SUCCESS, CUdriverProcAddressQueryResult(0)); ENTRY_COUNT],
         };
         for (i, spec) in ENTRIES.iter().enumerate() {
-            let name = CString::new(spec.name).expect("entry names have no NUL");
-            // SAFETY: name is NUL-terminated; the version is one the header defines.
-            let (ptr, result, status) = unsafe { driver.resolve(&name, spec.version as c_int) };
-            driver.ptrs[i] = ptr;
-            driver.results[i] = (result, status);
+            // The entry's own ABI first, then its same-signature fallbacks, newest first.
+            for version in spec.versions() {
+                // SAFETY: the name is NUL-terminated; the version is the entry's or one of its
+                // fallbacks, whose typedef is the entry's (proved in the table), so the
+                // accessor calls the pointer with the right signature.
+                let (ptr, result, status) = unsafe { driver.resolve(SYMBOLS[i], version as c_int) };
+                driver.results[i] = (version, result, status);
+                if !ptr.is_null() {
+                    driver.ptrs[i] = ptr;
+                    driver.resolved[i] = version;
+                    break;
+                }
+            }
         }
         Ok(driver)
     }
@@ -203,12 +249,62 @@ impl Driver {
         (!ptr.is_null()).then_some(ptr)
     }
 
-    /// The table entries this driver did not resolve (empty on a current driver).
+    /// The table entries this driver did not resolve, one error per accessor that returns
+    /// one (empty on a current driver). On a driver older than an entry's newest ABI this
+    /// lists that entry even when an older-ABI accessor covers it; [`fallbacks`] says which.
+    ///
+    /// [`fallbacks`]: Driver::fallbacks
     pub fn missing_entries(&self) -> Vec<LoadError> {
         (0..ENTRY_COUNT)
             .filter(|&i| self.ptrs[i].is_null())
             .map(|i| self.missing(i))
             .collect()
+    }
+
+    /// The entries this driver lacks at their newest ABI but has at an older one: entries that
+    /// resolved through one of their same-signature fallbacks, and entries whose newest
+    /// accessor is an error while an older-ABI accessor for the same symbol resolved (the
+    /// caller must use that one). Empty on a driver as new as the headers' table.
+    pub fn fallbacks(&self) -> Vec<Fallback> {
+        let mut out = Vec::new();
+        for (i, spec) in ENTRIES.iter().enumerate() {
+            let resolved = self.resolved[i];
+            if resolved == 0 {
+                continue;
+            }
+            if spec.accessor == spec.name {
+                if resolved != spec.version {
+                    out.push(Fallback {
+                        name: spec.name,
+                        wanted: spec.version,
+                        resolved,
+                        accessor: spec.accessor,
+                    });
+                }
+                continue;
+            }
+            // An older-ABI accessor: a fallback when the newest accessor did not resolve.
+            let newest = ENTRIES
+                .iter()
+                .position(|e| e.accessor == spec.name)
+                .filter(|&j| self.ptrs[j].is_null());
+            if let Some(j) = newest {
+                out.push(Fallback {
+                    name: spec.name,
+                    wanted: ENTRIES[j].version,
+                    resolved,
+                    accessor: spec.accessor,
+                });
+            }
+        }
+        out
+    }
+
+    /// The ABI version the entry with this accessor name resolved at (its own or a
+    /// fallback's), or `None` when it did not resolve or there is no such accessor.
+    pub fn resolved_version(&self, accessor: &str) -> Option<u32> {
+        let i = ENTRIES.iter().position(|e| e.accessor == accessor)?;
+        (self.resolved[i] != 0).then_some(self.resolved[i])
     }
 
     #[inline]
@@ -218,10 +314,10 @@ impl Driver {
 
     #[cold]
     pub(crate) fn missing(&self, slot: usize) -> LoadError {
-        let (result, status) = self.results[slot];
+        let (version, result, status) = self.results[slot];
         LoadError::Missing {
             name: ENTRIES[slot].name,
-            version: ENTRIES[slot].version,
+            version,
             result,
             status,
         }

@@ -4,7 +4,19 @@
 //! The typedef name is the single source of truth: the version requested from
 //! `cuGetProcAddress_v2` is parsed from it at compile time, and a line whose field name does
 //! not match its typedef fails to compile. A CPU test checks that each line names the newest
-//! ABI that the header defines (up to the header's `CUDA_VERSION`).
+//! ABI that the header (with `compat.h`) defines.
+//!
+//! A driver older than the newest ABI of an entry lacks it. Two forms of line keep such
+//! entries usable:
+//!
+//! * `name: PFN_name_vNEW | PFN_name_vOLD, ...` lists older ABI versions *with the same
+//!   signature*, tried in order when the driver lacks the newest one. That the typedefs are one
+//!   type is proved at compile time, so the accessor's type is right whichever one resolved.
+//! * `name_vOLD = name: PFN_name_vOLD` is a second accessor, with its own Rust name, for the
+//!   same driver symbol at an older ABI *with another signature*. Callers use it when the
+//!   newest accessor is an error (see [`Driver::fallbacks`](crate::Driver::fallbacks)).
+
+use std::ffi::CStr;
 
 use crate::*;
 
@@ -19,88 +31,220 @@ impl<F: Copy> EntryFn for Option<F> {
     type Fn = F;
 }
 
-/// Name and requested ABI version of one entry of the table.
+/// Name, requested ABI version and fallbacks of one entry of the table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct EntrySpec {
+    /// The name of its accessor on [`Driver`](crate::Driver): the base name for the newest
+    /// ABI (`cuCtxSynchronize`), or `<name>_v<version>` for an older ABI with another
+    /// signature (`cuCtxSynchronize_v2000`).
+    pub accessor: &'static str,
     /// The driver's base name, e.g. `cuGraphAddNode` (not the `_v2` symbol).
     pub name: &'static str,
     /// The ABI version passed to `cuGetProcAddress_v2`, e.g. 12030.
     pub version: u32,
     /// The typedef the table uses for it, e.g. `PFN_cuGraphAddNode_v12030`.
     pub typedef: &'static str,
+    /// Older ABI versions with the same signature (their `PFN_<name>_v<version>` typedefs are
+    /// the entry's type), newest first, that the loader tries in order when the driver lacks
+    /// `version`. Empty for most entries.
+    pub fallbacks: &'static [u32],
 }
 
 impl EntrySpec {
-    /// Parses `PFN_<name>_v<digits>`; panics (at compile time, as the table is a `const`) when
-    /// the typedef does not belong to `name`.
-    const fn parse(name: &'static str, typedef: &'static str) -> Self {
-        let n = name.as_bytes();
-        let t = typedef.as_bytes();
-        let prefix = b"PFN_";
-        assert!(
-            t.len() > prefix.len() + n.len() + 2,
-            "typedef name too short"
-        );
+    /// Parses `PFN_<name>_v<digits>` and checks the accessor name and the fallbacks; panics
+    /// (at compile time, as the table is a `const`) when the typedef does not belong to
+    /// `name`, when an older-ABI accessor is not `<name>_v<version>`, or when the fallbacks
+    /// are not strictly older, newest first.
+    const fn parse(
+        accessor: &'static str,
+        name: &'static str,
+        typedef: &'static str,
+        fallbacks: &'static [u32],
+    ) -> Self {
+        let version = version_of(name, typedef);
+        if !str_eq(accessor, name) {
+            // An older-ABI accessor is named after the typedef without its `PFN_` prefix.
+            let (a, t) = (accessor.as_bytes(), typedef.as_bytes());
+            assert!(
+                a.len() + 4 == t.len(),
+                "an accessor other than the base name must be <name>_v<version> of its typedef"
+            );
+            let mut i = 0;
+            while i < a.len() {
+                assert!(
+                    a[i] == t[i + 4],
+                    "an accessor other than the base name must be <name>_v<version> of its typedef"
+                );
+                i += 1;
+            }
+        }
+        let mut newer = version;
         let mut i = 0;
-        while i < prefix.len() {
-            assert!(t[i] == prefix[i], "typedef must start with PFN_");
+        while i < fallbacks.len() {
+            let v = fallbacks[i];
+            assert!(
+                v < newer,
+                "fallbacks must be older than the entry, newest first"
+            );
+            newer = v;
             i += 1;
         }
-        let mut j = 0;
-        while j < n.len() {
-            assert!(
-                t[prefix.len() + j] == n[j],
-                "typedef does not match the field name"
-            );
-            j += 1;
-        }
-        let mut k = prefix.len() + n.len();
-        assert!(
-            t[k] == b'_' && t[k + 1] == b'v',
-            "typedef must end in _v<version>"
-        );
-        k += 2;
-        let mut version = 0u32;
-        while k < t.len() {
-            assert!(t[k].is_ascii_digit(), "typedef version must be decimal");
-            version = version * 10 + (t[k] - b'0') as u32;
-            k += 1;
-        }
         EntrySpec {
+            accessor,
             name,
             version,
             typedef,
+            fallbacks,
         }
+    }
+
+    /// The ABI versions the loader tries, in order: [`version`](Self::version), then each of
+    /// the [`fallbacks`](Self::fallbacks).
+    pub fn versions(&self) -> impl Iterator<Item = u32> + '_ {
+        std::iter::once(self.version).chain(self.fallbacks.iter().copied())
     }
 }
 
+/// The version of `PFN_<name>_v<digits>`; panics (at compile time for the table) when the
+/// typedef does not belong to `name`.
+const fn version_of(name: &str, typedef: &str) -> u32 {
+    version_of_bytes(name.as_bytes(), typedef.as_bytes())
+}
+
+/// The version of `fallback`, which must be a typedef of the same function as `typedef`
+/// (`PFN_<name>_v<digits>` with the same name); panics at compile time for the table.
+const fn sibling_version(typedef: &str, fallback: &str) -> u32 {
+    let t = typedef.as_bytes();
+    let mut end = t.len();
+    while end > 0 && t[end - 1].is_ascii_digit() {
+        end -= 1;
+    }
+    assert!(
+        end > 6 && t[end - 1] == b'v' && t[end - 2] == b'_',
+        "typedef must end in _v<version>"
+    );
+    let (head, _) = t.split_at(end - 2);
+    let (_, name) = head.split_at(4);
+    version_of_bytes(name, fallback.as_bytes())
+}
+
+const fn version_of_bytes(n: &[u8], t: &[u8]) -> u32 {
+    let prefix = b"PFN_";
+    assert!(
+        t.len() > prefix.len() + n.len() + 2,
+        "typedef does not match the field name: too short"
+    );
+    let mut i = 0;
+    while i < prefix.len() {
+        assert!(t[i] == prefix[i], "typedef must start with PFN_");
+        i += 1;
+    }
+    let mut j = 0;
+    while j < n.len() {
+        assert!(
+            t[prefix.len() + j] == n[j],
+            "typedef does not match the field name"
+        );
+        j += 1;
+    }
+    let mut k = prefix.len() + n.len();
+    assert!(
+        t[k] == b'_' && t[k + 1] == b'v',
+        "typedef must end in _v<version>"
+    );
+    k += 2;
+    let mut version = 0u32;
+    while k < t.len() {
+        assert!(t[k].is_ascii_digit(), "typedef version must be decimal");
+        version = version * 10 + (t[k] - b'0') as u32;
+        k += 1;
+    }
+    version
+}
+
+const fn str_eq(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    if a.len() != b.len() {
+        return false;
+    }
+    let mut i = 0;
+    while i < a.len() {
+        if a[i] != b[i] {
+            return false;
+        }
+        i += 1;
+    }
+    true
+}
+
+/// `"<name>\0"` as a `CStr`; panics at compile time on a name with a NUL byte.
+const fn c_name(with_nul: &'static str) -> &'static CStr {
+    match CStr::from_bytes_with_nul(with_nul.as_bytes()) {
+        Ok(c) => c,
+        Err(_) => panic!("entry names are NUL-free identifiers"),
+    }
+}
+
+/// The base name of an entry: the symbol after `=` when there is one, else the accessor.
+macro_rules! base_name {
+    ($accessor:ident) => {
+        stringify!($accessor)
+    };
+    ($accessor:ident $symbol:ident) => {
+        stringify!($symbol)
+    };
+}
+
 macro_rules! driver_entries {
-    ($( $(#[$meta:meta])* $name:ident : $pfn:ident ,)*) => {
+    ($( $(#[$meta:meta])* $accessor:ident $(= $symbol:ident)? : $pfn:ident $(| $fallback:ident)* ,)*) => {
         #[allow(non_camel_case_types, clippy::upper_case_acronyms)]
         #[derive(Clone, Copy)]
         #[repr(usize)]
-        enum Slot { $($name,)* }
+        enum Slot { $($accessor,)* }
 
         /// Every entry point of the table, in table order.
         pub const ENTRIES: &[EntrySpec] = &[
-            $( EntrySpec::parse(stringify!($name), stringify!($pfn)), )*
+            $( EntrySpec::parse(
+                stringify!($accessor),
+                base_name!($accessor $($symbol)?),
+                stringify!($pfn),
+                {
+                    // Each fallback's version, from its typedef (checked to be the same
+                    // function's as the entry's typedef).
+                    const FALLBACKS: &[u32] = &[$(
+                        sibling_version(stringify!($pfn), stringify!($fallback)),
+                    )*];
+                    FALLBACKS
+                },
+            ), )*
         ];
 
         /// Number of entries in the table.
         pub const ENTRY_COUNT: usize = ENTRIES.len();
 
+        /// The driver symbol of each entry, NUL-terminated, in table order.
+        pub(crate) const SYMBOLS: [&CStr; ENTRY_COUNT] = [
+            $( c_name(concat!(base_name!($accessor $($symbol)?), "\0")), )*
+        ];
+
+        // A fallback is called through the entry's own typedef: prove they are one type.
+        $( $( const _: fn($pfn) -> $fallback = |f| f; )* )*
+
         impl crate::Driver {
             $(
-                #[doc = concat!("`", stringify!($name), "`, resolved as `", stringify!($pfn),
-                                "`; an error if the installed driver lacks it.")]
+                #[doc = concat!("`", base_name!($accessor $($symbol)?),
+                                "`, resolved as `", stringify!($pfn), "`",
+                                $(", else as `", stringify!($fallback), "`",)*
+                                "; an error if the installed driver lacks it.")]
                 #[inline]
-                pub fn $name(&self) -> Result<<$pfn as EntryFn>::Fn, crate::LoadError> {
-                    let ptr = self.entry_ptr(Slot::$name as usize);
+                pub fn $accessor(&self) -> Result<<$pfn as EntryFn>::Fn, crate::LoadError> {
+                    let ptr = self.entry_ptr(Slot::$accessor as usize);
                     // SAFETY: the pointer is null or was returned by cuGetProcAddress_v2 for
-                    // exactly this name and the ABI version of this typedef; a null pointer
+                    // exactly this name and the ABI version of this typedef or of one of its
+                    // fallbacks, which are the same type (proved above); a null pointer
                     // becomes `None`, as `Option<fn>` has the null niche.
                     let f = unsafe { core::mem::transmute::<*mut core::ffi::c_void, $pfn>(ptr) };
-                    f.ok_or_else(|| self.missing(Slot::$name as usize))
+                    f.ok_or_else(|| self.missing(Slot::$accessor as usize))
                 }
             )*
         }
@@ -133,6 +277,9 @@ driver_entries! {
     cuCtxPopCurrent: PFN_cuCtxPopCurrent_v4000,
     cuCtxSynchronize: PFN_cuCtxSynchronize_v13000,
     cuCtxGetDevice: PFN_cuCtxGetDevice_v13000,
+    // ... and their ABI before 13.0 (no context argument: they act on the current context)
+    cuCtxSynchronize_v2000 = cuCtxSynchronize: PFN_cuCtxSynchronize_v2000,
+    cuCtxGetDevice_v2000 = cuCtxGetDevice: PFN_cuCtxGetDevice_v2000,
     cuCtxGetStreamPriorityRange: PFN_cuCtxGetStreamPriorityRange_v5050,
     cuCtxGetLimit: PFN_cuCtxGetLimit_v3010,
     cuCtxSetLimit: PFN_cuCtxSetLimit_v3010,
@@ -163,7 +310,7 @@ driver_entries! {
     cuEventRecordWithFlags: PFN_cuEventRecordWithFlags_v11010,
     cuEventSynchronize: PFN_cuEventSynchronize_v2000,
     cuEventQuery: PFN_cuEventQuery_v2000,
-    cuEventElapsedTime: PFN_cuEventElapsedTime_v12080,
+    cuEventElapsedTime: PFN_cuEventElapsedTime_v12080 | PFN_cuEventElapsedTime_v2000,
     // Memory: allocation and pools
     cuMemAlloc: PFN_cuMemAlloc_v3020,
     cuMemFree: PFN_cuMemFree_v3020,
@@ -324,22 +471,76 @@ mod tests {
 
     #[test]
     fn parse_reads_the_version_from_the_typedef() {
-        let e = EntrySpec::parse("cuGraphAddNode", "PFN_cuGraphAddNode_v12030");
+        let e = EntrySpec::parse(
+            "cuGraphAddNode",
+            "cuGraphAddNode",
+            "PFN_cuGraphAddNode_v12030",
+            &[],
+        );
         assert_eq!((e.name, e.version), ("cuGraphAddNode", 12030));
+        assert_eq!(e.versions().collect::<Vec<_>>(), [12030]);
     }
 
     #[test]
     #[should_panic(expected = "does not match the field name")]
     fn parse_rejects_another_functions_typedef() {
-        EntrySpec::parse("cuGraphAddNode", "PFN_cuGraphAddEmptyNode_v10000");
+        EntrySpec::parse(
+            "cuGraphAddNode",
+            "cuGraphAddNode",
+            "PFN_cuGraphAddEmptyNode_v10000",
+            &[],
+        );
+    }
+
+    #[test]
+    fn parse_reads_fallbacks_in_order() {
+        let e = EntrySpec::parse(
+            "cuEventElapsedTime",
+            "cuEventElapsedTime",
+            "PFN_cuEventElapsedTime_v12080",
+            &[2000],
+        );
+        assert_eq!(e.versions().collect::<Vec<_>>(), [12080, 2000]);
+    }
+
+    #[test]
+    #[should_panic(expected = "fallbacks must be older")]
+    fn parse_rejects_a_newer_fallback() {
+        EntrySpec::parse("cuX", "cuX", "PFN_cuX_v2000", &[12080]);
+    }
+
+    #[test]
+    #[should_panic(expected = "does not match the field name")]
+    fn a_fallback_typedef_of_another_function_is_rejected() {
+        assert_eq!(sibling_version("PFN_cuX_v12080", "PFN_cuX_v2000"), 2000);
+        sibling_version("PFN_cuX_v12080", "PFN_cuY_v2000");
+    }
+
+    #[test]
+    #[should_panic(expected = "must be <name>_v<version>")]
+    fn parse_rejects_an_old_abi_accessor_named_after_another_version() {
+        EntrySpec::parse(
+            "cuCtxSynchronize_v3000",
+            "cuCtxSynchronize",
+            "PFN_cuCtxSynchronize_v2000",
+            &[],
+        );
     }
 
     #[test]
     fn table_is_in_slot_order() {
+        for (i, e) in ENTRIES.iter().enumerate() {
+            assert_eq!(SYMBOLS[i].to_str(), Ok(e.name));
+        }
         assert_eq!(ENTRIES[Slot::cuInit as usize].name, "cuInit");
         assert_eq!(
             ENTRIES[Slot::cuGraphConditionalHandleCreate as usize].name,
             "cuGraphConditionalHandleCreate"
+        );
+        let old = ENTRIES[Slot::cuCtxSynchronize_v2000 as usize];
+        assert_eq!(
+            (old.accessor, old.name, old.version),
+            ("cuCtxSynchronize_v2000", "cuCtxSynchronize", 2000)
         );
         assert_eq!(ENTRY_COUNT, ENTRIES.len());
     }

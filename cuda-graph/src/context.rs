@@ -54,9 +54,21 @@ impl Context {
     }
 
     /// Waits for all work in this context to finish.
+    ///
+    /// Uses the CUDA 13.0 `cuCtxSynchronize`, which names the context. A driver before 13.0
+    /// lacks that ABI; then this binds the context to the calling thread and calls the older
+    /// form, which waits for the current context. Without either, the error names the entry:
+    /// the wait is never skipped.
     pub fn synchronize(&self) -> Result<()> {
-        // SAFETY: raw is a live, retained context.
-        unsafe { cu!(cuCtxSynchronize(self.raw)) }
+        let d = cuda_graph_sys::driver()?;
+        if let Ok(sync) = d.cuCtxSynchronize() {
+            // SAFETY: raw is a live, retained context.
+            return crate::error::check("cuCtxSynchronize", unsafe { sync(self.raw) });
+        }
+        let sync = d.cuCtxSynchronize_v2000()?;
+        self.bind()?;
+        // SAFETY: no arguments; this context is current on this thread (bound just above).
+        crate::error::check("cuCtxSynchronize", unsafe { sync() })
     }
 
     /// The device it belongs to.
