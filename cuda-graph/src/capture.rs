@@ -174,6 +174,21 @@ fn exchange_thread_mode(mode: CUstreamCaptureMode) -> Result<CUstreamCaptureMode
     Ok(m)
 }
 
+/// Runs `f` with this thread's capture mode set to `RELAXED` (and restores it after, also on
+/// error): calls the driver counts as potentially unsafe during a `GLOBAL` or `THREAD_LOCAL`
+/// capture — loading a module, allocating — are then not refused and do not invalidate a
+/// capture running on this or another thread. Used for lazy, one-time set-up work (module
+/// loads) that may happen to run first inside a capture; it must not touch the capturing
+/// stream.
+pub(crate) fn relaxed<R>(f: impl FnOnce() -> Result<R>) -> Result<R> {
+    let saved = exchange_thread_mode(CaptureMode::Relaxed.to_raw())?;
+    let out = f();
+    let restored = exchange_thread_mode(saved);
+    let out = out?;
+    restored?;
+    Ok(out)
+}
+
 /// What `cuStreamGetCaptureInfo` reports of a stream, copied out of the driver-owned arrays.
 pub(crate) struct CaptureInfo {
     /// None, active or invalidated.

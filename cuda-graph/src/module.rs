@@ -39,8 +39,17 @@ unsafe impl Send for ModuleInner {}
 unsafe impl Sync for ModuleInner {}
 
 impl Module {
-    /// Loads a fatbin or cubin image (`cuModuleLoadData`). The bytes are copied to an
-    /// 8-byte-aligned buffer first, as the driver reads the image's headers in place.
+    /// Loads a fatbin or cubin image
+    /// ([`cuModuleLoadData`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MODULE.html)).
+    /// The bytes are copied to an 8-byte-aligned buffer first, as the driver reads the
+    /// image's headers in place.
+    ///
+    /// Legal in the middle of a stream capture: the load runs with this thread's capture
+    /// mode relaxed, so a library whose first launch happens inside a capture (and loads its
+    /// kernels then) does not invalidate it.
+    ///
+    /// Errors: an empty image; the driver's (not a valid image for this device, out of
+    /// memory).
     pub fn from_image(ctx: &Arc<Context>, image: &[u8]) -> Result<Module> {
         if image.is_empty() {
             return Err(Error::invalid("empty module image"));
@@ -53,7 +62,9 @@ impl Module {
         ctx.bind()?;
         let mut raw = std::ptr::null_mut();
         // SAFETY: valid image pointer for the duration of the call, valid out-pointer.
-        unsafe { cu!(cuModuleLoadData(&mut raw, aligned.as_ptr().cast())) }?;
+        crate::capture::relaxed(|| unsafe {
+            cu!(cuModuleLoadData(&mut raw, aligned.as_ptr().cast()))
+        })?;
         Ok(Module::wrap(ctx, raw))
     }
 
@@ -68,16 +79,19 @@ impl Module {
         ];
         let mut values: [*mut c_void; 2] = [log.as_mut_ptr().cast(), log.len() as *mut c_void];
         let mut raw = std::ptr::null_mut();
+        let load = cuda_graph_sys::driver()?.cuModuleLoadDataEx()?;
         // SAFETY: the option arrays have 2 entries each; the log buffer outlives the call.
-        let rc = unsafe {
-            cuda_graph_sys::driver()?.cuModuleLoadDataEx()?(
-                &mut raw,
-                text.as_ptr().cast(),
-                2,
-                options.as_mut_ptr(),
-                values.as_mut_ptr(),
-            )
-        };
+        let rc = crate::capture::relaxed(|| {
+            Ok(unsafe {
+                load(
+                    &mut raw,
+                    text.as_ptr().cast(),
+                    2,
+                    options.as_mut_ptr(),
+                    values.as_mut_ptr(),
+                )
+            })
+        })?;
         if rc != CUresult::CUDA_SUCCESS {
             let end = log.iter().position(|&b| b == 0).unwrap_or(log.len());
             let log = String::from_utf8_lossy(&log[..end]).trim().to_owned();

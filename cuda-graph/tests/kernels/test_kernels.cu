@@ -48,3 +48,13 @@ extern "C" __global__ void add_one_pdl(float* x, unsigned int n) {
     asm volatile("griddepcontrol.launch_dependents;");
 #endif
 }
+
+// Spins until *flag (host-mapped pinned memory) becomes non-zero: work that keeps its stream
+// busy for as long as the host wants.
+extern "C" __global__ void spin_until_set(const volatile unsigned int* flag) {
+    while (*flag == 0) {
+#if __CUDA_ARCH__ >= 700
+        __nanosleep(1000);
+#endif
+    }
+}
