@@ -1,5 +1,6 @@
 //! Compiles `kernels/*.cu` (helper kernels the library embeds, e.g. conditional-node
-//! setters) and `tests/kernels/*.cu` (kernels of the GPU tests) into fatbins in OUT_DIR.
+//! setters), `tests/kernels/*.cu` (kernels of the GPU tests) and `examples/kernels/*.cu`
+//! (kernels of the examples) into fatbins in OUT_DIR.
 fn main() {
-    cuda_build::compile_dirs(&["kernels", "tests/kernels"]);
+    cuda_build::compile_dirs(&["kernels", "tests/kernels", "examples/kernels"]);
 }

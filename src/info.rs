@@ -68,6 +68,32 @@ pub fn run(out: &mut impl Write) -> Result<(), CliError> {
             report += &format!("    {:<38} {yes}  ({needs})\n", feature.name());
         }
     }
+    // Entries this driver lacks at the ABI the workspace asks for (a 12.x driver: the 13.0
+    // ABIs): which older ABI stands in, or that the entry is missing (its features fail with
+    // an error naming it when used).
+    let d = cuda_graph::sys::driver().map_err(cuda_graph::Error::from)?;
+    let fallbacks = d.fallbacks();
+    let covered = |e: &cuda_graph::sys::LoadError| match e {
+        cuda_graph::sys::LoadError::Missing { name, .. } => {
+            fallbacks.iter().any(|f| f.name == *name)
+        }
+        _ => false,
+    };
+    let missing: Vec<_> = d
+        .missing_entries()
+        .into_iter()
+        .filter(|e| !covered(e))
+        .collect();
+    if fallbacks.is_empty() && missing.is_empty() {
+        report += "driver entry points: all resolved at the ABI the workspace asks for\n";
+    } else {
+        for f in &fallbacks {
+            report += &format!("driver entry point fallback: {f}\n");
+        }
+        for m in &missing {
+            report += &format!("driver entry point missing: {m}\n");
+        }
+    }
     out.write_all(report.as_bytes())?;
     Ok(())
 }

@@ -24,3 +24,9 @@ pub mod scaling;
 pub use linear::Fp8Linear;
 pub use moe::{ExpertGemm, Fp8Moe, MoeConfig, RoutingHandle};
 pub use scaling::ScalingSnapshot;
+
+/// The README's Rust examples, compiled (not run) as doctests of this crate, which depends on
+/// every crate they use.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

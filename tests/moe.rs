@@ -358,7 +358,7 @@ fn run_graphed(gpu: &Gpu, mode: ExpertGemm) -> Vec<Fwd> {
     let schedule = Schedule::new(&ORDER, vec![1]).expect("schedule");
     let options = GraphedOptions::new(schedule.clone());
     let sample = gpu.upload(&input(99, 0));
-    let samples: Vec<Vec<&DeviceBuffer<f32>>> = (0..MICROBATCHES).map(|_| vec![&sample]).collect();
+    let samples: Vec<Vec<&DeviceBuffer<f32>>> = vec![vec![&sample]]; // one callable
     let graphed = GraphedCallables::build(
         &gpu.stream,
         vec![Box::new(layer) as Box<dyn Callable<f32>>],

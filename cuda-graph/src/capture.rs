@@ -411,6 +411,12 @@ impl<'s> CaptureScope<'s> {
     /// running concurrently with later origin work. Before the scope ends, join it back with
     /// [`CaptureScope::join`] after its last work, or the scope fails with
     /// [`Error::UnjoinedFork`].
+    ///
+    /// Wraps [`cuStreamWaitEvent`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html) on an event recorded on the origin, and records the
+    /// fork's capture dependencies ([`cuStreamGetCaptureInfo`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html)) to tell later whether
+    /// it joined.
+    /// Errors: [`Error::Driver`] from creating the stream or the event, recording, waiting
+    /// or the query; [`Error::Load`] on a driver before 12.3, which lacks the query's ABI.
     pub fn fork(&mut self) -> Result<Stream> {
         let ctx = self.origin.context();
         let side = Stream::new(ctx)?;
@@ -428,6 +434,11 @@ impl<'s> CaptureScope<'s> {
 
     /// Makes the origin wait for all work enqueued so far on `side` (a stream from
     /// [`CaptureScope::fork`], or any stream taking part in the capture).
+    ///
+    /// Wraps [`cuStreamWaitEvent`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html) on an event recorded on `side`; for a fork, also
+    /// [`cuStreamGetCaptureInfo`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).
+    /// Errors: [`Error::Driver`]; [`Error::Load`] on a driver before 12.3, as for
+    /// [`CaptureScope::fork`].
     pub fn join(&mut self, side: &Stream) -> Result<()> {
         let event = Event::for_sync(self.origin.context())?;
         event.record(side)?;
@@ -596,9 +607,17 @@ impl Stream {
     /// into a new graph; see the [module documentation](crate::capture) for modes, what
     /// invalidates a capture and what happens on failure.
     ///
-    /// Errors: the closure's error; [`Error::CaptureInvalidated`] if the capture was
-    /// invalidated; [`Error::UnjoinedFork`] if a fork has unjoined work. In every error case
-    /// the partial graph is discarded and the streams are usable.
+    /// Wraps [`cuStreamBeginCapture`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html) and [`cuStreamEndCapture`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).
+    ///
+    /// # Errors
+    /// Whatever the error, the partial graph is discarded and the streams are usable.
+    /// * The closure's error, or [`Error::CaptureInvalidated`] carrying it when the capture
+    ///   was also invalidated.
+    /// * [`Error::CaptureInvalidated`] naming the call that invalidated the capture.
+    /// * [`Error::UnjoinedFork`] when a fork has work the origin does not wait for.
+    /// * [`Error::Driver`] from beginning the capture (e.g. the stream captures already; the
+    ///   closure does not run then), from ending it, or from switching the thread's capture
+    ///   mode.
     pub fn capture<F>(&self, mode: CaptureMode, f: F) -> Result<Graph>
     where
         F: FnOnce(&mut CaptureScope<'_>) -> Result<()>,
@@ -609,6 +628,8 @@ impl Stream {
     /// [`Stream::capture`] for a closure that returns a value besides the graph (buffers it
     /// made, node handles, sizes): `Ok((graph, value))`. Errors of your own code inside the
     /// closure travel as [`Error::External`] (`Error::external(e)`).
+    ///
+    /// Errors: as [`Stream::capture`].
     ///
     /// ```no_run
     /// # use cuda_graph::{CaptureMode, DeviceBuffer, GraphPool, Stream};
@@ -644,10 +665,16 @@ impl Stream {
         }
     }
 
-    /// Like [`Stream::capture`], but appends the captured nodes to `graph`
-    /// (`cuStreamBeginCaptureToGraph`): they depend on the graph's current ends (nodes with
+    /// Like [`Stream::capture`], but appends the captured nodes to `graph`: they depend on
+    /// the graph's current ends (nodes with
     /// no dependents), so they run after everything already in it. What they use is added
     /// to the graph's keep-alive list. On error the nodes the capture added are removed.
+    ///
+    /// Wraps [`cuStreamBeginCaptureToGraph`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html) and [`cuStreamEndCapture`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html); finds the
+    /// graph's ends with [`cuGraphGetNodes`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html) and [`cuGraphGetEdges`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    /// Errors: [`Error::InvalidArgument`] when `graph` and the stream belong to different
+    /// contexts; those of [`Stream::capture`]; [`Error::Load`] on a driver before 12.3,
+    /// which lacks the ABI used.
     pub fn capture_into<F>(&self, graph: &mut Graph, mode: CaptureMode, f: F) -> Result<()>
     where
         F: FnOnce(&mut CaptureScope<'_>) -> Result<()>,
@@ -668,7 +695,11 @@ impl Stream {
         Ok(())
     }
 
-    /// Whether this stream is capturing (`cuStreamIsCapturing`). Legal during a capture.
+    /// Whether this stream is capturing. Legal during a capture.
+    ///
+    /// Wraps [`cuStreamIsCapturing`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).
+    /// Errors: [`Error::Driver`]; [`Error::InvalidArgument`] for a status this crate does not
+    /// know (from a newer driver).
     pub fn capture_status(&self) -> Result<CaptureStatus> {
         let mut status = CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
         // SAFETY: live stream, valid out-pointer.

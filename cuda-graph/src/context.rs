@@ -28,6 +28,10 @@ unsafe impl Sync for Context {}
 
 impl Context {
     /// Retains the primary context of `device` and makes it current on this thread.
+    ///
+    /// Wraps [`cuDevicePrimaryCtxRetain`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__PRIMARY__CTX.html) (released on drop).
+    /// Errors: those of [`init`]; [`Error::Driver`](crate::Error::Driver) from the retain or
+    /// from making the context current.
     pub fn new(device: Device) -> Result<Arc<Context>> {
         init()?;
         let mut raw = std::ptr::null_mut();
@@ -43,11 +47,18 @@ impl Context {
     }
 
     /// The primary context of device 0.
+    ///
+    /// Errors: those of [`Device::get`] (including [`Error::NoDevice`](crate::Error::NoDevice))
+    /// and [`Context::new`].
     pub fn default_device() -> Result<Arc<Context>> {
         Context::new(Device::get(0)?)
     }
 
-    /// Makes this context current on the calling thread.
+    /// Makes this context current on the calling thread. Methods that need a current context
+    /// call it themselves, which is what lets a context be used from any thread.
+    ///
+    /// Wraps [`cuCtxSetCurrent`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__CTX.html).
+    /// Errors: [`Error::Driver`](crate::Error::Driver).
     pub fn bind(&self) -> Result<()> {
         // SAFETY: raw is a live, retained context.
         unsafe { cu!(cuCtxSetCurrent(self.raw)) }
@@ -59,6 +70,11 @@ impl Context {
     /// lacks that ABI; then this binds the context to the calling thread and calls the older
     /// form, which waits for the current context. Without either, the error names the entry:
     /// the wait is never skipped.
+    ///
+    /// Wraps [`cuCtxSynchronize`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__CTX.html).
+    /// Errors: [`Error::Driver`](crate::Error::Driver), including a fault of earlier work in the
+    /// context; illegal while a stream of the context captures (it invalidates the capture).
+    /// [`Error::Load`](crate::Error::Load) only when the driver has neither form.
     pub fn synchronize(&self) -> Result<()> {
         let d = cuda_graph_sys::driver()?;
         if let Ok(sync) = d.cuCtxSynchronize() {
@@ -80,7 +96,8 @@ impl Context {
     /// ([`Stream::launch_pdl`](crate::Stream::launch_pdl)): the driver and device have it
     /// ([`Feature::ProgrammaticDependentLaunch`](crate::driver::Feature::ProgrammaticDependentLaunch))
     /// and the environment variable `CUDA_GRAPH_PDL` is not `0` (the switch for measuring
-    /// without it, or ruling it out when debugging). Asked once per context.
+    /// without it, or ruling it out when debugging). Asked once per context; a failed query
+    /// counts as "no".
     pub fn supports_pdl(&self) -> bool {
         *self.pdl.get_or_init(|| {
             std::env::var("CUDA_GRAPH_PDL").map_or(true, |v| v != "0")
@@ -97,6 +114,9 @@ impl Context {
     }
 
     /// `(least, greatest)` stream priority; numerically lower is higher priority.
+    ///
+    /// Wraps [`cuCtxGetStreamPriorityRange`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__CTX.html).
+    /// Errors: [`Error::Driver`](crate::Error::Driver).
     pub fn stream_priority_range(&self) -> Result<(i32, i32)> {
         self.bind()?;
         let (mut least, mut greatest) = (0, 0);

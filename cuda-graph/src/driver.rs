@@ -30,7 +30,12 @@ impl std::fmt::Display for DriverVersion {
 }
 
 /// Loads the driver and runs `cuInit` once per process; later calls return the cached
-/// outcome. Every other function of this crate calls it first.
+/// outcome, so a failed initialisation is not retried. [`Device::count`] and
+/// [`Context::new`](crate::Context::new) call it, and everything else starts from them.
+///
+/// Wraps [`cuInit`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__INITIALIZE.html).
+/// Errors: [`Error::Load`] when the driver library cannot be opened or predates CUDA 12.0;
+/// [`Error::Driver`] from `cuInit` (e.g. `CUDA_ERROR_NO_DEVICE` on a machine without a GPU).
 pub fn init() -> Result<&'static Driver> {
     static INIT: OnceLock<CUresult> = OnceLock::new();
     let d = cuda_graph_sys::driver()?;
@@ -42,6 +47,11 @@ pub fn init() -> Result<&'static Driver> {
 }
 
 /// The installed driver's CUDA version (not the version of the headers we were built with).
+/// Needs no `cuInit`, so feature checks work before any device is touched.
+///
+/// Wraps [`cuDriverGetVersion`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VERSION.html).
+/// Errors: [`Error::Load`] when the driver library cannot be opened or predates CUDA 12.0;
+/// [`Error::Driver`].
 pub fn driver_version() -> Result<DriverVersion> {
     let d = cuda_graph_sys::driver()?;
     let mut v = 0;
@@ -105,8 +115,9 @@ impl Feature {
         }
     }
 
-    /// `Ok` when a driver of `version` has the feature, else the `Unsupported` error that
-    /// names the feature and the version it needs.
+    /// `Ok` when a driver of `version` has the feature; no driver call.
+    ///
+    /// Errors: [`Error::Unsupported`], naming the feature and the version it needs.
     pub fn check_driver(self, version: DriverVersion) -> Result<()> {
         if version >= self.min_driver() {
             Ok(())
@@ -141,6 +152,9 @@ pub struct Device {
 
 impl Device {
     /// Number of devices the driver sees.
+    ///
+    /// Wraps [`cuDeviceGetCount`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html).
+    /// Errors: those of [`init`]; [`Error::Driver`].
     pub fn count() -> Result<i32> {
         init()?;
         let mut n = 0;
@@ -149,7 +163,11 @@ impl Device {
         Ok(n)
     }
 
-    /// The device with this ordinal, or [`Error::NoDevice`].
+    /// The device with this ordinal.
+    ///
+    /// Wraps [`cuDeviceGet`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html).
+    /// Errors: [`Error::NoDevice`] for an ordinal outside `0..count`; those of
+    /// [`Device::count`]; [`Error::Driver`].
     pub fn get(ordinal: i32) -> Result<Device> {
         let count = Device::count()?;
         if !(0..count).contains(&ordinal) {
@@ -167,6 +185,9 @@ impl Device {
     }
 
     /// The marketing name, e.g. `NVIDIA H200`.
+    ///
+    /// Wraps [`cuDeviceGetName`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html).
+    /// Errors: [`Error::Driver`].
     pub fn name(self) -> Result<String> {
         let mut buf = [0 as c_char; 256];
         // SAFETY: the buffer is valid for its length, which is passed.
@@ -186,6 +207,10 @@ impl Device {
     }
 
     /// A raw device attribute.
+    ///
+    /// Wraps [`cuDeviceGetAttribute`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html).
+    /// Errors: [`Error::Driver`] (`CUDA_ERROR_INVALID_VALUE` for an attribute this driver does
+    /// not know).
     pub fn attribute(self, attr: CUdevice_attribute) -> Result<i32> {
         let mut v = 0;
         // SAFETY: valid out-pointer; unknown attributes are rejected by the driver.
@@ -194,6 +219,9 @@ impl Device {
     }
 
     /// Compute capability `(major, minor)`, e.g. `(9, 0)`.
+    ///
+    /// Two [`cuDeviceGetAttribute`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html) queries.
+    /// Errors: [`Error::Driver`].
     pub fn compute_capability(self) -> Result<(i32, i32)> {
         Ok((
             self.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
@@ -202,11 +230,17 @@ impl Device {
     }
 
     /// Number of streaming multiprocessors.
+    ///
+    /// Wraps [`cuDeviceGetAttribute`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html).
+    /// Errors: [`Error::Driver`].
     pub fn multiprocessor_count(self) -> Result<i32> {
         self.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
     }
 
     /// Total device memory in bytes.
+    ///
+    /// Wraps [`cuDeviceTotalMem`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html).
+    /// Errors: [`Error::Driver`].
     pub fn total_memory(self) -> Result<usize> {
         let mut bytes = 0;
         // SAFETY: valid out-pointer.
@@ -215,7 +249,10 @@ impl Device {
     }
 
     /// Returns the physical memory that graph memory nodes reserved but no graph is using
-    /// back to the OS (`cuDeviceGraphMemTrim`).
+    /// back to the OS.
+    ///
+    /// Wraps [`cuDeviceGraphMemTrim`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    /// Errors: those of [`init`]; [`Error::Driver`].
     pub fn graph_mem_trim(self) -> Result<()> {
         init()?;
         // SAFETY: valid device.
@@ -223,6 +260,9 @@ impl Device {
     }
 
     /// Memory of graph memory nodes on this device, in bytes.
+    ///
+    /// Four [`cuDeviceGetGraphMemAttribute`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html) queries.
+    /// Errors: those of [`init`]; [`Error::Driver`].
     pub fn graph_mem_usage(self) -> Result<GraphMemUsage> {
         use cuda_graph_sys::CUgraphMem_attribute as A;
         init()?;
@@ -246,8 +286,14 @@ impl Device {
         })
     }
 
-    /// `Ok` when this device, with the installed driver, has `feature`; otherwise the
-    /// `Unsupported` or `UnsupportedDevice` error that says what is missing.
+    /// `Ok` when this device, with the installed driver, has `feature`.
+    ///
+    /// Asks [`cuDriverGetVersion`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VERSION.html), and for a feature that depends on the device
+    /// its compute capability ([`cuDeviceGetAttribute`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html)).
+    /// Errors: [`Error::Unsupported`] when the driver is older than
+    /// [`Feature::min_driver`]; [`Error::UnsupportedDevice`] when the device is below
+    /// [`Feature::min_compute_capability`]; [`Error::Load`] and [`Error::Driver`] of the
+    /// queries.
     pub fn require(self, feature: Feature) -> Result<()> {
         feature.check_driver(driver_version()?)?;
         if let Some((need_major, need_minor)) = feature.min_compute_capability() {
@@ -266,7 +312,10 @@ impl Device {
         Ok(())
     }
 
-    /// Whether this device, with the installed driver, has `feature`.
+    /// Whether this device, with the installed driver, has `feature`: [`Device::require`]
+    /// with its `Unsupported` and `UnsupportedDevice` answers turned into `false`.
+    ///
+    /// Errors: the other errors of [`Device::require`] (a failed query is not a "no").
     pub fn supports(self, feature: Feature) -> Result<bool> {
         match self.require(feature) {
             Ok(()) => Ok(true),

@@ -34,16 +34,23 @@ unsafe impl Sync for Event {}
 
 impl Event {
     /// An event that records timestamps (for [`Event::elapsed_ms`]).
+    ///
+    /// Errors: as [`Event::with_flags`].
     pub fn new(ctx: &Arc<Context>) -> Result<Event> {
         Event::with_flags(ctx, EventFlags::empty())
     }
 
-    /// An event with no timing, for ordering streams.
+    /// An event with no timing, for ordering streams (cheaper to record and wait on).
+    ///
+    /// Errors: as [`Event::with_flags`].
     pub fn for_sync(ctx: &Arc<Context>) -> Result<Event> {
         Event::with_flags(ctx, EventFlags::DISABLE_TIMING)
     }
 
     /// An event with explicit flags.
+    ///
+    /// Wraps [`cuEventCreate`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html).
+    /// Errors: [`Error::Driver`] (also from making `ctx` current).
     pub fn with_flags(ctx: &Arc<Context>, flags: EventFlags) -> Result<Event> {
         ctx.bind()?;
         let mut raw = std::ptr::null_mut();
@@ -56,18 +63,31 @@ impl Event {
     }
 
     /// Records the event at the current end of `stream`'s work.
+    ///
+    /// Wraps [`cuEventRecord`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html).
+    /// Errors: [`Error::Driver`].
     pub fn record(&self, stream: &Stream) -> Result<()> {
         // SAFETY: both handles are live.
         unsafe { cu!(cuEventRecord(self.raw, stream.as_raw())) }
     }
 
     /// Blocks until the recorded work completes.
+    ///
+    /// Wraps [`cuEventSynchronize`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html).
+    /// Errors: [`Error::Driver`], including a fault of the recorded work;
+    /// `CUDA_ERROR_CAPTURED_EVENT` for an event recorded in a running capture, which this
+    /// invalidates.
     pub fn synchronize(&self) -> Result<()> {
         // SAFETY: live handle.
         unsafe { cu!(cuEventSynchronize(self.raw)) }
     }
 
     /// Whether the recorded work has completed.
+    ///
+    /// Wraps [`cuEventQuery`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html).
+    /// Errors: [`Error::Driver`] for any result but success and `CUDA_ERROR_NOT_READY`
+    /// (`false`); illegal on an event recorded in a running capture, as for
+    /// [`Event::synchronize`].
     pub fn is_complete(&self) -> Result<bool> {
         // SAFETY: live handle.
         let rc = unsafe { cuda_graph_sys::driver()?.cuEventQuery()?(self.raw) };
@@ -79,6 +99,11 @@ impl Event {
     }
 
     /// Milliseconds between `start` and `end`, both recorded and complete.
+    ///
+    /// Wraps [`cuEventElapsedTime`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html).
+    /// Errors: [`Error::Driver`]: `CUDA_ERROR_NOT_READY` while either is pending;
+    /// `CUDA_ERROR_INVALID_HANDLE` when either was never recorded or has no timing
+    /// ([`Event::for_sync`]).
     pub fn elapsed_ms(start: &Event, end: &Event) -> Result<f32> {
         let mut ms = 0.0f32;
         // SAFETY: valid out-pointer, live handles.

@@ -62,7 +62,9 @@ bitflags! {
 /// captured by the same code pair; the kinds are checked). So after
 /// [`update_or_reinstantiate(g)`](Self::update_or_reinstantiate), `g`'s handles are valid
 /// whichever way it went; the first graph's handles stay valid after updates, but not after
-/// a reinstantiation (a new topology has other nodes).
+/// a reinstantiation (a new topology has other nodes). The first setter after an update pairs
+/// the nodes (`cuGraphGetNodes`, `cuGraphNodeGetType`); an [`Error::Driver`] of theirs is that
+/// setter's error.
 ///
 /// # Dropping
 ///
@@ -103,6 +105,16 @@ unsafe impl Sync for GraphExec {}
 
 impl GraphExec {
     /// Instantiates `graph`. `UPLOAD` needs a stream: use [`GraphExec::instantiate_on`].
+    ///
+    /// Wraps [`cuGraphInstantiateWithParams`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    ///
+    /// # Errors
+    /// * [`Error::InvalidArgument`], before any driver call, for `UPLOAD`, or for
+    ///   `AUTO_FREE_ON_LAUNCH` with `DEVICE_LAUNCH` (which the driver does not allow together);
+    /// * [`Error::Instantiate`] when the driver refuses the graph, with its
+    ///   `CUgraphInstantiateResult` and the node it blamed (e.g. a conditional handle that no
+    ///   node uses);
+    /// * [`Error::Driver`] from making the graph's context current.
     pub fn instantiate(graph: &Graph, flags: InstantiateFlags) -> Result<GraphExec> {
         if flags.contains(InstantiateFlags::UPLOAD) {
             return Err(Error::invalid(
@@ -113,6 +125,10 @@ impl GraphExec {
     }
 
     /// Instantiates `graph`, uploading it on `stream` when `flags` has `UPLOAD`.
+    ///
+    /// Wraps [`cuGraphInstantiateWithParams`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    /// Errors: as [`GraphExec::instantiate`], which refuses `UPLOAD`; here a failed upload
+    /// is an [`Error::Instantiate`].
     pub fn instantiate_on(
         graph: &Graph,
         flags: InstantiateFlags,
@@ -171,7 +187,11 @@ impl GraphExec {
         })
     }
 
-    /// Uploads the exec's work to the device ahead of its first launch, on `stream`.
+    /// Uploads the exec's work to the device ahead of its first launch, on `stream`, so the
+    /// first launch does not pay for it.
+    ///
+    /// Wraps [`cuGraphUpload`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    /// Errors: [`Error::Driver`].
     pub fn upload(&self, stream: &Stream) -> Result<()> {
         // SAFETY: live exec and stream.
         unsafe { cu!(cuGraphUpload(self.raw, stream.as_raw())) }
@@ -180,8 +200,11 @@ impl GraphExec {
     /// Launches the graph on `stream` ([`cuGraphLaunch`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html)).
     /// One exec runs one launch at a time, in launch order, whatever the streams.
     ///
-    /// Errors: the driver's (e.g. an invalid stream, a graph whose memory nodes were not
-    /// freed, a sticky error of the context).
+    /// Errors: [`Error::Driver`]: from `cuGraphLaunch` (e.g. an invalid stream, a graph whose
+    /// memory nodes were not freed, a sticky error of the context); from creating the
+    /// completion event on the first launch ([`cuEventCreate`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html)); or from recording
+    /// it after the launch ([`cuEventRecord`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html)), when the launch is already
+    /// enqueued.
     pub fn launch(&self, stream: &Stream) -> Result<()> {
         let mut completion = self
             .completion
@@ -200,6 +223,9 @@ impl GraphExec {
 
     /// Waits until every launch of this exec so far has finished (one event, not the whole
     /// context). Returns at once if it was never launched.
+    ///
+    /// Wraps [`cuEventSynchronize`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html) on the event recorded after the last launch.
+    /// Errors: [`Error::Driver`], including a fault of the launched work.
     pub fn synchronize(&self) -> Result<()> {
         let completion = self
             .completion
@@ -264,18 +290,22 @@ impl GraphExec {
         self.resources.extend(more);
     }
 
-    /// Updates the exec in place to `graph`'s parameters (`cuGraphExecUpdate_v2`); later
-    /// launches use them, launches already enqueued are unaffected.
+    /// Updates the exec in place to `graph`'s parameters; later launches use them, launches
+    /// already enqueued are unaffected.
     ///
     /// `graph` must have the same topology as the graph this exec was made from (same nodes
     /// of the same kinds, edges in the same order), e.g. the same building code run with
-    /// other arguments. On refusal the error is [`Error::Update`] with the driver's reason
-    /// and node, and the exec is unchanged. On success the exec also keeps `graph`'s
-    /// resources alive (and still the old ones, see `absorb`).
+    /// other arguments. On success the exec also keeps `graph`'s resources alive, and still
+    /// the old ones: a launch enqueued before the update may use them.
     ///
-    /// Per-node setters keep taking the node handles of the graph this exec was
-    /// *instantiated* from; handles of `graph` are refused (`CUDA_ERROR_INVALID_VALUE`, seen
-    /// on the H200 with driver 13.0).
+    /// The driver resolves node handles only through the graph the exec was instantiated
+    /// from (it refuses handles of `graph` with `CUDA_ERROR_INVALID_VALUE`, seen on the H200
+    /// with driver 13.0); the per-node setters translate them, so both graphs' handles work
+    /// afterwards (see [node handles](Self#node-handles)).
+    ///
+    /// Wraps [`cuGraphExecUpdate`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    /// Errors: [`Error::Update`] with the driver's reason and the node it blamed, the exec
+    /// unchanged; [`Error::Driver`] from making the context current.
     pub fn update(&mut self, graph: &Graph) -> Result<()> {
         let mut info = cuda_graph_sys::CUgraphExecUpdateResultInfo {
             result: cuda_graph_sys::CUgraphExecUpdateResult(0),
@@ -304,10 +334,14 @@ impl GraphExec {
 
     /// Updates to `graph`, or, when the driver refuses the update for a structural reason
     /// ([`UpdateReason::reinstantiate_helps`]), replaces this exec with a fresh instantiation
-    /// of `graph` with `flags` (the old exec is dropped, which waits for the device if it
-    /// was launched). Other errors are returned and leave the exec unchanged. After
-    /// Either way, per-node setters then take `graph`'s node handles (see
+    /// of `graph` with `flags` (the old exec is dropped, which waits for its own last
+    /// launch). Either way, per-node setters then take `graph`'s node handles (see
     /// [node handles](Self#node-handles)).
+    ///
+    /// Errors, all leaving the exec unchanged: [`Error::Update`] for a reason a fresh
+    /// instantiation cannot fix ([`UpdateReason::Error`], unknown reasons); those of
+    /// [`GraphExec::instantiate`] when the replacement fails (it refuses `UPLOAD` in
+    /// `flags`); [`Error::Driver`] from making the context current.
     pub fn update_or_reinstantiate(
         &mut self,
         graph: &Graph,
@@ -326,9 +360,15 @@ impl GraphExec {
     }
 
     /// Changes a kernel node's function, grid, block, shared memory and arguments for later
-    /// launches (`cuGraphExecKernelNodeSetParams_v2`). The kernel must be of the same context.
-    /// The exec keeps the kernel's module and the new buffers alive. `config.attributes` are
-    /// ignored (attributes cannot be changed per exec).
+    /// launches. The kernel must be of the same context. The exec keeps the kernel's module
+    /// and the new buffers alive. `config.attributes` are ignored (attributes cannot be
+    /// changed per exec).
+    ///
+    /// Wraps [`cuGraphExecKernelNodeSetParams`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the argument sizes do not match the kernel's
+    /// parameters (nothing is changed); [`Error::Driver`] when the driver refuses the change.
     ///
     /// # Safety
     /// As [`crate::Stream::launch`]: the arguments must be what the kernel expects and it
@@ -351,6 +391,10 @@ impl GraphExec {
 
     /// Changes a memcpy node's buffers (1-D device-to-device, same length as each other; the
     /// node's original devices and context must stay the same).
+    ///
+    /// Wraps [`cuGraphExecMemcpyNodeSetParams`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    /// Errors: [`Error::InvalidArgument`] when the lengths differ or the buffers are empty;
+    /// [`Error::Driver`] when the driver refuses the change.
     pub fn set_memcpy_params<T: DeviceRepr>(
         &mut self,
         node: &MemcpyNode,
@@ -374,8 +418,12 @@ impl GraphExec {
         Ok(())
     }
 
-    /// Changes a memset node's buffer and value (1-D, same context; the driver may refuse a
-    /// different element size).
+    /// Changes a memset node's buffer and value (1-D, same context).
+    ///
+    /// Wraps [`cuGraphExecMemsetNodeSetParams`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    /// Errors: [`Error::InvalidArgument`] when `dst` is empty or its size is not a multiple
+    /// of the value's width; [`Error::Driver`] when the driver refuses the change (it may
+    /// refuse a different element size).
     pub fn set_memset_params<T: DeviceRepr>(
         &mut self,
         node: &MemsetNode,
@@ -400,6 +448,9 @@ impl GraphExec {
 
     /// Replaces a host node's closure for later launches. Returns the node's handle carrying
     /// the new closure's panic count.
+    ///
+    /// Wraps [`cuGraphExecHostNodeSetParams`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    /// Errors: [`Error::Driver`].
     pub fn set_host_callback(
         &mut self,
         node: &HostNode,
@@ -419,6 +470,9 @@ impl GraphExec {
 
     /// Replaces a child graph node's graph; `child` must have the child's topology. The exec
     /// keeps `child`'s resources.
+    ///
+    /// Wraps [`cuGraphExecChildGraphNodeSetParams`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    /// Errors: [`Error::Driver`], also for a `child` of another topology.
     pub fn set_child_graph(&mut self, node: &ChildGraphNode, child: &Graph) -> Result<()> {
         let node = self.resolve(node.id())?;
         // SAFETY: live exec and graph.
@@ -434,6 +488,9 @@ impl GraphExec {
     }
 
     /// Makes an event record node record `event` in later launches; the exec keeps it alive.
+    ///
+    /// Wraps [`cuGraphExecEventRecordNodeSetEvent`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    /// Errors: [`Error::Driver`].
     pub fn set_event_record_event(
         &mut self,
         node: &EventRecordNode,
@@ -453,6 +510,9 @@ impl GraphExec {
     }
 
     /// Makes an event wait node wait for `event` in later launches; the exec keeps it alive.
+    ///
+    /// Wraps [`cuGraphExecEventWaitNodeSetEvent`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    /// Errors: [`Error::Driver`].
     pub fn set_event_wait_event(&mut self, node: &EventWaitNode, event: &Arc<Event>) -> Result<()> {
         let node = self.resolve(node.id())?;
         // SAFETY: live exec and event.
@@ -468,8 +528,11 @@ impl GraphExec {
     }
 
     /// Enables or disables a kernel, memcpy or memset node for later launches; a disabled
-    /// node does nothing but still orders its dependents. Other kinds are an
-    /// [`Error::InvalidArgument`] without a driver call.
+    /// node does nothing but still orders its dependents.
+    ///
+    /// Wraps [`cuGraphNodeSetEnabled`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    /// Errors: [`Error::InvalidArgument`] for other kinds, without a driver call;
+    /// [`Error::Driver`].
     pub fn set_node_enabled(&mut self, node: impl Into<Node>, enabled: bool) -> Result<()> {
         let node = check_toggle(node.into())?;
         let raw = self.resolve(node.id)?;
@@ -478,6 +541,10 @@ impl GraphExec {
     }
 
     /// Whether a kernel, memcpy or memset node is enabled.
+    ///
+    /// Wraps [`cuGraphNodeGetEnabled`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    /// Errors: [`Error::InvalidArgument`] for other kinds, without a driver call;
+    /// [`Error::Driver`].
     pub fn node_enabled(&mut self, node: impl Into<Node>) -> Result<bool> {
         let node = check_toggle(node.into())?;
         let raw = self.resolve(node.id)?;

@@ -71,6 +71,9 @@ unsafe impl Send for Graph {}
 
 impl Graph {
     /// An empty graph.
+    ///
+    /// Wraps [`cuGraphCreate`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    /// Errors: [`Error::Driver`] (also from making `ctx` current).
     pub fn new(ctx: &Arc<Context>) -> Result<Graph> {
         ctx.bind()?;
         let mut raw = std::ptr::null_mut();
@@ -254,6 +257,14 @@ impl Graph {
     /// argument values, and the graph keeps the kernel's module and the buffers alive.
     /// `config.attributes` become the node's kernel attributes.
     ///
+    /// Wraps [`cuGraphAddKernelNode`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html), and [`cuGraphKernelNodeSetAttribute`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html) per
+    /// attribute.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the argument sizes do not match the kernel's parameters
+    /// (nothing is added); [`Error::Driver`]. When setting an attribute fails, the node is
+    /// already in the graph.
+    ///
     /// # Safety
     /// As [`crate::Stream::launch`]: the kernel runs arbitrary device code, so the arguments
     /// must be what it expects, and it must stay inside the buffers it is given, whenever
@@ -289,6 +300,10 @@ impl Graph {
     }
 
     /// Adds a 1-D device-to-device copy of all of `src` into `dst` (same length) after `deps`.
+    ///
+    /// Wraps [`cuGraphAddMemcpyNode`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    /// Errors: [`Error::InvalidArgument`] when the lengths differ or the buffers are empty;
+    /// [`Error::Driver`].
     pub fn add_memcpy<T: DeviceRepr>(
         &mut self,
         deps: &[Node],
@@ -319,6 +334,10 @@ impl Graph {
 
     /// Adds a memset of all of `dst` to `value` (1, 2 or 4 bytes wide; the buffer's size must
     /// be a multiple of it) after `deps`.
+    ///
+    /// Wraps [`cuGraphAddMemsetNode`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    /// Errors: [`Error::InvalidArgument`] when `dst` is empty or its size is not a multiple
+    /// of the value's width; [`Error::Driver`].
     pub fn add_memset<T: DeviceRepr>(
         &mut self,
         deps: &[Node],
@@ -351,6 +370,9 @@ impl Graph {
     /// CUDA driver functions (the driver forbids it in host nodes). Calls never overlap (a
     /// mutex guards the closure). A panic is caught and counted ([`HostNode::panic_count`]);
     /// the graph continues as if the callback returned.
+    ///
+    /// Wraps [`cuGraphAddHostNode`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    /// Errors: [`Error::Driver`].
     pub fn add_host(
         &mut self,
         deps: &[Node],
@@ -378,6 +400,9 @@ impl Graph {
     }
 
     /// Adds a node that records `event` when `deps` complete. The graph keeps the event alive.
+    ///
+    /// Wraps [`cuGraphAddEventRecordNode`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    /// Errors: [`Error::Driver`].
     pub fn add_event_record(
         &mut self,
         deps: &[Node],
@@ -401,6 +426,9 @@ impl Graph {
 
     /// Adds a node that waits for `event` (its most recent record at the time the graph is
     /// launched) after `deps`. The graph keeps the event alive.
+    ///
+    /// Wraps [`cuGraphAddEventWaitNode`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    /// Errors: [`Error::Driver`].
     pub fn add_event_wait(&mut self, deps: &[Node], event: &Arc<Event>) -> Result<EventWaitNode> {
         let deps = raw_deps(deps);
         let mut node = std::ptr::null_mut();
@@ -419,6 +447,9 @@ impl Graph {
     }
 
     /// Adds a no-op node, to join or fan out dependencies.
+    ///
+    /// Wraps [`cuGraphAddEmptyNode`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    /// Errors: [`Error::Driver`].
     pub fn add_empty(&mut self, deps: &[Node]) -> Result<EmptyNode> {
         let deps = raw_deps(deps);
         let mut node = std::ptr::null_mut();
@@ -436,7 +467,10 @@ impl Graph {
 
     /// Adds a node running a copy of `child` after `deps` (the driver clones it; later
     /// changes to `child` do not affect this graph). This graph keeps `child`'s resources.
-    /// The driver refuses children holding memory alloc/free or conditional nodes.
+    ///
+    /// Wraps [`cuGraphAddChildGraphNode`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    /// Errors: [`Error::Driver`], also for a child holding memory alloc/free or conditional
+    /// nodes, which the driver refuses.
     pub fn add_child_graph(&mut self, deps: &[Node], child: &Graph) -> Result<ChildGraphNode> {
         let deps = raw_deps(deps);
         let mut node = std::ptr::null_mut();
@@ -462,6 +496,10 @@ impl Graph {
     /// `InstantiateFlags::AUTO_FREE_ON_LAUNCH`). A graph holding memory nodes cannot be
     /// cloned ([`Graph::try_clone`] fails with error 801), used as a child graph, or
     /// instantiated more than once at a time.
+    ///
+    /// Wraps [`cuGraphAddMemAllocNode`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    /// Errors: [`Error::InvalidArgument`] for 0 bytes; [`Error::Driver`] (also from making the
+    /// context current).
     pub fn add_mem_alloc(&mut self, deps: &[Node], bytes: usize) -> Result<MemAllocNode> {
         if bytes == 0 {
             return Err(Error::invalid("mem alloc node of 0 bytes"));
@@ -495,6 +533,10 @@ impl Graph {
 
     /// Adds a node freeing graph memory at `ptr` (from [`Graph::add_mem_alloc`] of this graph,
     /// which must be among its ancestors) after `deps`.
+    ///
+    /// Wraps [`cuGraphAddMemFreeNode`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    /// Errors: [`Error::Driver`] (e.g. `ptr` not allocated by a memory node of this graph, or
+    /// freed twice).
     pub fn add_mem_free(&mut self, deps: &[Node], ptr: CUdeviceptr) -> Result<MemFreeNode> {
         let deps = raw_deps(deps);
         let mut node = std::ptr::null_mut();
@@ -518,6 +560,9 @@ impl Graph {
     }
 
     /// Makes `to` depend fully on `from`.
+    ///
+    /// Wraps [`cuGraphAddDependencies`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    /// Errors: [`Error::Driver`]; [`Error::Load`] on a driver before 12.3, which lacks the ABI used.
     pub fn add_dependency(&mut self, from: impl Into<Node>, to: impl Into<Node>) -> Result<()> {
         self.add_edge(from.into().id, to.into().id, EdgeKind::Full)
     }
@@ -525,6 +570,9 @@ impl Graph {
     /// Adds a programmatic edge (programmatic dependent launch, Hopper and newer): `to` may
     /// start before `from` finishes and must wait (`griddepcontrol.wait`,
     /// `cudaGridDependencySynchronize`) before reading `from`'s output.
+    ///
+    /// Wraps [`cuGraphAddDependencies`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    /// Errors: [`Error::Driver`]; [`Error::Load`] on a driver before 12.3, which lacks the ABI used.
     pub fn add_programmatic_dependency(
         &mut self,
         from: &KernelNode,
@@ -534,11 +582,17 @@ impl Graph {
     }
 
     /// Adds an edge of any kind.
+    ///
+    /// Wraps [`cuGraphAddDependencies`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    /// Errors: [`Error::Driver`]; [`Error::Load`] on a driver before 12.3, which lacks the ABI used.
     pub fn add_dependency_with(&mut self, from: NodeId, to: NodeId, kind: EdgeKind) -> Result<()> {
         self.add_edge(from, to, kind)
     }
 
     /// Removes the edge `from -> to` of kind `kind` (the edge data must match).
+    ///
+    /// Wraps [`cuGraphRemoveDependencies`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    /// Errors: [`Error::Driver`] (also when no such edge exists); [`Error::Load`] on a driver before 12.3, which lacks the ABI used.
     pub fn remove_dependency(&mut self, from: NodeId, to: NodeId, kind: EdgeKind) -> Result<()> {
         let data = kind.to_raw();
         // SAFETY: live graph, one-element arrays.
@@ -550,11 +604,17 @@ impl Graph {
     }
 
     /// Every node, with its kind, in creation order.
+    ///
+    /// Wraps [`cuGraphGetNodes`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html) and [`cuGraphNodeGetType`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    /// Errors: [`Error::Driver`].
     pub fn nodes(&self) -> Result<Vec<Node>> {
         self.typed(raw_nodes(self.raw)?)
     }
 
     /// The nodes without dependencies.
+    ///
+    /// Wraps [`cuGraphGetRootNodes`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html) and [`cuGraphNodeGetType`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    /// Errors: [`Error::Driver`].
     pub fn root_nodes(&self) -> Result<Vec<Node>> {
         let mut n = 0usize;
         // SAFETY: null array asks for the count.
@@ -583,6 +643,9 @@ impl Graph {
     }
 
     /// The kind of a node of this graph.
+    ///
+    /// Wraps [`cuGraphNodeGetType`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    /// Errors: [`Error::Driver`].
     pub fn node_type(&self, node: NodeId) -> Result<NodeKind> {
         let mut t = cuda_graph_sys::CUgraphNodeType(0);
         // SAFETY: a node of this live graph, valid out-pointer.
@@ -591,6 +654,9 @@ impl Graph {
     }
 
     /// Every edge with its kind, in the driver's order.
+    ///
+    /// Wraps [`cuGraphGetEdges`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    /// Errors: [`Error::Driver`]; [`Error::Load`] on a driver before 12.3, which lacks the ABI used.
     pub fn edges(&self) -> Result<Vec<Edge>> {
         let mut n = 0usize;
         // SAFETY: null arrays ask for the count.
@@ -629,11 +695,17 @@ impl Graph {
     }
 
     /// The nodes `node` depends on, with the kind of each edge.
+    ///
+    /// Wraps [`cuGraphNodeGetDependencies`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    /// Errors: [`Error::Driver`]; [`Error::Load`] on a driver before 12.3, which lacks the ABI used.
     pub fn dependencies(&self, node: NodeId) -> Result<Vec<(NodeId, EdgeKind)>> {
         self.neighbours(node, true)
     }
 
     /// The nodes that depend on `node`, with the kind of each edge.
+    ///
+    /// Wraps [`cuGraphNodeGetDependentNodes`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    /// Errors: [`Error::Driver`]; [`Error::Load`] on a driver before 12.3, which lacks the ABI used.
     pub fn dependents(&self, node: NodeId) -> Result<Vec<(NodeId, EdgeKind)>> {
         self.neighbours(node, false)
     }
@@ -668,9 +740,12 @@ impl Graph {
             .collect())
     }
 
-    /// A copy of this graph (`cuGraphClone`) sharing the kept-alive resources. Fails with
-    /// `CUDA_ERROR_NOT_SUPPORTED` (801) for graphs holding memory alloc/free or conditional
-    /// nodes. Node handles of this graph are not valid in the clone.
+    /// A copy of this graph sharing the kept-alive resources. Node handles of this graph are
+    /// not valid in the clone.
+    ///
+    /// Wraps [`cuGraphClone`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    /// Errors: [`Error::Driver`]; `CUDA_ERROR_NOT_SUPPORTED` (801) for graphs holding memory
+    /// alloc/free or conditional nodes.
     pub fn try_clone(&self) -> Result<Graph> {
         let mut raw = std::ptr::null_mut();
         // SAFETY: live graph, valid out-pointer.
@@ -683,6 +758,10 @@ impl Graph {
 
     /// Writes the graph as Graphviz DOT to `path`; `flags` are `CU_GRAPH_DEBUG_DOT_FLAGS_*`
     /// bits (`CU_GRAPH_DEBUG_DOT_FLAGS_VERBOSE` = 1 gives everything).
+    ///
+    /// Wraps [`cuGraphDebugDotPrint`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    /// Errors: [`Error::InvalidArgument`] when `path` is not UTF-8 or contains a NUL byte;
+    /// [`Error::Driver`] (e.g. the file cannot be written).
     pub fn to_dot_file(&self, path: &Path, flags: u32) -> Result<()> {
         let s = path
             .to_str()
@@ -692,7 +771,11 @@ impl Graph {
         unsafe { cu!(cuGraphDebugDotPrint(self.raw, c.as_ptr(), flags)) }
     }
 
-    /// The graph as verbose Graphviz DOT text (through a temporary file).
+    /// The graph as verbose Graphviz DOT text (through a temporary file, as the driver only
+    /// writes files).
+    ///
+    /// Errors: as [`Graph::to_dot_file`]; [`Error::InvalidArgument`] carrying the I/O error
+    /// when the file cannot be read back.
     pub fn to_dot_string(&self) -> Result<String> {
         use std::sync::atomic::{AtomicU64, Ordering};
         static SEQ: AtomicU64 = AtomicU64::new(0);

@@ -182,6 +182,16 @@ impl Stream {
     /// During a capture the launch becomes a kernel node, and the graph keeps the kernel's
     /// module and the buffers alive.
     ///
+    /// Wraps [`cuLaunchKernel`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EXEC.html), or [`cuLaunchKernelEx`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EXEC.html) when `config`
+    /// has attributes.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) when the argument sizes do not
+    /// match the kernel's parameters (nothing is enqueued); [`Error::Driver`](crate::Error::Driver)
+    /// when the driver refuses the launch (grid, block or shared memory beyond the device's
+    /// limits, `CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES`) or reports a fault of earlier work. A
+    /// fault of this kernel itself surfaces later, from a call that waits for it.
+    ///
     /// # Safety
     /// The kernel runs arbitrary device code: the arguments must be what it expects (types,
     /// not only sizes), and it must only touch memory within the buffers it is given, sized
@@ -202,6 +212,10 @@ impl Stream {
     /// attribute [`LaunchAttribute::ProgrammaticStreamSerialization`] added to `config`'s):
     /// the kernel may be scheduled while its predecessor on the stream (or in a captured
     /// graph) still runs, hiding its launch latency. Elsewhere it is a plain launch.
+    ///
+    /// Wraps [`cuLaunchKernelEx`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EXEC.html) where the attribute is added, else as
+    /// [`launch`](Self::launch).
+    /// Errors: as [`launch`](Self::launch).
     ///
     /// # Safety
     /// As [`launch`](Self::launch), and the kernel must call `cuda_graph::pdl_wait()`

@@ -19,6 +19,20 @@
 //!   joins to side streams.
 //! * [`Error`]: every failure, carrying the driver call, its result code, name and message.
 //!
+//! # Errors
+//!
+//! Each function that calls the driver links the NVIDIA driver API page of the call it wraps
+//! (where the driver lists that call's result codes) and says what it returns on failure.
+//! Three rules hold throughout:
+//! * [`Error::Load`]: the driver library cannot be opened, predates CUDA 12.0, or lacks an
+//!   entry point at the ABI this crate uses. Entry points newer than 12.0 are named where a
+//!   function needs one; a feature gate ([`Error::Unsupported`]) usually answers first.
+//! * [`Error::Driver`] names the call that failed and its result. Many functions first make
+//!   their context current, so `cuCtxSetCurrent` may be the call named; a fault of earlier
+//!   asynchronous work surfaces from whichever call comes next.
+//! * [`Error::InvalidArgument`] comes from this crate's own checks, made before the driver
+//!   call they guard.
+//!
 //! # Lifetimes: what keeps device memory alive
 //!
 //! Work enqueued through the safe API registers what it uses. A kernel launch or copy made

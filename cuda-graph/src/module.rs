@@ -48,8 +48,9 @@ impl Module {
     /// mode relaxed, so a library whose first launch happens inside a capture (and loads its
     /// kernels then) does not invalidate it.
     ///
-    /// Errors: an empty image; the driver's (not a valid image for this device, out of
-    /// memory).
+    /// Errors: [`Error::InvalidArgument`] for an empty image; [`Error::Driver`] (not a valid
+    /// image for this device, out of memory; also from making `ctx` current or switching
+    /// the thread's capture mode).
     pub fn from_image(ctx: &Arc<Context>, image: &[u8]) -> Result<Module> {
         if image.is_empty() {
             return Err(Error::invalid("empty module image"));
@@ -68,7 +69,13 @@ impl Module {
         Ok(Module::wrap(ctx, raw))
     }
 
-    /// Compiles and loads PTX text. On failure the error carries the JIT's log.
+    /// Compiles and loads PTX text; legal during a capture, like [`Module::from_image`].
+    ///
+    /// Wraps [`cuModuleLoadDataEx`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MODULE.html), with an 8 KiB JIT error log.
+    /// Errors: [`Error::InvalidArgument`] when the text contains a NUL byte;
+    /// [`Error::ModuleLoad`] when the load fails, carrying the driver's error and the JIT's
+    /// log (where a PTX syntax error is explained); [`Error::Driver`] from making `ctx`
+    /// current or switching the thread's capture mode.
     pub fn from_ptx(ctx: &Arc<Context>, ptx: &str) -> Result<Module> {
         let text = CString::new(ptx).map_err(|_| Error::invalid("PTX contains a NUL byte"))?;
         ctx.bind()?;
@@ -108,6 +115,9 @@ impl Module {
     /// the life of the process (so the context stays retained too,
     /// as primary contexts are anyway). Libraries that ship kernels use this so every layer,
     /// launcher and thread shares one loaded copy.
+    ///
+    /// Errors: as [`Module::from_image`], on a first use only; a failed load is not cached,
+    /// so the next call tries again.
     pub fn embedded(ctx: &Arc<Context>, image: &'static [u8]) -> Result<Module> {
         static CACHE: OnceLock<Mutex<HashMap<(usize, usize), Module>>> = OnceLock::new();
         let key = (ctx.as_raw() as usize, image.as_ptr() as usize);
@@ -135,6 +145,12 @@ impl Module {
 
     /// The kernel `name` (an `extern "C"` symbol); looked up once, then served from the
     /// module's cache.
+    ///
+    /// Wraps [`cuModuleGetFunction`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MODULE.html), and [`cuFuncGetParamInfo`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EXEC.html) for
+    /// the parameter sizes (driver >= 12.4; an older driver leaves them unknown, which is not
+    /// an error).
+    /// Errors: [`Error::InvalidArgument`] when `name` contains a NUL byte; [`Error::Driver`]
+    /// (`CUDA_ERROR_NOT_FOUND` for no such kernel). Failed lookups are not cached.
     pub fn kernel(&self, name: &str) -> Result<Kernel> {
         let mut kernels = self
             .inner
@@ -253,6 +269,10 @@ impl Kernel {
     }
 
     /// Allows up to `bytes` of dynamic shared memory per block (needed above 48 KiB).
+    ///
+    /// Wraps [`cuFuncSetAttribute`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EXEC.html) (`CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`).
+    /// Errors: [`Error::InvalidArgument`] when `bytes` does not fit an `i32`;
+    /// [`Error::Driver`] when it exceeds what the device allows.
     pub fn set_max_dynamic_shared_memory(&self, bytes: usize) -> Result<()> {
         let bytes = i32::try_from(bytes)
             .map_err(|_| Error::invalid(format!("{bytes} bytes of shared memory")))?;

@@ -49,8 +49,11 @@ pub struct PoolInner {
 }
 
 impl GraphPool {
-    /// Reserves `capacity` bytes (rounded up to [`POOL_ALIGN`]) with `cuMemAlloc`. Call it
-    /// before capturing.
+    /// Reserves `capacity` bytes (rounded up to [`POOL_ALIGN`]) with
+    /// [`cuMemAlloc`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html). Call it before capturing: a capture may refuse that call.
+    ///
+    /// Errors: [`Error::InvalidArgument`] when rounding `capacity` up overflows; those of
+    /// [`DeviceBuffer::alloc`].
     pub fn new(ctx: &Arc<Context>, capacity: usize) -> Result<GraphPool> {
         let capacity = capacity
             .checked_next_multiple_of(POOL_ALIGN)
@@ -66,7 +69,10 @@ impl GraphPool {
     }
 
     /// A buffer of `len` elements carved from the pool, no driver call. Its contents are
-    /// whatever the range last held. An error if no free range is large enough.
+    /// whatever the range last held.
+    ///
+    /// Errors: [`Error::InvalidArgument`] when the byte count overflows or no free range is
+    /// large enough (the pool never grows, so nothing is allocated during a capture).
     pub fn alloc<T: DeviceRepr>(&self, len: usize) -> Result<DeviceBuffer<T>> {
         let bytes = DeviceBuffer::<T>::bytes_for(len)?;
         let size = bytes.max(1).next_multiple_of(POOL_ALIGN);

@@ -40,6 +40,9 @@ unsafe impl Sync for StreamInner {}
 
 impl Stream {
     /// A new non-blocking stream with default priority.
+    ///
+    /// Wraps [`cuStreamCreate`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).
+    /// Errors: [`Error::Driver`] (also from making `ctx` current).
     pub fn new(ctx: &Arc<Context>) -> Result<Stream> {
         ctx.bind()?;
         let mut raw = std::ptr::null_mut();
@@ -55,6 +58,9 @@ impl Stream {
 
     /// A new non-blocking stream with a priority; lower numbers run first. The driver clamps
     /// values outside [`Context::stream_priority_range`].
+    ///
+    /// Wraps [`cuStreamCreateWithPriority`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).
+    /// Errors: [`Error::Driver`] (also from making `ctx` current).
     pub fn with_priority(ctx: &Arc<Context>, priority: i32) -> Result<Stream> {
         ctx.bind()?;
         let mut raw = std::ptr::null_mut();
@@ -102,12 +108,21 @@ impl Stream {
     }
 
     /// Blocks until all work on the stream is done.
+    ///
+    /// Wraps [`cuStreamSynchronize`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).
+    /// Errors: [`Error::Driver`], including a fault of earlier work on the stream. Illegal
+    /// while the stream captures: the driver refuses it and invalidates the capture, which
+    /// then ends in [`Error::CaptureInvalidated`] naming this call.
     pub fn synchronize(&self) -> Result<()> {
         // SAFETY: live handle.
         unsafe { cu!(cuStreamSynchronize(self.inner.raw)) }
     }
 
     /// Whether all work on the stream is done.
+    ///
+    /// Wraps [`cuStreamQuery`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).
+    /// Errors: [`Error::Driver`] for any result but success and `CUDA_ERROR_NOT_READY`
+    /// (`false`); illegal while the stream captures, as for [`Stream::synchronize`].
     pub fn is_idle(&self) -> Result<bool> {
         // SAFETY: live handle.
         let rc = unsafe { cuda_graph_sys::driver()?.cuStreamQuery()?(self.inner.raw) };
@@ -119,13 +134,19 @@ impl Stream {
     }
 
     /// Makes later work on this stream wait for `event`.
+    ///
+    /// Wraps [`cuStreamWaitEvent`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).
+    /// Errors: [`Error::Driver`].
     pub fn wait_event(&self, event: &Event) -> Result<()> {
         // SAFETY: live handles; flags must be 0.
         unsafe { cu!(cuStreamWaitEvent(self.inner.raw, event.as_raw(), 0)) }
     }
 
     /// Makes later work on this stream wait for all work enqueued so far on `other`, through
-    /// a new event.
+    /// a new event (released at once: the wait already holds the dependency).
+    ///
+    /// Wraps [`cuStreamWaitEvent`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html) on an event recorded on `other`.
+    /// Errors: [`Error::Driver`] from creating or recording the event, or from the wait.
     pub fn wait_stream(&self, other: &Stream) -> Result<()> {
         let event = Event::for_sync(self.context())?;
         event.record(other)?;
@@ -133,6 +154,9 @@ impl Stream {
     }
 
     /// The stream's priority.
+    ///
+    /// Wraps [`cuStreamGetPriority`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).
+    /// Errors: [`Error::Driver`].
     pub fn priority(&self) -> Result<i32> {
         let mut p = 0;
         // SAFETY: valid out-pointer, live handle.

@@ -355,9 +355,13 @@ fn build_with(gpu: &Gpu, schedule: &Schedule, options: GraphedOptions) -> Graphe
         .map(|c| Box::new(Lin::new(gpu, c)) as Box<dyn Callable<f32>>)
         .collect();
     let sample = gpu.upload(&[1.0; N]);
-    let samples: Vec<Vec<&DeviceBuffer<f32>>> = layout
-        .iter()
-        .map(|at| if at.layer == 0 { vec![&sample] } else { vec![] })
+    // One set per callable: the first layer of each chunk reads it.
+    let samples: Vec<Vec<&DeviceBuffer<f32>>> = (0..layout.total_callables())
+        .map(|c| {
+            let first = (0..layout.num_chunks())
+                .any(|m| layout.chunk_callables(m).is_some_and(|r| r.start == c));
+            if first { vec![&sample] } else { vec![] }
+        })
         .collect();
     let graphed = GraphedCallables::build(&gpu.stream, callables, &samples, options)
         .expect("build graphed callables");
@@ -796,7 +800,7 @@ fn build_rejects_what_it_cannot_graph() {
         opts(&[1, -1], vec![1]),
     ));
     assert!(
-        e.contains("0 sets of sample inputs given, one per graph (1) needed"),
+        e.contains("0 sets of sample inputs given, one per callable (1) needed"),
         "{e}"
     );
 

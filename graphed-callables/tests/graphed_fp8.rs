@@ -213,9 +213,13 @@ fn build(
 ) -> GraphedCallables<f32> {
     let layout = options.schedule.layout().clone();
     let sample = gpu.upload(&input(7, 7));
-    let samples: Vec<Vec<&DeviceBuffer<f32>>> = layout
-        .iter()
-        .map(|at| if at.layer == 0 { vec![&sample] } else { vec![] })
+    // One set per callable: the first layer of each chunk reads it.
+    let samples: Vec<Vec<&DeviceBuffer<f32>>> = (0..layout.total_callables())
+        .map(|c| {
+            let first = (0..layout.num_chunks())
+                .any(|m| layout.chunk_callables(m).is_some_and(|r| r.start == c));
+            if first { vec![&sample] } else { vec![] }
+        })
         .collect();
     let graphed = GraphedCallables::build(&gpu.stream, callables, &samples, options)
         .expect("build graphed callables");

@@ -14,8 +14,19 @@ impl Stream {
     /// During a capture on this stream: adds an IF node after the work captured so far, fills
     /// its body with `then` (captured on a scratch stream into the body graph) and makes the
     /// capture continue after the node. `handle` comes from
-    /// [`ConditionalHandle::in_capture`] on this stream. [`Error::InvalidArgument`] when the
-    /// stream is not capturing. Needs a driver >= 12.4.
+    /// [`ConditionalHandle::in_capture`] on this stream. Needs a driver >= 12.4.
+    ///
+    /// Wraps [`cuGraphAddNode`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html) on the capture's graph (found with
+    /// [`cuStreamGetCaptureInfo`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html)), then [`cuStreamUpdateCaptureDependencies`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html) so the
+    /// capture continues after the node.
+    ///
+    /// # Errors
+    /// * [`Error::Unsupported`] on a driver without this kind of node; [`Error::InvalidArgument`]
+    ///   when the stream is not capturing, or `handle` was created for another graph: both
+    ///   before anything is added.
+    /// * A body closure's own error, or [`Error::Driver`] from adding the node or capturing a
+    ///   body. The node has been added by then: fail the capture (return the error from its
+    ///   closure), so the scope discards the graph.
     pub fn capture_if<F>(&self, handle: ConditionalHandle, then: F) -> Result<()>
     where
         F: FnOnce(&Stream) -> Result<()>,
@@ -29,6 +40,8 @@ impl Stream {
 
     /// During a capture: an IF node with an else body (see [`Stream::capture_if`]). Needs a
     /// driver >= 12.8.
+    ///
+    /// Errors: as [`Stream::capture_if`].
     pub fn capture_if_else<F, G>(&self, handle: ConditionalHandle, then: F, else_: G) -> Result<()>
     where
         F: FnOnce(&Stream) -> Result<()>,
@@ -41,8 +54,10 @@ impl Stream {
         )
     }
 
-    /// During a capture: a WHILE node (see [`Stream::capture_if`], [`Graph::add_while`]).
-    /// Needs a driver >= 12.4.
+    /// During a capture: a WHILE node (see [`Stream::capture_if`],
+    /// [`Graph::add_while`](crate::Graph::add_while)). Needs a driver >= 12.4.
+    ///
+    /// Errors: as [`Stream::capture_if`].
     pub fn capture_while<F>(&self, handle: ConditionalHandle, body: F) -> Result<()>
     where
         F: FnOnce(&Stream) -> Result<()>,
@@ -54,8 +69,11 @@ impl Stream {
         )
     }
 
-    /// During a capture: a SWITCH node over `cases` (see [`Graph::add_switch`]). Needs a
-    /// driver >= 12.8.
+    /// During a capture: a SWITCH node over `cases` (see
+    /// [`Graph::add_switch`](crate::Graph::add_switch)). Needs a driver >= 12.8.
+    ///
+    /// Errors: [`Error::InvalidArgument`] for no cases (or more than `u32::MAX`), before the
+    /// driver is asked; otherwise as [`Stream::capture_if`].
     pub fn capture_switch(&self, handle: ConditionalHandle, cases: Vec<Body<'_>>) -> Result<()> {
         let n = u32::try_from(cases.len())
             .map_err(|_| Error::invalid(format!("{} SWITCH cases", cases.len())))?;

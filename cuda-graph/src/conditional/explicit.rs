@@ -15,6 +15,16 @@ use super::{Body, ConditionSource, ConditionalHandle, ConditionalKind};
 impl Graph {
     /// Adds an IF node after `deps`: `then` fills the body through a capturing stream, which
     /// runs when the handle's value is non-zero. Needs a driver >= 12.4.
+    ///
+    /// Wraps [`cuGraphAddNode`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html) (a conditional node); each body is then captured into its
+    /// body graph on a scratch stream ([`cuStreamBeginCaptureToGraph`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html)).
+    ///
+    /// # Errors
+    /// * [`Error::Unsupported`] on a driver without this kind of node, and
+    ///   [`Error::InvalidArgument`] when `handle` was created for another graph: both before
+    ///   the graph is touched.
+    /// * A body closure's own error, or [`Error::Driver`] from adding the node or capturing a
+    ///   body. The node is in the graph by then, its bodies partly filled: discard the graph.
     pub fn add_if<F>(
         &mut self,
         deps: &[Node],
@@ -34,6 +44,8 @@ impl Graph {
 
     /// Adds an IF node with an else body: `then` runs when the value is non-zero, `else_`
     /// when it is zero. Needs a driver >= 12.8.
+    ///
+    /// Errors: as [`Graph::add_if`].
     pub fn add_if_else<F, G>(
         &mut self,
         deps: &[Node],
@@ -56,6 +68,8 @@ impl Graph {
     /// Adds a WHILE node: the body runs while the handle's value is non-zero, tested before
     /// each iteration; the body must set the value (e.g. [`ConditionalHandle::decrement_on`])
     /// or the loop never ends. Needs a driver >= 12.4.
+    ///
+    /// Errors: as [`Graph::add_if`].
     pub fn add_while<F>(
         &mut self,
         deps: &[Node],
@@ -75,6 +89,9 @@ impl Graph {
 
     /// Adds a SWITCH node over `cases`: case `value` runs, a value `>= cases.len()` runs
     /// nothing. Needs a driver >= 12.8.
+    ///
+    /// Errors: [`Error::InvalidArgument`] for no cases (or more than `u32::MAX`), before the
+    /// driver is asked; otherwise as [`Graph::add_if`].
     pub fn add_switch(
         &mut self,
         deps: &[Node],
@@ -88,6 +105,13 @@ impl Graph {
 
     /// Adds a one-thread kernel node after `deps` that sets `handle` from `source`, and
     /// returns it; put it before the conditional node that reads the handle.
+    ///
+    /// Captures [`ConditionalHandle::set_on`]'s [`cuLaunchKernel`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EXEC.html) into this graph
+    /// ([`cuStreamBeginCaptureToGraph`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html)), so the graph keeps the helpers' module alive as
+    /// for any captured launch.
+    /// Errors: [`Error::InvalidArgument`] when `handle` belongs to another context or a source
+    /// buffer is empty; those of [`ConditionalHandle::set_on`]; [`Error::Driver`] from the
+    /// capture.
     pub fn add_set_condition(
         &mut self,
         deps: &[Node],

@@ -45,14 +45,19 @@ impl ConditionalHandle {
     /// Errors: a non-zero `default` without `reset_each_launch` is refused
     /// ([`Error::InvalidArgument`]): the driver does not apply such a default (seen on driver
     /// 13.0: the first launch read 0 with a default of 1), so it would be silently ignored.
-    /// [`Error::Unsupported`] on drivers before 12.4; the driver's errors.
+    /// [`Error::Unsupported`] on drivers before 12.4; [`Error::Driver`].
     pub fn new(graph: &mut Graph, default: u32, reset_each_launch: bool) -> Result<Self> {
         create_handle(graph.context(), graph.as_raw(), default, reset_each_launch)
     }
 
     /// A handle for a conditional node that will be added to the graph `stream` is
-    /// capturing into (see [`Stream::capture_if`]); [`Error::InvalidArgument`] when `stream`
-    /// is not capturing.
+    /// capturing into (see [`Stream::capture_if`]).
+    ///
+    /// Wraps [`cuGraphConditionalHandleCreate`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html) on the graph that
+    /// [`cuStreamGetCaptureInfo`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html) reports.
+    /// Errors: [`Error::Unsupported`] on drivers before 12.4; [`Error::InvalidArgument`] when
+    /// `stream` is not capturing, or for a non-zero `default` without `reset_each_launch` (see
+    /// [`ConditionalHandle::new`]); [`Error::Driver`].
     pub fn in_capture(stream: &Stream, default: u32, reset_each_launch: bool) -> Result<Self> {
         Feature::ConditionalIfWhile.check_driver(driver_version()?)?;
         let info = capture_info(stream)?;
@@ -60,8 +65,11 @@ impl ConditionalHandle {
     }
 
     /// Loads the helper kernels of [`ConditionalHandle::set_on`] for `ctx` now. Their first
-    /// use loads them otherwise; call this before a capture in `GLOBAL` mode, where loading a
-    /// module may be a prohibited call that invalidates the capture.
+    /// use loads them otherwise, which is legal inside a capture (the load runs with the
+    /// thread's capture mode relaxed, see [`Module::from_image`]); loading ahead keeps that
+    /// one-time work out of the code being captured.
+    ///
+    /// Errors: as [`Module::from_image`].
     pub fn load_helpers(ctx: &Arc<Context>) -> Result<()> {
         Module::embedded(ctx, HELPER_IMAGE).map(drop)
     }
@@ -86,6 +94,11 @@ impl ConditionalHandle {
     /// `source`. Meant for a stream that is capturing into this handle's graph (a body
     /// closure's stream, or the capturing stream before [`Stream::capture_if`]): the setter
     /// must run inside a launch of that graph. The graph keeps the buffer alive.
+    ///
+    /// Launches with [`cuLaunchKernel`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EXEC.html).
+    /// Errors: [`Error::InvalidArgument`] when `stream` belongs to another context than the
+    /// handle, or a source buffer is empty; those of [`ConditionalHandle::load_helpers`] on a
+    /// first use; [`Error::Driver`] from the kernel lookup or the launch.
     pub fn set_on(&self, stream: &Stream, source: ConditionSource<'_>) -> Result<()> {
         self.check_context(stream.context())?;
         source.check()?;
@@ -114,21 +127,29 @@ impl ConditionalHandle {
     }
 
     /// `set_on(stream, ConditionSource::Const(value))`.
+    ///
+    /// Errors: as [`ConditionalHandle::set_on`].
     pub fn set_const_on(&self, stream: &Stream, value: u32) -> Result<()> {
         self.set_on(stream, ConditionSource::Const(value))
     }
 
     /// Sets the value to `flag[0]` (an IF/WHILE flag or a SWITCH index).
+    ///
+    /// Errors: as [`ConditionalHandle::set_on`].
     pub fn set_from_flag_on(&self, stream: &Stream, flag: &DeviceBuffer<i32>) -> Result<()> {
         self.set_on(stream, ConditionSource::I32(flag))
     }
 
     /// Sets the value to `flag[0] != 0.0` (1 or 0).
+    ///
+    /// Errors: as [`ConditionalHandle::set_on`].
     pub fn set_from_f32_flag_on(&self, stream: &Stream, flag: &DeviceBuffer<f32>) -> Result<()> {
         self.set_on(stream, ConditionSource::F32(flag))
     }
 
     /// Counted loops: `counter[0] -= 1`, then the value is `counter[0] > 0`.
+    ///
+    /// Errors: as [`ConditionalHandle::set_on`].
     pub fn decrement_on(&self, stream: &Stream, counter: &DeviceBuffer<i32>) -> Result<()> {
         self.set_on(stream, ConditionSource::Decrement(counter))
     }

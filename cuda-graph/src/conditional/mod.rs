@@ -4,16 +4,17 @@
 //! A conditional node runs one of its body graphs (or loops over one) depending on a 32-bit
 //! value attached to a [`ConditionalHandle`]. The value is set only on the device: by a
 //! kernel that calls `cudaGraphSetConditional`, for example the helper kernels this crate
-//! ships ([`ConditionalHandle::set_on`] and [`Graph::add_set_condition`]), or by the handle's
-//! default, applied at every launch when the handle was made with `reset_each_launch`.
+//! ships ([`ConditionalHandle::set_on`] and
+//! [`Graph::add_set_condition`](crate::Graph::add_set_condition)), or by the handle's default,
+//! applied at every launch when the handle was made with `reset_each_launch`.
 //!
 //! Bodies are filled by a closure that receives a capturing [`Stream`]: everything the
 //! closure enqueues on it (kernel launches, copies, memsets, condition setters, nested
 //! conditionals through [`Stream::capture_if`] and friends) becomes the body's nodes.
 //!
 //! The code is split by job: `handle` (handles and the setter kernels), `explicit`
-//! ([`Graph::add_if`] and friends), `capture` ([`Stream::capture_if`] and friends) and
-//! `body` (adding the node and capturing its bodies, shared by both).
+//! ([`Graph::add_if`](crate::Graph::add_if) and friends), `capture` ([`Stream::capture_if`]
+//! and friends) and `body` (adding the node and capturing its bodies, shared by both).
 //!
 //! # Rules for conditional bodies
 //!
@@ -64,7 +65,8 @@ use crate::error::{Error, Result};
 use crate::stream::Stream;
 use cuda_graph_sys::CUgraphConditionalNodeType;
 
-/// A body-filling closure, for [`Graph::add_switch`] and [`Stream::capture_switch`].
+/// A body-filling closure, for [`Graph::add_switch`](crate::Graph::add_switch) and
+/// [`Stream::capture_switch`].
 pub type Body<'a> = Box<dyn FnOnce(&Stream) -> Result<()> + 'a>;
 
 /// The kind of a conditional node.

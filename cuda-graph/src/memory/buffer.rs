@@ -76,7 +76,11 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// Allocates `len` elements with `cuMemAlloc`. The contents are unspecified.
     ///
     /// Wraps [`cuMemAlloc`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html).
-    /// Errors: the byte count overflows; the driver's (out of memory, no context).
+    /// Errors: [`Error::InvalidArgument`] when `len` elements overflow `usize` bytes;
+    /// [`Error::Driver`]: out of memory, or refused where a capture forbids unsafe calls
+    /// (see [capture modes](crate::capture#modes)), which invalidates that capture; inside a
+    /// capture allocate from a [`GraphPool`](crate::GraphPool) or with
+    /// [`DeviceBuffer::alloc_async`].
     pub fn alloc(ctx: &Arc<Context>, len: usize) -> Result<DeviceBuffer<T>> {
         let bytes = Self::bytes_for(len)?;
         ctx.bind()?;
@@ -92,6 +96,9 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     }
 
     /// Allocates `data.len()` elements and copies `data` into them (waits for the copy).
+    ///
+    /// Errors: those of [`DeviceBuffer::alloc`] and [`DeviceBuffer::copy_from_host`]; the wait
+    /// makes it illegal on a capturing stream.
     pub fn from_host(stream: &Stream, data: &[T]) -> Result<DeviceBuffer<T>> {
         let buf = DeviceBuffer::alloc(stream.context(), data.len())?;
         buf.copy_from_host(stream, data)?;
@@ -108,6 +115,9 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// unless instantiated with `AUTO_FREE_ON_LAUNCH`.
     ///
     /// Wraps [`cuMemAllocAsync`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
+    /// Errors: [`Error::InvalidArgument`] when the byte count overflows; [`Error::Driver`]
+    /// from asking whether `stream` captures or from the allocation (out of memory; inside a
+    /// conditional body, where memory nodes are not allowed).
     pub fn alloc_async(stream: &Stream, len: usize) -> Result<DeviceBuffer<T>> {
         let bytes = Self::bytes_for(len)?;
         let free = Self::stream_ordered_free(stream)?;
@@ -134,6 +144,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// Inside a capture this is a graph memory node, as with [`DeviceBuffer::alloc_async`].
     ///
     /// Wraps [`cuMemAllocFromPoolAsync`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
+    /// Errors: as [`DeviceBuffer::alloc_async`].
     pub fn alloc_from_pool(
         stream: &Stream,
         pool: &Arc<MemPool>,
@@ -186,6 +197,8 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// allocated for as long as `owner` lives; dropping `owner` must be a valid way to give
     /// the memory back (it may be dropped on any thread, after the device stopped using it
     /// through this crate's handles).
+    ///
+    /// Errors: [`Error::InvalidArgument`] when the byte count overflows; no driver call.
     pub unsafe fn from_owner(
         ctx: &Arc<Context>,
         ptr: CUdeviceptr,
@@ -255,8 +268,8 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// A view of elements `range` of this buffer: the same memory, kept alive like this
     /// buffer. Cheap (no driver call).
     ///
-    /// Errors: a range that is decreasing or ends past [`len`](Self::len) (nothing is
-    /// made).
+    /// Errors: [`Error::InvalidArgument`] for a range that is decreasing or ends past
+    /// [`len`](Self::len) (nothing is made).
     pub fn slice(&self, range: impl RangeBounds<usize>) -> Result<DeviceBuffer<T>> {
         let start = match range.start_bound() {
             Bound::Included(&s) => Some(s),
@@ -279,7 +292,9 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         }
     }
 
-    /// Two views: elements `..mid` and `mid..`. Errors: `mid` past [`len`](Self::len).
+    /// Two views: elements `..mid` and `mid..`. Cheap (no driver call).
+    ///
+    /// Errors: [`Error::InvalidArgument`] for `mid` past [`len`](Self::len).
     pub fn split_at(&self, mid: usize) -> Result<(DeviceBuffer<T>, DeviceBuffer<T>)> {
         if mid > self.len {
             return Err(Error::invalid(format!(
@@ -292,8 +307,8 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
 
     /// The same memory viewed as elements of `U`: `bytes() / size_of::<U>()` of them.
     ///
-    /// Errors (nothing is made): `U` is zero-sized; the byte size is not a multiple of
-    /// `size_of::<U>()`; the address is not aligned for `U`.
+    /// Errors: [`Error::InvalidArgument`] (nothing is made) when `U` is zero-sized, the byte
+    /// size is not a multiple of `size_of::<U>()`, or the address is not aligned for `U`.
     pub fn reinterpret<U: DeviceRepr>(&self) -> Result<DeviceBuffer<U>> {
         let (bytes, size, align) = (self.bytes(), size_of::<U>(), align_of::<U>());
         let what = || {

@@ -18,7 +18,11 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     }
 
     /// Copies `src` into the buffer, ordered on `stream`, and waits for the copy (and all
-    /// earlier work on `stream`).
+    /// earlier work on `stream`): the wait is what lets `src` be any host slice.
+    ///
+    /// Wraps [`cuMemcpyHtoDAsync`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html), then [`cuStreamSynchronize`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).
+    /// Errors: [`Error::InvalidArgument`] when the lengths differ; [`Error::Driver`]. Not for
+    /// a capturing stream: the wait invalidates the capture.
     pub fn copy_from_host(&self, stream: &Stream, src: &[T]) -> Result<()> {
         self.check_len(src.len(), "copy_from_host")?;
         if self.is_empty() {
@@ -37,6 +41,10 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     }
 
     /// Copies the buffer into `dst`, ordered on `stream` after earlier work, and waits.
+    ///
+    /// Wraps [`cuMemcpyDtoHAsync`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html), then [`cuStreamSynchronize`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).
+    /// Errors: [`Error::InvalidArgument`] when the lengths differ; [`Error::Driver`]. Not for
+    /// a capturing stream: the wait invalidates the capture.
     pub fn copy_to_host(&self, stream: &Stream, dst: &mut [T]) -> Result<()> {
         self.check_len(dst.len(), "copy_to_host")?;
         if self.is_empty() {
@@ -56,6 +64,8 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     }
 
     /// The buffer's contents, copied after earlier work on `stream`.
+    ///
+    /// Errors: as [`DeviceBuffer::copy_to_host`].
     pub fn to_vec(&self, stream: &Stream) -> Result<Vec<T>> {
         let mut v = Vec::with_capacity(self.len());
         // SAFETY: T is plain data (any bit pattern valid); copy_to_host writes every element
@@ -72,7 +82,8 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// ([`cuMemcpyDtoDAsync`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)).
     /// Copying a buffer onto itself (the same view) does nothing.
     ///
-    /// Errors: lengths differ; the two ranges overlap otherwise; the driver's.
+    /// Errors: [`Error::InvalidArgument`] when the lengths differ or the ranges overlap
+    /// (other than being the same view); [`Error::Driver`].
     pub fn copy_from_device(&self, stream: &Stream, src: &DeviceBuffer<T>) -> Result<()> {
         if src.len() != self.len() {
             return Err(Error::invalid(format!(
@@ -106,6 +117,9 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     }
 
     /// Enqueues setting every byte to `value` on `stream`.
+    ///
+    /// Wraps [`cuMemsetD8Async`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html).
+    /// Errors: [`Error::Driver`].
     pub fn memset_bytes(&self, stream: &Stream, value: u8) -> Result<()> {
         if self.is_empty() {
             return Ok(());
@@ -123,6 +137,9 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     }
 
     /// Enqueues setting every element to `value` on `stream`; `T` must be 4 bytes wide.
+    ///
+    /// Wraps [`cuMemsetD32Async`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html).
+    /// Errors: [`Error::InvalidArgument`] when `T` is not 4 bytes wide; [`Error::Driver`].
     pub fn fill_u32_bits(&self, stream: &Stream, value: u32) -> Result<()> {
         if size_of::<T>() != 4 {
             return Err(Error::invalid(format!(

@@ -23,6 +23,11 @@ unsafe impl Sync for MemPool {}
 impl MemPool {
     /// A new pool on the context's device that keeps freed memory (release threshold
     /// `u64::MAX`) instead of returning it to the OS at every synchronize.
+    ///
+    /// Wraps [`cuMemPoolCreate`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html) and
+    /// [`cuMemPoolSetAttribute`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
+    /// Errors: [`Error::Driver`](crate::Error::Driver) (also from making `ctx` current); a
+    /// pool whose threshold cannot be set is destroyed again.
     pub fn new(ctx: &Arc<Context>) -> Result<Arc<MemPool>> {
         use cuda_graph_sys::{
             CUmemAllocationType, CUmemLocationType, CUmemPool_attribute, CUmemPoolProps,
@@ -54,12 +59,18 @@ impl MemPool {
     }
 
     /// Releases unused memory until the pool holds at most `keep_bytes`.
+    ///
+    /// Wraps [`cuMemPoolTrimTo`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
+    /// Errors: [`Error::Driver`](crate::Error::Driver).
     pub fn trim_to(&self, keep_bytes: usize) -> Result<()> {
         // SAFETY: live pool.
         unsafe { cu!(cuMemPoolTrimTo(self.raw, keep_bytes)) }
     }
 
     /// Bytes the pool currently holds from the device (`CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT`).
+    ///
+    /// Wraps [`cuMemPoolGetAttribute`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
+    /// Errors: [`Error::Driver`](crate::Error::Driver).
     pub fn reserved_bytes(&self) -> Result<u64> {
         let mut v = 0u64;
         // SAFETY: the attribute writes a u64.

@@ -12,8 +12,8 @@
 //! # One rule for device writes
 //!
 //! **Work that the device performs takes `&`.** Every enqueued write — kernel launches,
-//! copies, memsets, the FP8 launchers and GEMMs of `fp8-kernels`, the graphed runtime's
-//! replays — takes the buffers it writes by shared reference, and so does every read.
+//! copies, memsets, the FP8 launchers and GEMMs of `fp8-kernels`, the replays of the
+//! `graphed-callables` runtime — takes the buffers it writes by shared reference, and so does every read.
 //! `&mut` is never needed to write device memory through this crate.
 //!
 //! Why: the borrow checker sees the host, not the device. A write is *enqueued* at the call
