@@ -412,9 +412,10 @@ impl<'s> CaptureScope<'s> {
     /// [`CaptureScope::join`] after its last work, or the scope fails with
     /// [`Error::UnjoinedFork`].
     ///
-    /// Wraps [`cuStreamWaitEvent`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html) on an event recorded on the origin, and records the
-    /// fork's capture dependencies ([`cuStreamGetCaptureInfo`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html)) to tell later whether
-    /// it joined.
+    /// Wraps [`cuStreamWaitEvent`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html)
+    /// on an event recorded on the origin, and records the fork's capture dependencies
+    /// ([`cuStreamGetCaptureInfo`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html))
+    /// to tell later whether it joined.
     /// Errors: [`Error::Driver`] from creating the stream or the event, recording, waiting
     /// or the query; [`Error::Load`] on a driver before 12.3, which lacks the query's ABI.
     pub fn fork(&mut self) -> Result<Stream> {
@@ -435,8 +436,8 @@ impl<'s> CaptureScope<'s> {
     /// Makes the origin wait for all work enqueued so far on `side` (a stream from
     /// [`CaptureScope::fork`], or any stream taking part in the capture).
     ///
-    /// Wraps [`cuStreamWaitEvent`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html) on an event recorded on `side`; for a fork, also
-    /// [`cuStreamGetCaptureInfo`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).
+    /// Wraps [`cuStreamWaitEvent`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html)
+    /// on an event recorded on `side`; for a fork, also [`cuStreamGetCaptureInfo`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).
     /// Errors: [`Error::Driver`]; [`Error::Load`] on a driver before 12.3, as for
     /// [`CaptureScope::fork`].
     pub fn join(&mut self, side: &Stream) -> Result<()> {
@@ -607,7 +608,8 @@ impl Stream {
     /// into a new graph; see the [module documentation](crate::capture) for modes, what
     /// invalidates a capture and what happens on failure.
     ///
-    /// Wraps [`cuStreamBeginCapture`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html) and [`cuStreamEndCapture`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).
+    /// Wraps [`cuStreamBeginCapture`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html)
+    /// and [`cuStreamEndCapture`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).
     ///
     /// # Errors
     /// Whatever the error, the partial graph is discarded and the streams are usable.
@@ -670,8 +672,10 @@ impl Stream {
     /// no dependents), so they run after everything already in it. What they use is added
     /// to the graph's keep-alive list. On error the nodes the capture added are removed.
     ///
-    /// Wraps [`cuStreamBeginCaptureToGraph`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html) and [`cuStreamEndCapture`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html); finds the
-    /// graph's ends with [`cuGraphGetNodes`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html) and [`cuGraphGetEdges`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    /// Wraps [`cuStreamBeginCaptureToGraph`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html)
+    /// and [`cuStreamEndCapture`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html);
+    /// finds the graph's ends with [`cuGraphGetNodes`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html)
+    /// and [`cuGraphGetEdges`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
     /// Errors: [`Error::InvalidArgument`] when `graph` and the stream belong to different
     /// contexts; those of [`Stream::capture`]; [`Error::Load`] on a driver before 12.3,
     /// which lacks the ABI used.

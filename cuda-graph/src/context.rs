@@ -29,7 +29,8 @@ unsafe impl Sync for Context {}
 impl Context {
     /// Retains the primary context of `device` and makes it current on this thread.
     ///
-    /// Wraps [`cuDevicePrimaryCtxRetain`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__PRIMARY__CTX.html) (released on drop).
+    /// Wraps [`cuDevicePrimaryCtxRetain`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__PRIMARY__CTX.html)
+    /// (released on drop).
     /// Errors: those of [`init`]; [`Error::Driver`](crate::Error::Driver) from the retain or
     /// from making the context current.
     pub fn new(device: Device) -> Result<Arc<Context>> {

@@ -220,7 +220,8 @@ impl Device {
 
     /// Compute capability `(major, minor)`, e.g. `(9, 0)`.
     ///
-    /// Two [`cuDeviceGetAttribute`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html) queries.
+    /// Two [`cuDeviceGetAttribute`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html)
+    /// queries.
     /// Errors: [`Error::Driver`].
     pub fn compute_capability(self) -> Result<(i32, i32)> {
         Ok((
@@ -261,7 +262,8 @@ impl Device {
 
     /// Memory of graph memory nodes on this device, in bytes.
     ///
-    /// Four [`cuDeviceGetGraphMemAttribute`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html) queries.
+    /// Four [`cuDeviceGetGraphMemAttribute`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html)
+    /// queries.
     /// Errors: those of [`init`]; [`Error::Driver`].
     pub fn graph_mem_usage(self) -> Result<GraphMemUsage> {
         use cuda_graph_sys::CUgraphMem_attribute as A;
@@ -288,8 +290,9 @@ impl Device {
 
     /// `Ok` when this device, with the installed driver, has `feature`.
     ///
-    /// Asks [`cuDriverGetVersion`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VERSION.html), and for a feature that depends on the device
-    /// its compute capability ([`cuDeviceGetAttribute`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html)).
+    /// Asks [`cuDriverGetVersion`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VERSION.html),
+    /// and for a feature that depends on the device its compute capability
+    /// ([`cuDeviceGetAttribute`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html)).
     /// Errors: [`Error::Unsupported`] when the driver is older than
     /// [`Feature::min_driver`]; [`Error::UnsupportedDevice`] when the device is below
     /// [`Feature::min_compute_capability`]; [`Error::Load`] and [`Error::Driver`] of the

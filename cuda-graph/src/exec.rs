@@ -201,10 +201,10 @@ impl GraphExec {
     /// One exec runs one launch at a time, in launch order, whatever the streams.
     ///
     /// Errors: [`Error::Driver`]: from `cuGraphLaunch` (e.g. an invalid stream, a graph whose
-    /// memory nodes were not freed, a sticky error of the context); from creating the
-    /// completion event on the first launch ([`cuEventCreate`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html)); or from recording
-    /// it after the launch ([`cuEventRecord`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html)), when the launch is already
-    /// enqueued.
+    /// memory nodes were not freed, a sticky error of the context); from creating the completion
+    /// event on the first launch ([`cuEventCreate`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html));
+    /// or from recording it after the launch ([`cuEventRecord`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html)),
+    /// when the launch is already enqueued.
     pub fn launch(&self, stream: &Stream) -> Result<()> {
         let mut completion = self
             .completion
@@ -224,7 +224,8 @@ impl GraphExec {
     /// Waits until every launch of this exec so far has finished (one event, not the whole
     /// context). Returns at once if it was never launched.
     ///
-    /// Wraps [`cuEventSynchronize`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html) on the event recorded after the last launch.
+    /// Wraps [`cuEventSynchronize`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html)
+    /// on the event recorded after the last launch.
     /// Errors: [`Error::Driver`], including a fault of the launched work.
     pub fn synchronize(&self) -> Result<()> {
         let completion = self

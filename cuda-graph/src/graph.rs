@@ -257,8 +257,9 @@ impl Graph {
     /// argument values, and the graph keeps the kernel's module and the buffers alive.
     /// `config.attributes` become the node's kernel attributes.
     ///
-    /// Wraps [`cuGraphAddKernelNode`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html), and [`cuGraphKernelNodeSetAttribute`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html) per
-    /// attribute.
+    /// Wraps [`cuGraphAddKernelNode`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html),
+    /// and [`cuGraphKernelNodeSetAttribute`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html)
+    /// per attribute.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] when the argument sizes do not match the kernel's parameters
@@ -562,7 +563,8 @@ impl Graph {
     /// Makes `to` depend fully on `from`.
     ///
     /// Wraps [`cuGraphAddDependencies`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
-    /// Errors: [`Error::Driver`]; [`Error::Load`] on a driver before 12.3, which lacks the ABI used.
+    /// Errors: [`Error::Driver`]; [`Error::Load`] on a driver before 12.3, which lacks the ABI
+    /// used.
     pub fn add_dependency(&mut self, from: impl Into<Node>, to: impl Into<Node>) -> Result<()> {
         self.add_edge(from.into().id, to.into().id, EdgeKind::Full)
     }
@@ -572,7 +574,8 @@ impl Graph {
     /// `cudaGridDependencySynchronize`) before reading `from`'s output.
     ///
     /// Wraps [`cuGraphAddDependencies`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
-    /// Errors: [`Error::Driver`]; [`Error::Load`] on a driver before 12.3, which lacks the ABI used.
+    /// Errors: [`Error::Driver`]; [`Error::Load`] on a driver before 12.3, which lacks the ABI
+    /// used.
     pub fn add_programmatic_dependency(
         &mut self,
         from: &KernelNode,
@@ -584,7 +587,8 @@ impl Graph {
     /// Adds an edge of any kind.
     ///
     /// Wraps [`cuGraphAddDependencies`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
-    /// Errors: [`Error::Driver`]; [`Error::Load`] on a driver before 12.3, which lacks the ABI used.
+    /// Errors: [`Error::Driver`]; [`Error::Load`] on a driver before 12.3, which lacks the ABI
+    /// used.
     pub fn add_dependency_with(&mut self, from: NodeId, to: NodeId, kind: EdgeKind) -> Result<()> {
         self.add_edge(from, to, kind)
     }
@@ -592,7 +596,8 @@ impl Graph {
     /// Removes the edge `from -> to` of kind `kind` (the edge data must match).
     ///
     /// Wraps [`cuGraphRemoveDependencies`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
-    /// Errors: [`Error::Driver`] (also when no such edge exists); [`Error::Load`] on a driver before 12.3, which lacks the ABI used.
+    /// Errors: [`Error::Driver`] (also when no such edge exists); [`Error::Load`] on a driver
+    /// before 12.3, which lacks the ABI used.
     pub fn remove_dependency(&mut self, from: NodeId, to: NodeId, kind: EdgeKind) -> Result<()> {
         let data = kind.to_raw();
         // SAFETY: live graph, one-element arrays.
@@ -605,7 +610,8 @@ impl Graph {
 
     /// Every node, with its kind, in creation order.
     ///
-    /// Wraps [`cuGraphGetNodes`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html) and [`cuGraphNodeGetType`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    /// Wraps [`cuGraphGetNodes`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html)
+    /// and [`cuGraphNodeGetType`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
     /// Errors: [`Error::Driver`].
     pub fn nodes(&self) -> Result<Vec<Node>> {
         self.typed(raw_nodes(self.raw)?)
@@ -613,7 +619,8 @@ impl Graph {
 
     /// The nodes without dependencies.
     ///
-    /// Wraps [`cuGraphGetRootNodes`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html) and [`cuGraphNodeGetType`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    /// Wraps [`cuGraphGetRootNodes`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html)
+    /// and [`cuGraphNodeGetType`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
     /// Errors: [`Error::Driver`].
     pub fn root_nodes(&self) -> Result<Vec<Node>> {
         let mut n = 0usize;
@@ -656,7 +663,8 @@ impl Graph {
     /// Every edge with its kind, in the driver's order.
     ///
     /// Wraps [`cuGraphGetEdges`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
-    /// Errors: [`Error::Driver`]; [`Error::Load`] on a driver before 12.3, which lacks the ABI used.
+    /// Errors: [`Error::Driver`]; [`Error::Load`] on a driver before 12.3, which lacks the ABI
+    /// used.
     pub fn edges(&self) -> Result<Vec<Edge>> {
         let mut n = 0usize;
         // SAFETY: null arrays ask for the count.
@@ -697,7 +705,8 @@ impl Graph {
     /// The nodes `node` depends on, with the kind of each edge.
     ///
     /// Wraps [`cuGraphNodeGetDependencies`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
-    /// Errors: [`Error::Driver`]; [`Error::Load`] on a driver before 12.3, which lacks the ABI used.
+    /// Errors: [`Error::Driver`]; [`Error::Load`] on a driver before 12.3, which lacks the ABI
+    /// used.
     pub fn dependencies(&self, node: NodeId) -> Result<Vec<(NodeId, EdgeKind)>> {
         self.neighbours(node, true)
     }
@@ -705,7 +714,8 @@ impl Graph {
     /// The nodes that depend on `node`, with the kind of each edge.
     ///
     /// Wraps [`cuGraphNodeGetDependentNodes`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
-    /// Errors: [`Error::Driver`]; [`Error::Load`] on a driver before 12.3, which lacks the ABI used.
+    /// Errors: [`Error::Driver`]; [`Error::Load`] on a driver before 12.3, which lacks the ABI
+    /// used.
     pub fn dependents(&self, node: NodeId) -> Result<Vec<(NodeId, EdgeKind)>> {
         self.neighbours(node, false)
     }

@@ -182,8 +182,9 @@ impl Stream {
     /// During a capture the launch becomes a kernel node, and the graph keeps the kernel's
     /// module and the buffers alive.
     ///
-    /// Wraps [`cuLaunchKernel`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EXEC.html), or [`cuLaunchKernelEx`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EXEC.html) when `config`
-    /// has attributes.
+    /// Wraps [`cuLaunchKernel`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EXEC.html),
+    /// or [`cuLaunchKernelEx`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EXEC.html)
+    /// when `config` has attributes.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) when the argument sizes do not
@@ -213,8 +214,8 @@ impl Stream {
     /// the kernel may be scheduled while its predecessor on the stream (or in a captured
     /// graph) still runs, hiding its launch latency. Elsewhere it is a plain launch.
     ///
-    /// Wraps [`cuLaunchKernelEx`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EXEC.html) where the attribute is added, else as
-    /// [`launch`](Self::launch).
+    /// Wraps [`cuLaunchKernelEx`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EXEC.html)
+    /// where the attribute is added, else as [`launch`](Self::launch).
     /// Errors: as [`launch`](Self::launch).
     ///
     /// # Safety

@@ -71,7 +71,8 @@ impl Module {
 
     /// Compiles and loads PTX text; legal during a capture, like [`Module::from_image`].
     ///
-    /// Wraps [`cuModuleLoadDataEx`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MODULE.html), with an 8 KiB JIT error log.
+    /// Wraps [`cuModuleLoadDataEx`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MODULE.html),
+    /// with an 8 KiB JIT error log.
     /// Errors: [`Error::InvalidArgument`] when the text contains a NUL byte;
     /// [`Error::ModuleLoad`] when the load fails, carrying the driver's error and the JIT's
     /// log (where a PTX syntax error is explained); [`Error::Driver`] from making `ctx`
@@ -146,8 +147,9 @@ impl Module {
     /// The kernel `name` (an `extern "C"` symbol); looked up once, then served from the
     /// module's cache.
     ///
-    /// Wraps [`cuModuleGetFunction`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MODULE.html), and [`cuFuncGetParamInfo`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EXEC.html) for
-    /// the parameter sizes (driver >= 12.4; an older driver leaves them unknown, which is not
+    /// Wraps [`cuModuleGetFunction`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MODULE.html),
+    /// and [`cuFuncGetParamInfo`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EXEC.html)
+    /// for the parameter sizes (driver >= 12.4; an older driver leaves them unknown, which is not
     /// an error).
     /// Errors: [`Error::InvalidArgument`] when `name` contains a NUL byte; [`Error::Driver`]
     /// (`CUDA_ERROR_NOT_FOUND` for no such kernel). Failed lookups are not cached.
@@ -270,7 +272,8 @@ impl Kernel {
 
     /// Allows up to `bytes` of dynamic shared memory per block (needed above 48 KiB).
     ///
-    /// Wraps [`cuFuncSetAttribute`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EXEC.html) (`CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`).
+    /// Wraps [`cuFuncSetAttribute`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EXEC.html)
+    /// (`CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`).
     /// Errors: [`Error::InvalidArgument`] when `bytes` does not fit an `i32`;
     /// [`Error::Driver`] when it exceeds what the device allows.
     pub fn set_max_dynamic_shared_memory(&self, bytes: usize) -> Result<()> {

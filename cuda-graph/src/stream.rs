@@ -145,7 +145,8 @@ impl Stream {
     /// Makes later work on this stream wait for all work enqueued so far on `other`, through
     /// a new event (released at once: the wait already holds the dependency).
     ///
-    /// Wraps [`cuStreamWaitEvent`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html) on an event recorded on `other`.
+    /// Wraps [`cuStreamWaitEvent`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html)
+    /// on an event recorded on `other`.
     /// Errors: [`Error::Driver`] from creating or recording the event, or from the wait.
     pub fn wait_stream(&self, other: &Stream) -> Result<()> {
         let event = Event::for_sync(self.context())?;

@@ -16,9 +16,10 @@ impl Stream {
     /// capture continue after the node. `handle` comes from
     /// [`ConditionalHandle::in_capture`] on this stream. Needs a driver >= 12.4.
     ///
-    /// Wraps [`cuGraphAddNode`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html) on the capture's graph (found with
-    /// [`cuStreamGetCaptureInfo`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html)), then [`cuStreamUpdateCaptureDependencies`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html) so the
-    /// capture continues after the node.
+    /// Wraps [`cuGraphAddNode`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html)
+    /// on the capture's graph (found with [`cuStreamGetCaptureInfo`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html)),
+    /// then [`cuStreamUpdateCaptureDependencies`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html)
+    /// so the capture continues after the node.
     ///
     /// # Errors
     /// * [`Error::Unsupported`] on a driver without this kind of node; [`Error::InvalidArgument`]

@@ -16,8 +16,9 @@ impl Graph {
     /// Adds an IF node after `deps`: `then` fills the body through a capturing stream, which
     /// runs when the handle's value is non-zero. Needs a driver >= 12.4.
     ///
-    /// Wraps [`cuGraphAddNode`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html) (a conditional node); each body is then captured into its
-    /// body graph on a scratch stream ([`cuStreamBeginCaptureToGraph`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html)).
+    /// Wraps [`cuGraphAddNode`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html)
+    /// (a conditional node); each body is then captured into its body graph on a scratch stream
+    /// ([`cuStreamBeginCaptureToGraph`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html)).
     ///
     /// # Errors
     /// * [`Error::Unsupported`] on a driver without this kind of node, and
@@ -106,9 +107,9 @@ impl Graph {
     /// Adds a one-thread kernel node after `deps` that sets `handle` from `source`, and
     /// returns it; put it before the conditional node that reads the handle.
     ///
-    /// Captures [`ConditionalHandle::set_on`]'s [`cuLaunchKernel`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EXEC.html) into this graph
-    /// ([`cuStreamBeginCaptureToGraph`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html)), so the graph keeps the helpers' module alive as
-    /// for any captured launch.
+    /// Captures [`ConditionalHandle::set_on`]'s [`cuLaunchKernel`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EXEC.html)
+    /// into this graph ([`cuStreamBeginCaptureToGraph`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html)),
+    /// so the graph keeps the helpers' module alive as for any captured launch.
     /// Errors: [`Error::InvalidArgument`] when `handle` belongs to another context or a source
     /// buffer is empty; those of [`ConditionalHandle::set_on`]; [`Error::Driver`] from the
     /// capture.

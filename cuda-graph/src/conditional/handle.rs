@@ -53,8 +53,9 @@ impl ConditionalHandle {
     /// A handle for a conditional node that will be added to the graph `stream` is
     /// capturing into (see [`Stream::capture_if`]).
     ///
-    /// Wraps [`cuGraphConditionalHandleCreate`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html) on the graph that
-    /// [`cuStreamGetCaptureInfo`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html) reports.
+    /// Wraps [`cuGraphConditionalHandleCreate`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html)
+    /// on the graph that [`cuStreamGetCaptureInfo`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html)
+    /// reports.
     /// Errors: [`Error::Unsupported`] on drivers before 12.4; [`Error::InvalidArgument`] when
     /// `stream` is not capturing, or for a non-zero `default` without `reset_each_launch` (see
     /// [`ConditionalHandle::new`]); [`Error::Driver`].

@@ -20,7 +20,8 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// Copies `src` into the buffer, ordered on `stream`, and waits for the copy (and all
     /// earlier work on `stream`): the wait is what lets `src` be any host slice.
     ///
-    /// Wraps [`cuMemcpyHtoDAsync`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html), then [`cuStreamSynchronize`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).
+    /// Wraps [`cuMemcpyHtoDAsync`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html),
+    /// then [`cuStreamSynchronize`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).
     /// Errors: [`Error::InvalidArgument`] when the lengths differ; [`Error::Driver`]. Not for
     /// a capturing stream: the wait invalidates the capture.
     pub fn copy_from_host(&self, stream: &Stream, src: &[T]) -> Result<()> {
@@ -42,7 +43,8 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
 
     /// Copies the buffer into `dst`, ordered on `stream` after earlier work, and waits.
     ///
-    /// Wraps [`cuMemcpyDtoHAsync`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html), then [`cuStreamSynchronize`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).
+    /// Wraps [`cuMemcpyDtoHAsync`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html),
+    /// then [`cuStreamSynchronize`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).
     /// Errors: [`Error::InvalidArgument`] when the lengths differ; [`Error::Driver`]. Not for
     /// a capturing stream: the wait invalidates the capture.
     pub fn copy_to_host(&self, stream: &Stream, dst: &mut [T]) -> Result<()> {

@@ -24,8 +24,8 @@ impl MemPool {
     /// A new pool on the context's device that keeps freed memory (release threshold
     /// `u64::MAX`) instead of returning it to the OS at every synchronize.
     ///
-    /// Wraps [`cuMemPoolCreate`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html) and
-    /// [`cuMemPoolSetAttribute`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
+    /// Wraps [`cuMemPoolCreate`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html)
+    /// and [`cuMemPoolSetAttribute`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
     /// Errors: [`Error::Driver`](crate::Error::Driver) (also from making `ctx` current); a
     /// pool whose threshold cannot be set is destroyed again.
     pub fn new(ctx: &Arc<Context>) -> Result<Arc<MemPool>> {

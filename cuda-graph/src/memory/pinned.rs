@@ -22,7 +22,8 @@ unsafe impl<T: DeviceRepr> Sync for PinnedBuffer<T> {}
 impl<T: DeviceRepr> PinnedBuffer<T> {
     /// `len` elements of pinned memory, every byte zero.
     ///
-    /// Wraps [`cuMemAllocHost`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html) (freed with `cuMemFreeHost` on drop).
+    /// Wraps [`cuMemAllocHost`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
+    /// (freed with `cuMemFreeHost` on drop).
     /// Errors: [`Error::InvalidArgument`](crate::Error::InvalidArgument) when the byte count
     /// overflows; [`Error::Driver`](crate::Error::Driver) (also from making `ctx` current).
     pub fn zeroed(ctx: &Arc<Context>, len: usize) -> Result<PinnedBuffer<T>> {
