@@ -50,7 +50,7 @@
 //! # Saved activations
 //!
 //! What the backward of a microbatch needs from its forward lives in the runtime's
-//! per-(chunk, microbatch, layer) saved buffers ([`Callable::saved_lens`], [`Slot::saved`]):
+//! per-(chunk, microbatch, layer) saved buffers ([`Callable::saved_bytes`], [`Slot::saved`]):
 //! `saved[0]` holds the E4M3 bytes of `X^T` (`[K, M]`, written by the forward's
 //! cast-transpose) and `saved[1]` the one f32 `scale_inv` it was cast with (4 bytes, viewed
 //! as an `f32`); the backward adds the E5M2 bytes of `dY^T`
@@ -75,7 +75,7 @@
 //! It reads and writes nothing of the scaling state (no amax, no scale, no
 //! [`Slot::record_tensors`]: warmup records no tensor of this layer, so none is
 //! registered), does not touch the FP8 weight copies, and leaves the saved buffers unused
-//! (the runtime allocates them all the same, [`Callable::saved_lens`] does not depend on
+//! (the runtime allocates them all the same, [`Callable::saved_bytes`] does not depend on
 //! the slot). The runtime never calls [`Callable::cast_weights`] for a callable with FP8
 //! off; called anyway, it still casts (harmless: nothing on this path reads the copies).
 //!

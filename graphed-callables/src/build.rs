@@ -436,13 +436,13 @@ impl<T: DeviceRepr> GraphedCallables<T> {
     /// graphed segment, see [`GraphedOptions::merge_layers`]) and instantiates and uploads
     /// each.
     ///
-    /// Errors: [`Error::InvalidArgument`] for wrong counts or lengths, a callable declaring
+    /// Errors: [`InvalidArgument`](cuda_graph::Error::InvalidArgument) for wrong counts or lengths, a callable declaring
     /// an empty segment list ([`Callable::forward_segments`]), layers of a chunk that do not
     /// chain (see [`buffers`](super#static-buffers)), a schedule with weight-gradient steps
     /// and a callable with a segmented backward, a per-callable FP8 list of the wrong
     /// length, a pool too small; any error of a callable, of a capture or of
     /// instantiation. Schedules are validated when built
-    /// ([`Error::Schedule`]).
+    /// ([`Error::Schedule`](crate::Error::Schedule)).
     pub fn build(
         stream: &Stream,
         callables: Vec<Box<dyn Callable<T>>>,

@@ -378,7 +378,7 @@ impl<'a, T: DeviceRepr> Slot<'a, T> {
         self
     }
 
-    /// This slot with FP8 on or off ([`fp8_enabled`](Self::fp8_enabled)), for running a
+    /// This slot with FP8 on or off ([`low_precision`](Self::low_precision)), for running a
     /// callable eagerly as the runtime would with
     /// [`GraphedOptions::low_precision`](crate::GraphedOptions::low_precision).
     pub fn with_low_precision(mut self, enabled: bool) -> Slot<'a, T> {

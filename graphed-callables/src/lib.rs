@@ -14,7 +14,7 @@
 //!   each layer's pass is a graph of its own, as in TransformerEngine. Layers split into
 //!   segments ([`segments`]) break the step's graph at their eager segments.
 //! * [`GraphedCallables::forward`] / [`GraphedCallables::backward`]: replay in schedule
-//!   order (anything else is [`Error::ReplayOrder`](crate::Error::ReplayOrder)).
+//!   order (anything else is [`Error::ReplayOrder`]).
 //! * [`Schedule`]: the pipeline order (the reference's `_order`: `k` forward, `-k` backward,
 //!   `-k - 0.5` weight gradient of 1-based chunk `k`), validated up front; an invalid order
 //!   is a [`ScheduleError`] naming the offending position. [`Schedule::steps`] gives the

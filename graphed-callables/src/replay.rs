@@ -124,7 +124,7 @@ impl<T: DeviceRepr> GraphedCallables<T> {
     /// this step.
     ///
     /// Errors: [`Error::ReplayOrder`] if the schedule expects another step next (nothing is
-    /// enqueued); [`Error::InvalidArgument`] for a wrong number or length of inputs, or for a
+    /// enqueued); [`InvalidArgument`](cuda_graph::Error::InvalidArgument) for a wrong number or length of inputs, or for a
     /// pass with eager segments on a capturing `stream` (nothing is enqueued); an eager
     /// segment's error (what came before it was enqueued, the replay position is not
     /// advanced: [`reset_step`](Self::reset_step) to start over); the hook's error (the
@@ -198,7 +198,7 @@ impl<T: DeviceRepr> GraphedCallables<T> {
     /// buffers its backward step left. No hook runs after it.
     ///
     /// Errors: [`Error::ReplayOrder`] if the schedule expects another step next (including
-    /// when it has no weight-gradient steps); [`Error::InvalidArgument`] for a (chunk,
+    /// when it has no weight-gradient steps); [`InvalidArgument`](cuda_graph::Error::InvalidArgument) for a (chunk,
     /// microbatch) out of range. Nothing is enqueued then.
     pub fn weight_grad(&self, chunk: usize, microbatch: usize, stream: &Stream) -> Result<()> {
         self.graphs_of(chunk, microbatch)?;

@@ -136,7 +136,7 @@ pub struct SegmentPlan {
 }
 
 impl SegmentPlan {
-    /// The plan of `kinds`, segment 0 first. An empty list is [`Error::InvalidArgument`].
+    /// The plan of `kinds`, segment 0 first. An empty list is [`InvalidArgument`](cuda_graph::Error::InvalidArgument).
     pub fn new(kinds: Vec<SegmentKind>) -> Result<SegmentPlan> {
         if kinds.is_empty() {
             return Err(Error::invalid(

@@ -47,8 +47,8 @@
 //! [`GraphedOptions::after_forward`](crate::GraphedOptions::after_forward) and
 //! [`after_backward`](crate::GraphedOptions::after_backward) run on the host right after a
 //! replay's graphs were launched, with the replay stream and the step: they enqueue, e.g.,
-//! one fused launch that reduces the amaxes of all registered FP8 tensors (through a
-//! [`ReductionGroup`], [`IdentityGroup`] in a single process) and updates the scales. They
+//! one fused launch that reduces the amaxes of all registered FP8 tensors (over
+//! fp8-kernels' `ReductionGroup`, say) and updates the scales. They
 //! must not synchronize. They run once per replay, in replay order.
 //!
 //! [`before_warmup`](crate::GraphedOptions::before_warmup) and
@@ -165,7 +165,7 @@ pub enum LowPrecision {
 
 impl LowPrecision {
     /// The flag of each of `callables` callables; a per-callable list of another length is
-    /// [`Error::InvalidArgument`](cuda_graph::Error::InvalidArgument).
+    /// [`InvalidArgument`](cuda_graph::Error::InvalidArgument)(cuda_graph::Error::InvalidArgument).
     pub fn resolve(&self, callables: usize) -> Result<Vec<bool>> {
         match self {
             LowPrecision::All => Ok(vec![true; callables]),
