@@ -44,6 +44,7 @@ pub use table::{ENTRIES, ENTRY_COUNT, EntryFn, EntrySpec};
 
 #[allow(
     missing_docs,
+    missing_debug_implementations,
     rustdoc::broken_intra_doc_links,
     rustdoc::invalid_html_tags
 )]

@@ -11,9 +11,7 @@ use cuda_graph_sys::{
 use crate::context::Context;
 use crate::error::{Error, Result, UpdateReason};
 use crate::event::Event;
-use crate::graph::{
-    Graph, Resource, copy_bytes, host_params, kernel_params, memcpy_d2d, memset_params,
-};
+use crate::graph::{Graph, copy_bytes, host_params, kernel_params, memcpy_d2d, memset_params};
 use crate::ids::NodeId;
 use crate::launch::{KernelArgs, LaunchConfig};
 use crate::memory::{DeviceBuffer, DeviceRepr};
@@ -22,7 +20,7 @@ use crate::node::{
     ChildGraphNode, EventRecordNode, EventWaitNode, HostCallback, HostNode, KernelNode, MemcpyNode,
     MemsetNode, MemsetValue, Node,
 };
-use crate::resources::ResourceSet;
+use crate::resources::{Resource, ResourceSet};
 use crate::stream::Stream;
 
 /// What [`GraphExec::update_or_reinstantiate`] did.

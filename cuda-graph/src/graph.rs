@@ -1,7 +1,6 @@
 //! Graph definitions: ownership, the resources their nodes keep alive, explicit building
 //! with typed nodes and edges, queries, clone and DOT export.
 
-use std::any::Any;
 use std::ffi::CString;
 use std::path::Path;
 use std::sync::Arc;
@@ -24,11 +23,7 @@ use crate::node::{
     HostNode, KernelNode, MemAllocNode, MemFreeNode, MemcpyNode, MemsetNode, MemsetValue, Node,
     NodeKind, host_trampoline,
 };
-use crate::resources::ResourceSet;
-
-/// Something a graph's nodes use (a device allocation, a module, a child graph's resources)
-/// and must keep alive for as long as the graph, or an exec made from it, may run.
-pub type Resource = Arc<dyn Any + Send + Sync>;
+use crate::resources::{Resource, ResourceSet};
 
 /// A CUDA graph definition, owned; destroyed on drop.
 ///
