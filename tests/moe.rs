@@ -155,10 +155,7 @@ impl Gpu {
     }
     /// Overwrites `buf` (owned elsewhere, e.g. by the runtime) with `v`.
     fn overwrite(&self, buf: &DeviceBuffer<f32>, v: &[f32]) {
-        // SAFETY: a non-owning view of exactly `buf`'s live allocation; `buf` outlives the
-        // copy, which waits before returning.
-        let view = unsafe { DeviceBuffer::<f32>::from_raw(&self.ctx, buf.as_raw(), buf.len()) };
-        view.copy_from_host(&self.stream, v).expect("overwrite");
+        buf.copy_from_host(&self.stream, v).expect("overwrite");
     }
 }
 

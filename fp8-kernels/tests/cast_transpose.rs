@@ -424,13 +424,8 @@ fn bad_input_is_rejected_before_any_launch() {
     let (rows, cols) = (16, 20);
     let n = rows * cols;
     let x = DeviceBuffer::from_host(&stream, &vec![1.0f32; n + 4]).unwrap();
-    // SAFETY: views into x (n + 4 elements), which outlives them.
-    let (exact, misaligned) = unsafe {
-        (
-            DeviceBuffer::<f32>::from_raw(&ctx, x.as_raw(), n),
-            DeviceBuffer::<f32>::from_raw(&ctx, x.as_raw() + 4, n),
-        )
-    };
+    // Views into x (n + 4 elements): the first n, and n starting 4 bytes in (misaligned).
+    let (exact, misaligned) = (x.slice(..n).unwrap(), x.slice(1..n + 1).unwrap());
     let out = poisoned_matrix(&stream, rows, cols, Fp8Format::E4M3);
     out.amax().write(&stream, 5.0).unwrap();
     out.scale_inv().write(&stream, 9.0).unwrap();
@@ -472,10 +467,10 @@ fn bad_input_is_rejected_before_any_launch() {
         "swapped dims"
     );
     let big_t = poisoned_bytes(&stream, n + 16);
-    // SAFETY: a view of n bytes 1 byte into big_t (n + 16 bytes), which outlives it.
-    let mut misaligned_t = unsafe { DeviceBuffer::<u8>::from_raw(&ctx, big_t.as_raw() + 1, n) };
+    // A view of n bytes 1 byte into big_t (n + 16 bytes).
+    let misaligned_t = big_t.slice(1..n + 1).unwrap();
     assert!(
-        ct(HpBuffer::F32(&exact), rows, cols, &out, &mut misaligned_t).is_err(),
+        ct(HpBuffer::F32(&exact), rows, cols, &out, &misaligned_t).is_err(),
         "misaligned out_t"
     );
     // Block-scaled.
