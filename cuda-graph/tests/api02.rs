@@ -223,10 +223,19 @@ fn dropping_a_launched_exec_waits_for_its_own_launches_not_the_context() {
     // A watchdog releases the spinning kernel if the drop below waited for the whole context
     // (it would never return otherwise).
     let addr = flag.as_ptr() as usize;
-    let watchdog = std::thread::spawn(move || {
-        std::thread::sleep(Duration::from_secs(20));
-        // SAFETY: the pinned flag outlives the test body, which joins this thread.
-        unsafe { std::ptr::write_volatile(addr as *mut u32, 1) };
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watchdog = std::thread::spawn({
+        let done = done.clone();
+        move || {
+            let start = Instant::now();
+            while !done.load(std::sync::atomic::Ordering::Acquire)
+                && start.elapsed() < Duration::from_secs(20)
+            {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            // SAFETY: the pinned flag outlives the test body, which joins this thread.
+            unsafe { std::ptr::write_volatile(addr as *mut u32, 1) };
+        }
     });
 
     let x = gpu.buf();
@@ -262,10 +271,9 @@ fn dropping_a_launched_exec_waits_for_its_own_launches_not_the_context() {
         3.0,
         "the three launches finished before the drop returned",
     );
-    // SAFETY: the flag is pinned host memory; the kernel reads it volatile.
-    unsafe { std::ptr::write_volatile(flag.as_ptr().cast_mut(), 1) };
-    busy.synchronize().unwrap();
+    done.store(true, std::sync::atomic::Ordering::Release);
     watchdog.join().unwrap();
+    busy.synchronize().unwrap();
 }
 
 #[test]
