@@ -302,7 +302,8 @@ fn find_kernel_node(graph: &Graph, kernel: &Kernel) -> Res<KernelNode> {
             continue;
         }
         let node = KernelNode::try_from(node)?;
-        if graph.kernel_function(&node)? == kernel.as_raw() {
+        // A node whose parameters cannot be read (a library's kernel) is not ours.
+        if matches!(graph.kernel_function(&node), Ok(f) if f == kernel.as_raw()) {
             found.push(node);
         }
     }

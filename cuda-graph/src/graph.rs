@@ -586,7 +586,9 @@ impl Graph {
     /// ([`cuGraphKernelNodeGetParams`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html)):
     /// compare it with [`Kernel::as_raw`] to find, among the nodes of a captured graph, those
     /// that launch a given kernel (e.g. to update one with
-    /// [`GraphExec::set_kernel_params`](crate::GraphExec::set_kernel_params)).
+    /// [`GraphExec::set_kernel_params`](crate::GraphExec::set_kernel_params)). Null for a
+    /// node that launches a library kernel (`CUkernel`, the node's `kern` field) rather than
+    /// a context's function.
     pub fn kernel_function(&self, node: &KernelNode) -> Result<CUfunction> {
         let mut params = CUDA_KERNEL_NODE_PARAMS_v2::default();
         // SAFETY: a kernel node of this live graph, valid out-pointer; only `func` is read
