@@ -8,7 +8,10 @@
 # (or, from the compressed copy: tar xzf .gpu-pack/bundle.tgz && .bundle/run.sh LOG_DIR)
 #
 # It runs each test binary with --include-ignored (one test at a time: GPU tests share one
-# device), then the CLI's `info`, and writes one log per binary plus summary.txt to LOG_DIR.
+# device), then each example (bin/example.*, without a FILTER) and the CLI's `info`, and
+# writes one log per binary plus summary.txt to LOG_DIR. The cudarc interop test and example
+# need libcublas on LD_LIBRARY_PATH; run.sh adds the folder of PyTorch's NVIDIA wheels when
+# python3 can import `nvidia`.
 # Its exit status is non-zero if anything failed.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -19,8 +22,9 @@ rm -rf "$bundle"
 mkdir -p "$bundle/bin"
 
 # Test binaries: one per (package, target); the JSON messages name each executable.
-cargo test --workspace --release --no-run --message-format=json 2>/dev/null \
-  | python3 -c '
+# list_tests: cargo's JSON messages on stdin -> "package.target executable" lines.
+list_tests() {
+  python3 -c '
 import json, sys
 for line in sys.stdin:
     try:
@@ -32,17 +36,31 @@ for line in sys.stdin:
         url, _, frag = m["package_id"].partition("#")
         pkg = frag.split("@")[0] if "@" in frag else url.rstrip("/").rsplit("/", 1)[-1]
         print(pkg + "." + m["target"]["name"], m["executable"])
-' > "$bundle/tests.txt"
+'
+}
+cargo test --workspace --release --no-run --message-format=json 2>/dev/null | list_tests \
+  > "$bundle/tests.txt"
 # Surface compile errors (the JSON run above is silent).
 cargo test --workspace --release --no-run --quiet
+
+# The cudarc interop (feature `cudarc` of cuda-graph, off in the workspace build, where its
+# test binary is empty): its test, built with the feature, replaces that binary below; its
+# example becomes bin/example.cudarc_interop.
+cudarc_test=(cargo test -p cuda-graph --features cudarc --release --no-run --test cudarc_interop)
+"${cudarc_test[@]}" --message-format=json 2>/dev/null | list_tests \
+  | grep '^cuda-graph\.cudarc_interop ' > "$bundle/tests-cudarc.txt"
+"${cudarc_test[@]}" --quiet
+cargo build -p cuda-graph --features cudarc --release --quiet --example cudarc_interop
 
 cargo build --release --quiet -p fp8-moe
 while read -r name exe; do
   # Compile-fail tests run cargo at test time: they belong to CI, not the GPU machine.
   case "$name" in *.compile_fail) continue ;; esac
   cp "$exe" "$bundle/bin/test.$name"
-done < "$bundle/tests.txt"
+# The featured cudarc_interop binary comes last: it overwrites the empty one.
+done < <(cat "$bundle/tests.txt" "$bundle/tests-cudarc.txt")
 cp target/release/fp8-moe "$bundle/bin/fp8-moe"
+cp target/release/examples/cudarc_interop "$bundle/bin/example.cudarc_interop"
 strip "$bundle"/bin/*
 
 cat > "$bundle/run.sh" <<'RUN'
@@ -56,6 +74,19 @@ mkdir -p "$logs"
 status=0
 summary="$logs/summary.txt"
 : > "$summary"
+# cuBLAS for the cudarc interop test and example: cudarc opens libcublas at run time, by
+# name, through the loader's search path (LD_LIBRARY_PATH). Take it from the NVIDIA wheels
+# of python3's environment (PyTorch's) when python3 finds them; otherwise change nothing.
+if nv_dirs=$(python3 -c 'import nvidia; print("\n".join(nvidia.__path__))' 2>/dev/null); then
+  while read -r nv; do
+    for lib in "$nv/cu13/lib" "$nv/cublas/lib"; do
+      if compgen -G "$lib/libcublas.so*" > /dev/null; then
+        export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+        echo "run.sh: cuBLAS from $lib"
+      fi
+    done
+  done <<< "$nv_dirs"
+fi
 for t in "$here"/bin/test.*; do
   name=${t##*/bin/}
   start=$(date +%s.%N)
@@ -68,6 +99,17 @@ for t in "$here"/bin/test.*; do
   printf '%-48s rc=%d %6ss  %s\n' "$name" "$rc" "$secs" "$result" | tee -a "$summary"
   [ $rc = 0 ] || status=1
 done
+# Examples (they exit non-zero on a wrong result); not with a test-name filter.
+if [ -z "$filter" ]; then
+  for e in "$here"/bin/example.*; do
+    [ -e "$e" ] || continue
+    name=${e##*/bin/}
+    timeout "${TEST_TIMEOUT:-180}" "$e" > "$logs/$name.log" 2>&1
+    rc=$?
+    printf '%-48s rc=%d\n' "$name" "$rc" | tee -a "$summary"
+    [ $rc = 0 ] || status=1
+  done
+fi
 "$here/bin/fp8-moe" info > "$logs/info.log" 2>&1
 rc=$?
 printf '%-48s rc=%d\n' "fp8-moe info" "$rc" | tee -a "$summary"

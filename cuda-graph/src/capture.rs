@@ -406,6 +406,18 @@ impl<'s> CaptureScope<'s> {
         self.origin
     }
 
+    /// Makes the captured graph (and every exec made from it) keep `resource` alive.
+    ///
+    /// Work enqueued through this crate registers what it uses by itself; this is for work
+    /// enqueued on a captured stream by other libraries (cudarc, cuBLAS through cudarc, raw
+    /// driver calls), whose memory, modules and library handles the graph's nodes use when
+    /// it replays: e.g. a buffer's [`resource`](crate::DeviceBuffer::resource), or an
+    /// `Arc` of cudarc's `CudaFunction` or `CudaBlas`. Dropped with the graph and its
+    /// execs; dropped at the end of the scope if the capture fails.
+    pub fn keep_alive(&self, resource: Resource) {
+        self.origin.retain_for_capture(|| resource);
+    }
+
     /// A new non-blocking side stream that joins the capture: it waits for the work
     /// enqueued on the origin so far, and what is enqueued on it afterwards is captured,
     /// running concurrently with later origin work. Before the scope ends, join it back with

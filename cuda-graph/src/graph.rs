@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use cuda_graph_sys::{
     CUDA_HOST_NODE_PARAMS, CUDA_KERNEL_NODE_PARAMS_v2, CUDA_MEM_ALLOC_NODE_PARAMS, CUDA_MEMCPY3D,
-    CUDA_MEMSET_NODE_PARAMS, CUdeviceptr, CUgraph, CUgraphEdgeData, CUgraphNode,
+    CUDA_MEMSET_NODE_PARAMS, CUdeviceptr, CUfunction, CUgraph, CUgraphEdgeData, CUgraphNode,
     CUmemAllocationType, CUmemLocationType, CUmemorytype,
 };
 
@@ -642,6 +642,21 @@ impl Graph {
                 })
             })
             .collect()
+    }
+
+    /// The function a kernel node of this graph launches
+    /// ([`cuGraphKernelNodeGetParams`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html)):
+    /// compare it with [`Kernel::as_raw`] to find, among the nodes of a captured graph, those
+    /// that launch a given kernel (e.g. to update one with
+    /// [`GraphExec::set_kernel_params`](crate::GraphExec::set_kernel_params)). Null for a
+    /// node that launches a library kernel (`CUkernel`, the node's `kern` field) rather than
+    /// a context's function.
+    pub fn kernel_function(&self, node: &KernelNode) -> Result<CUfunction> {
+        let mut params = CUDA_KERNEL_NODE_PARAMS_v2::default();
+        // SAFETY: a kernel node of this live graph, valid out-pointer; only `func` is read
+        // (the argument array it also returns is owned by the node).
+        unsafe { cu!(cuGraphKernelNodeGetParams(node.id().0, &mut params)) }?;
+        Ok(params.func)
     }
 
     /// The kind of a node of this graph.

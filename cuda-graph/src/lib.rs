@@ -84,6 +84,8 @@ mod event;
 mod exec;
 mod graph;
 mod ids;
+#[cfg(feature = "cudarc")]
+pub mod interop;
 mod launch;
 pub mod memory;
 mod module;
@@ -113,6 +115,9 @@ pub use pool::{GraphPool, POOL_ALIGN};
 pub use resources::Resource;
 pub use stream::Stream;
 
+/// cudarc, the version [`interop::cudarc`] is built against (feature `cudarc`).
+#[cfg(feature = "cudarc")]
+pub use cudarc;
 /// `half`, whose [`f16`](half::f16) and [`bf16`](half::bf16) are this crate's half-precision
 /// element types (re-exported so users name the same version).
 pub use half;

@@ -8,6 +8,7 @@ use cuda_graph_sys::{CUfunction, CUfunction_attribute, CUjit_option, CUmodule, C
 
 use crate::context::Context;
 use crate::error::{Error, Result};
+use crate::resources::Resource;
 
 /// A loaded module. Kernels taken from it, and graphs whose nodes launch them, keep it loaded.
 #[derive(Debug, Clone)]
@@ -169,7 +170,7 @@ impl Module {
         };
         Ok(Kernel {
             raw: parts.raw,
-            module: self.inner.clone(),
+            module: self.inner.clone() as Resource,
             name: parts.name,
             params: parts.params,
         })
@@ -234,12 +235,15 @@ fn param_sizes(f: CUfunction) -> Result<Option<Vec<usize>>> {
     }
 }
 
-/// A kernel of a loaded [`Module`]; keeps the module loaded. Knows its parameter sizes, so
+/// A kernel of a loaded [`Module`] (or of another library's module, e.g. the `cudarc`
+/// feature's `Kernel::from_cudarc`); keeps the module loaded. Knows its parameter sizes, so
 /// launches and kernel nodes check the argument list before calling the driver.
 #[derive(Debug, Clone)]
 pub struct Kernel {
     raw: CUfunction,
-    module: Arc<ModuleInner>,
+    /// What keeps the function's module loaded: this crate's module, or another library's
+    /// handle of it.
+    module: Resource,
     name: Arc<str>,
     params: Option<Arc<[usize]>>,
 }
@@ -250,6 +254,23 @@ unsafe impl Send for Kernel {}
 unsafe impl Sync for Kernel {}
 
 impl Kernel {
+    /// Adopts a function of a module loaded by another library: `owner` (e.g. the library's
+    /// handle of the function or module) is kept alive for as long as this kernel and every
+    /// graph and exec launching it live. `name` is for error messages. The parameter sizes
+    /// are asked from the driver, as for [`Module::kernel`]. Prefer a safe adopter where one
+    /// exists (the `cudarc` feature's `Kernel::from_cudarc`).
+    ///
+    /// # Safety
+    /// `raw` must be a function of a module that stays loaded for as long as `owner` lives.
+    pub unsafe fn from_owner(raw: CUfunction, owner: Resource, name: &str) -> Result<Kernel> {
+        Ok(Kernel {
+            raw,
+            module: owner,
+            name: name.into(),
+            params: param_sizes(raw)?.map(Into::into),
+        })
+    }
+
     /// The raw handle; valid while this kernel (or its module) lives.
     pub fn as_raw(&self) -> CUfunction {
         self.raw
@@ -266,7 +287,7 @@ impl Kernel {
     }
 
     /// The module, to keep it alive from a graph.
-    pub(crate) fn module_resource(&self) -> crate::resources::Resource {
+    pub(crate) fn module_resource(&self) -> Resource {
         self.module.clone()
     }
 

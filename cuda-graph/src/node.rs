@@ -111,6 +111,25 @@ macro_rules! typed_node {
                 n.node()
             }
         }
+
+        /// The typed handle of an untyped node of this kind, e.g. one found with
+        /// [`Graph::nodes`](crate::Graph::nodes) in a captured graph, for the exec's per-node
+        /// setters. Errors ([`Error::InvalidArgument`](crate::Error::InvalidArgument)): a node
+        /// of another kind.
+        impl TryFrom<Node> for $name {
+            type Error = crate::Error;
+            fn try_from(n: Node) -> Result<$name, crate::Error> {
+                if n.kind == $kind {
+                    Ok($name(n.id))
+                } else {
+                    Err(crate::Error::invalid(format!(
+                        "a {:?} node is not a {}",
+                        n.kind,
+                        stringify!($name)
+                    )))
+                }
+            }
+        }
     };
 }
 
@@ -421,6 +440,34 @@ mod tests {
         );
         assert!(NodeKind::Memset.can_be_disabled());
         assert!(!NodeKind::Host.can_be_disabled());
+    }
+
+    #[test]
+    fn typed_handles_come_from_nodes_of_their_kind_only() {
+        let id = NodeId(std::ptr::null_mut());
+        let kernel = Node {
+            id,
+            kind: NodeKind::Kernel,
+        };
+        assert_eq!(KernelNode::try_from(kernel).unwrap(), KernelNode(id));
+        assert_eq!(Node::from(KernelNode::try_from(kernel).unwrap()), kernel);
+        let memset = Node {
+            id,
+            kind: NodeKind::Memset,
+        };
+        let e = KernelNode::try_from(memset).unwrap_err();
+        assert!(matches!(e, crate::Error::InvalidArgument(_)), "{e}");
+        assert!(
+            e.to_string().contains("Memset node is not a KernelNode"),
+            "{e}"
+        );
+        assert!(MemsetNode::try_from(memset).is_ok());
+        let cond = Node {
+            id,
+            kind: NodeKind::Conditional,
+        };
+        assert!(ConditionalNode::try_from(cond).is_ok());
+        assert!(EmptyNode::try_from(cond).is_err());
     }
 
     #[test]

@@ -27,6 +27,8 @@ struct StreamInner {
     raw: CUstream,
     ctx: Arc<Context>,
     owned: bool,
+    /// What keeps a stream adopted from another library alive ([`Stream::from_owner`]).
+    _owner: Option<Resource>,
     /// Resources used by work enqueued during an ongoing capture (see `capture.rs`).
     captured: Mutex<Option<ResourceSet>>,
     /// Whether `captured` is collecting: lets eager launches skip the lock.
@@ -53,7 +55,7 @@ impl Stream {
                 CUstream_flags::CU_STREAM_NON_BLOCKING.0
             ))
         }?;
-        Ok(Stream::wrap(ctx, raw, true))
+        Ok(Stream::wrap(ctx, raw, true, None))
     }
 
     /// A new non-blocking stream with a priority; lower numbers run first. The driver clamps
@@ -72,7 +74,7 @@ impl Stream {
                 priority
             ))
         }?;
-        Ok(Stream::wrap(ctx, raw, true))
+        Ok(Stream::wrap(ctx, raw, true, None))
     }
 
     /// Borrows a stream created elsewhere (cudarc, candle, PyTorch); it is not destroyed on
@@ -82,15 +84,27 @@ impl Stream {
     /// `raw` must be a live stream of `ctx` and outlive every handle and every piece of work
     /// made from this value.
     pub unsafe fn from_raw(ctx: &Arc<Context>, raw: CUstream) -> Stream {
-        Stream::wrap(ctx, raw, false)
+        Stream::wrap(ctx, raw, false, None)
     }
 
-    fn wrap(ctx: &Arc<Context>, raw: CUstream, owned: bool) -> Stream {
+    /// Adopts a stream owned by another library: `owner` (e.g. cudarc's `Arc<CudaStream>`)
+    /// is kept alive for as long as any handle to this stream lives, and dropped after the
+    /// last one; the stream itself is not destroyed by this crate. Prefer a safe adopter
+    /// where one exists (the `cudarc` feature's `Stream::from_cudarc`).
+    ///
+    /// # Safety
+    /// `raw` must be a stream of `ctx` that stays valid for as long as `owner` lives.
+    pub unsafe fn from_owner(ctx: &Arc<Context>, raw: CUstream, owner: Resource) -> Stream {
+        Stream::wrap(ctx, raw, false, Some(owner))
+    }
+
+    fn wrap(ctx: &Arc<Context>, raw: CUstream, owned: bool, owner: Option<Resource>) -> Stream {
         Stream {
             inner: Arc::new(StreamInner {
                 raw,
                 ctx: ctx.clone(),
                 owned,
+                _owner: owner,
                 captured: Mutex::new(None),
                 collecting: AtomicBool::new(false),
             }),
