@@ -33,8 +33,9 @@ use crate::memory::{Allocation, DeviceBuffer, DeviceRepr};
 /// Allocation granularity and alignment in bytes (enough for 16-byte vector and TMA access).
 pub const POOL_ALIGN: usize = 256;
 
-/// A fixed-capacity pool of device memory for graph-captured buffers; see the module docs
-/// for the sharing contract. Cheap to clone (a handle).
+/// A fixed-capacity pool of device memory for graph-captured buffers; see the
+/// [sharing contract](crate::pool#contract-and-trade-offs) in the module docs. Cheap to clone
+/// (a handle).
 #[derive(Debug, Clone)]
 pub struct GraphPool {
     inner: Arc<PoolInner>,

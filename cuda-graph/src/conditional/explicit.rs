@@ -14,7 +14,8 @@ use super::{Body, ConditionSource, ConditionalHandle, ConditionalKind};
 
 impl Graph {
     /// Adds an IF node after `deps`: `then` fills the body through a capturing stream, which
-    /// runs when the handle's value is non-zero. Needs a driver >= 12.4.
+    /// runs when the handle's value is non-zero. Needs a driver >= 12.4. What a body may
+    /// hold: the [rules for conditional bodies](crate::conditional#rules-for-conditional-bodies).
     ///
     /// Wraps [`cuGraphAddNode`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html)
     /// (a conditional node); each body is then captured into its body graph on a scratch stream

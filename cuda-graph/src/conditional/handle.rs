@@ -21,7 +21,8 @@ pub(crate) static HELPER_IMAGE: &[u8] =
 
 /// The value a conditional node reads, by handle (`CUgraphConditionalHandle`). A plain
 /// `Copy` identifier: it belongs to the graph it was created for (the top-level graph, or the
-/// body graph that holds its node) and to that graph's context.
+/// body graph that holds its node) and to that graph's context. See the
+/// [rules for conditional bodies](crate::conditional#rules-for-conditional-bodies).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct ConditionalHandle {
     pub(crate) raw: CUgraphConditionalHandle,
