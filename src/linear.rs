@@ -582,7 +582,7 @@ impl Callable<f32> for Fp8Linear {
 
     /// Cast-transposes W into its E4M3 copies (`W`, `W^T`), maxing |W| into W's amax;
     /// skipped on the device when the slot's noop flag reads 1.0. Casts whatever the slot's
-    /// [`fp8_enabled`](Slot::low_precision) (the runtime does not call it with FP8 off; the
+    /// [`low_precision`](Slot::low_precision) (the runtime does not call it with FP8 off; the
     /// FP8-off passes never read the copies).
     fn cast_weights(&mut self, stream: &Stream, slot: &Slot<'_, f32>) -> Result<()> {
         slot.record_tensors([self.first_tensor + W]);

@@ -477,11 +477,12 @@ impl<'a, T: DeviceRepr> Slot<'a, T> {
         self.skip_weight_cast
     }
 
-    /// Whether this callable runs with FP8 ([`GraphedOptions::low_precision`](crate::GraphedOptions::low_precision),
-    /// like TransformerEngine's per-callable `fp8_enabled`): a layer that has an FP8 path
-    /// and a high-precision one picks by this, the same in warmup, capture and its eager
-    /// use. With FP8 off the runtime never calls [`Callable::cast_weights`] for it. `true`
-    /// for [`Slot::new`].
+    /// Whether this callable runs its low-precision path
+    /// ([`GraphedOptions::low_precision`](crate::GraphedOptions::low_precision), like
+    /// TransformerEngine's per-callable `fp8_enabled`): a layer that has an FP8 path and a
+    /// high-precision one picks by this, the same in warmup, capture and its eager use. With
+    /// it off the runtime never calls [`Callable::cast_weights`] for it. `true` for
+    /// [`Slot::new`].
     pub fn low_precision(&self) -> bool {
         self.fp8
     }

@@ -148,10 +148,11 @@ impl WeightCaching {
     }
 }
 
-/// Which callables run with FP8 ([`GraphedOptions::low_precision`](crate::GraphedOptions::low_precision);
-/// TransformerEngine's `fp8_enabled`, a bool or one per callable). The runtime hands it to
-/// each callable as [`Slot::low_precision`](crate::Slot::low_precision) and manages weight
-/// casts only for callables with FP8 on.
+/// Which callables run their low-precision path (FP8, say;
+/// [`GraphedOptions::low_precision`](crate::GraphedOptions::low_precision), TransformerEngine's
+/// `fp8_enabled`, a bool or one per callable). The runtime hands it to each callable as
+/// [`Slot::low_precision`](crate::Slot::low_precision) and manages weight caching only for
+/// callables with it on.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub enum LowPrecision {
     /// Every callable (the default).
@@ -172,7 +173,7 @@ impl LowPrecision {
             LowPrecision::Off => Ok(vec![false; callables]),
             LowPrecision::PerCallable(v) if v.len() == callables => Ok(v.clone()),
             LowPrecision::PerCallable(v) => Err(cuda_graph::Error::InvalidArgument(format!(
-                "fp8 enabled given for {} callables, there are {callables}",
+                "low_precision given for {} callables, there are {callables}",
                 v.len()
             ))),
         }
@@ -330,14 +331,14 @@ mod tests {
     }
 
     #[test]
-    fn fp8_enabled_resolves_per_callable() {
+    fn low_precision_resolves_per_callable() {
         assert_eq!(LowPrecision::All.resolve(2).unwrap(), [true, true]);
         assert_eq!(LowPrecision::Off.resolve(3).unwrap(), [false; 3]);
         let per = LowPrecision::PerCallable(vec![true, false]);
         assert_eq!(per.resolve(2).unwrap(), [true, false]);
         let e = per.resolve(3).unwrap_err().to_string();
         assert!(
-            e.contains("fp8 enabled given for 2 callables, there are 3"),
+            e.contains("low_precision given for 2 callables, there are 3"),
             "{e}"
         );
         assert_eq!(LowPrecision::default(), LowPrecision::All);
