@@ -220,6 +220,22 @@ impl Layout {
         Some(self.prefix[chunk]..self.prefix[chunk] + layers)
     }
 
+    /// Whether callable `callable` is the first layer of its chunk: the one whose inputs
+    /// come from outside (sample inputs and replay inputs go there; later layers read their
+    /// predecessor's outputs). `false` out of range.
+    ///
+    /// ```
+    /// use graphed_callables::Layout;
+    /// let layout = Layout::new(vec![2, 3], 4)?;
+    /// let firsts: Vec<usize> =
+    ///     (0..layout.total_callables()).filter(|&c| layout.is_chunk_input(c)).collect();
+    /// assert_eq!(firsts, [0, 2]);
+    /// # Ok::<(), graphed_callables::ScheduleError>(())
+    /// ```
+    pub fn is_chunk_input(&self, callable: usize) -> bool {
+        callable < self.total_callables() && self.prefix[..self.num_chunks()].contains(&callable)
+    }
+
     /// Every graph position, in index order: position `i` of the iterator is graph `i`.
     pub fn iter(&self) -> impl Iterator<Item = GraphIndex> + '_ {
         let mb = self.num_microbatches;

@@ -681,9 +681,11 @@ fn build(
     // One set per callable: the first layer of each chunk reads it.
     let samples: Vec<Vec<&DeviceBuffer<f32>>> = (0..layout.total_callables())
         .map(|c| {
-            let first = (0..layout.num_chunks())
-                .any(|m| layout.chunk_callables(m).is_some_and(|r| r.start == c));
-            if first { vec![&sample] } else { vec![] }
+            if layout.is_chunk_input(c) {
+                vec![&sample]
+            } else {
+                vec![]
+            }
         })
         .collect();
     let graphed = GraphedCallables::build(&gpu.stream, callables, &samples, options)?;
