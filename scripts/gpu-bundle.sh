@@ -68,6 +68,8 @@ for e in "${examples[@]}"; do
   cp "target/release/examples/$e" "$bundle/bin/example.$e"
 done
 strip "$bundle"/bin/*
+# The sanitizer run (compute-sanitizer's four tools over every test binary) and its allow-list.
+cp scripts/sanitize.sh scripts/sanitizer-allow.txt "$bundle/"
 
 cat > "$bundle/run.sh" <<'RUN'
 #!/usr/bin/env bash

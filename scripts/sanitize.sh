@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# Runs compute-sanitizer over every GPU test binary of a GPU bundle (scripts/gpu-bundle.sh
+# copies this script to .bundle/sanitize.sh) and prints one summary line per (tool, binary).
+#
+#     sanitize.sh LOG_DIR [TOOLS] [BINARY_FILTER]
+#
+# TOOLS: comma-separated, default memcheck,racecheck,synccheck,initcheck (memcheck runs with
+# --leak-check full). BINARY_FILTER: a substring of the binary names to run (default: all).
+# Each binary gets $SANITIZE_TIMEOUT seconds per tool (default 300).
+#
+# Reports are counted from the sanitizer's own lines: memory errors, races and hazards, leaks,
+# uninitialized reads, and CUDA API errors ("Program hit ... on CUDA API call to X"). API
+# errors matching a line of sanitizer-allow.txt (beside this script: "call<TAB>result<TAB>
+# reason") are expected and counted apart; anything else makes the line FAIL and the script
+# exit non-zero. Logs: LOG_DIR/<tool>.<binary>.log.
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+logs=${1:?usage: sanitize.sh LOG_DIR [TOOLS] [BINARY_FILTER]}
+tools=${2:-memcheck,racecheck,synccheck,initcheck}
+filter=${3:-}
+allow="$here/sanitizer-allow.txt"
+[ -f "$allow" ] || allow="$here/../scripts/sanitizer-allow.txt"
+bins="$here/bin"
+[ -d "$bins" ] || bins="$here/../.bundle/bin"
+mkdir -p "$logs"
+command -v compute-sanitizer >/dev/null || { echo "sanitize.sh: no compute-sanitizer on PATH" >&2; exit 2; }
+status=0
+summary="$logs/sanitize-summary.txt"
+: > "$summary"
+for tool in ${tools//,/ }; do
+  extra=()
+  [ "$tool" = memcheck ] && extra=(--leak-check full)
+  for t in "$bins"/test.*; do
+    name=${t##*/bin/}
+    case "$name" in
+      # They start other processes (the CLI, or themselves against a fake libcuda): the
+      # sanitizer would follow children that are not CUDA programs of ours.
+      *fake_driver|*.cli) continue ;;
+    esac
+    [ -n "$filter" ] && [[ "$name" != *"$filter"* ]] && continue
+    log="$logs/$tool.$name.log"
+    start=$(date +%s)
+    FP8_MOE_BIN="$bins/fp8-moe" timeout "${SANITIZE_TIMEOUT:-300}" \
+      compute-sanitizer --tool "$tool" "${extra[@]}" --print-limit 200 \
+      "$t" --include-ignored --test-threads=1 > "$log" 2>&1
+    rc=$?
+    secs=$(( $(date +%s) - start ))
+    line=$(python3 - "$log" "$allow" "$rc" <<'PY'
+import re, sys
+log, allow, rc = sys.argv[1], sys.argv[2], int(sys.argv[3])
+rules = []
+try:
+    for l in open(allow):
+        l = l.rstrip("\n")
+        if l and not l.startswith("#"):
+            call, result, reason = (l.split("\t") + ["", ""])[:3]
+            rules.append((call.strip(), result.strip()))
+except OSError:
+    pass
+api_allowed = api_other = errors = 0
+other = {}
+text = open(log, errors="replace").read()
+for m in re.finditer(r"Program hit (\S+) \(error (\d+)\).*? on CUDA API call to (\w+)", text):
+    result, call = m.group(1), m.group(3)
+    if any((c == call or (c.endswith("*") and call.startswith(c[:-1]))) and (r in ("*", result)) for c, r in rules):
+        api_allowed += 1
+    else:
+        api_other += 1
+        other[f"{call}:{result}"] = other.get(f"{call}:{result}", 0) + 1
+summ = re.findall(r"ERROR SUMMARY: (\d+) error", text)
+total = int(summ[-1]) if summ else -1
+hazards = re.findall(r"RACECHECK SUMMARY: (\d+) hazard", text)
+leaks = re.findall(r"LEAK SUMMARY: (\d+) bytes leaked", text)
+tests = re.findall(r"test result: (\w+)\. (\d+) passed; (\d+) failed", text)
+errors = (total - api_allowed - api_other) if total >= 0 else -1
+ok = rc == 0 and total >= 0 and errors == 0 and api_other == 0 \
+    and all(h == "0" for h in hazards) and all(l == "0" for l in leaks) \
+    and all(t[0] == "ok" for t in tests)
+verdict = "clean" if ok else "FAIL"
+t = tests[-1] if tests else ("?", "?", "?")
+extra = " ".join(f"{k}x{v}" for k, v in sorted(other.items()))
+print(f"{verdict}: {errors} error(s), {api_other} unexpected API error(s){' [' + extra + ']' if extra else ''}, "
+      f"{api_allowed} allow-listed, hazards {','.join(hazards) or '-'}, leaked {','.join(leaks) or '-'} B, "
+      f"tests {t[1]} passed {t[2]} failed, rc={rc}")
+PY
+)
+    printf '%-10s %-44s %5ss  %s\n' "$tool" "$name" "$secs" "$line" | tee -a "$summary"
+    [[ "$line" == clean:* ]] || status=1
+  done
+done
+exit $status
