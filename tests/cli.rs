@@ -139,3 +139,39 @@ fn info_reports_driver_device_and_conditional_nodes() {
         "{stdout}"
     );
 }
+
+#[path = "../cuda-graph-sys/tests/fake/mod.rs"]
+mod fake;
+
+/// `info` on an older driver (a fake CUDA 12.8 `libcuda` lacking one entry): it reports the
+/// entries resolved at an older ABI and the ones missing, and still succeeds.
+#[test]
+fn info_names_the_fallbacks_and_missing_entries_of_an_older_driver() {
+    let lib = fake::Fake::new()
+        .version(12080)
+        .missing("cuGraphConditionalHandleCreate")
+        .path();
+    let out = cli(&["info"], &[("CUDA_GRAPH_LIBCUDA", lib.as_str())]);
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert!(out.status.success(), "info failed: {stderr}\n{stdout}");
+    assert!(stdout.starts_with("driver: CUDA 12.8 (12080)"), "{stdout}");
+    assert!(stdout.contains("Fake CUDA device"), "{stdout}");
+    for entry in ["cuCtxSynchronize", "cuCtxGetDevice"] {
+        assert!(
+            stdout.contains(&format!(
+                "driver entry point fallback: {entry} at ABI 2000 instead of 13000"
+            )),
+            "{entry}: {stdout}"
+        );
+    }
+    let missing: Vec<&str> = stdout
+        .lines()
+        .filter(|l| l.starts_with("driver entry point missing:"))
+        .collect();
+    assert_eq!(missing.len(), 1, "{stdout}");
+    assert!(
+        missing[0].contains("cuGraphConditionalHandleCreate"),
+        "{stdout}"
+    );
+}

@@ -125,6 +125,9 @@ enum counter {
     C_cuEventElapsedTime_12080,
     C_cuGetErrorName,
     C_cuGetErrorString,
+    C_cuDeviceGetName,
+    C_cuDeviceGetAttribute,
+    C_cuDeviceTotalMem,
     C_stub,
     C_plain,
     C_COUNT
@@ -149,6 +152,9 @@ static const char *const counter_names[C_COUNT] = {
     "cuEventElapsedTime@12080",
     "cuGetErrorName",
     "cuGetErrorString",
+    "cuDeviceGetName",
+    "cuDeviceGetAttribute",
+    "cuDeviceTotalMem",
     "stub",
     "plain",
 };
@@ -332,6 +338,37 @@ static CUresult f_cuGetErrorString(CUresult code, const char **text) {
     return describe(code, text, 1);
 }
 
+/* ---- device queries, enough for `fp8-moe info`: an sm_90 device with 132 SMs and 1 GiB ---- */
+
+static CUresult f_cuDeviceGetName(char *name, int len, CUdevice dev) {
+    ENTER(C_cuDeviceGetName, "cuDeviceGetName");
+    static const char fake_name[] = "Fake CUDA device";
+    if (!name || len <= 0 || dev != 0) return CUDA_ERROR_INVALID_VALUE;
+    size_t n = sizeof fake_name < (size_t)len ? sizeof fake_name : (size_t)len;
+    memcpy(name, fake_name, n);
+    name[n - 1] = 0;
+    return CUDA_SUCCESS;
+}
+
+static CUresult f_cuDeviceGetAttribute(int *value, int attribute, CUdevice dev) {
+    ENTER(C_cuDeviceGetAttribute, "cuDeviceGetAttribute");
+    if (!value || dev != 0) return CUDA_ERROR_INVALID_VALUE;
+    switch (attribute) {
+    case 16: *value = 132; break; /* MULTIPROCESSOR_COUNT */
+    case 75: *value = 9; break;   /* COMPUTE_CAPABILITY_MAJOR */
+    case 76: *value = 0; break;   /* COMPUTE_CAPABILITY_MINOR */
+    default: *value = 0; break;
+    }
+    return CUDA_SUCCESS;
+}
+
+static CUresult f_cuDeviceTotalMem(size_t *bytes, CUdevice dev) {
+    ENTER(C_cuDeviceTotalMem, "cuDeviceTotalMem");
+    if (!bytes || dev != 0) return CUDA_ERROR_INVALID_VALUE;
+    *bytes = (size_t)1 << 30;
+    return CUDA_SUCCESS;
+}
+
 /* Every entry the fake does not implement. Called through another entry's pointer type it
    ignores the arguments, which the C calling conventions of x86-64 and AArch64 allow. */
 static CUresult f_stub(void) {
@@ -364,6 +401,9 @@ static const struct {
     {"cuEventElapsedTime", 12080, (void *)f_cuEventElapsedTime_v12080},
     {"cuGetErrorName", 6000, (void *)f_cuGetErrorName},
     {"cuGetErrorString", 6000, (void *)f_cuGetErrorString},
+    {"cuDeviceGetName", 2000, (void *)f_cuDeviceGetName},
+    {"cuDeviceGetAttribute", 2000, (void *)f_cuDeviceGetAttribute},
+    {"cuDeviceTotalMem", 3020, (void *)f_cuDeviceTotalMem},
 };
 
 static CUresult get_proc_address(const char *symbol, void **pfn, int version, uint64_t flags,
