@@ -21,9 +21,14 @@ pub struct Context {
     pdl: OnceLock<bool>,
 }
 
-// SAFETY: a CUcontext may be used from any thread; the driver serialises what it must.
+// SAFETY: the only field that is not `Send` by itself is the raw `CUcontext`. The driver API
+// is thread-safe and takes a context handle on any thread: the handle is not tied to the
+// thread that retained it, and the methods that need a current context make it current on
+// the calling thread first (`bind`). Releasing the retain (`Drop`) is legal on any thread.
 unsafe impl Send for Context {}
-// SAFETY: as above; this type has no interior mutability of its own.
+// SAFETY: through `&self` the fields are only read (the handle, the device ordinal) or set
+// once through a `OnceLock`, which is `Sync`; the handle only goes to driver calls, which
+// are thread-safe, so two threads may use one context at the same time.
 unsafe impl Sync for Context {}
 
 impl Context {
@@ -86,6 +91,43 @@ impl Context {
         self.bind()?;
         // SAFETY: no arguments; this context is current on this thread (bound just above).
         crate::error::check("cuCtxSynchronize", unsafe { sync() })
+    }
+
+    /// Whether the context can still run work: waits for the work enqueued in it so far
+    /// (as [`Context::synchronize`]) and reports the first fault of that work.
+    ///
+    /// A fault of device code (an out-of-bounds access, a device-side `assert` or
+    /// `__trap()`, an illegal instruction) is *sticky*: the driver returns it from then on to
+    /// every call in the context, and with the primary context that is every call of the
+    /// process; the context cannot be repaired, and the process must exit before it can use
+    /// the device again. Such an error is usually first seen by whatever call waits next
+    /// (a stream, event or exec `synchronize`); this is the call to make when a program must
+    /// know whether to go on or stop. Once the context is poisoned it returns at once.
+    ///
+    /// Wraps [`cuCtxSynchronize`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__CTX.html);
+    /// the sticky codes are listed at [`Error::is_sticky`](crate::Error::is_sticky).
+    ///
+    /// # Errors
+    /// * [`Error::Driver`](crate::Error::Driver) naming `cuCtxSynchronize` whose
+    ///   [`is_sticky`](crate::Error::is_sticky) is true: the context is unusable.
+    /// * Any other error of [`Context::synchronize`]: the context is not known to be
+    ///   unusable. Like it, this is illegal while a stream of the context captures (it
+    ///   invalidates the capture).
+    ///
+    /// ```no_run
+    /// # fn f(ctx: &cuda_graph::Context) {
+    /// match ctx.check_health() {
+    ///     Ok(()) => {}
+    ///     Err(e) if e.is_sticky() => {
+    ///         eprintln!("the GPU context is unusable, exiting: {e}");
+    ///         std::process::exit(1);
+    ///     }
+    ///     Err(e) => eprintln!("could not check the context: {e}"),
+    /// }
+    /// # }
+    /// ```
+    pub fn check_health(&self) -> Result<()> {
+        self.synchronize()
     }
 
     /// The device it belongs to.

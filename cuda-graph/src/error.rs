@@ -203,6 +203,59 @@ impl Error {
             _ => None,
         }
     }
+
+    /// Whether this error leaves the context unusable: a fault of device work (an illegal
+    /// address or instruction, a device-side `assert` or `__trap()`, a hardware error) that
+    /// the driver is documented to return from then on to every call in the context. The
+    /// codes are those whose description in `cuda.h` (CUDA 13.0) says the process is left
+    /// "in an inconsistent state" or the context "cannot be used anymore":
+    /// `CUDA_ERROR_ILLEGAL_ADDRESS`, `..._LAUNCH_TIMEOUT`, `..._ASSERT`,
+    /// `..._HARDWARE_STACK_ERROR`, `..._ILLEGAL_INSTRUCTION`, `..._MISALIGNED_ADDRESS`,
+    /// `..._INVALID_ADDRESS_SPACE`, `..._INVALID_PC`, `..._LAUNCH_FAILED`,
+    /// `..._TENSOR_MEMORY_LEAK`, `..._CONTAINED`, `..._MPS_CLIENT_TERMINATED` and
+    /// `..._EXTERNAL_DEVICE` (see the
+    /// [driver's error codes](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__TYPES.html)).
+    ///
+    /// Nothing recovers from such an error: with the primary context (the one [`Context`]
+    /// retains) every later call in the process fails the same way, and the process must
+    /// exit before it can use the device again. Out of memory, invalid arguments and capture
+    /// errors are not sticky. Looks through the driver error inside [`Error::Instantiate`],
+    /// [`Error::Update`], [`Error::ModuleLoad`] and [`Error::CaptureInvalidated`], and
+    /// through an [`Error::External`] that wraps this crate's `Error`.
+    /// [`Context::check_health`](crate::Context::check_health) asks the driver directly.
+    ///
+    /// [`Context`]: crate::Context
+    pub fn is_sticky(&self) -> bool {
+        match self {
+            Error::Driver { code, .. } => is_sticky_code(*code),
+            Error::Instantiate { source, .. }
+            | Error::Update { source, .. }
+            | Error::ModuleLoad { source, .. }
+            | Error::CaptureInvalidated { source, .. } => source.is_sticky(),
+            Error::External(e) => e.downcast_ref::<Error>().is_some_and(Error::is_sticky),
+            _ => false,
+        }
+    }
+}
+
+/// Whether `code` is one of the sticky device faults listed at [`Error::is_sticky`].
+pub(crate) fn is_sticky_code(code: CUresult) -> bool {
+    matches!(
+        code,
+        CUresult::CUDA_ERROR_ILLEGAL_ADDRESS
+            | CUresult::CUDA_ERROR_LAUNCH_TIMEOUT
+            | CUresult::CUDA_ERROR_ASSERT
+            | CUresult::CUDA_ERROR_HARDWARE_STACK_ERROR
+            | CUresult::CUDA_ERROR_ILLEGAL_INSTRUCTION
+            | CUresult::CUDA_ERROR_MISALIGNED_ADDRESS
+            | CUresult::CUDA_ERROR_INVALID_ADDRESS_SPACE
+            | CUresult::CUDA_ERROR_INVALID_PC
+            | CUresult::CUDA_ERROR_LAUNCH_FAILED
+            | CUresult::CUDA_ERROR_TENSOR_MEMORY_LEAK
+            | CUresult::CUDA_ERROR_CONTAINED
+            | CUresult::CUDA_ERROR_MPS_CLIENT_TERMINATED
+            | CUresult::CUDA_ERROR_EXTERNAL_DEVICE
+    )
 }
 
 /// Turns a driver result into a `Result`, naming the call on failure.
@@ -310,6 +363,57 @@ mod tests {
             "cuGraphLaunch failed: CUDA_ERROR_INVALID_VALUE (1): invalid argument"
         );
         assert_eq!(e.code(), Some(CUresult::CUDA_ERROR_INVALID_VALUE));
+    }
+
+    #[test]
+    fn device_faults_are_sticky_and_other_errors_are_not() {
+        let sticky = [
+            (226, "CONTAINED"),
+            (700, "ILLEGAL_ADDRESS"),
+            (702, "LAUNCH_TIMEOUT"),
+            (710, "ASSERT"),
+            (714, "HARDWARE_STACK_ERROR"),
+            (715, "ILLEGAL_INSTRUCTION"),
+            (716, "MISALIGNED_ADDRESS"),
+            (717, "INVALID_ADDRESS_SPACE"),
+            (718, "INVALID_PC"),
+            (719, "LAUNCH_FAILED"),
+            (721, "TENSOR_MEMORY_LEAK"),
+            (810, "MPS_CLIENT_TERMINATED"),
+            (911, "EXTERNAL_DEVICE"),
+        ];
+        let fault = |code: i32| Error::Driver {
+            call: "cuStreamSynchronize",
+            code: CUresult(code as _),
+            name: "",
+            message: "",
+        };
+        for (code, name) in sticky {
+            assert!(fault(code).is_sticky(), "{code} ({name}) is sticky");
+        }
+        // Errors the context survives: out of memory, bad arguments or handles, not ready,
+        // a launch refused for its configuration, capture errors, update failures, unknown.
+        for code in [
+            1, 2, 3, 201, 400, 500, 600, 701, 720, 900, 901, 910, 999, 12345,
+        ] {
+            assert!(!fault(code).is_sticky(), "{code} is not sticky");
+        }
+        // Wrapped driver errors are looked through; crate-side errors are never sticky.
+        let wrapped = Error::Instantiate {
+            source: Box::new(fault(719)),
+            result: cuda_graph_sys::CUgraphInstantiateResult(1),
+            node: crate::ids::NodeId::null(),
+        };
+        assert!(wrapped.is_sticky());
+        let captured = Error::CaptureInvalidated {
+            call: "cuMemAlloc",
+            source: Box::new(fault(900)),
+        };
+        assert!(!captured.is_sticky());
+        assert!(Error::external(fault(710)).is_sticky());
+        assert!(!Error::external(std::fmt::Error).is_sticky());
+        assert!(!Error::invalid("x").is_sticky());
+        assert!(!Error::UnjoinedFork { forks: 1 }.is_sticky());
     }
 
     #[test]

@@ -27,9 +27,12 @@ pub struct Event {
     ctx: Arc<Context>,
 }
 
-// SAFETY: events may be used from any thread.
+// SAFETY: the only field that is not `Send` by itself is the raw `CUevent`, a driver handle
+// not tied to a thread; it may be recorded, waited on, queried and destroyed from any thread.
 unsafe impl Send for Event {}
-// SAFETY: as above.
+// SAFETY: `&self` methods only pass the handle to driver calls, which are thread-safe. Two
+// threads recording one event at once is not a data race: the event marks whichever record
+// the driver took last.
 unsafe impl Sync for Event {}
 
 impl Event {

@@ -64,6 +64,15 @@ bitflags! {
 /// the nodes (`cuGraphGetNodes`, `cuGraphNodeGetType`); an [`Error::Driver`] of theirs is that
 /// setter's error.
 ///
+/// # Threads
+///
+/// An exec is `Send` and `Sync`: launches and uploads from several threads are serialised
+/// (see [`GraphExec::launch`]), and it may be dropped on any thread, even while a launch
+/// runs. One rule is not enforced by the types: the per-node setters look nodes up through
+/// the graph the exec was made from (and the graphs it was updated to), and the driver
+/// forbids concurrent calls on one graph, so do not change or query such a [`Graph`] on one
+/// thread while a setter of its exec runs on another.
+///
 /// # Dropping
 ///
 /// Every launch is followed by an event record (under a lock, so the event always marks
@@ -96,9 +105,27 @@ impl std::fmt::Debug for GraphExec {
     }
 }
 
-// SAFETY: an exec may be launched from any thread; mutation (updates) takes &mut self.
+// SAFETY: the fields that are not `Send` by themselves are driver handles (the exec, its
+// origin graph, node handles in `aliases`) and the `CUgraph` of `pending_alias`; none is tied
+// to a thread. Every driver call on them needs `&mut self` or the `completion` lock (see
+// `Sync`), so moving the exec to another thread cannot make two calls overlap. Dropping it
+// there is also fine: `Drop` waits for the last launch before releasing what it keeps alive,
+// and `cuGraphExecDestroy` may run on any thread.
+//
+// Known gap: the origin graph object is shared with the `Graph` it came from and with other
+// execs of it. The per-node setters pass its node handles, which the driver looks up through
+// that graph, and `resolve` reads its nodes; the driver asks that calls on one graph object
+// be serialised, and nothing serialises these `&mut self` calls with the `Graph`'s methods
+// when the two are used on different threads at once (see "Threads" in the type's docs).
 unsafe impl Send for GraphExec {}
-// SAFETY: launching through &self is thread-safe in the driver.
+// SAFETY: the driver does not synchronise calls on one exec (graph objects are "not
+// internally synchronized", https://docs.nvidia.com/cuda/cuda-driver-api/graphs-thread-safety.html),
+// so both `&self` methods that call the driver on the exec (`launch`, `upload`) hold the
+// `completion` mutex for the call: launches from several threads are serialised on the host,
+// each followed by its completion record, and run on the device one at a time in that order
+// (one exec runs one launch at a time). `synchronize` takes the same mutex to reach the
+// event, whose driver calls are thread-safe. The other `&self` methods only read fields that
+// `&mut self` methods alone change.
 unsafe impl Sync for GraphExec {}
 
 impl GraphExec {
@@ -186,17 +213,28 @@ impl GraphExec {
     }
 
     /// Uploads the exec's work to the device ahead of its first launch, on `stream`, so the
-    /// first launch does not pay for it.
+    /// first launch does not pay for it. Serialised with launches from other threads, like
+    /// [`GraphExec::launch`].
     ///
     /// Wraps [`cuGraphUpload`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
     /// Errors: [`Error::Driver`].
     pub fn upload(&self, stream: &Stream) -> Result<()> {
-        // SAFETY: live exec and stream.
+        // The driver does not synchronise calls on one exec: take the launch lock.
+        let _serial = self
+            .completion
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        // SAFETY: live exec and stream; no other call on the exec runs (the lock).
         unsafe { cu!(cuGraphUpload(self.raw, stream.as_raw())) }
     }
 
     /// Launches the graph on `stream` ([`cuGraphLaunch`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html)).
     /// One exec runs one launch at a time, in launch order, whatever the streams.
+    ///
+    /// The exec is `Sync`: threads sharing it may launch it at the same time. Their launches
+    /// are serialised (a lock on the host; the driver then orders each launch of the exec
+    /// after the previous one), so they never overlap on the device and none is refused. To
+    /// run one graph concurrently, instantiate it once per stream.
     ///
     /// Errors: [`Error::Driver`]: from `cuGraphLaunch` (e.g. an invalid stream, a graph whose
     /// memory nodes were not freed, a sticky error of the context); from creating the completion
@@ -211,7 +249,8 @@ impl GraphExec {
         if completion.is_none() {
             *completion = Some(Event::for_sync(&self.ctx)?);
         }
-        // SAFETY: live exec and stream; the exec keeps alive what its nodes use.
+        // SAFETY: live exec and stream; the exec keeps alive what its nodes use; no other
+        // call on the exec runs (the lock).
         unsafe { cu!(cuGraphLaunch(self.raw, stream.as_raw())) }?;
         match completion.as_ref() {
             Some(event) => event.record(stream),

@@ -44,10 +44,11 @@ pub struct Graph {
 #[derive(Debug)]
 struct OwnedGraph(CUgraph);
 
-// SAFETY: only ever used to destroy the graph, by whoever drops the last reference; the
-// `Graph` that mutates it holds a reference until it is gone.
+// SAFETY: the wrapper is never read through: it only destroys the graph, in `Drop`, run by
+// whoever drops the last `Arc` (the `Graph` or an exec), on any thread; by then no other
+// holder is left, and `cuGraphDestroy` is not tied to a thread.
 unsafe impl Send for OwnedGraph {}
-// SAFETY: as above; no method reads or writes through a shared reference.
+// SAFETY: it has no `&self` methods (only `Drop`, which has `&mut self`).
 unsafe impl Sync for OwnedGraph {}
 
 impl Drop for OwnedGraph {
@@ -60,8 +61,12 @@ impl Drop for OwnedGraph {
     }
 }
 
-// SAFETY: a graph may move between threads; it is not Sync because graph objects are not
-// thread-safe (the driver's rule), and every mutation goes through &mut self.
+// SAFETY: a graph object is not tied to a thread; what the driver asks is that calls on one
+// graph object never overlap ("not internally synchronized",
+// https://docs.nvidia.com/cuda/cuda-driver-api/graphs-thread-safety.html). `Graph` is
+// therefore `Send` but not `Sync`: its methods, which take `&mut self` or `&self`, run on one
+// thread at a time. (Execs instantiated from it keep the graph object for node lookups; see
+// the note at `GraphExec`'s `Send`.)
 unsafe impl Send for Graph {}
 
 impl Graph {

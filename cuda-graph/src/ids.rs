@@ -8,9 +8,11 @@ use cuda_graph_sys::CUgraphNode;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct NodeId(pub CUgraphNode);
 
-// SAFETY: an opaque identifier; using it requires the graph, which enforces thread rules.
+// SAFETY: a plain identifier: this type never dereferences the pointer or calls the driver
+// with it. Every driver call that takes a node goes through a `Graph` (not `Sync`) or a
+// `GraphExec` method, which carry the thread rules.
 unsafe impl Send for NodeId {}
-// SAFETY: as above.
+// SAFETY: as for `Send`; a `NodeId` is `Copy` and has no interior mutability.
 unsafe impl Sync for NodeId {}
 
 impl NodeId {

@@ -33,6 +33,20 @@
 //! * [`Error::InvalidArgument`] comes from this crate's own checks, made before the driver
 //!   call they guard.
 //!
+//! A fault of device code (an illegal address, a device-side `assert` or `__trap()`) is
+//! *sticky*: it poisons the context, and every later call fails with it.
+//! [`Error::is_sticky`] tells such errors apart, and [`Context::check_health`] asks whether
+//! the context can still run work. Out of memory is not sticky: earlier graphs keep working.
+//!
+//! # Threads
+//!
+//! Handles are `Send` and `Sync` (contexts, streams, events, modules, kernels, buffers, pools,
+//! execs), except [`Graph`], which is `Send` only (the driver does not synchronise calls on
+//! one graph), and [`CaptureScope`], which stays on the thread that began the capture. An
+//! exec shared by threads may be launched from all of them: the launches are serialised and
+//! run one at a time. Capture with [`CaptureMode::ThreadLocal`] when other threads keep
+//! working meanwhile (see [`capture`](crate::capture#modes)).
+//!
 //! # Lifetimes: what keeps device memory alive
 //!
 //! Work enqueued through the safe API registers what it uses. A kernel launch or copy made

@@ -34,9 +34,13 @@ struct KernelParts {
     params: Option<Arc<[usize]>>,
 }
 
-// SAFETY: modules may be used from any thread.
+// SAFETY: the fields that are not `Send` by themselves are the raw `CUmodule` and the
+// `CUfunction`s of the kernel cache: driver handles not tied to a thread (functions may be
+// looked up and launched, and the module unloaded, from any thread).
 unsafe impl Send for ModuleInner {}
-// SAFETY: as above; immutable after loading.
+// SAFETY: through `&self` the module handle only goes to thread-safe driver calls
+// (`cuModuleGetFunction`, `cuFuncGetParamInfo`), and the kernel cache, the only state that
+// changes, is behind a `Mutex`.
 unsafe impl Sync for ModuleInner {}
 
 impl Module {
@@ -248,9 +252,12 @@ pub struct Kernel {
     params: Option<Arc<[usize]>>,
 }
 
-// SAFETY: CUfunction handles may be used from any thread.
+// SAFETY: the only field that is not `Send` by itself is the raw `CUfunction`, a driver
+// handle not tied to a thread; `module` (which keeps it loaded) is `Send` and `Sync` by type.
 unsafe impl Send for Kernel {}
-// SAFETY: as above; immutable.
+// SAFETY: the fields never change after construction; `&self` methods only read them or
+// pass the handle to thread-safe driver calls (`cuFuncSetAttribute`: two threads setting the
+// shared-memory limit at once leave one of the two values, with no data race).
 unsafe impl Sync for Kernel {}
 
 impl Kernel {

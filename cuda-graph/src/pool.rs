@@ -72,20 +72,33 @@ impl GraphPool {
     /// A buffer of `len` elements carved from the pool, no driver call. Its contents are
     /// whatever the range last held.
     ///
-    /// Errors: [`Error::InvalidArgument`] when the byte count overflows or no free range is
-    /// large enough (the pool never grows, so nothing is allocated during a capture).
+    /// Errors: [`Error::InvalidArgument`] when the byte count overflows, or when the pool
+    /// is exhausted: no free range is large enough (the pool never grows, so nothing is
+    /// allocated during a capture). That message starts with `graph pool exhausted` and
+    /// gives the bytes asked for, the largest free range, the free bytes and the capacity.
     pub fn alloc<T: DeviceRepr>(&self, len: usize) -> Result<DeviceBuffer<T>> {
         let bytes = DeviceBuffer::<T>::bytes_for(len)?;
-        let size = bytes.max(1).next_multiple_of(POOL_ALIGN);
-        // The guard must be gone before the error path reads the free bytes (same lock).
-        let taken = self.inner.lock().take(size);
-        let offset = taken.ok_or_else(|| {
-            Error::invalid(format!(
-                "graph pool: no free range of {size} bytes ({} of {} bytes free)",
-                self.free_bytes(),
-                self.capacity()
-            ))
-        })?;
+        let size = bytes
+            .max(1)
+            .checked_next_multiple_of(POOL_ALIGN)
+            .ok_or_else(|| Error::invalid(format!("graph pool: {bytes} bytes overflow")))?;
+        let offset = {
+            let mut free = self.inner.lock();
+            match free.take(size) {
+                Some(offset) => offset,
+                None => {
+                    return Err(Error::invalid(format!(
+                        "graph pool exhausted: {len} x {} needs {size} bytes, but the largest \
+                         free range is {} bytes ({} of {} bytes free); the pool never grows: \
+                         create it with a larger capacity",
+                        std::any::type_name::<T>(),
+                        free.largest(),
+                        free.free_bytes(),
+                        self.capacity()
+                    )));
+                }
+            }
+        };
         let ptr = self.inner.memory.ptr() + offset as CUdeviceptr;
         let alloc = Allocation::new_pooled(ptr, size, &self.inner.ctx, self.inner.clone());
         Ok(DeviceBuffer::from_alloc(alloc, len))
@@ -137,6 +150,11 @@ impl FreeList {
         self.ranges.iter().map(|r| r.1).sum()
     }
 
+    /// The size of the largest free range (what one allocation can get).
+    fn largest(&self) -> usize {
+        self.ranges.iter().map(|r| r.1).max().unwrap_or(0)
+    }
+
     /// The offset of a free range of `size` bytes, taken from the lowest fitting range.
     fn take(&mut self, size: usize) -> Option<usize> {
         let i = self.ranges.iter().position(|&(_, len)| len >= size)?;
@@ -176,6 +194,7 @@ mod tests {
         let c = f.take(512).unwrap();
         assert_eq!((a, b, c), (0, 256, 512));
         assert_eq!(f.take(1), None);
+        assert_eq!(f.largest(), 0);
         f.give_back(b, 256);
         assert_eq!(f.free_bytes(), 256);
         // Freed ranges are reused lowest first.
@@ -199,6 +218,8 @@ mod tests {
         f.give_back(a, 256);
         f.give_back(c, 256);
         assert_eq!(f.ranges, vec![(0, 256), (512, 256)]);
+        // 512 bytes free, but no range of more than 256.
+        assert_eq!((f.free_bytes(), f.largest()), (512, 256));
         f.give_back(b, 256);
         assert_eq!(f.ranges, vec![(0, 768)]);
     }

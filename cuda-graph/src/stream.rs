@@ -35,9 +35,15 @@ struct StreamInner {
     collecting: AtomicBool,
 }
 
-// SAFETY: streams may be used from any thread; the mutable state is behind a Mutex.
+// SAFETY: the only field that is not `Send` by itself is the raw `CUstream`, a driver handle
+// not tied to a thread: work may be enqueued on it from any thread, and the last handle may
+// be dropped on any thread (`cuStreamDestroy` lets queued work finish). `_owner` is `Send`
+// and `Sync` by type.
 unsafe impl Send for StreamInner {}
-// SAFETY: as above.
+// SAFETY: through `&self` the handle only goes to driver calls, which are thread-safe:
+// several threads may enqueue on one stream at once (the driver serialises the submissions;
+// their order is the order the calls happen to take). The only state changed through `&self`
+// is the capture collection, behind a `Mutex` and an atomic flag.
 unsafe impl Sync for StreamInner {}
 
 impl Stream {

@@ -1,6 +1,7 @@
 //! CPU test of the safe crate on fake drivers (cuda-graph-sys/tests/fake/fake_cuda.c): on a
 //! driver before 13.0, `Context::synchronize` really waits, through the older
-//! `cuCtxSynchronize`, and never silently skips the wait.
+//! `cuCtxSynchronize`, and never silently skips the wait; a sticky failure of that wait is
+//! what `Context::check_health` reports.
 //!
 //! The driver is process-wide and loaded once, so each fake driver gets a process of its own:
 //! the test runs its own binary again for every scenario, with `CUDA_GRAPH_LIBCUDA` naming
@@ -113,6 +114,11 @@ fn check(scenario: &str) {
                 "{err:?}"
             );
             assert_eq!(count("cuCtxSynchronize@2000"), 1);
+            // A launch failure is sticky: check_health reports the context unusable.
+            let err = ctx.check_health().unwrap_err();
+            assert!(err.is_sticky(), "{err:?}");
+            assert_eq!(err.code(), Some(CUresult::CUDA_ERROR_LAUNCH_FAILED));
+            assert_eq!(count("cuCtxSynchronize@2000"), 2);
         }
         "12.8-no-sync" => {
             let err = ctx.synchronize().unwrap_err();

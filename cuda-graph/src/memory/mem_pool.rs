@@ -15,9 +15,12 @@ pub struct MemPool {
     ctx: Arc<Context>,
 }
 
-// SAFETY: pools may be used from any thread.
+// SAFETY: the only field that is not `Send` by itself is the raw `CUmemoryPool`, a driver
+// handle not tied to a thread: pools serve stream-ordered allocations from any stream and
+// thread, and may be destroyed on any thread.
 unsafe impl Send for MemPool {}
-// SAFETY: as above.
+// SAFETY: `&self` methods only pass the handle to thread-safe driver calls (allocation,
+// `cuMemPoolTrimTo`, attribute queries); no state changes on the Rust side.
 unsafe impl Sync for MemPool {}
 
 impl MemPool {

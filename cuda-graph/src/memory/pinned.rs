@@ -14,9 +14,13 @@ pub struct PinnedBuffer<T: DeviceRepr> {
     ctx: Arc<Context>,
 }
 
-// SAFETY: owns its memory like a Box<[T]>.
+// SAFETY: it owns its memory as a `Box<[T]>` does (no other handle to it exists), and
+// `T: DeviceRepr` is `Send`; `cuMemFreeHost` may run on any thread (`Drop` binds the
+// context first).
 unsafe impl<T: DeviceRepr> Send for PinnedBuffer<T> {}
-// SAFETY: shared access is read-only.
+// SAFETY: `&self` gives `&[T]` only, `T: DeviceRepr` is `Sync`, and writing needs
+// `&mut self`. Device work that writes the memory (through a raw address, an `unsafe`
+// launch) is ordered by the caller, as for any device write.
 unsafe impl<T: DeviceRepr> Sync for PinnedBuffer<T> {}
 
 impl<T: DeviceRepr> PinnedBuffer<T> {

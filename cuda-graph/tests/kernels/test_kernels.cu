@@ -58,3 +58,21 @@ extern "C" __global__ void spin_until_set(const volatile unsigned int* flag) {
 #endif
     }
 }
+
+// Device faults on purpose, for tests/device_fault.rs: when *flag is non-zero the kernel
+// ends in a sticky error; otherwise it adds 1 to x[0..n). `__trap()` aborts the kernel.
+extern "C" __global__ void add_one_or_trap(const unsigned int* flag, float* x, unsigned int n) {
+    if (*flag != 0) __trap();
+    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += 1.0f;
+}
+
+// The same with a device-side assert (CUDA_ERROR_ASSERT), checked by one thread so that the
+// failure prints one message. Asserts stay on whatever flags the build passes.
+#undef NDEBUG
+#include <assert.h>
+extern "C" __global__ void add_one_or_assert(const unsigned int* flag, float* x, unsigned int n) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) assert(*flag == 0);
+    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += 1.0f;
+}
