@@ -36,6 +36,8 @@ for tool in ${tools//,/ }; do
       # They start other processes (the CLI, or themselves against a fake libcuda): the
       # sanitizer would follow children that are not CUDA programs of ours.
       *fake_driver|*.cli) continue ;;
+      # Faults the device on purpose (a trap and an assert in a graph) in child processes.
+      *device_fault) continue ;;
     esac
     [ -n "$filter" ] && [[ "$name" != *"$filter"* ]] && continue
     log="$logs/$tool.$name.log"
