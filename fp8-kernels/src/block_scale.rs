@@ -57,10 +57,11 @@ impl BlockShape {
         (rows.div_ceil(br), cols.div_ceil(bc))
     }
 
-    /// The number of scales for a `[rows, cols]` input.
+    /// The number of scales for a `[rows, cols]` input; `usize::MAX` where that number
+    /// overflows `usize` (no buffer is that long, so a length check against it fails).
     pub const fn scales_len(self, rows: usize, cols: usize) -> usize {
         let (r, c) = self.scales_shape(rows, cols);
-        r * c
+        r.saturating_mul(c)
     }
 
     /// Lower-case name used in kernel symbols: `1x128` or `128x128`.
@@ -200,6 +201,7 @@ mod tests {
         assert_eq!(BlockShape::Tile128x128.scales_shape(130, 257), (2, 3));
         assert_eq!(BlockShape::Tile128x128.scales_shape(257, 130), (3, 2));
         assert_eq!(BlockShape::Tile128x128.scales_len(128, 128), 1);
+        assert_eq!(BlockShape::Row1x128.scales_len(128, usize::MAX), usize::MAX);
     }
 
     #[test]

@@ -94,6 +94,11 @@ pub struct Fp8Tensor {
 
 /// The element count of a shape, checked for overflow.
 pub(crate) fn numel(shape: &[usize]) -> Result<usize> {
+    // A zero dimension makes the count 0 however large the others are (their partial product
+    // may overflow).
+    if shape.contains(&0) {
+        return Ok(0);
+    }
     shape
         .iter()
         .try_fold(1usize, |n, &d| n.checked_mul(d))
@@ -270,6 +275,7 @@ mod tests {
         assert_eq!(numel(&[]).ok(), Some(1));
         assert_eq!(numel(&[3, 5]).ok(), Some(15));
         assert!(numel(&[usize::MAX, 2]).is_err());
+        assert_eq!(numel(&[usize::MAX, 2, 0]).ok(), Some(0));
     }
 
     #[test]

@@ -303,6 +303,10 @@ fn invalid(what: &str, msg: String) -> Error {
 }
 
 fn mul(what: &str, xs: &[usize]) -> Result<usize> {
+    // A zero factor makes the product 0 however large the others are.
+    if xs.contains(&0) {
+        return Ok(0);
+    }
     xs.iter()
         .try_fold(1usize, |p, &x| p.checked_mul(x))
         .ok_or_else(|| invalid(what, format!("size {xs:?} overflows usize")))
