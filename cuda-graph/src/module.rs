@@ -319,13 +319,130 @@ impl Kernel {
 
     /// Checks an argument list's sizes against the kernel's parameters.
     pub(crate) fn check_args(&self, sizes: &[usize]) -> Result<()> {
-        match &self.params {
-            Some(params) if **params != *sizes => Err(Error::invalid(format!(
-                "kernel {} takes parameters of {:?} bytes, got arguments of {:?} bytes",
-                self.name, params, sizes
-            ))),
-            // Matching, or a driver too old to report parameters: nothing to check.
-            _ => Ok(()),
+        check_arg_sizes(self.params.as_deref(), sizes, &self.name)
+    }
+}
+
+/// Checks argument sizes `got` against a kernel's parameter sizes; `expected` is `None` when
+/// the driver is too old to report them, and then there is nothing to check. The error names
+/// the kernel, both lists and the first argument that differs.
+pub(crate) fn check_arg_sizes(
+    expected: Option<&[usize]>,
+    got: &[usize],
+    kernel_name: &str,
+) -> Result<()> {
+    let Some(params) = expected else {
+        return Ok(());
+    };
+    let Some(i) = (0..params.len().max(got.len())).find(|&i| params.get(i) != got.get(i)) else {
+        return Ok(());
+    };
+    let first = match (params.get(i), got.get(i)) {
+        (Some(p), Some(g)) => format!("argument {i} has {g} bytes, parameter {i} {p}"),
+        (Some(p), None) => format!("argument {i} is missing (parameter {i} has {p} bytes)"),
+        // They differ at i, so only the arguments reach it.
+        (None, g) => format!(
+            "argument {i} has {} bytes, beyond the kernel's {} parameter(s)",
+            g.copied().unwrap_or(0),
+            params.len()
+        ),
+    };
+    Err(Error::invalid(format!(
+        "kernel {kernel_name} takes parameters of {params:?} bytes, got arguments of {got:?} \
+         bytes: {first}"
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::collection::vec;
+    use proptest::prelude::*;
+    use proptest::sample::select;
+    use proptest::test_runner::RngAlgorithm;
+
+    use super::*;
+
+    /// A parameter size: the usual 1 to 16 bytes mostly, sometimes large.
+    fn size() -> impl Strategy<Value = usize> {
+        prop_oneof![8 => 1usize..=16, 1 => 0usize..=4096, 1 => any::<usize>()]
+    }
+
+    /// How the arguments are made from the parameters.
+    #[derive(Debug, Clone)]
+    enum Edit {
+        Same,
+        Resize(usize, usize),
+        Drop(usize),
+        Push(usize),
+        Other(Vec<usize>),
+    }
+
+    fn edit() -> impl Strategy<Value = Edit> {
+        prop_oneof![
+            3 => Just(Edit::Same),
+            3 => (any::<usize>(), size()).prop_map(|(i, s)| Edit::Resize(i, s)),
+            2 => any::<usize>().prop_map(Edit::Drop),
+            2 => size().prop_map(Edit::Push),
+            1 => vec(size(), 0..=6).prop_map(Edit::Other),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig {
+            cases: 100_000,
+            rng_algorithm: RngAlgorithm::XorShift,
+            ..ProptestConfig::default()
+        })]
+
+        /// Ok exactly when the sizes are unknown or equal; the error names the kernel and
+        /// the first differing argument with both sizes.
+        #[test]
+        fn arg_sizes_match_or_name_the_first_difference(
+            params in vec(size(), 0..=6),
+            known in prop_oneof![9 => Just(true), 1 => Just(false)],
+            edit in edit(),
+            name in select(vec!["add_f32", "fp8_gemm_e4m3_bf16", "", "k<1>", "\u{2603}"]),
+        ) {
+            let mut got = params.clone();
+            match edit {
+                Edit::Same => {}
+                Edit::Resize(i, s) if !got.is_empty() => {
+                    let n = got.len();
+                    got[i % n] = s;
+                }
+                Edit::Resize(..) => {}
+                Edit::Drop(i) if !got.is_empty() => {
+                    let n = got.len();
+                    got.remove(i % n);
+                }
+                Edit::Drop(_) => {}
+                Edit::Push(s) => got.push(s),
+                Edit::Other(v) => got = v,
+            }
+            let expected = known.then_some(params.as_slice());
+            let first = params
+                .iter()
+                .zip(&got)
+                .position(|(p, g)| p != g)
+                .or((params.len() != got.len()).then(|| params.len().min(got.len())));
+            match (check_arg_sizes(expected, &got, name), first) {
+                (Ok(()), first) => prop_assert!(!known || first.is_none()),
+                (Err(Error::InvalidArgument(msg)), Some(i)) => {
+                    prop_assert!(known);
+                    prop_assert!(msg.starts_with(&format!("kernel {name} ")), "{}", msg);
+                    prop_assert!(msg.contains(&format!("{params:?}")), "{}", msg);
+                    prop_assert!(msg.contains(&format!("{got:?}")), "{}", msg);
+                    prop_assert!(msg.contains(&format!(": argument {i} ")), "{}", msg);
+                    if let Some(p) = params.get(i) {
+                        let named = [format!("parameter {i} {p}"), format!("parameter {i} has {p} bytes")];
+                        prop_assert!(named.iter().any(|n| msg.contains(n.as_str())), "{}", msg);
+                    }
+                    if let Some(g) = got.get(i) {
+                        prop_assert!(msg.contains(&format!("has {g} bytes")), "{}", msg);
+                    }
+                }
+                (got_err, first) => prop_assert!(false, "{:?} for first difference {:?}", got_err, first),
+            }
         }
     }
 }

@@ -57,10 +57,11 @@ impl BlockShape {
         (rows.div_ceil(br), cols.div_ceil(bc))
     }
 
-    /// The number of scales for a `[rows, cols]` input.
+    /// The number of scales for a `[rows, cols]` input; `usize::MAX` where that number
+    /// overflows `usize` (no buffer is that long, so a length check against it fails).
     pub const fn scales_len(self, rows: usize, cols: usize) -> usize {
         let (r, c) = self.scales_shape(rows, cols);
-        r * c
+        r.saturating_mul(c)
     }
 
     /// Lower-case name used in kernel symbols: `1x128` or `128x128`.
@@ -200,6 +201,7 @@ mod tests {
         assert_eq!(BlockShape::Tile128x128.scales_shape(130, 257), (2, 3));
         assert_eq!(BlockShape::Tile128x128.scales_shape(257, 130), (3, 2));
         assert_eq!(BlockShape::Tile128x128.scales_len(128, 128), 1);
+        assert_eq!(BlockShape::Row1x128.scales_len(128, usize::MAX), usize::MAX);
     }
 
     #[test]
@@ -221,5 +223,98 @@ mod tests {
         assert_eq!(blockwise_grid(tile, bf16, 257, 130).ok(), Some(6));
         assert!(blockwise_grid(row, bf16, 1 << 40, 1 << 20).is_err());
         assert!(blockwise_grid(row, bf16, 1 << 40, (1 << 20) + 1).is_err());
+    }
+
+    use proptest::prelude::*;
+    use proptest::sample::select;
+    use proptest::test_runner::RngAlgorithm;
+
+    /// 100 000 cases; XorShift, as ChaCha dominates these cheap cases in a debug build.
+    fn config() -> ProptestConfig {
+        ProptestConfig {
+            cases: 100_000,
+            rng_algorithm: RngAlgorithm::XorShift,
+            ..ProptestConfig::default()
+        }
+    }
+
+    /// A size: small mostly, zero, powers of two, huge, any.
+    fn dim() -> impl Strategy<Value = usize> {
+        prop_oneof![
+            8 => 0usize..=300,
+            2 => (0u32..64).prop_map(|s| 1usize << s),
+            1 => select(vec![usize::MAX, usize::MAX / 2, usize::MAX - 1, (1 << 32) - 1]),
+            1 => any::<usize>(),
+        ]
+    }
+
+    /// The exact product of `dims`, where it fits usize.
+    fn fits(dims: &[usize]) -> Option<usize> {
+        if dims.contains(&0) {
+            return Some(0);
+        }
+        let exact = dims
+            .iter()
+            .try_fold(1u128, |p, &x| p.checked_mul(x as u128));
+        exact.and_then(|p| usize::try_from(p).ok())
+    }
+
+    fn dtype() -> impl Strategy<Value = DType> {
+        select(vec![DType::F32, DType::F16, DType::Bf16])
+    }
+
+    fn block() -> impl Strategy<Value = BlockShape> {
+        select(vec![BlockShape::Row1x128, BlockShape::Tile128x128])
+    }
+
+    proptest! {
+        #![proptest_config(config())]
+
+        /// Blocks down and across, edge blocks counted whole; the count never panics.
+        #[test]
+        fn scale_layout(block in block(), rows in dim(), cols in dim()) {
+            let block_rows = if block == BlockShape::Row1x128 { 1 } else { 128 };
+            let (r, c) = block.scales_shape(rows, cols);
+            prop_assert_eq!((r, c), (rows.div_ceil(block_rows), cols.div_ceil(128)));
+            let len = block.scales_len(rows, cols);
+            prop_assert_eq!(len, fits(&[r, c]).unwrap_or(usize::MAX));
+        }
+
+        /// The vector kernel takes rows that start on 16 bytes.
+        #[test]
+        fn vector_kernel_needs_16_byte_rows(dtype in dtype(), cols in dim()) {
+            let bytes = cols as u128 * dtype.size() as u128;
+            prop_assert_eq!(vector_1x128(dtype, cols), bytes % 16 == 0);
+        }
+
+        /// The grid covers every block with no CTA idle: 8 blocks a CTA (scalar 1x128),
+        /// 64 (vector, 16-bit input) or 32 (vector, f32), 1 (128x128); accepted exactly up to
+        /// the grid limit; an error names the shape.
+        #[test]
+        fn blockwise_grid_covers_the_blocks(
+            block in block(), dtype in dtype(), rows in dim(), cols in dim(),
+        ) {
+            let block_rows = if block == BlockShape::Row1x128 { 1 } else { 128 };
+            let blocks = (rows as u128).div_ceil(block_rows) * (cols as u128).div_ceil(128);
+            let per_cta: u128 = match block {
+                BlockShape::Tile128x128 => 1,
+                BlockShape::Row1x128 if (cols as u128 * dtype.size() as u128) % 16 != 0 => 8,
+                BlockShape::Row1x128 if dtype == DType::F32 => 32,
+                BlockShape::Row1x128 => 64,
+            };
+            let want = blocks.div_ceil(per_cta);
+            match blockwise_grid(block, dtype, rows, cols) {
+                Ok(g) => {
+                    prop_assert_eq!(u128::from(g), want);
+                    prop_assert!(u128::from(g) * per_cta >= blocks);
+                    prop_assert!(g == 0 || u128::from(g - 1) * per_cta < blocks);
+                }
+                Err(e) => {
+                    prop_assert!(want > (1 << 31) - 1, "{:?} [{}, {}]: {}", block, rows, cols, e);
+                    let msg = e.to_string();
+                    prop_assert!(msg.contains(&format!("[{rows}, {cols}]")), "{}", msg);
+                }
+            }
+        }
     }
 }

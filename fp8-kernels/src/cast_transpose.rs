@@ -158,4 +158,82 @@ mod tests {
         assert!(matrix_numel("t", usize::MAX, 2).is_err());
         assert_eq!(matrix_numel("t", 3, 5).ok(), Some(15));
     }
+
+    use proptest::prelude::*;
+    use proptest::sample::select;
+    use proptest::test_runner::RngAlgorithm;
+
+    /// 100 000 cases; XorShift, as ChaCha dominates these cheap cases in a debug build.
+    fn config() -> ProptestConfig {
+        ProptestConfig {
+            cases: 100_000,
+            rng_algorithm: RngAlgorithm::XorShift,
+            ..ProptestConfig::default()
+        }
+    }
+
+    /// A size: small mostly, zero, powers of two, huge, any.
+    fn dim() -> impl Strategy<Value = usize> {
+        prop_oneof![
+            8 => 0usize..=300,
+            2 => (0u32..64).prop_map(|s| 1usize << s),
+            1 => select(vec![usize::MAX, usize::MAX / 2, usize::MAX - 1, (1 << 32) - 1]),
+            1 => any::<usize>(),
+        ]
+    }
+
+    /// The exact product of `dims`, where it fits usize.
+    fn fits(dims: &[usize]) -> Option<usize> {
+        if dims.contains(&0) {
+            return Some(0);
+        }
+        let exact = dims
+            .iter()
+            .try_fold(1u128, |p, &x| p.checked_mul(x as u128));
+        exact.and_then(|p| usize::try_from(p).ok())
+    }
+
+    fn dtype() -> impl Strategy<Value = DType> {
+        select(vec![DType::F32, DType::F16, DType::Bf16])
+    }
+
+    proptest! {
+        #![proptest_config(config())]
+
+        /// Tiles of 128 (16-bit inputs) or 64 (f32) rows by 64 columns cover the matrix; the
+        /// count is accepted exactly up to the grid limit, and an error names the shape.
+        #[test]
+        fn tile_count_covers_the_matrix(rows in dim(), cols in dim(), dtype in dtype()) {
+            let tile_rows: u128 = if dtype == DType::F32 { 64 } else { 128 };
+            let tiles = (rows as u128).div_ceil(tile_rows) * (cols as u128).div_ceil(64);
+            match tile_count(rows, cols, dtype) {
+                Ok(t) => prop_assert_eq!(u128::from(t), tiles),
+                Err(e) => {
+                    prop_assert!(tiles > (1 << 31) - 1, "[{}, {}]: {}", rows, cols, e);
+                    let msg = e.to_string();
+                    prop_assert!(msg.contains(&format!("[{rows}, {cols}]")), "{}", msg);
+                }
+            }
+        }
+
+        /// Both dimensions at least 1 and the product within usize; an error names the
+        /// shape.
+        #[test]
+        fn matrix_numel_checks_the_shape(rows in dim(), cols in dim()) {
+            match matrix_numel("prop_matrix", rows, cols) {
+                Ok(n) => {
+                    prop_assert!(rows > 0 && cols > 0);
+                    prop_assert_eq!(Some(n), fits(&[rows, cols]));
+                }
+                Err(e) => {
+                    prop_assert!(rows == 0 || cols == 0 || fits(&[rows, cols]).is_none());
+                    let msg = e.to_string();
+                    prop_assert!(msg.contains(&format!("[{rows}, {cols}]")), "{}", msg);
+                    if rows == 0 || cols == 0 {
+                        prop_assert!(msg.contains("prop_matrix: "), "{}", msg);
+                    }
+                }
+            }
+        }
+    }
 }

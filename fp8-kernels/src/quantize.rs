@@ -279,4 +279,50 @@ mod tests {
         assert_eq!(grid(132, 257), 2);
         assert_eq!(grid(132, 1 << 30), 528);
     }
+
+    use proptest::prelude::*;
+    use proptest::test_runner::RngAlgorithm;
+
+    /// 100 000 cases; XorShift, as ChaCha dominates these cheap cases in a debug build.
+    fn config() -> ProptestConfig {
+        ProptestConfig {
+            cases: 100_000,
+            rng_algorithm: RngAlgorithm::XorShift,
+            ..ProptestConfig::default()
+        }
+    }
+
+    proptest! {
+        #![proptest_config(config())]
+
+        /// Equal lengths pass; an error names what and both lengths.
+        #[test]
+        fn same_len_is_equality(a in any::<usize>(), b in prop_oneof![any::<usize>(), 0usize..4]) {
+            for (a, b) in [(a, b), (a, a), (b, b)] {
+                match same_len("prop_quantize", a, b) {
+                    Ok(()) => prop_assert_eq!(a, b),
+                    Err(e) => {
+                        prop_assert_ne!(a, b);
+                        let msg = e.to_string();
+                        prop_assert!(
+                            msg.contains("prop_quantize: ")
+                                && msg.contains(&format!("input has {a} elements"))
+                                && msg.contains(&format!("output {b}")),
+                            "{}", msg
+                        );
+                    }
+                }
+            }
+        }
+
+        /// Enough blocks of 256 for the work, capped at 4 per SM, at least 1 (SM counts
+        /// are at least 1).
+        #[test]
+        fn grid_is_bounded(sms in prop_oneof![1u32..=200, any::<u32>().prop_map(|s| s.max(1))],
+                           vectors in prop_oneof![0u64..100_000, any::<u64>()]) {
+            let need = vectors.div_ceil(256).max(1);
+            let cap = (u64::from(sms) * 4).min(u64::from(u32::MAX));
+            prop_assert_eq!(u64::from(grid(sms, vectors)), need.min(cap));
+        }
+    }
 }

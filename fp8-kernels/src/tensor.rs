@@ -94,6 +94,11 @@ pub struct Fp8Tensor {
 
 /// The element count of a shape, checked for overflow.
 pub(crate) fn numel(shape: &[usize]) -> Result<usize> {
+    // A zero dimension makes the count 0 however large the others are (their partial product
+    // may overflow).
+    if shape.contains(&0) {
+        return Ok(0);
+    }
     shape
         .iter()
         .try_fold(1usize, |n, &d| n.checked_mul(d))
@@ -270,11 +275,84 @@ mod tests {
         assert_eq!(numel(&[]).ok(), Some(1));
         assert_eq!(numel(&[3, 5]).ok(), Some(15));
         assert!(numel(&[usize::MAX, 2]).is_err());
+        assert_eq!(numel(&[usize::MAX, 2, 0]).ok(), Some(0));
     }
 
     #[test]
     fn alignment() {
         assert!(check_align("x", 256, 16).is_ok());
         assert!(check_align("x", 258, 16).is_err());
+    }
+
+    use proptest::collection::vec;
+    use proptest::prelude::*;
+    use proptest::sample::select;
+    use proptest::test_runner::RngAlgorithm;
+
+    /// 100 000 cases; XorShift, as ChaCha dominates these cheap cases in a debug build.
+    fn config() -> ProptestConfig {
+        ProptestConfig {
+            cases: 100_000,
+            rng_algorithm: RngAlgorithm::XorShift,
+            ..ProptestConfig::default()
+        }
+    }
+
+    /// A size: small mostly, zero, powers of two, huge, any.
+    fn dim() -> impl Strategy<Value = usize> {
+        prop_oneof![
+            8 => 0usize..=300,
+            2 => (0u32..64).prop_map(|s| 1usize << s),
+            1 => select(vec![usize::MAX, usize::MAX / 2, usize::MAX - 1, (1 << 32) - 1]),
+            1 => any::<usize>(),
+        ]
+    }
+
+    /// The exact product of `dims`, where it fits usize.
+    fn fits(dims: &[usize]) -> Option<usize> {
+        if dims.contains(&0) {
+            return Some(0);
+        }
+        let exact = dims
+            .iter()
+            .try_fold(1u128, |p, &x| p.checked_mul(x as u128));
+        exact.and_then(|p| usize::try_from(p).ok())
+    }
+
+    proptest! {
+        #![proptest_config(config())]
+
+        /// The element count is the exact product; an error names the shape.
+        #[test]
+        fn numel_is_the_exact_product(shape in vec(dim(), 0..=5)) {
+            match numel(&shape) {
+                Ok(n) => prop_assert_eq!(Some(n), fits(&shape)),
+                Err(e) => {
+                    prop_assert_eq!(fits(&shape), None, "{:?}: {}", shape, e);
+                    let msg = e.to_string();
+                    prop_assert!(msg.contains(&format!("{shape:?}")), "{}", msg);
+                }
+            }
+        }
+
+        /// Divisibility; an error names what, the address and the alignment.
+        #[test]
+        fn check_align_is_divisibility(
+            addr in prop_oneof![any::<u64>(), (0u64..1 << 40).prop_map(|x| x * 16)],
+            align in prop_oneof![select(vec![1u64, 2, 4, 8, 16, 128, 256]), 1..=u64::MAX],
+        ) {
+            match check_align("prop buffer", addr, align) {
+                Ok(()) => prop_assert_eq!(addr % align, 0),
+                Err(e) => {
+                    prop_assert_ne!(addr % align, 0);
+                    let msg = e.to_string();
+                    prop_assert!(
+                        msg.contains(&format!("prop buffer at {addr:#x}"))
+                            && msg.contains(&format!("{align}-byte")),
+                        "{}", msg
+                    );
+                }
+            }
+        }
     }
 }

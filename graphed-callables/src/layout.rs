@@ -87,23 +87,27 @@ impl Layout {
                 num_microbatches,
             });
         }
-        let mut prefix = Vec::with_capacity(layers_per_chunk.len() + 1);
-        let mut total = 0usize;
-        for (chunk, &layers) in layers_per_chunk.iter().enumerate() {
-            if layers == 0 {
-                return Err(ScheduleError::ZeroLayers { chunk });
-            }
-            prefix.push(total);
-            total = total
-                .checked_add(layers)
-                .ok_or(ScheduleError::TooManyGraphs)?;
+        if let Some(chunk) = layers_per_chunk.iter().position(|&layers| layers == 0) {
+            return Err(ScheduleError::ZeroLayers { chunk });
         }
-        prefix.push(total);
+        // Exact: fewer than 2^64 terms, each below 2^64.
+        let total_layers: u128 = layers_per_chunk.iter().map(|&layers| layers as u128).sum();
+        let too_many = || ScheduleError::TooManyGraphs {
+            total_layers,
+            num_microbatches,
+        };
+        let total = usize::try_from(total_layers).map_err(|_| too_many())?;
         // Every index is below total * num_microbatches, so checking it once makes the
         // arithmetic of `index` and `locate` overflow-free.
-        total
-            .checked_mul(num_microbatches)
-            .ok_or(ScheduleError::TooManyGraphs)?;
+        total.checked_mul(num_microbatches).ok_or_else(too_many)?;
+        let mut prefix = Vec::with_capacity(layers_per_chunk.len() + 1);
+        let mut sum = 0;
+        for &layers in &layers_per_chunk {
+            prefix.push(sum);
+            // No overflow: every partial sum is at most `total`.
+            sum += layers;
+        }
+        prefix.push(sum);
         Ok(Layout {
             layers_per_chunk,
             prefix,
@@ -432,13 +436,30 @@ mod tests {
             Layout::new(vec![2, 0, 1], 3),
             Err(ScheduleError::ZeroLayers { chunk: 1 })
         );
+        let e = Layout::new(vec![usize::MAX, 1], 1).unwrap_err();
         assert_eq!(
-            Layout::new(vec![usize::MAX, 1], 1),
-            Err(ScheduleError::TooManyGraphs)
+            e,
+            ScheduleError::TooManyGraphs {
+                total_layers: 1 << 64,
+                num_microbatches: 1
+            }
+        );
+        assert_eq!(
+            e.to_string(),
+            "layers_per_chunk adds up to 18446744073709551616 layers, which x 1 microbatch(es) \
+             is more graphs than fit in usize"
         );
         assert_eq!(
             Layout::new(vec![usize::MAX / 2], 3),
-            Err(ScheduleError::TooManyGraphs)
+            Err(ScheduleError::TooManyGraphs {
+                total_layers: (usize::MAX / 2) as u128,
+                num_microbatches: 3
+            })
+        );
+        // A chunk without layers is named even where the others overflow.
+        assert_eq!(
+            Layout::new(vec![usize::MAX, usize::MAX, 0], 1),
+            Err(ScheduleError::ZeroLayers { chunk: 2 })
         );
     }
 }

@@ -413,8 +413,16 @@ pub enum ScheduleError {
         num_microbatches: usize,
     },
     /// More graphs than `usize` can count.
-    #[error("the layout has more graphs than fit in usize")]
-    TooManyGraphs,
+    #[error(
+        "layers_per_chunk adds up to {total_layers} layers, which x {num_microbatches} \
+         microbatch(es) is more graphs than fit in usize"
+    )]
+    TooManyGraphs {
+        /// The sum of `layers_per_chunk`, exact (it may itself exceed `usize`).
+        total_layers: u128,
+        /// The number of microbatches.
+        num_microbatches: usize,
+    },
 }
 
 /// A validated pipeline schedule: the steps in execution order and the [`Layout`] of their

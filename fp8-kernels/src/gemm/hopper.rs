@@ -249,6 +249,34 @@ mod cpu_tests {
         assert_eq!(smem_bytes(128), 6 * 32768 + 96 + 1024);
         assert_eq!(smem_bytes(192), 5 * 40960 + 80 + 1024);
     }
+
+    use proptest::prelude::*;
+    use proptest::test_runner::RngAlgorithm;
+
+    proptest! {
+        #![proptest_config(ProptestConfig {
+            cases: 100_000,
+            rng_algorithm: RngAlgorithm::XorShift,
+            ..ProptestConfig::default()
+        })]
+
+        /// Any problem that passes the module's validation (groups <= 65535, N tiles and M
+        /// tiles within the grid, D's `groups * m * n` elements within usize) gets a width
+        /// of 128 or 192 without overflow, on any SM count.
+        #[test]
+        fn tile_width_of_any_valid_problem(
+            groups in prop_oneof![1usize..=8, 1usize..=65535],
+            m in prop_oneof![1usize..=20_000, 1usize..=((1 << 31) - 1) * 64],
+            n in prop_oneof![1usize..=20_000, 1usize..=65535 * 128],
+            sms in prop_oneof![Just(132usize), 1usize..=1024, any::<usize>()],
+        ) {
+            let d = (groups as u128) * (m as u128) * (n as u128);
+            if d <= usize::MAX as u128 {
+                let bn = choose_bn_for(groups, m, n, sms);
+                prop_assert!(bn == 128 || bn == 192, "{}", bn);
+            }
+        }
+    }
 }
 
 #[cfg(test)]

@@ -303,6 +303,10 @@ fn invalid(what: &str, msg: String) -> Error {
 }
 
 fn mul(what: &str, xs: &[usize]) -> Result<usize> {
+    // A zero factor makes the product 0 however large the others are.
+    if xs.contains(&0) {
+        return Ok(0);
+    }
     xs.iter()
         .try_fold(1usize, |p, &x| p.checked_mul(x))
         .ok_or_else(|| invalid(what, format!("size {xs:?} overflows usize")))
@@ -774,5 +778,222 @@ mod tests {
         let o = GemmOptions::new().accumulate(true).path(GemmPath::Portable);
         assert!(o.accumulate && o.bias.is_none() && o.path == GemmPath::Portable);
         assert_eq!(GemmOptions::default().path, GemmPath::Auto);
+    }
+}
+
+/// Generated inputs for the validation: never a panic, accepted exactly where the module's
+/// rules (restated independently below) accept, and every error names a quantity that
+/// breaks a rule, with its value.
+#[cfg(test)]
+mod prop {
+    use proptest::prelude::*;
+    use proptest::sample::select;
+    use proptest::test_runner::RngAlgorithm;
+
+    use super::*;
+
+    /// 100 000 cases; XorShift, as ChaCha dominates these cheap cases in a debug build.
+    fn config() -> ProptestConfig {
+        ProptestConfig {
+            cases: 100_000,
+            rng_algorithm: RngAlgorithm::XorShift,
+            ..ProptestConfig::default()
+        }
+    }
+
+    /// The product of `dims` where it fits usize, computed exactly.
+    fn fits(dims: &[usize]) -> Option<usize> {
+        if dims.contains(&0) {
+            return Some(0);
+        }
+        let exact = dims
+            .iter()
+            .try_fold(1u128, |p, &x| p.checked_mul(x as u128));
+        exact.and_then(|p| usize::try_from(p).ok())
+    }
+
+    /// Every rule `d` breaks, each as the fragments an error for it must contain (the
+    /// quantity's name and value).
+    fn broken(d: &Desc) -> Vec<Vec<String>> {
+        let mut v = Vec::new();
+        let (m, n, k, g) = (d.m, d.n, d.k, d.groups);
+        if m == 0 || n == 0 || k == 0 {
+            v.push(vec!["M, N, K".into(), format!("{m} x {n} x {k}")]);
+        }
+        if k % 16 != 0 {
+            v.push(vec![format!("K = {k}"), "multiple of 16".into()]);
+        }
+        if g == 0 || g > 65535 {
+            v.push(vec![format!("groups = {g}")]);
+        }
+        // Grid limits: N tiles of 128 in gridDim.y, M tiles of 64 in gridDim.x.
+        if n.div_ceil(128) > 65535 || m.div_ceil(64) > (1 << 31) - 1 {
+            v.push(vec![format!("{m} x {n}"), "grid limits".into()]);
+        }
+        for (name, (len, addr), dims) in [
+            ("A", d.a, [g, m, k]),
+            ("B", d.b, [g, n, k]),
+            ("D", d.d, [g, m, n]),
+        ] {
+            match fits(&dims) {
+                None => v.push(vec![format!("{dims:?}"), "overflows".into()]),
+                Some(want) if len != want => {
+                    v.push(vec![
+                        format!("{name} has {len} elements"),
+                        format!("{want}"),
+                    ]);
+                }
+                Some(_) => {}
+            }
+            if addr % 16 != 0 {
+                v.push(vec![format!("{name} at {addr:#x}"), "16-byte".into()]);
+            }
+        }
+        if let Some((len, addr)) = d.bias {
+            if len != n {
+                v.push(vec![format!("bias has {len} elements"), format!("{n}")]);
+            }
+            if addr % 16 != 0 {
+                v.push(vec![format!("bias at {addr:#x}"), "16-byte".into()]);
+            }
+        }
+        if let Some((len, addr)) = d.counts {
+            if len != g {
+                v.push(vec![format!("counts has {len} elements"), format!("{g}")]);
+            }
+            if addr % 4 != 0 {
+                v.push(vec![format!("counts at {addr:#x}"), "4-byte".into()]);
+            }
+        }
+        v
+    }
+
+    /// Small sizes mostly; zero; around the grid limits; huge.
+    fn dim() -> impl Strategy<Value = usize> {
+        prop_oneof![
+            8 => 1usize..=300,
+            3 => (1usize..=64).prop_map(|x| x * 16),
+            1 => Just(0usize),
+            2 => select(vec![
+                65535 * 128,
+                65535 * 128 + 1,
+                ((1 << 31) - 1) * 64,
+                ((1 << 31) - 1) * 64 + 1,
+                1 << 32,
+                1 << 40,
+                usize::MAX / 16,
+                usize::MAX / 2,
+                usize::MAX,
+            ]),
+            1 => any::<usize>(),
+        ]
+    }
+
+    /// K: a multiple of 16 mostly, else any size.
+    fn k_dim() -> impl Strategy<Value = usize> {
+        prop_oneof![
+            6 => (1usize..=64).prop_map(|x| x * 16),
+            1 => (1usize..=1 << 50).prop_map(|x| x * 16),
+            3 => dim(),
+        ]
+    }
+
+    fn groups() -> impl Strategy<Value = usize> {
+        prop_oneof![
+            8 => 1usize..=4,
+            1 => Just(0usize),
+            1 => select(vec![65535, 65536, usize::MAX]),
+            1 => any::<usize>(),
+        ]
+    }
+
+    /// How a length is made from the one the shape needs (where that fits usize).
+    #[derive(Debug, Clone, Copy)]
+    enum Len {
+        Exact,
+        Off(i8),
+        Any(usize),
+    }
+
+    fn len() -> impl Strategy<Value = Len> {
+        prop_oneof![
+            24 => Just(Len::Exact),
+            1 => any::<i8>().prop_map(Len::Off),
+            1 => any::<usize>().prop_map(Len::Any),
+        ]
+    }
+
+    fn make_len(how: Len, want: Option<usize>) -> usize {
+        match (how, want) {
+            (Len::Exact, Some(want)) => want,
+            (Len::Off(o), Some(want)) => want.wrapping_add_signed(isize::from(o)),
+            (Len::Any(x), _) => x,
+            // No length matches a size that overflows; any will do.
+            (_, None) => usize::MAX,
+        }
+    }
+
+    /// Aligned addresses mostly; others by a few bytes; any.
+    fn addr() -> impl Strategy<Value = u64> {
+        prop_oneof![
+            24 => (0u64..1 << 44).prop_map(|x| x * 16),
+            2 => ((0u64..1 << 44), 1u64..16).prop_map(|(x, o)| x * 16 + o),
+            1 => any::<u64>(),
+        ]
+    }
+
+    prop_compose! {
+        fn desc_strategy()(
+            (m, n, k, groups) in (dim(), dim(), k_dim(), groups()),
+            lens in [len(), len(), len(), len(), len()],
+            addrs in [addr(), addr(), addr(), addr(), addr()],
+            bias in any::<bool>(),
+            counts in any::<bool>(),
+        ) -> Desc {
+            Desc {
+                m,
+                n,
+                k,
+                groups,
+                a: (make_len(lens[0], fits(&[groups, m, k])), addrs[0]),
+                b: (make_len(lens[1], fits(&[groups, n, k])), addrs[1]),
+                d: (make_len(lens[2], fits(&[groups, m, n])), addrs[2]),
+                bias: bias.then(|| (make_len(lens[3], Some(n)), addrs[3])),
+                counts: counts.then(|| (make_len(lens[4], Some(groups)), addrs[4])),
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(config())]
+
+        #[test]
+        fn validate_accepts_exactly_the_rules(d in desc_strategy()) {
+            let broken = broken(&d);
+            match validate("prop_gemm", &d) {
+                Ok(()) => prop_assert!(broken.is_empty(), "{:?} accepted, breaks {:?}", d, broken),
+                Err(Error::InvalidArgument(msg)) => {
+                    prop_assert!(msg.starts_with("prop_gemm: "), "{}", msg);
+                    prop_assert!(
+                        broken.iter().any(|frags| frags.iter().all(|f| msg.contains(f.as_str()))),
+                        "{:?}: {:?} names none of {:?}", d, msg, broken
+                    );
+                }
+                Err(e) => prop_assert!(false, "{:?}: not InvalidArgument: {:?}", d, e),
+            }
+        }
+
+        #[test]
+        fn mul_is_the_checked_product(xs in proptest::collection::vec(dim(), 0..=4)) {
+            let fits = fits(&xs);
+            match mul("prop_mul", &xs) {
+                Ok(p) => prop_assert_eq!(Some(p), fits),
+                Err(e) => {
+                    prop_assert_eq!(fits, None);
+                    let msg = e.to_string();
+                    prop_assert!(msg.contains("prop_mul") && msg.contains(&format!("{xs:?}")), "{}", msg);
+                }
+            }
+        }
     }
 }
