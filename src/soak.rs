@@ -76,10 +76,8 @@ pub struct SoakConfig {
     pub max_seconds: Option<f64>,
 }
 
-/// Warmup replays of each workload before the first memory sample (whole steps).
-const WARMUP_REPLAYS: u64 = 600;
 /// Update events in the warmup.
-const WARMUP_EVENTS: u64 = 2;
+const WARMUP_EVENTS: u64 = 4;
 /// Memory samples over the measured phase (plus the first and the last).
 const SAMPLES: u64 = 20;
 /// Mismatches printed to stderr as they happen (all are counted).
@@ -190,6 +188,13 @@ pub fn diff_problem(what: &str, got: &[f32], want: &[f32]) -> Option<String> {
     })
 }
 
+/// Warmup replays of each workload before the first memory sample: three checks' worth
+/// (so the checks' host buffers have settled in the allocator), at least 600 and at most
+/// 20 000; whole steps are run, so a few more may be.
+pub fn warmup_replays(check_every: u64) -> u64 {
+    check_every.saturating_mul(3).clamp(600, 20_000)
+}
+
 /// Whether `start .. start + len` holds a multiple of `every` (0 counts; `every` 0 is taken
 /// as 1).
 pub fn holds_multiple(start: u64, len: u64, every: u64) -> bool {
@@ -210,7 +215,7 @@ pub struct WorkloadReport {
     pub replays: u64,
     /// Replays of the warmup (checked the same way).
     pub warmup_replays: u64,
-    /// Measured replays per second of the measured phase (both workloads share it).
+    /// Measured replays per second of the whole measured phase (which the workloads share).
     pub replays_per_s: f64,
     /// Comparisons with eager, warmup included.
     pub checks: u64,
@@ -361,13 +366,14 @@ pub fn run(cfg: &SoakConfig, progress: &mut impl Write) -> BenchResult<Report> {
 
     // Warmup: every path once or more (replays, both kinds of checks, updates), so lazy
     // allocations happen before the first sample.
+    let warmup_target = warmup_replays(cfg.check_every);
     if let Some(m) = &mut soak.moe {
-        while m.stats.replays < WARMUP_REPLAYS {
+        while m.stats.replays < warmup_target {
             m.step(&stream, cfg.check_every)?;
         }
     }
     if let Some(m) = &mut soak.mlp {
-        while m.stats.replays < WARMUP_REPLAYS {
+        while m.stats.replays < warmup_target {
             m.step(&stream, cfg.check_every)?;
         }
     }
@@ -554,7 +560,7 @@ fn rows(
     let mut rows = Vec::new();
     for w in workloads {
         let mut yardstick = format!(
-            "{:.0}/s; {} checks (every {} replays)",
+            "{:.0}/s of the run's time; {} checks (every {} replays)",
             w.replays_per_s, w.checks, cfg.check_every
         );
         if let Some(c) = w.counts_changed {
@@ -663,6 +669,13 @@ fn rows(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn warmup_covers_three_checks_within_bounds() {
+        assert_eq!(warmup_replays(1000), 3000);
+        assert_eq!(warmup_replays(1), 600);
+        assert_eq!(warmup_replays(u64::MAX), 20_000);
+    }
 
     #[test]
     fn workloads_split_the_replays() {

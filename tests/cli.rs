@@ -113,7 +113,7 @@ fn soak_help_lists_its_flags_and_defaults() {
         assert!(help.contains(flag), "no {flag:?} in {help}");
     }
     for default in [
-        "[default: 1000000]",
+        "[default: 2000000]",
         "[default: 1000]",
         "[default: both]",
         "[default: soak.json]",
