@@ -6,6 +6,11 @@
 //! * `fp8-moe bench gemm [--json PATH]`: FP8 GEMM and grouped GEMM against cuBLASLt.
 //! * `fp8-moe bench graphed [--json PATH]`: eager against graphed step time of the FP8 MLP
 //!   stack and the FP8 MoE layer (eager, breaking-layer, full-layer).
+//! * `fp8-moe soak [--replays N] [--check-every N] [--update-every N] [--seed S]
+//!   [--workload moe|mlp|both] [--max-seconds S] [--json PATH]`: replays the graphed MoE
+//!   layer and MLP stack with changing data, checks them against eager, updates execs in
+//!   between, and reports device and host memory drift; exits 1 on a mismatch or a drift of
+//!   1 MiB or more.
 //!
 //! Arguments are parsed by `clap`: usage errors print the error and usage to stderr and exit
 //! 2; `--help` and `--version` work for the tool and each subcommand. Runtime errors print one
@@ -13,6 +18,7 @@
 
 mod bench;
 mod info;
+mod soak;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -34,6 +40,56 @@ enum Command {
     Info,
     /// Runs a benchmark, prints its table and writes its rows as JSON.
     Bench(BenchArgs),
+    /// Replays the graphed FP8 MoE layer and FP8 MLP stack many times with changing data.
+    ///
+    /// New inputs every replay (MoE token counts per expert change on every replay), outputs
+    /// compared with eager runs bit for bit every --check-every replays, whole-graph and
+    /// per-node exec updates every --update-every replays (each followed by checked
+    /// replays), device memory (cuMemGetInfo) and host RSS sampled after a warmup, during the
+    /// run and at its end. Prints a table, writes JSON, and exits 1 on any mismatch or a
+    /// memory drift of 1 MiB or more.
+    Soak(SoakArgs),
+}
+
+/// The flags of `soak`.
+#[derive(Debug, Args)]
+struct SoakArgs {
+    /// Replays of the measured phase, over the workloads (half each for `both`); a warmup
+    /// of 3 x --check-every replays per workload (600 to 20000) comes first. The default
+    /// takes about 2.5 minutes on an H200.
+    #[arg(long, value_name = "N", default_value_t = 2_000_000,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    replays: u64,
+    /// Compare with eager every N replays of each workload.
+    #[arg(long, value_name = "N", default_value_t = 1000,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    check_every: u64,
+    /// Run an update event (whole-graph and per-node updates, then checked replays) every N
+    /// replays.
+    #[arg(long, value_name = "N", default_value_t = 500,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    update_every: u64,
+    /// Seeds the weights and every input.
+    #[arg(long, value_name = "S", default_value_t = 1)]
+    seed: u64,
+    /// What to replay.
+    #[arg(long, value_enum, default_value_t = soak::Workload::Both)]
+    workload: soak::Workload,
+    /// Stop the measured phase after this many seconds even short of --replays (the report
+    /// says so).
+    #[arg(long, value_name = "S", value_parser = positive_seconds)]
+    max_seconds: Option<f64>,
+    /// Where to write the report as JSON.
+    #[arg(long, value_name = "PATH", default_value = "soak.json")]
+    json: PathBuf,
+}
+
+/// A positive, finite number of seconds.
+fn positive_seconds(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        _ => Err(format!("'{s}' is not a positive number of seconds")),
+    }
 }
 
 #[derive(Debug, Args)]
@@ -110,6 +166,7 @@ fn main() -> ExitCode {
             let json = json.unwrap_or_else(|| format!("bench-{}.json", bench.name()).into());
             run_bench(bench, &json)
         }
+        Command::Soak(args) => run_soak(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -145,6 +202,42 @@ fn run_bench(bench: Bench, json_path: &std::path::Path) -> Result<(), info::CliE
     bench::write_json(&mut std::io::BufWriter::new(file), bench.name(), &rows)?;
     println!("wrote {}", json_path.display());
     Ok(())
+}
+
+fn run_soak(args: SoakArgs) -> Result<(), info::CliError> {
+    let cfg = soak::SoakConfig {
+        replays: args.replays,
+        check_every: args.check_every,
+        update_every: args.update_every,
+        seed: args.seed,
+        workload: args.workload,
+        max_seconds: args.max_seconds,
+    };
+    let report = soak::run(&cfg, &mut std::io::stdout().lock())
+        .map_err(|e| info::CliError::Other(e.to_string()))?;
+    let title = format!(
+        "soak: {} replays (seed {}), checked against eager every {}, updates every {}{}",
+        report.replays,
+        cfg.seed,
+        cfg.check_every,
+        cfg.update_every,
+        if report.stopped_early {
+            " (stopped early by --max-seconds)"
+        } else {
+            ""
+        }
+    );
+    print!("{}", bench::table(&title, &report.rows));
+    let file = std::fs::File::create(&args.json)?;
+    let mut out = std::io::BufWriter::new(file);
+    serde_json::to_writer(&mut out, &report).map_err(std::io::Error::from)?;
+    std::io::Write::write_all(&mut out, b"\n")?;
+    std::io::Write::flush(&mut out)?;
+    println!("wrote {}", args.json.display());
+    match report.failure() {
+        Some(line) => Err(info::CliError::Other(line)),
+        None => Ok(()),
+    }
 }
 
 #[cfg(test)]

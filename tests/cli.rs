@@ -96,11 +96,135 @@ fn help_lists_the_commands_and_benchmarks() {
 }
 
 #[test]
+fn soak_help_lists_its_flags_and_defaults() {
+    let out = cli(&["soak", "--help"], &[]);
+    assert!(out.status.success(), "{out:?}");
+    let help = String::from_utf8(out.stdout).unwrap();
+    assert!(help.contains("Usage: fp8-moe soak [OPTIONS]"), "{help}");
+    for flag in [
+        "--replays <N>",
+        "--check-every <N>",
+        "--update-every <N>",
+        "--seed <S>",
+        "--workload <WORKLOAD>",
+        "--max-seconds <S>",
+        "--json <PATH>",
+    ] {
+        assert!(help.contains(flag), "no {flag:?} in {help}");
+    }
+    for default in [
+        "[default: 2000000]",
+        "[default: 1000]",
+        "[default: both]",
+        "[default: soak.json]",
+    ] {
+        assert!(help.contains(default), "no {default:?} in {help}");
+    }
+    for workload in ["moe", "mlp", "both"] {
+        assert!(
+            help.contains(&format!("- {workload}:")),
+            "no workload {workload:?} in {help}"
+        );
+    }
+    let out = cli(&["--help"], &[]);
+    let help = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        help.lines().any(|l| l.trim_start().starts_with("soak ")),
+        "no soak in {help}"
+    );
+}
+
+#[test]
+fn soak_bad_flags_print_usage_and_exit_2() {
+    let usage = "fp8-moe soak [OPTIONS]";
+    assert_usage_error(cli(&["soak", "--frobnicate"], &[]), "--frobnicate", usage);
+    assert_usage_error(cli(&["soak", "--workload", "gpu"], &[]), "'gpu'", usage);
+    assert_usage_error(cli(&["soak", "--check-every", "0"], &[]), "'0'", usage);
+    assert_usage_error(cli(&["soak", "--replays", "many"], &[]), "'many'", usage);
+    assert_usage_error(cli(&["soak", "--max-seconds=0"], &[]), "positive", usage);
+    assert_usage_error(cli(&["soak", "--replays"], &[]), "--replays", usage);
+}
+
+#[test]
+fn soak_without_a_driver_fails_with_one_clear_line() {
+    let json =
+        std::env::temp_dir().join(format!("fp8-moe-soak-nodriver-{}.json", std::process::id()));
+    let out = cli(
+        &["soak", "--replays", "6", "--json", json.to_str().unwrap()],
+        &[("CUDA_GRAPH_LIBCUDA", "/nonexistent/libcuda.so.1")],
+    );
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(out.stdout.is_empty(), "nothing on stdout: {out:?}");
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(err.lines().count(), 1, "one line: {err:?}");
+    assert!(
+        err.starts_with("fp8-moe: error: no CUDA driver:"),
+        "{err:?}"
+    );
+    assert!(!json.exists(), "no report without a run");
+}
+
+/// A short soak on the GPU: every path (replays, checks, both kinds of update, memory
+/// samples) runs, nothing mismatches, and the JSON report says so.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn short_soak_passes_and_writes_its_report() {
+    let json = std::env::temp_dir().join(format!("fp8-moe-soak-{}.json", std::process::id()));
+    let out = cli(
+        &[
+            "soak",
+            "--replays",
+            "3000",
+            "--check-every",
+            "50",
+            "--update-every",
+            "200",
+            "--json",
+            json.to_str().unwrap(),
+        ],
+        &[],
+    );
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert!(out.status.success(), "soak failed:\n{stdout}\n{stderr}");
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    std::fs::remove_file(&json).unwrap();
+    assert_eq!(doc["pass"], true, "{doc}");
+    assert_eq!(doc["mismatches"], 0, "{doc}");
+    let workloads = doc["workloads"].as_array().unwrap();
+    assert_eq!(workloads.len(), 2, "{doc}");
+    let total: u64 = workloads
+        .iter()
+        .map(|w| w["replays"].as_u64().unwrap())
+        .sum();
+    assert!(total >= 3000, "{doc}");
+    for w in workloads {
+        assert!(w["checks"].as_u64().unwrap() >= 10, "{w}");
+    }
+    let moe = &workloads[0];
+    assert_eq!(moe["name"], "moe");
+    assert_eq!(moe["counts_changed"], moe["checks"], "{moe}");
+    let u = &doc["updates"];
+    assert!(u["events"].as_u64().unwrap() >= 10, "{u}");
+    assert!(u["chain_per_node"].as_u64().unwrap() >= 20, "{u}");
+    assert!(
+        u["moe_whole_graph"]["updates"].as_u64().unwrap() >= 10,
+        "{u}"
+    );
+    assert!(
+        doc["memory"]["samples"].as_array().unwrap().len() >= 2,
+        "{doc}"
+    );
+}
+
+#[test]
 fn version_is_the_package_version() {
     for args in [
         &["--version"][..],
         &["info", "--version"],
         &["bench", "gemm", "--version"],
+        &["soak", "--version"],
     ] {
         let out = cli(args, &[]);
         assert!(out.status.success(), "{args:?}: {out:?}");

@@ -156,6 +156,31 @@ impl Context {
         self.raw
     }
 
+    /// `(free, total)` bytes of this context's device memory, as the driver counts them now.
+    /// `free` is what every process and context on the device leaves; `total - free` is the
+    /// memory in use, which is what a leak check samples. The driver hands out device memory
+    /// in pages (2 MiB on recent GPUs), so `free` moves in such steps.
+    ///
+    /// Binds the context first: the driver reports the current context's device.
+    ///
+    /// Wraps [`cuMemGetInfo`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html).
+    /// Errors: [`Error::Driver`](crate::Error::Driver), including from making the context
+    /// current.
+    ///
+    /// ```no_run
+    /// let ctx = cuda_graph::Context::default_device()?;
+    /// let (free, total) = ctx.memory_info()?;
+    /// println!("{} of {} MiB in use", (total - free) >> 20, total >> 20);
+    /// # Ok::<(), cuda_graph::Error>(())
+    /// ```
+    pub fn memory_info(&self) -> Result<(usize, usize)> {
+        self.bind()?;
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: valid out-pointers; this context is current on this thread (bound above).
+        unsafe { cu!(cuMemGetInfo(&mut free, &mut total)) }?;
+        Ok((free, total))
+    }
+
     /// `(least, greatest)` stream priority; numerically lower is higher priority.
     ///
     /// Wraps [`cuCtxGetStreamPriorityRange`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__CTX.html).
