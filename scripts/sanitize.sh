@@ -42,9 +42,16 @@ for tool in ${tools//,/ }; do
     [ -n "$filter" ] && [[ "$name" != *"$filter"* ]] && continue
     log="$logs/$tool.$name.log"
     start=$(date +%s)
+    # Skipped under every tool: performance probes (they time work, which the sanitizer
+    # slows 10-100x, and check nothing the correctness tests do not), and the test that runs
+    # eight thread-local captures while another thread allocates and loads modules: the
+    # sanitizer's own instrumentation of those calls invalidates the captures (seen with
+    # memcheck on the H200; the test passes without the sanitizer, in .bundle/run.sh).
+    skips=(--skip throughput --skip bandwidth_probe
+           --skip threads_capture_their_own_streams_at_the_same_time)
     FP8_MOE_BIN="$bins/fp8-moe" timeout "${SANITIZE_TIMEOUT:-300}" \
       compute-sanitizer --tool "$tool" "${extra[@]}" --print-limit 200 \
-      "$t" --include-ignored --test-threads=1 > "$log" 2>&1
+      "$t" --include-ignored --test-threads=1 "${skips[@]}" > "$log" 2>&1
     rc=$?
     secs=$(( $(date +%s) - start ))
     line=$(python3 - "$log" "$allow" "$rc" <<'PY'
@@ -64,13 +71,19 @@ other = {}
 text = open(log, errors="replace").read()
 for m in re.finditer(r"Program hit (\S+) \(error (\d+)\).*? on CUDA API call to (\w+)", text):
     result, call = m.group(1), m.group(3)
-    if any((c == call or (c.endswith("*") and call.startswith(c[:-1]))) and (r in ("*", result)) for c, r in rules):
+    base = re.sub(r"_v\d+$", "", call)  # the sanitizer names versioned symbols: cuMemAlloc_v2
+    if any(c in (call, base) or (c.endswith("*") and call.startswith(c[:-1])) for c, r in rules
+           if r in ("*", result)):
         api_allowed += 1
     else:
         api_other += 1
         other[f"{call}:{result}"] = other.get(f"{call}:{result}", 0) + 1
 summ = re.findall(r"ERROR SUMMARY: (\d+) error", text)
 total = int(summ[-1]) if summ else -1
+# A binary that never calls CUDA (CPU-only tests): the sanitizer has nothing to check and
+# exits 255 after the tests passed.
+if total < 0 and "terminated before first instrumented API call" in text:
+    total, rc = 0, 0
 hazards = re.findall(r"RACECHECK SUMMARY: (\d+) hazard", text)
 leaks = re.findall(r"LEAK SUMMARY: (\d+) bytes leaked", text)
 tests = re.findall(r"test result: (\w+)\. (\d+) passed; (\d+) failed", text)
