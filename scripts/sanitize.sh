@@ -85,6 +85,11 @@ total = int(summ[-1]) if summ else -1
 if total < 0 and "terminated before first instrumented API call" in text:
     total, rc = 0, 0
 hazards = re.findall(r"RACECHECK SUMMARY: (\d+) hazard", text)
+# racecheck ends with its own summary ("N hazards displayed (E errors, W warnings)") and no
+# ERROR SUMMARY line.
+race = re.findall(r"RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) errors?, (\d+) warnings?\)", text)
+if total < 0 and race:
+    total = int(race[-1][0]) + int(race[-1][1])
 leaks = re.findall(r"LEAK SUMMARY: (\d+) bytes leaked", text)
 tests = re.findall(r"test result: (\w+)\. (\d+) passed; (\d+) failed", text)
 errors = (total - api_allowed - api_other) if total >= 0 else -1
