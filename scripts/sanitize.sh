@@ -46,9 +46,15 @@ for tool in ${tools//,/ }; do
     # slows 10-100x, and check nothing the correctness tests do not), and the test that runs
     # eight thread-local captures while another thread allocates and loads modules: the
     # sanitizer's own instrumentation of those calls invalidates the captures (seen with
-    # memcheck on the H200; the test passes without the sanitizer, in .bundle/run.sh).
+    # memcheck on the H200; the test passes without the sanitizer, in .bundle/run.sh). And the
+    # two tests whose premise is a kernel still running on another stream (or in a graph)
+    # while the host acts: the sanitizer serializes kernels and launches, so the spinning
+    # kernel ends before the drop they test (seen with initcheck: launch returned only after
+    # the watchdog released the spin); they pass without the sanitizer.
     skips=(--skip throughput --skip bandwidth_probe
-           --skip threads_capture_their_own_streams_at_the_same_time)
+           --skip threads_capture_their_own_streams_at_the_same_time
+           --skip dropping_a_launched_exec_waits_for_its_own_launches_not_the_context
+           --skip an_exec_dropped_on_another_thread_while_it_runs_keeps_its_memory_until_done)
     FP8_MOE_BIN="$bins/fp8-moe" timeout "${SANITIZE_TIMEOUT:-300}" \
       compute-sanitizer --tool "$tool" "${extra[@]}" --print-limit 200 \
       "$t" --include-ignored --test-threads=1 "${skips[@]}" > "$log" 2>&1
