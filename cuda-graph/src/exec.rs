@@ -5,13 +5,15 @@ use std::sync::{Arc, Mutex};
 
 use bitflags::bitflags;
 use cuda_graph_sys::{
-    CUDA_GRAPH_INSTANTIATE_PARAMS, CUgraph, CUgraphExec, CUgraphInstantiateResult, CUgraphNode,
+    CUDA_GRAPH_INSTANTIATE_PARAMS, CUgraphExec, CUgraphInstantiateResult, CUgraphNode,
 };
 
 use crate::context::Context;
 use crate::error::{Error, Result, UpdateReason};
 use crate::event::Event;
-use crate::graph::{Graph, copy_bytes, host_params, kernel_params, memcpy_d2d, memset_params};
+use crate::graph::{
+    Graph, OwnedGraph, copy_bytes, host_params, kernel_params, memcpy_d2d, memset_params,
+};
 use crate::ids::NodeId;
 use crate::launch::{KernelArgs, LaunchConfig};
 use crate::memory::{DeviceBuffer, DeviceRepr};
@@ -68,10 +70,12 @@ bitflags! {
 ///
 /// An exec is `Send` and `Sync`: launches and uploads from several threads are serialised
 /// (see [`GraphExec::launch`]), and it may be dropped on any thread, even while a launch
-/// runs. One rule is not enforced by the types: the per-node setters look nodes up through
-/// the graph the exec was made from (and the graphs it was updated to), and the driver
-/// forbids concurrent calls on one graph, so do not change or query such a [`Graph`] on one
-/// thread while a setter of its exec runs on another.
+/// runs. The per-node setters look nodes up through the graph the exec was made from (and
+/// the graphs it was updated to), and the driver forbids concurrent calls on one graph: the
+/// setters and the [`Graph`]'s own methods therefore share a lock, so editing the graph on
+/// one thread while a setter of its exec runs on another is serialized. Not covered: nodes a
+/// stream capture adds ([`Stream::capture_into`](crate::Stream::capture_into) the same
+/// graph) — do not run this exec's setters while capturing into its graph.
 ///
 /// # Dropping
 ///
@@ -84,13 +88,14 @@ pub struct GraphExec {
     raw: CUgraphExec,
     ctx: Arc<Context>,
     resources: ResourceSet,
-    /// The graph the exec was instantiated from (kept alive among `resources`).
-    origin: CUgraph,
+    /// The graph object the exec was instantiated from (also among `resources`), whose lock
+    /// serializes the per-node setters with the `Graph`'s own calls.
+    origin: Arc<OwnedGraph>,
     /// Node handles of graphs this exec was updated to, mapped to `origin`'s.
     aliases: HashMap<CUgraphNode, CUgraphNode>,
     /// The graph of the latest update whose handles are not mapped yet (mapped on first
-    /// use, so that updates stay cheap), with what keeps it alive.
-    pending_alias: Option<(CUgraph, Resource)>,
+    /// use, so that updates stay cheap).
+    pending_alias: Option<Arc<OwnedGraph>>,
     /// Recorded after every launch; `None` until the first launch.
     completion: Mutex<Option<Event>>,
 }
@@ -112,11 +117,11 @@ impl std::fmt::Debug for GraphExec {
 // there is also fine: `Drop` waits for the last launch before releasing what it keeps alive,
 // and `cuGraphExecDestroy` may run on any thread.
 //
-// Known gap: the origin graph object is shared with the `Graph` it came from and with other
-// execs of it. The per-node setters pass its node handles, which the driver looks up through
-// that graph, and `resolve` reads its nodes; the driver asks that calls on one graph object
-// be serialised, and nothing serialises these `&mut self` calls with the `Graph`'s methods
-// when the two are used on different threads at once (see "Threads" in the type's docs).
+// The origin graph object is shared with the `Graph` it came from and with other execs of
+// it. The per-node setters pass its node handles, which the driver looks up through that
+// graph, and `resolve` reads its nodes (and the pending graph's): each such call holds that
+// graph object's lock (`OwnedGraph::locked`), which the `Graph`'s own driver calls hold too,
+// so calls on one graph object never overlap across threads (see "Threads" in the docs).
 unsafe impl Send for GraphExec {}
 // SAFETY: the driver does not synchronise calls on one exec (graph objects are "not
 // internally synchronized", https://docs.nvidia.com/cuda/cuda-driver-api/graphs-thread-safety.html),
@@ -205,7 +210,7 @@ impl GraphExec {
                 .cloned()
                 .chain([graph.handle_resource()])
                 .collect(),
-            origin: graph.as_raw(),
+            origin: graph.owner().clone(),
             aliases: HashMap::new(),
             pending_alias: None,
             completion: Mutex::new(None),
@@ -278,21 +283,23 @@ impl GraphExec {
     /// The node of the instantiated graph that `node` stands for: itself, or its pair if it
     /// belongs to a graph this exec was updated to.
     fn resolve(&mut self, node: NodeId) -> Result<CUgraphNode> {
-        if let Some((graph, _keep)) = self.pending_alias.take() {
-            let ours = crate::graph::raw_nodes(self.origin)?;
-            let theirs = crate::graph::raw_nodes(graph)?;
-            if ours.len() == theirs.len() {
-                let mut pairs = Vec::with_capacity(ours.len());
-                for (&a, &b) in ours.iter().zip(&theirs) {
-                    if crate::graph::raw_node_type(a)? != crate::graph::raw_node_type(b)? {
-                        pairs.clear();
-                        break;
-                    }
-                    if a != b {
-                        pairs.push((b, a));
-                    }
-                }
-                self.aliases.extend(pairs);
+        if let Some(graph) = self.pending_alias.take() {
+            let typed = |g: &OwnedGraph| {
+                g.locked(|| {
+                    crate::graph::raw_nodes(g.raw())?
+                        .into_iter()
+                        .map(|n| Ok((n, crate::graph::raw_node_type(n)?)))
+                        .collect::<Result<Vec<_>>>()
+                })
+            };
+            let (ours, theirs) = (typed(&self.origin)?, typed(&graph)?);
+            if ours.len() == theirs.len() && ours.iter().zip(&theirs).all(|(a, b)| a.1 == b.1) {
+                self.aliases.extend(
+                    ours.iter()
+                        .zip(&theirs)
+                        .filter(|(a, b)| a.0 != b.0)
+                        .map(|(a, b)| (b.0, a.0)),
+                );
             }
         }
         Ok(self.aliases.get(&node.0).copied().unwrap_or(node.0))
@@ -364,8 +371,8 @@ impl GraphExec {
             });
         }
         self.absorb(graph.resources().iter().cloned());
-        if graph.as_raw() != self.origin {
-            self.pending_alias = Some((graph.as_raw(), graph.handle_resource()));
+        if graph.as_raw() != self.origin.raw() {
+            self.pending_alias = Some(graph.owner().clone());
         }
         Ok(())
     }
@@ -422,7 +429,8 @@ impl GraphExec {
         let node = self.resolve(node.id())?;
         self.ctx.bind()?;
         // SAFETY: live exec; the params point at argument values borrowed for the call.
-        unsafe { cu!(cuGraphExecKernelNodeSetParams(self.raw, node, &params)) }?;
+        self.origin
+            .locked(|| unsafe { cu!(cuGraphExecKernelNodeSetParams(self.raw, node, &params)) })?;
         self.absorb(std::iter::once(kernel.module_resource()).chain(args.resources()));
         Ok(())
     }
@@ -444,14 +452,14 @@ impl GraphExec {
         let node = self.resolve(node.id())?;
         self.ctx.bind()?;
         // SAFETY: live exec and context; both ranges live, kept alive below.
-        unsafe {
+        self.origin.locked(|| unsafe {
             cu!(cuGraphExecMemcpyNodeSetParams(
                 self.raw,
                 node,
                 &params,
                 self.ctx.as_raw()
             ))
-        }?;
+        })?;
         self.absorb([dst.resource(), src.resource()]);
         Ok(())
     }
@@ -472,14 +480,14 @@ impl GraphExec {
         let node = self.resolve(node.id())?;
         self.ctx.bind()?;
         // SAFETY: live exec and context; dst live, kept alive below.
-        unsafe {
+        self.origin.locked(|| unsafe {
             cu!(cuGraphExecMemsetNodeSetParams(
                 self.raw,
                 node,
                 &params,
                 self.ctx.as_raw()
             ))
-        }?;
+        })?;
         self.absorb([dst.resource()]);
         Ok(())
     }
@@ -498,7 +506,8 @@ impl GraphExec {
         let params = host_params(&cb);
         let raw = self.resolve(node.id())?;
         // SAFETY: live exec; the callback stays alive while the exec holds `cb`.
-        unsafe { cu!(cuGraphExecHostNodeSetParams(self.raw, raw, &params)) }?;
+        self.origin
+            .locked(|| unsafe { cu!(cuGraphExecHostNodeSetParams(self.raw, raw, &params)) })?;
         self.resources.insert(cb.clone());
         Ok(HostNode {
             id: node.id(),
@@ -514,13 +523,13 @@ impl GraphExec {
     pub fn set_child_graph(&mut self, node: &ChildGraphNode, child: &Graph) -> Result<()> {
         let node = self.resolve(node.id())?;
         // SAFETY: live exec and graph.
-        unsafe {
+        self.origin.locked(|| unsafe {
             cu!(cuGraphExecChildGraphNodeSetParams(
                 self.raw,
                 node,
                 child.as_raw()
             ))
-        }?;
+        })?;
         self.absorb(child.resources().iter().cloned());
         Ok(())
     }
@@ -536,13 +545,13 @@ impl GraphExec {
     ) -> Result<()> {
         let node = self.resolve(node.id())?;
         // SAFETY: live exec and event.
-        unsafe {
+        self.origin.locked(|| unsafe {
             cu!(cuGraphExecEventRecordNodeSetEvent(
                 self.raw,
                 node,
                 event.as_raw()
             ))
-        }?;
+        })?;
         self.absorb([event.clone() as Resource]);
         Ok(())
     }
@@ -554,13 +563,13 @@ impl GraphExec {
     pub fn set_event_wait_event(&mut self, node: &EventWaitNode, event: &Arc<Event>) -> Result<()> {
         let node = self.resolve(node.id())?;
         // SAFETY: live exec and event.
-        unsafe {
+        self.origin.locked(|| unsafe {
             cu!(cuGraphExecEventWaitNodeSetEvent(
                 self.raw,
                 node,
                 event.as_raw()
             ))
-        }?;
+        })?;
         self.absorb([event.clone() as Resource]);
         Ok(())
     }
@@ -575,7 +584,8 @@ impl GraphExec {
         let node = check_toggle(node.into())?;
         let raw = self.resolve(node.id)?;
         // SAFETY: live exec.
-        unsafe { cu!(cuGraphNodeSetEnabled(self.raw, raw, enabled as u32)) }
+        self.origin
+            .locked(|| unsafe { cu!(cuGraphNodeSetEnabled(self.raw, raw, enabled as u32)) })
     }
 
     /// Whether a kernel, memcpy or memset node is enabled.
@@ -588,7 +598,8 @@ impl GraphExec {
         let raw = self.resolve(node.id)?;
         let mut on = 0u32;
         // SAFETY: live exec, valid out-pointer.
-        unsafe { cu!(cuGraphNodeGetEnabled(self.raw, raw, &mut on)) }?;
+        self.origin
+            .locked(|| unsafe { cu!(cuGraphNodeGetEnabled(self.raw, raw, &mut on)) })?;
         Ok(on != 0)
     }
 }

@@ -3,7 +3,7 @@
 
 use std::ffi::CString;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use cuda_graph_sys::{
     CUDA_HOST_NODE_PARAMS, CUDA_KERNEL_NODE_PARAMS_v2, CUDA_MEM_ALLOC_NODE_PARAMS, CUDA_MEMCPY3D,
@@ -40,23 +40,46 @@ pub struct Graph {
     resources: ResourceSet,
 }
 
-/// The destroy-on-drop part of a [`Graph`], shared with execs as a [`Resource`].
+/// The destroy-on-drop part of a [`Graph`], shared with execs (as a [`Resource`] and typed),
+/// and the lock that serializes the driver calls on the graph object: the `Graph`'s own
+/// (which edit or read it) and those of execs made from it (per-node setters look their node
+/// handles up through it), which may run on other threads.
 #[derive(Debug)]
-struct OwnedGraph(CUgraph);
+pub(crate) struct OwnedGraph {
+    raw: CUgraph,
+    lock: Mutex<()>,
+}
 
-// SAFETY: the wrapper is never read through: it only destroys the graph, in `Drop`, run by
-// whoever drops the last `Arc` (the `Graph` or an exec), on any thread; by then no other
-// holder is left, and `cuGraphDestroy` is not tied to a thread.
+// SAFETY: the graph handle is only used by `Drop` (by whoever drops the last `Arc`, when no
+// other holder is left; `cuGraphDestroy` is not tied to a thread) and, through `locked`, by
+// calls serialized by the mutex.
 unsafe impl Send for OwnedGraph {}
-// SAFETY: it has no `&self` methods (only `Drop`, which has `&mut self`).
+// SAFETY: the only `&self` access to the graph object goes through `locked`, which holds the
+// mutex for the call: calls on the graph object never overlap, as the driver requires.
 unsafe impl Sync for OwnedGraph {}
+
+impl OwnedGraph {
+    /// Runs `f` (driver calls on the graph object, or on nodes looked up through it) with
+    /// the graph's lock held. Never nest: `f` must not call `locked` on the same graph.
+    pub(crate) fn locked<R>(&self, f: impl FnOnce() -> R) -> R {
+        // A poisoned lock only means a panic while another call held it; the graph object
+        // is the driver's, not ours, so keep going.
+        let _guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        f()
+    }
+
+    /// The graph handle.
+    pub(crate) fn raw(&self) -> CUgraph {
+        self.raw
+    }
+}
 
 impl Drop for OwnedGraph {
     fn drop(&mut self) {
         if let Ok(destroy) = cuda_graph_sys::driver().and_then(|d| d.cuGraphDestroy()) {
             // SAFETY: owned graph, destroyed once; execs made from it are independent of
             // its destruction (they only keep it for node lookups).
-            unsafe { destroy(self.0) };
+            unsafe { destroy(self.raw) };
         }
     }
 }
@@ -91,7 +114,10 @@ impl Graph {
     pub unsafe fn from_raw(ctx: &Arc<Context>, raw: CUgraph) -> Graph {
         Graph {
             raw,
-            owner: Arc::new(OwnedGraph(raw)),
+            owner: Arc::new(OwnedGraph {
+                raw,
+                lock: Mutex::new(()),
+            }),
             ctx: ctx.clone(),
             resources: ResourceSet::default(),
         }
@@ -121,6 +147,11 @@ impl Graph {
     /// graph stay valid for its per-node setters after the user drops the `Graph`.
     pub(crate) fn handle_resource(&self) -> Resource {
         self.owner.clone()
+    }
+
+    /// The shared graph object and its lock (see [`OwnedGraph`]).
+    pub(crate) fn owner(&self) -> &Arc<OwnedGraph> {
+        &self.owner
     }
 }
 
@@ -283,7 +314,7 @@ impl Graph {
         let mut node = std::ptr::null_mut();
         // SAFETY: live graph, dependency array of deps.len() nodes, params valid for the call
         // (argument values borrowed by `args`).
-        unsafe {
+        self.owner.locked(|| unsafe {
             cu!(cuGraphAddKernelNode(
                 &mut node,
                 self.raw,
@@ -291,12 +322,12 @@ impl Graph {
                 deps.len(),
                 &params
             ))
-        }?;
+        })?;
         self.keep_alive(kernel.module_resource());
         for r in args.resources() {
             self.keep_alive(r);
         }
-        set_kernel_attributes(node, config)?;
+        self.owner.locked(|| set_kernel_attributes(node, config))?;
         Ok(KernelNode(Self::wrap_node(node)))
     }
 
@@ -318,7 +349,7 @@ impl Graph {
         let mut node = std::ptr::null_mut();
         // SAFETY: live graph and context; both ranges are live allocations of `bytes`, kept
         // alive below.
-        unsafe {
+        self.owner.locked(|| unsafe {
             cu!(cuGraphAddMemcpyNode(
                 &mut node,
                 self.raw,
@@ -327,7 +358,7 @@ impl Graph {
                 &params,
                 self.ctx.as_raw()
             ))
-        }?;
+        })?;
         self.keep_alive(dst.resource());
         self.keep_alive(src.resource());
         Ok(MemcpyNode(Self::wrap_node(node)))
@@ -351,7 +382,7 @@ impl Graph {
         let mut node = std::ptr::null_mut();
         // SAFETY: live graph and context; dst is a live allocation covered by the params,
         // kept alive below.
-        unsafe {
+        self.owner.locked(|| unsafe {
             cu!(cuGraphAddMemsetNode(
                 &mut node,
                 self.raw,
@@ -360,7 +391,7 @@ impl Graph {
                 &params,
                 self.ctx.as_raw()
             ))
-        }?;
+        })?;
         self.keep_alive(dst.resource());
         Ok(MemsetNode(Self::wrap_node(node)))
     }
@@ -384,7 +415,7 @@ impl Graph {
         let deps = raw_deps(deps);
         let mut node = std::ptr::null_mut();
         // SAFETY: live graph; the callback pointer stays valid while the graph keeps `cb`.
-        unsafe {
+        self.owner.locked(|| unsafe {
             cu!(cuGraphAddHostNode(
                 &mut node,
                 self.raw,
@@ -392,7 +423,7 @@ impl Graph {
                 deps.len(),
                 &params
             ))
-        }?;
+        })?;
         self.keep_alive(cb.clone());
         Ok(HostNode {
             id: Self::wrap_node(node),
@@ -412,7 +443,7 @@ impl Graph {
         let deps = raw_deps(deps);
         let mut node = std::ptr::null_mut();
         // SAFETY: live graph and event (kept alive below).
-        unsafe {
+        self.owner.locked(|| unsafe {
             cu!(cuGraphAddEventRecordNode(
                 &mut node,
                 self.raw,
@@ -420,7 +451,7 @@ impl Graph {
                 deps.len(),
                 event.as_raw()
             ))
-        }?;
+        })?;
         self.keep_alive(event.clone());
         Ok(EventRecordNode(Self::wrap_node(node)))
     }
@@ -434,7 +465,7 @@ impl Graph {
         let deps = raw_deps(deps);
         let mut node = std::ptr::null_mut();
         // SAFETY: live graph and event (kept alive below).
-        unsafe {
+        self.owner.locked(|| unsafe {
             cu!(cuGraphAddEventWaitNode(
                 &mut node,
                 self.raw,
@@ -442,7 +473,7 @@ impl Graph {
                 deps.len(),
                 event.as_raw()
             ))
-        }?;
+        })?;
         self.keep_alive(event.clone());
         Ok(EventWaitNode(Self::wrap_node(node)))
     }
@@ -455,14 +486,14 @@ impl Graph {
         let deps = raw_deps(deps);
         let mut node = std::ptr::null_mut();
         // SAFETY: live graph, valid dependency array.
-        unsafe {
+        self.owner.locked(|| unsafe {
             cu!(cuGraphAddEmptyNode(
                 &mut node,
                 self.raw,
                 deps.as_ptr(),
                 deps.len()
             ))
-        }?;
+        })?;
         Ok(EmptyNode(Self::wrap_node(node)))
     }
 
@@ -476,7 +507,7 @@ impl Graph {
         let deps = raw_deps(deps);
         let mut node = std::ptr::null_mut();
         // SAFETY: live graphs, valid dependency array; the child is cloned by the driver.
-        unsafe {
+        self.owner.locked(|| unsafe {
             cu!(cuGraphAddChildGraphNode(
                 &mut node,
                 self.raw,
@@ -484,7 +515,7 @@ impl Graph {
                 deps.len(),
                 child.raw
             ))
-        }?;
+        })?;
         self.resources.extend(child.resources().iter().cloned());
         Ok(ChildGraphNode(Self::wrap_node(node)))
     }
@@ -516,7 +547,7 @@ impl Graph {
         self.ctx.bind()?;
         let mut node = std::ptr::null_mut();
         // SAFETY: live graph, valid params (no access descriptors); the driver writes dptr.
-        unsafe {
+        self.owner.locked(|| unsafe {
             cu!(cuGraphAddMemAllocNode(
                 &mut node,
                 self.raw,
@@ -524,7 +555,7 @@ impl Graph {
                 deps.len(),
                 &mut params
             ))
-        }?;
+        })?;
         Ok(MemAllocNode {
             id: Self::wrap_node(node),
             ptr: params.dptr,
@@ -542,7 +573,7 @@ impl Graph {
         let deps = raw_deps(deps);
         let mut node = std::ptr::null_mut();
         // SAFETY: live graph, valid dependency array; the driver checks `ptr`.
-        unsafe {
+        self.owner.locked(|| unsafe {
             cu!(cuGraphAddMemFreeNode(
                 &mut node,
                 self.raw,
@@ -550,14 +581,15 @@ impl Graph {
                 deps.len(),
                 ptr
             ))
-        }?;
+        })?;
         Ok(MemFreeNode(Self::wrap_node(node)))
     }
 
     fn add_edge(&mut self, from: NodeId, to: NodeId, kind: EdgeKind) -> Result<()> {
         let data: CUgraphEdgeData = kind.to_raw();
         // SAFETY: live graph, one-element arrays.
-        unsafe { cu!(cuGraphAddDependencies(self.raw, &from.0, &to.0, &data, 1)) }
+        self.owner
+            .locked(|| unsafe { cu!(cuGraphAddDependencies(self.raw, &from.0, &to.0, &data, 1)) })
     }
 
     /// Makes `to` depend fully on `from`.
@@ -601,11 +633,11 @@ impl Graph {
     pub fn remove_dependency(&mut self, from: NodeId, to: NodeId, kind: EdgeKind) -> Result<()> {
         let data = kind.to_raw();
         // SAFETY: live graph, one-element arrays.
-        unsafe {
+        self.owner.locked(|| unsafe {
             cu!(cuGraphRemoveDependencies(
                 self.raw, &from.0, &to.0, &data, 1
             ))
-        }
+        })
     }
 
     /// Every node, with its kind, in creation order.
@@ -614,7 +646,8 @@ impl Graph {
     /// and [`cuGraphNodeGetType`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
     /// Errors: [`Error::Driver`].
     pub fn nodes(&self) -> Result<Vec<Node>> {
-        self.typed(raw_nodes(self.raw)?)
+        let raw = self.owner.locked(|| raw_nodes(self.raw))?;
+        self.typed(raw)
     }
 
     /// The nodes without dependencies.
@@ -625,14 +658,17 @@ impl Graph {
     pub fn root_nodes(&self) -> Result<Vec<Node>> {
         let mut n = 0usize;
         // SAFETY: null array asks for the count.
-        unsafe { cu!(cuGraphGetRootNodes(self.raw, std::ptr::null_mut(), &mut n)) }?;
+        self.owner.locked(|| unsafe {
+            cu!(cuGraphGetRootNodes(self.raw, std::ptr::null_mut(), &mut n))
+        })?;
         // The driver refuses a zero-length array, so an empty answer ends here.
         if n == 0 {
             return Ok(Vec::new());
         }
         let mut raw = vec![std::ptr::null_mut(); n];
         // SAFETY: the array has room for n nodes.
-        unsafe { cu!(cuGraphGetRootNodes(self.raw, raw.as_mut_ptr(), &mut n)) }?;
+        self.owner
+            .locked(|| unsafe { cu!(cuGraphGetRootNodes(self.raw, raw.as_mut_ptr(), &mut n)) })?;
         raw.truncate(n);
         self.typed(raw)
     }
@@ -683,7 +719,7 @@ impl Graph {
     pub fn edges(&self) -> Result<Vec<Edge>> {
         let mut n = 0usize;
         // SAFETY: null arrays ask for the count.
-        unsafe {
+        self.owner.locked(|| unsafe {
             cu!(cuGraphGetEdges(
                 self.raw,
                 std::ptr::null_mut(),
@@ -691,7 +727,7 @@ impl Graph {
                 std::ptr::null_mut(),
                 &mut n
             ))
-        }?;
+        })?;
         if n == 0 {
             return Ok(Vec::new());
         }
@@ -699,7 +735,7 @@ impl Graph {
         let mut to = vec![std::ptr::null_mut(); n];
         let mut data = vec![CUgraphEdgeData::default(); n];
         // SAFETY: three arrays with room for n entries each.
-        unsafe {
+        self.owner.locked(|| unsafe {
             cu!(cuGraphGetEdges(
                 self.raw,
                 from.as_mut_ptr(),
@@ -707,7 +743,7 @@ impl Graph {
                 data.as_mut_ptr(),
                 &mut n
             ))
-        }?;
+        })?;
         Ok((0..n.min(from.len()))
             .map(|i| Edge {
                 from: NodeId(from[i]),
@@ -774,7 +810,8 @@ impl Graph {
     pub fn try_clone(&self) -> Result<Graph> {
         let mut raw = std::ptr::null_mut();
         // SAFETY: live graph, valid out-pointer.
-        unsafe { cu!(cuGraphClone(&mut raw, self.raw)) }?;
+        self.owner
+            .locked(|| unsafe { cu!(cuGraphClone(&mut raw, self.raw)) })?;
         // SAFETY: just created, owned by nobody else.
         let mut g = unsafe { Graph::from_raw(&self.ctx, raw) };
         g.resources = self.resources.clone();
@@ -793,7 +830,8 @@ impl Graph {
             .ok_or_else(|| Error::invalid(format!("path {} is not UTF-8", path.display())))?;
         let c = CString::new(s).map_err(|_| Error::invalid("path contains a NUL byte"))?;
         // SAFETY: live graph, NUL-terminated path.
-        unsafe { cu!(cuGraphDebugDotPrint(self.raw, c.as_ptr(), flags)) }
+        self.owner
+            .locked(|| unsafe { cu!(cuGraphDebugDotPrint(self.raw, c.as_ptr(), flags)) })
     }
 
     /// The graph as verbose Graphviz DOT text (through a temporary file, as the driver only

@@ -502,3 +502,36 @@ fn public_types_are_send_and_sync_as_documented() {
     // `Graph`: Send only (the negative half is the `assert_not_impl!` above).
     assert_send::<Graph>();
 }
+
+/// A `Graph` edited on one thread while another thread runs per-node setters of an exec made
+/// from it: the setters look their node handles up through that graph object, and the two
+/// sides share its lock, so every setter takes effect and the edits all land.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn graph_edits_and_exec_setters_on_two_threads_are_serialized() {
+    const N: u32 = 4096;
+    let gpu = Gpu::new(N);
+    let set = gpu.k("set_f32");
+    let x = gpu.buf();
+    let mut graph = Graph::new(&gpu.ctx).unwrap();
+    // SAFETY: set_f32 writes N floats of x.
+    let k = unsafe { graph.add_kernel(&[], &set, &cfg(N), &kernel_args![&x, 0.0f32, N]) }.unwrap();
+    let mut exec = GraphExec::instantiate(&graph, InstantiateFlags::empty()).unwrap();
+    const EDITS: usize = 2000;
+    let editor = std::thread::spawn(move || {
+        // The graph moves here and grows while the exec's setters run on the test thread.
+        let mut last = k.node();
+        for _ in 0..EDITS {
+            last = graph.add_empty(&[last]).unwrap().node();
+        }
+        graph.nodes().unwrap().len()
+    });
+    for i in 0..200u32 {
+        let v = i as f32;
+        // SAFETY: as above.
+        unsafe { exec.set_kernel_params(&k, &set, &cfg(N), &kernel_args![&x, v, N]) }.unwrap();
+        gpu.run(&exec);
+        assert_all(&gpu.read(&x), v, "x after the setter");
+    }
+    assert_eq!(editor.join().unwrap(), EDITS + 1, "every edit landed");
+}

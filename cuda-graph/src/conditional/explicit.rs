@@ -123,9 +123,9 @@ impl Graph {
         handle.check_context(self.context())?;
         source.check()?;
         let raw_deps: Vec<CUgraphNode> = deps.iter().map(|d| d.id.0).collect();
-        let (resources, ends) = capture_into(self.context(), self.as_raw(), &raw_deps, |s| {
-            handle.set_on(s, source)
-        })?;
+        let (ctx, raw, owner) = (self.context().clone(), self.as_raw(), self.owner().clone());
+        let (resources, ends) =
+            owner.locked(|| capture_into(&ctx, raw, &raw_deps, |s| handle.set_on(s, source)))?;
         for r in resources {
             self.keep_alive(r);
         }
@@ -149,16 +149,14 @@ impl Graph {
         kind.check()?;
         check_handle_graph(&handle, self.as_raw())?;
         let raw_deps: Vec<CUgraphNode> = deps.iter().map(|d| d.id.0).collect();
-        let ctx = self.context().clone();
-        let (node, body_graphs) = add_node(
-            &ctx,
-            self.as_raw(),
-            &raw_deps,
-            std::ptr::null(),
-            handle,
-            kind,
-        )?;
-        let resources = fill_bodies(&ctx, &body_graphs, bodies)?;
+        let (ctx, raw, owner) = (self.context().clone(), self.as_raw(), self.owner().clone());
+        // The node and its bodies are edited under the graph's lock: an exec of this graph may
+        // run per-node setters on another thread.
+        let (node, resources) = owner.locked(|| {
+            let (node, body_graphs) =
+                add_node(&ctx, raw, &raw_deps, std::ptr::null(), handle, kind)?;
+            Ok::<_, Error>((node, fill_bodies(&ctx, &body_graphs, bodies)?))
+        })?;
         for r in resources {
             self.keep_alive(r);
         }
