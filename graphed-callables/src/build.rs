@@ -502,10 +502,16 @@ impl<T: DeviceRepr> GraphedCallables<T> {
                 GraphPool::new(&ctx, bytes)?
             }
         };
-        let mut buffers = StaticBuffers::<T>::alloc(plan, &pool)?;
+        let buffers = StaticBuffers::<T>::alloc(plan, &pool)?;
         let cap = Stream::new(&ctx)?;
         cap.wait_stream(stream)?;
-        for b in buffers.arena.iter_mut() {
+        // Every static buffer starts at zero, saved buffers included: a callable that reads a
+        // saved buffer it writes only on some passes (or a tensor view past what it wrote)
+        // sees zeros, never stale pool memory.
+        for b in &buffers.arena {
+            b.memset_bytes(&cap, 0)?;
+        }
+        for b in &buffers.saved_arena {
             b.memset_bytes(&cap, 0)?;
         }
         let pairs = layout.num_chunks() * layout.num_microbatches();
