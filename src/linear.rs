@@ -281,6 +281,15 @@ impl std::fmt::Debug for Fp8Linear {
     }
 }
 
+/// `len` bytes on the device, zeroed on `stream`: the layer's FP8 copies hold defined bytes
+/// before their first cast (an FP8-off layer never casts, and reading its copies back must
+/// not read uninitialized memory).
+fn zeroed(stream: &Stream, len: usize) -> Result<DeviceBuffer<u8>> {
+    let b = DeviceBuffer::alloc(stream.context(), len)?;
+    b.memset_bytes(stream, 0)?;
+    Ok(b)
+}
+
 /// The f32 `scale_inv` kept in a 4-byte saved buffer, as a device scalar (a view).
 fn scalar_of(buf: &DeviceBuffer<u8>) -> Result<DeviceScalar> {
     DeviceScalar::at(&buf.slice(..size_of::<f32>())?.reinterpret::<f32>()?, 0)
@@ -349,7 +358,7 @@ impl Fp8Linear {
         };
         let w_scale_inv = DeviceBuffer::from_host(stream, &[1f32])?;
         let w_fp8 = Fp8Tensor::from_parts(
-            DeviceBuffer::alloc(&ctx, weight.len())?,
+            zeroed(stream, weight.len())?,
             &[out_features, in_features],
             Fp8Format::E4M3,
             scaling.scale(first_tensor + W)?,
@@ -366,9 +375,9 @@ impl Fp8Linear {
             dw,
             bias,
             w_fp8,
-            w_t: DeviceBuffer::alloc(&ctx, weight.len())?,
-            x_fp8: DeviceBuffer::alloc(&ctx, tokens * in_features)?,
-            dy_fp8: DeviceBuffer::alloc(&ctx, tokens * out_features)?,
+            w_t: zeroed(stream, weight.len())?,
+            x_fp8: zeroed(stream, tokens * in_features)?,
+            dy_fp8: zeroed(stream, tokens * out_features)?,
             bias_grad,
             hp,
             _module: module,
