@@ -88,8 +88,9 @@ pub struct GraphExec {
     raw: CUgraphExec,
     ctx: Arc<Context>,
     resources: ResourceSet,
-    /// The graph object the exec was instantiated from (also among `resources`), whose lock
-    /// serializes the per-node setters with the `Graph`'s own calls.
+    /// The graph object the exec was instantiated from: kept alive for the setters' node
+    /// lookups (the driver resolves node handles through it), and its lock serializes those
+    /// setters with the `Graph`'s own calls.
     origin: Arc<OwnedGraph>,
     /// Node handles of graphs this exec was updated to, mapped to `origin`'s.
     aliases: HashMap<CUgraphNode, CUgraphNode>,
@@ -204,12 +205,7 @@ impl GraphExec {
         Ok(GraphExec {
             raw,
             ctx: graph.context().clone(),
-            resources: graph
-                .resources()
-                .iter()
-                .cloned()
-                .chain([graph.handle_resource()])
-                .collect(),
+            resources: graph.resources().iter().cloned().collect(),
             origin: graph.owner().clone(),
             aliases: HashMap::new(),
             pending_alias: None,

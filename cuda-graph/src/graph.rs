@@ -143,12 +143,6 @@ impl Graph {
         self.resources.as_slice()
     }
 
-    /// The graph object itself as a resource: an exec holds it so that node handles of this
-    /// graph stay valid for its per-node setters after the user drops the `Graph`.
-    pub(crate) fn handle_resource(&self) -> Resource {
-        self.owner.clone()
-    }
-
     /// The shared graph object and its lock (see [`OwnedGraph`]).
     pub(crate) fn owner(&self) -> &Arc<OwnedGraph> {
         &self.owner
@@ -157,16 +151,23 @@ impl Graph {
 
 /// The nodes of a live graph, in creation order (`cuGraphGetNodes`).
 pub(crate) fn raw_nodes(graph: CUgraph) -> Result<Vec<CUgraphNode>> {
+    // SAFETY: a live graph; the array (null or with room for `*n` nodes) and count are valid.
+    node_list(|nodes, n| unsafe { cu!(cuGraphGetNodes(graph, nodes, n)) })
+}
+
+/// A node list the driver fills with the count-then-fill protocol of `cuGraphGetNodes` and
+/// `cuGraphGetRootNodes`: `get(null, &mut n)` asks for the count, `get(array, &mut n)` fills.
+fn node_list(
+    mut get: impl FnMut(*mut CUgraphNode, &mut usize) -> Result<()>,
+) -> Result<Vec<CUgraphNode>> {
     let mut n = 0usize;
-    // SAFETY: null array asks for the count.
-    unsafe { cu!(cuGraphGetNodes(graph, std::ptr::null_mut(), &mut n)) }?;
+    get(std::ptr::null_mut(), &mut n)?;
     // The driver refuses a zero-length array, so an empty answer ends here.
     if n == 0 {
         return Ok(Vec::new());
     }
     let mut raw = vec![std::ptr::null_mut(); n];
-    // SAFETY: the array has room for n nodes.
-    unsafe { cu!(cuGraphGetNodes(graph, raw.as_mut_ptr(), &mut n)) }?;
+    get(raw.as_mut_ptr(), &mut n)?;
     raw.truncate(n);
     Ok(raw)
 }
@@ -656,20 +657,11 @@ impl Graph {
     /// and [`cuGraphNodeGetType`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
     /// Errors: [`Error::Driver`].
     pub fn root_nodes(&self) -> Result<Vec<Node>> {
-        let mut n = 0usize;
-        // SAFETY: null array asks for the count.
-        self.owner.locked(|| unsafe {
-            cu!(cuGraphGetRootNodes(self.raw, std::ptr::null_mut(), &mut n))
+        let raw = self.owner.locked(|| {
+            // SAFETY: this live graph; the array (null or with room for `*n` nodes) and
+            // count are valid.
+            node_list(|nodes, n| unsafe { cu!(cuGraphGetRootNodes(self.raw, nodes, n)) })
         })?;
-        // The driver refuses a zero-length array, so an empty answer ends here.
-        if n == 0 {
-            return Ok(Vec::new());
-        }
-        let mut raw = vec![std::ptr::null_mut(); n];
-        // SAFETY: the array has room for n nodes.
-        self.owner
-            .locked(|| unsafe { cu!(cuGraphGetRootNodes(self.raw, raw.as_mut_ptr(), &mut n)) })?;
-        raw.truncate(n);
         self.typed(raw)
     }
 
