@@ -28,7 +28,7 @@ use graphed_callables::{
     Callable, GraphIndex, GraphedCallables, GraphedOptions, Schedule, Slot, Step, WeightCaching,
 };
 
-use super::{BenchResult, Row, Timing, event_median_ms, timed_medians, xorshift};
+use super::{BenchResult, Rng, Row, Timing, event_median_ms, timed_medians};
 
 const WARMUP: usize = 3;
 const REPS: usize = 20;
@@ -76,10 +76,8 @@ const TENSOR_CORE_BOUND: f64 = 2e-3;
 
 /// `n` values uniform in `[-scale, scale]`, from `seed`.
 fn random(seed: u64, n: usize, scale: f32) -> Vec<f32> {
-    let mut next = xorshift(seed);
-    (0..n)
-        .map(|_| ((next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale)
-        .collect()
+    let mut rng = Rng::new(seed, 0);
+    (0..n).map(|_| rng.uniform(scale)).collect()
 }
 
 /// Copies `v` into `buf` (e.g. one of the runtime's static buffers); waits.
