@@ -8,8 +8,7 @@ use cuda_graph_sys::{CUresult, CUstream, CUstream_flags};
 use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::event::Event;
-use crate::resources::Resource;
-use crate::resources::ResourceSet;
+use crate::resources::{Resource, ResourceSet};
 
 /// A non-blocking CUDA stream. Cloning gives another handle to the same stream; the stream is
 /// destroyed when the last handle goes (unless it was borrowed with [`Stream::from_raw`]).

@@ -23,7 +23,7 @@ use cuda_graph::{DeviceBuffer, Error, KernelArgs, LaunchConfig, Result, Stream};
 use crate::cast_transpose::matrix_numel;
 use crate::format::{DType, Fp8Format};
 use crate::module::kernel;
-use crate::quantize::{ALIGN, push_input};
+use crate::quantize::ALIGN;
 use crate::tensor::{HpBuffer, check_align};
 
 /// Threads per block of the block-scaled kernels (8 warps).
@@ -176,7 +176,8 @@ pub fn quantize_blockwise<'a>(
     let (rows64, cols64) = (rows as u64, cols as u64);
     let out: &DeviceBuffer<u8> = out;
     let scales_inv: &DeviceBuffer<f32> = scales_inv;
-    let args = push_input(KernelArgs::new(), &input)
+    let args = input
+        .push_to(KernelArgs::new())
         .arg(out)
         .arg(scales_inv)
         .arg(&rows64)

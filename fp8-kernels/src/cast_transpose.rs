@@ -13,7 +13,7 @@ use cuda_graph::{DeviceBuffer, Error, KernelArgs, LaunchConfig, Result, Stream};
 
 use crate::format::DType;
 use crate::module::kernel;
-use crate::quantize::{ALIGN, idx, push_input};
+use crate::quantize::{ALIGN, idx};
 use crate::tensor::{DeviceScalar, Fp8Tensor, HpBuffer, check_align, numel};
 
 /// Threads per block of the cast-transpose kernel.
@@ -113,7 +113,8 @@ pub fn cast_transpose<'a>(
     let (rows64, cols64) = (rows as u64, cols as u64);
     let null = 0u64;
     let out_t: &DeviceBuffer<u8> = out_t;
-    let args = push_input(KernelArgs::new(), &input)
+    let args = input
+        .push_to(KernelArgs::new())
         .arg(out.data())
         .arg(out_t)
         .arg(&rows64)

@@ -46,11 +46,6 @@ fn same_len(what: &str, a: usize, b: usize) -> Result<()> {
     }
 }
 
-/// Pushes a high-precision input buffer onto an argument list.
-pub(crate) fn push_input<'a>(args: KernelArgs<'a>, input: &HpBuffer<'a>) -> KernelArgs<'a> {
-    input.push_to(args)
-}
-
 /// `out = saturate_rne(input * scale)` in `out.format()`, with `scale` read from
 /// `out.scale()` on the device; writes `out.scale_inv() = 1 / scale`; maxes `max |input|`
 /// (unscaled; NaN wins) into `out.amax()`, which must hold a non-negative value (zero it
@@ -173,7 +168,8 @@ fn launch_cast(
         idx(out.amax())?,
         noop.map(idx).transpose()?.unwrap_or(0),
     ];
-    let args = push_input(KernelArgs::new(), input)
+    let args = input
+        .push_to(KernelArgs::new())
         .arg(out.data())
         .arg(&n)
         .arg(out.scale().buffer())
@@ -222,9 +218,7 @@ fn launch_amax(
     let vec = 16 / input.dtype().size() as u64;
     let null = 0u64;
     let indices = [idx(amax)?, noop.map(idx).transpose()?.unwrap_or(0)];
-    let args = push_input(KernelArgs::new(), input)
-        .arg(&n)
-        .arg(amax.buffer());
+    let args = input.push_to(KernelArgs::new()).arg(&n).arg(amax.buffer());
     let args = match noop {
         Some(s) => args.arg(s.buffer()),
         None => args.arg(&null),
