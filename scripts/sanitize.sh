@@ -39,6 +39,15 @@ for tool in ${tools//,/ }; do
       # Faults the device on purpose (a trap and an assert in a graph) in child processes.
       *device_fault) continue ;;
     esac
+    # Skipped under one tool (docs/reliability.md has the runs behind it):
+    # - racecheck, fp8-moe's fp8_mlp: it runs whole pipeline schedules of FP8 layers and does
+    #   not finish in 530 s under racecheck (shared-memory tracking of every GEMM tile). Every
+    #   kernel it launches is in fp8-kernels/kernels/all.cu and racecheck-clean in the
+    #   fp8_kernels, gemm, gpu and cast_transpose binaries, and through the same layers in
+    #   moe_filtering.
+    case "$tool:$name" in
+      racecheck:*fp8_mlp) echo "$tool $name skipped (see sanitize.sh)" >> "$logs/skipped.txt"; continue ;;
+    esac
     [ -n "$filter" ] && [[ "$name" != *"$filter"* ]] && continue
     log="$logs/$tool.$name.log"
     start=$(date +%s)
@@ -55,6 +64,10 @@ for tool in ${tools//,/ }; do
            --skip threads_capture_their_own_streams_at_the_same_time
            --skip dropping_a_launched_exec_waits_for_its_own_launches_not_the_context
            --skip an_exec_dropped_on_another_thread_while_it_runs_keeps_its_memory_until_done)
+    # Under racecheck alone: 800 launches of a 4M-element kernel from two threads take past
+    # the test's 120 s watchdog. It checks host-side serialization of launches; its kernel
+    # uses no shared memory, so racecheck has nothing to look at in it.
+    [ "$tool" = racecheck ] && skips+=(--skip one_exec_launched_from_two_threads_runs_every_launch_once_in_turn)
     FP8_MOE_BIN="$bins/fp8-moe" timeout "${SANITIZE_TIMEOUT:-300}" \
       compute-sanitizer --tool "$tool" "${extra[@]}" --print-limit 200 \
       "$t" --include-ignored --test-threads=1 "${skips[@]}" > "$log" 2>&1

@@ -110,6 +110,11 @@ fn graphs_keep_views_alive_after_every_handle_is_dropped() {
     let exec = {
         let parent = DeviceBuffer::<f32>::alloc(&gpu.ctx, 4 * N as usize).unwrap();
         let view = parent.slice(N as usize..2 * N as usize).unwrap();
+        // Written once before capture: initcheck judges a graph's copy nodes when the graph
+        // is launched, before the kernel ahead of the copy has run, and would report the
+        // copy's source as uninitialized otherwise. The kernel overwrites it at every replay.
+        parent.memset_bytes(&gpu.stream, 0).unwrap();
+        gpu.stream.synchronize().unwrap();
         let graph = gpu
             .stream
             .capture(CaptureMode::Global, |s| {
