@@ -4,6 +4,7 @@
 #include "quantize.cuh"
 #include "scaling.cuh"
 #include "cast_transpose.cuh"
+#include "moe_cast.cuh"
 #include "block_scale.cuh"
 #include "gemm_sm90.cuh"
 #include "gemm_mma.cuh"

@@ -1,7 +1,14 @@
 // Cast-transpose: one pass over a [rows, cols] row-major high-precision matrix writes its
 // FP8 cast row-major ([rows, cols]) and transposed ([cols, rows]), and maxes amax.
 //
-// One CTA of CT_THREADS threads per tile of CtTile<In>::TR rows x TC (64) columns; the grid
+// The matrix comes from a *source* (below): a plain matrix (MatrixSource), or values computed
+// on the fly from other buffers (the MoE kernels of moe_cast.cuh: a gather of token rows, the
+// SwiGLU and its backward), so those fuse with the cast. A source gives V-wide vectors (one
+// 16-byte load of a 16-bit matrix, or what the fused math makes of its loads) and single
+// elements. Rows at or past `rows_used` (read on the device by the fused kernels; `rows` for
+// the plain cast) read as zero; tiles entirely past it are skipped (nothing written).
+//
+// One CTA of CT_THREADS threads per tile of CtTile<V>::TR rows x TC (64) columns; the grid
 // is 1-D over tiles, column tiles fastest. A tile is on the fast path when it is full and
 // rows % 16 == 0 and cols % 16 == 0 (every base pointer 16-byte aligned, checked by the
 // launcher): each thread does 4 independent 16-byte loads (4 consecutive rows, one vector of
@@ -17,8 +24,8 @@ namespace fp8k {
 
 constexpr unsigned CT_THREADS = 256;
 
-template <typename In> struct CtTile {
-    static constexpr int V = 16 / sizeof(In);                     // elements per 16-byte load
+template <int V_> struct CtTile {
+    static constexpr int V = V_;                                  // elements per source vector
     static constexpr int TC = 64;                                 // tile columns
     static constexpr int TR = 4 * int(CT_THREADS) * V / TC;       // tile rows: 128 or 64 (f32)
     static constexpr int NCV = TC / V;                            // column vectors per row
@@ -44,12 +51,28 @@ __device__ __forceinline__ void transpose4x4(unsigned a, unsigned b, unsigned c,
     w[3] = __byte_perm(ab_hi, cd_hi, 0x7632);
 }
 
-template <typename In, __nv_fp8_interpretation_t F>
-__device__ __forceinline__ void cast_transpose(const In *__restrict__ x, uint8_t *__restrict__ y,
-                                               uint8_t *__restrict__ yt, unsigned long long rows,
-                                               unsigned long long cols, const float *scale,
-                                               float *scale_inv, float *amax, const float *noop) {
-    using T = CtTile<In>;
+// The plain source: a [rows, cols] row-major matrix of In.
+template <typename In> struct MatrixSource {
+    static constexpr int V = 16 / sizeof(In);
+    using Raw = uint4;
+    const In *x;
+    unsigned long long cols;
+    __device__ __forceinline__ Raw load(unsigned long long r, unsigned long long c) const {
+        return __ldg(reinterpret_cast<const uint4 *>(x + r * cols + c));
+    }
+    __device__ __forceinline__ void unpack(const Raw &raw, float *f) const { unpack16<In>(raw, f); }
+    __device__ __forceinline__ float at(unsigned long long r, unsigned long long c) const {
+        return to_f32(x[r * cols + c]);
+    }
+};
+
+template <typename Src, __nv_fp8_interpretation_t F>
+__device__ __forceinline__ void cast_transpose_src(const Src &src, uint8_t *__restrict__ y,
+                                                   uint8_t *__restrict__ yt, unsigned long long rows,
+                                                   unsigned long long rows_used, unsigned long long cols,
+                                                   const float *scale, float *scale_inv, float *amax,
+                                                   const float *noop) {
+    using T = CtTile<Src::V>;
     constexpr int V = T::V, TR = T::TR, TC = T::TC, S = T::S;
     __shared__ unsigned sm[TC * S];
     if (is_noop(noop)) return;
@@ -57,9 +80,11 @@ __device__ __forceinline__ void cast_transpose(const In *__restrict__ x, uint8_t
     if (blockIdx.x == 0 && threadIdx.x == 0 && scale_inv != nullptr) *scale_inv = 1.0f / s;
     const unsigned long long tiles_c = (cols + TC - 1) / TC;
     const unsigned long long row0 = (blockIdx.x / tiles_c) * TR, col0 = (blockIdx.x % tiles_c) * TC;
+    if (rows_used > rows) rows_used = rows;
+    if (row0 >= rows_used) return; // the whole tile is past the rows in use: nothing to write
     const unsigned t = threadIdx.x;
     unsigned m = 0;
-    const bool fast = row0 + TR <= rows && col0 + TC <= cols && rows % 16 == 0 && cols % 16 == 0;
+    const bool fast = row0 + TR <= rows_used && col0 + TC <= cols && rows % 16 == 0 && cols % 16 == 0;
     if (fast) {
         const unsigned lane = t & 31u, warp = t >> 5;
         constexpr unsigned WC = T::NCV / 4; // warps across the tile's columns
@@ -68,14 +93,14 @@ __device__ __forceinline__ void cast_transpose(const In *__restrict__ x, uint8_t
         const unsigned cv = (warp % WC) * 4 + (lane & 3u);
         const unsigned rg = (warp / WC) * 8 + (lane >> 2);
         const unsigned long long r = row0 + rg * 4, c = col0 + cv * V;
-        uint4 raw[4];
+        typename Src::Raw raw[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) raw[i] = __ldg(reinterpret_cast<const uint4 *>(x + (r + i) * cols + c));
+        for (int i = 0; i < 4; ++i) raw[i] = src.load(r + i, c);
         unsigned o[4][V / 4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             float f[V];
-            unpack16<In>(raw[i], f);
+            src.unpack(raw[i], f);
 #pragma unroll
             for (int k = 0; k < V; ++k) m = max(m, abs_bits(f[k]));
 #pragma unroll
@@ -116,7 +141,7 @@ __device__ __forceinline__ void cast_transpose(const In *__restrict__ x, uint8_t
             for (int e = 0; e < EL; ++e) {
                 const unsigned q = t + unsigned(i0 + e) * CT_THREADS, rr = q / TC, cc = q % TC;
                 const unsigned long long gr = row0 + rr, gc = col0 + cc;
-                f[e] = (gr < rows && gc < cols) ? to_f32(x[gr * cols + gc]) : 0.0f;
+                f[e] = (gr < rows_used && gc < cols) ? src.at(gr, gc) : 0.0f;
             }
 #pragma unroll
             for (int e = 0; e < EL; ++e) {
@@ -138,6 +163,15 @@ __device__ __forceinline__ void cast_transpose(const In *__restrict__ x, uint8_t
         }
     }
     if (amax != nullptr) block_amax_atomic(m, amax);
+}
+
+template <typename In, __nv_fp8_interpretation_t F>
+__device__ __forceinline__ void cast_transpose(const In *__restrict__ x, uint8_t *__restrict__ y,
+                                               uint8_t *__restrict__ yt, unsigned long long rows,
+                                               unsigned long long cols, const float *scale,
+                                               float *scale_inv, float *amax, const float *noop) {
+    cast_transpose_src<MatrixSource<In>, F>(MatrixSource<In>{x, cols}, y, yt, rows, rows, cols, scale,
+                                            scale_inv, amax, noop);
 }
 
 } // namespace fp8k

@@ -82,28 +82,10 @@ pub fn cast_transpose<'a>(
             input.len()
         )));
     }
-    if out.shape() != [rows, cols] {
-        return Err(Error::InvalidArgument(format!(
-            "cast_transpose: output shape {:?}, want [{rows}, {cols}]",
-            out.shape()
-        )));
-    }
-    if out_t.len() != n {
-        return Err(Error::InvalidArgument(format!(
-            "cast_transpose: transposed output has {} bytes, [{cols}, {rows}] needs {n}",
-            out_t.len()
-        )));
-    }
     check_align("cast_transpose input", input.device_ptr(), ALIGN)?;
-    check_align("cast_transpose output", out.data().as_raw(), ALIGN)?;
-    check_align("cast_transpose transposed output", out_t.as_raw(), ALIGN)?;
+    check_outputs("cast_transpose", rows, cols, out, out_t)?;
     let tiles = tile_count(rows, cols, input.dtype())?;
-    let indices = [
-        idx(out.scale())?,
-        idx(out.scale_inv())?,
-        idx(out.amax())?,
-        noop.map(idx).transpose()?.unwrap_or(0),
-    ];
+    let indices = slot_indices(out, noop)?;
     let name = format!(
         "fp8_cast_transpose_{}_{}",
         input.dtype().name(),
@@ -122,17 +104,62 @@ pub fn cast_transpose<'a>(
         .arg(out.scale().buffer())
         .arg(out.scale_inv().buffer())
         .arg(out.amax().buffer());
-    let args = match noop {
-        Some(s) => args.arg(s.buffer()),
-        None => args.arg(&null),
-    }
-    .arg(&indices);
+    let args = push_noop(args, noop, &null).arg(&indices);
     let cfg = LaunchConfig::linear(tiles, THREADS);
     // SAFETY: the kernel reads rows * cols input elements and writes rows * cols bytes to
     // each of out.data() and out_t, all checked to hold exactly that many and to be 16-byte
     // aligned (its widest access); tiles cover the matrix with blocks that bound-check every
     // element; each scalar slot index is inside its buffer (DeviceScalar checks it).
     unsafe { stream.launch_pdl(&k, &cfg, &args) }
+}
+
+/// Checks the two outputs of a cast-transpose of a `[rows, cols]` matrix (`rows * cols`
+/// checked by the caller): `out` of shape `[rows, cols]`, `out_t` of `rows * cols` bytes, both
+/// 16-byte aligned.
+pub(crate) fn check_outputs(
+    what: &str,
+    rows: usize,
+    cols: usize,
+    out: &Fp8Tensor,
+    out_t: &DeviceBuffer<u8>,
+) -> Result<()> {
+    let n = matrix_numel(what, rows, cols)?;
+    if out.shape() != [rows, cols] {
+        return Err(Error::InvalidArgument(format!(
+            "{what}: output shape {:?}, want [{rows}, {cols}]",
+            out.shape()
+        )));
+    }
+    if out_t.len() != n {
+        return Err(Error::InvalidArgument(format!(
+            "{what}: transposed output has {} bytes, [{cols}, {rows}] needs {n}",
+            out_t.len()
+        )));
+    }
+    check_align(&format!("{what} output"), out.data().as_raw(), ALIGN)?;
+    check_align(&format!("{what} transposed output"), out_t.as_raw(), ALIGN)
+}
+
+/// The kernel's `(scale, scale_inv, amax, noop)` slot indices.
+pub(crate) fn slot_indices(out: &Fp8Tensor, noop: Option<&DeviceScalar>) -> Result<[u32; 4]> {
+    Ok([
+        idx(out.scale())?,
+        idx(out.scale_inv())?,
+        idx(out.amax())?,
+        noop.map(idx).transpose()?.unwrap_or(0),
+    ])
+}
+
+/// Pushes the noop flag's buffer, or a null pointer (`null` must hold 0).
+pub(crate) fn push_noop<'a>(
+    args: KernelArgs<'a>,
+    noop: Option<&'a DeviceScalar>,
+    null: &'a u64,
+) -> KernelArgs<'a> {
+    match noop {
+        Some(s) => args.arg(s.buffer()),
+        None => args.arg(null),
+    }
 }
 
 #[cfg(test)]

@@ -10,6 +10,10 @@
 //! * [`quantize`] (fused amax, optional noop flag), [`quantize_current`] (current scaling),
 //!   [`amax`], [`dequantize`];
 //! * [`cast_transpose`]: the FP8 cast row-major and transposed in one pass, amax fused;
+//! * the dropless MoE layer's casts, fused with its data movement and SwiGLU
+//!   ([`gather_cast_transpose`], [`swiglu_cast_transpose`], [`swiglu_backward_cast_transpose`]):
+//!   the permute into the packed expert-major layout, the combine's backward, the SwiGLU and
+//!   its backward, each straight to FP8 row-major and transposed;
 //! * [`quantize_blockwise`]: block-scaled quantize (1x128 or 128x128 blocks, [`BlockShape`]),
 //!   fp32 scales written beside the data;
 //! * [`DelayedScaling`]: TransformerEngine's delayed-scaling state for many tensors on the
@@ -57,6 +61,7 @@ mod cast_transpose;
 mod format;
 pub mod gemm;
 mod module;
+mod moe_cast;
 mod quantize;
 pub mod reference;
 mod scaling;
@@ -66,6 +71,10 @@ pub use block_scale::{BlockShape, quantize_blockwise};
 pub use cast_transpose::{TILE_COLS, cast_transpose, tile_rows};
 pub use format::{DType, Fp8Format};
 pub use module::{FATBIN, module};
+pub use moe_cast::{
+    Gather, MAX_TOP_K, RowsInUse, gather_cast_transpose, swiglu_backward_cast_transpose,
+    swiglu_cast_transpose,
+};
 pub use quantize::{ALIGN, FUSED_CURRENT_MAX, amax, dequantize, quantize, quantize_current};
 pub use scaling::{AmaxAlgo, DelayedScaling, IdentityGroup, MAX_HISTORY, ReductionGroup};
 pub use tensor::{DeviceScalar, Fp8Tensor, HpBuffer};

@@ -1,0 +1,182 @@
+// FP8 casts fused with the data movement and elementwise math of a dropless MoE layer, all
+// through cast_transpose_src (cast_transpose.cuh): each writes its result in FP8 row-major and
+// transposed in one pass, amax fused, and never materialises the high-precision tensor.
+//
+// The layer's packed layout: `rows` (the capacity) rows, of which the first `*used` (the
+// device-side end of the last expert's rows) are in use; each expert's rows start at a
+// multiple of the GEMM row tile, and the rows between one expert's tokens and the next
+// expert's start are zero padding. Tiles past `*used` are skipped (not written); rows past it
+// inside a written tile are written as zero.
+//
+// * Gather (the permute, and the combine's backward): row r is the token row
+//   `x[token_of_row[r] / k]`, times `row_scale[token_of_row[r]]` when row_scale is given (the
+//   combine backward: dY[r] = gate * dy[t]); a negative or out-of-range entry is a padding row
+//   (zero).
+// * SwiGLU: a is [rows, 2F] (gate columns 0..F, up columns F..2F); the output [rows, F] is
+//   silu(gate) * up, with silu(v) = v * sigmoid(v).
+// * SwiGLU backward: from a and dh [rows, F], the output [rows, 2F] is
+//   d gate = dh * up * silu'(gate) (columns 0..F) and d up = dh * silu(gate) (columns F..2F),
+//   silu'(v) = sigmoid(v) * (1 + v * (1 - sigmoid(v))).
+// All math in f32 (expf), one rounding at the FP8 cast.
+#pragma once
+#include "cast_transpose.cuh"
+
+namespace fp8k {
+
+__device__ __forceinline__ float sigmoid_f32(float v) { return 1.0f / (1.0f + expf(-v)); }
+
+template <typename In> struct GatherSource {
+    static constexpr int V = 16 / sizeof(In);
+    struct Raw {
+        uint4 v;
+        float g;
+    };
+    const In *x;
+    unsigned long long cols;
+    const int *token_of_row;
+    unsigned long long assignments; // tokens * k: valid entries of token_of_row are below it
+    unsigned k;
+    const float *row_scale; // nullable
+    __device__ __forceinline__ long long assignment(unsigned long long r) const {
+        const int a = token_of_row[r];
+        return (a < 0 || (unsigned long long)a >= assignments) ? -1 : (long long)a;
+    }
+    __device__ __forceinline__ Raw load(unsigned long long r, unsigned long long c) const {
+        const long long a = assignment(r);
+        if (a < 0) return Raw{make_uint4(0, 0, 0, 0), 0.0f};
+        const unsigned long long t = (unsigned long long)a / k;
+        return Raw{__ldg(reinterpret_cast<const uint4 *>(x + t * cols + c)), row_scale ? row_scale[a] : 1.0f};
+    }
+    __device__ __forceinline__ void unpack(const Raw &raw, float *f) const {
+        unpack16<In>(raw.v, f);
+#pragma unroll
+        for (int i = 0; i < V; ++i) f[i] *= raw.g;
+    }
+    __device__ __forceinline__ float at(unsigned long long r, unsigned long long c) const {
+        const long long a = assignment(r);
+        if (a < 0) return 0.0f;
+        const unsigned long long t = (unsigned long long)a / k;
+        return to_f32(x[t * cols + c]) * (row_scale ? row_scale[a] : 1.0f);
+    }
+};
+
+struct SwigluSource {
+    static constexpr int V = 8;
+    struct Raw {
+        uint4 gate, up;
+    };
+    const __nv_bfloat16 *a; // [rows, 2 * ffn]
+    unsigned long long ffn;
+    __device__ __forceinline__ Raw load(unsigned long long r, unsigned long long c) const {
+        const __nv_bfloat16 *row = a + r * 2 * ffn;
+        return Raw{__ldg(reinterpret_cast<const uint4 *>(row + c)),
+                   __ldg(reinterpret_cast<const uint4 *>(row + ffn + c))};
+    }
+    __device__ __forceinline__ static float swiglu(float g, float u) { return g * sigmoid_f32(g) * u; }
+    __device__ __forceinline__ void unpack(const Raw &raw, float *f) const {
+        float g[V], u[V];
+        unpack16<__nv_bfloat16>(raw.gate, g);
+        unpack16<__nv_bfloat16>(raw.up, u);
+#pragma unroll
+        for (int i = 0; i < V; ++i) f[i] = swiglu(g[i], u[i]);
+    }
+    __device__ __forceinline__ float at(unsigned long long r, unsigned long long c) const {
+        const __nv_bfloat16 *row = a + r * 2 * ffn;
+        return swiglu(to_f32(row[c]), to_f32(row[ffn + c]));
+    }
+};
+
+struct SwigluBackwardSource {
+    static constexpr int V = 8;
+    struct Raw {
+        uint4 gate, up, dh;
+        bool upper;
+    };
+    const __nv_bfloat16 *a;  // [rows, 2 * ffn]
+    const __nv_bfloat16 *dh; // [rows, ffn]
+    unsigned long long ffn;
+    // Output column c of 2 * ffn: d gate (c < ffn) or d up (c >= ffn) of column c mod ffn.
+    __device__ __forceinline__ static float grad(float g, float u, float d, bool upper) {
+        const float s = sigmoid_f32(g);
+        return upper ? d * (g * s) : d * u * (s * (1.0f + g * (1.0f - s)));
+    }
+    __device__ __forceinline__ Raw load(unsigned long long r, unsigned long long c) const {
+        const bool upper = c >= ffn;
+        const unsigned long long cc = upper ? c - ffn : c;
+        const __nv_bfloat16 *row = a + r * 2 * ffn;
+        return Raw{__ldg(reinterpret_cast<const uint4 *>(row + cc)),
+                   __ldg(reinterpret_cast<const uint4 *>(row + ffn + cc)),
+                   __ldg(reinterpret_cast<const uint4 *>(dh + r * ffn + cc)), upper};
+    }
+    __device__ __forceinline__ void unpack(const Raw &raw, float *f) const {
+        float g[V], u[V], d[V];
+        unpack16<__nv_bfloat16>(raw.gate, g);
+        unpack16<__nv_bfloat16>(raw.up, u);
+        unpack16<__nv_bfloat16>(raw.dh, d);
+#pragma unroll
+        for (int i = 0; i < V; ++i) f[i] = grad(g[i], u[i], d[i], raw.upper);
+    }
+    __device__ __forceinline__ float at(unsigned long long r, unsigned long long c) const {
+        const bool upper = c >= ffn;
+        const unsigned long long cc = upper ? c - ffn : c;
+        const __nv_bfloat16 *row = a + r * 2 * ffn;
+        return grad(to_f32(row[cc]), to_f32(row[ffn + cc]), to_f32(dh[r * ffn + cc]), upper);
+    }
+};
+
+// The rows in use: *used (an int on the device, clamped at 0).
+__device__ __forceinline__ unsigned long long rows_in_use(const int *used) {
+    const int u = *used;
+    return u < 0 ? 0ull : (unsigned long long)u;
+}
+
+} // namespace fp8k
+
+// Slots: idx = (scale, scale_inv, amax, noop) indices into their buffers; `used` is
+// used_buf[used_idx].
+#define FP8K_MOE_GATHER_CT(IN_NAME, IN_T, FMT_NAME, FMT)                                            \
+    extern "C" __global__ void __launch_bounds__(fp8k::CT_THREADS)                                 \
+        fp8_moe_gather_cast_transpose_##IN_NAME##_##FMT_NAME(                                      \
+            const IN_T *x, const int *token_of_row, const float *row_scale,                        \
+            unsigned long long assignments, unsigned k, uint8_t *y, uint8_t *yt,                    \
+            unsigned long long rows, unsigned long long cols, const int *used_buf, unsigned used_idx, \
+            float *scale, float *scale_inv, float *amax, const float *noop, uint4 idx) {           \
+        cuda_graph::pdl_enter();                                                                   \
+        const fp8k::GatherSource<IN_T> src{x, cols, token_of_row, assignments, k, row_scale};      \
+        fp8k::cast_transpose_src<fp8k::GatherSource<IN_T>, FMT>(                                   \
+            src, y, yt, rows, fp8k::rows_in_use(used_buf + used_idx), cols,                        \
+            fp8k::slot(scale, idx.x), fp8k::slot(scale_inv, idx.y), fp8k::slot(amax, idx.z),       \
+            fp8k::slot(noop, idx.w));                                                              \
+    }
+
+#define FP8K_MOE_SWIGLU_CT(FMT_NAME, FMT)                                                           \
+    extern "C" __global__ void __launch_bounds__(fp8k::CT_THREADS)                                 \
+        fp8_swiglu_cast_transpose_bf16_##FMT_NAME(                                                 \
+            const __nv_bfloat16 *a, uint8_t *y, uint8_t *yt, unsigned long long rows,              \
+            unsigned long long ffn, const int *used_buf, unsigned used_idx, float *scale,          \
+            float *scale_inv, float *amax, const float *noop, uint4 idx) {                         \
+        cuda_graph::pdl_enter();                                                                   \
+        fp8k::cast_transpose_src<fp8k::SwigluSource, FMT>(                                         \
+            fp8k::SwigluSource{a, ffn}, y, yt, rows, fp8k::rows_in_use(used_buf + used_idx), ffn,  \
+            fp8k::slot(scale, idx.x), fp8k::slot(scale_inv, idx.y), fp8k::slot(amax, idx.z),       \
+            fp8k::slot(noop, idx.w));                                                              \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(fp8k::CT_THREADS)                                 \
+        fp8_swiglu_backward_cast_transpose_bf16_##FMT_NAME(                                        \
+            const __nv_bfloat16 *a, const __nv_bfloat16 *dh, uint8_t *y, uint8_t *yt,              \
+            unsigned long long rows, unsigned long long ffn, const int *used_buf,                  \
+            unsigned used_idx, float *scale, float *scale_inv, float *amax, const float *noop,     \
+            uint4 idx) {                                                                           \
+        cuda_graph::pdl_enter();                                                                   \
+        fp8k::cast_transpose_src<fp8k::SwigluBackwardSource, FMT>(                                 \
+            fp8k::SwigluBackwardSource{a, dh, ffn}, y, yt, rows,                                   \
+            fp8k::rows_in_use(used_buf + used_idx), 2 * ffn, fp8k::slot(scale, idx.x),             \
+            fp8k::slot(scale_inv, idx.y), fp8k::slot(amax, idx.z), fp8k::slot(noop, idx.w));       \
+    }
+
+FP8K_MOE_GATHER_CT(bf16, __nv_bfloat16, e4m3, __NV_E4M3)
+FP8K_MOE_GATHER_CT(bf16, __nv_bfloat16, e5m2, __NV_E5M2)
+FP8K_MOE_GATHER_CT(f32, float, e4m3, __NV_E4M3)
+FP8K_MOE_GATHER_CT(f32, float, e5m2, __NV_E5M2)
+FP8K_MOE_SWIGLU_CT(e4m3, __NV_E4M3)
+FP8K_MOE_SWIGLU_CT(e5m2, __NV_E5M2)

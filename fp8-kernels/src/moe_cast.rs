@@ -1,0 +1,317 @@
+//! FP8 casts fused with a dropless MoE layer's data movement and SwiGLU: each launcher writes
+//! its result in FP8 row-major and transposed in one pass (the layout the expert GEMMs take:
+//! row-major for the forward and data-gradient GEMMs, transposed for the weight-gradient
+//! GEMMs), maxes amax, and never stores the high-precision tensor.
+//!
+//! # The packed layout
+//! The layer permutes its `T * k` token assignments into a buffer of `rows` (the capacity)
+//! rows in expert-major order: each expert's rows start at a multiple of the GEMM's row tile,
+//! and the rows between one expert's last token and the next expert's start are padding,
+//! written as zero. Only the first [`RowsInUse`] rows (an int32 read on the device when the
+//! kernel runs, e.g. the last entry of the experts' offsets) are in use: tiles past it are
+//! skipped (not written), so the casts cost what the tokens need, not what the capacity
+//! allows, and a captured graph stays right as the routing changes.
+//!
+//! # Kernels
+//! * [`gather_cast_transpose`]: row `r` is `input[token_of_row[r] / k]`, times
+//!   `row_scale[token_of_row[r]]` when given: the permute of the layer's input (no scale)
+//!   and the backward of its combine (`dY[r] = gate * dy[t]`). An entry that is negative or
+//!   not below `tokens * k` is a padding row (zero).
+//! * [`swiglu_cast_transpose`]: `a` is `[rows, 2F]` (gate columns `0..F`, up columns
+//!   `F..2F`), the output `[rows, F]` is `silu(gate) * up`, `silu(v) = v * sigmoid(v)`.
+//! * [`swiglu_backward_cast_transpose`]: from `a` and `dh` `[rows, F]`, the output
+//!   `[rows, 2F]` is `d gate = dh * up * silu'(gate)` (columns `0..F`) and
+//!   `d up = dh * silu(gate)` (columns `F..2F`), `silu'(v) = s (1 + v (1 - s))`, `s = sigmoid(v)`.
+//!
+//! The math is f32 (the device's `expf`), rounded once by the FP8 cast: `sat_rne(v * scale)`
+//! with `scale` read from `out.scale()`, `out.scale_inv() = 1 / scale` written, `max |v|`
+//! (unscaled, rows in use only) maxed into `out.amax()`, nothing written when `noop` holds 1.
+//! Every launcher validates first (nothing is enqueued on an error), then enqueues one kernel
+//! without synchronising or allocating (capturable).
+
+use cuda_graph::half::bf16;
+use cuda_graph::{DeviceBuffer, Error, KernelArgs, LaunchConfig, Result, Stream};
+
+use crate::cast_transpose::{check_outputs, matrix_numel, push_noop, slot_indices, tile_count};
+use crate::format::DType;
+use crate::module::kernel;
+use crate::quantize::ALIGN;
+use crate::tensor::{DeviceScalar, Fp8Tensor, HpBuffer, check_align};
+
+/// Threads per block of the cast-transpose kernels.
+const THREADS: u32 = 256;
+/// The largest `k` of a gather (top-k routing).
+pub const MAX_TOP_K: usize = 8;
+
+/// The number of rows in use of a packed buffer: the int32 at `index` of `buf`, read on the
+/// device when the kernel runs (negative counts as 0, more than the buffer's rows as all).
+#[derive(Debug, Clone, Copy)]
+pub struct RowsInUse<'a> {
+    buf: &'a DeviceBuffer<i32>,
+    index: u32,
+}
+
+impl<'a> RowsInUse<'a> {
+    /// The int32 at `index` of `buf`; an error when `index` is outside it.
+    pub fn at(buf: &'a DeviceBuffer<i32>, index: usize) -> Result<RowsInUse<'a>> {
+        if index >= buf.len() {
+            return Err(Error::InvalidArgument(format!(
+                "RowsInUse: index {index} outside a buffer of {} int32",
+                buf.len()
+            )));
+        }
+        let index = u32::try_from(index)
+            .map_err(|_| Error::InvalidArgument(format!("RowsInUse: index {index} above u32")))?;
+        Ok(RowsInUse { buf, index })
+    }
+
+    /// The last int32 of `buf` (the end of the last expert's rows in an offsets buffer of
+    /// `experts + 1` entries); an error when `buf` is empty.
+    pub fn last(buf: &'a DeviceBuffer<i32>) -> Result<RowsInUse<'a>> {
+        match buf.len() {
+            0 => Err(Error::InvalidArgument(
+                "RowsInUse: empty offsets buffer".into(),
+            )),
+            n => RowsInUse::at(buf, n - 1),
+        }
+    }
+}
+
+/// Which token row each packed row holds, for [`gather_cast_transpose`].
+#[derive(Debug, Clone, Copy)]
+pub struct Gather<'a> {
+    /// `[rows]`: the assignment `t * k + j` a row holds (token `t`'s `j`-th expert), or a
+    /// negative value for a padding row.
+    pub token_of_row: &'a DeviceBuffer<i32>,
+    /// Experts per token (`k`), `1..=`[`MAX_TOP_K`].
+    pub top_k: usize,
+    /// Optional `[tokens * k]` per-assignment factor (the gates, for the combine's
+    /// backward).
+    pub row_scale: Option<&'a DeviceBuffer<f32>>,
+}
+
+/// Gathers token rows into the packed layout and casts them: `out[r, :] =
+/// cast(input[token_of_row[r] / k, :] * row_scale[token_of_row[r]])` for the rows in use
+/// (padding rows zero), written row-major into `out` (`[rows, cols]`, `rows =
+/// token_of_row.len()`) and transposed into `out_t` (`[cols, rows]`). See the [module
+/// documentation](self) for the scaling and the rows in use.
+///
+/// Requirements (checked; nothing is written on an error): `input` f32 or bf16 of
+/// `tokens * cols` elements, `tokens >= 1`, `cols >= 1`; `1 <= top_k <= 8`; `row_scale` of
+/// `tokens * top_k` elements; `out.shape() == [rows, cols]`, `out_t` of `rows * cols` bytes;
+/// the input and outputs 16-byte aligned.
+#[allow(clippy::too_many_arguments)] // the kernel's inputs, each distinct
+pub fn gather_cast_transpose<'a>(
+    stream: &Stream,
+    input: impl Into<HpBuffer<'a>>,
+    tokens: usize,
+    cols: usize,
+    gather: Gather<'a>,
+    used: RowsInUse<'a>,
+    out: &Fp8Tensor,
+    out_t: &DeviceBuffer<u8>,
+    noop: Option<&DeviceScalar>,
+) -> Result<()> {
+    let what = "gather_cast_transpose";
+    let input: HpBuffer<'a> = input.into();
+    let dtype = input.dtype();
+    if dtype == DType::F16 {
+        return Err(Error::InvalidArgument(format!(
+            "{what}: input must be f32 or bf16, not f16"
+        )));
+    }
+    let n = matrix_numel(what, tokens, cols)?;
+    if input.len() != n {
+        return Err(Error::InvalidArgument(format!(
+            "{what}: input has {} elements, [{tokens}, {cols}] needs {n}",
+            input.len()
+        )));
+    }
+    let k = gather.top_k;
+    if !(1..=MAX_TOP_K).contains(&k) {
+        return Err(Error::InvalidArgument(format!(
+            "{what}: top_k = {k} must be within 1..={MAX_TOP_K}"
+        )));
+    }
+    let assignments = match tokens.checked_mul(k) {
+        Some(a) if a <= i32::MAX as usize => a,
+        _ => {
+            return Err(Error::InvalidArgument(format!(
+                "{what}: {tokens} tokens x top_k {k} assignments exceed i32"
+            )));
+        }
+    };
+    if let Some(g) = gather.row_scale
+        && g.len() != assignments
+    {
+        return Err(Error::InvalidArgument(format!(
+            "{what}: row_scale has {} elements, {tokens} tokens x top_k {k} needs {assignments}",
+            g.len()
+        )));
+    }
+    let rows = gather.token_of_row.len();
+    check_align(&format!("{what} input"), input.device_ptr(), ALIGN)?;
+    check_outputs(what, rows, cols, out, out_t)?;
+    let tiles = tile_count(rows, cols, dtype)?;
+    let indices = slot_indices(out, noop)?;
+    let name = format!(
+        "fp8_moe_gather_cast_transpose_{}_{}",
+        dtype.name(),
+        out.format().name()
+    );
+    let (kern, _sms) = kernel(stream.context(), &name)?;
+    let (assignments64, k32, rows64, cols64) =
+        (assignments as u64, k as u32, rows as u64, cols as u64);
+    let null = 0u64;
+    let args = input.push_to(KernelArgs::new()).arg(gather.token_of_row);
+    let args = match gather.row_scale {
+        Some(g) => args.arg(g),
+        None => args.arg(&null),
+    };
+    let args = args
+        .arg(&assignments64)
+        .arg(&k32)
+        .arg(out.data())
+        .arg(out_t)
+        .arg(&rows64)
+        .arg(&cols64)
+        .arg(used.buf)
+        .arg(&used.index)
+        .arg(out.scale().buffer())
+        .arg(out.scale_inv().buffer())
+        .arg(out.amax().buffer());
+    let args = push_noop(args, noop, &null).arg(&indices);
+    // SAFETY: the kernel writes at most rows * cols bytes to each of out.data() and out_t
+    // (checked to hold exactly that many, 16-byte aligned); it reads input rows only at
+    // token indices a / k with 0 <= a < tokens * k (entries outside are padding), each of
+    // cols elements inside the checked tokens * cols; row_scale at those a, checked to hold
+    // tokens * k; token_of_row at rows < rows (its length); used.buf at a checked index; the
+    // scalar slots are inside their buffers (DeviceScalar checks them).
+    unsafe { stream.launch_pdl(&kern, &LaunchConfig::linear(tiles, THREADS), &args) }
+}
+
+/// Checks `a` (`[rows, 2 * ffn]` bf16) and `ffn` for the SwiGLU casts: `rows >= 1`,
+/// `ffn` a positive multiple of 16, `a` 16-byte aligned.
+fn check_swiglu_input(what: &str, a: &DeviceBuffer<bf16>, rows: usize, ffn: usize) -> Result<()> {
+    if ffn == 0 || ffn % 16 != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "{what}: ffn = {ffn} must be a positive multiple of 16"
+        )));
+    }
+    let n = matrix_numel(what, rows, ffn)?;
+    let want = n.checked_mul(2).ok_or_else(|| {
+        Error::InvalidArgument(format!("{what}: [{rows}, 2 x {ffn}] overflows usize"))
+    })?;
+    if a.len() != want {
+        return Err(Error::InvalidArgument(format!(
+            "{what}: a has {} elements, [{rows}, 2 x {ffn}] needs {want}",
+            a.len()
+        )));
+    }
+    check_align(&format!("{what} a"), a.as_raw(), ALIGN)
+}
+
+/// `out = cast(silu(gate) * up)` of the packed fc1 output `a` (`[rows, 2 * ffn]` bf16, gate
+/// columns first), row-major into `out` (`[rows, ffn]`) and transposed into `out_t`
+/// (`[ffn, rows]`), for the rows in use. See the [module documentation](self).
+///
+/// Requirements (checked; nothing is written on an error): `rows >= 1`; `ffn` a positive
+/// multiple of 16; `a` of `rows * 2 * ffn` elements; `out.shape() == [rows, ffn]`, `out_t`
+/// of `rows * ffn` bytes; all 16-byte aligned.
+#[allow(clippy::too_many_arguments)] // the kernel's inputs, each distinct
+pub fn swiglu_cast_transpose(
+    stream: &Stream,
+    a: &DeviceBuffer<bf16>,
+    rows: usize,
+    ffn: usize,
+    used: RowsInUse<'_>,
+    out: &Fp8Tensor,
+    out_t: &DeviceBuffer<u8>,
+    noop: Option<&DeviceScalar>,
+) -> Result<()> {
+    let what = "swiglu_cast_transpose";
+    check_swiglu_input(what, a, rows, ffn)?;
+    check_outputs(what, rows, ffn, out, out_t)?;
+    let tiles = tile_count(rows, ffn, DType::Bf16)?;
+    let indices = slot_indices(out, noop)?;
+    let name = format!("fp8_swiglu_cast_transpose_bf16_{}", out.format().name());
+    let (kern, _sms) = kernel(stream.context(), &name)?;
+    let (rows64, ffn64) = (rows as u64, ffn as u64);
+    let null = 0u64;
+    let args = KernelArgs::new()
+        .arg(a)
+        .arg(out.data())
+        .arg(out_t)
+        .arg(&rows64)
+        .arg(&ffn64)
+        .arg(used.buf)
+        .arg(&used.index)
+        .arg(out.scale().buffer())
+        .arg(out.scale_inv().buffer())
+        .arg(out.amax().buffer());
+    let args = push_noop(args, noop, &null).arg(&indices);
+    // SAFETY: the kernel reads rows * 2 * ffn elements of a and writes at most rows * ffn
+    // bytes to each of out.data() and out_t, all checked to hold exactly that and to be
+    // 16-byte aligned; used.buf is read at a checked index; the scalar slots are inside
+    // their buffers.
+    unsafe { stream.launch_pdl(&kern, &LaunchConfig::linear(tiles, THREADS), &args) }
+}
+
+/// The SwiGLU backward fused with its casts: from `a` (`[rows, 2 * ffn]` bf16) and `dh`
+/// (`[rows, ffn]` bf16), `out = cast([d gate, d up])` row-major into `out` (`[rows, 2 *
+/// ffn]`) and transposed into `out_t` (`[2 * ffn, rows]`), for the rows in use. See the
+/// [module documentation](self).
+///
+/// Requirements (checked; nothing is written on an error): as [`swiglu_cast_transpose`],
+/// plus `dh` of `rows * ffn` elements, 16-byte aligned, and `out.shape() == [rows, 2 * ffn]`.
+#[allow(clippy::too_many_arguments)] // the kernel's inputs, each distinct
+pub fn swiglu_backward_cast_transpose(
+    stream: &Stream,
+    a: &DeviceBuffer<bf16>,
+    dh: &DeviceBuffer<bf16>,
+    rows: usize,
+    ffn: usize,
+    used: RowsInUse<'_>,
+    out: &Fp8Tensor,
+    out_t: &DeviceBuffer<u8>,
+    noop: Option<&DeviceScalar>,
+) -> Result<()> {
+    let what = "swiglu_backward_cast_transpose";
+    check_swiglu_input(what, a, rows, ffn)?;
+    if dh.len() != rows * ffn {
+        return Err(Error::InvalidArgument(format!(
+            "{what}: dh has {} elements, [{rows}, {ffn}] needs {}",
+            dh.len(),
+            rows * ffn
+        )));
+    }
+    check_align(&format!("{what} dh"), dh.as_raw(), ALIGN)?;
+    check_outputs(what, rows, 2 * ffn, out, out_t)?;
+    let tiles = tile_count(rows, 2 * ffn, DType::Bf16)?;
+    let indices = slot_indices(out, noop)?;
+    let name = format!(
+        "fp8_swiglu_backward_cast_transpose_bf16_{}",
+        out.format().name()
+    );
+    let (kern, _sms) = kernel(stream.context(), &name)?;
+    let (rows64, ffn64) = (rows as u64, ffn as u64);
+    let null = 0u64;
+    let args = KernelArgs::new()
+        .arg(a)
+        .arg(dh)
+        .arg(out.data())
+        .arg(out_t)
+        .arg(&rows64)
+        .arg(&ffn64)
+        .arg(used.buf)
+        .arg(&used.index)
+        .arg(out.scale().buffer())
+        .arg(out.scale_inv().buffer())
+        .arg(out.amax().buffer());
+    let args = push_noop(args, noop, &null).arg(&indices);
+    // SAFETY: the kernel reads rows * 2 * ffn elements of a and rows * ffn of dh and writes
+    // at most rows * 2 * ffn bytes to each of out.data() and out_t, all checked to hold
+    // exactly that and to be 16-byte aligned; used.buf is read at a checked index; the
+    // scalar slots are inside their buffers.
+    unsafe { stream.launch_pdl(&kern, &LaunchConfig::linear(tiles, THREADS), &args) }
+}

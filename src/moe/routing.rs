@@ -1,0 +1,714 @@
+//! The device side of a dropless top-k MoE layer around its expert GEMMs: the router with
+//! its top-k, gates and auxiliary losses, the dispatch plan into the packed expert-major
+//! layout, the combine, and the backward of each. Kernels in `src/kernels/moe_routing.cu`.
+//!
+//! # What runs where
+//! [`Router::forward`]: `logits = x . Wr^T` (bf16 x, f32 Wr and math), the scores (softmax or
+//! sigmoid, [`ScoreFn`]), the top-k experts per token (ties to the lower expert), the gates,
+//! then the plan: per-expert counts, `offsets` (`E + 1` entries, each expert's first row,
+//! every one a multiple of `align`), `row_of[t * k + j]` (the packed row of token `t`'s `j`-th
+//! expert) and `token_of_row[r]` (the inverse; -1 for padding rows), token order kept within
+//! each expert; then the load-balancing and z losses. The experts' activations are moved into
+//! the packed layout by [`fp8_kernels::gather_cast_transpose`] with `token_of_row`.
+//! [`Router::combine`] weighs each token's `k` expert rows by the gates. The backward:
+//! [`Router::combine_backward_gates`] (the gates' gradient), [`Router::backward`] (the
+//! logits' gradient through the scores, top-k, renormalisation, aux and z losses),
+//! [`Router::input_backward`] (the input gradient: the experts' rows summed back to tokens
+//! plus the router's part) and [`Router::weight_backward`] (the router weight's gradient).
+//!
+//! Nothing here reads the routing back to the host or synchronises: all of it can be
+//! captured once and replayed as the routing changes. Every floating-point sum has a fixed
+//! order, so results are bit-identical run to run and between eager and graph replays.
+//!
+//! # The packed layout
+//! `capacity = round_up(T * k + E * (align - 1), align)` rows, a static bound of the rows the
+//! plan can use (`offsets[E] <= T * k + E * (align - 1)`): no capacity factor, no dropped
+//! token. `align` is the expert GEMM's row tile ([`ALIGN_ROWS`]), so no GEMM tile straddles
+//! two experts.
+
+use std::sync::Arc;
+
+use cuda_graph::half::bf16;
+use cuda_graph::{DeviceBuffer, Error, Kernel, KernelArgs, LaunchConfig, Module, Result, Stream};
+
+/// The kernels, built from `src/kernels/moe_routing.cu`.
+static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/moe_routing.fatbin"));
+
+/// Threads per block of every kernel (`MOE_BLOCK`).
+const BLOCK: u32 = 256;
+/// Warps per block (`MOE_WARPS`).
+const WARPS: u32 = BLOCK / 32;
+/// Tokens per chunk of the router weight gradient's first step.
+const WGRAD_CHUNK: usize = 128;
+
+/// The most experts a router may have (the kernels keep per-expert values in shared memory).
+pub const MAX_EXPERTS: usize = 512;
+/// The most experts per token.
+pub const MAX_TOP_K: usize = fp8_kernels::MAX_TOP_K;
+/// The packed layout's row alignment: the expert GEMMs' row tile.
+pub const ALIGN_ROWS: usize = 128;
+
+/// How the router turns logits into scores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ScoreFn {
+    /// `softmax` over the experts; the gates are the chosen probabilities, renormalised over
+    /// the `k` chosen when [`RouterConfig::renormalize`] is set.
+    Softmax,
+    /// `sigmoid` per expert (DeepSeek-V3); the gates are the chosen scores divided by their
+    /// sum (always normalised over the `k` chosen).
+    Sigmoid,
+}
+
+/// The router's settings.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RouterConfig {
+    /// Experts per token, `1..=`[`MAX_TOP_K`] and at most the number of experts.
+    pub top_k: usize,
+    /// The score function.
+    pub score: ScoreFn,
+    /// Renormalise the softmax gates over the chosen `k` (ignored for sigmoid, which always
+    /// is).
+    pub renormalize: bool,
+    /// Coefficient of the load-balancing loss `E * sum_e f_e * P_e` (0 turns it off).
+    pub aux_coef: f32,
+    /// Coefficient of the router z-loss `mean_t logsumexp(logits_t)^2` (0 turns it off).
+    pub z_coef: f32,
+}
+
+impl Default for RouterConfig {
+    /// Top-2 softmax without renormalisation, aux loss 1e-2, no z-loss (Megatron's defaults
+    /// for a Mixtral-style layer).
+    fn default() -> RouterConfig {
+        RouterConfig {
+            top_k: 2,
+            score: ScoreFn::Softmax,
+            renormalize: false,
+            aux_coef: 1e-2,
+            z_coef: 0.0,
+        }
+    }
+}
+
+/// The router's shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RoutingDims {
+    /// Tokens (`T`).
+    pub tokens: usize,
+    /// Hidden size (`H`).
+    pub hidden: usize,
+    /// Experts (`E`), `1..=`[`MAX_EXPERTS`].
+    pub experts: usize,
+    /// Experts per token (`k`).
+    pub top_k: usize,
+    /// Row alignment of each expert's rows in the packed layout (normally
+    /// [`ALIGN_ROWS`]); at least 1.
+    pub align: usize,
+}
+
+impl RoutingDims {
+    /// Checks the shape: every dimension at least 1, `E <= MAX_EXPERTS`, `1 <= k <=
+    /// min(E, MAX_TOP_K)`, and every buffer (`[T, H]`, `[T, E]`, the capacity) within i32
+    /// elements (the kernels index rows with 32-bit integers).
+    pub fn check(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::InvalidArgument(format!("RoutingDims: {m}")));
+        let RoutingDims {
+            tokens,
+            hidden,
+            experts,
+            top_k,
+            align,
+        } = *self;
+        for (name, v) in [("tokens", tokens), ("hidden", hidden), ("align", align)] {
+            if v == 0 {
+                return bad(format!("{name} must be at least 1"));
+            }
+        }
+        if experts == 0 || experts > MAX_EXPERTS {
+            return bad(format!(
+                "experts = {experts} must be within 1..={MAX_EXPERTS}"
+            ));
+        }
+        if top_k == 0 || top_k > MAX_TOP_K.min(experts) {
+            return bad(format!(
+                "top_k = {top_k} must be within 1..={} (at most {MAX_TOP_K} and the {experts} experts)",
+                MAX_TOP_K.min(experts)
+            ));
+        }
+        let limit = i32::MAX as u128;
+        let (t, h, e, k, a) = (
+            tokens as u128,
+            hidden as u128,
+            experts as u128,
+            top_k as u128,
+            align as u128,
+        );
+        let capacity = (t * k + e * (a - 1)).div_ceil(a) * a;
+        if t * h > limit || t * e > limit || capacity > limit || e * h > limit {
+            return bad(format!("{self:?} has a buffer above 2^31 elements"));
+        }
+        Ok(())
+    }
+
+    /// Rows of the packed layout: `round_up(T * k + E * (align - 1), align)` (checked by
+    /// [`check`](Self::check) to fit).
+    pub fn capacity(&self) -> usize {
+        let a = self.align.max(1);
+        (self.tokens * self.top_k + self.experts * (a - 1)).div_ceil(a) * a
+    }
+
+    /// Blocks of the plan kernels: one per 256 assignments.
+    fn plan_blocks(&self) -> usize {
+        (self.tokens * self.top_k).div_ceil(BLOCK as usize)
+    }
+
+    /// Token chunks of the router weight gradient.
+    fn wgrad_chunks(&self) -> usize {
+        self.tokens.div_ceil(WGRAD_CHUNK)
+    }
+}
+
+/// The device buffers of one routing (one microbatch): what the forward writes and the
+/// backward reads, plus the backward's own intermediates. All int32 / f32, row-major.
+#[derive(Debug)]
+pub struct RoutingBuffers {
+    dims: RoutingDims,
+    /// `[T, E]` router logits.
+    pub logits: DeviceBuffer<f32>,
+    /// `[T, E]` the per-token distribution the aux loss uses (softmax, or the sigmoid scores
+    /// over their sum).
+    pub probs: DeviceBuffer<f32>,
+    /// `[T]` logsumexp of the logits.
+    pub lse: DeviceBuffer<f32>,
+    /// `[T, k]` the chosen experts, in descending score order.
+    pub topk: DeviceBuffer<i32>,
+    /// `[T, k]` the gates.
+    pub gates: DeviceBuffer<f32>,
+    /// `[E]` assignments per expert.
+    pub counts: DeviceBuffer<i32>,
+    /// `[E + 1]` each expert's first packed row; `offsets[E]` is the rows in use.
+    pub offsets: DeviceBuffer<i32>,
+    /// `[T, k]` the packed row of each assignment.
+    pub row_of: DeviceBuffer<i32>,
+    /// `[capacity]` the assignment `t * k + j` each packed row holds, -1 for padding.
+    pub token_of_row: DeviceBuffer<i32>,
+    /// `[2]` the aux loss and the z-loss (coefficients applied).
+    pub losses: DeviceBuffer<f32>,
+    /// `[T, k]` the gates' gradient (backward).
+    pub d_gates: DeviceBuffer<f32>,
+    /// `[T, E]` the logits' gradient (backward).
+    pub d_logits: DeviceBuffer<f32>,
+    block_counts: DeviceBuffer<i32>,
+    wgrad_partial: DeviceBuffer<f32>,
+}
+
+impl RoutingBuffers {
+    /// Buffers for `dims`, zeroed (`token_of_row` -1), ready for [`Router::forward`]. Waits
+    /// for the fills (not during a capture).
+    pub fn new(stream: &Stream, dims: RoutingDims) -> Result<RoutingBuffers> {
+        dims.check()?;
+        let (t, e, k, h) = (dims.tokens, dims.experts, dims.top_k, dims.hidden);
+        let ctx = stream.context();
+        let f32s = |n: usize| -> Result<DeviceBuffer<f32>> {
+            let b = DeviceBuffer::alloc(ctx, n)?;
+            b.memset_bytes(stream, 0)?;
+            Ok(b)
+        };
+        let i32s = |n: usize, byte: u8| -> Result<DeviceBuffer<i32>> {
+            let b = DeviceBuffer::alloc(ctx, n)?;
+            b.memset_bytes(stream, byte)?;
+            Ok(b)
+        };
+        let b = RoutingBuffers {
+            dims,
+            logits: f32s(t * e)?,
+            probs: f32s(t * e)?,
+            lse: f32s(t)?,
+            topk: i32s(t * k, 0)?,
+            gates: f32s(t * k)?,
+            counts: i32s(e, 0)?,
+            offsets: i32s(e + 1, 0)?,
+            row_of: i32s(t * k, 0xff)?,
+            token_of_row: i32s(dims.capacity(), 0xff)?,
+            losses: f32s(2)?,
+            d_gates: f32s(t * k)?,
+            d_logits: f32s(t * e)?,
+            block_counts: i32s(dims.plan_blocks() * e, 0)?,
+            wgrad_partial: f32s(dims.wgrad_chunks() * e * h)?,
+        };
+        stream.synchronize()?;
+        Ok(b)
+    }
+
+    /// The shape these buffers were made for.
+    pub fn dims(&self) -> RoutingDims {
+        self.dims
+    }
+}
+
+/// The routing kernels of one context.
+#[derive(Debug, Clone)]
+struct Kernels {
+    forward: Kernel,
+    plan_count: Kernel,
+    plan_scan: Kernel,
+    plan_assign: Kernel,
+    losses: Kernel,
+    combine: Kernel,
+    combine_gates: Kernel,
+    backward: Kernel,
+    input_backward: Kernel,
+    wgrad_partial: Kernel,
+    wgrad_reduce: Kernel,
+    _module: Module,
+}
+
+/// The router and the dispatch/combine around the experts for one shape and
+/// configuration. Cheap to clone (the kernels are shared handles).
+#[derive(Debug, Clone)]
+pub struct Router {
+    dims: RoutingDims,
+    cfg: RouterConfig,
+    k: Arc<Kernels>,
+}
+
+/// `n` as u32 for a kernel argument (the shapes are checked to fit i32).
+fn u32_of(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+/// Checks one buffer's length.
+fn check_len(what: &str, name: &str, got: usize, want: usize) -> Result<()> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument(format!(
+            "{what}: {name} has {got} elements, the routing's shape needs {want}"
+        )))
+    }
+}
+
+impl Router {
+    /// A router for `dims` and `cfg` (`cfg.top_k` must equal `dims.top_k`); loads the
+    /// kernels into the stream's context.
+    pub fn new(stream: &Stream, dims: RoutingDims, cfg: RouterConfig) -> Result<Router> {
+        dims.check()?;
+        if cfg.top_k != dims.top_k {
+            return Err(Error::InvalidArgument(format!(
+                "Router: config top_k {} differs from the shape's {}",
+                cfg.top_k, dims.top_k
+            )));
+        }
+        for (name, v) in [("aux_coef", cfg.aux_coef), ("z_coef", cfg.z_coef)] {
+            if !v.is_finite() {
+                return Err(Error::InvalidArgument(format!(
+                    "Router: {name} = {v} must be finite"
+                )));
+            }
+        }
+        let module = Module::embedded(stream.context(), FATBIN)?;
+        let k = Kernels {
+            forward: module.kernel("moe_router_forward")?,
+            plan_count: module.kernel("moe_plan_count")?,
+            plan_scan: module.kernel("moe_plan_scan")?,
+            plan_assign: module.kernel("moe_plan_assign")?,
+            losses: module.kernel("moe_router_losses")?,
+            combine: module.kernel("moe_combine_forward")?,
+            combine_gates: module.kernel("moe_combine_backward_gates")?,
+            backward: module.kernel("moe_router_backward")?,
+            input_backward: module.kernel("moe_unpermute_backward")?,
+            wgrad_partial: module.kernel("moe_router_wgrad_partial")?,
+            wgrad_reduce: module.kernel("moe_router_wgrad_reduce")?,
+            _module: module,
+        };
+        Ok(Router {
+            dims,
+            cfg,
+            k: Arc::new(k),
+        })
+    }
+
+    /// The shape.
+    pub fn dims(&self) -> RoutingDims {
+        self.dims
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> RouterConfig {
+        self.cfg
+    }
+
+    fn check_buffers(&self, what: &str, b: &RoutingBuffers) -> Result<()> {
+        if b.dims != self.dims {
+            return Err(Error::InvalidArgument(format!(
+                "{what}: buffers made for {:?}, the router is {:?}",
+                b.dims, self.dims
+            )));
+        }
+        Ok(())
+    }
+
+    fn score_args(&self) -> (u32, u32) {
+        (
+            match self.cfg.score {
+                ScoreFn::Softmax => 0,
+                ScoreFn::Sigmoid => 1,
+            },
+            u32::from(self.cfg.renormalize),
+        )
+    }
+
+    /// The router and the plan: logits, scores, top-k, gates, counts, offsets, `row_of`,
+    /// `token_of_row` and the two losses into `b`, from `x` (`[T, H]` bf16) and `wr` (`[E,
+    /// H]` f32). Seven kernels and a memset; capturable.
+    pub fn forward(
+        &self,
+        stream: &Stream,
+        x: &DeviceBuffer<bf16>,
+        wr: &DeviceBuffer<f32>,
+        b: &RoutingBuffers,
+    ) -> Result<()> {
+        let what = "Router::forward";
+        self.check_buffers(what, b)?;
+        let d = self.dims;
+        check_len(what, "x", x.len(), d.tokens * d.hidden)?;
+        check_len(what, "wr", wr.len(), d.experts * d.hidden)?;
+        let (t, h, e, k) = (
+            u32_of(d.tokens),
+            u32_of(d.hidden),
+            u32_of(d.experts),
+            u32_of(d.top_k),
+        );
+        let (score, renorm) = self.score_args();
+        let mut cfg = LaunchConfig::linear(t, BLOCK);
+        cfg.shared_mem_bytes = 2 * e * 4;
+        let args = KernelArgs::new()
+            .arg(x)
+            .arg(wr)
+            .arg(&b.logits)
+            .arg(&b.probs)
+            .arg(&b.topk)
+            .arg(&b.gates)
+            .arg(&b.lse)
+            .arg(&t)
+            .arg(&h)
+            .arg(&e)
+            .arg(&k)
+            .arg(&score)
+            .arg(&renorm);
+        // SAFETY: one block per token reads x's row t (T * H checked) and all of wr (E * H
+        // checked), writes row t of logits and probs (T * E), lse[t], topk and gates at t * k
+        // + j (T * k); the shared memory holds the 2 * E floats it uses.
+        unsafe { stream.launch_pdl(&self.k.forward, &cfg, &args) }?;
+        self.plan(stream, b)?;
+        let args = KernelArgs::new()
+            .arg(&b.probs)
+            .arg(&b.lse)
+            .arg(&b.counts)
+            .arg(&b.losses)
+            .arg(&t)
+            .arg(&e)
+            .arg(&k)
+            .arg(&self.cfg.aux_coef)
+            .arg(&self.cfg.z_coef);
+        // SAFETY: one block reads probs (T * E), lse (T) and counts (E) and writes the two
+        // losses, all buffers of the checked dims.
+        unsafe { stream.launch_pdl(&self.k.losses, &LaunchConfig::linear(1, BLOCK), &args) }
+    }
+
+    /// The dispatch plan from `b.topk` (count, scan, assign).
+    fn plan(&self, stream: &Stream, b: &RoutingBuffers) -> Result<()> {
+        let d = self.dims;
+        let assignments = u32_of(d.tokens * d.top_k);
+        let (e, blocks, align) = (u32_of(d.experts), u32_of(d.plan_blocks()), u32_of(d.align));
+        b.token_of_row.fill_u32_bits(stream, u32::MAX)?;
+        let mut cfg = LaunchConfig::linear(blocks, BLOCK);
+        cfg.shared_mem_bytes = e * 4;
+        let args = KernelArgs::new()
+            .arg(&b.topk)
+            .arg(&b.block_counts)
+            .arg(&assignments)
+            .arg(&e);
+        // SAFETY: block c reads topk at c * 256 + i < T * k and writes block_counts[c * E ..
+        // (c + 1) * E] (blocks * E allocated); shared memory holds E ints.
+        unsafe { stream.launch_pdl(&self.k.plan_count, &cfg, &args) }?;
+        let args = KernelArgs::new()
+            .arg(&b.block_counts)
+            .arg(&b.counts)
+            .arg(&b.offsets)
+            .arg(&blocks)
+            .arg(&e)
+            .arg(&align);
+        // SAFETY: one block rewrites block_counts (blocks * E), writes counts (E) and offsets
+        // (E + 1).
+        unsafe { stream.launch_pdl(&self.k.plan_scan, &LaunchConfig::linear(1, BLOCK), &args) }?;
+        let mut cfg = LaunchConfig::linear(blocks, BLOCK);
+        cfg.shared_mem_bytes = WARPS * e * 4;
+        let args = KernelArgs::new()
+            .arg(&b.topk)
+            .arg(&b.block_counts)
+            .arg(&b.offsets)
+            .arg(&b.row_of)
+            .arg(&b.token_of_row)
+            .arg(&assignments)
+            .arg(&e);
+        // SAFETY: reads topk (T * k), block_counts (blocks * E) and offsets (E + 1); writes
+        // row_of (T * k) and token_of_row at rows offsets[e] + rank, where rank < counts[e]
+        // and offsets[e] + counts[e] <= offsets[E] <= capacity (the offsets are the prefix
+        // sums of the counts rounded up, and the capacity bounds their total); shared
+        // memory holds 8 * E ints.
+        unsafe { stream.launch_pdl(&self.k.plan_assign, &cfg, &args) }
+    }
+
+    /// `out[t, :] = sum_j gates[t, j] * y[row_of[t, j], :]` in j order (f32, rounded to
+    /// bf16): `y` is the experts' packed output `[capacity, H]`, `out` `[T, H]`.
+    pub fn combine(
+        &self,
+        stream: &Stream,
+        y: &DeviceBuffer<bf16>,
+        b: &RoutingBuffers,
+        out: &DeviceBuffer<bf16>,
+    ) -> Result<()> {
+        let what = "Router::combine";
+        self.check_buffers(what, b)?;
+        let d = self.dims;
+        check_len(what, "y", y.len(), d.capacity() * d.hidden)?;
+        check_len(what, "out", out.len(), d.tokens * d.hidden)?;
+        let (t, h, k, rows) = (
+            u32_of(d.tokens),
+            u32_of(d.hidden),
+            u32_of(d.top_k),
+            u32_of(d.capacity()),
+        );
+        let args = KernelArgs::new()
+            .arg(y)
+            .arg(&b.row_of)
+            .arg(&b.gates)
+            .arg(out)
+            .arg(&t)
+            .arg(&h)
+            .arg(&k)
+            .arg(&rows);
+        // SAFETY: block t reads row_of and gates at t * k + j (T * k) and y rows r < rows
+        // (checked in the kernel; capacity * H checked), and writes out's row t (T * H).
+        unsafe { stream.launch_pdl(&self.k.combine, &LaunchConfig::linear(t, BLOCK), &args) }
+    }
+
+    /// The gates' gradient `b.d_gates[t, j] = dy[t, :] . y[row_of[t, j], :]` from the
+    /// layer's output gradient `dy` (`[T, H]`) and the experts' output `y`.
+    pub fn combine_backward_gates(
+        &self,
+        stream: &Stream,
+        dy: &DeviceBuffer<bf16>,
+        y: &DeviceBuffer<bf16>,
+        b: &RoutingBuffers,
+    ) -> Result<()> {
+        let what = "Router::combine_backward_gates";
+        self.check_buffers(what, b)?;
+        let d = self.dims;
+        check_len(what, "dy", dy.len(), d.tokens * d.hidden)?;
+        check_len(what, "y", y.len(), d.capacity() * d.hidden)?;
+        let (t, h, k, rows) = (
+            u32_of(d.tokens),
+            u32_of(d.hidden),
+            u32_of(d.top_k),
+            u32_of(d.capacity()),
+        );
+        let args = KernelArgs::new()
+            .arg(dy)
+            .arg(y)
+            .arg(&b.row_of)
+            .arg(&b.d_gates)
+            .arg(&t)
+            .arg(&h)
+            .arg(&k)
+            .arg(&rows);
+        // SAFETY: block t, warp j < k reads dy's row t, y's row row_of[t * k + j] when inside
+        // [0, rows), and writes d_gates[t * k + j]; all lengths checked.
+        unsafe {
+            stream.launch_pdl(
+                &self.k.combine_gates,
+                &LaunchConfig::linear(t, BLOCK),
+                &args,
+            )
+        }
+    }
+
+    /// The logits' gradient `b.d_logits` from `b.d_gates` and the saved routing: through the
+    /// gates (score function, top-k, renormalisation), the aux loss and the z-loss (each
+    /// counted with weight 1 in the loss).
+    pub fn backward(&self, stream: &Stream, b: &RoutingBuffers) -> Result<()> {
+        self.check_buffers("Router::backward", b)?;
+        let d = self.dims;
+        let (t, e, k) = (u32_of(d.tokens), u32_of(d.experts), u32_of(d.top_k));
+        let (score, renorm) = self.score_args();
+        let mut cfg = LaunchConfig::linear(t.div_ceil(WARPS), BLOCK);
+        cfg.shared_mem_bytes = WARPS * 2 * e * 4;
+        let args = KernelArgs::new()
+            .arg(&b.logits)
+            .arg(&b.topk)
+            .arg(&b.gates)
+            .arg(&b.d_gates)
+            .arg(&b.counts)
+            .arg(&b.d_logits)
+            .arg(&t)
+            .arg(&e)
+            .arg(&k)
+            .arg(&score)
+            .arg(&renorm)
+            .arg(&self.cfg.aux_coef)
+            .arg(&self.cfg.z_coef);
+        // SAFETY: warp w of block c handles token c * 8 + w < T: reads logits' row (T * E),
+        // topk, gates, d_gates at t * k + j (T * k), counts (E); writes d_logits' row; the
+        // shared memory holds 8 * 2 * E floats.
+        unsafe { stream.launch_pdl(&self.k.backward, &cfg, &args) }
+    }
+
+    /// The input gradient `dx[t, :] = sum_j dxp[row_of[t, j], :] + d_logits[t, :] . wr`
+    /// (f32, rounded to bf16): `dxp` is the experts' input gradient in the packed layout
+    /// (`[capacity, H]`), `wr` the router weight (`[E, H]`), `dx` `[T, H]`.
+    pub fn input_backward(
+        &self,
+        stream: &Stream,
+        dxp: &DeviceBuffer<bf16>,
+        wr: &DeviceBuffer<f32>,
+        b: &RoutingBuffers,
+        dx: &DeviceBuffer<bf16>,
+    ) -> Result<()> {
+        let what = "Router::input_backward";
+        self.check_buffers(what, b)?;
+        let d = self.dims;
+        check_len(what, "dxp", dxp.len(), d.capacity() * d.hidden)?;
+        check_len(what, "wr", wr.len(), d.experts * d.hidden)?;
+        check_len(what, "dx", dx.len(), d.tokens * d.hidden)?;
+        let (t, h, e, k, rows) = (
+            u32_of(d.tokens),
+            u32_of(d.hidden),
+            u32_of(d.experts),
+            u32_of(d.top_k),
+            u32_of(d.capacity()),
+        );
+        let mut cfg = LaunchConfig::linear(t, BLOCK);
+        cfg.shared_mem_bytes = e * 4;
+        let args = KernelArgs::new()
+            .arg(dxp)
+            .arg(&b.row_of)
+            .arg(&b.d_logits)
+            .arg(wr)
+            .arg(dx)
+            .arg(&t)
+            .arg(&h)
+            .arg(&e)
+            .arg(&k)
+            .arg(&rows);
+        // SAFETY: block t reads row_of at t * k + j, dxp rows inside [0, rows) (checked in the
+        // kernel), d_logits' row t, all of wr, and writes dx's row t; lengths checked; shared
+        // memory holds E floats.
+        unsafe { stream.launch_pdl(&self.k.input_backward, &cfg, &args) }
+    }
+
+    /// The router weight's gradient `dwr (+)= d_logits^T . x` (`[E, H]` f32; added to `dwr`
+    /// when `accumulate`), summed over tokens in a fixed order (chunks of 128 tokens, then
+    /// the chunks in order).
+    pub fn weight_backward(
+        &self,
+        stream: &Stream,
+        x: &DeviceBuffer<bf16>,
+        b: &RoutingBuffers,
+        dwr: &DeviceBuffer<f32>,
+        accumulate: bool,
+    ) -> Result<()> {
+        let what = "Router::weight_backward";
+        self.check_buffers(what, b)?;
+        let d = self.dims;
+        check_len(what, "x", x.len(), d.tokens * d.hidden)?;
+        check_len(what, "dwr", dwr.len(), d.experts * d.hidden)?;
+        let n = d.experts * d.hidden;
+        let (t, h, e, chunk, chunks, n32) = (
+            u32_of(d.tokens),
+            u32_of(d.hidden),
+            u32_of(d.experts),
+            u32_of(WGRAD_CHUNK),
+            u32_of(d.wgrad_chunks()),
+            u32_of(n),
+        );
+        let blocks = n32.div_ceil(BLOCK);
+        let cfg = LaunchConfig {
+            grid: (blocks, chunks, 1),
+            ..LaunchConfig::linear(1, BLOCK)
+        };
+        let args = KernelArgs::new()
+            .arg(&b.d_logits)
+            .arg(x)
+            .arg(&b.wgrad_partial)
+            .arg(&t)
+            .arg(&h)
+            .arg(&e)
+            .arg(&chunk);
+        // SAFETY: thread (e, h) of chunk c reads d_logits and x at tokens of its chunk (< T)
+        // and writes wgrad_partial[c * E * H + e * H + h] (chunks * E * H allocated).
+        unsafe { stream.launch_pdl(&self.k.wgrad_partial, &cfg, &args) }?;
+        let acc = u32::from(accumulate);
+        let args = KernelArgs::new()
+            .arg(&b.wgrad_partial)
+            .arg(dwr)
+            .arg(&n32)
+            .arg(&chunks)
+            .arg(&acc);
+        // SAFETY: thread q < E * H reads wgrad_partial at c * E * H + q and reads/writes
+        // dwr[q] (E * H checked).
+        unsafe {
+            stream.launch_pdl(
+                &self.k.wgrad_reduce,
+                &LaunchConfig::linear(blocks, BLOCK),
+                &args,
+            )
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dims(tokens: usize, experts: usize, top_k: usize, align: usize) -> RoutingDims {
+        RoutingDims {
+            tokens,
+            hidden: 64,
+            experts,
+            top_k,
+            align,
+        }
+    }
+
+    #[test]
+    fn capacity_bounds_every_plan() {
+        // The worst case: every expert's count one past a multiple of align.
+        for (t, e, k, a) in [
+            (4096, 8, 2, 128),
+            (4096, 256, 8, 128),
+            (5, 3, 2, 4),
+            (1, 1, 1, 1),
+        ] {
+            let d = dims(t, e, k, a);
+            d.check().unwrap();
+            let cap = d.capacity();
+            assert_eq!(cap % a, 0);
+            assert!(cap >= t * k + e * (a - 1), "{d:?}");
+            assert!(cap < t * k + e * (a - 1) + a, "{d:?}");
+        }
+        assert_eq!(dims(256, 8, 2, 128).capacity(), 1536);
+    }
+
+    #[test]
+    fn bad_shapes_name_the_dimension() {
+        let msg = |d: RoutingDims| d.check().unwrap_err().to_string();
+        assert!(msg(dims(0, 8, 2, 128)).contains("tokens"));
+        assert!(msg(dims(8, 0, 1, 128)).contains("experts = 0"));
+        assert!(msg(dims(8, MAX_EXPERTS + 1, 2, 128)).contains("experts"));
+        assert!(msg(dims(8, 8, 0, 128)).contains("top_k = 0"));
+        assert!(msg(dims(8, 8, 9, 128)).contains("top_k = 9"));
+        assert!(msg(dims(8, 2, 3, 128)).contains("top_k = 3"));
+        assert!(msg(dims(8, 8, 2, 0)).contains("align"));
+        assert!(msg(dims(1 << 30, 8, 8, 128)).contains("2^31"));
+    }
+}
