@@ -68,6 +68,8 @@ use fp8_kernels::gemm::{
 use fp8_kernels::{Fp8Format, Fp8Tensor, quantize_current};
 use graphed_callables::{Callable, SegmentKind, Slot};
 
+pub mod reference;
+
 /// The layer's kernels, built from `src/kernels/moe.cu`.
 static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/moe.fatbin"));
 
