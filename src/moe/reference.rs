@@ -99,17 +99,10 @@ fn bad<T>(argument: &'static str, reason: impl Into<String>) -> Res<T> {
     })
 }
 
-/// The router's score function.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ScoreFn {
-    /// `s = softmax(logits)` over the experts.
-    Softmax,
-    /// `s = sigmoid(logits)` per expert (DeepSeek-V3); gates always normalised over the
-    /// chosen `k`.
-    Sigmoid,
-}
+pub use super::routing::ScoreFn;
 
-/// The router's configuration.
+/// The router's configuration (f64 coefficients; [`RouterConfig::from`] the device router's
+/// [`routing::RouterConfig`](super::routing::RouterConfig)).
 #[derive(Debug, Clone, PartialEq)]
 pub struct RouterConfig {
     /// The score function.
@@ -122,6 +115,18 @@ pub struct RouterConfig {
     pub aux_coef: f64,
     /// Coefficient of the router z-loss (finite).
     pub z_coef: f64,
+}
+
+impl From<super::routing::RouterConfig> for RouterConfig {
+    fn from(c: super::routing::RouterConfig) -> RouterConfig {
+        RouterConfig {
+            score: c.score,
+            top_k: c.top_k,
+            renormalize: c.renormalize,
+            aux_coef: f64::from(c.aux_coef),
+            z_coef: f64::from(c.z_coef),
+        }
+    }
 }
 
 /// The layer's shape.
