@@ -168,7 +168,9 @@ impl RoutingDims {
 }
 
 /// The device buffers of one routing (one microbatch): what the forward writes and the
-/// backward reads, plus the backward's own intermediates. All int32 / f32, row-major.
+/// backward reads, plus the backward's own intermediates, all views of one byte buffer (so a
+/// layer can keep them in the graphed runtime's per-microbatch saved buffers:
+/// [`RoutingBuffers::bytes`], [`RoutingBuffers::from_bytes`]). int32 / f32, row-major.
 #[derive(Debug)]
 pub struct RoutingBuffers {
     dims: RoutingDims,
@@ -201,42 +203,86 @@ pub struct RoutingBuffers {
     wgrad_partial: DeviceBuffer<f32>,
 }
 
+/// Each field's start in the byte buffer is a multiple of this.
+const FIELD_ALIGN: usize = 256;
+
+/// The element counts of the fields, in layout order (all 4-byte elements).
+fn field_lens(d: RoutingDims) -> [usize; 14] {
+    let (t, e, k, h) = (d.tokens, d.experts, d.top_k, d.hidden);
+    [
+        t * e,                    // logits
+        t * e,                    // probs
+        t,                        // lse
+        t * k,                    // topk
+        t * k,                    // gates
+        e,                        // counts
+        e + 1,                    // offsets
+        t * k,                    // row_of
+        d.capacity(),             // token_of_row
+        2,                        // losses
+        t * k,                    // d_gates
+        t * e,                    // d_logits
+        d.plan_blocks() * e,      // block_counts
+        d.wgrad_chunks() * e * h, // wgrad_partial
+    ]
+}
+
 impl RoutingBuffers {
-    /// Buffers for `dims`, zeroed (`token_of_row` -1), ready for [`Router::forward`]. Waits
-    /// for the fills (not during a capture).
-    pub fn new(stream: &Stream, dims: RoutingDims) -> Result<RoutingBuffers> {
+    /// Bytes of one routing's buffers for `dims` (checked).
+    pub fn bytes(dims: RoutingDims) -> Result<usize> {
         dims.check()?;
-        let (t, e, k, h) = (dims.tokens, dims.experts, dims.top_k, dims.hidden);
-        let ctx = stream.context();
-        let f32s = |n: usize| -> Result<DeviceBuffer<f32>> {
-            let b = DeviceBuffer::alloc(ctx, n)?;
-            b.memset_bytes(stream, 0)?;
-            Ok(b)
+        Ok(field_lens(dims)
+            .iter()
+            .map(|n| (n * 4).next_multiple_of(FIELD_ALIGN))
+            .sum())
+    }
+
+    /// The buffers as views of `bytes` (at least [`bytes`](Self::bytes)`(dims)` long,
+    /// 256-byte aligned: the graphed runtime's saved buffers are). The contents are whatever
+    /// `bytes` holds; [`Router::forward`] writes everything the backward reads.
+    pub fn from_bytes(dims: RoutingDims, bytes: &DeviceBuffer<u8>) -> Result<RoutingBuffers> {
+        let need = RoutingBuffers::bytes(dims)?;
+        if bytes.len() < need {
+            return Err(Error::InvalidArgument(format!(
+                "RoutingBuffers: {} bytes given, {dims:?} needs {need}",
+                bytes.len()
+            )));
+        }
+        let mut at = 0;
+        let mut next = |n: usize| -> Result<DeviceBuffer<u8>> {
+            let v = bytes.slice(at..at + n * 4)?;
+            at += (n * 4).next_multiple_of(FIELD_ALIGN);
+            Ok(v)
         };
-        let i32s = |n: usize, byte: u8| -> Result<DeviceBuffer<i32>> {
-            let b = DeviceBuffer::alloc(ctx, n)?;
-            b.memset_bytes(stream, byte)?;
-            Ok(b)
-        };
-        let b = RoutingBuffers {
+        let l = field_lens(dims);
+        let f = |b: DeviceBuffer<u8>| b.reinterpret::<f32>();
+        let i = |b: DeviceBuffer<u8>| b.reinterpret::<i32>();
+        Ok(RoutingBuffers {
             dims,
-            logits: f32s(t * e)?,
-            probs: f32s(t * e)?,
-            lse: f32s(t)?,
-            topk: i32s(t * k, 0)?,
-            gates: f32s(t * k)?,
-            counts: i32s(e, 0)?,
-            offsets: i32s(e + 1, 0)?,
-            row_of: i32s(t * k, 0xff)?,
-            token_of_row: i32s(dims.capacity(), 0xff)?,
-            losses: f32s(2)?,
-            d_gates: f32s(t * k)?,
-            d_logits: f32s(t * e)?,
-            block_counts: i32s(dims.plan_blocks() * e, 0)?,
-            wgrad_partial: f32s(dims.wgrad_chunks() * e * h)?,
-        };
+            logits: f(next(l[0])?)?,
+            probs: f(next(l[1])?)?,
+            lse: f(next(l[2])?)?,
+            topk: i(next(l[3])?)?,
+            gates: f(next(l[4])?)?,
+            counts: i(next(l[5])?)?,
+            offsets: i(next(l[6])?)?,
+            row_of: i(next(l[7])?)?,
+            token_of_row: i(next(l[8])?)?,
+            losses: f(next(l[9])?)?,
+            d_gates: f(next(l[10])?)?,
+            d_logits: f(next(l[11])?)?,
+            block_counts: i(next(l[12])?)?,
+            wgrad_partial: f(next(l[13])?)?,
+        })
+    }
+
+    /// Buffers for `dims` in an allocation of their own, zeroed, ready for
+    /// [`Router::forward`]. Waits for the fill (not during a capture).
+    pub fn new(stream: &Stream, dims: RoutingDims) -> Result<RoutingBuffers> {
+        let bytes = DeviceBuffer::<u8>::alloc(stream.context(), RoutingBuffers::bytes(dims)?)?;
+        bytes.memset_bytes(stream, 0)?;
         stream.synchronize()?;
-        Ok(b)
+        RoutingBuffers::from_bytes(dims, &bytes)
     }
 
     /// The shape these buffers were made for.
