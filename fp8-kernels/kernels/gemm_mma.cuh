@@ -15,6 +15,13 @@
 // Grouped GEMM: counts[g] (int32 on the device, clamped to [0, M]) is the number of real rows
 // of group g; CTAs whose M tile starts at or beyond it return at once, and rows >= counts[g]
 // are neither read nor written. Nothing on the host depends on the counts.
+//
+// Packed grouped GEMMs (dropless MoE, see "Packed layout" below): the rows of every group lie
+// back to back in one [capacity, K] buffer from device offsets. gemm_packed (forward / data
+// gradient) gives each CTA a 128-row tile, which finds its group by binary search over the
+// offsets; gemm_wgrad (weight gradient) runs one grid z-slice per group with the group's
+// reduction range [offsets[g], offsets[g+1]) of K-major operands of row stride capacity.
+// All three share gemm_tile, the main loop over one output tile.
 #pragma once
 #include "common.cuh"
 
@@ -81,45 +88,51 @@ __device__ __forceinline__ unsigned long long group_rows(const int *counts, unsi
     return c <= 0 ? 0ull : min(static_cast<unsigned long long>(c), m);
 }
 
-// The kernel body. WMF = M fragments (of 16 rows) per warp: BM = 2 * 16 * WMF.
-// BLOCKWISE: per-128-of-K scales, sa [M, KB] (per row) and sb [ceil(N/128), KB] (per 128
-// columns; BN == 128 so one value per CTA and k-block), applied when each k-block ends.
+// One output tile of D = alpha * A . B^T (+ bias) (+ D): rows [m0, m0 + BM) by columns
+// [n0, n0 + GM_BN), of which only rows m0 + [row_lo, row_hi) (0 <= row_lo <= row_hi <= BM,
+// relative to the tile) and columns < n are read and written (the rest of the operand tiles
+// is zero-filled). Row r of A starts at a + r * lda,
+// row c of B at b + c * ldb (both 16-byte aligned: lda, ldb and k are multiples of 16 and a,
+// b 16-byte aligned); element (r, c) of D is d[r * n + c]. k is the reduction length (a
+// multiple of 16; 0 gives acc = 0). Every thread of the CTA must call it with the same
+// arguments; it ends with a __syncthreads() after its last shared-memory read, so it may be
+// called again in a loop.
+//
+// WMF = M fragments (of 16 rows) per warp: BM = 2 * 16 * WMF.
+// BLOCKWISE: per-128-of-K scales, sa [rows, KB] (per row r, indexed from a's row 0) and
+// sb [ceil(N/128), KB] (per 128 columns; BN == 128 so one value per CTA and k-block),
+// applied when each k-block ends; alpha is then ignored.
 template <__nv_fp8_interpretation_t FA, __nv_fp8_interpretation_t FB, typename Out, int WMF, bool BLOCKWISE>
-__device__ __forceinline__ void gemm_mma(const uint8_t *__restrict__ a, const uint8_t *__restrict__ b,
-                                         Out *__restrict__ d, const void *bias, int bias_kind,
-                                         const int *counts, float alpha, const float *__restrict__ sa,
-                                         const float *__restrict__ sb, unsigned long long m,
-                                         unsigned long long n, unsigned long long k, int accumulate) {
+__device__ __forceinline__ void gemm_tile(const uint8_t *__restrict__ a, unsigned long long lda,
+                                          const uint8_t *__restrict__ b, unsigned long long ldb,
+                                          Out *__restrict__ d, const void *bias, int bias_kind,
+                                          float alpha, const float *__restrict__ sa,
+                                          const float *__restrict__ sb, unsigned long long m0,
+                                          unsigned long long n0, int row_lo, int row_hi,
+                                          unsigned long long n,
+                                          unsigned long long k, int accumulate) {
     constexpr int BM = 2 * 16 * WMF;
     __shared__ __align__(16) uint8_t As[2][BM][GM_LDS];
     __shared__ __align__(16) uint8_t Bs[2][GM_BN][GM_LDS];
-
-    const unsigned g = blockIdx.z;
-    const unsigned long long rows = group_rows(counts, g, m);
-    const unsigned long long m0 = static_cast<unsigned long long>(blockIdx.x) * BM;
-    const unsigned long long n0 = static_cast<unsigned long long>(blockIdx.y) * GM_BN;
-    if (m0 >= rows) return; // the whole CTA leaves together
-    a += static_cast<unsigned long long>(g) * m * k;
-    b += static_cast<unsigned long long>(g) * n * k;
-    d += static_cast<unsigned long long>(g) * m * n;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = warp >> 2, wn = warp & 3; // 2 x 4 warps
     const int gid = lane >> 2, tig = lane & 3;
 
-    // One 16-byte chunk = (row, half of the 32-byte k slice).
+    // One 16-byte chunk = (row, half of the 32-byte k slice). A zero-filled chunk reads
+    // nothing (src_bytes = 0); its source operand is the tile's base pointer.
     auto load_tile = [&](int buf, unsigned long long k0) {
         for (int c = tid; c < BM * 2; c += GM_THREADS) {
             const int r = c >> 1, h = c & 1;
-            const unsigned long long gr = m0 + r, gk = k0 + h * 16;
-            const bool ok = gr < rows && gk < k;
-            cp_async16(&As[buf][r][h * 16], ok ? a + gr * k + gk : a, ok ? 16u : 0u);
+            const unsigned long long gk = k0 + h * 16;
+            const bool ok = r >= row_lo && r < row_hi && gk < k;
+            cp_async16(&As[buf][r][h * 16], ok ? a + (m0 + r) * lda + gk : a, ok ? 16u : 0u);
         }
         for (int c = tid; c < GM_BN * 2; c += GM_THREADS) {
             const int r = c >> 1, h = c & 1;
             const unsigned long long gr = n0 + r, gk = k0 + h * 16;
             const bool ok = gr < n && gk < k;
-            cp_async16(&Bs[buf][r][h * 16], ok ? b + gr * k + gk : b, ok ? 16u : 0u);
+            cp_async16(&Bs[buf][r][h * 16], ok ? b + gr * ldb + gk : b, ok ? 16u : 0u);
         }
         cp_async_commit();
     };
@@ -143,7 +156,7 @@ __device__ __forceinline__ void gemm_mma(const uint8_t *__restrict__ a, const ui
 
     const unsigned long long ktiles = (k + GM_BK - 1) / GM_BK;
     const unsigned long long kblocks = (k + 127) / 128;
-    load_tile(0, 0);
+    if (ktiles > 0) load_tile(0, 0);
     for (unsigned long long kt = 0; kt < ktiles; ++kt) {
         const int buf = static_cast<int>(kt & 1);
         if (kt + 1 < ktiles) {
@@ -185,13 +198,13 @@ __device__ __forceinline__ void gemm_mma(const uint8_t *__restrict__ a, const ui
             // End of a 128-wide k-block (4 k-tiles) or of K: promote with the block's scales.
             if (((kt + 1) % (128 / GM_BK)) == 0 || kt + 1 == ktiles) {
                 const unsigned long long kb = kt / (128 / GM_BK);
-                const float s_b = sb[blockIdx.y * kblocks + kb];
+                const float s_b = sb[(n0 / GM_BN) * kblocks + kb];
 #pragma unroll
                 for (int i = 0; i < WMF; ++i) {
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
-                        const unsigned long long r = m0 + wm * (BM / 2) + i * 16 + gid + h * 8;
-                        const float s = r < rows ? sa[r * kblocks + kb] * s_b : 0.0f;
+                        const int r = wm * (BM / 2) + i * 16 + gid + h * 8;
+                        const float s = r >= row_lo && r < row_hi ? sa[(m0 + r) * kblocks + kb] * s_b : 0.0f;
 #pragma unroll
                         for (int j = 0; j < 4; ++j) {
                             acc[i][j][2 * h] += part[i][j][2 * h] * s;
@@ -203,7 +216,7 @@ __device__ __forceinline__ void gemm_mma(const uint8_t *__restrict__ a, const ui
                 }
             }
         }
-        __syncthreads(); // the buffer just read is the next iteration's load target
+        __syncthreads(); // the buffer just read is the next iteration's (or call's) load target
     }
 
 #pragma unroll
@@ -212,10 +225,142 @@ __device__ __forceinline__ void gemm_mma(const uint8_t *__restrict__ a, const ui
         for (int j = 0; j < 4; ++j)
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
-                const unsigned long long r = m0 + wm * (BM / 2) + i * 16 + gid + (q >> 1) * 8;
+                const int r = wm * (BM / 2) + i * 16 + gid + (q >> 1) * 8;
                 const unsigned long long c = n0 + wn * 32 + j * 8 + 2 * tig + (q & 1);
-                if (r < rows && c < n) store_out<Out>(d, r * n + c, acc[i][j][q], alpha, bias, bias_kind, c, accumulate);
+                if (r >= row_lo && r < row_hi && c < n)
+                    store_out<Out>(d, (m0 + r) * n + c, acc[i][j][q], alpha, bias, bias_kind, c, accumulate);
             }
+}
+
+// The plain and masked grouped GEMM (grid x = M tiles, y = N tiles, z = groups): A
+// [groups, m, k], B [groups, n, k], D [groups, m, n]; group g's real rows are
+// group_rows(counts, g, m).
+template <__nv_fp8_interpretation_t FA, __nv_fp8_interpretation_t FB, typename Out, int WMF, bool BLOCKWISE>
+__device__ __forceinline__ void gemm_mma(const uint8_t *__restrict__ a, const uint8_t *__restrict__ b,
+                                         Out *__restrict__ d, const void *bias, int bias_kind,
+                                         const int *counts, float alpha, const float *__restrict__ sa,
+                                         const float *__restrict__ sb, unsigned long long m,
+                                         unsigned long long n, unsigned long long k, int accumulate) {
+    constexpr int BM = 2 * 16 * WMF;
+    const unsigned g = blockIdx.z;
+    const unsigned long long rows = group_rows(counts, g, m);
+    const unsigned long long m0 = static_cast<unsigned long long>(blockIdx.x) * BM;
+    const unsigned long long n0 = static_cast<unsigned long long>(blockIdx.y) * GM_BN;
+    if (m0 >= rows) return; // the whole CTA leaves together
+    gemm_tile<FA, FB, Out, WMF, BLOCKWISE>(a + static_cast<unsigned long long>(g) * m * k, k,
+                                           b + static_cast<unsigned long long>(g) * n * k, k,
+                                           d + static_cast<unsigned long long>(g) * m * n, bias,
+                                           bias_kind, alpha, sa, sb, m0, n0, 0,
+                                           static_cast<int>(min(rows - m0, static_cast<unsigned long long>(BM))),
+                                           n, k, accumulate);
+}
+
+// ---- Packed (dropless MoE) layout ------------------------------------------------------
+//
+// Group g's rows of the packed buffer start at offsets[g] (int32 on the device, groups + 1
+// entries). The kernels read each entry as
+//   eff(i) = clamp(offsets[i], 0, capacity) rounded down to a multiple of 16
+// and give group g the rows
+//   [lo_g, hi_g) with total = eff(groups), lo_g = min(eff(g), total),
+//                     hi_g = clamp(eff(g + 1), lo_g, total),
+// so whatever the offsets hold, every row touched lies in [0, total) within [0, capacity),
+// and (wgrad) every K range starts on a 16-byte boundary. Well-formed offsets (0 first,
+// non-decreasing, multiples of 16, the last <= capacity) are taken as they are.
+
+__device__ __forceinline__ unsigned long long packed_offset(const int *offsets, unsigned i,
+                                                            unsigned long long capacity) {
+    const int o = offsets[i];
+    const unsigned long long c = o <= 0 ? 0ull : min(static_cast<unsigned long long>(o), capacity);
+    return c & ~15ull;
+}
+
+struct RowRange {
+    unsigned long long lo, hi;
+};
+
+__device__ __forceinline__ RowRange packed_rows(const int *offsets, unsigned g, unsigned long long total,
+                                                unsigned long long capacity) {
+    const unsigned long long lo = min(packed_offset(offsets, g, capacity), total);
+    const unsigned long long hi = min(max(packed_offset(offsets, g + 1, capacity), lo), total);
+    return {lo, hi};
+}
+
+// Packed grouped GEMM, forward / data gradient: grid x = capacity / 128 row tiles, y = N
+// tiles. A [capacity, k], B [groups, n, k], D [capacity, n]; rows of group g use B[g] and
+// alpha = sa[ia] * sb[ib + g * sb_stride] (sb_stride 0: one scale, 1: one per group).
+//
+// The CTA's rows [m0, m0 + 128): it leaves at once when m0 >= total; else it finds by
+// binary search the first group whose end eff(g + 1) is past m0, and computes the rows of
+// that group in its tile, then of the following groups while they start inside the tile.
+// With offsets that are multiples of 128 that is one group (empty groups ending at m0 are
+// skipped by the search); with non-decreasing offsets that are not, a tile straddling
+// groups is computed group by group, so the result is still right. Non-monotone offsets:
+// each row written is in [0, total) and computed with some group's B; which is unspecified.
+template <__nv_fp8_interpretation_t FA, __nv_fp8_interpretation_t FB, typename Out>
+__device__ __forceinline__ void gemm_packed(const uint8_t *__restrict__ a, const uint8_t *__restrict__ b,
+                                            Out *__restrict__ d, const void *bias, int bias_kind,
+                                            const int *offsets, const float *sa, unsigned ia,
+                                            const float *sb, unsigned ib, unsigned sb_stride,
+                                            unsigned groups, unsigned long long capacity,
+                                            unsigned long long n, unsigned long long k, int accumulate) {
+    constexpr int WMF = 4;
+    constexpr unsigned long long BM = 2 * 16 * WMF;
+    const unsigned long long m0 = static_cast<unsigned long long>(blockIdx.x) * BM, m1 = m0 + BM;
+    const unsigned long long n0 = static_cast<unsigned long long>(blockIdx.y) * GM_BN;
+    const unsigned long long total = packed_offset(offsets, groups, capacity);
+    if (m0 >= total) return; // the whole CTA leaves together
+    // First g in [0, groups) with eff(g + 1) > m0 (groups if none).
+    unsigned lo = 0, hi = groups;
+    while (lo < hi) {
+        const unsigned mid = lo + (hi - lo) / 2;
+        if (packed_offset(offsets, mid + 1, capacity) > m0) hi = mid;
+        else lo = mid + 1;
+    }
+#pragma unroll 1
+    for (unsigned g = lo; g < groups; ++g) {
+        const RowRange rows = packed_rows(offsets, g, total, capacity);
+        if (rows.lo >= m1) break; // starts past the tile
+        const unsigned long long r0 = max(rows.lo, m0), r1 = min(rows.hi, m1);
+        if (r0 < r1) {
+            const float alpha = sa[ia] * sb[ib + g * sb_stride];
+            gemm_tile<FA, FB, Out, WMF, false>(a, k, b + static_cast<unsigned long long>(g) * n * k, k, d,
+                                               bias, bias_kind, alpha, nullptr, nullptr, m0, n0,
+                                               static_cast<int>(r0 - m0), static_cast<int>(r1 - m0), n, k,
+                                               accumulate);
+        }
+        if (rows.hi >= m1 || rows.hi >= total) break; // the tile (or every row) is done
+    }
+}
+
+// Packed grouped weight gradient: grid x = M tiles, y = N tiles, z = groups. A [m, capacity]
+// and B [n, capacity] (K-major, row stride capacity), D [groups, m, n]:
+// D[g] = alpha * A[:, lo_g..hi_g] . B[:, lo_g..hi_g]^T (+ D[g]). K_g = hi_g - lo_g is a
+// multiple of 16; when it is 0 the CTA writes +0 to its tile of D[g] (or, accumulating,
+// leaves it alone).
+template <__nv_fp8_interpretation_t FA, __nv_fp8_interpretation_t FB, typename Out>
+__device__ __forceinline__ void gemm_wgrad(const uint8_t *__restrict__ a, const uint8_t *__restrict__ b,
+                                           Out *__restrict__ d, const int *offsets, float alpha,
+                                           unsigned groups, unsigned long long capacity,
+                                           unsigned long long m, unsigned long long n, int accumulate) {
+    constexpr int WMF = 4;
+    constexpr unsigned long long BM = 2 * 16 * WMF;
+    const unsigned g = blockIdx.z;
+    const unsigned long long m0 = static_cast<unsigned long long>(blockIdx.x) * BM;
+    const unsigned long long n0 = static_cast<unsigned long long>(blockIdx.y) * GM_BN;
+    const unsigned long long total = packed_offset(offsets, groups, capacity);
+    const RowRange ks = packed_rows(offsets, g, total, capacity);
+    d += static_cast<unsigned long long>(g) * m * n;
+    if (ks.hi == ks.lo) {
+        if (accumulate) return;
+        for (unsigned i = threadIdx.x; i < BM * GM_BN; i += GM_THREADS) {
+            const unsigned long long r = m0 + i / GM_BN, c = n0 + i % GM_BN;
+            if (r < m && c < n) d[r * n + c] = from_f32<Out>(0.0f);
+        }
+        return;
+    }
+    gemm_tile<FA, FB, Out, WMF, false>(a + ks.lo, capacity, b + ks.lo, capacity, d, nullptr, GM_BIAS_NONE,
+                                       alpha, nullptr, nullptr, m0, n0, 0, static_cast<int>(min(m - m0, BM)), n,
+                                       ks.hi - ks.lo, accumulate);
 }
 
 // Slow test oracle: one thread per output element (grid-stride over groups * M * N), FP8
@@ -250,7 +395,19 @@ __device__ __forceinline__ float gemm_alpha(const float *sa, unsigned ia, const 
 
 } // namespace fp8k
 
-// Kernel symbols: fp8_gemm_{mma,blockwise,reference}_<a fmt>_<b fmt>_<out>.
+// Minimum CTAs per SM asked of the packed kernels: 2 caps them at 128 registers (the group
+// loop of gemm_packed otherwise lets ptxas take ~170, one CTA per SM), which fits without
+// spills where FP8 converts in hardware (sm_89+: SASS in the fatbin); below that (the
+// compute_80 PTX, JIT-compiled) the software conversion needs more and the cap would spill.
+// Launch bounds may differ per __CUDA_ARCH__ (CUDA programming guide, "Launch Bounds"); the
+// host never reads them.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+#define FP8K_PACKED_MIN_BLOCKS 1
+#else
+#define FP8K_PACKED_MIN_BLOCKS 2
+#endif
+
+// Kernel symbols: fp8_gemm_{mma,blockwise,reference,packed,wgrad}_<a fmt>_<b fmt>_<out>.
 #define FP8K_GEMM(AN, FA, BN_, FB, ON, OT)                                                          \
     extern "C" __global__ void __launch_bounds__(fp8k::GM_THREADS) fp8_gemm_mma_##AN##_##BN_##_##ON(   \
         const uint8_t *a, const uint8_t *b, OT *d, const void *bias, int bias_kind, const int *counts, \
@@ -279,6 +436,22 @@ __device__ __forceinline__ float gemm_alpha(const float *sa, unsigned ia, const 
         fp8k::gemm_reference<FA, FB, OT>(a, b, d, bias, bias_kind, counts,                         \
                                          fp8k::gemm_alpha(sa, ia, sb, ib), groups, m, n, k,        \
                                          accumulate);                                              \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(fp8k::GM_THREADS, FP8K_PACKED_MIN_BLOCKS) fp8_gemm_packed_##AN##_##BN_##_##ON( \
+        const uint8_t *a, const uint8_t *b, OT *d, const void *bias, int bias_kind, const int *offsets, \
+        const float *sa, unsigned ia, const float *sb, unsigned ib, unsigned sb_stride, unsigned groups, \
+        unsigned long long capacity, unsigned long long n, unsigned long long k, int accumulate) {  \
+        cuda_graph::pdl_enter();                                                                   \
+        fp8k::gemm_packed<FA, FB, OT>(a, b, d, bias, bias_kind, offsets, sa, ia, sb, ib, sb_stride, \
+                                      groups, capacity, n, k, accumulate);                         \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(fp8k::GM_THREADS, FP8K_PACKED_MIN_BLOCKS) fp8_gemm_wgrad_##AN##_##BN_##_##ON( \
+        const uint8_t *a, const uint8_t *b, OT *d, const int *offsets, const float *sa, unsigned ia, \
+        const float *sb, unsigned ib, unsigned groups, unsigned long long capacity,                \
+        unsigned long long m, unsigned long long n, int accumulate) {                              \
+        cuda_graph::pdl_enter();                                                                   \
+        fp8k::gemm_wgrad<FA, FB, OT>(a, b, d, offsets, fp8k::gemm_alpha(sa, ia, sb, ib), groups,   \
+                                     capacity, m, n, accumulate);                                  \
     }
 
 #define FP8K_GEMM_OUTS(AN, FA, BN_, FB)                                                             \

@@ -9,9 +9,24 @@
 //! * weight gradient: `dW[N,K] = dY^T . X` — A = dY^T (`[N,M]`), B = X^T (`[K,M]`), both
 //!   cast-transposes.
 //!
-//! Every entry point ([`gemm`], [`grouped_gemm`], [`gemm_blockwise`], and the test oracle
-//! [`gemm_reference`]) takes exactly this one layout: A `[rows, K]` and B `[cols, K]`, both
-//! row-major FP8 bytes, D `[rows, cols]` row-major.
+//! Every entry point takes exactly this one layout: A `[rows, K]` and B `[cols, K]`, both
+//! row-major FP8 bytes, D `[rows, cols]` row-major:
+//! * [`gemm`]: one GEMM;
+//! * [`grouped_gemm`]: MoE experts in the *masked* layout, A `[G, m_max, K]`, B `[G, N, K]`,
+//!   D `[G, m_max, N]`, with per-group row counts on the device;
+//! * [`grouped_gemm_packed`]: MoE experts in the *packed* (dropless) layout, A
+//!   `[capacity, K]` holding every group's rows back to back from device offsets
+//!   (`groups + 1` int32, multiples of [`ALIGN_ROWS`]), B `[G, N, K]`, D `[capacity, N]`;
+//!   forward and data gradient;
+//! * [`grouped_gemm_wgrad`]: the packed layout's weight gradient, A `[M, capacity]` and B
+//!   `[N, capacity]` (the transposes of the packed dY and X, so the reduction runs along
+//!   the packed rows, each group over its own offsets range), D `[G, M, N]`;
+//! * [`gemm_blockwise`]: block-scaled (1x128 / 128x128) operands;
+//! * [`gemm_reference`]: the slow GPU test oracle.
+//!
+//! The packed entry points have rules of their own (capacity, offsets; see their docs and
+//! the module documentation of their [`packed`] submodule, which also says what the
+//! kernels do with malformed offsets); the rules below are those of the others.
 //!
 //! # Rules (checked before anything is enqueued; nothing is written on an error)
 //! * `M, N, K >= 1`, and `K % 16 == 0` ([`K_ALIGN`]): every row of A and B then starts on a
@@ -36,11 +51,18 @@
 //! [`GemmPath::Portable`] is an `mma.sync` kernel that runs on sm_80 and newer (FP8 widened to
 //! f16 in registers, fp32 accumulation). [`GemmPath::Hopper`] is the sm_90a `wgmma` kernel;
 //! [`GemmPath::Auto`] takes it where the device and problem allow and the portable path
-//! otherwise. Every launcher enqueues without synchronising or allocating, so the GEMMs can
-//! be captured into graphs; scales and grouped row counts are read on the device.
+//! otherwise; the packed GEMMs run the portable kernel only for now (`Hopper` is refused).
+//! Every launcher enqueues without synchronising or allocating, so the GEMMs can be captured
+//! into graphs; scales, grouped row counts and packed offsets are read on the device.
 
+pub mod packed;
 mod portable;
 pub mod reference;
+
+pub use packed::{
+    ALIGN_ROWS, GroupScales, GroupedOperand, PackedShape, WgradShape, grouped_gemm_packed,
+    grouped_gemm_wgrad,
+};
 
 use cuda_graph::half::bf16;
 use cuda_graph::{DeviceBuffer, Error, Result, Stream};
