@@ -91,12 +91,11 @@ __device__ __forceinline__ unsigned long long group_rows(const int *counts, unsi
 // One output tile of D = alpha * A . B^T (+ bias) (+ D): rows [m0, m0 + BM) by columns
 // [n0, n0 + GM_BN), of which only rows m0 + [row_lo, row_hi) (0 <= row_lo <= row_hi <= BM,
 // relative to the tile) and columns < n are read and written (the rest of the operand tiles
-// is zero-filled). Row r of A starts at a + r * lda,
-// row c of B at b + c * ldb (both 16-byte aligned: lda, ldb and k are multiples of 16 and a,
-// b 16-byte aligned); element (r, c) of D is d[r * n + c]. k is the reduction length (a
-// multiple of 16; 0 gives acc = 0). Every thread of the CTA must call it with the same
-// arguments; it ends with a __syncthreads() after its last shared-memory read, so it may be
-// called again in a loop.
+// is zero-filled). Row r of A starts at a + r * lda, row c of B at b + c * ldb (16-byte
+// aligned: lda, ldb and k are multiples of 16, a and b 16-byte aligned); element (r, c) of D
+// is d[r * n + c]. k is the reduction length (a multiple of 16; 0 gives acc = 0). Every
+// thread of the CTA must call it with the same arguments; its last shared-memory read is
+// followed by a __syncthreads(), so it may be called again in a loop.
 //
 // WMF = M fragments (of 16 rows) per warp: BM = 2 * 16 * WMF.
 // BLOCKWISE: per-128-of-K scales, sa [rows, KB] (per row r, indexed from a's row 0) and

@@ -1272,3 +1272,98 @@ fn layout_from_counts() {
     assert!(r::decode(DONT_CARE, E4).is_nan() && r::decode(DONT_CARE, E5).is_nan());
     assert_eq!(transpose(&[1, 2, 3, 4, 5, 6], 2, 3), vec![1, 4, 2, 5, 3, 6]);
 }
+
+/// Times both packed GEMMs at an MoE-like size (prints ms and TFLOP/s over the rows the
+/// offsets hold; no bound asserted) and checks the outputs are finite.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn packed_throughput() {
+    let (ctx, stream) = setup();
+    // 8 experts, 8192 rows in all (skewed), hidden 2048, expert width 4096.
+    let counts = [2048usize, 1024, 1536, 512, 1024, 768, 640, 640];
+    let lay = Rows::Counts {
+        counts: counts.to_vec(),
+        slack: 0,
+    }
+    .layout();
+    let (groups, cap, n, k) = (counts.len(), lay.capacity, 4096usize, 2048usize);
+    let rows = *lay.offsets.last().unwrap() as usize;
+    let mut rng = Rng::new(11);
+    let x = DeviceBuffer::from_host(&stream, &rng.bytes(cap * k, E4)).unwrap();
+    let w = DeviceBuffer::from_host(&stream, &rng.bytes(groups * n * k, E4)).unwrap();
+    let dyt = DeviceBuffer::from_host(&stream, &rng.bytes(n * cap, E5)).unwrap();
+    let xt = DeviceBuffer::from_host(&stream, &rng.bytes(k * cap, E4)).unwrap();
+    let offsets = DeviceBuffer::from_host(&stream, &lay.offsets).unwrap();
+    let s = DeviceScalar::new(&stream, 1.0).unwrap();
+    let y = Out::new(&ctx, DType::Bf16, cap * n);
+    let dw = Out::new(&ctx, DType::F32, groups * n * k);
+    let op = |data, format| Operand {
+        data,
+        format,
+        scale_inv: &s,
+    };
+    let opts = GemmOptions::new().path(GemmPath::Portable);
+    let fwd = || {
+        grouped_gemm_packed(
+            &stream,
+            PackedShape {
+                groups,
+                capacity: cap,
+                n,
+                k,
+            },
+            op(&x, E4),
+            op(&w, E4),
+            y.view(),
+            &offsets,
+            opts,
+        )
+        .unwrap()
+    };
+    let wgrad = || {
+        grouped_gemm_wgrad(
+            &stream,
+            WgradShape {
+                groups,
+                capacity: cap,
+                m: n,
+                n: k,
+            },
+            op(&dyt, E5),
+            op(&xt, E4),
+            dw.view(),
+            &offsets,
+            opts,
+        )
+        .unwrap()
+    };
+    let flop = 2.0 * (rows * n * k) as f64;
+    for (name, run) in [
+        ("packed forward", &fwd as &dyn Fn()),
+        ("packed wgrad", &wgrad),
+    ] {
+        run();
+        stream.synchronize().unwrap();
+        let iters = 10;
+        let t = std::time::Instant::now();
+        for _ in 0..iters {
+            run();
+        }
+        stream.synchronize().unwrap();
+        let secs = t.elapsed().as_secs_f64() / f64::from(iters);
+        println!(
+            "{name} {groups} groups, {rows} rows, n {n}, k {k}: {:.3} ms, {:.1} TFLOP/s",
+            secs * 1e3,
+            flop / secs / 1e12
+        );
+    }
+    let finite = |o: &Out| {
+        o.bits(&stream)
+            .iter()
+            .all(|&b| r::widen(b, o.dtype()).is_finite())
+    };
+    assert!(
+        finite(&y) && finite(&dw),
+        "output left poisoned or not finite"
+    );
+}

@@ -25,8 +25,9 @@
 //!   where a group boundary falls inside a 128-row tile (the tile is computed group by
 //!   group); rows before `eff(0)` are not written;
 //! * forward, decreasing `eff` (overlapping groups): every row written lies in
-//!   `[0, total)` and is computed with the B of one group that owns it, which one is
-//!   unspecified, and with `accumulate` a row may be added to more than once;
+//!   `[0, total)` and is computed with the B of a group that owns it; which rows are
+//!   written, with which group, is unspecified, and with `accumulate` a row may be added to
+//!   more than once;
 //! * wgrad: always exactly `D[g]` over `[lo_g, hi_g)`, whatever the order of the entries.
 
 use cuda_graph::{DeviceBuffer, Result, Stream};
