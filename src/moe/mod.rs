@@ -56,6 +56,7 @@
 //! on one stream before the next forward starts, and the (trivial) backward reads none of
 //! them. A real backward would need the routing per microbatch in [`Slot::saved`].
 
+pub mod layer;
 pub mod routing;
 
 use std::sync::Arc;

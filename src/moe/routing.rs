@@ -46,7 +46,7 @@ pub const MAX_EXPERTS: usize = 512;
 /// The most experts per token.
 pub const MAX_TOP_K: usize = fp8_kernels::MAX_TOP_K;
 /// The packed layout's row alignment: the expert GEMMs' row tile.
-pub const ALIGN_ROWS: usize = 128;
+pub const ALIGN_ROWS: usize = fp8_kernels::gemm::ALIGN_ROWS;
 
 /// How the router turns logits into scores.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

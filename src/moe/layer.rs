@@ -1,0 +1,1053 @@
+//! [`MoeLayer`]: a dropless top-k mixture-of-experts layer with SwiGLU experts, FP8 expert
+//! GEMMs and the full backward, as a [`Callable`] of the graphed-callables runtime.
+//!
+//! # The layer
+//! `x` (`[T, H]` bf16) -> router ([`Router`]: logits, scores, top-k, gates, plan, aux and z
+//! losses) -> permute fused with the E4M3 cast into the packed expert-major layout
+//! ([`gather_cast_transpose`]) -> fc1 (`[E, 2F, H]`, gate rows first) -> SwiGLU fused with the
+//! E4M3 cast of fc2's input ([`swiglu_cast_transpose`]) -> fc2 (`[E, H, F]`) -> combine (the
+//! gate-weighted sum of each token's `k` expert rows, bf16 out).
+//!
+//! The backward, all of it: the gates' gradient, the combine's backward fused with the cast
+//! of dY to the gradient format (E5M2 in the HYBRID recipe, E4M3 in the E4M3 one), fc2's
+//! dgrad and wgrad, the SwiGLU backward fused with its casts, fc1's dgrad and wgrad, then
+//! the router (through the scores, top-k, renormalisation, aux and z losses) into `dx` and
+//! the router weight's gradient. Weight gradients accumulate in f32.
+//!
+//! # Expert GEMMs ([`ExpertGemm`])
+//! * [`ExpertGemm::PerExpert`] (the reference): the offsets are read to the host (a stream
+//!   synchronisation) and each expert with tokens gets a dense [`gemm`] over its rows (its
+//!   token count rounded up to [`ALIGN_ROWS`]; padding rows are zero); its weight gradient is
+//!   the grouped weight-gradient kernel restricted to that expert. Under graphed callables:
+//!   breaking-layer capture (Megatron's `moe_router` / `moe_preprocess` scopes): forward
+//!   `[Graphed: router + permute] [Eager: experts] [Graphed: combine]`, backward
+//!   `[Graphed: gates' gradient + dY cast] [Eager: experts] [Graphed: router backward]`.
+//! * [`ExpertGemm::Grouped`]: grouped GEMMs reading the offsets on the device; nothing on
+//!   the host between the kernels, so each pass is one graph (full-layer capture).
+//!
+//! # FP8 state
+//! Six tensors of a shared [`DelayedScaling`], from the layer's `first_tensor`: x, W1, h, W2
+//! (E4M3) and dY, dA (the gradient format) ([`formats`]). One scale per tensor, over all
+//! experts. The expert weights are cast once per step in [`Callable::cast_weights`] (skipped
+//! on later microbatches exactly like single linears: the slot's noop flag or the runtime's
+//! IF node).
+//!
+//! # Saved buffers (per microbatch)
+//! `saved[0]` the routing ([`RoutingBuffers::from_bytes`]), `[1]` `X^T` E4M3 `[H, C]`, `[2]`
+//! fc1's output `a` bf16 `[C, 2F]`, `[3]` `h^T` E4M3 `[F, C]`, `[4]` fc2's output `y` bf16
+//! `[C, H]`, `[5]` the four scale_invs the casts wrote (x, h, dY, dA), `[6]` `dY^T` `[H, C]`,
+//! `[7]` `dA^T` `[2F, C]` (`C` = the capacity). The row-major FP8 copies live only within a
+//! pass and are shared by the microbatches.
+
+use std::sync::Arc;
+
+use cuda_graph::half::bf16;
+use cuda_graph::{DeviceBuffer, Error, Result, Stream};
+use fp8_kernels::gemm::{
+    GemmOptions, GemmPath, GemmShape, Operand, PackedShape, WgradShape, gemm, grouped_gemm_packed,
+    grouped_gemm_wgrad,
+};
+use fp8_kernels::{
+    DelayedScaling, DeviceScalar, Fp8Format, Fp8Tensor, Gather, RowsInUse, cast_transpose,
+    gather_cast_transpose, swiglu_backward_cast_transpose, swiglu_cast_transpose,
+};
+use graphed_callables::{Callable, SegmentKind, Slot};
+
+use super::routing::{ALIGN_ROWS, Router, RouterConfig, RoutingBuffers, RoutingDims};
+
+/// How many tensors of the [`DelayedScaling`] state one layer uses.
+pub const TENSORS: usize = 6;
+/// Offsets of the layer's tensors from its first.
+const X: usize = 0;
+const W1: usize = 1;
+const HID: usize = 2;
+const W2: usize = 3;
+const DY: usize = 4;
+const DA: usize = 5;
+
+/// The FP8 recipe of the gradients (TransformerEngine's `Format`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Fp8Recipe {
+    /// E4M3 forward, E5M2 gradients.
+    Hybrid,
+    /// E4M3 everywhere.
+    E4M3,
+}
+
+/// The formats of a layer's tensors in state order: x, W1, h, W2, dY, dA.
+pub fn formats(recipe: Fp8Recipe) -> [Fp8Format; TENSORS] {
+    let g = match recipe {
+        Fp8Recipe::Hybrid => Fp8Format::E5M2,
+        Fp8Recipe::E4M3 => Fp8Format::E4M3,
+    };
+    let f = Fp8Format::E4M3;
+    [f, f, f, f, g, g]
+}
+
+/// How the expert GEMMs run (see the [module documentation](self)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ExpertGemm {
+    /// Dense GEMMs per expert on host-read offsets (breaking-layer capture).
+    PerExpert,
+    /// Grouped GEMMs on device offsets (full-layer capture).
+    Grouped,
+}
+
+/// A layer's shape and settings.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MoeLayerConfig {
+    /// Tokens per microbatch (`T`).
+    pub tokens: usize,
+    /// Hidden size (`H`), a multiple of 16.
+    pub hidden: usize,
+    /// Expert FFN size (`F`), a multiple of 16.
+    pub ffn: usize,
+    /// Experts (`E`).
+    pub experts: usize,
+    /// The router.
+    pub router: RouterConfig,
+    /// The gradients' FP8 format.
+    pub recipe: Fp8Recipe,
+    /// How the expert GEMMs run.
+    pub expert_gemm: ExpertGemm,
+}
+
+impl MoeLayerConfig {
+    /// The router's shape.
+    pub fn routing_dims(&self) -> RoutingDims {
+        RoutingDims {
+            tokens: self.tokens,
+            hidden: self.hidden,
+            experts: self.experts,
+            top_k: self.router.top_k,
+            align: ALIGN_ROWS,
+        }
+    }
+
+    /// Rows of the packed layout.
+    pub fn capacity(&self) -> usize {
+        self.routing_dims().capacity()
+    }
+
+    /// Checks the shape: the router's rules, `H` and `F` positive multiples of 16, every
+    /// buffer within i32 elements.
+    pub fn check(&self) -> Result<()> {
+        self.routing_dims().check()?;
+        for (name, v) in [("hidden", self.hidden), ("ffn", self.ffn)] {
+            if v == 0 || v % 16 != 0 {
+                return Err(Error::InvalidArgument(format!(
+                    "MoeLayerConfig: {name} = {v} must be a positive multiple of 16"
+                )));
+            }
+        }
+        let (c, e, h, f) = (
+            self.capacity() as u128,
+            self.experts as u128,
+            self.hidden as u128,
+            self.ffn as u128,
+        );
+        if [c * 2 * f, c * h, e * 2 * f * h]
+            .iter()
+            .any(|&n| n > i32::MAX as u128)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "MoeLayerConfig: {self:?} has a buffer above 2^31 elements"
+            )));
+        }
+        Ok(())
+    }
+
+    /// The per-microbatch saved buffers' sizes in bytes (see the [module
+    /// documentation](self)).
+    pub fn saved_bytes(&self) -> Result<Vec<usize>> {
+        self.check()?;
+        let (c, h, f) = (self.capacity(), self.hidden, self.ffn);
+        Ok(vec![
+            RoutingBuffers::bytes(self.routing_dims())?,
+            h * c,
+            c * 2 * f * 2,
+            f * c,
+            c * h * 2,
+            4 * 4,
+            h * c,
+            2 * f * c,
+        ])
+    }
+}
+
+/// The layer's initial parameters, host copies: `wr` `[E, H]` f32, `w1` `[E, 2F, H]` and `w2`
+/// `[E, H, F]` as f32 (rounded to bf16 on upload).
+#[derive(Debug, Clone)]
+pub struct MoeParams {
+    /// The router weight.
+    pub wr: Vec<f32>,
+    /// fc1 of every expert (rows `0..F` gate, `F..2F` up).
+    pub w1: Vec<f32>,
+    /// fc2 of every expert.
+    pub w2: Vec<f32>,
+}
+
+/// The layer. See the [module documentation](self).
+#[derive(Debug)]
+pub struct MoeLayer {
+    cfg: MoeLayerConfig,
+    router: Router,
+    scaling: Arc<DelayedScaling>,
+    first_tensor: usize,
+    path: GemmPath,
+    wr: DeviceBuffer<f32>,
+    dwr: DeviceBuffer<f32>,
+    w1: DeviceBuffer<bf16>,
+    dw1: DeviceBuffer<f32>,
+    w2: DeviceBuffer<bf16>,
+    dw2: DeviceBuffer<f32>,
+    /// The E4M3 weights, row-major (`[E * 2F, H]`, `[E * H, F]`) and per expert transposed
+    /// (`[E, H, 2F]`, `[E, F, H]`), with their own scale_inv.
+    w1_fp8: Fp8Tensor,
+    w1_t: DeviceBuffer<u8>,
+    w2_fp8: Fp8Tensor,
+    w2_t: DeviceBuffer<u8>,
+    /// Row-major FP8 copies within a pass: x, h (forward), dY, dA (backward).
+    xq: DeviceBuffer<u8>,
+    hq: DeviceBuffer<u8>,
+    dyq: DeviceBuffer<u8>,
+    daq: DeviceBuffer<u8>,
+    /// bf16 intermediates within a backward: fc2's dgrad `[C, F]`, fc1's dgrad `[C, H]`.
+    dh: DeviceBuffer<bf16>,
+    dxp: DeviceBuffer<bf16>,
+}
+
+fn zeroed<T: cuda_graph::DeviceRepr>(stream: &Stream, n: usize) -> Result<DeviceBuffer<T>> {
+    let b = DeviceBuffer::alloc(stream.context(), n)?;
+    b.memset_bytes(stream, 0)?;
+    Ok(b)
+}
+
+fn to_bf16(v: &[f32]) -> Vec<bf16> {
+    v.iter().map(|&x| bf16::from_f32(x)).collect()
+}
+
+/// The saved buffers of a slot, checked against the layer's sizes.
+struct Saved<'a> {
+    routing: RoutingBuffers,
+    x_t: &'a DeviceBuffer<u8>,
+    a: DeviceBuffer<bf16>,
+    h_t: &'a DeviceBuffer<u8>,
+    y: DeviceBuffer<bf16>,
+    /// The four scale_invs (x, h, dY, dA).
+    si: [DeviceScalar; 4],
+    dy_t: &'a DeviceBuffer<u8>,
+    da_t: &'a DeviceBuffer<u8>,
+}
+
+impl MoeLayer {
+    /// A layer of `cfg` with parameters `params`, gradients zeroed, using tensors
+    /// `first_tensor .. first_tensor + 6` of `scaling` (formats [`formats`]`(cfg.recipe)`).
+    /// Allocates and uploads (waits; not during a capture) and loads its kernels.
+    pub fn new(
+        stream: &Stream,
+        cfg: MoeLayerConfig,
+        params: &MoeParams,
+        scaling: Arc<DelayedScaling>,
+        first_tensor: usize,
+    ) -> Result<MoeLayer> {
+        cfg.check()?;
+        let (e, h, f, c) = (cfg.experts, cfg.hidden, cfg.ffn, cfg.capacity());
+        for (name, got, want) in [
+            ("wr", params.wr.len(), e * h),
+            ("w1", params.w1.len(), e * 2 * f * h),
+            ("w2", params.w2.len(), e * h * f),
+        ] {
+            if got != want {
+                return Err(Error::InvalidArgument(format!(
+                    "MoeLayer: {name} has {got} elements, {cfg:?} needs {want}"
+                )));
+            }
+        }
+        for (i, want) in formats(cfg.recipe).iter().enumerate() {
+            let t = first_tensor.saturating_add(i);
+            if scaling.format(t) != Some(*want) {
+                return Err(Error::InvalidArgument(format!(
+                    "MoeLayer: scaling tensor {t} is {:?}, the layer needs {want:?} (tensors \
+                     first_tensor.. are x, W1, h, W2, dY, dA)",
+                    scaling.format(t)
+                )));
+            }
+        }
+        let router = Router::new(stream, cfg.routing_dims(), cfg.router)?;
+        fp8_kernels::module(stream.context())?;
+        let w_si = DeviceBuffer::from_host(stream, &[1f32, 1.0])?;
+        let w1_fp8 = Fp8Tensor::from_parts(
+            zeroed(stream, e * 2 * f * h)?,
+            &[e * 2 * f, h],
+            Fp8Format::E4M3,
+            scaling.scale(first_tensor + W1)?,
+            DeviceScalar::at(&w_si, 0)?,
+            scaling.amax(first_tensor + W1)?,
+        )?;
+        let w2_fp8 = Fp8Tensor::from_parts(
+            zeroed(stream, e * h * f)?,
+            &[e * h, f],
+            Fp8Format::E4M3,
+            scaling.scale(first_tensor + W2)?,
+            DeviceScalar::at(&w_si, 1)?,
+            scaling.amax(first_tensor + W2)?,
+        )?;
+        let layer = MoeLayer {
+            cfg,
+            router,
+            scaling,
+            first_tensor,
+            path: GemmPath::Auto,
+            wr: DeviceBuffer::from_host(stream, &params.wr)?,
+            dwr: zeroed(stream, e * h)?,
+            w1: DeviceBuffer::from_host(stream, &to_bf16(&params.w1))?,
+            dw1: zeroed(stream, e * 2 * f * h)?,
+            w2: DeviceBuffer::from_host(stream, &to_bf16(&params.w2))?,
+            dw2: zeroed(stream, e * h * f)?,
+            w1_fp8,
+            w1_t: zeroed(stream, e * 2 * f * h)?,
+            w2_fp8,
+            w2_t: zeroed(stream, e * h * f)?,
+            xq: zeroed(stream, c * h)?,
+            hq: zeroed(stream, c * f)?,
+            dyq: zeroed(stream, c * h)?,
+            daq: zeroed(stream, c * 2 * f)?,
+            dh: zeroed(stream, c * f)?,
+            dxp: zeroed(stream, c * h)?,
+        };
+        stream.synchronize()?;
+        Ok(layer)
+    }
+
+    /// This layer with its expert GEMMs on `path` (default [`GemmPath::Auto`]).
+    pub fn with_gemm_path(mut self, path: GemmPath) -> MoeLayer {
+        self.path = path;
+        self
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> MoeLayerConfig {
+        self.cfg
+    }
+
+    /// The router weight `[E, H]` f32 and its gradient.
+    pub fn router_weight(&self) -> (&DeviceBuffer<f32>, &DeviceBuffer<f32>) {
+        (&self.wr, &self.dwr)
+    }
+
+    /// fc1's weights `[E, 2F, H]` bf16 and their f32 gradient.
+    pub fn fc1(&self) -> (&DeviceBuffer<bf16>, &DeviceBuffer<f32>) {
+        (&self.w1, &self.dw1)
+    }
+
+    /// fc2's weights `[E, H, F]` bf16 and their f32 gradient.
+    pub fn fc2(&self) -> (&DeviceBuffer<bf16>, &DeviceBuffer<f32>) {
+        (&self.w2, &self.dw2)
+    }
+
+    /// The routing of a microbatch, as views of its saved buffers (read its losses, counts
+    /// or plan after a forward).
+    pub fn routing_of(&self, saved: &DeviceBuffer<u8>) -> Result<RoutingBuffers> {
+        RoutingBuffers::from_bytes(self.cfg.routing_dims(), saved)
+    }
+
+    fn saved<'a>(&self, slot: &Slot<'a, bf16>) -> Result<Saved<'a>> {
+        let want = self.cfg.saved_bytes()?;
+        let s = slot.saved();
+        if s.len() != want.len() || s.iter().zip(&want).any(|(b, &w)| b.len() < w) {
+            return Err(Error::InvalidArgument(format!(
+                "MoeLayer at {}: saved buffers of {:?} bytes, the layer needs {want:?}",
+                slot.at(),
+                s.iter().map(|b| b.len()).collect::<Vec<_>>()
+            )));
+        }
+        let (c, h, f) = (self.cfg.capacity(), self.cfg.hidden, self.cfg.ffn);
+        let si = s[5].slice(..16)?.reinterpret::<f32>()?;
+        Ok(Saved {
+            routing: RoutingBuffers::from_bytes(self.cfg.routing_dims(), s[0])?,
+            x_t: s[1],
+            a: s[2].slice(..c * 2 * f * 2)?.reinterpret()?,
+            h_t: s[3],
+            y: s[4].slice(..c * h * 2)?.reinterpret()?,
+            si: [
+                DeviceScalar::at(&si, 0)?,
+                DeviceScalar::at(&si, 1)?,
+                DeviceScalar::at(&si, 2)?,
+                DeviceScalar::at(&si, 3)?,
+            ],
+            dy_t: s[6],
+            da_t: s[7],
+        })
+    }
+
+    fn tensor(
+        &self,
+        data: &DeviceBuffer<u8>,
+        shape: &[usize],
+        t: usize,
+        si: &DeviceScalar,
+    ) -> Result<Fp8Tensor> {
+        let ft = self.first_tensor + t;
+        Fp8Tensor::from_parts(
+            data.share(),
+            shape,
+            formats(self.cfg.recipe)[t],
+            self.scaling.scale(ft)?,
+            si.clone(),
+            self.scaling.amax(ft)?,
+        )
+    }
+
+    fn check_io<'a>(
+        &self,
+        what: &str,
+        a: &[&'a DeviceBuffer<bf16>],
+        b: &[&'a DeviceBuffer<bf16>],
+    ) -> Result<(&'a DeviceBuffer<bf16>, &'a DeviceBuffer<bf16>)> {
+        let n = self.cfg.tokens * self.cfg.hidden;
+        match (a, b) {
+            ([a], [b]) if a.len() == n && b.len() == n => Ok((a, b)),
+            _ => Err(Error::InvalidArgument(format!(
+                "MoeLayer {what}: takes one buffer each way of {n} elements, got {:?} and {:?}",
+                a.iter().map(|x| x.len()).collect::<Vec<_>>(),
+                b.iter().map(|x| x.len()).collect::<Vec<_>>()
+            ))),
+        }
+    }
+
+    /// One of the expert GEMMs over the packed rows: `D[rows of e] = A[rows of e] .
+    /// B[e]^T` for every expert, A `[C, k]`, B `[E, n, k]`, D `[C, n]` bf16. Grouped: one
+    /// launch on the device offsets; per expert: the offsets read back (`host_offsets`).
+    #[allow(clippy::too_many_arguments)] // the GEMM's operands
+    fn experts_gemm(
+        &self,
+        stream: &Stream,
+        routing: &RoutingBuffers,
+        host_offsets: Option<&[i32]>,
+        (n, k): (usize, usize),
+        a: Operand<'_>,
+        b: Operand<'_>,
+        d: &DeviceBuffer<bf16>,
+    ) -> Result<()> {
+        let (groups, capacity) = (self.cfg.experts, self.cfg.capacity());
+        let opts = GemmOptions::new().path(self.path);
+        let Some(off) = host_offsets else {
+            let shape = PackedShape {
+                groups,
+                capacity,
+                n,
+                k,
+            };
+            return grouped_gemm_packed(stream, shape, a, b, d, &routing.offsets, opts);
+        };
+        for e in 0..groups {
+            let (r0, r1) = (off[e] as usize, off[e + 1] as usize);
+            if r1 <= r0 {
+                continue;
+            }
+            let rows = r1 - r0;
+            let a_e = a.data.slice(r0 * k..r1 * k)?;
+            let b_e = b.data.slice(e * n * k..(e + 1) * n * k)?;
+            let d_e = d.slice(r0 * n..r1 * n)?;
+            gemm(
+                stream,
+                GemmShape::new(rows, n, k),
+                Operand { data: &a_e, ..a },
+                Operand { data: &b_e, ..b },
+                &d_e,
+                opts,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// A weight gradient of every expert, accumulated: `D[e] += A[:, rows of e] . B[:, rows
+    /// of e]^T`, A `[m, C]`, B `[n, C]` (the transposed packed copies), D `[E, m, n]` f32.
+    /// Per expert: the grouped kernel on one expert's two offsets, for the experts with rows.
+    #[allow(clippy::too_many_arguments)] // the GEMM's operands
+    fn experts_wgrad(
+        &self,
+        stream: &Stream,
+        routing: &RoutingBuffers,
+        host_offsets: Option<&[i32]>,
+        (m, n): (usize, usize),
+        a: Operand<'_>,
+        b: Operand<'_>,
+        d: &DeviceBuffer<f32>,
+    ) -> Result<()> {
+        let capacity = self.cfg.capacity();
+        let opts = GemmOptions::new().path(self.path).accumulate(true);
+        let Some(off) = host_offsets else {
+            let shape = WgradShape {
+                groups: self.cfg.experts,
+                capacity,
+                m,
+                n,
+            };
+            return grouped_gemm_wgrad(stream, shape, a, b, d, &routing.offsets, opts);
+        };
+        for e in 0..self.cfg.experts {
+            if off[e + 1] <= off[e] {
+                continue;
+            }
+            let shape = WgradShape {
+                groups: 1,
+                capacity,
+                m,
+                n,
+            };
+            let d_e = d.slice(e * m * n..(e + 1) * m * n)?;
+            let off_e = routing.offsets.slice(e..e + 2)?;
+            grouped_gemm_wgrad(stream, shape, a, b, &d_e, &off_e, opts)?;
+        }
+        Ok(())
+    }
+
+    /// The offsets read back, when the experts run per expert (waits for `stream`).
+    fn host_offsets(&self, stream: &Stream, routing: &RoutingBuffers) -> Result<Option<Vec<i32>>> {
+        match self.cfg.expert_gemm {
+            ExpertGemm::Grouped => Ok(None),
+            ExpertGemm::PerExpert => routing.offsets.to_vec(stream).map(Some),
+        }
+    }
+
+    /// Forward part 1: router, plan, permute fused with x's cast.
+    fn route(&self, stream: &Stream, x: &DeviceBuffer<bf16>, s: &Saved<'_>) -> Result<()> {
+        let (t, h) = (self.cfg.tokens, self.cfg.hidden);
+        self.router.forward(stream, x, &self.wr, &s.routing)?;
+        let x_fp8 = self.tensor(&self.xq, &[self.cfg.capacity(), h], X, &s.si[0])?;
+        let gather = Gather {
+            token_of_row: &s.routing.token_of_row,
+            top_k: self.cfg.router.top_k,
+            row_scale: None,
+        };
+        let used = RowsInUse::last(&s.routing.offsets)?;
+        gather_cast_transpose(stream, x, t, h, gather, used, &x_fp8, s.x_t, None)
+    }
+
+    /// Forward part 2: fc1, SwiGLU + cast, fc2.
+    fn experts_forward(&self, stream: &Stream, s: &Saved<'_>) -> Result<()> {
+        let (c, h, f) = (self.cfg.capacity(), self.cfg.hidden, self.cfg.ffn);
+        let host = self.host_offsets(stream, &s.routing)?;
+        let e4 = Fp8Format::E4M3;
+        self.experts_gemm(
+            stream,
+            &s.routing,
+            host.as_deref(),
+            (2 * f, h),
+            Operand {
+                data: &self.xq,
+                format: e4,
+                scale_inv: &s.si[0],
+            },
+            Operand {
+                data: self.w1_fp8.data(),
+                format: e4,
+                scale_inv: self.w1_fp8.scale_inv(),
+            },
+            &s.a,
+        )?;
+        let h_fp8 = self.tensor(&self.hq, &[c, f], HID, &s.si[1])?;
+        let used = RowsInUse::last(&s.routing.offsets)?;
+        swiglu_cast_transpose(stream, &s.a, c, f, used, &h_fp8, s.h_t, None)?;
+        self.experts_gemm(
+            stream,
+            &s.routing,
+            host.as_deref(),
+            (h, f),
+            Operand {
+                data: &self.hq,
+                format: e4,
+                scale_inv: &s.si[1],
+            },
+            Operand {
+                data: self.w2_fp8.data(),
+                format: e4,
+                scale_inv: self.w2_fp8.scale_inv(),
+            },
+            &s.y,
+        )
+    }
+
+    /// Backward part 1: the gates' gradient and dY's cast into the packed layout.
+    fn combine_backward(
+        &self,
+        stream: &Stream,
+        dy: &DeviceBuffer<bf16>,
+        s: &Saved<'_>,
+    ) -> Result<()> {
+        let (t, h) = (self.cfg.tokens, self.cfg.hidden);
+        self.router
+            .combine_backward_gates(stream, dy, &s.y, &s.routing)?;
+        let dy_fp8 = self.tensor(&self.dyq, &[self.cfg.capacity(), h], DY, &s.si[2])?;
+        let gather = Gather {
+            token_of_row: &s.routing.token_of_row,
+            top_k: self.cfg.router.top_k,
+            row_scale: Some(&s.routing.gates),
+        };
+        let used = RowsInUse::last(&s.routing.offsets)?;
+        gather_cast_transpose(stream, dy, t, h, gather, used, &dy_fp8, s.dy_t, None)
+    }
+
+    /// Backward part 2: the experts' data gradients (fc2 dgrad, SwiGLU backward + casts,
+    /// fc1 dgrad) and, with `weights`, their weight gradients.
+    fn experts_backward(&self, stream: &Stream, s: &Saved<'_>, weights: bool) -> Result<()> {
+        let (c, h, f) = (self.cfg.capacity(), self.cfg.hidden, self.cfg.ffn);
+        let host = self.host_offsets(stream, &s.routing)?;
+        let (e4, g) = (Fp8Format::E4M3, formats(self.cfg.recipe)[DY]);
+        // dh = dY . W2 (B = W2^T per expert, [F, H]).
+        self.experts_gemm(
+            stream,
+            &s.routing,
+            host.as_deref(),
+            (f, h),
+            Operand {
+                data: &self.dyq,
+                format: g,
+                scale_inv: &s.si[2],
+            },
+            Operand {
+                data: &self.w2_t,
+                format: e4,
+                scale_inv: self.w2_fp8.scale_inv(),
+            },
+            &self.dh,
+        )?;
+        let da_fp8 = self.tensor(&self.daq, &[c, 2 * f], DA, &s.si[3])?;
+        let used = RowsInUse::last(&s.routing.offsets)?;
+        swiglu_backward_cast_transpose(stream, &s.a, &self.dh, c, f, used, &da_fp8, s.da_t, None)?;
+        // dXp = dA . W1 (B = W1^T per expert, [H, 2F]).
+        self.experts_gemm(
+            stream,
+            &s.routing,
+            host.as_deref(),
+            (h, 2 * f),
+            Operand {
+                data: &self.daq,
+                format: g,
+                scale_inv: &s.si[3],
+            },
+            Operand {
+                data: &self.w1_t,
+                format: e4,
+                scale_inv: self.w1_fp8.scale_inv(),
+            },
+            &self.dxp,
+        )?;
+        if weights {
+            self.experts_weight_backward(stream, s, host.as_deref())?;
+        }
+        Ok(())
+    }
+
+    /// The experts' weight gradients from the saved transposed copies:
+    /// `dW2[e] += dY_e^T . h_e`, `dW1[e] += dA_e^T . X_e`.
+    fn experts_weight_backward(
+        &self,
+        stream: &Stream,
+        s: &Saved<'_>,
+        host: Option<&[i32]>,
+    ) -> Result<()> {
+        let (h, f) = (self.cfg.hidden, self.cfg.ffn);
+        let (e4, g) = (Fp8Format::E4M3, formats(self.cfg.recipe)[DY]);
+        self.experts_wgrad(
+            stream,
+            &s.routing,
+            host,
+            (h, f),
+            Operand {
+                data: s.dy_t,
+                format: g,
+                scale_inv: &s.si[2],
+            },
+            Operand {
+                data: s.h_t,
+                format: e4,
+                scale_inv: &s.si[1],
+            },
+            &self.dw2,
+        )?;
+        self.experts_wgrad(
+            stream,
+            &s.routing,
+            host,
+            (2 * f, h),
+            Operand {
+                data: s.da_t,
+                format: g,
+                scale_inv: &s.si[3],
+            },
+            Operand {
+                data: s.x_t,
+                format: e4,
+                scale_inv: &s.si[0],
+            },
+            &self.dw1,
+        )
+    }
+
+    /// Backward part 3: the router's backward and dx (and, with `weights`, the router
+    /// weight's gradient).
+    fn router_backward(
+        &self,
+        stream: &Stream,
+        x: &DeviceBuffer<bf16>,
+        dx: &DeviceBuffer<bf16>,
+        s: &Saved<'_>,
+        weights: bool,
+    ) -> Result<()> {
+        self.router.backward(stream, &s.routing)?;
+        self.router
+            .input_backward(stream, &self.dxp, &self.wr, &s.routing, dx)?;
+        if weights {
+            self.router
+                .weight_backward(stream, x, &s.routing, &self.dwr, true)?;
+        }
+        Ok(())
+    }
+
+    fn fp8_only(&self, slot: &Slot<'_, bf16>) -> Result<()> {
+        if slot.low_precision() {
+            Ok(())
+        } else {
+            Err(Error::InvalidArgument(format!(
+                "MoeLayer at {}: has no high-precision path (FP8 is off for it)",
+                slot.at()
+            )))
+        }
+    }
+
+    fn grouped_only(&self, slot: &Slot<'_, bf16>, what: &str) -> Result<()> {
+        if self.cfg.expert_gemm == ExpertGemm::Grouped {
+            Ok(())
+        } else {
+            Err(Error::InvalidArgument(format!(
+                "MoeLayer at {}: {what} need the full-layer mode (ExpertGemm::Grouped)",
+                slot.at()
+            )))
+        }
+    }
+
+    fn forward_input<'a>(&self, slot: &Slot<'a, bf16>) -> Result<&'a DeviceBuffer<bf16>> {
+        match slot.inputs() {
+            [x] => Ok(x),
+            i => Err(Error::InvalidArgument(format!(
+                "MoeLayer at {}: the slot has {} forward inputs, the layer one",
+                slot.at(),
+                i.len()
+            ))),
+        }
+    }
+}
+
+impl Callable<bf16> for MoeLayer {
+    fn input_lens(&self) -> Vec<usize> {
+        vec![self.cfg.tokens * self.cfg.hidden]
+    }
+
+    fn output_lens(&self) -> Vec<usize> {
+        vec![self.cfg.tokens * self.cfg.hidden]
+    }
+
+    fn saved_bytes(&self) -> Vec<usize> {
+        // Checked at construction, so this cannot fail.
+        self.cfg.saved_bytes().unwrap_or_default()
+    }
+
+    /// Casts W1 and W2 to E4M3, row-major and transposed per expert (one cast-transpose per
+    /// expert and weight), maxing into the two weights' amaxes; skipped on the device when
+    /// the slot's noop flag reads 1.0.
+    fn cast_weights(&mut self, stream: &Stream, slot: &Slot<'_, bf16>) -> Result<()> {
+        slot.record_tensors([self.first_tensor + W1, self.first_tensor + W2]);
+        let noop = slot
+            .skip_weight_cast()
+            .map(|f| DeviceScalar::at(f, 0))
+            .transpose()?;
+        let (e, h, f) = (self.cfg.experts, self.cfg.hidden, self.cfg.ffn);
+        for (w, w_fp8, w_t, rows, cols) in [
+            (&self.w1, &self.w1_fp8, &self.w1_t, 2 * f, h),
+            (&self.w2, &self.w2_fp8, &self.w2_t, h, f),
+        ] {
+            let n = rows * cols;
+            for x in 0..e {
+                let part = Fp8Tensor::from_parts(
+                    w_fp8.data().slice(x * n..(x + 1) * n)?,
+                    &[rows, cols],
+                    Fp8Format::E4M3,
+                    w_fp8.scale().clone(),
+                    w_fp8.scale_inv().clone(),
+                    w_fp8.amax().clone(),
+                )?;
+                cast_transpose(
+                    stream,
+                    &w.slice(x * n..(x + 1) * n)?,
+                    rows,
+                    cols,
+                    &part,
+                    &w_t.slice(x * n..(x + 1) * n)?,
+                    noop.as_ref(),
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    fn forward(
+        &mut self,
+        stream: &Stream,
+        inputs: &[&DeviceBuffer<bf16>],
+        outputs: &[&DeviceBuffer<bf16>],
+        slot: &Slot<'_, bf16>,
+    ) -> Result<()> {
+        for (seg, kind) in self.forward_segments().into_iter().enumerate() {
+            match kind {
+                SegmentKind::Graphed => self.forward_segment(seg, stream, inputs, outputs, slot)?,
+                SegmentKind::Eager => self.forward_eager(seg, stream, inputs, outputs, slot)?,
+            }
+        }
+        Ok(())
+    }
+
+    fn backward(
+        &mut self,
+        stream: &Stream,
+        grad_outputs: &[&DeviceBuffer<bf16>],
+        grad_inputs: &[&DeviceBuffer<bf16>],
+        slot: &Slot<'_, bf16>,
+    ) -> Result<()> {
+        for (seg, kind) in self.backward_segments().into_iter().enumerate() {
+            match kind {
+                SegmentKind::Graphed => {
+                    self.backward_segment(seg, stream, grad_outputs, grad_inputs, slot)?
+                }
+                SegmentKind::Eager => {
+                    self.backward_eager(seg, stream, grad_outputs, grad_inputs, slot)?
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The data-gradient half (split weight gradients; full-layer mode only: the runtime
+    /// needs a single-segment backward for them): gates' gradient, dY's cast, the experts'
+    /// dgrads, the router backward and dx. The weight gradients' inputs stay in the saved
+    /// buffers.
+    fn backward_input(
+        &mut self,
+        stream: &Stream,
+        grad_outputs: &[&DeviceBuffer<bf16>],
+        grad_inputs: &[&DeviceBuffer<bf16>],
+        slot: &Slot<'_, bf16>,
+    ) -> Result<()> {
+        self.fp8_only(slot)?;
+        self.grouped_only(slot, "split weight gradients")?;
+        let (dy, dx) = self.check_io("backward", grad_outputs, grad_inputs)?;
+        let s = self.saved(slot)?;
+        let x = self.forward_input(slot)?;
+        slot.record_tensors([self.first_tensor + DY, self.first_tensor + DA]);
+        self.combine_backward(stream, dy, &s)?;
+        self.experts_backward(stream, &s, false)?;
+        self.router_backward(stream, x, dx, &s, false)
+    }
+
+    /// The weight-gradient half: the experts' and the router's weight gradients from the
+    /// saved buffers (the routing's d_logits, the transposed FP8 copies).
+    fn backward_weight(
+        &mut self,
+        stream: &Stream,
+        _grad_outputs: &[&DeviceBuffer<bf16>],
+        slot: &Slot<'_, bf16>,
+    ) -> Result<()> {
+        self.fp8_only(slot)?;
+        self.grouped_only(slot, "split weight gradients")?;
+        let s = self.saved(slot)?;
+        let x = self.forward_input(slot)?;
+        self.experts_weight_backward(stream, &s, None)?;
+        self.router
+            .weight_backward(stream, x, &s.routing, &self.dwr, true)
+    }
+
+    /// Grouped: one graphed segment. Per expert: `[Graphed, Eager, Graphed]` (router +
+    /// permute, experts, combine).
+    fn forward_segments(&self) -> Vec<SegmentKind> {
+        match self.cfg.expert_gemm {
+            ExpertGemm::Grouped => vec![SegmentKind::Graphed],
+            ExpertGemm::PerExpert => {
+                vec![
+                    SegmentKind::Graphed,
+                    SegmentKind::Eager,
+                    SegmentKind::Graphed,
+                ]
+            }
+        }
+    }
+
+    /// Like [`forward_segments`](Callable::forward_segments): gates' gradient + dY cast,
+    /// experts, router backward.
+    fn backward_segments(&self) -> Vec<SegmentKind> {
+        self.forward_segments()
+    }
+
+    fn forward_segment(
+        &mut self,
+        segment: usize,
+        stream: &Stream,
+        inputs: &[&DeviceBuffer<bf16>],
+        outputs: &[&DeviceBuffer<bf16>],
+        slot: &Slot<'_, bf16>,
+    ) -> Result<()> {
+        self.fp8_only(slot)?;
+        let (x, out) = self.check_io("forward", inputs, outputs)?;
+        let s = self.saved(slot)?;
+        slot.record_tensors([self.first_tensor + X, self.first_tensor + HID]);
+        let whole = self.cfg.expert_gemm == ExpertGemm::Grouped;
+        if segment == 0 {
+            self.route(stream, x, &s)?;
+            if whole {
+                self.experts_forward(stream, &s)?;
+            }
+        }
+        if (segment == 0 && whole) || segment == 2 {
+            return self.router.combine(stream, &s.y, &s.routing, out);
+        }
+        if segment == 0 {
+            return Ok(());
+        }
+        Err(Error::InvalidArgument(format!(
+            "MoeLayer at {}: forward segment {segment} is not graphed",
+            slot.at()
+        )))
+    }
+
+    fn forward_eager(
+        &self,
+        segment: usize,
+        stream: &Stream,
+        inputs: &[&DeviceBuffer<bf16>],
+        outputs: &[&DeviceBuffer<bf16>],
+        slot: &Slot<'_, bf16>,
+    ) -> Result<()> {
+        self.fp8_only(slot)?;
+        self.check_io("forward", inputs, outputs)?;
+        if segment != 1 || self.cfg.expert_gemm != ExpertGemm::PerExpert {
+            return Err(Error::InvalidArgument(format!(
+                "MoeLayer at {}: forward segment {segment} is not eager",
+                slot.at()
+            )));
+        }
+        self.experts_forward(stream, &self.saved(slot)?)
+    }
+
+    fn backward_segment(
+        &mut self,
+        segment: usize,
+        stream: &Stream,
+        grad_outputs: &[&DeviceBuffer<bf16>],
+        grad_inputs: &[&DeviceBuffer<bf16>],
+        slot: &Slot<'_, bf16>,
+    ) -> Result<()> {
+        self.fp8_only(slot)?;
+        let (dy, dx) = self.check_io("backward", grad_outputs, grad_inputs)?;
+        let s = self.saved(slot)?;
+        let x = self.forward_input(slot)?;
+        slot.record_tensors([self.first_tensor + DY, self.first_tensor + DA]);
+        let whole = self.cfg.expert_gemm == ExpertGemm::Grouped;
+        match segment {
+            0 => {
+                self.combine_backward(stream, dy, &s)?;
+                if whole {
+                    self.experts_backward(stream, &s, true)?;
+                    self.router_backward(stream, x, dx, &s, true)?;
+                }
+                Ok(())
+            }
+            2 if !whole => self.router_backward(stream, x, dx, &s, true),
+            _ => Err(Error::InvalidArgument(format!(
+                "MoeLayer at {}: backward segment {segment} is not graphed",
+                slot.at()
+            ))),
+        }
+    }
+
+    fn backward_eager(
+        &self,
+        segment: usize,
+        stream: &Stream,
+        grad_outputs: &[&DeviceBuffer<bf16>],
+        grad_inputs: &[&DeviceBuffer<bf16>],
+        slot: &Slot<'_, bf16>,
+    ) -> Result<()> {
+        self.fp8_only(slot)?;
+        self.check_io("backward", grad_outputs, grad_inputs)?;
+        if segment != 1 || self.cfg.expert_gemm != ExpertGemm::PerExpert {
+            return Err(Error::InvalidArgument(format!(
+                "MoeLayer at {}: backward segment {segment} is not eager",
+                slot.at()
+            )));
+        }
+        self.experts_backward(stream, &self.saved(slot)?, true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::moe::routing::ScoreFn;
+
+    fn cfg() -> MoeLayerConfig {
+        MoeLayerConfig {
+            tokens: 256,
+            hidden: 2048,
+            ffn: 2048,
+            experts: 8,
+            router: RouterConfig {
+                top_k: 2,
+                score: ScoreFn::Softmax,
+                renormalize: false,
+                aux_coef: 0.01,
+                z_coef: 0.0,
+            },
+            recipe: Fp8Recipe::Hybrid,
+            expert_gemm: ExpertGemm::Grouped,
+        }
+    }
+
+    #[test]
+    fn saved_buffers_follow_the_capacity() {
+        let c = cfg();
+        let cap = c.capacity();
+        assert_eq!(cap, 1536);
+        let s = c.saved_bytes().unwrap();
+        assert_eq!(s.len(), 8);
+        assert_eq!(
+            &s[1..],
+            &[
+                2048 * cap,
+                cap * 4096 * 2,
+                2048 * cap,
+                cap * 2048 * 2,
+                16,
+                2048 * cap,
+                4096 * cap
+            ]
+        );
+    }
+
+    #[test]
+    fn shapes_and_formats_are_checked() {
+        let mut c = cfg();
+        c.ffn = 24;
+        assert!(c.check().unwrap_err().to_string().contains("ffn = 24"));
+        let mut c = cfg();
+        c.hidden = 0;
+        assert!(c.check().unwrap_err().to_string().contains("hidden"));
+        assert_eq!(formats(Fp8Recipe::Hybrid)[DY], Fp8Format::E5M2);
+        assert_eq!(formats(Fp8Recipe::E4M3)[DA], Fp8Format::E4M3);
+        assert!(
+            formats(Fp8Recipe::Hybrid)[..4]
+                .iter()
+                .all(|&f| f == Fp8Format::E4M3)
+        );
+    }
+}

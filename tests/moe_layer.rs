@@ -1,0 +1,344 @@
+//! [`MoeLayer`] forward and backward against the f64 reference (`fp8_moe::moe::reference`)
+//! on fresh random data, both expert-GEMM modes, and a captured full-layer forward and
+//! backward replayed equal to eager bit for bit.
+//!
+//! FP8 tolerance: every GEMM operand is E4M3 (3 mantissa bits, a relative rounding error of
+//! at most 2^-4 per element) or, for the HYBRID gradients, E5M2 (2^-3). The errors of the K
+//! products of a sum are independent, so a GEMM output's relative error is about the
+//! per-element bound over sqrt(3) (uniform rounding), well under it in norm; two stacked
+//! casts (x and W, then h and W2) add. The checks are norm-wise relative errors, `|got -
+//! ref| / |ref|`: 0.06 for the forward (E4M3 only), 0.12 for the gradients (E5M2 in the
+//! chain). The scales are set to `448 / amax` (E4M3) or `57344 / amax` (E5M2) of the
+//! reference's tensors, so no value lands in the subnormals; a wrong GEMM, a wrong row or
+//! a missed expert gives errors of order 1.
+
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use cuda_graph::half::bf16;
+use cuda_graph::{CaptureMode, Context, DeviceBuffer, GraphExec, InstantiateFlags, Stream};
+use fp8_kernels::{AmaxAlgo, DelayedScaling, Fp8Format};
+use fp8_moe::moe::layer::{
+    ExpertGemm, Fp8Recipe, MoeLayer, MoeLayerConfig, MoeParams, TENSORS, formats,
+};
+use fp8_moe::moe::reference as rf;
+use fp8_moe::moe::routing::{ALIGN_ROWS, RouterConfig, ScoreFn};
+use graphed_callables::{Callable, GraphIndex, Slot};
+
+struct Rng(u64);
+
+impl Rng {
+    fn fresh(what: &str) -> Rng {
+        let seed = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1);
+        println!("{what}: seed {seed:#x}");
+        Rng(seed)
+    }
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn vec(&mut self, n: usize, a: f32) -> Vec<f32> {
+        (0..n)
+            .map(|_| ((self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * a)
+            .collect()
+    }
+}
+
+/// Rounds to bf16 and back (the values the device holds).
+fn bf16_round(v: &[f32]) -> Vec<f32> {
+    v.iter().map(|&x| bf16::from_f32(x).to_f32()).collect()
+}
+
+fn f64s(v: &[f32]) -> Vec<f64> {
+    v.iter().map(|&x| f64::from(x)).collect()
+}
+
+fn rel_err(got: &[f64], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    let num: f64 = got.iter().zip(want).map(|(g, w)| (g - w) * (g - w)).sum();
+    let den: f64 = want.iter().map(|w| w * w).sum();
+    (num / den.max(1e-300)).sqrt()
+}
+
+fn amax(v: &[f64]) -> f64 {
+    v.iter().fold(0.0, |m, x| m.max(x.abs()))
+}
+
+fn config(expert_gemm: ExpertGemm) -> MoeLayerConfig {
+    MoeLayerConfig {
+        tokens: 96,
+        hidden: 64,
+        ffn: 32,
+        experts: 4,
+        router: RouterConfig {
+            top_k: 2,
+            score: ScoreFn::Softmax,
+            renormalize: false,
+            aux_coef: 0.05,
+            z_coef: 0.01,
+        },
+        recipe: Fp8Recipe::Hybrid,
+        expert_gemm,
+    }
+}
+
+struct Setup {
+    stream: Stream,
+    layer: MoeLayer,
+    saved: Vec<DeviceBuffer<u8>>,
+    x: DeviceBuffer<bf16>,
+    y: DeviceBuffer<bf16>,
+    dy: DeviceBuffer<bf16>,
+    dx: DeviceBuffer<bf16>,
+    reference: (rf::Forward, rf::Grads),
+}
+
+fn setup(ctx: &Arc<Context>, rng: &mut Rng, cfg: MoeLayerConfig) -> Setup {
+    let stream = Stream::new(ctx).unwrap();
+    let (t, h, f, e) = (cfg.tokens, cfg.hidden, cfg.ffn, cfg.experts);
+    let params = MoeParams {
+        wr: rng.vec(e * h, 0.3),
+        w1: bf16_round(&rng.vec(e * 2 * f * h, 0.2)),
+        w2: bf16_round(&rng.vec(e * h * f, 0.2)),
+    };
+    let x_host = bf16_round(&rng.vec(t * h, 1.0));
+    let dy_host = bf16_round(&rng.vec(t * h, 1.0));
+    let dims = rf::MoeDims {
+        tokens: t,
+        hidden: h,
+        ffn: f,
+        experts: e,
+        align: ALIGN_ROWS,
+    };
+    let rcfg = rf::RouterConfig::from(cfg.router);
+    let rparams = rf::Params {
+        wr: f64s(&params.wr),
+        w1: f64s(&params.w1),
+        w2: f64s(&params.w2),
+    };
+    let fwd = rf::forward(&dims, &rcfg, &rparams, &f64s(&x_host)).unwrap();
+    let grads = rf::backward(
+        &dims,
+        &rcfg,
+        &rparams,
+        &f64s(&x_host),
+        &fwd,
+        &f64s(&dy_host),
+    )
+    .unwrap();
+    let scaling = Arc::new(
+        DelayedScaling::new(&stream, &formats(cfg.recipe), 1, 0, AmaxAlgo::MostRecent).unwrap(),
+    );
+    // Scales from the reference's amaxes (x, W1, h, W2, dY packed, dA).
+    let w1_f: Vec<f64> = f64s(&params.w1);
+    let w2_f: Vec<f64> = f64s(&params.w2);
+    let amaxes = [
+        amax(&fwd.x_p),
+        amax(&w1_f),
+        amax(&fwd.h),
+        amax(&w2_f),
+        amax(&grads.d_y),
+        amax(&grads.d_a),
+    ];
+    for (i, (a, fmt)) in amaxes.iter().zip(formats(cfg.recipe)).enumerate() {
+        let max = if fmt == Fp8Format::E4M3 {
+            448.0
+        } else {
+            57344.0
+        };
+        scaling
+            .scale(i)
+            .unwrap()
+            .write(&stream, (max / a) as f32)
+            .unwrap();
+    }
+    let mut layer = MoeLayer::new(&stream, cfg, &params, scaling, 0).unwrap();
+    let saved: Vec<DeviceBuffer<u8>> = layer
+        .saved_bytes()
+        .iter()
+        .map(|&n| {
+            let b = DeviceBuffer::<u8>::alloc(ctx, n).unwrap();
+            b.memset_bytes(&stream, 0).unwrap();
+            b
+        })
+        .collect();
+    let x = DeviceBuffer::from_host(
+        &stream,
+        &x_host
+            .iter()
+            .map(|&v| bf16::from_f32(v))
+            .collect::<Vec<_>>(),
+    )
+    .unwrap();
+    let dy = DeviceBuffer::from_host(
+        &stream,
+        &dy_host
+            .iter()
+            .map(|&v| bf16::from_f32(v))
+            .collect::<Vec<_>>(),
+    )
+    .unwrap();
+    let y = DeviceBuffer::from_host(&stream, &vec![bf16::NAN; t * h]).unwrap();
+    let dx = DeviceBuffer::from_host(&stream, &vec![bf16::NAN; t * h]).unwrap();
+    let at = GraphIndex {
+        chunk: 0,
+        microbatch: 0,
+        layer: 0,
+    };
+    {
+        let saved_refs: Vec<&DeviceBuffer<u8>> = saved.iter().collect();
+        let slot = Slot::new(at, vec![&x], vec![&y], saved_refs);
+        layer.cast_weights(&stream, &slot).unwrap();
+    }
+    stream.synchronize().unwrap();
+    Setup {
+        stream,
+        layer,
+        saved,
+        x,
+        y,
+        dy,
+        dx,
+        reference: (fwd, grads),
+    }
+}
+
+fn run(s: &mut Setup) {
+    let at = GraphIndex {
+        chunk: 0,
+        microbatch: 0,
+        layer: 0,
+    };
+    let saved: Vec<&DeviceBuffer<u8>> = s.saved.iter().collect();
+    let slot = Slot::new(at, vec![&s.x], vec![&s.y], saved);
+    s.layer.forward(&s.stream, &[&s.x], &[&s.y], &slot).unwrap();
+    s.layer
+        .backward(&s.stream, &[&s.dy], &[&s.dx], &slot)
+        .unwrap();
+    s.stream.synchronize().unwrap();
+}
+
+fn bf16_vec(b: &DeviceBuffer<bf16>, s: &Stream) -> Vec<f64> {
+    b.to_vec(s)
+        .unwrap()
+        .iter()
+        .map(|v| f64::from(v.to_f32()))
+        .collect()
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn layer_matches_the_f64_reference_in_both_modes() {
+    let ctx = Context::default_device().unwrap();
+    let mut rng = Rng::fresh("layer_matches_the_f64_reference_in_both_modes");
+    for mode in [ExpertGemm::PerExpert, ExpertGemm::Grouped] {
+        let mut s = setup(&ctx, &mut rng, config(mode));
+        run(&mut s);
+        let st = &s.stream;
+        let (fwd, grads) = &s.reference;
+        let out = bf16_vec(&s.y, st);
+        let e_out = rel_err(&out, &fwd.out);
+        assert!(e_out < 0.06, "{mode:?}: forward rel err {e_out}");
+        let dx = bf16_vec(&s.dx, st);
+        let e_dx = rel_err(&dx, &grads.dx);
+        assert!(e_dx < 0.12, "{mode:?}: dx rel err {e_dx}");
+        let (_, dwr) = s.layer.router_weight();
+        let e_dwr = rel_err(&f64s(&dwr.to_vec(st).unwrap()), &grads.dwr);
+        assert!(e_dwr < 0.12, "{mode:?}: dwr rel err {e_dwr}");
+        let (_, dw1) = s.layer.fc1();
+        let e_dw1 = rel_err(&f64s(&dw1.to_vec(st).unwrap()), &grads.dw1);
+        assert!(e_dw1 < 0.12, "{mode:?}: dw1 rel err {e_dw1}");
+        let (_, dw2) = s.layer.fc2();
+        let e_dw2 = rel_err(&f64s(&dw2.to_vec(st).unwrap()), &grads.dw2);
+        assert!(e_dw2 < 0.12, "{mode:?}: dw2 rel err {e_dw2}");
+        let routing = s.layer.routing_of(&s.saved[0]).unwrap();
+        let losses = f64s(&routing.losses.to_vec(st).unwrap());
+        let (aux, z) = (fwd.routing.aux_loss, fwd.routing.z_loss);
+        assert!(
+            (losses[0] - aux).abs() <= 1e-4 * aux.abs(),
+            "{mode:?}: aux {} vs {aux}",
+            losses[0]
+        );
+        assert!(
+            (losses[1] - z).abs() <= 1e-4 * z.abs(),
+            "{mode:?}: z {} vs {z}",
+            losses[1]
+        );
+        println!(
+            "{mode:?}: rel err out {e_out:.4}, dx {e_dx:.4}, dwr {e_dwr:.4}, dw1 {e_dw1:.4}, dw2 {e_dw2:.4}"
+        );
+    }
+    assert_eq!(TENSORS, 6);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_captured_full_layer_equals_eager_bit_for_bit() {
+    let ctx = Context::default_device().unwrap();
+    let mut rng = Rng::fresh("a_captured_full_layer_equals_eager_bit_for_bit");
+    let mut s = setup(&ctx, &mut rng, config(ExpertGemm::Grouped));
+    run(&mut s);
+    let eager = results(&s);
+    // Gradients accumulate: zero them before each run so both runs add to zero.
+    let zero = |s: &Setup| {
+        s.layer.fc1().1.memset_bytes(&s.stream, 0).unwrap();
+        s.layer.fc2().1.memset_bytes(&s.stream, 0).unwrap();
+        s.layer
+            .router_weight()
+            .1
+            .memset_bytes(&s.stream, 0)
+            .unwrap();
+    };
+    zero(&s);
+    run(&mut s);
+    assert!(eager == results(&s), "two eager runs differ");
+    let at = GraphIndex {
+        chunk: 0,
+        microbatch: 0,
+        layer: 0,
+    };
+    let graph = {
+        let saved: Vec<&DeviceBuffer<u8>> = s.saved.iter().collect();
+        let slot = Slot::new(at, vec![&s.x], vec![&s.y], saved);
+        let (layer, x, y, dy, dx) = (&mut s.layer, &s.x, &s.y, &s.dy, &s.dx);
+        s.stream
+            .capture(CaptureMode::Global, |cs| {
+                layer.forward(cs.stream(), &[x], &[y], &slot)?;
+                layer.backward(cs.stream(), &[dy], &[dx], &slot)
+            })
+            .unwrap()
+    };
+    let exec = GraphExec::instantiate(&graph, InstantiateFlags::empty()).unwrap();
+    zero(&s);
+    s.y.memset_bytes(&s.stream, 0xff).unwrap();
+    s.dx.memset_bytes(&s.stream, 0xff).unwrap();
+    exec.launch(&s.stream).unwrap();
+    s.stream.synchronize().unwrap();
+    assert!(eager == results(&s), "the graph replay differs from eager");
+}
+
+/// The bits of everything a run writes: out, dx and the three weight gradients.
+fn results(s: &Setup) -> Vec<Vec<u32>> {
+    let st = &s.stream;
+    let h = |b: &DeviceBuffer<bf16>| {
+        b.to_vec(st)
+            .unwrap()
+            .iter()
+            .map(|v| u32::from(v.to_bits()))
+            .collect()
+    };
+    let f = |b: &DeviceBuffer<f32>| b.to_vec(st).unwrap().iter().map(|v| v.to_bits()).collect();
+    vec![
+        h(&s.y),
+        h(&s.dx),
+        f(s.layer.fc1().1),
+        f(s.layer.fc2().1),
+        f(s.layer.router_weight().1),
+    ]
+}
