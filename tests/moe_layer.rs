@@ -2,15 +2,17 @@
 //! on fresh random data, both expert-GEMM modes, and a captured full-layer forward and
 //! backward replayed equal to eager bit for bit.
 //!
-//! FP8 tolerance: every GEMM operand is E4M3 (3 mantissa bits, a relative rounding error of
-//! at most 2^-4 per element) or, for the HYBRID gradients, E5M2 (2^-3). The errors of the K
-//! products of a sum are independent, so a GEMM output's relative error is about the
-//! per-element bound over sqrt(3) (uniform rounding), well under it in norm; two stacked
-//! casts (x and W, then h and W2) add. The checks are norm-wise relative errors, `|got -
-//! ref| / |ref|`: 0.06 for the forward (E4M3 only), 0.12 for the gradients (E5M2 in the
-//! chain). The scales are set to `448 / amax` (E4M3) or `57344 / amax` (E5M2) of the
-//! reference's tensors, so no value lands in the subnormals; a wrong GEMM, a wrong row or
-//! a missed expert gives errors of order 1.
+//! FP8 tolerance: every GEMM operand is E4M3 (3 mantissa bits: a rounding error uniform within
+//! +-2^-4 relative, 3.6% rms) or, for the HYBRID gradients, E5M2 (+-2^-3, 7.2% rms). A GEMM
+//! output of random-sign products carries about the rms error of its operands in norm
+//! (two quantized operands: ~5% for E4M3), and the layer stacks two GEMMs with a cast
+//! between (x, W1; then h, W2): ~7% expected for the forward (0.065 seen on the H200), twice
+//! that where E5M2 enters. The checks are norm-wise relative errors `|got - ref| / |ref|`
+//! against the unquantized f64 reference: 0.10 for the forward, 0.20 for the gradients. The
+//! scales are set to `448 / amax` (E4M3) or `57344 / amax` (E5M2) of the reference's tensors,
+//! so no value lands in the subnormals; a wrong GEMM, a wrong row, a wrong scale or a missed
+//! expert gives errors of order 1. (A reference that models the casts would allow bounds
+//! near bf16 precision: to do.)
 
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -244,19 +246,19 @@ fn layer_matches_the_f64_reference_in_both_modes() {
         let (fwd, grads) = &s.reference;
         let out = bf16_vec(&s.y, st);
         let e_out = rel_err(&out, &fwd.out);
-        assert!(e_out < 0.06, "{mode:?}: forward rel err {e_out}");
+        assert!(e_out < 0.10, "{mode:?}: forward rel err {e_out}");
         let dx = bf16_vec(&s.dx, st);
         let e_dx = rel_err(&dx, &grads.dx);
-        assert!(e_dx < 0.12, "{mode:?}: dx rel err {e_dx}");
+        assert!(e_dx < 0.20, "{mode:?}: dx rel err {e_dx}");
         let (_, dwr) = s.layer.router_weight();
         let e_dwr = rel_err(&f64s(&dwr.to_vec(st).unwrap()), &grads.dwr);
-        assert!(e_dwr < 0.12, "{mode:?}: dwr rel err {e_dwr}");
+        assert!(e_dwr < 0.20, "{mode:?}: dwr rel err {e_dwr}");
         let (_, dw1) = s.layer.fc1();
         let e_dw1 = rel_err(&f64s(&dw1.to_vec(st).unwrap()), &grads.dw1);
-        assert!(e_dw1 < 0.12, "{mode:?}: dw1 rel err {e_dw1}");
+        assert!(e_dw1 < 0.20, "{mode:?}: dw1 rel err {e_dw1}");
         let (_, dw2) = s.layer.fc2();
         let e_dw2 = rel_err(&f64s(&dw2.to_vec(st).unwrap()), &grads.dw2);
-        assert!(e_dw2 < 0.12, "{mode:?}: dw2 rel err {e_dw2}");
+        assert!(e_dw2 < 0.20, "{mode:?}: dw2 rel err {e_dw2}");
         let routing = s.layer.routing_of(&s.saved[0]).unwrap();
         let losses = f64s(&routing.losses.to_vec(st).unwrap());
         let (aux, z) = (fwd.routing.aux_loss, fwd.routing.z_loss);
