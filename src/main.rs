@@ -120,6 +120,9 @@ enum Bench {
     /// The FP8 MLP stack at 64 and 8192 tokens; the FP8 MoE layer eager vs breaking-layer vs
     /// full-layer.
     Graphed,
+    /// One training step of the dropless top-k SwiGLU MoE layer: eager, breaking-layer and
+    /// full-layer graphs, beside the dense FP8 GEMM and PyTorch's figures.
+    Moe,
 }
 
 impl Bench {
@@ -130,6 +133,7 @@ impl Bench {
             Bench::Fp8Cast => "fp8-cast",
             Bench::Gemm => "gemm",
             Bench::Graphed => "graphed",
+            Bench::Moe => "moe",
         }
     }
 }
@@ -194,6 +198,10 @@ fn run_bench(bench: Bench, json_path: &std::path::Path) -> Result<(), info::CliE
         Bench::Graphed => (
             "bench graphed: eager vs graphed step time (FP8 MLP stack, FP8 MoE layer)",
             bench::graphed::run(),
+        ),
+        Bench::Moe => (
+            "bench moe: MoE layer training step (forward + backward), eager vs graphs",
+            bench::moe::run(),
         ),
     };
     let rows = rows.map_err(|e| info::CliError::Other(e.to_string()))?;
@@ -267,7 +275,13 @@ mod tests {
 
     #[test]
     fn subcommand_names_match_bench_names() {
-        for bench in [Bench::Graph, Bench::Fp8Cast, Bench::Gemm, Bench::Graphed] {
+        for bench in [
+            Bench::Graph,
+            Bench::Fp8Cast,
+            Bench::Gemm,
+            Bench::Graphed,
+            Bench::Moe,
+        ] {
             let cli = Cli::try_parse_from(["fp8-moe", "bench", bench.name()]).unwrap();
             let Command::Bench(args) = cli.command else {
                 panic!("not bench: {cli:?}")

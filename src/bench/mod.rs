@@ -6,6 +6,7 @@ pub mod fp8_cast;
 pub mod gemm;
 pub mod graph;
 pub mod graphed;
+pub mod moe;
 
 use std::fmt::Write as _;
 use std::io;
