@@ -572,11 +572,54 @@ fn dot(a: &[f64], b: &[f64]) -> f64 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
+/// The weights as fc1 and fc2 use them: rounded at [`Site::W1`] and [`Site::W2`].
+fn rounded_weights(params: &Params, round: Rounding<'_>) -> (Vec<f64>, Vec<f64>) {
+    let (mut w1, mut w2) = (params.w1.clone(), params.w2.clone());
+    round(Site::W1, &mut w1);
+    round(Site::W2, &mut w2);
+    (w1, w2)
+}
+
 fn check_params(s: &Sizes, params: &Params) -> Res<()> {
     check_finite("wr", &params.wr, s.e * s.h)?;
     check_finite("w1", &params.w1, s.e * 2 * s.f * s.h)?;
     check_finite("w2", &params.w2, s.e * s.h * s.f)
 }
+
+/// Where an FP8 layer rounds a tensor: its casts (x, the weights, h, the packed dY and dA)
+/// and its bf16 GEMM outputs (fc1's `a`, fc2's `y`, the dgrads `d_h` and `d_xp`). A
+/// reference that models them ([`forward_rounded`], [`backward_rounded`]) is what the
+/// device computes up to f32-versus-f64 sums, so the layer's tests can hold it to bf16
+/// precision instead of the FP8 formats' (a wrong scale or a missed row then shows at once).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Site {
+    /// The packed activations fc1 reads (`x_p`).
+    X,
+    /// fc1's weights.
+    W1,
+    /// fc1's output `a`.
+    A,
+    /// SwiGLU's output `h` (fc2's input).
+    H,
+    /// fc2's weights.
+    W2,
+    /// fc2's output `y`.
+    Y,
+    /// The packed output gradient `d_y` (gate times dy).
+    Dy,
+    /// fc2's data gradient `d_h`.
+    Dh,
+    /// SwiGLU's backward `d_a`.
+    Da,
+    /// fc1's data gradient `d_xp`.
+    Dxp,
+}
+
+/// A rounding of the values at a [`Site`], in place.
+pub type Rounding<'a> = &'a dyn Fn(Site, &mut [f64]);
+
+/// The exact computation: no rounding anywhere.
+fn exact(_: Site, _: &mut [f64]) {}
 
 /// The whole forward (steps 1 to 9) of `x [T, H]`.
 pub fn forward(
@@ -584,6 +627,18 @@ pub fn forward(
     cfg: &RouterConfig,
     params: &Params,
     x: &[f64],
+) -> Result<Forward, RefError> {
+    forward_rounded(dims, cfg, params, x, &exact)
+}
+
+/// [`forward`] with the values at every forward [`Site`] rounded by `round` before use
+/// (`x_p`, the weights, `a`, `h`, `y`; the [`Forward`] holds the rounded ones).
+pub fn forward_rounded(
+    dims: &MoeDims,
+    cfg: &RouterConfig,
+    params: &Params,
+    x: &[f64],
+    round: Rounding<'_>,
 ) -> Result<Forward, RefError> {
     let s = sizes(dims, cfg)?;
     check_params(&s, params)?;
@@ -594,24 +649,32 @@ pub fn forward(
     let mut a = vec![0.0; cap * f2];
     let mut y = vec![0.0; cap * h_n];
     let mut out = vec![0.0; s.t * h_n];
-    for (i, (&e, &r)) in routing.topk.iter().zip(&routing.plan.row_of).enumerate() {
-        let (t, e, r) = (i / k, e as usize, r as usize);
-        let xt = &x[t * h_n..(t + 1) * h_n];
-        x_p[r * h_n..(r + 1) * h_n].copy_from_slice(xt);
-        let w1e = &params.w1[e * f2 * h_n..(e + 1) * f2 * h_n];
+    let (w1, w2) = rounded_weights(params, round);
+    for (i, &r) in routing.plan.row_of.iter().enumerate() {
+        let (t, r) = (i / k, r as usize);
+        x_p[r * h_n..(r + 1) * h_n].copy_from_slice(&x[t * h_n..(t + 1) * h_n]);
+    }
+    round(Site::X, &mut x_p);
+    for (&e, &r) in routing.topk.iter().zip(&routing.plan.row_of) {
+        let (e, r) = (e as usize, r as usize);
+        let xr = &x_p[r * h_n..(r + 1) * h_n];
+        let w1e = &w1[e * f2 * h_n..(e + 1) * f2 * h_n];
         for c in 0..f2 {
-            a[r * f2 + c] = dot(xt, &w1e[c * h_n..(c + 1) * h_n]);
+            a[r * f2 + c] = dot(xr, &w1e[c * h_n..(c + 1) * h_n]);
         }
     }
-    let h = swiglu(&a, f_n)?;
+    round(Site::A, &mut a);
+    let mut h = swiglu(&a, f_n)?;
+    round(Site::H, &mut h);
     for (&e, &r) in routing.topk.iter().zip(&routing.plan.row_of) {
         let (e, r) = (e as usize, r as usize);
         let hr = &h[r * f_n..(r + 1) * f_n];
-        let w2e = &params.w2[e * h_n * f_n..(e + 1) * h_n * f_n];
+        let w2e = &w2[e * h_n * f_n..(e + 1) * h_n * f_n];
         for c in 0..h_n {
             y[r * h_n + c] = dot(hr, &w2e[c * f_n..(c + 1) * f_n]);
         }
     }
+    round(Site::Y, &mut y);
     // Combine in j order per token.
     for t in 0..s.t {
         for j in 0..k {
@@ -766,6 +829,22 @@ pub fn backward(
     fwd: &Forward,
     dy: &[f64],
 ) -> Result<Grads, RefError> {
+    backward_rounded(dims, cfg, params, x, fwd, dy, &exact)
+}
+
+/// [`backward`] of a [`forward_rounded`] with the values at every backward [`Site`] rounded
+/// by `round` before use (`d_y`, `d_h`, `d_a`, `d_xp`), the weights rounded as in the
+/// forward, and the forward's rounded tensors (`x_p`, `h`, `y`) where the gradients read
+/// them: the straight-through gradient of the rounded forward.
+pub fn backward_rounded(
+    dims: &MoeDims,
+    cfg: &RouterConfig,
+    params: &Params,
+    x: &[f64],
+    fwd: &Forward,
+    dy: &[f64],
+    round: Rounding<'_>,
+) -> Result<Grads, RefError> {
     let s = sizes(dims, cfg)?;
     check_params(&s, params)?;
     check_finite("x", x, s.t * s.h)?;
@@ -799,10 +878,12 @@ pub fn backward(
         }
     }
 
+    round(Site::Dy, &mut d_y);
+    let (w1, w2) = rounded_weights(params, round);
     let mut d_h = vec![0.0; cap * f_n];
     let mut dw2 = vec![0.0; e_n * h_n * f_n];
     for (_, _, e, r) in assignments() {
-        let w2e = &params.w2[e * h_n * f_n..(e + 1) * h_n * f_n];
+        let w2e = &w2[e * h_n * f_n..(e + 1) * h_n * f_n];
         let dw2e = &mut dw2[e * h_n * f_n..(e + 1) * h_n * f_n];
         let hr = &fwd.h[r * f_n..(r + 1) * f_n];
         let dyr = &d_y[r * h_n..(r + 1) * h_n];
@@ -815,12 +896,14 @@ pub fn backward(
         }
     }
 
-    let d_a = swiglu_backward(&fwd.a, &d_h, f_n)?;
+    round(Site::Dh, &mut d_h);
+    let mut d_a = swiglu_backward(&fwd.a, &d_h, f_n)?;
+    round(Site::Da, &mut d_a);
 
     let mut d_xp = vec![0.0; cap * h_n];
     let mut dw1 = vec![0.0; e_n * f2 * h_n];
     for (_, _, e, r) in assignments() {
-        let w1e = &params.w1[e * f2 * h_n..(e + 1) * f2 * h_n];
+        let w1e = &w1[e * f2 * h_n..(e + 1) * f2 * h_n];
         let dw1e = &mut dw1[e * f2 * h_n..(e + 1) * f2 * h_n];
         let xr = &fwd.x_p[r * h_n..(r + 1) * h_n];
         let dar = &d_a[r * f2..(r + 1) * f2];
@@ -833,6 +916,7 @@ pub fn backward(
         }
     }
 
+    round(Site::Dxp, &mut d_xp);
     let d_logits = router_backward(dims, cfg, routing, &d_gates)?;
 
     let mut dx = vec![0.0; t_n * h_n];
@@ -1085,6 +1169,52 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// A rounding only at `H` that zeroes it: the forward's fc2 sees zeros (out, y and the
+    /// gates' gradient vanish, so does dW2), while the backward is straight-through
+    /// (`d_h = d_y . W2` does not read h, so dW1 and d_xp equal the exact ones).
+    #[test]
+    fn roundings_apply_where_they_are_named() {
+        let mut rng = Rng(77);
+        let d = dims(6, 4, 3);
+        let cfg = config(ScoreFn::Softmax, 2, false);
+        let p = random_params(&mut rng, &d);
+        let x = rng.vec(d.tokens * d.hidden, 1.0);
+        let dy = rng.vec(d.tokens * d.hidden, 1.0);
+        let zero_h = |site: Site, v: &mut [f64]| {
+            if site == Site::H {
+                v.fill(0.0);
+            }
+        };
+        let exact_f = forward(&d, &cfg, &p, &x).unwrap();
+        let exact_g = backward(&d, &cfg, &p, &x, &exact_f, &dy).unwrap();
+        let f = forward_rounded(&d, &cfg, &p, &x, &zero_h).unwrap();
+        let g = backward_rounded(&d, &cfg, &p, &x, &f, &dy, &zero_h).unwrap();
+        assert!(
+            f.out
+                .iter()
+                .chain(&f.y)
+                .chain(&g.d_gates)
+                .chain(&g.dw2)
+                .all(|&v| v == 0.0)
+        );
+        assert_eq!(g.dw1, exact_g.dw1);
+        assert_eq!(g.d_xp, exact_g.d_xp);
+        assert!(exact_g.dw2.iter().any(|&v| v != 0.0));
+        // A rounding of the weights reaches both passes: halving W1 halves a (and d_xp).
+        let half_w1 = |site: Site, v: &mut [f64]| {
+            if site == Site::W1 {
+                v.iter_mut().for_each(|x| *x *= 0.5);
+            }
+        };
+        let f = forward_rounded(&d, &cfg, &p, &x, &half_w1).unwrap();
+        for (a, b) in f.a.iter().zip(&exact_f.a) {
+            assert!((a - 0.5 * b).abs() <= 1e-12 * b.abs().max(1.0));
+        }
+        let g = backward_rounded(&d, &cfg, &p, &x, &f, &dy, &half_w1).unwrap();
+        let dh_same = g.d_h == backward(&d, &cfg, &p, &x, &f, &dy).unwrap().d_h;
+        assert!(dh_same, "d_h reads W2 and d_y only");
     }
 
     #[test]
