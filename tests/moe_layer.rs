@@ -105,15 +105,32 @@ struct Setup {
     modeled: (rf::Forward, rf::Grads),
 }
 
-fn setup(ctx: &Arc<Context>, rng: &mut Rng, cfg: MoeLayerConfig) -> Setup {
+/// A layer of `cfg` on fresh random data; with `one_expert`, every token's first choice is
+/// that expert (x positive, its router row 1.0, the others small).
+fn setup(
+    ctx: &Arc<Context>,
+    rng: &mut Rng,
+    cfg: MoeLayerConfig,
+    one_expert: Option<usize>,
+) -> Setup {
     let stream = Stream::new(ctx).unwrap();
     let (t, h, f, e) = (cfg.tokens, cfg.hidden, cfg.ffn, cfg.experts);
-    let params = MoeParams {
+    let mut params = MoeParams {
         wr: rng.vec(e * h, 0.3),
         w1: bf16_round(&rng.vec(e * 2 * f * h, 0.2)),
         w2: bf16_round(&rng.vec(e * h * f, 0.2)),
     };
-    let x_host = bf16_round(&rng.vec(t * h, 1.0));
+    let mut x_host = bf16_round(&rng.vec(t * h, 1.0));
+    if let Some(e0) = one_expert {
+        x_host = bf16_round(
+            &x_host
+                .iter()
+                .map(|v| 0.5 + 0.5 * v.abs())
+                .collect::<Vec<_>>(),
+        );
+        params.wr.iter_mut().for_each(|w| *w *= 0.05);
+        params.wr[e0 * h..(e0 + 1) * h].fill(1.0);
+    }
     let dy_host = bf16_round(&rng.vec(t * h, 1.0));
     let dims = rf::MoeDims {
         tokens: t,
@@ -284,77 +301,120 @@ fn bf16_vec(b: &DeviceBuffer<bf16>, s: &Stream) -> Vec<f64> {
         .collect()
 }
 
+/// Runs one forward and backward of `s` and checks everything against both references.
+fn check_layer(label: &str, s: &mut Setup) {
+    run(s);
+    let st = &s.stream;
+    let (fwd, grads) = &s.reference;
+    let out = bf16_vec(&s.y, st);
+    let e_out = rel_err(&out, &fwd.out);
+    assert!(e_out < 0.10, "{label}: forward rel err {e_out}");
+    let dx = bf16_vec(&s.dx, st);
+    let e_dx = rel_err(&dx, &grads.dx);
+    assert!(e_dx < 0.20, "{label}: dx rel err {e_dx}");
+    let (_, dwr) = s.layer.router_weight();
+    let e_dwr = rel_err(&f64s(&dwr.to_vec(st).unwrap()), &grads.dwr);
+    assert!(e_dwr < 0.20, "{label}: dwr rel err {e_dwr}");
+    let (_, dw1) = s.layer.fc1();
+    let e_dw1 = rel_err(&f64s(&dw1.to_vec(st).unwrap()), &grads.dw1);
+    assert!(e_dw1 < 0.20, "{label}: dw1 rel err {e_dw1}");
+    let (_, dw2) = s.layer.fc2();
+    let e_dw2 = rel_err(&f64s(&dw2.to_vec(st).unwrap()), &grads.dw2);
+    assert!(e_dw2 < 0.20, "{label}: dw2 rel err {e_dw2}");
+    let routing = s.layer.routing_of(&s.saved[0]).unwrap();
+    let losses = f64s(&routing.losses.to_vec(st).unwrap());
+    let (aux, z) = (fwd.routing.aux_loss, fwd.routing.z_loss);
+    assert!(
+        (losses[0] - aux).abs() <= 1e-4 * aux.abs(),
+        "{label}: aux {} vs {aux}",
+        losses[0]
+    );
+    assert!(
+        (losses[1] - z).abs() <= 1e-4 * z.abs(),
+        "{label}: z {} vs {z}",
+        losses[1]
+    );
+    println!(
+        "{label}: rel err out {e_out:.4}, dx {e_dx:.4}, dwr {e_dwr:.4}, dw1 {e_dw1:.4}, dw2 {e_dw2:.4}"
+    );
+    // Against the reference that rounds where the device does, what is left is f32
+    // against f64 sums and the few elements where that moves a bf16 or FP8 rounding
+    // (a one-ulp bf16 difference in `a` crosses an FP8 boundary of h for a few percent
+    // of h's elements): bounds 0.03 forward, 0.06 gradients.
+    let (mf, mg) = &s.modeled;
+    let modeled = [
+        ("out", rel_err(&out, &mf.out), 0.03),
+        ("dx", rel_err(&dx, &mg.dx), 0.06),
+        (
+            "dwr",
+            rel_err(&f64s(&dwr.to_vec(st).unwrap()), &mg.dwr),
+            0.06,
+        ),
+        (
+            "dw1",
+            rel_err(&f64s(&dw1.to_vec(st).unwrap()), &mg.dw1),
+            0.06,
+        ),
+        (
+            "dw2",
+            rel_err(&f64s(&dw2.to_vec(st).unwrap()), &mg.dw2),
+            0.06,
+        ),
+    ];
+    println!("{label}: against the rounded reference {modeled:?}");
+    for (what, err, bound) in modeled {
+        assert!(
+            err < bound,
+            "{label}: {what} off the rounded reference by {err}"
+        );
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA device"]
 fn layer_matches_the_f64_reference_in_both_modes() {
     let ctx = Context::default_device().unwrap();
     let mut rng = Rng::fresh("layer_matches_the_f64_reference_in_both_modes");
+    let with = |k: usize, score: ScoreFn, renormalize: bool, experts: usize, mode| {
+        let mut c = config(mode);
+        c.router.top_k = k;
+        c.router.score = score;
+        c.router.renormalize = renormalize;
+        c.experts = experts;
+        c
+    };
     for mode in [ExpertGemm::PerExpert, ExpertGemm::Grouped] {
-        let mut s = setup(&ctx, &mut rng, config(mode));
-        run(&mut s);
-        let st = &s.stream;
-        let (fwd, grads) = &s.reference;
-        let out = bf16_vec(&s.y, st);
-        let e_out = rel_err(&out, &fwd.out);
-        assert!(e_out < 0.10, "{mode:?}: forward rel err {e_out}");
-        let dx = bf16_vec(&s.dx, st);
-        let e_dx = rel_err(&dx, &grads.dx);
-        assert!(e_dx < 0.20, "{mode:?}: dx rel err {e_dx}");
-        let (_, dwr) = s.layer.router_weight();
-        let e_dwr = rel_err(&f64s(&dwr.to_vec(st).unwrap()), &grads.dwr);
-        assert!(e_dwr < 0.20, "{mode:?}: dwr rel err {e_dwr}");
-        let (_, dw1) = s.layer.fc1();
-        let e_dw1 = rel_err(&f64s(&dw1.to_vec(st).unwrap()), &grads.dw1);
-        assert!(e_dw1 < 0.20, "{mode:?}: dw1 rel err {e_dw1}");
-        let (_, dw2) = s.layer.fc2();
-        let e_dw2 = rel_err(&f64s(&dw2.to_vec(st).unwrap()), &grads.dw2);
-        assert!(e_dw2 < 0.20, "{mode:?}: dw2 rel err {e_dw2}");
-        let routing = s.layer.routing_of(&s.saved[0]).unwrap();
-        let losses = f64s(&routing.losses.to_vec(st).unwrap());
-        let (aux, z) = (fwd.routing.aux_loss, fwd.routing.z_loss);
-        assert!(
-            (losses[0] - aux).abs() <= 1e-4 * aux.abs(),
-            "{mode:?}: aux {} vs {aux}",
-            losses[0]
-        );
-        assert!(
-            (losses[1] - z).abs() <= 1e-4 * z.abs(),
-            "{mode:?}: z {} vs {z}",
-            losses[1]
-        );
-        println!(
-            "{mode:?}: rel err out {e_out:.4}, dx {e_dx:.4}, dwr {e_dwr:.4}, dw1 {e_dw1:.4}, dw2 {e_dw2:.4}"
-        );
-        // Against the reference that rounds where the device does, what is left is f32
-        // against f64 sums and the few elements where that moves a bf16 or FP8 rounding
-        // (a one-ulp bf16 difference in `a` crosses an FP8 boundary of h for a few percent
-        // of h's elements): bounds 0.03 forward, 0.06 gradients.
-        let (mf, mg) = &s.modeled;
-        let modeled = [
-            ("out", rel_err(&out, &mf.out), 0.03),
-            ("dx", rel_err(&dx, &mg.dx), 0.06),
+        let cases = [
+            ("top-2 softmax, E=4", config(mode), None),
             (
-                "dwr",
-                rel_err(&f64s(&dwr.to_vec(st).unwrap()), &mg.dwr),
-                0.06,
+                "top-1 softmax renormalised, E=4",
+                with(1, ScoreFn::Softmax, true, 4, mode),
+                None,
             ),
             (
-                "dw1",
-                rel_err(&f64s(&dw1.to_vec(st).unwrap()), &mg.dw1),
-                0.06,
+                "top-8 sigmoid, E=16",
+                with(8, ScoreFn::Sigmoid, false, 16, mode),
+                None,
             ),
             (
-                "dw2",
-                rel_err(&f64s(&dw2.to_vec(st).unwrap()), &mg.dw2),
-                0.06,
+                "top-8 softmax, E=256",
+                with(8, ScoreFn::Softmax, false, 256, mode),
+                None,
+            ),
+            (
+                "top-1, every token to expert 2",
+                with(1, ScoreFn::Softmax, false, 4, mode),
+                Some(2),
+            ),
+            (
+                "top-2, every token to expert 1 first",
+                with(2, ScoreFn::Softmax, true, 8, mode),
+                Some(1),
             ),
         ];
-        println!("{mode:?}: against the rounded reference {modeled:?}");
-        for (what, err, bound) in modeled {
-            assert!(
-                err < bound,
-                "{mode:?}: {what} off the rounded reference by {err}"
-            );
+        for (what, cfg, one) in cases {
+            let mut s = setup(&ctx, &mut rng, cfg, one);
+            check_layer(&format!("{mode:?} {what}"), &mut s);
         }
     }
     assert_eq!(TENSORS, 6);
@@ -365,7 +425,7 @@ fn layer_matches_the_f64_reference_in_both_modes() {
 fn a_captured_full_layer_equals_eager_bit_for_bit() {
     let ctx = Context::default_device().unwrap();
     let mut rng = Rng::fresh("a_captured_full_layer_equals_eager_bit_for_bit");
-    let mut s = setup(&ctx, &mut rng, config(ExpertGemm::Grouped));
+    let mut s = setup(&ctx, &mut rng, config(ExpertGemm::Grouped), None);
     run(&mut s);
     let eager = results(&s);
     // Gradients accumulate: zero them before each run so both runs add to zero.
