@@ -653,3 +653,80 @@ fn graph_modes_equal_eager_bit_for_bit() {
         }
     }
 }
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn expert_weights_are_cast_once_per_step() {
+    let ctx = Context::default_device().unwrap();
+    let mut rng = Rng::fresh("expert_weights_are_cast_once_per_step");
+    for mode in [ExpertGemm::PerExpert, ExpertGemm::Grouped] {
+        let cfg = config(mode);
+        let (t, h, f, e) = (cfg.tokens, cfg.hidden, cfg.ffn, cfg.experts);
+        let params = MoeParams {
+            wr: rng.vec(e * h, 0.3),
+            w1: rng.vec(e * 2 * f * h, 0.2),
+            w2: rng.vec(e * h * f, 0.2),
+        };
+        let stream = Stream::new(&ctx).unwrap();
+        let scaling = Arc::new(
+            DelayedScaling::new(&stream, &formats(cfg.recipe), 1, 0, AmaxAlgo::MostRecent).unwrap(),
+        );
+        for (i, fmt) in formats(cfg.recipe).iter().enumerate() {
+            let v = if *fmt == Fp8Format::E4M3 {
+                64.0
+            } else {
+                4096.0
+            };
+            scaling.scale(i).unwrap().write(&stream, v).unwrap();
+        }
+        let layer = MoeLayer::new(&stream, cfg, &params, scaling, 0).unwrap();
+        let w1 = layer.fc1().0.share();
+        let x: Vec<bf16> = rng
+            .vec(t * h, 1.0)
+            .iter()
+            .map(|&v| bf16::from_f32(v))
+            .collect();
+        let x = DeviceBuffer::from_host(&stream, &x).unwrap();
+        let dy = DeviceBuffer::from_host(&stream, &vec![bf16::ZERO; t * h]).unwrap();
+        let schedule = graphed_callables::Schedule::new(&[1, 1, -1, -1], vec![1]).unwrap();
+        let g = graphed_callables::GraphedCallables::build(
+            &stream,
+            vec![Box::new(layer) as Box<dyn Callable<bf16>>],
+            &[vec![&x]],
+            graphed_callables::GraphedOptions::new(schedule),
+        )
+        .unwrap();
+        let bits = |b: &DeviceBuffer<bf16>| -> Vec<u16> {
+            b.to_vec(&stream)
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect()
+        };
+        let first = bits(&g.forward(0, 0, &[&x], &stream).unwrap()[0]);
+        assert!(
+            first.iter().any(|&b| b & 0x7fff != 0),
+            "{mode:?}: output all zero"
+        );
+        // Zero fc1's weights after the step's first microbatch: the second microbatch still
+        // runs on the FP8 copy cast at the first, so it gives the same output for the same x.
+        w1.memset_bytes(&stream, 0).unwrap();
+        let second = bits(&g.forward(0, 1, &[&x], &stream).unwrap()[0]);
+        assert_eq!(
+            second, first,
+            "{mode:?}: microbatch 1 must not recast the weights"
+        );
+        g.backward(0, 0, &[&dy], &stream).unwrap();
+        g.backward(0, 1, &[&dy], &stream).unwrap();
+        // The next step's first microbatch casts again: fc1 is zero, so is everything after.
+        let next = bits(&g.forward(0, 0, &[&x], &stream).unwrap()[0]);
+        assert!(
+            next.iter().all(|&b| b & 0x7fff == 0),
+            "{mode:?}: the next step must cast the zeroed weights"
+        );
+        g.forward(0, 1, &[&x], &stream).unwrap();
+        g.backward(0, 0, &[&dy], &stream).unwrap();
+        g.backward(0, 1, &[&dy], &stream).unwrap();
+        stream.synchronize().unwrap();
+    }
+}
