@@ -21,8 +21,8 @@ use cuda_graph::half::bf16;
 use cuda_graph::{CaptureMode, Context, DeviceBuffer, GraphExec, InstantiateFlags, Stream};
 use fp8_kernels::reference::{decode, encode};
 use fp8_kernels::{
-    Fp8Format, Fp8Tensor, Gather, RowsInUse, gather_cast_transpose, swiglu_backward_cast_transpose,
-    swiglu_cast_transpose,
+    CastScaling, Fp8Format, Fp8Tensor, FusedCastOut, Gather, RowsInUse, gather_cast_transpose,
+    swiglu_backward_cast_transpose, swiglu_cast_transpose,
 };
 use fp8_moe::moe::reference::{self as rf, MoeDims};
 use fp8_moe::moe::routing::{
@@ -402,6 +402,62 @@ fn fp8_out(
     (out, out_t)
 }
 
+/// The permute of `run`'s x into a poisoned E4M3 output (scale slot preset to `preset`, amax
+/// to a value the launch must not keep) with `scaling`, checked: the bytes bit for bit
+/// against the host's conversion of the same f32 products with the scale the cast used
+/// (`preset`, or `448 / max |x|` computed on the device), the amax (`max |x|`: every token is
+/// in some row), scale_inv, padding rows zero, rows past the ones in use untouched.
+fn check_permute(gpu: &Gpu, run: &Run, d: RoutingDims, scaling: CastScaling, preset: f32) {
+    let s = &gpu.stream;
+    let (rows, h, k) = (d.capacity(), d.hidden, d.top_k);
+    let used = run.got.offsets[d.experts] as usize;
+    let xf: Vec<f32> = run.x_host.iter().map(|v| v.to_f32()).collect();
+    let amax = xf.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let (out, out_t) = fp8_out(gpu, rows, h, Fp8Format::E4M3, preset);
+    if scaling == CastScaling::Current {
+        out.amax().write(s, 99.0).unwrap();
+    }
+    let gather = Gather {
+        token_of_row: &run.b.token_of_row,
+        top_k: k,
+        row_scale: None,
+    };
+    let used_at = RowsInUse::last(&run.b.offsets).unwrap();
+    let dst = FusedCastOut::new(&out, &out_t).scaling(scaling);
+    gather_cast_transpose(s, &run.x, (d.tokens, h), gather, used_at, dst).unwrap();
+    let scale = match scaling {
+        CastScaling::Delayed => preset,
+        CastScaling::Current => 448.0 / amax,
+    };
+    let label = format!("permute {scaling:?}");
+    assert_eq!(out.amax().read(s).unwrap(), amax, "{label} amax");
+    assert_eq!(out.scale().read(s).unwrap(), scale, "{label} scale");
+    assert_eq!(
+        out.scale_inv().read(s).unwrap(),
+        1.0 / scale,
+        "{label} scale_inv"
+    );
+    let (y, yt) = (out.data().to_vec(s).unwrap(), out_t.to_vec(s).unwrap());
+    let tor = &run.got.token_of_row;
+    let x_of = |r: usize, col: usize| {
+        if tor[r] < 0 {
+            0.0
+        } else {
+            xf[(tor[r] as usize / k) * h + col]
+        }
+    };
+    check_packed(
+        &label,
+        &y,
+        &yt,
+        rows,
+        h,
+        used,
+        |r, col| f64::from(x_of(r, col)),
+        |b, v| b == encode(v as f32 * scale, Fp8Format::E4M3),
+    );
+}
+
 #[test]
 #[ignore = "needs a CUDA device"]
 fn fused_casts_match_the_host() {
@@ -413,35 +469,12 @@ fn fused_casts_match_the_host() {
     let (rows, h, k) = (d.capacity(), d.hidden, d.top_k);
     let used = run.got.offsets[d.experts] as usize;
     let s = &gpu.stream;
-    let xf: Vec<f32> = run.x_host.iter().map(|v| v.to_f32()).collect();
     let tor = &run.got.token_of_row;
     let assignment = |r: usize| (tor[r] >= 0).then(|| tor[r] as usize);
 
     // The permute: E4M3, bit for bit against the host's conversion of the same f32 product.
-    let scale = 3.5f32;
-    let (out, out_t) = fp8_out(&gpu, rows, h, Fp8Format::E4M3, scale);
-    let gather = Gather {
-        token_of_row: &run.b.token_of_row,
-        top_k: k,
-        row_scale: None,
-    };
+    check_permute(&gpu, &run, d, CastScaling::Delayed, 3.5);
     let used_at = RowsInUse::last(&run.b.offsets).unwrap();
-    gather_cast_transpose(s, &run.x, d.tokens, h, gather, used_at, &out, &out_t, None).unwrap();
-    let (y, yt) = (out.data().to_vec(s).unwrap(), out_t.to_vec(s).unwrap());
-    let x_of = |r: usize, col: usize| assignment(r).map_or(0.0, |a| xf[(a / k) * h + col]);
-    check_packed(
-        "permute",
-        &y,
-        &yt,
-        rows,
-        h,
-        used,
-        |r, col| f64::from(x_of(r, col)),
-        |b, v| b == encode(v as f32 * scale, Fp8Format::E4M3),
-    );
-    let amax = xf.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    assert_eq!(out.amax().read(s).unwrap(), amax, "permute amax");
-    assert_eq!(out.scale_inv().read(s).unwrap(), 1.0 / scale);
 
     // The combine's backward: dY[r] = gate * dy[t], E5M2, bit for bit (one f32 product).
     let dy_host = to_bf16(&rng.vec(d.tokens * h, 2.0));
@@ -452,7 +485,15 @@ fn fused_casts_match_the_host() {
         top_k: k,
         row_scale: Some(&run.b.gates),
     };
-    gather_cast_transpose(s, &dy, d.tokens, h, gather, used_at, &out, &out_t, None).unwrap();
+    gather_cast_transpose(
+        s,
+        &dy,
+        (d.tokens, h),
+        gather,
+        used_at,
+        FusedCastOut::new(&out, &out_t),
+    )
+    .unwrap();
     let (y, yt) = (out.data().to_vec(s).unwrap(), out_t.to_vec(s).unwrap());
     let g = &run.got.gates;
     let dy_of = |r: usize, col: usize| {
@@ -496,7 +537,7 @@ fn fused_casts_match_the_host() {
     let da_ref = rf::swiglu_backward(&af, &dhf, f).unwrap();
     let scale = 2.0f32;
     let (out, out_t) = fp8_out(&gpu, rows, f, Fp8Format::E4M3, scale);
-    swiglu_cast_transpose(s, &a, rows, f, used_at, &out, &out_t, None).unwrap();
+    swiglu_cast_transpose(s, &a, (rows, f), used_at, FusedCastOut::new(&out, &out_t)).unwrap();
     let (y, yt) = (out.data().to_vec(s).unwrap(), out_t.to_vec(s).unwrap());
     check_packed(
         "swiglu",
@@ -516,7 +557,15 @@ fn fused_casts_match_the_host() {
     );
 
     let (out, out_t) = fp8_out(&gpu, rows, 2 * f, Fp8Format::E5M2, scale);
-    swiglu_backward_cast_transpose(s, &a, &dh, rows, f, used_at, &out, &out_t, None).unwrap();
+    swiglu_backward_cast_transpose(
+        s,
+        &a,
+        &dh,
+        (rows, f),
+        used_at,
+        FusedCastOut::new(&out, &out_t),
+    )
+    .unwrap();
     let (y, yt) = (out.data().to_vec(s).unwrap(), out_t.to_vec(s).unwrap());
     check_packed(
         "swiglu backward",
@@ -737,4 +786,61 @@ fn routing_is_deterministic_and_replays_in_a_graph() {
         exec.launch(s).unwrap();
         assert_eq!(&bits(&read_routing(&gpu, &b)), want, "graph replay");
     }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn fused_casts_with_current_scaling() {
+    let gpu = Gpu::new();
+    let mut rng = Rng::fresh("fused_casts_with_current_scaling");
+    let c = case(300, 64, 8, 2, ScoreFn::Softmax, false);
+    let run = route_and_check(&gpu, &mut rng, &c);
+    let d = c.dims;
+    let rows = d.capacity();
+    let used = run.got.offsets[d.experts] as usize;
+    let s = &gpu.stream;
+    let used_at = RowsInUse::last(&run.b.offsets).unwrap();
+    let tor = &run.got.token_of_row;
+    let assignment = |r: usize| (tor[r] >= 0).then(|| tor[r] as usize);
+
+    // The permute, E4M3: amax = max |x| (every token is in some row), scale = 448 / amax,
+    // bytes bit for bit. The scale slot starts at a value the cast must not use.
+    check_permute(&gpu, &run, d, CastScaling::Current, 1234.0);
+
+    // SwiGLU, E5M2: the amax over the rows in use only (garbage past them must not count).
+    let f = 32;
+    let mut a_host = rng.vec(rows * 2 * f, 3.0);
+    for r in 0..used {
+        if assignment(r).is_none() {
+            a_host[r * 2 * f..(r + 1) * 2 * f].fill(0.0);
+        }
+    }
+    for r in used..rows {
+        a_host[r * 2 * f..(r + 1) * 2 * f].fill(1e4);
+    }
+    let a_host = to_bf16(&a_host);
+    let a = DeviceBuffer::from_host(s, &a_host).unwrap();
+    let h_ref = rf::swiglu(&f64s_bf16(&a_host), f).unwrap();
+    let (out, out_t) = fp8_out(&gpu, rows, f, Fp8Format::E5M2, 1234.0);
+    let dst = FusedCastOut::new(&out, &out_t).scaling(CastScaling::Current);
+    swiglu_cast_transpose(s, &a, (rows, f), used_at, dst).unwrap();
+    let amax_ref = h_ref[..used * f].iter().fold(0.0f64, |m, v| m.max(v.abs()));
+    let amax = out.amax().read(s).unwrap();
+    assert!(
+        (f64::from(amax) - amax_ref).abs() <= 1e-5 * amax_ref,
+        "swiglu amax {amax}"
+    );
+    let scale = 57344.0 / amax;
+    assert_eq!(out.scale().read(s).unwrap(), scale, "current swiglu scale");
+    let (y, yt) = (out.data().to_vec(s).unwrap(), out_t.to_vec(s).unwrap());
+    check_packed(
+        "current swiglu",
+        &y,
+        &yt,
+        rows,
+        f,
+        used,
+        |r, col| h_ref[r * f + col],
+        |b, v| fp8_near(b, v * f64::from(scale), Fp8Format::E5M2),
+    );
 }

@@ -21,7 +21,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use cuda_graph::half::bf16;
 use cuda_graph::{CaptureMode, Context, DeviceBuffer, GraphExec, InstantiateFlags, Stream};
 use fp8_kernels::reference::{decode, encode};
-use fp8_kernels::{AmaxAlgo, DelayedScaling, Fp8Format};
+use fp8_kernels::{AmaxAlgo, CastScaling, DelayedScaling, Fp8Format};
 use fp8_moe::moe::layer::{
     ExpertGemm, Fp8Recipe, MoeLayer, MoeLayerConfig, MoeParams, TENSORS, formats,
 };
@@ -89,6 +89,7 @@ fn config(expert_gemm: ExpertGemm) -> MoeLayerConfig {
         },
         recipe: Fp8Recipe::Hybrid,
         expert_gemm,
+        scaling: CastScaling::Delayed,
     }
 }
 
@@ -384,8 +385,13 @@ fn layer_matches_the_f64_reference_in_both_modes() {
         c
     };
     for mode in [ExpertGemm::PerExpert, ExpertGemm::Grouped] {
+        let current = MoeLayerConfig {
+            scaling: CastScaling::Current,
+            ..config(mode)
+        };
         let cases = [
             ("top-2 softmax, E=4", config(mode), None),
+            ("top-2 softmax, E=4, current scaling", current, None),
             (
                 "top-1 softmax renormalised, E=4",
                 with(1, ScoreFn::Softmax, true, 4, mode),

@@ -51,6 +51,27 @@ __device__ __forceinline__ void transpose4x4(unsigned a, unsigned b, unsigned c,
     w[3] = __byte_perm(ab_hi, cd_hi, 0x7632);
 }
 
+// A thread's place in a full tile (the fast path): a warp covers 4 column vectors x 8 row
+// groups, so each load reads 64 contiguous bytes a row, and the shared stores of the
+// transposed tile are conflict-free (V * S == 8 mod 32 words). The thread handles rows
+// 4 * rg .. 4 * rg + 3 of column vector cv.
+template <typename T> struct FastLane {
+    unsigned cv, rg;
+    __device__ __forceinline__ explicit FastLane(unsigned t) {
+        const unsigned lane = t & 31u, warp = t >> 5;
+        constexpr unsigned WC = T::NCV / 4; // warps across the tile's columns
+        cv = (warp % WC) * 4 + (lane & 3u);
+        rg = (warp / WC) * 8 + (lane >> 2);
+    }
+    // The four loads of rows r .. r + 3 at column c, issued together.
+    template <typename Src>
+    __device__ __forceinline__ void load4(const Src &src, unsigned long long r, unsigned long long c,
+                                          typename Src::Raw *raw) const {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) raw[i] = src.load(r + i, c);
+    }
+};
+
 // The plain source: a [rows, cols] row-major matrix of In.
 template <typename In> struct MatrixSource {
     static constexpr int V = 16 / sizeof(In);
@@ -66,18 +87,24 @@ template <typename In> struct MatrixSource {
     }
 };
 
-template <typename Src, __nv_fp8_interpretation_t F>
+// CURRENT: current scaling. *amax already holds max |value| of this tensor (the amax pass
+// below ran before); the scale is fp8_max / amax (current_scale), written to *scale by block
+// 0 beside scale_inv, and amax is left as it is.
+template <typename Src, __nv_fp8_interpretation_t F, bool CURRENT = false>
 __device__ __forceinline__ void cast_transpose_src(const Src &src, uint8_t *__restrict__ y,
                                                    uint8_t *__restrict__ yt, unsigned long long rows,
                                                    unsigned long long rows_used, unsigned long long cols,
-                                                   const float *scale, float *scale_inv, float *amax,
+                                                   float *scale, float *scale_inv, float *amax,
                                                    const float *noop) {
     using T = CtTile<Src::V>;
     constexpr int V = T::V, TR = T::TR, TC = T::TC, S = T::S;
     __shared__ unsigned sm[TC * S];
     if (is_noop(noop)) return;
-    const float s = *scale;
-    if (blockIdx.x == 0 && threadIdx.x == 0 && scale_inv != nullptr) *scale_inv = 1.0f / s;
+    const float s = CURRENT ? current_scale(*amax, FormatMax<F>::value) : *scale;
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        if (scale_inv != nullptr) *scale_inv = 1.0f / s;
+        if (CURRENT) *scale = s;
+    }
     const unsigned long long tiles_c = (cols + TC - 1) / TC;
     const unsigned long long row0 = (blockIdx.x / tiles_c) * TR, col0 = (blockIdx.x % tiles_c) * TC;
     if (rows_used > rows) rows_used = rows;
@@ -86,16 +113,11 @@ __device__ __forceinline__ void cast_transpose_src(const Src &src, uint8_t *__re
     unsigned m = 0;
     const bool fast = row0 + TR <= rows_used && col0 + TC <= cols && rows % 16 == 0 && cols % 16 == 0;
     if (fast) {
-        const unsigned lane = t & 31u, warp = t >> 5;
-        constexpr unsigned WC = T::NCV / 4; // warps across the tile's columns
-        // A warp covers 4 column vectors x 8 row groups: 64 contiguous bytes a row per load,
-        // and conflict-free shared stores (V * S == 8 mod 32 words).
-        const unsigned cv = (warp % WC) * 4 + (lane & 3u);
-        const unsigned rg = (warp / WC) * 8 + (lane >> 2);
+        const FastLane<T> fl(t);
+        const unsigned cv = fl.cv, rg = fl.rg;
         const unsigned long long r = row0 + rg * 4, c = col0 + cv * V;
         typename Src::Raw raw[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) raw[i] = src.load(r + i, c);
+        fl.load4(src, r, c, raw);
         unsigned o[4][V / 4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -162,13 +184,48 @@ __device__ __forceinline__ void cast_transpose_src(const Src &src, uint8_t *__re
             if (gr < rows && gc < cols) yt[gc * rows + gr] = smb[cc * S * 4 + rr];
         }
     }
+    if (!CURRENT && amax != nullptr) block_amax_atomic(m, amax);
+}
+
+// The amax pass of current scaling: max |value| of the source's rows in use into *amax (which
+// must hold 0 or a smaller value), tile by tile exactly as cast_transpose_src reads them.
+template <typename Src>
+__device__ __forceinline__ void amax_src(const Src &src, unsigned long long rows,
+                                         unsigned long long rows_used, unsigned long long cols,
+                                         float *amax, const float *noop) {
+    using T = CtTile<Src::V>;
+    constexpr int V = T::V, TR = T::TR, TC = T::TC;
+    if (is_noop(noop)) return;
+    const unsigned long long tiles_c = (cols + TC - 1) / TC;
+    const unsigned long long row0 = (blockIdx.x / tiles_c) * TR, col0 = (blockIdx.x % tiles_c) * TC;
+    if (rows_used > rows) rows_used = rows;
+    if (row0 >= rows_used) return;
+    const unsigned t = threadIdx.x;
+    unsigned m = 0;
+    if (row0 + TR <= rows_used && col0 + TC <= cols && rows % 16 == 0 && cols % 16 == 0) {
+        const FastLane<T> fl(t);
+        typename Src::Raw raw[4];
+        fl.load4(src, row0 + fl.rg * 4, col0 + fl.cv * V, raw);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            float f[V];
+            src.unpack(raw[i], f);
+#pragma unroll
+            for (int k = 0; k < V; ++k) m = max(m, abs_bits(f[k]));
+        }
+    } else {
+        for (unsigned q = t; q < unsigned(TR * TC); q += CT_THREADS) {
+            const unsigned long long gr = row0 + q / TC, gc = col0 + q % TC;
+            if (gr < rows_used && gc < cols) m = max(m, abs_bits(src.at(gr, gc)));
+        }
+    }
     if (amax != nullptr) block_amax_atomic(m, amax);
 }
 
 template <typename In, __nv_fp8_interpretation_t F>
 __device__ __forceinline__ void cast_transpose(const In *__restrict__ x, uint8_t *__restrict__ y,
                                                uint8_t *__restrict__ yt, unsigned long long rows,
-                                               unsigned long long cols, const float *scale,
+                                               unsigned long long cols, float *scale,
                                                float *scale_inv, float *amax, const float *noop) {
     cast_transpose_src<MatrixSource<In>, F>(MatrixSource<In>{x, cols}, y, yt, rows, rows, cols, scale,
                                             scale_inv, amax, noop);

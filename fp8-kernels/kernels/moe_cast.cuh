@@ -133,50 +133,73 @@ __device__ __forceinline__ unsigned long long rows_in_use(const int *used) {
 } // namespace fp8k
 
 // Slots: idx = (scale, scale_inv, amax, noop) indices into their buffers; `used` is
-// used_buf[used_idx].
-#define FP8K_MOE_GATHER_CT(IN_NAME, IN_T, FMT_NAME, FMT)                                            \
-    extern "C" __global__ void __launch_bounds__(fp8k::CT_THREADS)                                 \
-        fp8_moe_gather_cast_transpose_##IN_NAME##_##FMT_NAME(                                      \
-            const IN_T *x, const int *token_of_row, const float *row_scale,                        \
-            unsigned long long assignments, unsigned k, uint8_t *y, uint8_t *yt,                    \
-            unsigned long long rows, unsigned long long cols, const int *used_buf, unsigned used_idx, \
-            float *scale, float *scale_inv, float *amax, const float *noop, uint4 idx) {           \
-        cuda_graph::pdl_enter();                                                                   \
-        const fp8k::GatherSource<IN_T> src{x, cols, token_of_row, assignments, k, row_scale};      \
-        fp8k::cast_transpose_src<fp8k::GatherSource<IN_T>, FMT>(                                   \
-            src, y, yt, rows, fp8k::rows_in_use(used_buf + used_idx), cols,                        \
-            fp8k::slot(scale, idx.x), fp8k::slot(scale_inv, idx.y), fp8k::slot(amax, idx.z),       \
-            fp8k::slot(noop, idx.w));                                                              \
-    }
+// used_buf[used_idx]. Each cast has a delayed-scaling entry (suffix-less: the scale from
+// *scale, amax maxed) and a current-scaling one (_current: the scale from *amax, which the
+// format-independent _amax entry filled after the amax was zeroed).
+#define FP8K_MOE_SRC_GATHER(IN_T)                                                                  \
+    const fp8k::GatherSource<IN_T> src{x, cols, token_of_row, assignments, k, row_scale}
+#define FP8K_MOE_SRC_SWIGLU const fp8k::SwigluSource src{a, ffn}
+#define FP8K_MOE_SRC_SWIGLU_BWD const fp8k::SwigluBackwardSource src{a, dh, ffn}
 
-#define FP8K_MOE_SWIGLU_CT(FMT_NAME, FMT)                                                           \
-    extern "C" __global__ void __launch_bounds__(fp8k::CT_THREADS)                                 \
-        fp8_swiglu_cast_transpose_bf16_##FMT_NAME(                                                 \
-            const __nv_bfloat16 *a, uint8_t *y, uint8_t *yt, unsigned long long rows,              \
-            unsigned long long ffn, const int *used_buf, unsigned used_idx, float *scale,          \
-            float *scale_inv, float *amax, const float *noop, uint4 idx) {                         \
+#define FP8K_MOE_GATHER_PARAMS(IN_T)                                                               \
+    const IN_T *x, const int *token_of_row, const float *row_scale, unsigned long long assignments, \
+        unsigned k
+#define FP8K_MOE_SWIGLU_PARAMS const __nv_bfloat16 *a
+#define FP8K_MOE_SWIGLU_BWD_PARAMS const __nv_bfloat16 *a, const __nv_bfloat16 *dh
+
+// One family: NAME, its source parameters and construction, and its output columns.
+#define FP8K_MOE_CAST(NAME, PARAMS, SRC, COLS_PARAM, COLS, FMT_NAME, FMT)                          \
+    extern "C" __global__ void __launch_bounds__(fp8k::CT_THREADS) NAME##_##FMT_NAME(              \
+        PARAMS, uint8_t *y, uint8_t *yt, unsigned long long rows, unsigned long long COLS_PARAM,   \
+        const int *used_buf, unsigned used_idx, float *scale, float *scale_inv, float *amax,       \
+        const float *noop, uint4 idx) {                                                            \
         cuda_graph::pdl_enter();                                                                   \
-        fp8k::cast_transpose_src<fp8k::SwigluSource, FMT>(                                         \
-            fp8k::SwigluSource{a, ffn}, y, yt, rows, fp8k::rows_in_use(used_buf + used_idx), ffn,  \
+        SRC;                                                                                       \
+        fp8k::cast_transpose_src<decltype(src), FMT, false>(                                       \
+            src, y, yt, rows, fp8k::rows_in_use(used_buf + used_idx), COLS,                        \
             fp8k::slot(scale, idx.x), fp8k::slot(scale_inv, idx.y), fp8k::slot(amax, idx.z),       \
             fp8k::slot(noop, idx.w));                                                              \
     }                                                                                              \
-    extern "C" __global__ void __launch_bounds__(fp8k::CT_THREADS)                                 \
-        fp8_swiglu_backward_cast_transpose_bf16_##FMT_NAME(                                        \
-            const __nv_bfloat16 *a, const __nv_bfloat16 *dh, uint8_t *y, uint8_t *yt,              \
-            unsigned long long rows, unsigned long long ffn, const int *used_buf,                  \
-            unsigned used_idx, float *scale, float *scale_inv, float *amax, const float *noop,     \
-            uint4 idx) {                                                                           \
+    extern "C" __global__ void __launch_bounds__(fp8k::CT_THREADS) NAME##_current_##FMT_NAME(      \
+        PARAMS, uint8_t *y, uint8_t *yt, unsigned long long rows, unsigned long long COLS_PARAM,   \
+        const int *used_buf, unsigned used_idx, float *scale, float *scale_inv, float *amax,       \
+        const float *noop, uint4 idx) {                                                            \
         cuda_graph::pdl_enter();                                                                   \
-        fp8k::cast_transpose_src<fp8k::SwigluBackwardSource, FMT>(                                 \
-            fp8k::SwigluBackwardSource{a, dh, ffn}, y, yt, rows,                                   \
-            fp8k::rows_in_use(used_buf + used_idx), 2 * ffn, fp8k::slot(scale, idx.x),             \
-            fp8k::slot(scale_inv, idx.y), fp8k::slot(amax, idx.z), fp8k::slot(noop, idx.w));       \
+        SRC;                                                                                       \
+        fp8k::cast_transpose_src<decltype(src), FMT, true>(                                        \
+            src, y, yt, rows, fp8k::rows_in_use(used_buf + used_idx), COLS,                        \
+            fp8k::slot(scale, idx.x), fp8k::slot(scale_inv, idx.y), fp8k::slot(amax, idx.z),       \
+            fp8k::slot(noop, idx.w));                                                              \
     }
 
-FP8K_MOE_GATHER_CT(bf16, __nv_bfloat16, e4m3, __NV_E4M3)
-FP8K_MOE_GATHER_CT(bf16, __nv_bfloat16, e5m2, __NV_E5M2)
-FP8K_MOE_GATHER_CT(f32, float, e4m3, __NV_E4M3)
-FP8K_MOE_GATHER_CT(f32, float, e5m2, __NV_E5M2)
-FP8K_MOE_SWIGLU_CT(e4m3, __NV_E4M3)
-FP8K_MOE_SWIGLU_CT(e5m2, __NV_E5M2)
+#define FP8K_MOE_AMAX(NAME, PARAMS, SRC, COLS_PARAM, COLS)                                         \
+    extern "C" __global__ void __launch_bounds__(fp8k::CT_THREADS) NAME##_amax(                    \
+        PARAMS, unsigned long long rows, unsigned long long COLS_PARAM, const int *used_buf,       \
+        unsigned used_idx, float *amax, const float *noop, uint2 idx) {                            \
+        cuda_graph::pdl_enter();                                                                   \
+        SRC;                                                                                       \
+        fp8k::amax_src(src, rows, fp8k::rows_in_use(used_buf + used_idx), COLS,                    \
+                       fp8k::slot(amax, idx.x), fp8k::slot(noop, idx.y));                          \
+    }
+
+#define FP8K_MOE_GATHER_ALL(IN_NAME, IN_T)                                                         \
+    FP8K_MOE_CAST(fp8_moe_gather_cast_transpose_##IN_NAME, FP8K_MOE_GATHER_PARAMS(IN_T),            \
+                  FP8K_MOE_SRC_GATHER(IN_T), cols, cols, e4m3, __NV_E4M3)                          \
+    FP8K_MOE_CAST(fp8_moe_gather_cast_transpose_##IN_NAME, FP8K_MOE_GATHER_PARAMS(IN_T),            \
+                  FP8K_MOE_SRC_GATHER(IN_T), cols, cols, e5m2, __NV_E5M2)                          \
+    FP8K_MOE_AMAX(fp8_moe_gather_cast_transpose_##IN_NAME, FP8K_MOE_GATHER_PARAMS(IN_T),            \
+                  FP8K_MOE_SRC_GATHER(IN_T), cols, cols)
+
+FP8K_MOE_GATHER_ALL(bf16, __nv_bfloat16)
+FP8K_MOE_GATHER_ALL(f32, float)
+FP8K_MOE_CAST(fp8_swiglu_cast_transpose_bf16, FP8K_MOE_SWIGLU_PARAMS, FP8K_MOE_SRC_SWIGLU, ffn, ffn,
+              e4m3, __NV_E4M3)
+FP8K_MOE_CAST(fp8_swiglu_cast_transpose_bf16, FP8K_MOE_SWIGLU_PARAMS, FP8K_MOE_SRC_SWIGLU, ffn, ffn,
+              e5m2, __NV_E5M2)
+FP8K_MOE_AMAX(fp8_swiglu_cast_transpose_bf16, FP8K_MOE_SWIGLU_PARAMS, FP8K_MOE_SRC_SWIGLU, ffn, ffn)
+FP8K_MOE_CAST(fp8_swiglu_backward_cast_transpose_bf16, FP8K_MOE_SWIGLU_BWD_PARAMS,
+              FP8K_MOE_SRC_SWIGLU_BWD, ffn, 2 * ffn, e4m3, __NV_E4M3)
+FP8K_MOE_CAST(fp8_swiglu_backward_cast_transpose_bf16, FP8K_MOE_SWIGLU_BWD_PARAMS,
+              FP8K_MOE_SRC_SWIGLU_BWD, ffn, 2 * ffn, e5m2, __NV_E5M2)
+FP8K_MOE_AMAX(fp8_swiglu_backward_cast_transpose_bf16, FP8K_MOE_SWIGLU_BWD_PARAMS,
+              FP8K_MOE_SRC_SWIGLU_BWD, ffn, 2 * ffn)

@@ -72,8 +72,8 @@ pub use cast_transpose::{TILE_COLS, cast_transpose, tile_rows};
 pub use format::{DType, Fp8Format};
 pub use module::{FATBIN, module};
 pub use moe_cast::{
-    Gather, MAX_TOP_K, RowsInUse, gather_cast_transpose, swiglu_backward_cast_transpose,
-    swiglu_cast_transpose,
+    CastScaling, FusedCastOut, Gather, MAX_TOP_K, RowsInUse, gather_cast_transpose,
+    swiglu_backward_cast_transpose, swiglu_cast_transpose,
 };
 pub use quantize::{ALIGN, FUSED_CURRENT_MAX, amax, dequantize, quantize, quantize_current};
 pub use scaling::{AmaxAlgo, DelayedScaling, IdentityGroup, MAX_HISTORY, ReductionGroup};

@@ -23,11 +23,14 @@
 //!   `[rows, 2F]` is `d gate = dh * up * silu'(gate)` (columns `0..F`) and
 //!   `d up = dh * silu(gate)` (columns `F..2F`), `silu'(v) = s (1 + v (1 - s))`, `s = sigmoid(v)`.
 //!
-//! The math is f32 (the device's `expf`), rounded once by the FP8 cast: `sat_rne(v * scale)`
-//! with `scale` read from `out.scale()`, `out.scale_inv() = 1 / scale` written, `max |v|`
-//! (unscaled, rows in use only) maxed into `out.amax()`, nothing written when `noop` holds 1.
-//! Every launcher validates first (nothing is enqueued on an error), then enqueues one kernel
-//! without synchronising or allocating (capturable).
+//! The math is f32 (the device's `expf`), rounded once by the FP8 cast: `sat_rne(v * scale)`,
+//! `out.scale_inv() = 1 / scale` written, nothing written when `noop` holds 1. The scale
+//! ([`CastScaling`]): delayed, read from `out.scale()`, with `max |v|` (unscaled, rows in use
+//! only) maxed into `out.amax()` (one launch); or current, `out.amax()` set to this tensor's
+//! `max |v|` first and `scale = fp8_max / amax` (1 when the amax is 0 or not finite) written to
+//! `out.scale()` and used (three launches: zero the amax, the amax pass, the cast). Every
+//! launcher validates first (nothing is enqueued on an error), then enqueues without
+//! synchronising or allocating (capturable).
 
 use cuda_graph::half::bf16;
 use cuda_graph::{DeviceBuffer, Error, KernelArgs, LaunchConfig, Result, Stream};
@@ -77,6 +80,156 @@ impl<'a> RowsInUse<'a> {
     }
 }
 
+/// How a fused cast picks its scale (see the [module documentation](self)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum CastScaling {
+    /// The scale in `out.scale()` (a delayed-scaling recipe's); the amax maxed into
+    /// `out.amax()` for the next update.
+    #[default]
+    Delayed,
+    /// The scale from this tensor's own amax, computed first (three launches).
+    Current,
+}
+
+/// Where a fused cast writes, and how it scales: `out` (row-major, its scale, scale_inv and
+/// amax slots) and `out_t` (the transposed bytes).
+#[derive(Debug, Clone, Copy)]
+pub struct FusedCastOut<'a> {
+    /// The row-major FP8 output `[rows, cols]` and its scalars.
+    pub out: &'a Fp8Tensor,
+    /// The transposed FP8 output, `rows * cols` bytes (`[cols, rows]`).
+    pub out_t: &'a DeviceBuffer<u8>,
+    /// Delayed or current scaling.
+    pub scaling: CastScaling,
+    /// A device flag: 1.0 at run time means write nothing.
+    pub noop: Option<&'a DeviceScalar>,
+}
+
+impl<'a> FusedCastOut<'a> {
+    /// Delayed scaling, no noop flag.
+    pub fn new(out: &'a Fp8Tensor, out_t: &'a DeviceBuffer<u8>) -> FusedCastOut<'a> {
+        FusedCastOut {
+            out,
+            out_t,
+            scaling: CastScaling::Delayed,
+            noop: None,
+        }
+    }
+
+    /// This output with `scaling`.
+    pub fn scaling(mut self, scaling: CastScaling) -> FusedCastOut<'a> {
+        self.scaling = scaling;
+        self
+    }
+}
+
+/// The source of a fused cast, as its kernels take it.
+enum Source<'a> {
+    Gather {
+        input: HpBuffer<'a>,
+        token_of_row: &'a DeviceBuffer<i32>,
+        row_scale: Option<&'a DeviceBuffer<f32>>,
+        assignments: u64,
+        k: u32,
+    },
+    Swiglu {
+        a: &'a DeviceBuffer<bf16>,
+    },
+    SwigluBackward {
+        a: &'a DeviceBuffer<bf16>,
+        dh: &'a DeviceBuffer<bf16>,
+    },
+}
+
+impl Source<'_> {
+    /// Pushes the source's kernel parameters (`null` holds 0: an absent pointer).
+    fn push<'k>(&'k self, args: KernelArgs<'k>, null: &'k u64) -> KernelArgs<'k> {
+        match self {
+            Source::Gather {
+                input,
+                token_of_row,
+                row_scale,
+                assignments,
+                k,
+            } => {
+                let args = input.push_to(args).arg(*token_of_row);
+                let args = match row_scale {
+                    Some(g) => args.arg(*g),
+                    None => args.arg(null),
+                };
+                args.arg(assignments).arg(k)
+            }
+            Source::Swiglu { a } => args.arg(*a),
+            Source::SwigluBackward { a, dh } => args.arg(*a).arg(*dh),
+        }
+    }
+}
+
+/// Enqueues one fused cast family's launches: `name` the kernel family (the format suffix and
+/// the `_current` / `_amax` entries are derived from it), `dims` = (rows, the columns
+/// parameter as the kernel takes it), `tiles` its grid.
+fn launch_fused(
+    stream: &Stream,
+    name: &str,
+    source: Source<'_>,
+    dims: (u64, u64),
+    used: RowsInUse<'_>,
+    tiles: u32,
+    dst: FusedCastOut<'_>,
+) -> Result<()> {
+    let out = dst.out;
+    let indices = slot_indices(out, dst.noop)?;
+    let fmt = out.format().name();
+    let null = 0u64;
+    let (rows, cols) = dims;
+    let cfg = LaunchConfig::linear(tiles, THREADS);
+    let current = dst.scaling == CastScaling::Current;
+    if current {
+        let amax_idx = [indices[2], indices[3]];
+        let (zero, _) = kernel(stream.context(), "fp8_zero_amax")?;
+        let args =
+            push_noop(KernelArgs::new().arg(out.amax().buffer()), dst.noop, &null).arg(&amax_idx);
+        // SAFETY: fp8_zero_amax(float*, const float*, uint2) writes amax[idx.x] only, an
+        // index inside the amax buffer (DeviceScalar checks it); it reads the noop slot.
+        unsafe { stream.launch_pdl(&zero, &LaunchConfig::linear(1, 32), &args) }?;
+        let (amax, _) = kernel(stream.context(), &format!("{name}_amax"))?;
+        let args = source
+            .push(KernelArgs::new(), &null)
+            .arg(&rows)
+            .arg(&cols)
+            .arg(used.buf)
+            .arg(&used.index)
+            .arg(out.amax().buffer());
+        let args = push_noop(args, dst.noop, &null).arg(&amax_idx);
+        // SAFETY: the amax pass reads what the cast below reads (see there) and writes only
+        // the amax slot.
+        unsafe { stream.launch_pdl(&amax, &cfg, &args) }?;
+    }
+    let kname = if current {
+        format!("{name}_current_{fmt}")
+    } else {
+        format!("{name}_{fmt}")
+    };
+    let (kern, _sms) = kernel(stream.context(), &kname)?;
+    let args = source
+        .push(KernelArgs::new(), &null)
+        .arg(out.data())
+        .arg(dst.out_t)
+        .arg(&rows)
+        .arg(&cols)
+        .arg(used.buf)
+        .arg(&used.index)
+        .arg(out.scale().buffer())
+        .arg(out.scale_inv().buffer())
+        .arg(out.amax().buffer());
+    let args = push_noop(args, dst.noop, &null).arg(&indices);
+    // SAFETY: the callers checked that the kernel's reads (the source, rows x cols of it
+    // through `source`'s buffers) and writes (rows * cols bytes to each of out.data() and
+    // out_t, 16-byte aligned) are inside their buffers; used.buf is read at a checked index;
+    // the scalar slots are inside their buffers (DeviceScalar checks them).
+    unsafe { stream.launch_pdl(&kern, &cfg, &args) }
+}
+
 /// Which token row each packed row holds, for [`gather_cast_transpose`].
 #[derive(Debug, Clone, Copy)]
 pub struct Gather<'a> {
@@ -92,25 +245,21 @@ pub struct Gather<'a> {
 
 /// Gathers token rows into the packed layout and casts them: `out[r, :] =
 /// cast(input[token_of_row[r] / k, :] * row_scale[token_of_row[r]])` for the rows in use
-/// (padding rows zero), written row-major into `out` (`[rows, cols]`, `rows =
-/// token_of_row.len()`) and transposed into `out_t` (`[cols, rows]`). See the [module
+/// (padding rows zero), written row-major into `dst.out` (`[rows, cols]`, `rows =
+/// token_of_row.len()`) and transposed into `dst.out_t` (`[cols, rows]`). See the [module
 /// documentation](self) for the scaling and the rows in use.
 ///
 /// Requirements (checked; nothing is written on an error): `input` f32 or bf16 of
-/// `tokens * cols` elements, `tokens >= 1`, `cols >= 1`; `1 <= top_k <= 8`; `row_scale` of
-/// `tokens * top_k` elements; `out.shape() == [rows, cols]`, `out_t` of `rows * cols` bytes;
-/// the input and outputs 16-byte aligned.
-#[allow(clippy::too_many_arguments)] // the kernel's inputs, each distinct
+/// `tokens * cols` elements, `tokens >= 1`, `cols >= 1`; `1 <= top_k <= 8`, `tokens * top_k`
+/// within i32; `row_scale` of `tokens * top_k` elements; `dst.out.shape() == [rows, cols]`,
+/// `dst.out_t` of `rows * cols` bytes; the input and outputs 16-byte aligned.
 pub fn gather_cast_transpose<'a>(
     stream: &Stream,
     input: impl Into<HpBuffer<'a>>,
-    tokens: usize,
-    cols: usize,
+    (tokens, cols): (usize, usize),
     gather: Gather<'a>,
     used: RowsInUse<'a>,
-    out: &Fp8Tensor,
-    out_t: &DeviceBuffer<u8>,
-    noop: Option<&DeviceScalar>,
+    dst: FusedCastOut<'_>,
 ) -> Result<()> {
     let what = "gather_cast_transpose";
     let input: HpBuffer<'a> = input.into();
@@ -151,43 +300,27 @@ pub fn gather_cast_transpose<'a>(
     }
     let rows = gather.token_of_row.len();
     check_align(&format!("{what} input"), input.device_ptr(), ALIGN)?;
-    check_outputs(what, rows, cols, out, out_t)?;
+    check_outputs(what, rows, cols, dst.out, dst.out_t)?;
     let tiles = tile_count(rows, cols, dtype)?;
-    let indices = slot_indices(out, noop)?;
-    let name = format!(
-        "fp8_moe_gather_cast_transpose_{}_{}",
-        dtype.name(),
-        out.format().name()
-    );
-    let (kern, _sms) = kernel(stream.context(), &name)?;
-    let (assignments64, k32, rows64, cols64) =
-        (assignments as u64, k as u32, rows as u64, cols as u64);
-    let null = 0u64;
-    let args = input.push_to(KernelArgs::new()).arg(gather.token_of_row);
-    let args = match gather.row_scale {
-        Some(g) => args.arg(g),
-        None => args.arg(&null),
+    let source = Source::Gather {
+        input,
+        token_of_row: gather.token_of_row,
+        row_scale: gather.row_scale,
+        assignments: assignments as u64,
+        k: k as u32,
     };
-    let args = args
-        .arg(&assignments64)
-        .arg(&k32)
-        .arg(out.data())
-        .arg(out_t)
-        .arg(&rows64)
-        .arg(&cols64)
-        .arg(used.buf)
-        .arg(&used.index)
-        .arg(out.scale().buffer())
-        .arg(out.scale_inv().buffer())
-        .arg(out.amax().buffer());
-    let args = push_noop(args, noop, &null).arg(&indices);
-    // SAFETY: the kernel writes at most rows * cols bytes to each of out.data() and out_t
-    // (checked to hold exactly that many, 16-byte aligned); it reads input rows only at
-    // token indices a / k with 0 <= a < tokens * k (entries outside are padding), each of
-    // cols elements inside the checked tokens * cols; row_scale at those a, checked to hold
-    // tokens * k; token_of_row at rows < rows (its length); used.buf at a checked index; the
-    // scalar slots are inside their buffers (DeviceScalar checks them).
-    unsafe { stream.launch_pdl(&kern, &LaunchConfig::linear(tiles, THREADS), &args) }
+    // The kernels read input rows only at token indices a / k with 0 <= a < tokens * k
+    // (other entries are padding), each of cols elements inside the checked tokens * cols;
+    // row_scale at those a (tokens * k checked); token_of_row at rows < its length.
+    launch_fused(
+        stream,
+        &format!("fp8_moe_gather_cast_transpose_{}", dtype.name()),
+        source,
+        (rows as u64, cols as u64),
+        used,
+        tiles,
+        dst,
+    )
 }
 
 /// Checks `a` (`[rows, 2 * ffn]` bf16) and `ffn` for the SwiGLU casts: `rows >= 1`,
@@ -212,69 +345,50 @@ fn check_swiglu_input(what: &str, a: &DeviceBuffer<bf16>, rows: usize, ffn: usiz
 }
 
 /// `out = cast(silu(gate) * up)` of the packed fc1 output `a` (`[rows, 2 * ffn]` bf16, gate
-/// columns first), row-major into `out` (`[rows, ffn]`) and transposed into `out_t`
+/// columns first), row-major into `dst.out` (`[rows, ffn]`) and transposed into `dst.out_t`
 /// (`[ffn, rows]`), for the rows in use. See the [module documentation](self).
 ///
 /// Requirements (checked; nothing is written on an error): `rows >= 1`; `ffn` a positive
-/// multiple of 16; `a` of `rows * 2 * ffn` elements; `out.shape() == [rows, ffn]`, `out_t`
-/// of `rows * ffn` bytes; all 16-byte aligned.
-#[allow(clippy::too_many_arguments)] // the kernel's inputs, each distinct
+/// multiple of 16; `a` of `rows * 2 * ffn` elements; `dst.out.shape() == [rows, ffn]`,
+/// `dst.out_t` of `rows * ffn` bytes; all 16-byte aligned.
 pub fn swiglu_cast_transpose(
     stream: &Stream,
     a: &DeviceBuffer<bf16>,
-    rows: usize,
-    ffn: usize,
+    (rows, ffn): (usize, usize),
     used: RowsInUse<'_>,
-    out: &Fp8Tensor,
-    out_t: &DeviceBuffer<u8>,
-    noop: Option<&DeviceScalar>,
+    dst: FusedCastOut<'_>,
 ) -> Result<()> {
     let what = "swiglu_cast_transpose";
     check_swiglu_input(what, a, rows, ffn)?;
-    check_outputs(what, rows, ffn, out, out_t)?;
+    check_outputs(what, rows, ffn, dst.out, dst.out_t)?;
     let tiles = tile_count(rows, ffn, DType::Bf16)?;
-    let indices = slot_indices(out, noop)?;
-    let name = format!("fp8_swiglu_cast_transpose_bf16_{}", out.format().name());
-    let (kern, _sms) = kernel(stream.context(), &name)?;
-    let (rows64, ffn64) = (rows as u64, ffn as u64);
-    let null = 0u64;
-    let args = KernelArgs::new()
-        .arg(a)
-        .arg(out.data())
-        .arg(out_t)
-        .arg(&rows64)
-        .arg(&ffn64)
-        .arg(used.buf)
-        .arg(&used.index)
-        .arg(out.scale().buffer())
-        .arg(out.scale_inv().buffer())
-        .arg(out.amax().buffer());
-    let args = push_noop(args, noop, &null).arg(&indices);
-    // SAFETY: the kernel reads rows * 2 * ffn elements of a and writes at most rows * ffn
-    // bytes to each of out.data() and out_t, all checked to hold exactly that and to be
-    // 16-byte aligned; used.buf is read at a checked index; the scalar slots are inside
-    // their buffers.
-    unsafe { stream.launch_pdl(&kern, &LaunchConfig::linear(tiles, THREADS), &args) }
+    // The kernels read rows * 2 * ffn elements of a (checked).
+    launch_fused(
+        stream,
+        "fp8_swiglu_cast_transpose_bf16",
+        Source::Swiglu { a },
+        (rows as u64, ffn as u64),
+        used,
+        tiles,
+        dst,
+    )
 }
 
 /// The SwiGLU backward fused with its casts: from `a` (`[rows, 2 * ffn]` bf16) and `dh`
-/// (`[rows, ffn]` bf16), `out = cast([d gate, d up])` row-major into `out` (`[rows, 2 *
-/// ffn]`) and transposed into `out_t` (`[2 * ffn, rows]`), for the rows in use. See the
+/// (`[rows, ffn]` bf16), `out = cast([d gate, d up])` row-major into `dst.out` (`[rows, 2 *
+/// ffn]`) and transposed into `dst.out_t` (`[2 * ffn, rows]`), for the rows in use. See the
 /// [module documentation](self).
 ///
 /// Requirements (checked; nothing is written on an error): as [`swiglu_cast_transpose`],
-/// plus `dh` of `rows * ffn` elements, 16-byte aligned, and `out.shape() == [rows, 2 * ffn]`.
-#[allow(clippy::too_many_arguments)] // the kernel's inputs, each distinct
+/// plus `dh` of `rows * ffn` elements, 16-byte aligned, and `dst.out.shape() == [rows, 2 *
+/// ffn]`.
 pub fn swiglu_backward_cast_transpose(
     stream: &Stream,
     a: &DeviceBuffer<bf16>,
     dh: &DeviceBuffer<bf16>,
-    rows: usize,
-    ffn: usize,
+    (rows, ffn): (usize, usize),
     used: RowsInUse<'_>,
-    out: &Fp8Tensor,
-    out_t: &DeviceBuffer<u8>,
-    noop: Option<&DeviceScalar>,
+    dst: FusedCastOut<'_>,
 ) -> Result<()> {
     let what = "swiglu_backward_cast_transpose";
     check_swiglu_input(what, a, rows, ffn)?;
@@ -286,32 +400,16 @@ pub fn swiglu_backward_cast_transpose(
         )));
     }
     check_align(&format!("{what} dh"), dh.as_raw(), ALIGN)?;
-    check_outputs(what, rows, 2 * ffn, out, out_t)?;
+    check_outputs(what, rows, 2 * ffn, dst.out, dst.out_t)?;
     let tiles = tile_count(rows, 2 * ffn, DType::Bf16)?;
-    let indices = slot_indices(out, noop)?;
-    let name = format!(
-        "fp8_swiglu_backward_cast_transpose_bf16_{}",
-        out.format().name()
-    );
-    let (kern, _sms) = kernel(stream.context(), &name)?;
-    let (rows64, ffn64) = (rows as u64, ffn as u64);
-    let null = 0u64;
-    let args = KernelArgs::new()
-        .arg(a)
-        .arg(dh)
-        .arg(out.data())
-        .arg(out_t)
-        .arg(&rows64)
-        .arg(&ffn64)
-        .arg(used.buf)
-        .arg(&used.index)
-        .arg(out.scale().buffer())
-        .arg(out.scale_inv().buffer())
-        .arg(out.amax().buffer());
-    let args = push_noop(args, noop, &null).arg(&indices);
-    // SAFETY: the kernel reads rows * 2 * ffn elements of a and rows * ffn of dh and writes
-    // at most rows * 2 * ffn bytes to each of out.data() and out_t, all checked to hold
-    // exactly that and to be 16-byte aligned; used.buf is read at a checked index; the
-    // scalar slots are inside their buffers.
-    unsafe { stream.launch_pdl(&kern, &LaunchConfig::linear(tiles, THREADS), &args) }
+    // The kernels read rows * 2 * ffn elements of a and rows * ffn of dh (checked).
+    launch_fused(
+        stream,
+        "fp8_swiglu_backward_cast_transpose_bf16",
+        Source::SwigluBackward { a, dh },
+        (rows as u64, ffn as u64),
+        used,
+        tiles,
+        dst,
+    )
 }

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use cuda_graph::half::bf16;
 use cuda_graph::{Context, DeviceBuffer, Stream};
 use fp8_kernels::gemm::{GemmOptions, GemmShape, Operand, gemm};
-use fp8_kernels::{AmaxAlgo, DelayedScaling, DeviceScalar, Fp8Format};
+use fp8_kernels::{AmaxAlgo, CastScaling, DelayedScaling, DeviceScalar, Fp8Format};
 use fp8_moe::moe::layer::{ExpertGemm, Fp8Recipe, MoeLayer, MoeLayerConfig, MoeParams, formats};
 use fp8_moe::moe::routing::{RouterConfig, ScoreFn};
 use graphed_callables::{Callable, GraphIndex, GraphedCallables, GraphedOptions, Schedule, Slot};
@@ -93,6 +93,7 @@ fn config(s: Shape, expert_gemm: ExpertGemm) -> MoeLayerConfig {
         },
         recipe: Fp8Recipe::Hybrid,
         expert_gemm,
+        scaling: CastScaling::Delayed,
     }
 }
 

@@ -48,8 +48,9 @@ use fp8_kernels::gemm::{
     grouped_gemm_wgrad,
 };
 use fp8_kernels::{
-    DelayedScaling, DeviceScalar, Fp8Format, Fp8Tensor, Gather, RowsInUse, cast_transpose,
-    gather_cast_transpose, swiglu_backward_cast_transpose, swiglu_cast_transpose,
+    CastScaling, DelayedScaling, DeviceScalar, Fp8Format, Fp8Tensor, FusedCastOut, Gather,
+    RowsInUse, cast_transpose, gather_cast_transpose, swiglu_backward_cast_transpose,
+    swiglu_cast_transpose,
 };
 use graphed_callables::{Callable, SegmentKind, Slot};
 
@@ -110,6 +111,11 @@ pub struct MoeLayerConfig {
     pub recipe: Fp8Recipe,
     /// How the expert GEMMs run.
     pub expert_gemm: ExpertGemm,
+    /// The scaling of the activations and gradients the layer casts (x, h, dY, dA): delayed
+    /// (the state's scales, amaxes recorded for its update) or current (each cast computes
+    /// its tensor's amax first). The expert weights keep delayed scaling: they are cast once
+    /// per step.
+    pub scaling: CastScaling,
 }
 
 impl MoeLayerConfig {
@@ -399,6 +405,11 @@ impl MoeLayer {
         )
     }
 
+    /// A fused cast's output with the layer's scaling of activations and gradients.
+    fn cast<'a>(&self, out: &'a Fp8Tensor, out_t: &'a DeviceBuffer<u8>) -> FusedCastOut<'a> {
+        FusedCastOut::new(out, out_t).scaling(self.cfg.scaling)
+    }
+
     fn check_io<'a>(
         &self,
         what: &str,
@@ -523,7 +534,7 @@ impl MoeLayer {
             row_scale: None,
         };
         let used = RowsInUse::last(&s.routing.offsets)?;
-        gather_cast_transpose(stream, x, t, h, gather, used, &x_fp8, s.x_t, None)
+        gather_cast_transpose(stream, x, (t, h), gather, used, self.cast(&x_fp8, s.x_t))
     }
 
     /// Forward part 2: fc1, SwiGLU + cast, fc2.
@@ -550,7 +561,7 @@ impl MoeLayer {
         )?;
         let h_fp8 = self.tensor(&self.hq, &[c, f], HID, &s.si[1])?;
         let used = RowsInUse::last(&s.routing.offsets)?;
-        swiglu_cast_transpose(stream, &s.a, c, f, used, &h_fp8, s.h_t, None)?;
+        swiglu_cast_transpose(stream, &s.a, (c, f), used, self.cast(&h_fp8, s.h_t))?;
         self.experts_gemm(
             stream,
             &s.routing,
@@ -587,7 +598,7 @@ impl MoeLayer {
             row_scale: Some(&s.routing.gates),
         };
         let used = RowsInUse::last(&s.routing.offsets)?;
-        gather_cast_transpose(stream, dy, t, h, gather, used, &dy_fp8, s.dy_t, None)
+        gather_cast_transpose(stream, dy, (t, h), gather, used, self.cast(&dy_fp8, s.dy_t))
     }
 
     /// Backward part 2: the experts' data gradients (fc2 dgrad, SwiGLU backward + casts,
@@ -616,7 +627,14 @@ impl MoeLayer {
         )?;
         let da_fp8 = self.tensor(&self.daq, &[c, 2 * f], DA, &s.si[3])?;
         let used = RowsInUse::last(&s.routing.offsets)?;
-        swiglu_backward_cast_transpose(stream, &s.a, &self.dh, c, f, used, &da_fp8, s.da_t, None)?;
+        swiglu_backward_cast_transpose(
+            stream,
+            &s.a,
+            &self.dh,
+            (c, f),
+            used,
+            self.cast(&da_fp8, s.da_t),
+        )?;
         // dXp = dA . W1 (B = W1^T per expert, [H, 2F]).
         self.experts_gemm(
             stream,
@@ -1010,6 +1028,7 @@ mod tests {
             },
             recipe: Fp8Recipe::Hybrid,
             expert_gemm: ExpertGemm::Grouped,
+            scaling: CastScaling::Delayed,
         }
     }
 
