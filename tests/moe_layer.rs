@@ -23,7 +23,7 @@ use cuda_graph::{CaptureMode, Context, DeviceBuffer, GraphExec, InstantiateFlags
 use fp8_kernels::reference::{decode, encode};
 use fp8_kernels::{AmaxAlgo, CastScaling, DelayedScaling, Fp8Format};
 use fp8_moe::moe::layer::{
-    ExpertGemm, Fp8Recipe, MoeLayer, MoeLayerConfig, MoeParams, TENSORS, formats,
+    ExpertGemm, Fp8Recipe, MoeLayer, MoeLayerConfig, MoeParams, formats, tensors,
 };
 use fp8_moe::moe::reference as rf;
 use fp8_moe::moe::routing::{ALIGN_ROWS, RouterConfig, ScoreFn};
@@ -156,46 +156,39 @@ fn setup(
         &f64s(&dy_host),
     )
     .unwrap();
-    let scaling = Arc::new(
-        DelayedScaling::new(&stream, &formats(cfg.recipe), 1, 0, AmaxAlgo::MostRecent).unwrap(),
-    );
-    // Scales from the reference's amaxes (x, W1, h, W2, dY packed, dA).
-    let w1_f: Vec<f64> = f64s(&params.w1);
-    let w2_f: Vec<f64> = f64s(&params.w2);
-    let amaxes = [
+    let fmts = formats(cfg.recipe, e);
+    let scaling =
+        Arc::new(DelayedScaling::new(&stream, &fmts, 1, 0, AmaxAlgo::MostRecent).unwrap());
+    // Scales from the reference's amaxes, in the state's order: x, h, dY (packed), dA, then
+    // each expert's W1, each expert's W2.
+    let (w1_f, w2_f) = (f64s(&params.w1), f64s(&params.w2));
+    let (n1, n2) = (2 * f * h, h * f);
+    let mut amaxes = vec![
         amax(&fwd.x_p),
-        amax(&w1_f),
         amax(&fwd.h),
-        amax(&w2_f),
         amax(&grads.d_y),
         amax(&grads.d_a),
     ];
-    for (i, (a, fmt)) in amaxes.iter().zip(formats(cfg.recipe)).enumerate() {
-        let max = if fmt == Fp8Format::E4M3 {
-            448.0
-        } else {
-            57344.0
-        };
-        scaling
-            .scale(i)
-            .unwrap()
-            .write(&stream, (max / a) as f32)
-            .unwrap();
-    }
-    // The reference again, rounding where the device does: FP8 casts with these scales,
-    // bf16 GEMM outputs.
+    amaxes.extend((0..e).map(|x| amax(&w1_f[x * n1..(x + 1) * n1])));
+    amaxes.extend((0..e).map(|x| amax(&w2_f[x * n2..(x + 1) * n2])));
     let scales: Vec<f32> = amaxes
         .iter()
-        .zip(formats(cfg.recipe))
+        .zip(&fmts)
         .map(|(a, fmt)| {
-            (if fmt == Fp8Format::E4M3 {
+            let max = if *fmt == Fp8Format::E4M3 {
                 448.0
             } else {
                 57344.0
-            } / a) as f32
+            };
+            // An all-zero tensor (an expert's weights never are) keeps scale 1.
+            if *a > 0.0 { (max / a) as f32 } else { 1.0 }
         })
         .collect();
-    let fmts = formats(cfg.recipe);
+    for (i, sc) in scales.iter().enumerate() {
+        scaling.scale(i).unwrap().write(&stream, *sc).unwrap();
+    }
+    // The reference again, rounding where the device does: FP8 casts with these scales
+    // (each expert's weights with its own), bf16 GEMM outputs.
     let round = |site: rf::Site, v: &mut [f64]| {
         let fp8 = |t: usize, v: &mut [f64]| {
             for x in v.iter_mut() {
@@ -205,11 +198,17 @@ fn setup(
         };
         match site {
             rf::Site::X => fp8(0, v),
-            rf::Site::W1 => fp8(1, v),
-            rf::Site::H => fp8(2, v),
-            rf::Site::W2 => fp8(3, v),
-            rf::Site::Dy => fp8(4, v),
-            rf::Site::Da => fp8(5, v),
+            rf::Site::H => fp8(1, v),
+            rf::Site::Dy => fp8(2, v),
+            rf::Site::Da => fp8(3, v),
+            rf::Site::W1 => v
+                .chunks_mut(n1)
+                .enumerate()
+                .for_each(|(x, w)| fp8(4 + x, w)),
+            rf::Site::W2 => v
+                .chunks_mut(n2)
+                .enumerate()
+                .for_each(|(x, w)| fp8(4 + e + x, w)),
             rf::Site::A | rf::Site::Y | rf::Site::Dh | rf::Site::Dxp => {
                 v.iter_mut()
                     .for_each(|x| *x = f64::from(bf16::from_f32(*x as f32).to_f32()));
@@ -423,7 +422,7 @@ fn layer_matches_the_f64_reference_in_both_modes() {
             check_layer(&format!("{mode:?} {what}"), &mut s);
         }
     }
-    assert_eq!(TENSORS, 6);
+    assert_eq!(tensors(8), 20);
 }
 
 #[test]
@@ -504,9 +503,16 @@ fn schedule_bits(
     const ORDER: [i64; 4] = [1, 1, -1, -1];
     let stream = Stream::new(ctx).unwrap();
     let scaling = Arc::new(
-        DelayedScaling::new(&stream, &formats(cfg.recipe), 1, 0, AmaxAlgo::MostRecent).unwrap(),
+        DelayedScaling::new(
+            &stream,
+            &formats(cfg.recipe, cfg.experts),
+            1,
+            0,
+            AmaxAlgo::MostRecent,
+        )
+        .unwrap(),
     );
-    for (t, fmt) in formats(cfg.recipe).iter().enumerate() {
+    for (t, fmt) in formats(cfg.recipe, cfg.experts).iter().enumerate() {
         let v = if *fmt == Fp8Format::E4M3 {
             64.0
         } else {
@@ -675,9 +681,16 @@ fn expert_weights_are_cast_once_per_step() {
         };
         let stream = Stream::new(&ctx).unwrap();
         let scaling = Arc::new(
-            DelayedScaling::new(&stream, &formats(cfg.recipe), 1, 0, AmaxAlgo::MostRecent).unwrap(),
+            DelayedScaling::new(
+                &stream,
+                &formats(cfg.recipe, cfg.experts),
+                1,
+                0,
+                AmaxAlgo::MostRecent,
+            )
+            .unwrap(),
         );
-        for (i, fmt) in formats(cfg.recipe).iter().enumerate() {
+        for (i, fmt) in formats(cfg.recipe, cfg.experts).iter().enumerate() {
             let v = if *fmt == Fp8Format::E4M3 {
                 64.0
             } else {
@@ -734,5 +747,71 @@ fn expert_weights_are_cast_once_per_step() {
         g.backward(0, 0, &[&dy], &stream).unwrap();
         g.backward(0, 1, &[&dy], &stream).unwrap();
         stream.synchronize().unwrap();
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn warmup_reports_only_the_routed_experts_weights() {
+    use std::sync::Mutex;
+    let ctx = Context::default_device().unwrap();
+    let mut rng = Rng::fresh("warmup_reports_only_the_routed_experts_weights");
+    for mode in [ExpertGemm::PerExpert, ExpertGemm::Grouped] {
+        let mut cfg = config(mode);
+        cfg.router.top_k = 1;
+        let (t, h, f, e) = (cfg.tokens, cfg.hidden, cfg.ffn, cfg.experts);
+        // Every token to expert 2: positive x, expert 2's router row 1, the others small.
+        let mut wr = rng.vec(e * h, 0.01);
+        wr[2 * h..3 * h].fill(1.0);
+        let params = MoeParams {
+            wr,
+            w1: rng.vec(e * 2 * f * h, 0.2),
+            w2: rng.vec(e * h * f, 0.2),
+        };
+        let stream = Stream::new(&ctx).unwrap();
+        let fmts = formats(cfg.recipe, e);
+        // Tensors from 10 on: the layer's first is not 0.
+        let mut all = vec![Fp8Format::E4M3; 10];
+        all.extend(&fmts);
+        let scaling =
+            Arc::new(DelayedScaling::new(&stream, &all, 1, 0, AmaxAlgo::MostRecent).unwrap());
+        let layer = MoeLayer::new(&stream, cfg, &params, scaling, 10).unwrap();
+        let x: Vec<bf16> = rng
+            .vec(t * h, 1.0)
+            .iter()
+            .map(|&v| bf16::from_f32(0.5 + 0.5 * v.abs()))
+            .collect();
+        let x = DeviceBuffer::from_host(&stream, &x).unwrap();
+        let seen = Arc::new(Mutex::new(None));
+        let mut options = graphed_callables::GraphedOptions::new(
+            graphed_callables::Schedule::new(&[1, -1], vec![1]).unwrap(),
+        );
+        options.after_warmup = Some(Box::new({
+            let seen = seen.clone();
+            move |_: &Stream, record: &graphed_callables::WarmupRecord| {
+                *seen.lock().unwrap() = Some(record.tensors());
+                Ok(())
+            }
+        }));
+        graphed_callables::GraphedCallables::build(
+            &stream,
+            vec![Box::new(layer) as Box<dyn Callable<bf16>>],
+            &[vec![&x]],
+            options,
+        )
+        .unwrap();
+        let got: Vec<usize> = seen
+            .lock()
+            .unwrap()
+            .take()
+            .expect("after_warmup ran")
+            .into_iter()
+            .collect();
+        // x, h, dY, dA, then expert 2's fc1 (4 + 2) and fc2 (4 + E + 2), all from 10.
+        let want: Vec<usize> = [0, 1, 2, 3, 4 + 2, 4 + e + 2]
+            .iter()
+            .map(|t| 10 + t)
+            .collect();
+        assert_eq!(got, want, "{mode:?}: tensors warmup reported");
     }
 }

@@ -114,17 +114,13 @@ fn layer(stream: &Stream, cfg: MoeLayerConfig) -> BenchResult<MoeLayer> {
         w1: random(2, e * 2 * f * h, 0.02),
         w2: random(3, e * h * f, 0.02),
     };
-    let scaling = Arc::new(DelayedScaling::new(
-        stream,
-        &formats(cfg.recipe),
-        16,
-        0,
-        AmaxAlgo::Max,
-    )?);
-    // Scales for the data's magnitudes (x ~ 1, W ~ 0.02, h ~ 0.1, gradients ~ 1e-2), so the
-    // casts use the formats' range as a trained model's delayed scales would.
-    for (t, v) in [1.0f32, 0.02, 0.1, 0.02, 0.01, 0.01].iter().enumerate() {
-        let max = if formats(cfg.recipe)[t] == Fp8Format::E4M3 {
+    let fmts = formats(cfg.recipe, e);
+    let scaling = Arc::new(DelayedScaling::new(stream, &fmts, 16, 0, AmaxAlgo::Max)?);
+    // Scales for the data's magnitudes (x ~ 1, h ~ 0.1, gradients ~ 1e-2, weights ~ 0.02), so
+    // the casts use the formats' range as a trained model's delayed scales would.
+    for (t, fmt) in fmts.iter().enumerate() {
+        let v = [1.0f32, 0.1, 0.01, 0.01].get(t).copied().unwrap_or(0.02);
+        let max = if *fmt == Fp8Format::E4M3 {
             448.0
         } else {
             57344.0

@@ -26,11 +26,15 @@
 //!   the host between the kernels, so each pass is one graph (full-layer capture).
 //!
 //! # FP8 state
-//! Six tensors of a shared [`DelayedScaling`], from the layer's `first_tensor`: x, W1, h, W2
-//! (E4M3) and dY, dA (the gradient format) ([`formats`]). One scale per tensor, over all
-//! experts. The expert weights are cast once per step in [`Callable::cast_weights`] (skipped
-//! on later microbatches exactly like single linears: the slot's noop flag or the runtime's
-//! IF node).
+//! [`tensors`]`(E) = 4 + 2E` tensors of a shared [`DelayedScaling`], from the layer's
+//! `first_tensor`: x and h (E4M3), dY and dA (the gradient format), then fc1's weight of every
+//! expert and fc2's of every expert (E4M3) ([`formats`]): each expert's weights have their own
+//! scale, like TransformerEngine's grouped linear, and the grouped GEMMs read one scale per
+//! expert. The expert weights are cast once per step in [`Callable::cast_weights`] (skipped on
+//! later microbatches exactly like single linears: the slot's noop flag or the runtime's IF
+//! node). A warmup forward reports ([`Slot::record_tensors`]) the weight tensors of the
+//! experts that got tokens only, so the runtime registers for scale updates exactly the
+//! experts warmup routed to.
 //!
 //! # Saved buffers (per microbatch)
 //! `saved[0]` the routing ([`RoutingBuffers::from_bytes`]), `[1]` `X^T` E4M3 `[H, C]`, `[2]`
@@ -44,8 +48,8 @@ use std::sync::Arc;
 use cuda_graph::half::bf16;
 use cuda_graph::{DeviceBuffer, Error, Result, Stream};
 use fp8_kernels::gemm::{
-    GemmOptions, GemmPath, GemmShape, Operand, PackedShape, WgradShape, gemm, grouped_gemm_packed,
-    grouped_gemm_wgrad,
+    GemmOptions, GemmPath, GemmShape, GroupedOperand, Operand, PackedShape, WgradShape, gemm,
+    grouped_gemm_packed, grouped_gemm_wgrad,
 };
 use fp8_kernels::{
     CastScaling, DelayedScaling, DeviceScalar, Fp8Format, Fp8Tensor, FusedCastOut, Gather,
@@ -56,15 +60,29 @@ use graphed_callables::{Callable, SegmentKind, Slot};
 
 use super::routing::{ALIGN_ROWS, Router, RouterConfig, RoutingBuffers, RoutingDims};
 
-/// How many tensors of the [`DelayedScaling`] state one layer uses.
-pub const TENSORS: usize = 6;
+/// The activation and gradient tensors of a layer (x, h, dY, dA), before the weights.
+const ACTIVATIONS: usize = 4;
 /// Offsets of the layer's tensors from its first.
 const X: usize = 0;
-const W1: usize = 1;
-const HID: usize = 2;
-const W2: usize = 3;
-const DY: usize = 4;
-const DA: usize = 5;
+const HID: usize = 1;
+const DY: usize = 2;
+const DA: usize = 3;
+
+/// How many tensors of the [`DelayedScaling`] state a layer of `experts` experts uses: x, h,
+/// dY, dA, then fc1's and fc2's weight of every expert.
+pub fn tensors(experts: usize) -> usize {
+    ACTIVATIONS + 2 * experts
+}
+
+/// The offset of expert `e`'s fc1 weight tensor from the layer's first.
+fn w1_tensor(e: usize) -> usize {
+    ACTIVATIONS + e
+}
+
+/// The offset of expert `e`'s fc2 weight tensor from the layer's first.
+fn w2_tensor(experts: usize, e: usize) -> usize {
+    ACTIVATIONS + experts + e
+}
 
 /// The FP8 recipe of the gradients (TransformerEngine's `Format`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -75,14 +93,31 @@ pub enum Fp8Recipe {
     E4M3,
 }
 
-/// The formats of a layer's tensors in state order: x, W1, h, W2, dY, dA.
-pub fn formats(recipe: Fp8Recipe) -> [Fp8Format; TENSORS] {
-    let g = match recipe {
+/// The formats of a layer's [`tensors`] in state order: x, h (E4M3), dY, dA (the recipe's
+/// gradient format), the `2 * experts` weights (E4M3).
+pub fn formats(recipe: Fp8Recipe, experts: usize) -> Vec<Fp8Format> {
+    let g = grad_format(recipe);
+    let f = Fp8Format::E4M3;
+    let mut v = vec![f, f, g, g];
+    v.resize(tensors(experts), f);
+    v
+}
+
+/// The gradients' format of a recipe.
+fn grad_format(recipe: Fp8Recipe) -> Fp8Format {
+    match recipe {
         Fp8Recipe::Hybrid => Fp8Format::E5M2,
         Fp8Recipe::E4M3 => Fp8Format::E4M3,
-    };
-    let f = Fp8Format::E4M3;
-    [f, f, f, f, g, g]
+    }
+}
+
+/// The format of activation tensor `t` (x, h, dY, dA) of a recipe.
+fn activation_format(recipe: Fp8Recipe, t: usize) -> Fp8Format {
+    if t == DY || t == DA {
+        grad_format(recipe)
+    } else {
+        Fp8Format::E4M3
+    }
 }
 
 /// How the expert GEMMs run (see the [module documentation](self)).
@@ -207,12 +242,14 @@ pub struct MoeLayer {
     dw1: DeviceBuffer<f32>,
     w2: DeviceBuffer<bf16>,
     dw2: DeviceBuffer<f32>,
-    /// The E4M3 weights, row-major (`[E * 2F, H]`, `[E * H, F]`) and per expert transposed
-    /// (`[E, H, 2F]`, `[E, F, H]`), with their own scale_inv.
-    w1_fp8: Fp8Tensor,
+    /// The E4M3 weights, row-major (`[E, 2F, H]`, `[E, H, F]`) and per expert transposed
+    /// (`[E, H, 2F]`, `[E, F, H]`).
+    w1_q: DeviceBuffer<u8>,
     w1_t: DeviceBuffer<u8>,
-    w2_fp8: Fp8Tensor,
+    w2_q: DeviceBuffer<u8>,
     w2_t: DeviceBuffer<u8>,
+    /// The scale_inv each expert's weights were cast with: fc1's `E`, then fc2's `E`.
+    w_si: DeviceBuffer<f32>,
     /// Row-major FP8 copies within a pass: x, h (forward), dY, dA (backward).
     xq: DeviceBuffer<u8>,
     hq: DeviceBuffer<u8>,
@@ -270,35 +307,19 @@ impl MoeLayer {
                 )));
             }
         }
-        for (i, want) in formats(cfg.recipe).iter().enumerate() {
+        for (i, want) in formats(cfg.recipe, cfg.experts).iter().enumerate() {
             let t = first_tensor.saturating_add(i);
             if scaling.format(t) != Some(*want) {
                 return Err(Error::InvalidArgument(format!(
                     "MoeLayer: scaling tensor {t} is {:?}, the layer needs {want:?} (tensors \
-                     first_tensor.. are x, W1, h, W2, dY, dA)",
+                     first_tensor.. are x, h, dY, dA, then W1 and W2 of each expert)",
                     scaling.format(t)
                 )));
             }
         }
         let router = Router::new(stream, cfg.routing_dims(), cfg.router)?;
         fp8_kernels::module(stream.context())?;
-        let w_si = DeviceBuffer::from_host(stream, &[1f32, 1.0])?;
-        let w1_fp8 = Fp8Tensor::from_parts(
-            zeroed(stream, e * 2 * f * h)?,
-            &[e * 2 * f, h],
-            Fp8Format::E4M3,
-            scaling.scale(first_tensor + W1)?,
-            DeviceScalar::at(&w_si, 0)?,
-            scaling.amax(first_tensor + W1)?,
-        )?;
-        let w2_fp8 = Fp8Tensor::from_parts(
-            zeroed(stream, e * h * f)?,
-            &[e * h, f],
-            Fp8Format::E4M3,
-            scaling.scale(first_tensor + W2)?,
-            DeviceScalar::at(&w_si, 1)?,
-            scaling.amax(first_tensor + W2)?,
-        )?;
+        let w_si = DeviceBuffer::from_host(stream, &vec![1f32; 2 * e])?;
         let layer = MoeLayer {
             cfg,
             router,
@@ -311,10 +332,11 @@ impl MoeLayer {
             dw1: zeroed(stream, e * 2 * f * h)?,
             w2: DeviceBuffer::from_host(stream, &to_bf16(&params.w2))?,
             dw2: zeroed(stream, e * h * f)?,
-            w1_fp8,
+            w1_q: zeroed(stream, e * 2 * f * h)?,
             w1_t: zeroed(stream, e * 2 * f * h)?,
-            w2_fp8,
+            w2_q: zeroed(stream, e * h * f)?,
             w2_t: zeroed(stream, e * h * f)?,
+            w_si,
             xq: zeroed(stream, c * h)?,
             hq: zeroed(stream, c * f)?,
             dyq: zeroed(stream, c * h)?,
@@ -398,11 +420,21 @@ impl MoeLayer {
         Fp8Tensor::from_parts(
             data.share(),
             shape,
-            formats(self.cfg.recipe)[t],
+            activation_format(self.cfg.recipe, t),
             self.scaling.scale(ft)?,
             si.clone(),
             self.scaling.amax(ft)?,
         )
+    }
+
+    /// fc1's per-expert scale_inv (`E` values).
+    fn w1_scales(&self) -> Result<DeviceBuffer<f32>> {
+        self.w_si.slice(..self.cfg.experts)
+    }
+
+    /// fc2's per-expert scale_inv (`E` values).
+    fn w2_scales(&self) -> Result<DeviceBuffer<f32>> {
+        self.w_si.slice(self.cfg.experts..)
     }
 
     /// A fused cast's output with the layer's scaling of activations and gradients.
@@ -428,8 +460,9 @@ impl MoeLayer {
     }
 
     /// One of the expert GEMMs over the packed rows: `D[rows of e] = A[rows of e] .
-    /// B[e]^T` for every expert, A `[C, k]`, B `[E, n, k]`, D `[C, n]` bf16. Grouped: one
-    /// launch on the device offsets; per expert: the offsets read back (`host_offsets`).
+    /// B[e]^T` for every expert, A `[C, k]`, B `[E, n, k]` (E4M3, expert `e` scaled by
+    /// `b_scales[e]`), D `[C, n]` bf16. Grouped: one launch on the device offsets; per
+    /// expert: the offsets read back (`host_offsets`).
     #[allow(clippy::too_many_arguments)] // the GEMM's operands
     fn experts_gemm(
         &self,
@@ -438,7 +471,7 @@ impl MoeLayer {
         host_offsets: Option<&[i32]>,
         (n, k): (usize, usize),
         a: Operand<'_>,
-        b: Operand<'_>,
+        (b, b_scales): (&DeviceBuffer<u8>, &DeviceBuffer<f32>),
         d: &DeviceBuffer<bf16>,
     ) -> Result<()> {
         let (groups, capacity) = (self.cfg.experts, self.cfg.capacity());
@@ -450,6 +483,7 @@ impl MoeLayer {
                 n,
                 k,
             };
+            let b = GroupedOperand::per_group(b, Fp8Format::E4M3, b_scales);
             return grouped_gemm_packed(stream, shape, a, b, d, &routing.offsets, opts);
         };
         for e in 0..groups {
@@ -459,13 +493,18 @@ impl MoeLayer {
             }
             let rows = r1 - r0;
             let a_e = a.data.slice(r0 * k..r1 * k)?;
-            let b_e = b.data.slice(e * n * k..(e + 1) * n * k)?;
+            let b_e = b.slice(e * n * k..(e + 1) * n * k)?;
+            let si_e = DeviceScalar::at(b_scales, e)?;
             let d_e = d.slice(r0 * n..r1 * n)?;
             gemm(
                 stream,
                 GemmShape::new(rows, n, k),
                 Operand { data: &a_e, ..a },
-                Operand { data: &b_e, ..b },
+                Operand {
+                    data: &b_e,
+                    format: Fp8Format::E4M3,
+                    scale_inv: &si_e,
+                },
                 &d_e,
                 opts,
             )?;
@@ -552,11 +591,7 @@ impl MoeLayer {
                 format: e4,
                 scale_inv: &s.si[0],
             },
-            Operand {
-                data: self.w1_fp8.data(),
-                format: e4,
-                scale_inv: self.w1_fp8.scale_inv(),
-            },
+            (&self.w1_q, &self.w1_scales()?),
             &s.a,
         )?;
         let h_fp8 = self.tensor(&self.hq, &[c, f], HID, &s.si[1])?;
@@ -572,11 +607,7 @@ impl MoeLayer {
                 format: e4,
                 scale_inv: &s.si[1],
             },
-            Operand {
-                data: self.w2_fp8.data(),
-                format: e4,
-                scale_inv: self.w2_fp8.scale_inv(),
-            },
+            (&self.w2_q, &self.w2_scales()?),
             &s.y,
         )
     }
@@ -606,7 +637,7 @@ impl MoeLayer {
     fn experts_backward(&self, stream: &Stream, s: &Saved<'_>, weights: bool) -> Result<()> {
         let (c, h, f) = (self.cfg.capacity(), self.cfg.hidden, self.cfg.ffn);
         let host = self.host_offsets(stream, &s.routing)?;
-        let (e4, g) = (Fp8Format::E4M3, formats(self.cfg.recipe)[DY]);
+        let g = grad_format(self.cfg.recipe);
         // dh = dY . W2 (B = W2^T per expert, [F, H]).
         self.experts_gemm(
             stream,
@@ -618,11 +649,7 @@ impl MoeLayer {
                 format: g,
                 scale_inv: &s.si[2],
             },
-            Operand {
-                data: &self.w2_t,
-                format: e4,
-                scale_inv: self.w2_fp8.scale_inv(),
-            },
+            (&self.w2_t, &self.w2_scales()?),
             &self.dh,
         )?;
         let da_fp8 = self.tensor(&self.daq, &[c, 2 * f], DA, &s.si[3])?;
@@ -646,11 +673,7 @@ impl MoeLayer {
                 format: g,
                 scale_inv: &s.si[3],
             },
-            Operand {
-                data: &self.w1_t,
-                format: e4,
-                scale_inv: self.w1_fp8.scale_inv(),
-            },
+            (&self.w1_t, &self.w1_scales()?),
             &self.dxp,
         )?;
         if weights {
@@ -668,7 +691,7 @@ impl MoeLayer {
         host: Option<&[i32]>,
     ) -> Result<()> {
         let (h, f) = (self.cfg.hidden, self.cfg.ffn);
-        let (e4, g) = (Fp8Format::E4M3, formats(self.cfg.recipe)[DY]);
+        let (e4, g) = (Fp8Format::E4M3, grad_format(self.cfg.recipe));
         self.experts_wgrad(
             stream,
             &s.routing,
@@ -725,6 +748,29 @@ impl MoeLayer {
         Ok(())
     }
 
+    /// In a warmup pass, reports the weight tensors of the experts that got tokens (reads
+    /// the counts back: warmup is eager). Captures and replays report nothing.
+    fn record_routed_weights(
+        &self,
+        stream: &Stream,
+        s: &Saved<'_>,
+        slot: &Slot<'_, bf16>,
+    ) -> Result<()> {
+        if !slot.is_warmup() {
+            return Ok(());
+        }
+        let counts = s.routing.counts.to_vec(stream)?;
+        let e_n = self.cfg.experts;
+        let routed = counts
+            .iter()
+            .enumerate()
+            .filter(|&(_, &c)| c > 0)
+            .flat_map(|(e, _)| [w1_tensor(e), w2_tensor(e_n, e)])
+            .map(|t| self.first_tensor + t);
+        slot.record_tensors(routed);
+        Ok(())
+    }
+
     fn fp8_only(&self, slot: &Slot<'_, bf16>) -> Result<()> {
         if slot.low_precision() {
             Ok(())
@@ -773,29 +819,30 @@ impl Callable<bf16> for MoeLayer {
         self.cfg.saved_bytes().unwrap_or_default()
     }
 
-    /// Casts W1 and W2 to E4M3, row-major and transposed per expert (one cast-transpose per
-    /// expert and weight), maxing into the two weights' amaxes; skipped on the device when
-    /// the slot's noop flag reads 1.0.
+    /// Casts each expert's W1 and W2 to E4M3, row-major and transposed (one cast-transpose
+    /// per expert and weight, each with its expert's scale, maxing into its amax); skipped on
+    /// the device when the slot's noop flag reads 1.0. The weight tensors are reported by
+    /// the forward, for the experts that got tokens.
     fn cast_weights(&mut self, stream: &Stream, slot: &Slot<'_, bf16>) -> Result<()> {
-        slot.record_tensors([self.first_tensor + W1, self.first_tensor + W2]);
         let noop = slot
             .skip_weight_cast()
             .map(|f| DeviceScalar::at(f, 0))
             .transpose()?;
         let (e, h, f) = (self.cfg.experts, self.cfg.hidden, self.cfg.ffn);
-        for (w, w_fp8, w_t, rows, cols) in [
-            (&self.w1, &self.w1_fp8, &self.w1_t, 2 * f, h),
-            (&self.w2, &self.w2_fp8, &self.w2_t, h, f),
+        for (w, w_q, w_t, rows, cols, first) in [
+            (&self.w1, &self.w1_q, &self.w1_t, 2 * f, h, w1_tensor(0)),
+            (&self.w2, &self.w2_q, &self.w2_t, h, f, w2_tensor(e, 0)),
         ] {
             let n = rows * cols;
             for x in 0..e {
+                let t = self.first_tensor + first + x;
                 let part = Fp8Tensor::from_parts(
-                    w_fp8.data().slice(x * n..(x + 1) * n)?,
+                    w_q.slice(x * n..(x + 1) * n)?,
                     &[rows, cols],
                     Fp8Format::E4M3,
-                    w_fp8.scale().clone(),
-                    w_fp8.scale_inv().clone(),
-                    w_fp8.amax().clone(),
+                    self.scaling.scale(t)?,
+                    DeviceScalar::at(&self.w_si, first - ACTIVATIONS + x)?,
+                    self.scaling.amax(t)?,
                 )?;
                 cast_transpose(
                     stream,
@@ -922,6 +969,7 @@ impl Callable<bf16> for MoeLayer {
         let whole = self.cfg.expert_gemm == ExpertGemm::Grouped;
         if segment == 0 {
             self.route(stream, x, &s)?;
+            self.record_routed_weights(stream, &s, slot)?;
             if whole {
                 self.experts_forward(stream, &s)?;
             }
@@ -1061,12 +1109,17 @@ mod tests {
         let mut c = cfg();
         c.hidden = 0;
         assert!(c.check().unwrap_err().to_string().contains("hidden"));
-        assert_eq!(formats(Fp8Recipe::Hybrid)[DY], Fp8Format::E5M2);
-        assert_eq!(formats(Fp8Recipe::E4M3)[DA], Fp8Format::E4M3);
-        assert!(
-            formats(Fp8Recipe::Hybrid)[..4]
-                .iter()
-                .all(|&f| f == Fp8Format::E4M3)
+        let (e4, e5) = (Fp8Format::E4M3, Fp8Format::E5M2);
+        assert_eq!(
+            formats(Fp8Recipe::Hybrid, 2),
+            vec![e4, e4, e5, e5, e4, e4, e4, e4]
+        );
+        assert_eq!(formats(Fp8Recipe::E4M3, 1), vec![e4; 6]);
+        assert_eq!(tensors(256), 516);
+        // Expert e's weights: fc1's after the four activations, fc2's after every fc1.
+        assert_eq!(
+            (w1_tensor(0), w1_tensor(3), w2_tensor(4, 0), w2_tensor(4, 3)),
+            (4, 7, 8, 11)
         );
     }
 }
