@@ -491,6 +491,22 @@ fn results(s: &Setup) -> Vec<Vec<u32>> {
     ]
 }
 
+/// A scaling state for `cfg` with fixed scales (64 for E4M3 tensors, 4096 for E5M2) that
+/// suit the tests' data, history 1.
+fn fixed_scaling(stream: &Stream, cfg: &MoeLayerConfig) -> Arc<DelayedScaling> {
+    let fmts = formats(cfg.recipe, cfg.experts);
+    let scaling = Arc::new(DelayedScaling::new(stream, &fmts, 1, 0, AmaxAlgo::MostRecent).unwrap());
+    for (t, fmt) in fmts.iter().enumerate() {
+        let v = if *fmt == Fp8Format::E4M3 {
+            64.0
+        } else {
+            4096.0
+        };
+        scaling.scale(t).unwrap().write(stream, v).unwrap();
+    }
+    scaling
+}
+
 /// What one run of a two-step, two-microbatch schedule produced: every forward output and
 /// input gradient (bits, in schedule order), then the three weight gradients.
 fn schedule_bits(
@@ -502,24 +518,7 @@ fn schedule_bits(
 ) -> Vec<Vec<u16>> {
     const ORDER: [i64; 4] = [1, 1, -1, -1];
     let stream = Stream::new(ctx).unwrap();
-    let scaling = Arc::new(
-        DelayedScaling::new(
-            &stream,
-            &formats(cfg.recipe, cfg.experts),
-            1,
-            0,
-            AmaxAlgo::MostRecent,
-        )
-        .unwrap(),
-    );
-    for (t, fmt) in formats(cfg.recipe, cfg.experts).iter().enumerate() {
-        let v = if *fmt == Fp8Format::E4M3 {
-            64.0
-        } else {
-            4096.0
-        };
-        scaling.scale(t).unwrap().write(&stream, v).unwrap();
-    }
+    let scaling = fixed_scaling(&stream, &cfg);
     let mut layer = MoeLayer::new(&stream, cfg, params, scaling, 0).unwrap();
     // Views of the gradients, valid after the layer moves into the runtime.
     let grads = [layer.fc1().1.share(), layer.fc2().1.share()];
@@ -680,24 +679,7 @@ fn expert_weights_are_cast_once_per_step() {
             w2: rng.vec(e * h * f, 0.2),
         };
         let stream = Stream::new(&ctx).unwrap();
-        let scaling = Arc::new(
-            DelayedScaling::new(
-                &stream,
-                &formats(cfg.recipe, cfg.experts),
-                1,
-                0,
-                AmaxAlgo::MostRecent,
-            )
-            .unwrap(),
-        );
-        for (i, fmt) in formats(cfg.recipe, cfg.experts).iter().enumerate() {
-            let v = if *fmt == Fp8Format::E4M3 {
-                64.0
-            } else {
-                4096.0
-            };
-            scaling.scale(i).unwrap().write(&stream, v).unwrap();
-        }
+        let scaling = fixed_scaling(&stream, &cfg);
         let layer = MoeLayer::new(&stream, cfg, &params, scaling, 0).unwrap();
         let w1 = layer.fc1().0.share();
         let x: Vec<bf16> = rng
