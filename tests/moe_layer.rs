@@ -515,6 +515,7 @@ fn schedule_bits(
     params: &MoeParams,
     data: &[(Vec<bf16>, Vec<bf16>)],
     graphed: bool,
+    split: bool,
 ) -> Vec<Vec<u16>> {
     const ORDER: [i64; 4] = [1, 1, -1, -1];
     let stream = Stream::new(ctx).unwrap();
@@ -540,7 +541,14 @@ fn schedule_bits(
     };
     if graphed {
         let sample = up(&data[0].0);
-        let schedule = graphed_callables::Schedule::new(&ORDER, vec![1]).unwrap();
+        // Split: each backward's weight gradients in a step of their own, right after it
+        // (the same accumulation order as the unsplit eager run).
+        let schedule = if split {
+            graphed_callables::Schedule::from_f64(&[1.0, 1.0, -1.0, -1.5, -1.0, -1.5], vec![1])
+        } else {
+            graphed_callables::Schedule::new(&ORDER, vec![1])
+        }
+        .unwrap();
         let g = graphed_callables::GraphedCallables::build(
             &stream,
             vec![Box::new(layer) as Box<dyn Callable<bf16>>],
@@ -567,7 +575,9 @@ fn schedule_bits(
                         let dx = g.backward(0, mb, &[&up(dy)], &stream).unwrap();
                         out.push(bits(&dx[0]));
                     }
-                    graphed_callables::Step::WeightGrad { .. } => unreachable!(),
+                    graphed_callables::Step::WeightGrad { .. } => {
+                        g.weight_grad(0, mb, &stream).unwrap();
+                    }
                 }
             }
         }
@@ -653,14 +663,23 @@ fn graph_modes_equal_eager_bit_for_bit() {
         let data: Vec<(Vec<bf16>, Vec<bf16>)> = (0..4)
             .map(|_| (b(rng.vec(t * h, 1.0)), b(rng.vec(t * h, 1.0))))
             .collect();
-        let eager = schedule_bits(&ctx, cfg, &params, &data, false);
-        let graphed = schedule_bits(&ctx, cfg, &params, &data, true);
+        let eager = schedule_bits(&ctx, cfg, &params, &data, false, false);
+        let graphed = schedule_bits(&ctx, cfg, &params, &data, true, false);
         assert_eq!(eager.len(), graphed.len());
         for (i, (a, g)) in eager.iter().zip(&graphed).enumerate() {
             assert!(
                 a == g,
                 "{mode:?}: result {i} (8 passes, then dW1, dW2, dWr) differs"
             );
+        }
+        if mode == ExpertGemm::Grouped {
+            let split = schedule_bits(&ctx, cfg, &params, &data, true, true);
+            for (i, (a, g)) in eager.iter().zip(&split).enumerate() {
+                assert!(
+                    a == g,
+                    "split weight gradients: result {i} differs from eager"
+                );
+            }
         }
     }
 }
