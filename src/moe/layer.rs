@@ -285,7 +285,8 @@ struct Saved<'a> {
 
 impl MoeLayer {
     /// A layer of `cfg` with parameters `params`, gradients zeroed, using tensors
-    /// `first_tensor .. first_tensor + 6` of `scaling` (formats [`formats`]`(cfg.recipe)`).
+    /// `first_tensor .. first_tensor + `[`tensors`]`(E)` of `scaling` (formats
+    /// [`formats`]`(cfg.recipe, E)`).
     /// Allocates and uploads (waits; not during a capture) and loads its kernels.
     pub fn new(
         stream: &Stream,
@@ -348,7 +349,9 @@ impl MoeLayer {
         Ok(layer)
     }
 
-    /// This layer with its expert GEMMs on `path` (default [`GemmPath::Auto`]).
+    /// This layer with its expert GEMMs on `path` (default [`GemmPath::Auto`]). The grouped
+    /// GEMMs have no Hopper kernel yet: with [`ExpertGemm::Grouped`], `GemmPath::Hopper` makes
+    /// every pass fail with the launcher's error (Auto runs them on the portable path).
     pub fn with_gemm_path(mut self, path: GemmPath) -> MoeLayer {
         self.path = path;
         self
