@@ -61,7 +61,7 @@ mod cast_transpose;
 mod format;
 pub mod gemm;
 mod module;
-mod moe_cast;
+pub mod moe_cast;
 mod quantize;
 pub mod reference;
 mod scaling;
