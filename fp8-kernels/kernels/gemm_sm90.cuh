@@ -69,6 +69,44 @@ __device__ __forceinline__ int total_tiles(const int *counts, int groups, int m,
     return total;
 }
 
+// The packed layout (dropless MoE): m = the capacity, group g's rows are offsets[g] ..
+// offsets[g + 1] (multiples of BM, so a tile belongs to one group), read on the device.
+// Offsets are clamped to [0, m].
+__device__ __forceinline__ int packed_offset(const int *offsets, int g, int m) {
+    return min(max(__ldg(offsets + g), 0), m);
+}
+
+// The m-tiles in use: up to offsets[groups].
+__device__ __forceinline__ int packed_mtiles(const int *offsets, int groups, int m) {
+    return (packed_offset(offsets, groups, m) + BM - 1) / BM;
+}
+
+// The group whose rows hold `row`: the last g with offsets[g] <= row (binary search; empty
+// groups before it share its offset).
+__device__ __forceinline__ int packed_group(const int *offsets, int groups, int m, int row) {
+    int lo = 0, hi = groups - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (packed_offset(offsets, mid, m) <= row) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    return lo;
+}
+
+// Tile t of the packed problem, in bands of BAND m-tiles like tile_at; mt is absolute.
+__device__ __forceinline__ Tile packed_tile_at(int t, const int *offsets, int groups, int m,
+                                               int ntiles) {
+    const int mts = packed_mtiles(offsets, groups, m);
+    const int band = t / (BAND * ntiles);
+    const int within = t - band * BAND * ntiles;
+    const int h = min(BAND, mts - band * BAND);
+    const int mt = band * BAND + within % h;
+    return Tile{packed_group(offsets, groups, m, mt * BM), mt, within / h};
+}
+
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define FP8K_SM90A 1
 
@@ -188,10 +226,14 @@ __device__ __forceinline__ float bias_at(const void *bias, int kind, int c) {
 #endif
 
 // dims = (m, n, k, groups); flags = (sa index, sb index, bias kind 0/1 bf16/2 f32, accumulate).
-template <__nv_fp8_interpretation_t FA, __nv_fp8_interpretation_t FB, typename Out, int BN>
+// PACKED: `counts` holds the packed layout's groups + 1 offsets and m is the capacity (A is
+// one [m, k] block, D one [m, n] block, group g's rows offsets[g] .. offsets[g + 1]); `sbg`,
+// when not null, holds one scale_inv per group of B (instead of sb[flags.y]).
+template <__nv_fp8_interpretation_t FA, __nv_fp8_interpretation_t FB, typename Out, int BN,
+          bool PACKED = false>
 __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, Out *d, const void *bias,
                                      const float *sa, const float *sb, const int *counts, uint4 dims,
-                                     uint4 flags) {
+                                     uint4 flags, const float *sbg = nullptr) {
 #ifdef FP8K_SM90A
     constexpr int STAGES = Cfg<BN>::STAGES, STAGE_BYTES = Cfg<BN>::STAGE_BYTES;
     constexpr int NACC = BN / 2;  // accumulator registers per thread
@@ -222,7 +264,12 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, Out *
     // Programmatic dependent launch: the set-up above overlaps the previous kernel's tail;
     // counts, scales, A, B and D are touched only after the wait.
     cuda_graph::pdl_enter();
-    const int total = total_tiles(counts, groups, m, ntiles);
+    const int total = PACKED ? packed_mtiles(counts, groups, m) * ntiles
+                             : total_tiles(counts, groups, m, ntiles);
+    auto tile = [&](int t) {
+        return PACKED ? packed_tile_at(t, counts, groups, m, ntiles)
+                      : tile_at(t, counts, groups, m, ntiles);
+    };
 
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
@@ -230,11 +277,11 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, Out *
             int stage = 0;
             uint32_t phase = 0;
             for (int t = blockIdx.x; t < total; t += gridDim.x) {
-                const Tile tl = tile_at(t, counts, groups, m, ntiles);
+                const Tile tl = tile(t);
                 for (int kb = 0; kb < kblocks; ++kb) {
                     mbar_wait(empty(stage), phase ^ 1u);
                     mbar_expect_tx(full(stage), STAGE_BYTES);
-                    tma_load_3d(tile_a(stage), ta, full(stage), kb * BK, tl.mt * BM, tl.g);
+                    tma_load_3d(tile_a(stage), ta, full(stage), kb * BK, tl.mt * BM, PACKED ? 0 : tl.g);
                     tma_load_3d(tile_b(stage), tb, full(stage), kb * BK, tl.nt * BN, tl.g);
                     if (++stage == STAGES) {
                         stage = 0;
@@ -248,13 +295,14 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, Out *
         const int cw = wg - 1;  // which 64-row half of the tile
         const int t128 = threadIdx.x - 128 * wg;
         const int warp = t128 / 32, lane = t128 % 32;
-        const float alpha = sa[flags.x] * sb[flags.y];
+        const float sa_v = sa[flags.x], sb_v = sb == nullptr ? 1.0f : sb[flags.y];
         const int bias_kind = bias == nullptr ? 0 : int(flags.z);
         const bool accumulate = flags.w != 0;
         int stage = 0;
         uint32_t phase = 0;
         for (int t = blockIdx.x; t < total; t += gridDim.x) {
-            const Tile tl = tile_at(t, counts, groups, m, ntiles);
+            const Tile tl = tile(t);
+            const float alpha = sa_v * (sbg != nullptr ? __ldg(sbg + tl.g) : sb_v);
             float acc[NACC];
 #pragma unroll
             for (int i = 0; i < NACC; ++i) acc[i] = 0.0f;
@@ -279,10 +327,13 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, Out *
                 }
             }
             // Epilogue: rows below the group's count, columns below n.
-            const int rows = counts == nullptr ? m : min(max(__ldg(counts + tl.g), 0), m);
+            // Packed: row indices are absolute, the bound is the group's end.
+            const int rows = PACKED ? packed_offset(counts, tl.g + 1, m)
+                             : counts == nullptr ? m
+                                                 : min(max(__ldg(counts + tl.g), 0), m);
             const int row0 = tl.mt * BM + cw * 64 + warp * 16 + lane / 4;
             const int col0 = tl.nt * BN + 2 * (lane % 4);
-            Out *dg = d + size_t(tl.g) * size_t(m) * size_t(n);
+            Out *dg = PACKED ? d : d + size_t(tl.g) * size_t(m) * size_t(n);
             // In chunks of EPI pairs: first every load the chunk needs (bias, and D when
             // accumulating), independent of each other, then the stores. Loads interleaved
             // with stores to the same array run one round trip at a time (the compiler can not
@@ -356,11 +407,23 @@ __device__ __forceinline__ void gemm_ref(const uint8_t *a, const uint8_t *b, flo
                                                  uint4 flags) {                                        \
         fp8k::sm90::gemm<FA, FB, OT, W>(&ta, &tb, d, bias, sa, sb, counts, dims, flags);             \
     }
+#define FP8K_GEMM_SM90_PACKED(AN, FA, BN_, FB, ON, OT, W)                                              \
+    extern "C" __global__ void __launch_bounds__(fp8k::sm90::THREADS, 1)                             \
+        fp8_gemm_sm90_packed_##AN##_##BN_##_##ON##_n##W(                                             \
+            const __grid_constant__ fp8k::sm90::TmaDesc ta, const __grid_constant__ fp8k::sm90::TmaDesc tb, \
+            OT *d, const void *bias, const float *sa, const float *sb, const float *sbg,            \
+            const int *offsets, uint4 dims, uint4 flags) {                                           \
+        fp8k::sm90::gemm<FA, FB, OT, W, true>(&ta, &tb, d, bias, sa, sb, offsets, dims, flags, sbg); \
+    }
 #define FP8K_GEMM_SM90_OUTS(AN, FA, BN_, FB)                                                           \
     FP8K_GEMM_SM90(AN, FA, BN_, FB, bf16, __nv_bfloat16, 128)                                        \
     FP8K_GEMM_SM90(AN, FA, BN_, FB, f32, float, 128)                                                 \
     FP8K_GEMM_SM90(AN, FA, BN_, FB, bf16, __nv_bfloat16, 192)                                        \
     FP8K_GEMM_SM90(AN, FA, BN_, FB, f32, float, 192)                                                 \
+    FP8K_GEMM_SM90_PACKED(AN, FA, BN_, FB, bf16, __nv_bfloat16, 128)                                 \
+    FP8K_GEMM_SM90_PACKED(AN, FA, BN_, FB, f32, float, 128)                                          \
+    FP8K_GEMM_SM90_PACKED(AN, FA, BN_, FB, bf16, __nv_bfloat16, 192)                                 \
+    FP8K_GEMM_SM90_PACKED(AN, FA, BN_, FB, f32, float, 192)                                          \
     extern "C" __global__ void fp8_gemm_ref_##AN##_##BN_(const uint8_t *a, const uint8_t *b, float *d, \
                                                         const float *sa, const float *sb, uint4 dims,  \
                                                         uint2 idx) {                                   \

@@ -16,13 +16,13 @@
 
 use std::sync::Arc;
 
-use cuda_graph::half::bf16;
 use cuda_graph::sys::{
     CUresult, CUtensorMap, CUtensorMapDataType, CUtensorMapFloatOOBfill, CUtensorMapInterleave,
     CUtensorMapL2promotion, CUtensorMapSwizzle,
 };
 use cuda_graph::{Context, DeviceBuffer, Error, KernelArgs, LaunchConfig, Result, Stream};
 
+use super::packed::{GroupScales, PackedProblem};
 use super::{Bias, GemmOut, GemmProblem};
 use crate::module::kernel;
 use crate::quantize::idx;
@@ -165,47 +165,26 @@ fn launch_with(stream: &Stream, p: &GemmProblem<'_>, bn: Option<usize>) -> Resul
         p.a.format.name(),
         p.b.format.name()
     );
-    let (k, _) = kernel(stream.context(), &name)?;
-    let smem = smem_bytes(bn);
-    k.set_max_dynamic_shared_memory(smem)?;
+    let tiles = groups * p.m.div_ceil(TILE) * p.n.div_ceil(bn);
+    let (k, cfg) = prepare(stream, &name, bn, tiles, sms)?;
     let ta = tensor_map(p.a.data, groups, p.m, p.k, TILE)?;
     let tb = tensor_map(p.b.data, groups, p.n, p.k, bn)?;
-    let tiles = groups * p.m.div_ceil(TILE) * p.n.div_ceil(bn);
-    let grid = (tiles.min(sms as usize)).max(1) as u32;
     let dims = [p.m as u32, p.n as u32, p.k as u32, groups as u32];
-    let (bias_kind, bias_buf): (u32, Option<&dyn BiasArg>) = match &p.bias {
-        None => (0, None),
-        Some(Bias::Bf16(b)) => (1, Some(*b)),
-        Some(Bias::F32(b)) => (2, Some(*b)),
-    };
+    let null = 0u64;
+    let (args, bias_kind) = push_head(KernelArgs::new(), [&ta, &tb], &p.d, &p.bias, &null);
     let flags = [
         idx(p.a.scale_inv)?,
         idx(p.b.scale_inv)?,
         bias_kind,
         u32::from(p.accumulate),
     ];
-    let null = 0u64;
-    let args = KernelArgs::new().arg(&ta).arg(&tb);
-    let args = match p.d {
-        GemmOut::Bf16(b) => args.arg(b),
-        GemmOut::F32(b) => args.arg(b),
-    };
-    let args = match bias_buf {
-        Some(b) => b.push(args),
-        None => args.arg(&null),
-    }
-    .arg(p.a.scale_inv.buffer())
-    .arg(p.b.scale_inv.buffer());
+    let args = args.arg(p.a.scale_inv.buffer()).arg(p.b.scale_inv.buffer());
     let args = match p.counts {
         Some(c) => args.arg(c),
         None => args.arg(&null),
     }
     .arg(&dims)
     .arg(&flags);
-    let cfg = LaunchConfig {
-        shared_mem_bytes: smem as u32,
-        ..LaunchConfig::linear(grid, THREADS)
-    };
     // SAFETY: the tensor maps cover exactly A ([groups, m, K]) and B ([groups, N, K]), so
     // TMA reads stay inside them (zeros past the edges); the kernel writes D only at rows
     // below min(count, m) and columns below N of each group's [m, N] block, which the entry
@@ -214,18 +193,115 @@ fn launch_with(stream: &Stream, p: &GemmProblem<'_>, bn: Option<usize>) -> Resul
     unsafe { stream.launch_pdl(&k, &cfg, &args) }
 }
 
-/// A bias buffer of either element type, pushed as its device address.
-trait BiasArg {
-    fn push<'a>(&'a self, args: KernelArgs<'a>) -> KernelArgs<'a>;
-}
-impl BiasArg for DeviceBuffer<bf16> {
-    fn push<'a>(&'a self, args: KernelArgs<'a>) -> KernelArgs<'a> {
-        args.arg(self)
+/// Enqueues a (validated) packed grouped GEMM ([`super::grouped_gemm_packed`]) on the sm_90a
+/// kernel: the persistent TMA + wgmma kernel with the packed tile order (m-tiles up to
+/// `offsets[groups]`, each tile's group found by a binary search over the device offsets, B
+/// of that group, one scale_inv per group when given). Needs every offset a multiple of 128
+/// (a tile then belongs to one group, which the dropless layout guarantees; rows of a tile
+/// past its first row's group are otherwise left unwritten) and `N` even.
+pub(crate) fn launch_packed(stream: &Stream, p: &PackedProblem<'_>) -> Result<()> {
+    let (groups, capacity, n, k) = (p.shape.groups, p.shape.capacity, p.shape.n, p.shape.k);
+    let bad = |msg: String| Err(Error::InvalidArgument(format!("sm90 packed GEMM: {msg}")));
+    if !available(stream.context())? {
+        return bad("the device is not compute capability 9.0 (use GemmPath::Auto)".into());
     }
+    if n % 2 != 0 {
+        return bad(format!("N = {n} is odd"));
+    }
+    let lim = i32::MAX as usize;
+    if capacity > lim || n > lim || k > lim || groups.saturating_mul(n) > lim {
+        return bad(format!(
+            "capacity = {capacity}, N = {n}, K = {k}, groups = {groups} exceed 2^31"
+        ));
+    }
+    let out = match p.d {
+        GemmOut::Bf16(_) => "bf16",
+        GemmOut::F32(_) => "f32",
+    };
+    let (_, sms) = kernel(stream.context(), "fp8_gemm_ref_e4m3_e4m3")?;
+    let bn = choose_bn_for(1, capacity, n, sms as usize);
+    let name = format!(
+        "fp8_gemm_sm90_packed_{}_{}_{out}_n{bn}",
+        p.a.format.name(),
+        p.b.format.name()
+    );
+    let tiles = capacity.div_ceil(TILE) * n.div_ceil(bn);
+    let (kern, cfg) = prepare(stream, &name, bn, tiles, sms)?;
+    let ta = tensor_map(p.a.data, 1, capacity, k, TILE)?;
+    let tb = tensor_map(p.b.data, groups, n, k, bn)?;
+    let dims = [capacity as u32, n as u32, k as u32, groups as u32];
+    let null = 0u64;
+    let (args, bias_kind) = push_head(KernelArgs::new(), [&ta, &tb], &p.d, &p.bias, &null);
+    let (sb_idx, sb, sbg) = match p.b.scale_inv {
+        GroupScales::Tensor(s) => (idx(s)?, Some(s.buffer()), None),
+        GroupScales::PerGroup(buf) => (0, None, Some(buf)),
+    };
+    let flags = [
+        idx(p.a.scale_inv)?,
+        sb_idx,
+        bias_kind,
+        u32::from(p.accumulate),
+    ];
+    let args = args.arg(p.a.scale_inv.buffer());
+    let args = match sb {
+        Some(b) => args.arg(b),
+        None => args.arg(&null),
+    };
+    let args = match sbg {
+        Some(b) => args.arg(b),
+        None => args.arg(&null),
+    }
+    .arg(p.offsets)
+    .arg(&dims)
+    .arg(&flags);
+    // SAFETY: the tensor maps cover exactly A ([capacity, K]) and B ([groups, N, K]), so TMA
+    // reads stay inside them (zeros past the edges); the kernel writes D ([capacity, N],
+    // validated) only at rows below the clamped offsets[g + 1] <= capacity and columns below
+    // N; the group index comes from a binary search over the groups + 1 offsets (validated
+    // length) and stays in 0..groups, which bounds B's group coordinate and the per-group
+    // scales (groups values, validated); bias has N elements; scalar indices are inside their
+    // buffers.
+    unsafe { stream.launch_pdl(&kern, &cfg, &args) }
 }
-impl BiasArg for DeviceBuffer<f32> {
-    fn push<'a>(&'a self, args: KernelArgs<'a>) -> KernelArgs<'a> {
-        args.arg(self)
+
+/// The kernel `name` with its dynamic shared memory for tile width `bn` allowed, and the
+/// persistent launch for `tiles` tiles: one CTA per SM at most.
+fn prepare(
+    stream: &Stream,
+    name: &str,
+    bn: usize,
+    tiles: usize,
+    sms: u32,
+) -> Result<(cuda_graph::Kernel, LaunchConfig)> {
+    let (k, _) = kernel(stream.context(), name)?;
+    let smem = smem_bytes(bn);
+    k.set_max_dynamic_shared_memory(smem)?;
+    let grid = (tiles.min(sms as usize)).max(1) as u32;
+    let cfg = LaunchConfig {
+        shared_mem_bytes: smem as u32,
+        ..LaunchConfig::linear(grid, THREADS)
+    };
+    Ok((k, cfg))
+}
+
+/// Pushes the kernels' first parameters: the two tensor maps, D and the bias (`null`, which
+/// holds 0, when absent); returns the args and the bias kind flag (0 none, 1 bf16, 2 f32).
+fn push_head<'a>(
+    args: KernelArgs<'a>,
+    maps: [&'a [u64; 16]; 2],
+    d: &'a GemmOut<'a>,
+    bias: &'a Option<Bias<'a>>,
+    null: &'a u64,
+) -> (KernelArgs<'a>, u32) {
+    let args = args.arg(maps[0]).arg(maps[1]);
+    let args = match d {
+        GemmOut::Bf16(b) => args.arg(*b),
+        GemmOut::F32(b) => args.arg(*b),
+    };
+    match bias {
+        None => (args.arg(null), 0),
+        Some(Bias::Bf16(b)) => (args.arg(*b), 1),
+        Some(Bias::F32(b)) => (args.arg(*b), 2),
     }
 }
 
@@ -297,6 +373,7 @@ mod tests {
     use crate::gemm::Operand;
     use crate::reference::decode;
     use crate::tensor::DeviceScalar;
+    use cuda_graph::half::bf16;
 
     const SA: f32 = 0.5;
     const SB: f32 = 0.25;

@@ -51,7 +51,8 @@
 //! [`GemmPath::Portable`] is an `mma.sync` kernel that runs on sm_80 and newer (FP8 widened to
 //! f16 in registers, fp32 accumulation). [`GemmPath::Hopper`] is the sm_90a `wgmma` kernel;
 //! [`GemmPath::Auto`] takes it where the device and problem allow and the portable path
-//! otherwise; the packed GEMMs run the portable kernel only for now (`Hopper` is refused).
+//! otherwise; the packed GEMMs run the portable kernel by default (the packed forward has an
+//! sm_90a kernel on explicit `Hopper`; the packed weight gradient refuses `Hopper`).
 //! Every launcher enqueues without synchronising or allocating, so the GEMMs can be captured
 //! into graphs; scales, grouped row counts and packed offsets are read on the device.
 

@@ -9,7 +9,10 @@
 //!
 //! The offsets are read by the kernels when they run (no host synchronisation), so a captured
 //! graph stays right as they change between replays. Both run on the portable `mma.sync`
-//! kernel; a Hopper version is not written yet.
+//! kernel by default. The forward also has an sm_90a TMA + wgmma kernel, on explicit
+//! [`GemmPath::Hopper`] until it has run on a device: it needs offsets that are multiples of
+//! [`ALIGN_ROWS`] (it clamps them to `[0, capacity]` but does not follow the rules below for
+//! other values: the rows of a tile past its first row's group are left unwritten).
 //!
 //! # How the kernels read the offsets
 //! Entry `i` is taken as `eff(i) = clamp(offsets[i], 0, capacity)` rounded down to a multiple
@@ -282,7 +285,7 @@ pub(crate) fn validate_wgrad(what: &str, p: &WgradDesc) -> Result<()> {
     check_offsets(what, p.groups, p.offsets)
 }
 
-/// The packed GEMMs have no Hopper kernel yet: [`GemmPath::Hopper`] is refused (before
+/// The weight-gradient GEMM has no Hopper kernel yet: [`GemmPath::Hopper`] is refused (before
 /// anything is enqueued); `Auto` and `Portable` run the portable kernel.
 pub(crate) fn check_path(what: &str, path: GemmPath) -> Result<()> {
     match path {
@@ -312,8 +315,10 @@ pub(crate) fn check_path(what: &str, path: GemmPath) -> Result<()> {
 /// Rules (checked before anything is enqueued; nothing is written on an error): `groups` in
 /// `1..=65535`, `n >= 1`, `k` a positive multiple of [`K_ALIGN`], `capacity` a positive
 /// multiple of [`ALIGN_ROWS`], exact buffer lengths, A/B/D/bias 16-byte aligned, offsets and
-/// per-group scales 4-byte aligned, `ceil(n / 128) <= 65535`. [`GemmPath::Hopper`] is refused
-/// (no Hopper kernel yet); `Auto` runs the portable kernel. Enqueues one kernel, never
+/// per-group scales 4-byte aligned, `ceil(n / 128) <= 65535`. `Auto` and `Portable` run the
+/// portable kernel; [`GemmPath::Hopper`] runs the sm_90a TMA + wgmma kernel, which also needs
+/// compute capability 9.0, `n` even and every offset a multiple of [`ALIGN_ROWS`] (new: not
+/// yet the default until it has run on a device). Enqueues one kernel, never
 /// synchronises or allocates (capturable).
 pub fn grouped_gemm_packed<'a>(
     stream: &Stream,
@@ -345,19 +350,21 @@ pub fn grouped_gemm_packed<'a>(
             b_scales,
         },
     )?;
-    check_path(what, opts.path)?;
-    portable::launch_packed(
-        stream,
-        &PackedProblem {
-            shape,
-            a,
-            b,
-            d,
-            offsets,
-            bias: opts.bias,
-            accumulate: opts.accumulate,
-        },
-    )
+    let problem = PackedProblem {
+        shape,
+        a,
+        b,
+        d,
+        offsets,
+        bias: opts.bias,
+        accumulate: opts.accumulate,
+    };
+    match opts.path {
+        // The sm90 kernel on request only, until it has run on a device (Auto keeps the
+        // portable kernel, which the MoE layer's tests cover).
+        GemmPath::Hopper => super::hopper::launch_packed(stream, &problem),
+        GemmPath::Auto | GemmPath::Portable => portable::launch_packed(stream, &problem),
+    }
 }
 
 /// Packed grouped weight gradient (dW of every expert): for every group `g`,
