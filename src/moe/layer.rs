@@ -349,9 +349,10 @@ impl MoeLayer {
         Ok(layer)
     }
 
-    /// This layer with its expert GEMMs on `path` (default [`GemmPath::Auto`]). The grouped
-    /// GEMMs have no Hopper kernel yet: with [`ExpertGemm::Grouped`], `GemmPath::Hopper` makes
-    /// every pass fail with the launcher's error (Auto runs them on the portable path).
+    /// This layer with its expert GEMMs on `path` (default [`GemmPath::Auto`]). `Auto` runs
+    /// the grouped GEMMs on the portable kernel; `Hopper` runs the grouped forward and data
+    /// gradients on the sm_90a kernel (new, see [`grouped_gemm_packed`]); the grouped weight
+    /// gradients have no Hopper kernel and stay portable.
     pub fn with_gemm_path(mut self, path: GemmPath) -> MoeLayer {
         self.path = path;
         self
@@ -530,7 +531,12 @@ impl MoeLayer {
         d: &DeviceBuffer<f32>,
     ) -> Result<()> {
         let capacity = self.cfg.capacity();
-        let opts = GemmOptions::new().path(self.path).accumulate(true);
+        // The weight-gradient kernel has no Hopper version: Hopper runs it portable.
+        let path = match self.path {
+            GemmPath::Hopper => GemmPath::Auto,
+            p => p,
+        };
+        let opts = GemmOptions::new().path(path).accumulate(true);
         let Some(off) = host_offsets else {
             let shape = WgradShape {
                 groups: self.cfg.experts,
