@@ -20,6 +20,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use cuda_graph::half::bf16;
 use cuda_graph::{CaptureMode, Context, DeviceBuffer, GraphExec, InstantiateFlags, Stream};
+use fp8_kernels::gemm::GemmPath;
 use fp8_kernels::reference::{decode, encode};
 use fp8_kernels::{AmaxAlgo, CastScaling, DelayedScaling, Fp8Format};
 use fp8_moe::moe::layer::{
@@ -106,13 +107,15 @@ struct Setup {
     modeled: (rf::Forward, rf::Grads),
 }
 
-/// A layer of `cfg` on fresh random data; with `one_expert`, every token's first choice is
-/// that expert (x positive, its router row 1.0, the others small).
+/// A layer of `cfg` on fresh random data, its expert GEMMs on `path`; with `one_expert`,
+/// every token's first choice is that expert (x positive, its router row 1.0, the others
+/// small).
 fn setup(
     ctx: &Arc<Context>,
     rng: &mut Rng,
     cfg: MoeLayerConfig,
     one_expert: Option<usize>,
+    path: GemmPath,
 ) -> Setup {
     let stream = Stream::new(ctx).unwrap();
     let (t, h, f, e) = (cfg.tokens, cfg.hidden, cfg.ffn, cfg.experts);
@@ -226,7 +229,9 @@ fn setup(
         &round,
     )
     .unwrap();
-    let mut layer = MoeLayer::new(&stream, cfg, &params, scaling, 0).unwrap();
+    let mut layer = MoeLayer::new(&stream, cfg, &params, scaling, 0)
+        .unwrap()
+        .with_gemm_path(path);
     let saved: Vec<DeviceBuffer<u8>> = layer
         .saved_bytes()
         .iter()
@@ -418,9 +423,20 @@ fn layer_matches_the_f64_reference_in_both_modes() {
             ),
         ];
         for (what, cfg, one) in cases {
-            let mut s = setup(&ctx, &mut rng, cfg, one);
+            let mut s = setup(&ctx, &mut rng, cfg, one, GemmPath::Auto);
             check_layer(&format!("{mode:?} {what}"), &mut s);
         }
+    }
+    // The grouped forward and data gradients on the sm90 packed kernel (wgrad portable).
+    for (what, cfg) in [
+        ("sm90 top-2, E=4", config(ExpertGemm::Grouped)),
+        (
+            "sm90 top-8, E=256",
+            with(8, ScoreFn::Softmax, false, 256, ExpertGemm::Grouped),
+        ),
+    ] {
+        let mut s = setup(&ctx, &mut rng, cfg, None, GemmPath::Hopper);
+        check_layer(what, &mut s);
     }
     assert_eq!(tensors(8), 20);
 }
@@ -430,7 +446,13 @@ fn layer_matches_the_f64_reference_in_both_modes() {
 fn a_captured_full_layer_equals_eager_bit_for_bit() {
     let ctx = Context::default_device().unwrap();
     let mut rng = Rng::fresh("a_captured_full_layer_equals_eager_bit_for_bit");
-    let mut s = setup(&ctx, &mut rng, config(ExpertGemm::Grouped), None);
+    let mut s = setup(
+        &ctx,
+        &mut rng,
+        config(ExpertGemm::Grouped),
+        None,
+        GemmPath::Auto,
+    );
     run(&mut s);
     let eager = results(&s);
     // Gradients accumulate: zero them before each run so both runs add to zero.
