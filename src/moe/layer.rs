@@ -68,6 +68,9 @@ const HID: usize = 1;
 const DY: usize = 2;
 const DA: usize = 3;
 
+/// The parts of each pass (router side, experts, combine side).
+const PARTS: usize = 3;
+
 /// How many tensors of the [`DelayedScaling`] state a layer of `experts` experts uses: x, h,
 /// dY, dA, then fc1's and fc2's weight of every expert.
 pub fn tensors(experts: usize) -> usize {
@@ -780,6 +783,73 @@ impl MoeLayer {
         Ok(())
     }
 
+    /// Part `part` of the forward: 0 router + permute (and, in warmup, the routed experts'
+    /// weight tensors reported), 1 the experts, 2 the combine. The per-expert mode's segments
+    /// are these parts; the grouped mode runs all three as one.
+    fn forward_part(
+        &self,
+        part: usize,
+        stream: &Stream,
+        inputs: &[&DeviceBuffer<bf16>],
+        outputs: &[&DeviceBuffer<bf16>],
+        slot: &Slot<'_, bf16>,
+    ) -> Result<()> {
+        self.fp8_only(slot)?;
+        let (x, out) = self.check_io("forward", inputs, outputs)?;
+        let s = self.saved(slot)?;
+        match part {
+            0 => {
+                slot.record_tensors([self.first_tensor + X, self.first_tensor + HID]);
+                self.route(stream, x, &s)?;
+                self.record_routed_weights(stream, &s, slot)
+            }
+            1 => self.experts_forward(stream, &s),
+            2 => self.router.combine(stream, &s.y, &s.routing, out),
+            _ => Err(self.not_a_segment(slot, "forward", part, "a part")),
+        }
+    }
+
+    /// Part `part` of the backward: 0 the gates' gradient and dY's cast, 1 the experts, 2 the
+    /// router backward and dx; with `weights`, parts 1 and 2 also accumulate their weight
+    /// gradients (without, [`Callable::backward_weight`] does it later).
+    fn backward_part(
+        &self,
+        part: usize,
+        stream: &Stream,
+        grad_outputs: &[&DeviceBuffer<bf16>],
+        grad_inputs: &[&DeviceBuffer<bf16>],
+        slot: &Slot<'_, bf16>,
+        weights: bool,
+    ) -> Result<()> {
+        self.fp8_only(slot)?;
+        let (dy, dx) = self.check_io("backward", grad_outputs, grad_inputs)?;
+        let s = self.saved(slot)?;
+        match part {
+            0 => {
+                slot.record_tensors([self.first_tensor + DY, self.first_tensor + DA]);
+                self.combine_backward(stream, dy, &s)
+            }
+            1 => self.experts_backward(stream, &s, weights),
+            2 => self.router_backward(stream, self.forward_input(slot)?, dx, &s, weights),
+            _ => Err(self.not_a_segment(slot, "backward", part, "a part")),
+        }
+    }
+
+    /// The error for a segment (or part) the layer does not have in its mode.
+    fn not_a_segment(
+        &self,
+        slot: &Slot<'_, bf16>,
+        pass: &str,
+        segment: usize,
+        what: &str,
+    ) -> Error {
+        Error::InvalidArgument(format!(
+            "MoeLayer at {} ({:?}): {pass} segment {segment} is not {what}",
+            slot.at(),
+            self.cfg.expert_gemm
+        ))
+    }
+
     fn fp8_only(&self, slot: &Slot<'_, bf16>) -> Result<()> {
         if slot.low_precision() {
             Ok(())
@@ -867,6 +937,7 @@ impl Callable<bf16> for MoeLayer {
         Ok(())
     }
 
+    /// The whole pass eagerly: router + permute, experts, combine.
     fn forward(
         &mut self,
         stream: &Stream,
@@ -874,15 +945,10 @@ impl Callable<bf16> for MoeLayer {
         outputs: &[&DeviceBuffer<bf16>],
         slot: &Slot<'_, bf16>,
     ) -> Result<()> {
-        for (seg, kind) in self.forward_segments().into_iter().enumerate() {
-            match kind {
-                SegmentKind::Graphed => self.forward_segment(seg, stream, inputs, outputs, slot)?,
-                SegmentKind::Eager => self.forward_eager(seg, stream, inputs, outputs, slot)?,
-            }
-        }
-        Ok(())
+        (0..PARTS).try_for_each(|p| self.forward_part(p, stream, inputs, outputs, slot))
     }
 
+    /// The whole pass eagerly: gates' gradient + dY cast, experts, router backward.
     fn backward(
         &mut self,
         stream: &Stream,
@@ -890,17 +956,8 @@ impl Callable<bf16> for MoeLayer {
         grad_inputs: &[&DeviceBuffer<bf16>],
         slot: &Slot<'_, bf16>,
     ) -> Result<()> {
-        for (seg, kind) in self.backward_segments().into_iter().enumerate() {
-            match kind {
-                SegmentKind::Graphed => {
-                    self.backward_segment(seg, stream, grad_outputs, grad_inputs, slot)?
-                }
-                SegmentKind::Eager => {
-                    self.backward_eager(seg, stream, grad_outputs, grad_inputs, slot)?
-                }
-            }
-        }
-        Ok(())
+        (0..PARTS)
+            .try_for_each(|p| self.backward_part(p, stream, grad_outputs, grad_inputs, slot, true))
     }
 
     /// The data-gradient half (split weight gradients; full-layer mode only: the runtime
@@ -914,15 +971,9 @@ impl Callable<bf16> for MoeLayer {
         grad_inputs: &[&DeviceBuffer<bf16>],
         slot: &Slot<'_, bf16>,
     ) -> Result<()> {
-        self.fp8_only(slot)?;
         self.grouped_only(slot, "split weight gradients")?;
-        let (dy, dx) = self.check_io("backward", grad_outputs, grad_inputs)?;
-        let s = self.saved(slot)?;
-        let x = self.forward_input(slot)?;
-        slot.record_tensors([self.first_tensor + DY, self.first_tensor + DA]);
-        self.combine_backward(stream, dy, &s)?;
-        self.experts_backward(stream, &s, false)?;
-        self.router_backward(stream, x, dx, &s, false)
+        (0..PARTS)
+            .try_for_each(|p| self.backward_part(p, stream, grad_outputs, grad_inputs, slot, false))
     }
 
     /// The weight-gradient half: the experts' and the router's weight gradients from the
@@ -963,6 +1014,8 @@ impl Callable<bf16> for MoeLayer {
         self.forward_segments()
     }
 
+    /// Grouped: segment 0 is the whole forward. Per expert: segments 0 (router + permute) and
+    /// 2 (combine).
     fn forward_segment(
         &mut self,
         segment: usize,
@@ -971,30 +1024,16 @@ impl Callable<bf16> for MoeLayer {
         outputs: &[&DeviceBuffer<bf16>],
         slot: &Slot<'_, bf16>,
     ) -> Result<()> {
-        self.fp8_only(slot)?;
-        let (x, out) = self.check_io("forward", inputs, outputs)?;
-        let s = self.saved(slot)?;
-        slot.record_tensors([self.first_tensor + X, self.first_tensor + HID]);
-        let whole = self.cfg.expert_gemm == ExpertGemm::Grouped;
-        if segment == 0 {
-            self.route(stream, x, &s)?;
-            self.record_routed_weights(stream, &s, slot)?;
-            if whole {
-                self.experts_forward(stream, &s)?;
+        match (self.cfg.expert_gemm, segment) {
+            (ExpertGemm::Grouped, 0) => self.forward(stream, inputs, outputs, slot),
+            (ExpertGemm::PerExpert, 0 | 2) => {
+                self.forward_part(segment, stream, inputs, outputs, slot)
             }
+            _ => Err(self.not_a_segment(slot, "forward", segment, "graphed")),
         }
-        if (segment == 0 && whole) || segment == 2 {
-            return self.router.combine(stream, &s.y, &s.routing, out);
-        }
-        if segment == 0 {
-            return Ok(());
-        }
-        Err(Error::InvalidArgument(format!(
-            "MoeLayer at {}: forward segment {segment} is not graphed",
-            slot.at()
-        )))
     }
 
+    /// Per expert: segment 1, the experts (reads the offsets back).
     fn forward_eager(
         &self,
         segment: usize,
@@ -1003,17 +1042,14 @@ impl Callable<bf16> for MoeLayer {
         outputs: &[&DeviceBuffer<bf16>],
         slot: &Slot<'_, bf16>,
     ) -> Result<()> {
-        self.fp8_only(slot)?;
-        self.check_io("forward", inputs, outputs)?;
-        if segment != 1 || self.cfg.expert_gemm != ExpertGemm::PerExpert {
-            return Err(Error::InvalidArgument(format!(
-                "MoeLayer at {}: forward segment {segment} is not eager",
-                slot.at()
-            )));
+        match (self.cfg.expert_gemm, segment) {
+            (ExpertGemm::PerExpert, 1) => self.forward_part(1, stream, inputs, outputs, slot),
+            _ => Err(self.not_a_segment(slot, "forward", segment, "eager")),
         }
-        self.experts_forward(stream, &self.saved(slot)?)
     }
 
+    /// Like [`forward_segment`](Callable::forward_segment): segment 0 (gates' gradient + dY
+    /// cast, or the whole backward) and 2 (router backward).
     fn backward_segment(
         &mut self,
         segment: usize,
@@ -1022,29 +1058,16 @@ impl Callable<bf16> for MoeLayer {
         grad_inputs: &[&DeviceBuffer<bf16>],
         slot: &Slot<'_, bf16>,
     ) -> Result<()> {
-        self.fp8_only(slot)?;
-        let (dy, dx) = self.check_io("backward", grad_outputs, grad_inputs)?;
-        let s = self.saved(slot)?;
-        let x = self.forward_input(slot)?;
-        slot.record_tensors([self.first_tensor + DY, self.first_tensor + DA]);
-        let whole = self.cfg.expert_gemm == ExpertGemm::Grouped;
-        match segment {
-            0 => {
-                self.combine_backward(stream, dy, &s)?;
-                if whole {
-                    self.experts_backward(stream, &s, true)?;
-                    self.router_backward(stream, x, dx, &s, true)?;
-                }
-                Ok(())
+        match (self.cfg.expert_gemm, segment) {
+            (ExpertGemm::Grouped, 0) => self.backward(stream, grad_outputs, grad_inputs, slot),
+            (ExpertGemm::PerExpert, 0 | 2) => {
+                self.backward_part(segment, stream, grad_outputs, grad_inputs, slot, true)
             }
-            2 if !whole => self.router_backward(stream, x, dx, &s, true),
-            _ => Err(Error::InvalidArgument(format!(
-                "MoeLayer at {}: backward segment {segment} is not graphed",
-                slot.at()
-            ))),
+            _ => Err(self.not_a_segment(slot, "backward", segment, "graphed")),
         }
     }
 
+    /// Per expert: segment 1, the experts' backward.
     fn backward_eager(
         &self,
         segment: usize,
@@ -1053,15 +1076,12 @@ impl Callable<bf16> for MoeLayer {
         grad_inputs: &[&DeviceBuffer<bf16>],
         slot: &Slot<'_, bf16>,
     ) -> Result<()> {
-        self.fp8_only(slot)?;
-        self.check_io("backward", grad_outputs, grad_inputs)?;
-        if segment != 1 || self.cfg.expert_gemm != ExpertGemm::PerExpert {
-            return Err(Error::InvalidArgument(format!(
-                "MoeLayer at {}: backward segment {segment} is not eager",
-                slot.at()
-            )));
+        match (self.cfg.expert_gemm, segment) {
+            (ExpertGemm::PerExpert, 1) => {
+                self.backward_part(1, stream, grad_outputs, grad_inputs, slot, true)
+            }
+            _ => Err(self.not_a_segment(slot, "backward", segment, "eager")),
         }
-        self.experts_backward(stream, &self.saved(slot)?, true)
     }
 }
 
