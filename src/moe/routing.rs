@@ -314,12 +314,44 @@ struct Kernels {
 pub struct Router {
     dims: RoutingDims,
     cfg: RouterConfig,
+    /// The dims as the kernels take them.
+    n: Dims32,
     k: Arc<Kernels>,
 }
 
-/// `n` as u32 for a kernel argument (the shapes are checked to fit i32).
-fn u32_of(n: usize) -> u32 {
-    u32::try_from(n).unwrap_or(u32::MAX)
+/// A router's dims as u32 kernel arguments (checked to fit i32 by [`RoutingDims::check`]).
+#[derive(Debug, Clone, Copy)]
+struct Dims32 {
+    t: u32,
+    h: u32,
+    e: u32,
+    k: u32,
+    align: u32,
+    /// The packed layout's rows (the capacity).
+    rows: u32,
+    /// `T * k`.
+    assignments: u32,
+    /// Blocks of the plan kernels.
+    blocks: u32,
+    /// Token chunks of the router weight gradient.
+    chunks: u32,
+}
+
+impl Dims32 {
+    fn of(d: RoutingDims) -> Dims32 {
+        let u = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+        Dims32 {
+            t: u(d.tokens),
+            h: u(d.hidden),
+            e: u(d.experts),
+            k: u(d.top_k),
+            align: u(d.align),
+            rows: u(d.capacity()),
+            assignments: u(d.tokens * d.top_k),
+            blocks: u(d.plan_blocks()),
+            chunks: u(d.wgrad_chunks()),
+        }
+    }
 }
 
 /// Checks one buffer's length.
@@ -369,6 +401,7 @@ impl Router {
         Ok(Router {
             dims,
             cfg,
+            n: Dims32::of(dims),
             k: Arc::new(k),
         })
     }
@@ -418,12 +451,7 @@ impl Router {
         let d = self.dims;
         check_len(what, "x", x.len(), d.tokens * d.hidden)?;
         check_len(what, "wr", wr.len(), d.experts * d.hidden)?;
-        let (t, h, e, k) = (
-            u32_of(d.tokens),
-            u32_of(d.hidden),
-            u32_of(d.experts),
-            u32_of(d.top_k),
-        );
+        let Dims32 { t, h, e, k, .. } = self.n;
         let (score, renorm) = self.score_args();
         let mut cfg = LaunchConfig::linear(t, BLOCK);
         cfg.shared_mem_bytes = 2 * e * 4;
@@ -463,9 +491,13 @@ impl Router {
 
     /// The dispatch plan from `b.topk` (count, scan, assign).
     fn plan(&self, stream: &Stream, b: &RoutingBuffers) -> Result<()> {
-        let d = self.dims;
-        let assignments = u32_of(d.tokens * d.top_k);
-        let (e, blocks, align) = (u32_of(d.experts), u32_of(d.plan_blocks()), u32_of(d.align));
+        let Dims32 {
+            e,
+            assignments,
+            blocks,
+            align,
+            ..
+        } = self.n;
         b.token_of_row.fill_u32_bits(stream, u32::MAX)?;
         let mut cfg = LaunchConfig::linear(blocks, BLOCK);
         cfg.shared_mem_bytes = e * 4;
@@ -519,12 +551,7 @@ impl Router {
         let d = self.dims;
         check_len(what, "y", y.len(), d.capacity() * d.hidden)?;
         check_len(what, "out", out.len(), d.tokens * d.hidden)?;
-        let (t, h, k, rows) = (
-            u32_of(d.tokens),
-            u32_of(d.hidden),
-            u32_of(d.top_k),
-            u32_of(d.capacity()),
-        );
+        let Dims32 { t, h, k, rows, .. } = self.n;
         let args = KernelArgs::new()
             .arg(y)
             .arg(&b.row_of)
@@ -553,12 +580,7 @@ impl Router {
         let d = self.dims;
         check_len(what, "dy", dy.len(), d.tokens * d.hidden)?;
         check_len(what, "y", y.len(), d.capacity() * d.hidden)?;
-        let (t, h, k, rows) = (
-            u32_of(d.tokens),
-            u32_of(d.hidden),
-            u32_of(d.top_k),
-            u32_of(d.capacity()),
-        );
+        let Dims32 { t, h, k, rows, .. } = self.n;
         let args = KernelArgs::new()
             .arg(dy)
             .arg(y)
@@ -584,8 +606,7 @@ impl Router {
     /// counted with weight 1 in the loss).
     pub fn backward(&self, stream: &Stream, b: &RoutingBuffers) -> Result<()> {
         self.check_buffers("Router::backward", b)?;
-        let d = self.dims;
-        let (t, e, k) = (u32_of(d.tokens), u32_of(d.experts), u32_of(d.top_k));
+        let Dims32 { t, e, k, .. } = self.n;
         let (score, renorm) = self.score_args();
         let mut cfg = LaunchConfig::linear(t.div_ceil(WARPS), BLOCK);
         cfg.shared_mem_bytes = WARPS * 2 * e * 4;
@@ -626,13 +647,9 @@ impl Router {
         check_len(what, "dxp", dxp.len(), d.capacity() * d.hidden)?;
         check_len(what, "wr", wr.len(), d.experts * d.hidden)?;
         check_len(what, "dx", dx.len(), d.tokens * d.hidden)?;
-        let (t, h, e, k, rows) = (
-            u32_of(d.tokens),
-            u32_of(d.hidden),
-            u32_of(d.experts),
-            u32_of(d.top_k),
-            u32_of(d.capacity()),
-        );
+        let Dims32 {
+            t, h, e, k, rows, ..
+        } = self.n;
         let mut cfg = LaunchConfig::linear(t, BLOCK);
         cfg.shared_mem_bytes = e * 4;
         let args = KernelArgs::new()
@@ -668,15 +685,10 @@ impl Router {
         let d = self.dims;
         check_len(what, "x", x.len(), d.tokens * d.hidden)?;
         check_len(what, "dwr", dwr.len(), d.experts * d.hidden)?;
-        let n = d.experts * d.hidden;
-        let (t, h, e, chunk, chunks, n32) = (
-            u32_of(d.tokens),
-            u32_of(d.hidden),
-            u32_of(d.experts),
-            u32_of(WGRAD_CHUNK),
-            u32_of(d.wgrad_chunks()),
-            u32_of(n),
-        );
+        let Dims32 {
+            t, h, e, chunks, ..
+        } = self.n;
+        let (chunk, n32) = (WGRAD_CHUNK as u32, e * h);
         let blocks = n32.div_ceil(BLOCK);
         let cfg = LaunchConfig {
             grid: (blocks, chunks, 1),
