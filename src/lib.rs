@@ -19,6 +19,7 @@
 
 pub mod linear;
 pub mod moe;
+pub mod rng;
 pub mod scaling;
 
 pub use linear::Fp8Linear;

@@ -15,7 +15,10 @@
 //! * two runs bit-identical, and a captured forward replayed on new inputs equal to eager.
 
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+
+mod common;
+use common::{f64s, f64s_bf16, fresh_rng, to_bf16};
+use fp8_moe::rng::Rng;
 
 use cuda_graph::half::bf16;
 use cuda_graph::{CaptureMode, Context, DeviceBuffer, GraphExec, InstantiateFlags, Stream};
@@ -45,46 +48,6 @@ impl Gpu {
         let stream = Stream::new(&ctx).unwrap();
         Gpu { _ctx: ctx, stream }
     }
-}
-
-/// splitmix64: a seeded generator of its own (the tests' data only).
-struct Rng(u64);
-
-impl Rng {
-    fn fresh(what: &str) -> Rng {
-        let seed = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(1);
-        println!("{what}: seed {seed:#x}");
-        Rng(seed)
-    }
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in `[-a, a)`.
-    fn uniform(&mut self, a: f32) -> f32 {
-        ((self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * a
-    }
-    fn vec(&mut self, n: usize, a: f32) -> Vec<f32> {
-        (0..n).map(|_| self.uniform(a)).collect()
-    }
-}
-
-fn to_bf16(v: &[f32]) -> Vec<bf16> {
-    v.iter().map(|&x| bf16::from_f32(x)).collect()
-}
-
-fn f64s_bf16(v: &[bf16]) -> Vec<f64> {
-    v.iter().map(|x| f64::from(x.to_f32())).collect()
-}
-
-fn f64s(v: &[f32]) -> Vec<f64> {
-    v.iter().map(|&x| f64::from(x)).collect()
 }
 
 fn poison_f32(gpu: &Gpu, b: &DeviceBuffer<f32>) {
@@ -311,7 +274,7 @@ fn route_and_check(gpu: &Gpu, rng: &mut Rng, c: &Case) -> Run {
 #[ignore = "needs a CUDA device"]
 fn router_and_plan_match_the_reference() {
     let gpu = Gpu::new();
-    let mut rng = Rng::fresh("router_and_plan_match_the_reference");
+    let mut rng = fresh_rng("router_and_plan_match_the_reference");
     let mut cases = vec![
         case(37, 64, 8, 2, ScoreFn::Softmax, false),
         case(64, 48, 8, 2, ScoreFn::Softmax, true),
@@ -462,7 +425,7 @@ fn check_permute(gpu: &Gpu, run: &Run, d: RoutingDims, scaling: CastScaling, pre
 #[ignore = "needs a CUDA device"]
 fn fused_casts_match_the_host() {
     let gpu = Gpu::new();
-    let mut rng = Rng::fresh("fused_casts_match_the_host");
+    let mut rng = fresh_rng("fused_casts_match_the_host");
     let c = case(300, 64, 8, 2, ScoreFn::Softmax, false);
     let run = route_and_check(&gpu, &mut rng, &c);
     let d = c.dims;
@@ -597,7 +560,7 @@ fn fused_casts_match_the_host() {
 #[ignore = "needs a CUDA device"]
 fn combine_and_the_backward_match_the_reference() {
     let gpu = Gpu::new();
-    let mut rng = Rng::fresh("combine_and_the_backward_match_the_reference");
+    let mut rng = fresh_rng("combine_and_the_backward_match_the_reference");
     for c in [
         case(200, 64, 8, 2, ScoreFn::Softmax, false),
         case(150, 32, 16, 4, ScoreFn::Softmax, true),
@@ -738,7 +701,7 @@ fn combine_and_the_backward_match_the_reference() {
 #[ignore = "needs a CUDA device"]
 fn routing_is_deterministic_and_replays_in_a_graph() {
     let gpu = Gpu::new();
-    let mut rng = Rng::fresh("routing_is_deterministic_and_replays_in_a_graph");
+    let mut rng = fresh_rng("routing_is_deterministic_and_replays_in_a_graph");
     let c = case(777, 64, 32, 4, ScoreFn::Softmax, true);
     let d = c.dims;
     let s = &gpu.stream;
@@ -792,7 +755,7 @@ fn routing_is_deterministic_and_replays_in_a_graph() {
 #[ignore = "needs a CUDA device"]
 fn fused_casts_with_current_scaling() {
     let gpu = Gpu::new();
-    let mut rng = Rng::fresh("fused_casts_with_current_scaling");
+    let mut rng = fresh_rng("fused_casts_with_current_scaling");
     let c = case(300, 64, 8, 2, ScoreFn::Softmax, false);
     let run = route_and_check(&gpu, &mut rng, &c);
     let d = c.dims;

@@ -16,7 +16,10 @@
 //! outputs), to 0.03 and 0.06.
 
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+
+mod common;
+use common::{bf16_round, f64s, fresh_rng};
+use fp8_moe::rng::Rng;
 
 use cuda_graph::half::bf16;
 use cuda_graph::{CaptureMode, Context, DeviceBuffer, GraphExec, InstantiateFlags, Stream};
@@ -29,40 +32,6 @@ use fp8_moe::moe::layer::{
 use fp8_moe::moe::reference as rf;
 use fp8_moe::moe::routing::{ALIGN_ROWS, RouterConfig, ScoreFn};
 use graphed_callables::{Callable, GraphIndex, Slot};
-
-struct Rng(u64);
-
-impl Rng {
-    fn fresh(what: &str) -> Rng {
-        let seed = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(1);
-        println!("{what}: seed {seed:#x}");
-        Rng(seed)
-    }
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn vec(&mut self, n: usize, a: f32) -> Vec<f32> {
-        (0..n)
-            .map(|_| ((self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * a)
-            .collect()
-    }
-}
-
-/// Rounds to bf16 and back (the values the device holds).
-fn bf16_round(v: &[f32]) -> Vec<f32> {
-    v.iter().map(|&x| bf16::from_f32(x).to_f32()).collect()
-}
-
-fn f64s(v: &[f32]) -> Vec<f64> {
-    v.iter().map(|&x| f64::from(x)).collect()
-}
 
 fn rel_err(got: &[f64], want: &[f64]) -> f64 {
     assert_eq!(got.len(), want.len());
@@ -379,7 +348,7 @@ fn check_layer(label: &str, s: &mut Setup) {
 #[ignore = "needs a CUDA device"]
 fn layer_matches_the_f64_reference_in_both_modes() {
     let ctx = Context::default_device().unwrap();
-    let mut rng = Rng::fresh("layer_matches_the_f64_reference_in_both_modes");
+    let mut rng = fresh_rng("layer_matches_the_f64_reference_in_both_modes");
     let with = |k: usize, score: ScoreFn, renormalize: bool, experts: usize, mode| {
         let mut c = config(mode);
         c.router.top_k = k;
@@ -445,7 +414,7 @@ fn layer_matches_the_f64_reference_in_both_modes() {
 #[ignore = "needs a CUDA device"]
 fn a_captured_full_layer_equals_eager_bit_for_bit() {
     let ctx = Context::default_device().unwrap();
-    let mut rng = Rng::fresh("a_captured_full_layer_equals_eager_bit_for_bit");
+    let mut rng = fresh_rng("a_captured_full_layer_equals_eager_bit_for_bit");
     let mut s = setup(
         &ctx,
         &mut rng,
@@ -672,7 +641,7 @@ fn schedule_bits(
 #[ignore = "needs a CUDA device"]
 fn graph_modes_equal_eager_bit_for_bit() {
     let ctx = Context::default_device().unwrap();
-    let mut rng = Rng::fresh("graph_modes_equal_eager_bit_for_bit");
+    let mut rng = fresh_rng("graph_modes_equal_eager_bit_for_bit");
     for mode in [ExpertGemm::PerExpert, ExpertGemm::Grouped] {
         let cfg = config(mode);
         let (t, h, f, e) = (cfg.tokens, cfg.hidden, cfg.ffn, cfg.experts);
@@ -710,7 +679,7 @@ fn graph_modes_equal_eager_bit_for_bit() {
 #[ignore = "needs a CUDA device"]
 fn expert_weights_are_cast_once_per_step() {
     let ctx = Context::default_device().unwrap();
-    let mut rng = Rng::fresh("expert_weights_are_cast_once_per_step");
+    let mut rng = fresh_rng("expert_weights_are_cast_once_per_step");
     for mode in [ExpertGemm::PerExpert, ExpertGemm::Grouped] {
         let cfg = config(mode);
         let (t, h, f, e) = (cfg.tokens, cfg.hidden, cfg.ffn, cfg.experts);
@@ -778,7 +747,7 @@ fn expert_weights_are_cast_once_per_step() {
 fn warmup_reports_only_the_routed_experts_weights() {
     use std::sync::Mutex;
     let ctx = Context::default_device().unwrap();
-    let mut rng = Rng::fresh("warmup_reports_only_the_routed_experts_weights");
+    let mut rng = fresh_rng("warmup_reports_only_the_routed_experts_weights");
     for mode in [ExpertGemm::PerExpert, ExpertGemm::Grouped] {
         let mut cfg = config(mode);
         cfg.router.top_k = 1;

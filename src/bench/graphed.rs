@@ -74,12 +74,6 @@ const MOE_INPUTS: usize = 4;
 const MOE_ORDER: [i64; 2] = [1, -1];
 const TENSOR_CORE_BOUND: f64 = 2e-3;
 
-/// `n` values uniform in `[-scale, scale]`, from `seed`.
-fn random(seed: u64, n: usize, scale: f32) -> Vec<f32> {
-    let mut rng = Rng::new(seed, 0);
-    (0..n).map(|_| rng.uniform(scale)).collect()
-}
-
 /// Copies `v` into `buf` (e.g. one of the runtime's static buffers); waits.
 fn overwrite(stream: &Stream, buf: &DeviceBuffer<f32>, v: &[f32]) -> BenchResult<()> {
     buf.copy_from_host(stream, v)?;
@@ -109,8 +103,8 @@ fn mlp_layers(
                 mlp.tokens,
                 i,
                 o,
-                &random(100 + l as u64, i * o, 0.03),
-                Some(&random(200 + l as u64, o, 0.1)),
+                &Rng::new(100 + l as u64, 0).vec(i * o, 0.03),
+                Some(&Rng::new(200 + l as u64, 0).vec(o, 0.1)),
                 scaling.clone(),
                 l * linear::TENSORS,
             )?)
@@ -145,7 +139,7 @@ fn mlp_eager(ctx: &Arc<Context>, stream: &Stream, mlp: Mlp) -> BenchResult<Timin
     for mb in 0..mbs {
         xs.push(DeviceBuffer::from_host(
             stream,
-            &random(300 + mb as u64, tokens * mlp.narrow, 1.0),
+            &Rng::new(300 + mb as u64, 0).vec(tokens * mlp.narrow, 1.0),
         )?);
         let mut o = Vec::new();
         let mut d = Vec::new();
@@ -168,7 +162,7 @@ fn mlp_eager(ctx: &Arc<Context>, stream: &Stream, mlp: Mlp) -> BenchResult<Timin
     }
     let dy = DeviceBuffer::from_host(
         stream,
-        &random(400, tokens * mlp.widths(MLP_LAYERS - 1).1, 0.1),
+        &Rng::new(400, 0).vec(tokens * mlp.widths(MLP_LAYERS - 1).1, 0.1),
     )?;
     stream.synchronize()?;
     let t = timed_medians(stream, WARMUP, REPS, || {
@@ -242,7 +236,7 @@ fn mlp_graphed(
     // The scale update after every replay, as in the eager step (plus the warmup snapshot
     // and registration, outside the timed steps).
     fp8_moe::scaling::install_hooks(&mut options, ctx, &scaling, Arc::new(IdentityGroup))?;
-    let sample = DeviceBuffer::from_host(stream, &random(300, tokens * mlp.narrow, 1.0))?;
+    let sample = DeviceBuffer::from_host(stream, &Rng::new(300, 0).vec(tokens * mlp.narrow, 1.0))?;
     // One set per callable: only the first layer reads its sample.
     let samples: Vec<Vec<&DeviceBuffer<f32>>> = (0..MLP_LAYERS)
         .map(|l| if l == 0 { vec![&sample] } else { vec![] })
@@ -259,13 +253,13 @@ fn mlp_graphed(
         overwrite(
             stream,
             x[0],
-            &random(300 + mb as u64, tokens * mlp.narrow, 1.0),
+            &Rng::new(300 + mb as u64, 0).vec(tokens * mlp.narrow, 1.0),
         )?;
         let g = graphed.static_grad_outputs(0, mb)?;
         overwrite(
             stream,
             g[0],
-            &random(400, tokens * mlp.widths(MLP_LAYERS - 1).1, 0.1),
+            &Rng::new(400, 0).vec(tokens * mlp.widths(MLP_LAYERS - 1).1, 0.1),
         )?;
     }
     stream.synchronize()?;
@@ -294,8 +288,8 @@ fn moe_layer(stream: &Stream, mode: ExpertGemm) -> BenchResult<Fp8Moe> {
     Ok(Fp8Moe::new(
         stream,
         MOE,
-        &random(500, e * h, 0.05),
-        &random(600, e * f * h, 0.03),
+        &Rng::new(500, 0).vec(e * h, 0.05),
+        &Rng::new(600, 0).vec(e * f * h, 0.03),
         mode,
     )?)
 }
@@ -306,7 +300,7 @@ fn moe_inputs(stream: &Stream) -> BenchResult<Vec<DeviceBuffer<f32>>> {
         .map(|i| {
             Ok(DeviceBuffer::from_host(
                 stream,
-                &random(700 + i as u64, MOE.tokens * MOE.hidden, 1.0),
+                &Rng::new(700 + i as u64, 0).vec(MOE.tokens * MOE.hidden, 1.0),
             )?)
         })
         .collect()

@@ -100,11 +100,6 @@ fn config(s: Shape, expert_gemm: ExpertGemm) -> MoeLayerConfig {
     }
 }
 
-fn random(seed: u64, n: usize, scale: f32) -> Vec<f32> {
-    let mut rng = Rng::new(seed, 0);
-    (0..n).map(|_| rng.uniform(scale)).collect()
-}
-
 fn bf16s(v: &[f32]) -> Vec<bf16> {
     v.iter().map(|&x| bf16::from_f32(x)).collect()
 }
@@ -113,9 +108,9 @@ fn bf16s(v: &[f32]) -> Vec<bf16> {
 fn layer(stream: &Stream, cfg: MoeLayerConfig) -> BenchResult<MoeLayer> {
     let (e, h, f) = (cfg.experts, cfg.hidden, cfg.ffn);
     let params = MoeParams {
-        wr: random(1, e * h, 0.02),
-        w1: random(2, e * 2 * f * h, 0.02),
-        w2: random(3, e * h * f, 0.02),
+        wr: Rng::new(1, 0).vec(e * h, 0.02),
+        w1: Rng::new(2, 0).vec(e * 2 * f * h, 0.02),
+        w2: Rng::new(3, 0).vec(e * h * f, 0.02),
     };
     let fmts = formats(cfg.recipe, e);
     let scaling = Arc::new(DelayedScaling::new(stream, &fmts, 16, 0, AmaxAlgo::Max)?);
@@ -138,7 +133,7 @@ fn inputs(stream: &Stream, s: Shape) -> BenchResult<Vec<DeviceBuffer<bf16>>> {
         .map(|i| {
             Ok(DeviceBuffer::from_host(
                 stream,
-                &bf16s(&random(100 + i as u64, s.tokens * s.hidden, 1.0)),
+                &bf16s(&Rng::new(100 + i as u64, 0).vec(s.tokens * s.hidden, 1.0)),
             )?)
         })
         .collect()
@@ -147,7 +142,7 @@ fn inputs(stream: &Stream, s: Shape) -> BenchResult<Vec<DeviceBuffer<bf16>>> {
 fn grad(stream: &Stream, s: Shape) -> BenchResult<DeviceBuffer<bf16>> {
     Ok(DeviceBuffer::from_host(
         stream,
-        &bf16s(&random(200, s.tokens * s.hidden, 0.01)),
+        &bf16s(&Rng::new(200, 0).vec(s.tokens * s.hidden, 0.01)),
     )?)
 }
 
