@@ -14,17 +14,18 @@
 
 use std::sync::Arc;
 
-use cuda_graph::half::bf16;
-
 use cuda_graph::{
     CaptureMode, Context, DeviceBuffer, Error, GraphExec, InstantiateFlags, Result, Stream,
 };
 use fp8_kernels::gemm::reference::{RefGemm, RefScaling, gemm_f64, rel_error};
 use fp8_kernels::gemm::{
-    Bias, BlockOperand, GemmOptions, GemmOut, GemmPath, GemmShape, GroupedShape, Operand, gemm,
+    Bias, BlockOperand, GemmOptions, GemmPath, GemmShape, GroupedShape, Operand, gemm,
     gemm_blockwise, gemm_reference, grouped_gemm,
 };
 use fp8_kernels::reference as r;
+
+mod common;
+use common::{BiasBuf, Out, Rng, setup};
 use fp8_kernels::{BlockShape, DType, DeviceScalar, Fp8Format, HpBuffer, quantize_blockwise};
 
 const E4: Fp8Format = Fp8Format::E4M3;
@@ -35,150 +36,11 @@ const TENSOR_CORE_F32_BOUND: f64 = 2e-3;
 const BF16_BOUND: f64 = 8e-3;
 const PATHS: [GemmPath; 2] = [GemmPath::Portable, GemmPath::Auto];
 
-fn setup() -> (Arc<Context>, Stream) {
-    let ctx = Context::default_device().expect("a CUDA device");
-    let stream = Stream::new(&ctx).expect("a stream");
-    (ctx, stream)
-}
-
-/// xorshift64, seeded per case.
-struct Rng(u64);
-impl Rng {
-    fn new(seed: u64) -> Rng {
-        Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
-    }
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    /// A random FP8 byte with a finite value (NaN and inf excluded).
-    fn fp8(&mut self, fmt: Fp8Format) -> u8 {
-        loop {
-            let b = (self.next() >> 32) as u8;
-            if r::decode(b, fmt).is_finite() {
-                return b;
-            }
-        }
-    }
-    fn bytes(&mut self, n: usize, fmt: Fp8Format) -> Vec<u8> {
-        (0..n).map(|_| self.fp8(fmt)).collect()
-    }
-    /// Uniform in [-1, 1).
-    fn unit(&mut self) -> f32 {
-        ((self.next() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-}
-
 fn bound(out: DType, path: GemmPath) -> f64 {
     match (out, path) {
         (DType::F32, GemmPath::Portable) => F32_BOUND,
         (DType::F32, _) => TENSOR_CORE_F32_BOUND,
         _ => BF16_BOUND,
-    }
-}
-
-/// An output buffer of either type.
-enum Out {
-    F32(DeviceBuffer<f32>),
-    Bf16(DeviceBuffer<bf16>),
-}
-
-impl Out {
-    fn new(ctx: &Arc<Context>, dtype: DType, n: usize) -> Out {
-        match dtype {
-            DType::F32 => Out::F32(DeviceBuffer::alloc(ctx, n).unwrap()),
-            _ => Out::Bf16(DeviceBuffer::alloc(ctx, n).unwrap()),
-        }
-    }
-    fn dtype(&self) -> DType {
-        match self {
-            Out::F32(_) => DType::F32,
-            Out::Bf16(_) => DType::Bf16,
-        }
-    }
-    fn view(&self) -> GemmOut<'_> {
-        match self {
-            Out::F32(b) => GemmOut::F32(b),
-            Out::Bf16(b) => GemmOut::Bf16(b),
-        }
-    }
-    /// All bytes 0xff (a NaN in both types); waits.
-    fn poison(&mut self, stream: &Stream) {
-        match self {
-            Out::F32(b) => b.memset_bytes(stream, 0xff).unwrap(),
-            Out::Bf16(b) => b.memset_bytes(stream, 0xff).unwrap(),
-        }
-        stream.synchronize().unwrap();
-    }
-    /// Sets the contents to `xs` rounded to the type; returns the stored values.
-    fn fill(&mut self, stream: &Stream, xs: &[f32]) -> Vec<f32> {
-        let dt = self.dtype();
-        let bits: Vec<u32> = xs.iter().map(|&x| r::narrow(x, dt)).collect();
-        match self {
-            Out::F32(b) => b.copy_from_host(stream, xs).unwrap(),
-            Out::Bf16(b) => {
-                let h: Vec<bf16> = bits.iter().map(|&x| bf16::from_bits(x as u16)).collect();
-                b.copy_from_host(stream, &h).unwrap()
-            }
-        }
-        stream.synchronize().unwrap();
-        bits.iter().map(|&x| r::widen(x, dt)).collect()
-    }
-    /// The raw bits of every element.
-    fn bits(&self, stream: &Stream) -> Vec<u32> {
-        match self {
-            Out::F32(b) => b
-                .to_vec(stream)
-                .unwrap()
-                .iter()
-                .map(|x| x.to_bits())
-                .collect(),
-            Out::Bf16(b) => b
-                .to_vec(stream)
-                .unwrap()
-                .iter()
-                .map(|&x| u32::from(x.to_bits()))
-                .collect(),
-        }
-    }
-    fn values(&self, stream: &Stream) -> Vec<f32> {
-        let dt = self.dtype();
-        self.bits(stream).iter().map(|&b| r::widen(b, dt)).collect()
-    }
-    fn poison_bits(&self) -> u32 {
-        match self {
-            Out::F32(_) => u32::MAX,
-            Out::Bf16(_) => 0xffff,
-        }
-    }
-}
-
-/// A bias of either type on the device, with its values as the kernel sees them.
-enum BiasBuf {
-    F32(DeviceBuffer<f32>),
-    Bf16(DeviceBuffer<bf16>),
-}
-
-impl BiasBuf {
-    fn new(stream: &Stream, dtype: DType, xs: &[f32]) -> (BiasBuf, Vec<f32>) {
-        let bits: Vec<u32> = xs.iter().map(|&x| r::narrow(x, dtype)).collect();
-        let wide = bits.iter().map(|&b| r::widen(b, dtype)).collect();
-        let buf = match dtype {
-            DType::F32 => BiasBuf::F32(DeviceBuffer::from_host(stream, xs).unwrap()),
-            _ => {
-                let h: Vec<bf16> = bits.iter().map(|&b| bf16::from_bits(b as u16)).collect();
-                BiasBuf::Bf16(DeviceBuffer::from_host(stream, &h).unwrap())
-            }
-        };
-        (buf, wide)
-    }
-    fn view(&self) -> Bias<'_> {
-        match self {
-            BiasBuf::F32(b) => Bias::F32(b),
-            BiasBuf::Bf16(b) => Bias::Bf16(b),
-        }
     }
 }
 

@@ -6,8 +6,9 @@ use std::sync::Arc;
 
 use cuda_graph::half::{bf16, f16};
 use cuda_graph::{CaptureMode, Context, DeviceBuffer, Graph, Result, Stream};
+use fp8_kernels::gemm::{Bias, GemmOut};
 use fp8_kernels::reference as r;
-use fp8_kernels::{DType, DeviceScalar, Fp8Tensor, HpBuffer};
+use fp8_kernels::{DType, DeviceScalar, Fp8Format, Fp8Tensor, HpBuffer};
 
 pub const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::Bf16];
 
@@ -28,6 +29,27 @@ impl Rng {
         self.0 ^= self.0 >> 7;
         self.0 ^= self.0 << 17;
         self.0
+    }
+    /// A generator for case `seed` (any seed, zero included: xorshift never leaves zero).
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
+    }
+    /// A random FP8 byte with a finite value (NaN and inf excluded).
+    pub fn fp8(&mut self, fmt: Fp8Format) -> u8 {
+        loop {
+            let b = (self.next() >> 32) as u8;
+            if r::decode(b, fmt).is_finite() {
+                return b;
+            }
+        }
+    }
+    /// `n` random finite FP8 bytes.
+    pub fn bytes(&mut self, n: usize, fmt: Fp8Format) -> Vec<u8> {
+        (0..n).map(|_| self.fp8(fmt)).collect()
+    }
+    /// Uniform in [-1, 1).
+    pub fn unit(&mut self) -> f32 {
+        ((self.next() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     }
     /// Values over a wide range of magnitudes (fp8 subnormals to beyond the max), both signs.
     pub fn value(&mut self) -> f32 {
@@ -138,4 +160,107 @@ pub fn assert_cast_scalars(
         scale,
         "{what}: scale kept"
     );
+}
+
+/// An output buffer of either type.
+pub enum Out {
+    F32(DeviceBuffer<f32>),
+    Bf16(DeviceBuffer<bf16>),
+}
+
+impl Out {
+    pub fn new(ctx: &Arc<Context>, dtype: DType, n: usize) -> Out {
+        match dtype {
+            DType::F32 => Out::F32(DeviceBuffer::alloc(ctx, n).unwrap()),
+            _ => Out::Bf16(DeviceBuffer::alloc(ctx, n).unwrap()),
+        }
+    }
+    pub fn dtype(&self) -> DType {
+        match self {
+            Out::F32(_) => DType::F32,
+            Out::Bf16(_) => DType::Bf16,
+        }
+    }
+    pub fn view(&self) -> GemmOut<'_> {
+        match self {
+            Out::F32(b) => GemmOut::F32(b),
+            Out::Bf16(b) => GemmOut::Bf16(b),
+        }
+    }
+    /// All bytes 0xff (a NaN in both types); waits.
+    pub fn poison(&mut self, stream: &Stream) {
+        match self {
+            Out::F32(b) => b.memset_bytes(stream, 0xff).unwrap(),
+            Out::Bf16(b) => b.memset_bytes(stream, 0xff).unwrap(),
+        }
+        stream.synchronize().unwrap();
+    }
+    /// Sets the contents to `xs` rounded to the type; returns the stored values.
+    pub fn fill(&mut self, stream: &Stream, xs: &[f32]) -> Vec<f32> {
+        let dt = self.dtype();
+        let bits: Vec<u32> = xs.iter().map(|&x| r::narrow(x, dt)).collect();
+        match self {
+            Out::F32(b) => b.copy_from_host(stream, xs).unwrap(),
+            Out::Bf16(b) => {
+                let h: Vec<bf16> = bits.iter().map(|&x| bf16::from_bits(x as u16)).collect();
+                b.copy_from_host(stream, &h).unwrap()
+            }
+        }
+        stream.synchronize().unwrap();
+        bits.iter().map(|&x| r::widen(x, dt)).collect()
+    }
+    /// The raw bits of every element.
+    pub fn bits(&self, stream: &Stream) -> Vec<u32> {
+        match self {
+            Out::F32(b) => b
+                .to_vec(stream)
+                .unwrap()
+                .iter()
+                .map(|x| x.to_bits())
+                .collect(),
+            Out::Bf16(b) => b
+                .to_vec(stream)
+                .unwrap()
+                .iter()
+                .map(|&x| u32::from(x.to_bits()))
+                .collect(),
+        }
+    }
+    pub fn values(&self, stream: &Stream) -> Vec<f32> {
+        let dt = self.dtype();
+        self.bits(stream).iter().map(|&b| r::widen(b, dt)).collect()
+    }
+    pub fn poison_bits(&self) -> u32 {
+        match self {
+            Out::F32(_) => u32::MAX,
+            Out::Bf16(_) => 0xffff,
+        }
+    }
+}
+
+/// A bias of either type on the device, with its values as the kernel sees them.
+pub enum BiasBuf {
+    F32(DeviceBuffer<f32>),
+    Bf16(DeviceBuffer<bf16>),
+}
+
+impl BiasBuf {
+    pub fn new(stream: &Stream, dtype: DType, xs: &[f32]) -> (BiasBuf, Vec<f32>) {
+        let bits: Vec<u32> = xs.iter().map(|&x| r::narrow(x, dtype)).collect();
+        let wide = bits.iter().map(|&b| r::widen(b, dtype)).collect();
+        let buf = match dtype {
+            DType::F32 => BiasBuf::F32(DeviceBuffer::from_host(stream, xs).unwrap()),
+            _ => {
+                let h: Vec<bf16> = bits.iter().map(|&b| bf16::from_bits(b as u16)).collect();
+                BiasBuf::Bf16(DeviceBuffer::from_host(stream, &h).unwrap())
+            }
+        };
+        (buf, wide)
+    }
+    pub fn view(&self) -> Bias<'_> {
+        match self {
+            BiasBuf::F32(b) => Bias::F32(b),
+            BiasBuf::Bf16(b) => Bias::Bf16(b),
+        }
+    }
 }
