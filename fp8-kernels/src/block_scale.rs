@@ -226,18 +226,9 @@ mod tests {
         assert!(blockwise_grid(row, bf16, 1 << 40, (1 << 20) + 1).is_err());
     }
 
+    use crate::prop_util::{config, fits};
     use proptest::prelude::*;
     use proptest::sample::select;
-    use proptest::test_runner::RngAlgorithm;
-
-    /// 100 000 cases; XorShift, as ChaCha dominates these cheap cases in a debug build.
-    fn config() -> ProptestConfig {
-        ProptestConfig {
-            cases: 100_000,
-            rng_algorithm: RngAlgorithm::XorShift,
-            ..ProptestConfig::default()
-        }
-    }
 
     /// A size: small mostly, zero, powers of two, huge, any.
     fn dim() -> impl Strategy<Value = usize> {
@@ -249,17 +240,6 @@ mod tests {
         ]
     }
 
-    /// The exact product of `dims`, where it fits usize.
-    fn fits(dims: &[usize]) -> Option<usize> {
-        if dims.contains(&0) {
-            return Some(0);
-        }
-        let exact = dims
-            .iter()
-            .try_fold(1u128, |p, &x| p.checked_mul(x as u128));
-        exact.and_then(|p| usize::try_from(p).ok())
-    }
-
     fn dtype() -> impl Strategy<Value = DType> {
         select(vec![DType::F32, DType::F16, DType::Bf16])
     }
@@ -269,7 +249,7 @@ mod tests {
     }
 
     proptest! {
-        #![proptest_config(config())]
+        #![proptest_config(config(100_000))]
 
         /// Blocks down and across, edge blocks counted whole; the count never panics.
         #[test]

@@ -187,18 +187,9 @@ mod tests {
         assert_eq!(matrix_numel("t", 3, 5).ok(), Some(15));
     }
 
+    use crate::prop_util::{config, fits};
     use proptest::prelude::*;
     use proptest::sample::select;
-    use proptest::test_runner::RngAlgorithm;
-
-    /// 100 000 cases; XorShift, as ChaCha dominates these cheap cases in a debug build.
-    fn config() -> ProptestConfig {
-        ProptestConfig {
-            cases: 100_000,
-            rng_algorithm: RngAlgorithm::XorShift,
-            ..ProptestConfig::default()
-        }
-    }
 
     /// A size: small mostly, zero, powers of two, huge, any.
     fn dim() -> impl Strategy<Value = usize> {
@@ -210,23 +201,12 @@ mod tests {
         ]
     }
 
-    /// The exact product of `dims`, where it fits usize.
-    fn fits(dims: &[usize]) -> Option<usize> {
-        if dims.contains(&0) {
-            return Some(0);
-        }
-        let exact = dims
-            .iter()
-            .try_fold(1u128, |p, &x| p.checked_mul(x as u128));
-        exact.and_then(|p| usize::try_from(p).ok())
-    }
-
     fn dtype() -> impl Strategy<Value = DType> {
         select(vec![DType::F32, DType::F16, DType::Bf16])
     }
 
     proptest! {
-        #![proptest_config(config())]
+        #![proptest_config(config(100_000))]
 
         /// Tiles of 128 (16-bit inputs) or 64 (f32) rows by 64 columns cover the matrix; the
         /// count is accepted exactly up to the grid limit, and an error names the shape.

@@ -62,6 +62,8 @@ mod format;
 pub mod gemm;
 mod module;
 pub mod moe_cast;
+#[cfg(test)]
+mod prop_util;
 mod quantize;
 pub mod reference;
 mod scaling;

@@ -274,20 +274,11 @@ mod tests {
         assert_eq!(grid(132, 1 << 30), 528);
     }
 
+    use crate::prop_util::config;
     use proptest::prelude::*;
-    use proptest::test_runner::RngAlgorithm;
-
-    /// 100 000 cases; XorShift, as ChaCha dominates these cheap cases in a debug build.
-    fn config() -> ProptestConfig {
-        ProptestConfig {
-            cases: 100_000,
-            rng_algorithm: RngAlgorithm::XorShift,
-            ..ProptestConfig::default()
-        }
-    }
 
     proptest! {
-        #![proptest_config(config())]
+        #![proptest_config(config(100_000))]
 
         /// Equal lengths pass; an error names what and both lengths.
         #[test]

@@ -284,19 +284,10 @@ mod tests {
         assert!(check_align("x", 258, 16).is_err());
     }
 
+    use crate::prop_util::{config, fits};
     use proptest::collection::vec;
     use proptest::prelude::*;
     use proptest::sample::select;
-    use proptest::test_runner::RngAlgorithm;
-
-    /// 100 000 cases; XorShift, as ChaCha dominates these cheap cases in a debug build.
-    fn config() -> ProptestConfig {
-        ProptestConfig {
-            cases: 100_000,
-            rng_algorithm: RngAlgorithm::XorShift,
-            ..ProptestConfig::default()
-        }
-    }
 
     /// A size: small mostly, zero, powers of two, huge, any.
     fn dim() -> impl Strategy<Value = usize> {
@@ -308,19 +299,8 @@ mod tests {
         ]
     }
 
-    /// The exact product of `dims`, where it fits usize.
-    fn fits(dims: &[usize]) -> Option<usize> {
-        if dims.contains(&0) {
-            return Some(0);
-        }
-        let exact = dims
-            .iter()
-            .try_fold(1u128, |p, &x| p.checked_mul(x as u128));
-        exact.and_then(|p| usize::try_from(p).ok())
-    }
-
     proptest! {
-        #![proptest_config(config())]
+        #![proptest_config(config(100_000))]
 
         /// The element count is the exact product; an error names the shape.
         #[test]

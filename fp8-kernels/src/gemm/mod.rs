@@ -811,29 +811,9 @@ mod tests {
 mod prop {
     use proptest::prelude::*;
     use proptest::sample::select;
-    use proptest::test_runner::RngAlgorithm;
 
     use super::*;
-
-    /// 100 000 cases; XorShift, as ChaCha dominates these cheap cases in a debug build.
-    fn config() -> ProptestConfig {
-        ProptestConfig {
-            cases: 100_000,
-            rng_algorithm: RngAlgorithm::XorShift,
-            ..ProptestConfig::default()
-        }
-    }
-
-    /// The product of `dims` where it fits usize, computed exactly.
-    fn fits(dims: &[usize]) -> Option<usize> {
-        if dims.contains(&0) {
-            return Some(0);
-        }
-        let exact = dims
-            .iter()
-            .try_fold(1u128, |p, &x| p.checked_mul(x as u128));
-        exact.and_then(|p| usize::try_from(p).ok())
-    }
+    use crate::prop_util::{addr, config, fits, len, make_len};
 
     /// Every rule `d` breaks, each as the fragments an error for it must contain (the
     /// quantity's name and value).
@@ -930,41 +910,6 @@ mod prop {
         ]
     }
 
-    /// How a length is made from the one the shape needs (where that fits usize).
-    #[derive(Debug, Clone, Copy)]
-    enum Len {
-        Exact,
-        Off(i8),
-        Any(usize),
-    }
-
-    fn len() -> impl Strategy<Value = Len> {
-        prop_oneof![
-            24 => Just(Len::Exact),
-            1 => any::<i8>().prop_map(Len::Off),
-            1 => any::<usize>().prop_map(Len::Any),
-        ]
-    }
-
-    fn make_len(how: Len, want: Option<usize>) -> usize {
-        match (how, want) {
-            (Len::Exact, Some(want)) => want,
-            (Len::Off(o), Some(want)) => want.wrapping_add_signed(isize::from(o)),
-            (Len::Any(x), _) => x,
-            // No length matches a size that overflows; any will do.
-            (_, None) => usize::MAX,
-        }
-    }
-
-    /// Aligned addresses mostly; others by a few bytes; any.
-    fn addr() -> impl Strategy<Value = u64> {
-        prop_oneof![
-            24 => (0u64..1 << 44).prop_map(|x| x * 16),
-            2 => ((0u64..1 << 44), 1u64..16).prop_map(|(x, o)| x * 16 + o),
-            1 => any::<u64>(),
-        ]
-    }
-
     prop_compose! {
         fn desc_strategy()(
             (m, n, k, groups) in (dim(), dim(), k_dim(), groups()),
@@ -988,7 +933,7 @@ mod prop {
     }
 
     proptest! {
-        #![proptest_config(config())]
+        #![proptest_config(config(100_000))]
 
         #[test]
         fn validate_accepts_exactly_the_rules(d in desc_strategy()) {

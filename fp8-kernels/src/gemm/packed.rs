@@ -710,29 +710,11 @@ mod tests {
 mod prop {
     use proptest::prelude::*;
     use proptest::sample::select;
-    use proptest::test_runner::RngAlgorithm;
 
     use cuda_graph::Error;
 
     use super::*;
-
-    /// 50 000 cases each; XorShift, as ChaCha dominates these cheap cases in a debug build.
-    fn config() -> ProptestConfig {
-        ProptestConfig {
-            cases: 50_000,
-            rng_algorithm: RngAlgorithm::XorShift,
-            ..ProptestConfig::default()
-        }
-    }
-
-    fn fits(dims: &[usize]) -> Option<usize> {
-        if dims.contains(&0) {
-            return Some(0);
-        }
-        dims.iter()
-            .try_fold(1u128, |p, &x| p.checked_mul(x as u128))
-            .and_then(|p| usize::try_from(p).ok())
-    }
+    use crate::prop_util::{addr, config, fits, len, make_len};
 
     /// Small sizes mostly; zero; multiples of 16 and 128; around the grid limits; huge.
     fn dim() -> impl Strategy<Value = usize> {
@@ -761,38 +743,6 @@ mod prop {
             1 => Just(0usize),
             1 => select(vec![65535, 65536, usize::MAX]),
             1 => any::<usize>(),
-        ]
-    }
-
-    #[derive(Debug, Clone, Copy)]
-    enum Len {
-        Exact,
-        Off(i8),
-        Any(usize),
-    }
-
-    fn len() -> impl Strategy<Value = Len> {
-        prop_oneof![
-            24 => Just(Len::Exact),
-            1 => any::<i8>().prop_map(Len::Off),
-            1 => any::<usize>().prop_map(Len::Any),
-        ]
-    }
-
-    fn make_len(how: Len, want: Option<usize>) -> usize {
-        match (how, want) {
-            (Len::Exact, Some(want)) => want,
-            (Len::Off(o), Some(want)) => want.wrapping_add_signed(isize::from(o)),
-            (Len::Any(x), _) => x,
-            (_, None) => usize::MAX,
-        }
-    }
-
-    fn addr() -> impl Strategy<Value = u64> {
-        prop_oneof![
-            24 => (0u64..1 << 44).prop_map(|x| x * 16),
-            2 => ((0u64..1 << 44), 1u64..16).prop_map(|(x, o)| x * 16 + o),
-            1 => any::<u64>(),
         ]
     }
 
@@ -958,7 +908,7 @@ mod prop {
     }
 
     proptest! {
-        #![proptest_config(config())]
+        #![proptest_config(config(50_000))]
 
         #[test]
         fn validate_packed_accepts_exactly_the_rules(d in packed_strategy()) {
