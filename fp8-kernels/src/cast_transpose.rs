@@ -187,23 +187,8 @@ mod tests {
         assert_eq!(matrix_numel("t", 3, 5).ok(), Some(15));
     }
 
-    use crate::prop_util::{config, fits};
+    use crate::prop_util::{config, dtype, fits, size as dim};
     use proptest::prelude::*;
-    use proptest::sample::select;
-
-    /// A size: small mostly, zero, powers of two, huge, any.
-    fn dim() -> impl Strategy<Value = usize> {
-        prop_oneof![
-            8 => 0usize..=300,
-            2 => (0u32..64).prop_map(|s| 1usize << s),
-            1 => select(vec![usize::MAX, usize::MAX / 2, usize::MAX - 1, (1 << 32) - 1]),
-            1 => any::<usize>(),
-        ]
-    }
-
-    fn dtype() -> impl Strategy<Value = DType> {
-        select(vec![DType::F32, DType::F16, DType::Bf16])
-    }
 
     proptest! {
         #![proptest_config(config(100_000))]

@@ -62,3 +62,19 @@ pub fn addr() -> impl Strategy<Value = u64> {
         1 => any::<u64>(),
     ]
 }
+
+/// A size: small mostly, zero, powers of two, huge, any.
+pub fn size() -> impl Strategy<Value = usize> {
+    prop_oneof![
+        8 => 0usize..=300,
+        2 => (0u32..64).prop_map(|s| 1usize << s),
+        1 => proptest::sample::select(vec![usize::MAX, usize::MAX / 2, usize::MAX - 1, (1 << 32) - 1]),
+        1 => any::<usize>(),
+    ]
+}
+
+/// Any input dtype.
+pub fn dtype() -> impl Strategy<Value = crate::DType> {
+    use crate::DType;
+    proptest::sample::select(vec![DType::F32, DType::F16, DType::Bf16])
+}

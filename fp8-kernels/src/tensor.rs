@@ -284,20 +284,10 @@ mod tests {
         assert!(check_align("x", 258, 16).is_err());
     }
 
-    use crate::prop_util::{config, fits};
+    use crate::prop_util::{config, fits, size as dim};
     use proptest::collection::vec;
     use proptest::prelude::*;
     use proptest::sample::select;
-
-    /// A size: small mostly, zero, powers of two, huge, any.
-    fn dim() -> impl Strategy<Value = usize> {
-        prop_oneof![
-            8 => 0usize..=300,
-            2 => (0u32..64).prop_map(|s| 1usize << s),
-            1 => select(vec![usize::MAX, usize::MAX / 2, usize::MAX - 1, (1 << 32) - 1]),
-            1 => any::<usize>(),
-        ]
-    }
 
     proptest! {
         #![proptest_config(config(100_000))]
