@@ -18,7 +18,7 @@
 use std::sync::Arc;
 
 mod common;
-use common::{bf16_round, f64s, fresh_rng};
+use common::{bf16_round, f64s, fresh_rng, to_bf16};
 use fp8_moe::rng::Rng;
 
 use cuda_graph::half::bf16;
@@ -76,6 +76,17 @@ struct Setup {
     modeled: (rf::Forward, rf::Grads),
 }
 
+/// Random parameters for `cfg`: router weights within 0.3, expert weights within 0.2 (bf16
+/// values, as the layer stores them).
+fn random_params(rng: &mut Rng, cfg: &MoeLayerConfig) -> MoeParams {
+    let (h, f, e) = (cfg.hidden, cfg.ffn, cfg.experts);
+    MoeParams {
+        wr: rng.vec(e * h, 0.3),
+        w1: bf16_round(&rng.vec(e * 2 * f * h, 0.2)),
+        w2: bf16_round(&rng.vec(e * h * f, 0.2)),
+    }
+}
+
 /// A layer of `cfg` on fresh random data, its expert GEMMs on `path`; with `one_expert`,
 /// every token's first choice is that expert (x positive, its router row 1.0, the others
 /// small).
@@ -88,11 +99,7 @@ fn setup(
 ) -> Setup {
     let stream = Stream::new(ctx).unwrap();
     let (t, h, f, e) = (cfg.tokens, cfg.hidden, cfg.ffn, cfg.experts);
-    let mut params = MoeParams {
-        wr: rng.vec(e * h, 0.3),
-        w1: bf16_round(&rng.vec(e * 2 * f * h, 0.2)),
-        w2: bf16_round(&rng.vec(e * h * f, 0.2)),
-    };
+    let mut params = random_params(rng, &cfg);
     let mut x_host = bf16_round(&rng.vec(t * h, 1.0));
     if let Some(e0) = one_expert {
         x_host = bf16_round(
@@ -644,15 +651,10 @@ fn graph_modes_equal_eager_bit_for_bit() {
     let mut rng = fresh_rng("graph_modes_equal_eager_bit_for_bit");
     for mode in [ExpertGemm::PerExpert, ExpertGemm::Grouped] {
         let cfg = config(mode);
-        let (t, h, f, e) = (cfg.tokens, cfg.hidden, cfg.ffn, cfg.experts);
-        let params = MoeParams {
-            wr: rng.vec(e * h, 0.3),
-            w1: rng.vec(e * 2 * f * h, 0.2),
-            w2: rng.vec(e * h * f, 0.2),
-        };
-        let b = |v: Vec<f32>| v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>();
+        let (t, h) = (cfg.tokens, cfg.hidden);
+        let params = random_params(&mut rng, &cfg);
         let data: Vec<(Vec<bf16>, Vec<bf16>)> = (0..4)
-            .map(|_| (b(rng.vec(t * h, 1.0)), b(rng.vec(t * h, 1.0))))
+            .map(|_| (to_bf16(&rng.vec(t * h, 1.0)), to_bf16(&rng.vec(t * h, 1.0))))
             .collect();
         let eager = schedule_bits(&ctx, cfg, &params, &data, false, false);
         let graphed = schedule_bits(&ctx, cfg, &params, &data, true, false);
@@ -682,12 +684,8 @@ fn expert_weights_are_cast_once_per_step() {
     let mut rng = fresh_rng("expert_weights_are_cast_once_per_step");
     for mode in [ExpertGemm::PerExpert, ExpertGemm::Grouped] {
         let cfg = config(mode);
-        let (t, h, f, e) = (cfg.tokens, cfg.hidden, cfg.ffn, cfg.experts);
-        let params = MoeParams {
-            wr: rng.vec(e * h, 0.3),
-            w1: rng.vec(e * 2 * f * h, 0.2),
-            w2: rng.vec(e * h * f, 0.2),
-        };
+        let (t, h) = (cfg.tokens, cfg.hidden);
+        let params = random_params(&mut rng, &cfg);
         let stream = Stream::new(&ctx).unwrap();
         let scaling = fixed_scaling(&stream, &cfg);
         let layer = MoeLayer::new(&stream, cfg, &params, scaling, 0).unwrap();
@@ -751,15 +749,11 @@ fn warmup_reports_only_the_routed_experts_weights() {
     for mode in [ExpertGemm::PerExpert, ExpertGemm::Grouped] {
         let mut cfg = config(mode);
         cfg.router.top_k = 1;
-        let (t, h, f, e) = (cfg.tokens, cfg.hidden, cfg.ffn, cfg.experts);
+        let (t, h, e) = (cfg.tokens, cfg.hidden, cfg.experts);
         // Every token to expert 2: positive x, expert 2's router row 1, the others small.
-        let mut wr = rng.vec(e * h, 0.01);
-        wr[2 * h..3 * h].fill(1.0);
-        let params = MoeParams {
-            wr,
-            w1: rng.vec(e * 2 * f * h, 0.2),
-            w2: rng.vec(e * h * f, 0.2),
-        };
+        let mut params = random_params(&mut rng, &cfg);
+        params.wr.iter_mut().for_each(|w| *w *= 0.03);
+        params.wr[2 * h..3 * h].fill(1.0);
         let stream = Stream::new(&ctx).unwrap();
         let fmts = formats(cfg.recipe, e);
         // Tensors from 10 on: the layer's first is not 0.
