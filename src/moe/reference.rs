@@ -66,8 +66,8 @@
 
 use std::fmt;
 
-/// The largest supported [`RouterConfig::top_k`].
-pub const MAX_TOP_K: usize = 8;
+/// The largest supported [`RouterConfig::top_k`] (the device router's).
+pub use super::routing::MAX_TOP_K;
 
 /// A bad input to a function of this module: which argument and why.
 #[derive(Debug, Clone, PartialEq, Eq)]
