@@ -167,12 +167,26 @@ fn setup(
         scaling.scale(i).unwrap().write(&stream, *sc).unwrap();
     }
     // The reference again, rounding where the device does: FP8 casts with these scales
-    // (each expert's weights with its own), bf16 GEMM outputs.
+    // (each expert's weights with its own), bf16 GEMM outputs. Under current scaling the
+    // activations and gradients (x, h, dY, dA) are cast with the scale the device computes
+    // from the tensor itself: fp8_max / amax in f32, amax taken over the f32 values.
+    let current = cfg.scaling == CastScaling::Current;
     let round = |site: rf::Site, v: &mut [f64]| {
         let fp8 = |t: usize, v: &mut [f64]| {
+            let scale = if current && t < 4 {
+                let a = v.iter().fold(0f32, |m, &x| m.max((x as f32).abs()));
+                let max = if fmts[t] == Fp8Format::E4M3 {
+                    448f32
+                } else {
+                    57344f32
+                };
+                if a > 0.0 { max / a } else { 1.0 }
+            } else {
+                scales[t]
+            };
             for x in v.iter_mut() {
-                let b = encode(*x as f32 * scales[t], fmts[t]);
-                *x = f64::from(decode(b, fmts[t])) / f64::from(scales[t]);
+                let b = encode(*x as f32 * scale, fmts[t]);
+                *x = f64::from(decode(b, fmts[t])) / f64::from(scale);
             }
         };
         match site {

@@ -20,7 +20,11 @@
 //!   case `K / 16 * 2^-23` of one rounding per k-step. These tests reduce over at most
 //!   1152 rows, so 1e-5 applies throughout;
 //! * bf16 output: 8e-3 (bf16 rounding alone is up to 2^-9 = 1.95e-3 of the largest value),
-//!   as in `tests/gemm.rs`.
+//!   as in `tests/gemm.rs`;
+//! * `GemmPath::Hopper` (the sm_90a wgmma kernel): Hopper's FP8 tensor cores keep about 14
+//!   bits within each 128-deep slice of K before the promotion into fp32 (fp8.md), so its
+//!   f32 output is held to 2e-3, the bound `tests/gemm.rs` holds the dense sm_90a path to
+//!   (2.1e-4 seen at K = 80).
 //!
 //! Exact expectations only where nothing is rounded or the one rounding is the reference's:
 //! padding rows of the forward (A rows of zeros: the accumulator is exactly zero, so D is
@@ -55,10 +59,15 @@ const FORMATS: [(Fp8Format, Fp8Format); 4] = [(E4, E4), (E5, E4), (E4, E5), (E5,
 /// A byte that is NaN in E4M3 and in E5M2: the contents of the don't-care rows.
 const DONT_CARE: u8 = 0x7f;
 
-/// The relative error allowed for a reduction of length `k` into `out` (module docs).
-fn bound(out: DType, k: usize) -> f64 {
-    match out {
-        DType::F32 => 1e-5f64.max(k as f64 / 16.0 * 2f64.powi(-23)),
+/// f32-output bound of the sm_90a wgmma path (module docs).
+const TENSOR_CORE_F32_BOUND: f64 = 2e-3;
+
+/// The relative error allowed for a reduction of length `k` into `out` on `path` (module
+/// docs).
+fn bound(out: DType, k: usize, path: GemmPath) -> f64 {
+    match (out, path) {
+        (DType::F32, GemmPath::Hopper) => TENSOR_CORE_F32_BOUND,
+        (DType::F32, _) => 1e-5f64.max(k as f64 / 16.0 * 2f64.powi(-23)),
         _ => BF16_BOUND,
     }
 }
@@ -279,7 +288,7 @@ impl FwdHost {
             let got = &vals[rows.start * n..rows.end * n];
             let e = rel_error(got, w);
             assert!(
-                e < bound(out, k),
+                e < bound(out, k, c.path),
                 "{} {c:?} offsets {offsets:?}: group {g} rows {rows:?}: relative error {e:e}",
                 c.name
             );
@@ -751,7 +760,7 @@ impl WgHost {
             }
             let e = rel_error(&vals[span.clone()], &want[span]);
             assert!(
-                e < bound(out, rows.len()),
+                e < bound(out, rows.len(), c.path),
                 "{} {c:?} offsets {offsets:?}: group {g} (K = {}): relative error {e:e}",
                 c.name,
                 rows.len()
