@@ -6,6 +6,8 @@
 //! * `fp8-moe bench gemm [--json PATH]`: FP8 GEMM and grouped GEMM against cuBLASLt.
 //! * `fp8-moe bench graphed [--json PATH]`: eager against graphed step time of the FP8 MLP
 //!   stack and the FP8 MoE layer (eager, breaking-layer, full-layer).
+//! * `fp8-moe bench moe [--tokens T] [--experts E] [--json PATH]`: one training step of the
+//!   dropless top-k SwiGLU MoE layer, eager, breaking-layer and full-layer.
 //! * `fp8-moe soak [--replays N] [--check-every N] [--update-every N] [--seed S]
 //!   [--workload moe|mlp|both] [--max-seconds S] [--json PATH]`: replays the graphed MoE
 //!   layer and MLP stack with changing data, checks them against eager, updates execs in
@@ -122,7 +124,14 @@ enum Bench {
     Graphed,
     /// One training step of the dropless top-k SwiGLU MoE layer: eager, breaking-layer and
     /// full-layer graphs, beside the dense FP8 GEMM and PyTorch's figures.
-    Moe,
+    Moe {
+        /// Only the shapes with this many tokens (256 or 4096).
+        #[arg(long, value_name = "T")]
+        tokens: Option<usize>,
+        /// Only the shapes with this many experts (8 or 256).
+        #[arg(long, value_name = "E")]
+        experts: Option<usize>,
+    },
 }
 
 impl Bench {
@@ -133,7 +142,7 @@ impl Bench {
             Bench::Fp8Cast => "fp8-cast",
             Bench::Gemm => "gemm",
             Bench::Graphed => "graphed",
-            Bench::Moe => "moe",
+            Bench::Moe { .. } => "moe",
         }
     }
 }
@@ -199,9 +208,9 @@ fn run_bench(bench: Bench, json_path: &std::path::Path) -> Result<(), info::CliE
             "bench graphed: eager vs graphed step time (FP8 MLP stack, FP8 MoE layer)",
             bench::graphed::run(),
         ),
-        Bench::Moe => (
+        Bench::Moe { tokens, experts } => (
             "bench moe: MoE layer training step (forward + backward), eager vs graphs",
-            bench::moe::run(),
+            bench::moe::run(tokens, experts),
         ),
     };
     let rows = rows.map_err(|e| info::CliError::Other(e.to_string()))?;
@@ -280,7 +289,10 @@ mod tests {
             Bench::Fp8Cast,
             Bench::Gemm,
             Bench::Graphed,
-            Bench::Moe,
+            Bench::Moe {
+                tokens: None,
+                experts: None,
+            },
         ] {
             let cli = Cli::try_parse_from(["fp8-moe", "bench", bench.name()]).unwrap();
             let Command::Bench(args) = cli.command else {
@@ -288,5 +300,21 @@ mod tests {
             };
             assert_eq!(args.bench.name(), bench.name());
         }
+    }
+
+    #[test]
+    fn moe_bench_takes_shape_filters() {
+        let cli = Cli::try_parse_from(["fp8-moe", "bench", "moe", "--tokens", "4096"]).unwrap();
+        let Command::Bench(args) = cli.command else {
+            panic!("not bench: {cli:?}")
+        };
+        assert!(matches!(
+            args.bench,
+            Bench::Moe {
+                tokens: Some(4096),
+                experts: None
+            }
+        ));
+        assert!(Cli::try_parse_from(["fp8-moe", "bench", "moe", "--experts", "x"]).is_err());
     }
 }

@@ -1,6 +1,8 @@
 // FP8 GEMM for sm_90a: TMA loads into a shared-memory ring guarded by mbarriers, wgmma
 // (QGMMA) consumers, fp32 promotion of the tensor-core partial sums every 128 of K, a
 // persistent grid with a tile scheduler that reads the per-group row counts on the device.
+// Three layouts (Mode): grouped blocks, the packed MoE layout, and the packed weight gradient,
+// whose reduction range per group is read from the device offsets.
 //
 // D[g, r, c] = sa * sb * sum_k A[g, r, k] * B[g, c, k] (+ bias[c]) (+ D[g, r, c])
 // for r < min(counts[g], m) (every r < m when counts is null), c < n.
@@ -225,12 +227,31 @@ __device__ __forceinline__ float bias_at(const void *bias, int kind, int c) {
 }
 #endif
 
+// How the problem's tiles and reductions are laid out (the `MODE` of gemm below).
+enum Mode : int {
+    // Groups of [m, k] A and [n, k] B blocks, D [groups, m, n]; rows of group g below
+    // min(counts[g], m) (all m when counts is null).
+    GROUPED = 0,
+    // The packed layout (forward and data gradient): `counts` holds groups + 1 offsets, m is
+    // the capacity, A one [m, k] block, D one [m, n] block, group g's rows offsets[g] ..
+    // offsets[g + 1].
+    PACKED = 1,
+    // The packed weight gradient: A [m, k] and B [n, k] with k the capacity (the transposed
+    // packed buffers), D [groups, m, n]; group g reduces over k in offsets[g] .. offsets[g + 1]
+    // (multiples of BK). A group with no k-block leaves D[g] unchanged when accumulating and
+    // writes +0 otherwise.
+    WGRAD = 2,
+};
+
+// The tiles of the weight gradient: every (g, mt, nt), group-major, in bands like tile_at.
+__device__ __forceinline__ Tile wgrad_tile_at(int t, int groups, int m, int ntiles) {
+    return tile_at(t, nullptr, groups, m, ntiles);
+}
+
 // dims = (m, n, k, groups); flags = (sa index, sb index, bias kind 0/1 bf16/2 f32, accumulate).
-// PACKED: `counts` holds the packed layout's groups + 1 offsets and m is the capacity (A is
-// one [m, k] block, D one [m, n] block, group g's rows offsets[g] .. offsets[g + 1]); `sbg`,
-// when not null, holds one scale_inv per group of B (instead of sb[flags.y]).
+// `sbg`, when not null, holds one scale_inv per group of B (instead of sb[flags.y]).
 template <__nv_fp8_interpretation_t FA, __nv_fp8_interpretation_t FB, typename Out, int BN,
-          bool PACKED = false>
+          int MODE = GROUPED>
 __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, Out *d, const void *bias,
                                      const float *sa, const float *sb, const int *counts, uint4 dims,
                                      uint4 flags, const float *sbg = nullptr) {
@@ -264,11 +285,27 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, Out *
     // Programmatic dependent launch: the set-up above overlaps the previous kernel's tail;
     // counts, scales, A, B and D are touched only after the wait.
     cuda_graph::pdl_enter();
-    const int total = PACKED ? packed_mtiles(counts, groups, m) * ntiles
-                             : total_tiles(counts, groups, m, ntiles);
+    const int total = MODE == PACKED  ? packed_mtiles(counts, groups, m) * ntiles
+                      : MODE == WGRAD ? groups * ((m + BM - 1) / BM) * ntiles
+                                      : total_tiles(counts, groups, m, ntiles);
     auto tile = [&](int t) {
-        return PACKED ? packed_tile_at(t, counts, groups, m, ntiles)
-                      : tile_at(t, counts, groups, m, ntiles);
+        return MODE == PACKED  ? packed_tile_at(t, counts, groups, m, ntiles)
+               : MODE == WGRAD ? wgrad_tile_at(t, groups, m, ntiles)
+                               : tile_at(t, counts, groups, m, ntiles);
+    };
+    // The k-blocks of a tile: all of K, or (WGRAD) the group's reduction range, offsets
+    // clamped to [0, k] and taken in whole blocks.
+    struct KRange {
+        int lo, hi;
+    };
+    auto krange = [&](const Tile &tl) {
+        if constexpr (MODE == WGRAD) {
+            const int lo = packed_offset(counts, tl.g, k);
+            const int hi = max(lo, packed_offset(counts, tl.g + 1, k));
+            return KRange{lo / BK, (hi + BK - 1) / BK};
+        } else {
+            return KRange{0, kblocks};
+        }
     };
 
     if (wg == 0) {
@@ -278,11 +315,14 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, Out *
             uint32_t phase = 0;
             for (int t = blockIdx.x; t < total; t += gridDim.x) {
                 const Tile tl = tile(t);
-                for (int kb = 0; kb < kblocks; ++kb) {
+                const KRange kr = krange(tl);
+                for (int kb = kr.lo; kb < kr.hi; ++kb) {
                     mbar_wait(empty(stage), phase ^ 1u);
                     mbar_expect_tx(full(stage), STAGE_BYTES);
-                    tma_load_3d(tile_a(stage), ta, full(stage), kb * BK, tl.mt * BM, PACKED ? 0 : tl.g);
-                    tma_load_3d(tile_b(stage), tb, full(stage), kb * BK, tl.nt * BN, tl.g);
+                    tma_load_3d(tile_a(stage), ta, full(stage), kb * BK, tl.mt * BM,
+                                MODE == GROUPED ? tl.g : 0);
+                    tma_load_3d(tile_b(stage), tb, full(stage), kb * BK, tl.nt * BN,
+                                MODE == WGRAD ? 0 : tl.g);
                     if (++stage == STAGES) {
                         stage = 0;
                         phase ^= 1u;
@@ -306,7 +346,10 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, Out *
             float acc[NACC];
 #pragma unroll
             for (int i = 0; i < NACC; ++i) acc[i] = 0.0f;
-            for (int kb = 0; kb < kblocks; ++kb) {
+            const KRange kr = krange(tl);
+            // An empty reduction (WGRAD) leaves an accumulated D[g] as it was.
+            if (kr.hi <= kr.lo && accumulate) continue;
+            for (int kb = kr.lo; kb < kr.hi; ++kb) {
                 mbar_wait(full(stage), phase);
                 float part[NACC];
                 wgmma_fence();
@@ -328,12 +371,14 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, Out *
             }
             // Epilogue: rows below the group's count, columns below n.
             // Packed: row indices are absolute, the bound is the group's end.
-            const int rows = PACKED ? packed_offset(counts, tl.g + 1, m)
-                             : counts == nullptr ? m
+            const int rows = MODE == PACKED    ? packed_offset(counts, tl.g + 1, m)
+                             : MODE == WGRAD || counts == nullptr ? m
                                                  : min(max(__ldg(counts + tl.g), 0), m);
+            // (An empty reduction writes +0: alpha * 0 would be NaN for an infinite alpha.)
+            const float alpha_t = kr.hi > kr.lo ? alpha : 0.0f;
             const int row0 = tl.mt * BM + cw * 64 + warp * 16 + lane / 4;
             const int col0 = tl.nt * BN + 2 * (lane % 4);
-            Out *dg = PACKED ? d : d + size_t(tl.g) * size_t(m) * size_t(n);
+            Out *dg = MODE == PACKED ? d : d + size_t(tl.g) * size_t(m) * size_t(n);
             // In chunks of EPI pairs: first every load the chunk needs (bias, and D when
             // accumulating), independent of each other, then the stores. Loads interleaved
             // with stores to the same array run one round trip at a time (the compiler can not
@@ -361,7 +406,7 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, Out *
                     const int r = row0 + 8 * (j & 1), c = col0 + 8 * (j >> 1);
                     if (r < rows && c < n) {
                         // (alpha * acc + bias) + old: the rounding order of the unsplit form.
-                        float a = alpha * acc[2 * j] + bv[q].x, b = alpha * acc[2 * j + 1] + bv[q].y;
+                        float a = alpha_t * acc[2 * j] + bv[q].x, b = alpha_t * acc[2 * j + 1] + bv[q].y;
                         if (accumulate) {
                             a += old[q].x;
                             b += old[q].y;
@@ -413,7 +458,17 @@ __device__ __forceinline__ void gemm_ref(const uint8_t *a, const uint8_t *b, flo
             const __grid_constant__ fp8k::sm90::TmaDesc ta, const __grid_constant__ fp8k::sm90::TmaDesc tb, \
             OT *d, const void *bias, const float *sa, const float *sb, const float *sbg,            \
             const int *offsets, uint4 dims, uint4 flags) {                                           \
-        fp8k::sm90::gemm<FA, FB, OT, W, true>(&ta, &tb, d, bias, sa, sb, offsets, dims, flags, sbg); \
+        fp8k::sm90::gemm<FA, FB, OT, W, fp8k::sm90::PACKED>(&ta, &tb, d, bias, sa, sb, offsets, dims, \
+                                                            flags, sbg);                         \
+    }
+// The packed weight gradient: dims = (m, n, capacity, groups), no bias, per-tensor scales.
+#define FP8K_GEMM_SM90_WGRAD(AN, FA, BN_, FB, ON, OT, W)                                               \
+    extern "C" __global__ void __launch_bounds__(fp8k::sm90::THREADS, 1)                             \
+        fp8_gemm_sm90_wgrad_##AN##_##BN_##_##ON##_n##W(                                              \
+            const __grid_constant__ fp8k::sm90::TmaDesc ta, const __grid_constant__ fp8k::sm90::TmaDesc tb, \
+            OT *d, const float *sa, const float *sb, const int *offsets, uint4 dims, uint4 flags) {  \
+        fp8k::sm90::gemm<FA, FB, OT, W, fp8k::sm90::WGRAD>(&ta, &tb, d, nullptr, sa, sb, offsets, dims, \
+                                                           flags);                               \
     }
 #define FP8K_GEMM_SM90_OUTS(AN, FA, BN_, FB)                                                           \
     FP8K_GEMM_SM90(AN, FA, BN_, FB, bf16, __nv_bfloat16, 128)                                        \
@@ -424,6 +479,10 @@ __device__ __forceinline__ void gemm_ref(const uint8_t *a, const uint8_t *b, flo
     FP8K_GEMM_SM90_PACKED(AN, FA, BN_, FB, f32, float, 128)                                          \
     FP8K_GEMM_SM90_PACKED(AN, FA, BN_, FB, bf16, __nv_bfloat16, 192)                                 \
     FP8K_GEMM_SM90_PACKED(AN, FA, BN_, FB, f32, float, 192)                                          \
+    FP8K_GEMM_SM90_WGRAD(AN, FA, BN_, FB, bf16, __nv_bfloat16, 128)                                  \
+    FP8K_GEMM_SM90_WGRAD(AN, FA, BN_, FB, f32, float, 128)                                           \
+    FP8K_GEMM_SM90_WGRAD(AN, FA, BN_, FB, bf16, __nv_bfloat16, 192)                                  \
+    FP8K_GEMM_SM90_WGRAD(AN, FA, BN_, FB, f32, float, 192)                                           \
     extern "C" __global__ void fp8_gemm_ref_##AN##_##BN_(const uint8_t *a, const uint8_t *b, float *d, \
                                                         const float *sa, const float *sb, uint4 dims,  \
                                                         uint2 idx) {                                   \

@@ -239,6 +239,9 @@ pub struct MoeLayer {
     scaling: Arc<DelayedScaling>,
     first_tensor: usize,
     path: GemmPath,
+    /// Whether the device is compute capability 9.0 (`Auto` then runs the grouped GEMMs on
+    /// the sm_90a kernels).
+    hopper: bool,
     wr: DeviceBuffer<f32>,
     dwr: DeviceBuffer<f32>,
     w1: DeviceBuffer<bf16>,
@@ -330,6 +333,7 @@ impl MoeLayer {
             scaling,
             first_tensor,
             path: GemmPath::Auto,
+            hopper: stream.context().device().compute_capability()? == (9, 0),
             wr: DeviceBuffer::from_host(stream, &params.wr)?,
             dwr: zeroed(stream, e * h)?,
             w1: DeviceBuffer::from_host(stream, &to_bf16(&params.w1))?,
@@ -353,12 +357,22 @@ impl MoeLayer {
     }
 
     /// This layer with its expert GEMMs on `path` (default [`GemmPath::Auto`]). `Auto` runs
-    /// the grouped GEMMs on the portable kernel; `Hopper` runs the grouped forward and data
-    /// gradients on the sm_90a kernel (new, see [`grouped_gemm_packed`]); the grouped weight
-    /// gradients have no Hopper kernel and stay portable.
+    /// the grouped GEMMs ([`grouped_gemm_packed`], [`grouped_gemm_wgrad`]) on the sm_90a
+    /// kernels on a compute capability 9.0 device (the layer's offsets are the aligned ones
+    /// those kernels need) and on the portable kernels elsewhere; `Portable` keeps them
+    /// portable; `Hopper` asks for the sm_90a kernels (an error elsewhere). The per-expert
+    /// dense GEMMs take `path` as [`gemm`] does.
     pub fn with_gemm_path(mut self, path: GemmPath) -> MoeLayer {
         self.path = path;
         self
+    }
+
+    /// The path of the grouped GEMMs: `Auto` resolved to the sm_90a kernels on Hopper.
+    fn grouped_path(&self) -> GemmPath {
+        match self.path {
+            GemmPath::Auto if self.hopper => GemmPath::Hopper,
+            p => p,
+        }
     }
 
     /// The configuration.
@@ -482,8 +496,8 @@ impl MoeLayer {
         d: &DeviceBuffer<bf16>,
     ) -> Result<()> {
         let (groups, capacity) = (self.cfg.experts, self.cfg.capacity());
-        let opts = GemmOptions::new().path(self.path);
         let Some(off) = host_offsets else {
+            let opts = GemmOptions::new().path(self.grouped_path());
             let shape = PackedShape {
                 groups,
                 capacity,
@@ -513,7 +527,7 @@ impl MoeLayer {
                     scale_inv: &si_e,
                 },
                 &d_e,
-                opts,
+                GemmOptions::new().path(self.path),
             )?;
         }
         Ok(())
@@ -534,12 +548,9 @@ impl MoeLayer {
         d: &DeviceBuffer<f32>,
     ) -> Result<()> {
         let capacity = self.cfg.capacity();
-        // The weight-gradient kernel has no Hopper version: Hopper runs it portable.
-        let path = match self.path {
-            GemmPath::Hopper => GemmPath::Auto,
-            p => p,
-        };
-        let opts = GemmOptions::new().path(path).accumulate(true);
+        let opts = GemmOptions::new()
+            .path(self.grouped_path())
+            .accumulate(true);
         let Some(off) = host_offsets else {
             let shape = WgradShape {
                 groups: self.cfg.experts,

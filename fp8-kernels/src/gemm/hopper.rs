@@ -22,7 +22,7 @@ use cuda_graph::sys::{
 };
 use cuda_graph::{Context, DeviceBuffer, Error, KernelArgs, LaunchConfig, Result, Stream};
 
-use super::packed::{GroupScales, PackedProblem};
+use super::packed::{GroupScales, PackedProblem, WgradProblem};
 use super::{Bias, GemmOut, GemmProblem};
 use crate::module::kernel;
 use crate::quantize::idx;
@@ -261,6 +261,71 @@ pub(crate) fn launch_packed(stream: &Stream, p: &PackedProblem<'_>) -> Result<()
     // length) and stays in 0..groups, which bounds B's group coordinate and the per-group
     // scales (groups values, validated); bias has N elements; scalar indices are inside their
     // buffers.
+    unsafe { stream.launch_pdl(&kern, &cfg, &args) }
+}
+
+/// Enqueues a (validated) packed weight gradient ([`super::grouped_gemm_wgrad`]) on the sm_90a
+/// kernel: every `(group, m-tile, n-tile)` tile reduces over its group's columns
+/// `offsets[g] .. offsets[g + 1]` of A `[m, capacity]` and B `[n, capacity]`, read on the
+/// device, in 128-column blocks. Needs every offset a multiple of 128 (a block then belongs to
+/// one group, which the dropless layout guarantees; other offsets are clamped to
+/// `[0, capacity]` and rounded out to whole blocks, so a group may then also sum its
+/// neighbours' columns) and `N` even.
+pub(crate) fn launch_wgrad(stream: &Stream, p: &WgradProblem<'_>) -> Result<()> {
+    let (groups, capacity, m, n) = (p.shape.groups, p.shape.capacity, p.shape.m, p.shape.n);
+    let bad = |msg: String| Err(Error::InvalidArgument(format!("sm90 wgrad GEMM: {msg}")));
+    if !available(stream.context())? {
+        return bad("the device is not compute capability 9.0 (use GemmPath::Auto)".into());
+    }
+    if n % 2 != 0 {
+        return bad(format!("N = {n} is odd"));
+    }
+    let lim = i32::MAX as usize;
+    let tiles = groups
+        .saturating_mul(m.div_ceil(TILE))
+        .saturating_mul(n.div_ceil(128));
+    if capacity > lim || m > lim || n > lim || tiles > lim {
+        return bad(format!(
+            "capacity = {capacity}, M = {m}, N = {n}, groups = {groups} exceed 2^31 tiles or rows"
+        ));
+    }
+    let out = match p.d {
+        GemmOut::Bf16(_) => "bf16",
+        GemmOut::F32(_) => "f32",
+    };
+    let (_, sms) = kernel(stream.context(), "fp8_gemm_ref_e4m3_e4m3")?;
+    let bn = choose_bn_for(groups, m, n, sms as usize);
+    let name = format!(
+        "fp8_gemm_sm90_wgrad_{}_{}_{out}_n{bn}",
+        p.a.format.name(),
+        p.b.format.name()
+    );
+    let tiles = groups * m.div_ceil(TILE) * n.div_ceil(bn);
+    let (kern, cfg) = prepare(stream, &name, bn, tiles, sms)?;
+    let ta = tensor_map(p.a.data, 1, m, capacity, TILE)?;
+    let tb = tensor_map(p.b.data, 1, n, capacity, bn)?;
+    let dims = [m as u32, n as u32, capacity as u32, groups as u32];
+    let flags = [
+        idx(p.a.scale_inv)?,
+        idx(p.b.scale_inv)?,
+        0,
+        u32::from(p.accumulate),
+    ];
+    let args = KernelArgs::new().arg(&ta).arg(&tb);
+    let args = match &p.d {
+        GemmOut::Bf16(b) => args.arg(*b),
+        GemmOut::F32(b) => args.arg(*b),
+    }
+    .arg(p.a.scale_inv.buffer())
+    .arg(p.b.scale_inv.buffer())
+    .arg(p.offsets)
+    .arg(&dims)
+    .arg(&flags);
+    // SAFETY: the tensor maps cover exactly A ([m, capacity]) and B ([n, capacity]), so TMA
+    // reads stay inside them (zeros past the edges); the kernel writes D ([groups, m, N],
+    // validated) only at rows below m and columns below N of group g's block, g < groups;
+    // offsets has groups + 1 int32s (validated), clamped to [0, capacity] before use; scalar
+    // indices are inside their buffers.
     unsafe { stream.launch_pdl(&kern, &cfg, &args) }
 }
 

@@ -9,10 +9,12 @@
 //!
 //! The offsets are read by the kernels when they run (no host synchronisation), so a captured
 //! graph stays right as they change between replays. Both run on the portable `mma.sync`
-//! kernel by default. The forward also has an sm_90a TMA + wgmma kernel, on explicit
-//! [`GemmPath::Hopper`] until it has run on a device: it needs offsets that are multiples of
-//! [`ALIGN_ROWS`] (it clamps them to `[0, capacity]` but does not follow the rules below for
-//! other values: the rows of a tile past its first row's group are left unwritten).
+//! kernel by default, which follows the rules below for any offsets. Both also have an sm_90a
+//! TMA + wgmma kernel, on explicit [`GemmPath::Hopper`] (the MoE layer's choice on Hopper,
+//! where it builds the offsets): it needs offsets that are multiples of [`ALIGN_ROWS`]. It
+//! clamps them to `[0, capacity]` and stays inside its buffers whatever they hold, but does
+//! not follow the rules below for other values: the forward leaves the rows of a tile past
+//! its first row's group unwritten, the weight gradient sums whole 128-column blocks.
 //!
 //! # How the kernels read the offsets
 //! Entry `i` is taken as `eff(i) = clamp(offsets[i], 0, capacity)` rounded down to a multiple
@@ -287,17 +289,6 @@ pub(crate) fn validate_wgrad(what: &str, p: &WgradDesc) -> Result<()> {
 
 /// The weight-gradient GEMM has no Hopper kernel yet: [`GemmPath::Hopper`] is refused (before
 /// anything is enqueued); `Auto` and `Portable` run the portable kernel.
-pub(crate) fn check_path(what: &str, path: GemmPath) -> Result<()> {
-    match path {
-        GemmPath::Auto | GemmPath::Portable => Ok(()),
-        GemmPath::Hopper => Err(invalid(
-            what,
-            "GemmPath::Hopper is not supported for the packed layout yet (no Hopper kernel); \
-             use GemmPath::Auto or GemmPath::Portable"
-                .into(),
-        )),
-    }
-}
 
 /// Packed grouped GEMM (forward and data gradient of a dropless MoE layer): for every group
 /// `g` and every row `r` it owns (`offsets[g] <= r < offsets[g + 1]`),
@@ -360,8 +351,8 @@ pub fn grouped_gemm_packed<'a>(
         accumulate: opts.accumulate,
     };
     match opts.path {
-        // The sm90 kernel on request only, until it has run on a device (Auto keeps the
-        // portable kernel, which the MoE layer's tests cover).
+        // The sm90 kernel on request only: it needs aligned offsets, which Auto can not check
+        // (they are on the device), and Auto promises the rules of the module docs.
         GemmPath::Hopper => super::hopper::launch_packed(stream, &problem),
         GemmPath::Auto | GemmPath::Portable => portable::launch_packed(stream, &problem),
     }
@@ -382,7 +373,10 @@ pub fn grouped_gemm_packed<'a>(
 /// `1..=65535`, `m, n >= 1`, `capacity` a positive multiple of [`K_ALIGN`], exact buffer
 /// lengths, A/B/D 16-byte aligned, offsets 4-byte aligned, `ceil(n / 128) <= 65535`, no
 /// bias (`opts.bias` is refused: it has no meaning for a weight gradient).
-/// [`GemmPath::Hopper`] is refused (no Hopper kernel yet); `Auto` runs the portable kernel.
+/// `Auto` and `Portable` run the portable kernel; [`GemmPath::Hopper`] the sm_90a TMA + wgmma
+/// kernel (refused on other devices), which needs every offset a multiple of [`ALIGN_ROWS`]:
+/// it reduces over whole 128-column blocks, clamped to `[0, capacity]`, so with other offsets
+/// a group's sum may take in its neighbours' columns (still never reading outside A and B).
 /// Enqueues one kernel, never synchronises or allocates (capturable).
 pub fn grouped_gemm_wgrad<'a>(
     stream: &Stream,
@@ -409,18 +403,19 @@ pub fn grouped_gemm_wgrad<'a>(
             bias: opts.bias.is_some(),
         },
     )?;
-    check_path(what, opts.path)?;
-    portable::launch_wgrad(
-        stream,
-        &WgradProblem {
-            shape,
-            a,
-            b,
-            d,
-            offsets,
-            accumulate: opts.accumulate,
-        },
-    )
+    let problem = WgradProblem {
+        shape,
+        a,
+        b,
+        d,
+        offsets,
+        accumulate: opts.accumulate,
+    };
+    match opts.path {
+        // As for the packed forward: the sm90 kernel on request (it needs aligned offsets).
+        GemmPath::Hopper => super::hopper::launch_wgrad(stream, &problem),
+        GemmPath::Auto | GemmPath::Portable => portable::launch_wgrad(stream, &problem),
+    }
 }
 
 #[cfg(test)]
@@ -689,17 +684,6 @@ mod tests {
         for (name, d, frag) in cases {
             rejects(name, validate_wgrad("t", &d), frag);
         }
-    }
-
-    #[test]
-    fn hopper_is_refused_auto_and_portable_pass() {
-        assert!(check_path("t", GemmPath::Auto).is_ok());
-        assert!(check_path("t", GemmPath::Portable).is_ok());
-        rejects(
-            "hopper",
-            check_path("t", GemmPath::Hopper),
-            "GemmPath::Hopper",
-        );
     }
 }
 
