@@ -1,15 +1,13 @@
 //! `fp8_moe`: an FP8 MoE layer built on the workspace (`cuda-graph`, `fp8-kernels`).
 //!
-//! This first part: an FP8 linear layer usable as a graphed callable.
-//!
 //! * [`linear::Fp8Linear`]: `y = x W^T (+ b)` with FP8 GEMMs (E4M3 forward, E5M2
 //!   gradients) and per-tensor delayed scaling, implementing
 //!   [`graphed_callables::Callable`] (weight casts, saved activations in the runtime's
 //!   per-microbatch buffers) and usable eagerly with the same kernels; with FP8 off for it
 //!   ([`graphed_callables::Slot::low_precision`]) it runs f32 GEMMs instead;
-//! * [`moe::Fp8Moe`]: a first FP8 top-1 MoE layer (forward only), eager, breaking-layer
-//!   (router graphed, experts eager) or full-layer (one graph, grouped GEMM with device
-//!   counts) under graphed callables;
+//! * [`moe::layer::MoeLayer`]: the dropless top-k SwiGLU MoE layer with FP8 expert GEMMs and
+//!   the full backward, eager, breaking-layer or full-layer under graphed callables
+//!   ([`moe`]);
 //! * [`scaling::ScalingSnapshot`]: save and restore a delayed-scaling state around
 //!   graphed-callables warmup.
 //!
@@ -23,7 +21,7 @@ pub mod rng;
 pub mod scaling;
 
 pub use linear::Fp8Linear;
-pub use moe::{ExpertGemm, Fp8Moe, MoeConfig, RoutingHandle};
+pub use moe::layer::{ExpertGemm, MoeLayer, MoeLayerConfig, MoeParams};
 pub use scaling::ScalingSnapshot;
 
 /// The README's Rust examples, compiled (not run) as doctests of this crate, which depends on

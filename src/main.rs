@@ -5,7 +5,7 @@
 //! * `fp8-moe bench fp8-cast [--json PATH]`: FP8 quantize and cast-transpose bandwidth.
 //! * `fp8-moe bench gemm [--json PATH]`: FP8 GEMM and grouped GEMM against cuBLASLt.
 //! * `fp8-moe bench graphed [--json PATH]`: eager against graphed step time of the FP8 MLP
-//!   stack and the FP8 MoE layer (eager, breaking-layer, full-layer).
+//!   stack.
 //! * `fp8-moe bench moe [--tokens T] [--experts E] [--json PATH]`: one training step of the
 //!   dropless top-k SwiGLU MoE layer, eager, breaking-layer and full-layer.
 //! * `fp8-moe soak [--replays N] [--check-every N] [--update-every N] [--seed S]
@@ -117,10 +117,7 @@ enum Bench {
     Fp8Cast,
     /// FP8 GEMM and MoE grouped GEMM against cuBLASLt (loaded at run time).
     Gemm,
-    /// Eager vs graphed step time of the FP8 MLP stack and the FP8 MoE layer.
-    ///
-    /// The FP8 MLP stack at 64 and 8192 tokens; the FP8 MoE layer eager vs breaking-layer vs
-    /// full-layer.
+    /// Eager vs graphed step time of the FP8 MLP stack (16, 64 and 8192 tokens).
     Graphed,
     /// One training step of the dropless top-k SwiGLU MoE layer: eager, breaking-layer and
     /// full-layer graphs, beside the dense FP8 GEMM and PyTorch's figures.
@@ -205,7 +202,7 @@ fn run_bench(bench: Bench, json_path: &std::path::Path) -> Result<(), info::CliE
             bench::gemm::run(),
         ),
         Bench::Graphed => (
-            "bench graphed: eager vs graphed step time (FP8 MLP stack, FP8 MoE layer)",
+            "bench graphed: eager vs graphed step time (FP8 MLP stack)",
             bench::graphed::run(),
         ),
         Bench::Moe { tokens, experts } => (

@@ -2,18 +2,22 @@
 //! times with data that changes on every replay, checks them against eager runs, updates
 //! live execs in between, and watches device and host memory for drift.
 //!
-//! * MoE ([`moe`]): the full-layer graph (grouped GEMM with device-side counts), a new input
-//!   every forward replay planned so the per-expert token counts differ from the previous
-//!   replay's; every `check_every` replays the output is compared bit for bit with an eager
-//!   run of an identical layer on the same input, and the counts with the plan and with the
-//!   replay before. A replay is a forward (the trivial backwards run too, uncounted).
+//! * MoE ([`moe`]): the training MoE layer (`MoeLayer`: top-1 router, SwiGLU experts, FP8
+//!   expert GEMMs) as full-layer graphs (grouped GEMMs on device-side offsets), forward and
+//!   backward, 3 microbatches; a new input every forward replay, planned so the per-expert
+//!   token counts differ from the previous forward replay's, and a new output gradient every
+//!   backward. A microbatch holding a replay whose number is a multiple of `check_every` is
+//!   compared bit for bit with an eager pass of an identical layer on the same data: output,
+//!   input gradient, that backward's weight gradients, gates, losses and routing; its counts
+//!   also with the plan and with the forward replay before. A replay is a forward or
+//!   backward graph launch (6 per training step).
 //! * MLP ([`mlp`]): the FP8 MLP stack, one graph per step, lockstep with an eager twin on
 //!   the same data; every step holding a multiple of `check_every` replays compares
 //!   outputs, input gradients, weight and bias gradients and the scaling state bit for bit.
 //!   A replay is a forward or backward graph launch (6 per training step).
 //! * Updates ([`updates`]), every `update_every` replays: whole-graph updates of a
-//!   hand-captured MoE exec and of a chain of axpy kernels, and per-node updates of the
-//!   chain, each followed by checked replays.
+//!   hand-captured MoE training pass (forward and backward) and of a chain of axpy kernels,
+//!   and per-node updates of the chain, each followed by checked replays.
 //! * Memory ([`memory`]): device memory in use and the resident set are sampled after a
 //!   warmup (which runs every path once: replays, checks, updates), about 20 times during
 //!   the run and at its end; the run passes with no mismatch and both drifts under 1 MiB.
@@ -434,14 +438,15 @@ fn report(
         workloads.push(WorkloadReport {
             name: "moe",
             shape: format!(
-                "FP8 MoE T={} H={} F={} E={}, full-layer graph (grouped GEMM, device counts), \
-                 3 microbatches",
+                "FP8 MoE layer T={} H={} F={} E={} top-{} SwiGLU, full-layer graphs (grouped \
+                 GEMMs, device offsets), forward and backward, 3 microbatches",
                 moe::MOE.tokens,
                 moe::MOE.hidden,
                 moe::MOE.ffn,
-                moe::MOE.experts
+                moe::MOE.experts,
+                moe::MOE.router.top_k
             ),
-            replay: "a forward graph launch (the trivial backwards are not counted)",
+            replay: "a forward or backward graph launch (6 per training step)",
             replays,
             warmup_replays: warmup.0,
             replays_per_s: rate(replays),

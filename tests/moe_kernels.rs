@@ -282,6 +282,8 @@ fn router_and_plan_match_the_reference() {
         case(300, 64, 256, 8, ScoreFn::Softmax, true),
         case(1000, 16, 4, 1, ScoreFn::Softmax, false),
         case(513, 32, 64, 4, ScoreFn::Sigmoid, false),
+        // H not a multiple of 8 and E not of 4: the kernels' scalar (unvectorised) paths.
+        case(77, 20, 5, 2, ScoreFn::Softmax, false),
     ];
     for (k, score) in [(1, ScoreFn::Softmax), (2, ScoreFn::Sigmoid)] {
         let mut c = case(200, 32, 8, k, score, false);
@@ -565,6 +567,8 @@ fn combine_and_the_backward_match_the_reference() {
         case(200, 64, 8, 2, ScoreFn::Softmax, false),
         case(150, 32, 16, 4, ScoreFn::Softmax, true),
         case(120, 32, 32, 8, ScoreFn::Sigmoid, false),
+        // The scalar paths (H not a multiple of 8, E not of 4).
+        case(90, 20, 5, 2, ScoreFn::Softmax, true),
     ] {
         let run = route_and_check(&gpu, &mut rng, &c);
         let d = c.dims;

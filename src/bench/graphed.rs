@@ -10,25 +10,20 @@
 //!   casts. Sizes: 128/256 features at 16 tokens (launch-bound), 1024/2048 at 64 tokens
 //!   (bound by per-kernel latency on the device) and at 8192 tokens. Each row also gives
 //!   the host time the step took to enqueue.
-//! * The FP8 MoE layer ([`Fp8Moe`], forward only with a trivial backward), T = 4096,
-//!   H = 2048, F = 2048, E = 8: eager (per-expert dense GEMMs on host-read counts) against
-//!   breaking-layer (router graphed, experts eager, combine graphed) and full-layer (one
-//!   graph, grouped GEMM with device counts), one forward + backward per step, the input
-//!   rotating over 4 token sets so the distribution changes every step. Before timing, the
-//!   breaking-layer output is checked bit for bit against eager and the full-layer output
-//!   against eager to 2e-3.
+//!
+//! The MoE layer's eager, breaking-layer and full-layer steps are `fp8-moe bench moe`
+//! ([`super::moe`]).
 
 use std::sync::Arc;
 
 use cuda_graph::{Context, DeviceBuffer, GraphPool, Stream};
 use fp8_kernels::{AmaxAlgo, DelayedScaling, Fp8Format, IdentityGroup};
 use fp8_moe::linear::{self, Fp8Linear};
-use fp8_moe::moe::{ExpertGemm, Fp8Moe, MoeConfig};
 use graphed_callables::{
     Callable, GraphIndex, GraphedCallables, GraphedOptions, Schedule, Slot, Step, WeightCaching,
 };
 
-use super::{BenchResult, Rng, Row, Timing, event_median_ms, timed_medians};
+use super::{BenchResult, Rng, Row, Timing, timed_medians};
 
 const WARMUP: usize = 3;
 const REPS: usize = 20;
@@ -63,17 +58,6 @@ const MLPS: [Mlp; 3] = [
         wide: 2048,
     },
 ];
-const MOE: MoeConfig = MoeConfig {
-    tokens: 4096,
-    hidden: 2048,
-    ffn: 2048,
-    experts: 8,
-};
-/// Token sets the MoE input rotates over.
-const MOE_INPUTS: usize = 4;
-const MOE_ORDER: [i64; 2] = [1, -1];
-const TENSOR_CORE_BOUND: f64 = 2e-3;
-
 /// Copies `v` into `buf` (e.g. one of the runtime's static buffers); waits.
 fn overwrite(stream: &Stream, buf: &DeviceBuffer<f32>, v: &[f32]) -> BenchResult<()> {
     buf.copy_from_host(stream, v)?;
@@ -283,104 +267,6 @@ fn mlp_graphed(
     Ok(t)
 }
 
-fn moe_layer(stream: &Stream, mode: ExpertGemm) -> BenchResult<Fp8Moe> {
-    let (e, h, f) = (MOE.experts, MOE.hidden, MOE.ffn);
-    Ok(Fp8Moe::new(
-        stream,
-        MOE,
-        &Rng::new(500, 0).vec(e * h, 0.05),
-        &Rng::new(600, 0).vec(e * f * h, 0.03),
-        mode,
-    )?)
-}
-
-/// The MoE inputs the steps rotate over.
-fn moe_inputs(stream: &Stream) -> BenchResult<Vec<DeviceBuffer<f32>>> {
-    (0..MOE_INPUTS)
-        .map(|i| {
-            Ok(DeviceBuffer::from_host(
-                stream,
-                &Rng::new(700 + i as u64, 0).vec(MOE.tokens * MOE.hidden, 1.0),
-            )?)
-        })
-        .collect()
-}
-
-/// Eager MoE step time (ms) and the output of input 0.
-fn moe_eager(ctx: &Arc<Context>, stream: &Stream) -> BenchResult<(f64, Vec<f32>)> {
-    let mut layer = moe_layer(stream, ExpertGemm::PerExpert)?;
-    let inputs = moe_inputs(stream)?;
-    let pool = GraphPool::new(ctx, 256)?;
-    let mut x = DeviceBuffer::<f32>::alloc(ctx, MOE.tokens * MOE.hidden)?;
-    let y = DeviceBuffer::<f32>::alloc(ctx, MOE.tokens * MOE.ffn)?;
-    let dy = DeviceBuffer::from_host(stream, &vec![0f32; MOE.tokens * MOE.ffn])?;
-    let dx = DeviceBuffer::<f32>::alloc(ctx, MOE.tokens * MOE.hidden)?;
-    let at = GraphIndex {
-        chunk: 0,
-        microbatch: 0,
-        layer: 0,
-    };
-    let mut step = 0usize;
-    let body = |layer: &mut Fp8Moe, x: &DeviceBuffer<f32>, i: usize| -> BenchResult<()> {
-        x.copy_from_device(stream, &inputs[i])?;
-        let slot = Slot::new(at, vec![x], vec![&y], vec![]).with_pool(&pool);
-        layer.forward(stream, &[x], &[&y], &slot)?;
-        layer.backward(stream, &[&dy], &[&dx], &slot)?;
-        Ok(())
-    };
-    body(&mut layer, &mut x, 0)?;
-    let y0 = y.to_vec(stream)?;
-    let ms = event_median_ms(stream, WARMUP, REPS, || {
-        step += 1;
-        body(&mut layer, &mut x, step % MOE_INPUTS)
-    })?;
-    Ok((ms, y0))
-}
-
-/// Graphed MoE step time (ms) and the output of input 0.
-fn moe_graphed(stream: &Stream, mode: ExpertGemm) -> BenchResult<(f64, Vec<f32>)> {
-    let layer = moe_layer(stream, mode)?;
-    let inputs = moe_inputs(stream)?;
-    let schedule = Schedule::new(&MOE_ORDER, vec![1])?;
-    let graphed = GraphedCallables::build(
-        stream,
-        vec![Box::new(layer) as Box<dyn Callable<f32>>],
-        &[vec![&inputs[0]]],
-        GraphedOptions::new(schedule),
-    )?;
-    let dy = DeviceBuffer::from_host(stream, &vec![0f32; MOE.tokens * MOE.ffn])?;
-    let y0 = {
-        let y = graphed.forward(0, 0, &[&inputs[0]], stream)?;
-        let v = y[0].to_vec(stream)?;
-        graphed.backward(0, 0, &[&dy], stream)?;
-        v
-    };
-    let mut step = 0usize;
-    let ms = event_median_ms(stream, WARMUP, REPS, || {
-        step += 1;
-        graphed.forward(0, 0, &[&inputs[step % MOE_INPUTS]], stream)?;
-        graphed.backward(0, 0, &[&dy], stream)?;
-        Ok(())
-    })?;
-    Ok((ms, y0))
-}
-
-/// max |got - want| / max |want|; infinite on a non-finite value.
-fn rel_err(got: &[f32], want: &[f32]) -> f64 {
-    let (mut err, mut mag) = (0f64, 0f64);
-    for (&g, &w) in got.iter().zip(want) {
-        if !g.is_finite() || !w.is_finite() {
-            return f64::INFINITY;
-        }
-        err = err.max((f64::from(g) - f64::from(w)).abs());
-        mag = mag.max(f64::from(w).abs());
-    }
-    if got.len() != want.len() {
-        return f64::INFINITY;
-    }
-    if mag == 0.0 { err } else { err / mag }
-}
-
 /// Runs the benchmark on device 0.
 pub fn run() -> BenchResult<Vec<Row>> {
     let ctx = Context::default_device()?;
@@ -451,45 +337,5 @@ pub fn run() -> BenchResult<Vec<Row>> {
             });
         }
     }
-    let (eager, y_eager) = moe_eager(&ctx, &stream)?;
-    let (breaking, y_breaking) = moe_graphed(&stream, ExpertGemm::PerExpert)?;
-    let (full, y_full) = moe_graphed(&stream, ExpertGemm::Grouped)?;
-    if y_breaking.len() != y_eager.len()
-        || y_breaking
-            .iter()
-            .zip(&y_eager)
-            .any(|(a, b)| a.to_bits() != b.to_bits())
-    {
-        return Err("MoE breaking-layer output differs from eager".into());
-    }
-    let err = rel_err(&y_full, &y_eager);
-    if err > TENSOR_CORE_BOUND {
-        return Err(format!("MoE full-layer output off eager by {err:e}").into());
-    }
-    let what = format!(
-        "FP8 MoE T={} H={} F={} E={}",
-        MOE.tokens, MOE.hidden, MOE.ffn, MOE.experts
-    );
-    rows.push(Row {
-        name: format!("{what}: eager (per-expert GEMMs)"),
-        value: eager,
-        unit: "ms",
-        yardstick: "fwd + trivial bwd, counts read to the host".into(),
-        pass: None,
-    });
-    rows.push(Row {
-        name: format!("{what}: breaking-layer"),
-        value: breaking,
-        unit: "ms",
-        yardstick: format!("{:.2}x eager; bit-identical to eager", eager / breaking),
-        pass: None,
-    });
-    rows.push(Row {
-        name: format!("{what}: full-layer (grouped GEMM)"),
-        value: full,
-        unit: "ms",
-        yardstick: format!("{:.2}x eager; {err:.1e} from eager", eager / full),
-        pass: None,
-    });
     Ok(rows)
 }

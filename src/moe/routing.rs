@@ -40,6 +40,12 @@ const BLOCK: u32 = 256;
 const WARPS: u32 = BLOCK / 32;
 /// Tokens per chunk of the router weight gradient's first step.
 const WGRAD_CHUNK: usize = 128;
+/// Tokens per block of the router forward and the input gradient (`MOE_TOKENS`).
+const TOKENS_PER_BLOCK: u32 = WARPS;
+/// Threads of the auxiliary losses' single block (`MOE_LOSSES_BLOCK`).
+const LOSSES_BLOCK: u32 = 1024;
+/// Experts per block of the router weight gradient's first step (`MOE_WGRAD_EXPERTS`).
+const WGRAD_EXPERTS: u32 = 8;
 
 /// The most experts a router may have (the kernels keep per-expert values in shared memory).
 pub const MAX_EXPERTS: usize = 512;
@@ -453,8 +459,8 @@ impl Router {
         check_len(what, "wr", wr.len(), d.experts * d.hidden)?;
         let Dims32 { t, h, e, k, .. } = self.n;
         let (score, renorm) = self.score_args();
-        let mut cfg = LaunchConfig::linear(t, BLOCK);
-        cfg.shared_mem_bytes = 2 * e * 4;
+        let mut cfg = LaunchConfig::linear(t.div_ceil(TOKENS_PER_BLOCK), BLOCK);
+        cfg.shared_mem_bytes = 2 * TOKENS_PER_BLOCK * e * 4;
         let args = KernelArgs::new()
             .arg(x)
             .arg(wr)
@@ -469,9 +475,11 @@ impl Router {
             .arg(&k)
             .arg(&score)
             .arg(&renorm);
-        // SAFETY: one block per token reads x's row t (T * H checked) and all of wr (E * H
-        // checked), writes row t of logits and probs (T * E), lse[t], topk and gates at t * k
-        // + j (T * k); the shared memory holds the 2 * E floats it uses.
+        // SAFETY: block c handles the tokens t = c * 8 + i < T: reads x's rows t (T * H
+        // checked) and all of wr (E * H checked), writes rows t of logits and probs (T * E),
+        // lse[t], topk and gates at t * k + j (T * k); the shared memory holds the 2 * 8 * E
+        // floats it uses. The 16-byte vector loads are taken only when H % 8 == 0 and the
+        // kernel finds x and wr 16-byte aligned.
         unsafe { stream.launch_pdl(&self.k.forward, &cfg, &args) }?;
         self.plan(stream, b)?;
         let args = KernelArgs::new()
@@ -484,9 +492,16 @@ impl Router {
             .arg(&k)
             .arg(&self.cfg.aux_coef)
             .arg(&self.cfg.z_coef);
-        // SAFETY: one block reads probs (T * E), lse (T) and counts (E) and writes the two
+        // SAFETY: one block reads probs (T * E; float4 loads only when E % 4 == 0 and the
+        // kernel finds probs 16-byte aligned), lse (T) and counts (E) and writes the two
         // losses, all buffers of the checked dims.
-        unsafe { stream.launch_pdl(&self.k.losses, &LaunchConfig::linear(1, BLOCK), &args) }
+        unsafe {
+            stream.launch_pdl(
+                &self.k.losses,
+                &LaunchConfig::linear(1, LOSSES_BLOCK),
+                &args,
+            )
+        }
     }
 
     /// The dispatch plan from `b.topk` (count, scan, assign).
@@ -562,7 +577,9 @@ impl Router {
             .arg(&k)
             .arg(&rows);
         // SAFETY: block t reads row_of and gates at t * k + j (T * k) and y rows r < rows
-        // (checked in the kernel; capacity * H checked), and writes out's row t (T * H).
+        // (checked in the kernel; capacity * H checked), and writes out's row t (T * H); the
+        // 16-byte vector accesses are taken only when H % 8 == 0 and the kernel finds y and
+        // out 16-byte aligned.
         unsafe { stream.launch_pdl(&self.k.combine, &LaunchConfig::linear(t, BLOCK), &args) }
     }
 
@@ -580,7 +597,14 @@ impl Router {
         let d = self.dims;
         check_len(what, "dy", dy.len(), d.tokens * d.hidden)?;
         check_len(what, "y", y.len(), d.capacity() * d.hidden)?;
-        let Dims32 { t, h, k, rows, .. } = self.n;
+        let Dims32 {
+            t,
+            h,
+            k,
+            rows,
+            assignments,
+            ..
+        } = self.n;
         let args = KernelArgs::new()
             .arg(dy)
             .arg(y)
@@ -590,12 +614,14 @@ impl Router {
             .arg(&h)
             .arg(&k)
             .arg(&rows);
-        // SAFETY: block t, warp j < k reads dy's row t, y's row row_of[t * k + j] when inside
-        // [0, rows), and writes d_gates[t * k + j]; all lengths checked.
+        // SAFETY: warp w of block c handles assignment i = c * 8 + w < T * k (token t = i /
+        // k): reads dy's row t, y's row row_of[i] when inside [0, rows), and writes
+        // d_gates[i]; all lengths checked; the 16-byte vector loads are taken only when H % 8
+        // == 0 and the kernel finds dy and y 16-byte aligned.
         unsafe {
             stream.launch_pdl(
                 &self.k.combine_gates,
-                &LaunchConfig::linear(t, BLOCK),
+                &LaunchConfig::linear(assignments.div_ceil(WARPS), BLOCK),
                 &args,
             )
         }
@@ -650,8 +676,8 @@ impl Router {
         let Dims32 {
             t, h, e, k, rows, ..
         } = self.n;
-        let mut cfg = LaunchConfig::linear(t, BLOCK);
-        cfg.shared_mem_bytes = e * 4;
+        let mut cfg = LaunchConfig::linear(t.div_ceil(TOKENS_PER_BLOCK), BLOCK);
+        cfg.shared_mem_bytes = TOKENS_PER_BLOCK * e * 4;
         let args = KernelArgs::new()
             .arg(dxp)
             .arg(&b.row_of)
@@ -663,9 +689,11 @@ impl Router {
             .arg(&e)
             .arg(&k)
             .arg(&rows);
-        // SAFETY: block t reads row_of at t * k + j, dxp rows inside [0, rows) (checked in the
-        // kernel), d_logits' row t, all of wr, and writes dx's row t; lengths checked; shared
-        // memory holds E floats.
+        // SAFETY: block c handles the tokens t = c * 8 + i < T: reads row_of at t * k + j, dxp
+        // rows inside [0, rows) (checked in the kernel), d_logits' rows t, all of wr, and
+        // writes dx's rows t; lengths checked; shared memory holds the 8 * E floats it uses;
+        // the 16-byte vector accesses are taken only when H % 8 == 0 and the kernel finds
+        // dxp, wr and dx 16-byte aligned.
         unsafe { stream.launch_pdl(&self.k.input_backward, &cfg, &args) }
     }
 
@@ -689,9 +717,13 @@ impl Router {
             t, h, e, chunks, ..
         } = self.n;
         let (chunk, n32) = (WGRAD_CHUNK as u32, e * h);
-        let blocks = n32.div_ceil(BLOCK);
         let cfg = LaunchConfig {
-            grid: (blocks, chunks, 1),
+            grid: (
+                h.div_ceil(2).div_ceil(BLOCK),
+                chunks,
+                e.div_ceil(WGRAD_EXPERTS),
+            ),
+            shared_mem_bytes: chunk * WGRAD_EXPERTS * 4,
             ..LaunchConfig::linear(1, BLOCK)
         };
         let args = KernelArgs::new()
@@ -702,8 +734,10 @@ impl Router {
             .arg(&h)
             .arg(&e)
             .arg(&chunk);
-        // SAFETY: thread (e, h) of chunk c reads d_logits and x at tokens of its chunk (< T)
-        // and writes wgrad_partial[c * E * H + e * H + h] (chunks * E * H allocated).
+        // SAFETY: thread (h, h + 1) of chunk c, expert group g reads d_logits and x at tokens of
+        // its chunk (< T), experts e < E and columns < H, and writes wgrad_partial[c * E * H
+        // + e * H + h] (chunks * E * H allocated); shared memory holds the chunk * 8 floats
+        // it uses.
         unsafe { stream.launch_pdl(&self.k.wgrad_partial, &cfg, &args) }?;
         let acc = u32::from(accumulate);
         let args = KernelArgs::new()
@@ -717,7 +751,7 @@ impl Router {
         unsafe {
             stream.launch_pdl(
                 &self.k.wgrad_reduce,
-                &LaunchConfig::linear(blocks, BLOCK),
+                &LaunchConfig::linear(n32.div_ceil(BLOCK), BLOCK),
                 &args,
             )
         }

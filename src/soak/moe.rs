@@ -1,34 +1,84 @@
-//! The MoE part of the soak: the full-layer graphed [`Fp8Moe`] (one graph per forward,
-//! grouped GEMM reading the per-expert counts on the device) replayed with a new input every
-//! replay, planned so that the per-expert token counts differ from the previous replay's,
-//! and checked against an eager run of an identical layer every `check_every` replays.
+//! The MoE part of the soak: the training layer [`MoeLayer`] (top-1 softmax router, SwiGLU
+//! experts, FP8 expert GEMMs, forward and backward) as full-layer graphs
+//! ([`ExpertGemm::Grouped`]: one graph per forward and one per backward, the grouped GEMMs
+//! reading the per-expert offsets on the device) under the schedule `[1, 1, 1, -1, -1, -1]`,
+//! replayed with a new input and a new output gradient every microbatch, the inputs planned
+//! so that the per-expert token counts differ from the previous forward replay's.
+//!
+//! # What a check compares
+//!
+//! A replay is a forward or a backward graph launch (6 per training step). A microbatch is
+//! checked when the number of its forward or its backward replay is a multiple of
+//! `check_every`: right before its backward the graphed layer's weight gradients are zeroed,
+//! and right after it an eager run of an identical layer ([`Reference`]: the same
+//! parameters, its own scaling state with the same fixed scales) on the same input and
+//! output gradient, its gradients zeroed too, is compared bit for bit with the graphs (the
+//! full-layer graphs run the eager kernels, tests/moe_layer.rs): the output, the input
+//! gradient, the three weight gradients (fc1, fc2, router: one backward's worth on both
+//! sides), the gates, the aux and z losses and the routing (counts, offsets, each token's
+//! expert). The counts, and each token's expert, must also be what the host planned, and
+//! the counts must differ from those of the forward replay before.
+//!
+//! Nothing updates the scales: both layers keep the fixed scales of [`scales`] for the
+//! whole run (no scale-update hooks), so the amaxes their casts record never feed back into
+//! a cast, and a pass's results depend on its input, its output gradient and the parameters
+//! alone. The only state the graphed layer carries from replay to replay is its weight
+//! gradients' accumulation, which a check zeroes first; so a check sees the replays it
+//! compares, not the unchecked ones before it (the MLP workload, which updates its scales,
+//! runs its eager twin in lockstep instead).
 //!
 //! # Routing that the host decides
 //!
 //! The router weights give expert `e` the feature `e` with weight 8 (0 for the others) and
 //! every feature from `E` on small noise (|w| <= 1/16). An input row sets feature `k` to 4
-//! and the other first `E` features to 0, the rest noise (|x| <= 1): expert `k`'s logit is
-//! 32 plus noise, every other one noise alone, and the noise is at most `(H - E) / 16` =
-//! 7.5 for H = 128. So the token goes to `k` whatever the rounding, and the host knows each
-//! replay's counts before it runs: [`plan_experts`] draws them so that they differ from the
-//! previous replay's, and every check reads the layer's counts back and compares them with
-//! the plan (and with the counts before the replay, which must differ).
+//! and the other first `E` features to 0, the rest noise (|x| <= 1, then rounded to bf16,
+//! which keeps |x| <= 1): expert `k`'s logit is 32 plus noise, every other one noise alone,
+//! and the noise is at most `(H - E) / 16` = 7.5 for H = 128. So the token goes to `k`
+//! whatever the rounding, and the host knows each replay's counts before it runs:
+//! [`plan_experts`] draws them so that they differ from the previous replay's.
+//!
+//! # Reading the graphed layer's routing
+//!
+//! The runtime keeps each microbatch's saved buffers (the routing is `saved[0]`) at one
+//! address for its lifetime, and does not hand them out. The graphed layer is therefore
+//! wrapped in a [`Callable`] that passes every call through and, on each forward the build
+//! runs (warmup and capture), keeps a view of that microbatch's routing buffer: the view
+//! taken at capture reads what every later replay of that microbatch routed.
 
-use cuda_graph::{DeviceBuffer, GraphPool, Stream};
-use fp8_moe::moe::{ExpertGemm, Fp8Moe, MoeConfig, Routing, RoutingHandle};
-use graphed_callables::{Callable, GraphIndex, GraphedCallables, GraphedOptions, Schedule, Slot};
+use std::sync::{Arc, Mutex};
+
+use cuda_graph::half::bf16;
+use cuda_graph::{DeviceBuffer, Error, Stream};
+use fp8_kernels::{AmaxAlgo, CastScaling, DelayedScaling, Fp8Format};
+use fp8_moe::moe::layer::{ExpertGemm, Fp8Recipe, MoeLayer, MoeLayerConfig, MoeParams, formats};
+use fp8_moe::moe::routing::{RouterConfig, RoutingBuffers, ScoreFn};
+use graphed_callables::{
+    Callable, GraphIndex, GraphedCallables, GraphedOptions, Schedule, SegmentKind, Slot, Step,
+};
 
 use super::{Rng, Stats, diff_problem};
 use crate::bench::BenchResult;
 
-/// The soak's MoE shape: small, so a replay is bound by its launches, not its math.
-pub const MOE: MoeConfig = MoeConfig {
+/// The soak's MoE layer: small, so a replay is bound by its launches, not its math. Top-1
+/// softmax (the host decides the routing, see the [module documentation](self)), with the
+/// aux and z losses on so that the router's backward has work.
+pub const MOE: MoeLayerConfig = MoeLayerConfig {
     tokens: 128,
     hidden: 128,
     ffn: 64,
     experts: 8,
+    router: RouterConfig {
+        top_k: 1,
+        score: ScoreFn::Softmax,
+        renormalize: false,
+        aux_coef: 1e-2,
+        z_coef: 1e-3,
+    },
+    recipe: Fp8Recipe::Hybrid,
+    expert_gemm: ExpertGemm::Grouped,
+    scaling: CastScaling::Delayed,
 };
-/// Microbatches of the schedule `[1, 1, 1, -1, -1, -1]`: a graph each.
+/// Microbatches of the schedule `[1, 1, 1, -1, -1, -1]`: a forward and a backward graph each.
 const MICROBATCHES: usize = 3;
 const ORDER: [i64; 6] = [1, 1, 1, -1, -1, -1];
 /// A routing feature's value in the input, and the router weight that reads it.
@@ -37,13 +87,47 @@ const ROUTE_W: f32 = 8.0;
 /// The scale of the noise in the input and in the router and expert weights.
 const X_NOISE: f32 = 1.0;
 const W_NOISE: f32 = 1.0 / 16.0;
+/// The scale of the output gradients.
+const DY_NOISE: f32 = 1.0;
+
+/// The fixed scale of each tensor of a layer's scaling state, in its order (x, h, dY, dA,
+/// then every expert's fc1 and fc2 weight; [`formats`]): powers of two that keep the soak's
+/// values well inside the formats' range (x and h within 4, the weights within 1/16 (E4M3
+/// up to 448); dY within 1 and dA well below it (E5M2 up to 57344)) and their bulk clear of
+/// the subnormals.
+pub fn scales() -> Vec<f32> {
+    let mut s = vec![64.0, 64.0, 4096.0, 4096.0];
+    s.resize(formats(MOE.recipe, MOE.experts).len(), 4096.0);
+    s
+}
+
+/// A scaling state for [`MOE`] holding [`scales`], history 1; nothing updates it.
+fn fixed_scaling(stream: &Stream) -> BenchResult<Arc<DelayedScaling>> {
+    let fmts: Vec<Fp8Format> = formats(MOE.recipe, MOE.experts);
+    let scaling = DelayedScaling::new(stream, &fmts, 1, 0, AmaxAlgo::MostRecent)?;
+    for (t, s) in scales().into_iter().enumerate() {
+        scaling.scale(t)?.write(stream, s)?;
+    }
+    Ok(Arc::new(scaling))
+}
+
+/// A layer of [`MOE`] with `params` and its own [`fixed_scaling`].
+pub fn layer(stream: &Stream, params: &MoeParams) -> BenchResult<MoeLayer> {
+    Ok(MoeLayer::new(
+        stream,
+        MOE,
+        params,
+        fixed_scaling(stream)?,
+        0,
+    )?)
+}
 
 /// Router weights `[E, H]`: expert `e` reads feature `e` with weight 8 and no other routing
 /// feature; the features from `E` on get noise.
-pub fn router_weights(rng: &mut Rng, cfg: MoeConfig) -> Vec<f32> {
+pub fn router_weights(rng: &mut Rng, cfg: MoeLayerConfig) -> Vec<f32> {
     let (e, h) = (cfg.experts, cfg.hidden);
     let mut w = vec![0f32; e * h];
-    for (i, row) in w.chunks_mut(h).enumerate() {
+    for (i, row) in w.chunks_mut(h.max(1)).enumerate() {
         for (j, v) in row.iter_mut().enumerate() {
             *v = if j < e {
                 if j == i { ROUTE_W } else { 0.0 }
@@ -55,11 +139,15 @@ pub fn router_weights(rng: &mut Rng, cfg: MoeConfig) -> Vec<f32> {
     w
 }
 
-/// Expert weights `[E, F, H]`, noise.
-pub fn expert_weights(rng: &mut Rng, cfg: MoeConfig) -> Vec<f32> {
-    (0..cfg.experts * cfg.ffn * cfg.hidden)
-        .map(|_| rng.uniform(W_NOISE))
-        .collect()
+/// The layer's parameters: [`router_weights`], and noise for fc1 (`[E, 2F, H]`) and fc2
+/// (`[E, H, F]`).
+pub fn params(rng: &mut Rng, cfg: MoeLayerConfig) -> MoeParams {
+    let (e, h, f) = (cfg.experts, cfg.hidden, cfg.ffn);
+    MoeParams {
+        wr: router_weights(rng, cfg),
+        w1: rng.vec(e * 2 * f * h, W_NOISE),
+        w2: rng.vec(e * h * f, W_NOISE),
+    }
 }
 
 /// Draws each token's expert for the next replay into `experts_of` (one per token) and
@@ -113,49 +201,54 @@ pub fn plan_experts(
     counts
 }
 
-/// Fills `x` (`[T, H]`, `T = experts_of.len()`) with the rows that route token `t` to
+/// Fills `x` (`[T, H]` bf16, `T = experts_of.len()`) with the rows that route token `t` to
 /// `experts_of[t]`: the routing features one-hot ([`ROUTE_X`]), the rest noise.
-pub fn fill_input(rng: &mut Rng, cfg: MoeConfig, experts_of: &[usize], x: &mut [f32]) {
-    for (row, &k) in x.chunks_mut(cfg.hidden).zip(experts_of) {
+pub fn fill_input(rng: &mut Rng, cfg: MoeLayerConfig, experts_of: &[usize], x: &mut [bf16]) {
+    for (row, &k) in x.chunks_mut(cfg.hidden.max(1)).zip(experts_of) {
         for (j, v) in row.iter_mut().enumerate() {
-            *v = if j < cfg.experts {
+            let f = if j < cfg.experts {
                 if j == k { ROUTE_X } else { 0.0 }
             } else {
                 rng.uniform(X_NOISE)
             };
+            *v = bf16::from_f32(f);
         }
     }
 }
 
-/// An eager MoE layer (grouped GEMM) and its output: the reference every graphed replay is
-/// compared with, bit for bit (tests/moe.rs: full-layer == eager grouped).
-pub struct Reference {
-    layer: Fp8Moe,
-    y: DeviceBuffer<f32>,
-    pool: GraphPool,
+/// Fills `dy` with an output gradient: noise within [`DY_NOISE`], rounded to bf16.
+pub fn fill_grad(rng: &mut Rng, dy: &mut [bf16]) {
+    for v in dy {
+        *v = bf16::from_f32(rng.uniform(DY_NOISE));
+    }
 }
 
-impl Reference {
-    /// A layer with these weights.
-    pub fn new(stream: &Stream, router: &[f32], experts: &[f32]) -> BenchResult<Reference> {
-        let ctx = stream.context();
-        Ok(Reference {
-            layer: Fp8Moe::new(stream, MOE, router, experts, ExpertGemm::Grouped)?,
-            y: DeviceBuffer::alloc(ctx, MOE.tokens * MOE.ffn)?,
-            pool: GraphPool::new(ctx, 256)?,
-        })
+/// What the host planned for one input: each token's expert and the per-expert counts.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Plan {
+    /// The expert of each token.
+    pub experts_of: Vec<usize>,
+    /// Tokens per expert.
+    pub counts: Vec<i32>,
+}
+
+impl Plan {
+    /// A plan for [`MOE`]'s tokens, all to expert 0 (what a zero input routes to: every logit
+    /// ties, and ties go to the lower expert).
+    pub fn all_to_first() -> Plan {
+        let mut counts = vec![0; MOE.experts];
+        counts[0] = MOE.tokens as i32;
+        Plan {
+            experts_of: vec![0; MOE.tokens],
+            counts,
+        }
     }
 
-    /// The eager forward of `x`: output and routing (waits for `stream`).
-    pub fn run(
-        &mut self,
-        stream: &Stream,
-        x: &DeviceBuffer<f32>,
-    ) -> BenchResult<(Vec<f32>, Routing)> {
-        let slot = Slot::new(at(0), vec![x], vec![&self.y], vec![]).with_pool(&self.pool);
-        self.layer.forward(stream, &[x], &[&self.y], &slot)?;
-        let y = self.y.to_vec(stream)?;
-        Ok((y, self.layer.routing(stream)?))
+    /// Draws this plan anew ([`plan_experts`]) with counts that differ from `prev`'s, and
+    /// fills `x` with an input that routes as planned ([`fill_input`]).
+    pub fn redraw(&mut self, rng: &mut Rng, prev: &[i32], x: &mut [bf16]) {
+        self.counts = plan_experts(rng, MOE.experts, prev, &mut self.experts_of);
+        fill_input(rng, MOE, &self.experts_of, x);
     }
 }
 
@@ -168,163 +261,595 @@ pub fn at(microbatch: usize) -> GraphIndex {
     }
 }
 
-/// What is wrong with a graphed forward (`y`, `routing`) against the eager one of the same
-/// input and the counts its input was planned to give; empty when nothing is. Outputs are
-/// compared bit for bit; a non-finite eager output is a problem of its own (the comparison
-/// would mean little).
-pub fn routing_problems(
-    y: &[f32],
-    routing: &Routing,
-    eager_y: &[f32],
-    eager: &Routing,
-    planned: &[i32],
-) -> Vec<String> {
-    let mut problems = Vec::new();
-    if let Some(i) = eager_y.iter().position(|v| !v.is_finite()) {
-        problems.push(format!("eager output element {i} is {}", eager_y[i]));
+/// The bits of bf16 values as the f32 values they are (exact; NaN payloads kept), so
+/// [`diff_problem`] compares them bit for bit.
+fn widen(v: &[bf16]) -> Vec<f32> {
+    v.iter()
+        .map(|b| f32::from_bits(u32::from(b.to_bits()) << 16))
+        .collect()
+}
+
+/// One microbatch's routing, read back from its saved routing buffer.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RoutingRead {
+    /// Tokens per expert.
+    pub counts: Vec<i32>,
+    /// Each expert's first packed row (`E + 1`).
+    pub offsets: Vec<i32>,
+    /// Each token's expert (top-1).
+    pub topk: Vec<i32>,
+    /// Each token's gate.
+    pub gates: Vec<f32>,
+    /// The aux loss and the z-loss.
+    pub losses: Vec<f32>,
+}
+
+impl RoutingRead {
+    /// Reads the routing in `saved` (a microbatch's saved buffer 0) on `stream` (waits).
+    pub fn read(stream: &Stream, saved: &DeviceBuffer<u8>) -> BenchResult<RoutingRead> {
+        let r = RoutingBuffers::from_bytes(MOE.routing_dims(), saved)?;
+        Ok(RoutingRead {
+            counts: r.counts.to_vec(stream)?,
+            offsets: r.offsets.to_vec(stream)?,
+            topk: r.topk.to_vec(stream)?,
+            gates: r.gates.to_vec(stream)?,
+            losses: r.losses.to_vec(stream)?,
+        })
     }
-    problems.extend(diff_problem("output", y, eager_y));
-    if routing.counts != planned {
+}
+
+/// Views of a layer's weight gradients (f32, accumulated by every backward): fc1's, fc2's,
+/// the router's. They stay valid after the layer moves into the runtime.
+pub struct Grads([DeviceBuffer<f32>; 3]);
+
+impl Grads {
+    /// The names of the gradients, in order.
+    const NAMES: [&'static str; 3] = [
+        "fc1 weight gradient",
+        "fc2 weight gradient",
+        "router weight gradient",
+    ];
+
+    /// Views of `layer`'s gradients.
+    pub fn of(layer: &MoeLayer) -> Grads {
+        Grads([
+            layer.fc1().1.share(),
+            layer.fc2().1.share(),
+            layer.router_weight().1.share(),
+        ])
+    }
+
+    /// Enqueues zeroing every gradient on `stream` (also inside a capture).
+    pub fn zero(&self, stream: &Stream) -> cuda_graph::Result<()> {
+        self.0.iter().try_for_each(|g| g.memset_bytes(stream, 0))
+    }
+
+    /// The gradients, read back (waits).
+    pub fn read(&self, stream: &Stream) -> BenchResult<[Vec<f32>; 3]> {
+        let [a, b, c] = &self.0;
+        Ok([a.to_vec(stream)?, b.to_vec(stream)?, c.to_vec(stream)?])
+    }
+}
+
+/// What one forward and backward of a microbatch produced, read back.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PassResult {
+    /// The output, bf16 widened bit for bit ([`widen`]).
+    pub y: Vec<f32>,
+    /// The input gradient, likewise.
+    pub dx: Vec<f32>,
+    /// The weight gradients after this backward ([`Grads`] order).
+    pub grads: [Vec<f32>; 3],
+    /// The routing.
+    pub routing: RoutingRead,
+}
+
+impl PassResult {
+    /// Reads a pass's results: output `y`, input gradient `dx`, the weight gradients, the
+    /// routing in `routing` (the saved buffer 0). Waits for `stream`.
+    pub fn read(
+        stream: &Stream,
+        y: &DeviceBuffer<bf16>,
+        dx: &DeviceBuffer<bf16>,
+        grads: &Grads,
+        routing: &DeviceBuffer<u8>,
+    ) -> BenchResult<PassResult> {
+        Ok(PassResult {
+            y: widen(&y.to_vec(stream)?),
+            dx: widen(&dx.to_vec(stream)?),
+            grads: grads.read(stream)?,
+            routing: RoutingRead::read(stream, routing)?,
+        })
+    }
+
+    /// The floating-point results, named.
+    fn floats(&self) -> [(&'static str, &[f32]); 7] {
+        let [g1, g2, gr] = &self.grads;
+        [
+            ("output", &self.y),
+            ("input gradient", &self.dx),
+            (Grads::NAMES[0], g1),
+            (Grads::NAMES[1], g2),
+            (Grads::NAMES[2], gr),
+            ("gates", &self.routing.gates),
+            ("losses", &self.routing.losses),
+        ]
+    }
+}
+
+/// What is wrong with a graphed pass (`got`) against the eager one of the same input and
+/// output gradient (`eager`) and the `plan` its input was made from; empty when nothing is.
+/// Every float is compared bit for bit, and a non-finite eager value is a problem of its
+/// own (the comparison would mean little); the counts and each token's expert must be the
+/// plan's, and the routing (counts, offsets, experts) eager's.
+pub fn pass_problems(got: &PassResult, eager: &PassResult, plan: &Plan) -> Vec<String> {
+    let mut problems = Vec::new();
+    for ((what, g), (_, e)) in got.floats().into_iter().zip(eager.floats()) {
+        if let Some(i) = e.iter().position(|v| !v.is_finite()) {
+            problems.push(format!("eager {what} element {i} is {}", e[i]));
+        }
+        problems.extend(diff_problem(what, g, e));
+    }
+    let r = &got.routing;
+    if r.counts != plan.counts {
         problems.push(format!(
-            "counts {:?}, the input planned {planned:?}",
-            routing.counts
+            "counts {:?}, the input planned {:?}",
+            r.counts, plan.counts
         ));
     }
-    if routing.counts != eager.counts
-        || routing.expert != eager.expert
-        || routing.position != eager.position
-    {
+    let off_plan = r
+        .topk
+        .iter()
+        .zip(&plan.experts_of)
+        .filter(|&(&g, &p)| usize::try_from(g).ok() != Some(p))
+        .count()
+        + r.topk.len().abs_diff(plan.experts_of.len());
+    if off_plan > 0 {
+        let first = r
+            .topk
+            .iter()
+            .zip(&plan.experts_of)
+            .position(|(&g, &p)| usize::try_from(g).ok() != Some(p))
+            .map(|t| {
+                format!(
+                    ", first token {t} to expert {} (planned {})",
+                    r.topk[t], plan.experts_of[t]
+                )
+            })
+            .unwrap_or_default();
+        problems.push(format!("{off_plan} tokens routed off the plan{first}"));
+    }
+    let e = &eager.routing;
+    if r.counts != e.counts || r.offsets != e.offsets || r.topk != e.topk {
         problems.push(format!(
-            "routing differs from eager (counts {:?} vs {:?})",
-            routing.counts, eager.counts
+            "routing differs from eager (counts {:?} vs {:?}, offsets {:?} vs {:?})",
+            r.counts, e.counts, r.offsets, e.offsets
         ));
     }
     problems
 }
 
-/// The graphed MoE layer, its eager twin, and the host side of its inputs.
+/// A microbatch's buffers outside the runtime: output, input gradient, saved buffers.
+pub struct PassBuffers {
+    y: DeviceBuffer<bf16>,
+    dx: DeviceBuffer<bf16>,
+    saved: Vec<DeviceBuffer<u8>>,
+}
+
+impl PassBuffers {
+    /// Zeroed buffers for `layer` (waits; not during a capture).
+    pub fn new(stream: &Stream, layer: &MoeLayer) -> BenchResult<PassBuffers> {
+        let n = MOE.tokens * MOE.hidden;
+        let zeros = || DeviceBuffer::from_host(stream, &vec![bf16::ZERO; n]);
+        Ok(PassBuffers {
+            y: zeros()?,
+            dx: zeros()?,
+            saved: layer
+                .saved_bytes()
+                .iter()
+                .map(|&b| DeviceBuffer::from_host(stream, &vec![0u8; b]))
+                .collect::<Result<_, _>>()?,
+        })
+    }
+
+    /// The output.
+    pub fn y(&self) -> &DeviceBuffer<bf16> {
+        &self.y
+    }
+
+    /// The input gradient.
+    pub fn dx(&self) -> &DeviceBuffer<bf16> {
+        &self.dx
+    }
+
+    /// The saved routing (saved buffer 0), which [`RoutingRead::read`] reads.
+    pub fn routing(&self) -> BenchResult<&DeviceBuffer<u8>> {
+        self.saved
+            .first()
+            .ok_or_else(|| "internal: the MoE layer has no saved buffers".into())
+    }
+}
+
+/// One whole training pass of `layer` on `x` and `dy` into `bufs`, enqueued on `stream`
+/// (eagerly, or inside a capture: nothing here waits): the weight gradients zeroed, the
+/// weights cast, the forward, the backward. Its weight gradients then hold this backward's
+/// alone.
+pub fn train_pass(
+    layer: &mut MoeLayer,
+    stream: &Stream,
+    x: &DeviceBuffer<bf16>,
+    dy: &DeviceBuffer<bf16>,
+    bufs: &PassBuffers,
+) -> cuda_graph::Result<()> {
+    let slot = Slot::new(at(0), vec![x], vec![&bufs.y], bufs.saved.iter().collect());
+    Grads::of(layer).zero(stream)?;
+    layer.cast_weights(stream, &slot)?;
+    layer.forward(stream, &[x], &[&bufs.y], &slot)?;
+    layer.backward(stream, &[dy], &[&bufs.dx], &slot)
+}
+
+/// An eager MoE layer: the reference every graphed pass is compared with, bit for bit.
+pub struct Reference {
+    layer: MoeLayer,
+    grads: Grads,
+    bufs: PassBuffers,
+}
+
+impl Reference {
+    /// A layer with `params` and its own scaling state of fixed [`scales`].
+    pub fn new(stream: &Stream, params: &MoeParams) -> BenchResult<Reference> {
+        let layer = layer(stream, params)?;
+        Ok(Reference {
+            grads: Grads::of(&layer),
+            bufs: PassBuffers::new(stream, &layer)?,
+            layer,
+        })
+    }
+
+    /// The eager [`train_pass`] of `x` and `dy`, read back (waits for `stream`).
+    pub fn run(
+        &mut self,
+        stream: &Stream,
+        x: &DeviceBuffer<bf16>,
+        dy: &DeviceBuffer<bf16>,
+    ) -> BenchResult<PassResult> {
+        train_pass(&mut self.layer, stream, x, dy, &self.bufs)?;
+        PassResult::read(
+            stream,
+            &self.bufs.y,
+            &self.bufs.dx,
+            &self.grads,
+            self.bufs.routing()?,
+        )
+    }
+}
+
+/// Views of each microbatch's saved routing buffer, filled by [`Tapped`].
+type RoutingTap = Arc<Mutex<Vec<Option<DeviceBuffer<u8>>>>>;
+
+/// The graphed layer behind a tap: every call goes to the layer; each forward also leaves a
+/// view of its microbatch's routing buffer (saved buffer 0) in the tap (see the [module
+/// documentation](self#reading-the-graphed-layers-routing)).
+struct Tapped {
+    layer: MoeLayer,
+    tap: RoutingTap,
+}
+
+impl Tapped {
+    /// Keeps a view of `slot`'s routing buffer as its microbatch's.
+    fn record(&self, slot: &Slot<'_, bf16>) -> cuda_graph::Result<()> {
+        let mb = slot.microbatch();
+        let mut tap = self
+            .tap
+            .lock()
+            .map_err(|_| Error::InvalidArgument("soak: the MoE routing tap is poisoned".into()))?;
+        match (tap.get_mut(mb), slot.saved().first()) {
+            (Some(entry), Some(routing)) => {
+                *entry = Some(routing.share());
+                Ok(())
+            }
+            _ => Err(Error::InvalidArgument(format!(
+                "soak: MoE forward of microbatch {mb} with {} saved buffers; the tap has {} \
+                 microbatches",
+                slot.saved().len(),
+                tap.len()
+            ))),
+        }
+    }
+}
+
+impl Callable<bf16> for Tapped {
+    fn input_lens(&self) -> Vec<usize> {
+        self.layer.input_lens()
+    }
+
+    fn output_lens(&self) -> Vec<usize> {
+        self.layer.output_lens()
+    }
+
+    fn saved_bytes(&self) -> Vec<usize> {
+        self.layer.saved_bytes()
+    }
+
+    fn cast_weights(&mut self, stream: &Stream, slot: &Slot<'_, bf16>) -> cuda_graph::Result<()> {
+        self.layer.cast_weights(stream, slot)
+    }
+
+    fn forward(
+        &mut self,
+        stream: &Stream,
+        inputs: &[&DeviceBuffer<bf16>],
+        outputs: &[&DeviceBuffer<bf16>],
+        slot: &Slot<'_, bf16>,
+    ) -> cuda_graph::Result<()> {
+        self.record(slot)?;
+        self.layer.forward(stream, inputs, outputs, slot)
+    }
+
+    fn backward(
+        &mut self,
+        stream: &Stream,
+        grad_outputs: &[&DeviceBuffer<bf16>],
+        grad_inputs: &[&DeviceBuffer<bf16>],
+        slot: &Slot<'_, bf16>,
+    ) -> cuda_graph::Result<()> {
+        self.layer.backward(stream, grad_outputs, grad_inputs, slot)
+    }
+
+    fn backward_input(
+        &mut self,
+        stream: &Stream,
+        grad_outputs: &[&DeviceBuffer<bf16>],
+        grad_inputs: &[&DeviceBuffer<bf16>],
+        slot: &Slot<'_, bf16>,
+    ) -> cuda_graph::Result<()> {
+        self.layer
+            .backward_input(stream, grad_outputs, grad_inputs, slot)
+    }
+
+    fn backward_weight(
+        &mut self,
+        stream: &Stream,
+        grad_outputs: &[&DeviceBuffer<bf16>],
+        slot: &Slot<'_, bf16>,
+    ) -> cuda_graph::Result<()> {
+        self.layer.backward_weight(stream, grad_outputs, slot)
+    }
+
+    fn forward_segments(&self) -> Vec<SegmentKind> {
+        self.layer.forward_segments()
+    }
+
+    fn backward_segments(&self) -> Vec<SegmentKind> {
+        self.layer.backward_segments()
+    }
+
+    fn forward_segment(
+        &mut self,
+        segment: usize,
+        stream: &Stream,
+        inputs: &[&DeviceBuffer<bf16>],
+        outputs: &[&DeviceBuffer<bf16>],
+        slot: &Slot<'_, bf16>,
+    ) -> cuda_graph::Result<()> {
+        self.record(slot)?;
+        self.layer
+            .forward_segment(segment, stream, inputs, outputs, slot)
+    }
+
+    fn backward_segment(
+        &mut self,
+        segment: usize,
+        stream: &Stream,
+        grad_outputs: &[&DeviceBuffer<bf16>],
+        grad_inputs: &[&DeviceBuffer<bf16>],
+        slot: &Slot<'_, bf16>,
+    ) -> cuda_graph::Result<()> {
+        self.layer
+            .backward_segment(segment, stream, grad_outputs, grad_inputs, slot)
+    }
+
+    fn forward_eager(
+        &self,
+        segment: usize,
+        stream: &Stream,
+        inputs: &[&DeviceBuffer<bf16>],
+        outputs: &[&DeviceBuffer<bf16>],
+        slot: &Slot<'_, bf16>,
+    ) -> cuda_graph::Result<()> {
+        self.record(slot)?;
+        self.layer
+            .forward_eager(segment, stream, inputs, outputs, slot)
+    }
+
+    fn backward_eager(
+        &self,
+        segment: usize,
+        stream: &Stream,
+        grad_outputs: &[&DeviceBuffer<bf16>],
+        grad_inputs: &[&DeviceBuffer<bf16>],
+        slot: &Slot<'_, bf16>,
+    ) -> cuda_graph::Result<()> {
+        self.layer
+            .backward_eager(segment, stream, grad_outputs, grad_inputs, slot)
+    }
+}
+
+/// The graphed MoE layer, its eager twin, and the host side of their data.
 pub struct MoeSoak {
-    graphed: GraphedCallables<f32>,
-    routing: RoutingHandle,
+    graphed: GraphedCallables<bf16>,
+    /// The graphed layer's routing buffer of each microbatch.
+    routing: Vec<DeviceBuffer<u8>>,
+    /// The graphed layer's weight gradients.
+    grads: Grads,
     reference: Reference,
-    /// The three microbatches' inputs of one step, uploaded in one copy.
-    staging: DeviceBuffer<f32>,
+    /// A step's data in one upload: the three inputs, then the three output gradients.
+    staging: DeviceBuffer<bf16>,
     /// Views of `staging`, one per microbatch.
-    inputs: Vec<DeviceBuffer<f32>>,
-    host: Vec<f32>,
-    experts_of: Vec<usize>,
-    /// The counts each microbatch's input of this step was planned to give.
-    planned: Vec<Vec<i32>>,
+    inputs: Vec<DeviceBuffer<bf16>>,
+    grad_outputs: Vec<DeviceBuffer<bf16>>,
+    host: Vec<bf16>,
+    /// What each microbatch's input of this step was planned to route.
+    plans: Vec<Plan>,
     /// The counts of the last planned input.
     last_planned: Vec<i32>,
+    /// The microbatch of the last forward replay.
+    last_forward: usize,
     rng: Rng,
-    /// Replays (forwards), checks, mismatches.
+    /// Replays (forward and backward graph launches), checks, mismatches.
     pub stats: Stats,
-    /// Checks whose counts differed from the replay before.
+    /// Checks whose counts differed from the forward replay before.
     pub counts_changed: u64,
 }
 
 impl MoeSoak {
     /// Builds the graphed layer (warmup and capture included) and its eager twin, with
-    /// weights from `weights_rng` and inputs from `rng`.
+    /// parameters from `weights_rng` and data from `rng`.
     pub fn new(stream: &Stream, weights_rng: &mut Rng, rng: Rng) -> BenchResult<MoeSoak> {
-        let router = router_weights(weights_rng, MOE);
-        let experts = expert_weights(weights_rng, MOE);
-        let layer = Fp8Moe::new(stream, MOE, &router, &experts, ExpertGemm::Grouped)?;
-        let routing = layer.routing_handle();
-        let reference = Reference::new(stream, &router, &experts)?;
+        let params = params(weights_rng, MOE);
+        let layer = layer(stream, &params)?;
+        let grads = Grads::of(&layer);
+        let reference = Reference::new(stream, &params)?;
         let n = MOE.tokens * MOE.hidden;
         // Zeros: the build's warmup runs on them (see `last_planned` below).
-        let staging = DeviceBuffer::from_host(stream, &vec![0f32; MICROBATCHES * n])?;
-        let inputs = (0..MICROBATCHES)
-            .map(|mb| staging.slice(mb * n..(mb + 1) * n))
+        let staging = DeviceBuffer::from_host(stream, &vec![bf16::ZERO; 2 * MICROBATCHES * n])?;
+        let view = |i: usize| staging.slice(i * n..(i + 1) * n);
+        let inputs = (0..MICROBATCHES).map(view).collect::<Result<Vec<_>, _>>()?;
+        let grad_outputs = (MICROBATCHES..2 * MICROBATCHES)
+            .map(view)
             .collect::<Result<Vec<_>, _>>()?;
-        let mut soak = MoeSoak {
-            graphed: GraphedCallables::build(
-                stream,
-                vec![Box::new(layer) as Box<dyn Callable<f32>>],
-                &[vec![&inputs[0]]],
-                GraphedOptions::new(Schedule::new(&ORDER, vec![1])?),
-            )?,
+        let tap: RoutingTap = Arc::new(Mutex::new((0..MICROBATCHES).map(|_| None).collect()));
+        let tapped = Tapped {
+            layer,
+            tap: tap.clone(),
+        };
+        let graphed = GraphedCallables::build(
+            stream,
+            vec![Box::new(tapped) as Box<dyn Callable<bf16>>],
+            &[vec![&inputs[0]]],
+            GraphedOptions::new(Schedule::new(&ORDER, vec![1])?),
+        )?;
+        let routing = tap
+            .lock()
+            .map_err(|_| "soak: the MoE routing tap is poisoned")?
+            .iter()
+            .enumerate()
+            .map(|(mb, r)| {
+                r.as_ref()
+                    .map(DeviceBuffer::share)
+                    .ok_or_else(|| format!("soak: the build ran no MoE forward of microbatch {mb}"))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        // Warmup ended with the forward of the last microbatch, on zeros: every token to
+        // expert 0, which the first plan differs from like any other.
+        let first = Plan::all_to_first();
+        Ok(MoeSoak {
+            graphed,
             routing,
+            grads,
             reference,
+            host: vec![bf16::ZERO; staging.len()],
             staging,
             inputs,
-            host: vec![0f32; MICROBATCHES * n],
-            experts_of: vec![0; MOE.tokens],
-            planned: vec![Vec::new(); MICROBATCHES],
-            last_planned: Vec::new(),
+            grad_outputs,
+            last_planned: first.counts.clone(),
+            plans: vec![first; MICROBATCHES],
+            last_forward: MICROBATCHES - 1,
             rng,
             stats: Stats::default(),
             counts_changed: 0,
-        };
-        // The sample input the build used is zeros: the first plan differs from its counts
-        // (all tokens to expert 0) like any other.
-        soak.last_planned = vec![0; MOE.experts];
-        soak.last_planned[0] = MOE.tokens as i32;
-        Ok(soak)
+        })
     }
 
-    /// One training step of the schedule: three forward replays (each a new input, each
-    /// checked when the replay count is a multiple of `check_every`), then the three
-    /// (trivial) backward replays.
+    /// One training step of the schedule on new data (one upload): each microbatch's
+    /// forward, then each backward; a microbatch is checked (see the [module
+    /// documentation](self)) when its forward's or its backward's replay number is a
+    /// multiple of `check_every`.
     pub fn step(&mut self, stream: &Stream, check_every: u64) -> BenchResult<()> {
         let n = MOE.tokens * MOE.hidden;
-        for mb in 0..MICROBATCHES {
-            let counts = plan_experts(
-                &mut self.rng,
-                MOE.experts,
-                &self.last_planned,
-                &mut self.experts_of,
-            );
-            fill_input(
-                &mut self.rng,
-                MOE,
-                &self.experts_of,
-                &mut self.host[mb * n..(mb + 1) * n],
-            );
-            self.planned[mb] = counts.clone();
-            self.last_planned = counts;
+        let (xs, dys) = self.host.split_at_mut(MICROBATCHES * n);
+        for (plan, x) in self.plans.iter_mut().zip(xs.chunks_mut(n)) {
+            plan.redraw(&mut self.rng, &self.last_planned, x);
+            self.last_planned.clone_from(&plan.counts);
         }
-        // Waits for the previous step, whose forwards read the old inputs.
+        fill_grad(&mut self.rng, dys);
+        // Waits for the previous step, whose launches read the old data.
         self.staging.copy_from_host(stream, &self.host)?;
-        for mb in 0..MICROBATCHES {
-            let check = self.stats.replays % check_every.max(1) == 0;
-            let before = if check {
-                Some(self.routing.read(stream)?.counts)
-            } else {
-                None
-            };
-            self.graphed.forward(0, mb, &[&self.inputs[mb]], stream)?;
-            self.stats.replays += 1;
-            if let Some(before) = before {
-                self.check(stream, mb, &before)?;
+        let first = self.stats.replays;
+        let mut checked = [false; MICROBATCHES];
+        for (i, st) in self.graphed.schedule().steps().iter().enumerate() {
+            if (first + i as u64) % check_every.max(1) == 0 {
+                checked[st.microbatch()] = true;
             }
         }
-        for mb in 0..MICROBATCHES {
-            let g = self.graphed.static_grad_outputs(0, mb)?;
-            self.graphed.backward(0, mb, &g, stream)?;
+        let mut before: [Option<Vec<i32>>; MICROBATCHES] = Default::default();
+        // By index: a check borrows `self` mutably between the steps.
+        for i in 0..self.graphed.schedule().steps().len() {
+            let st = self.graphed.schedule().steps()[i];
+            let mb = st.microbatch();
+            match st {
+                Step::Forward { .. } => {
+                    if checked[mb] {
+                        let prev = RoutingBuffers::from_bytes(
+                            MOE.routing_dims(),
+                            &self.routing[self.last_forward],
+                        )?;
+                        before[mb] = Some(prev.counts.to_vec(stream)?);
+                    }
+                    self.graphed.forward(0, mb, &[&self.inputs[mb]], stream)?;
+                    self.last_forward = mb;
+                    self.stats.replays += 1;
+                }
+                Step::Backward { .. } => {
+                    if checked[mb] {
+                        self.grads.zero(stream)?;
+                    }
+                    self.graphed
+                        .backward(0, mb, &[&self.grad_outputs[mb]], stream)?;
+                    self.stats.replays += 1;
+                    if checked[mb] {
+                        self.check(stream, mb, first, before[mb].take())?;
+                    }
+                }
+                Step::WeightGrad { .. } => return Err("no weight-gradient steps".into()),
+            }
         }
         Ok(())
     }
 
-    /// Compares the forward just replayed for `mb` with an eager run on its input.
-    fn check(&mut self, stream: &Stream, mb: usize, before: &[i32]) -> BenchResult<()> {
-        let y = self.graphed.static_outputs(0, mb)?[0].to_vec(stream)?;
-        let routing = self.routing.read(stream)?;
-        let (eager_y, eager) = self.reference.run(stream, &self.inputs[mb])?;
-        let mut problems = routing_problems(&y, &routing, &eager_y, &eager, &self.planned[mb]);
-        if routing.counts.as_slice() != before {
-            self.counts_changed += 1;
-        } else {
-            problems.push(format!(
-                "counts {:?} did not change from the replay before",
-                routing.counts
-            ));
+    /// Compares microbatch `mb`'s forward and backward just replayed (the step began at
+    /// replay `first`) with an eager run on the same data; `before` holds the counts of the
+    /// forward replay before `mb`'s.
+    fn check(
+        &mut self,
+        stream: &Stream,
+        mb: usize,
+        first: u64,
+        before: Option<Vec<i32>>,
+    ) -> BenchResult<()> {
+        let (Some(y), Some(dx)) = (
+            self.graphed.static_outputs(0, mb)?.first(),
+            self.graphed.static_grad_inputs(0, mb)?.first(),
+        ) else {
+            return Err("internal: the graphed MoE layer has no output or input gradient".into());
+        };
+        let got = PassResult::read(stream, y, dx, &self.grads, &self.routing[mb])?;
+        let eager = self
+            .reference
+            .run(stream, &self.inputs[mb], &self.grad_outputs[mb])?;
+        let mut problems = pass_problems(&got, &eager, &self.plans[mb]);
+        if let Some(before) = before {
+            if got.routing.counts != before {
+                self.counts_changed += 1;
+            } else {
+                problems.push(format!(
+                    "counts {:?} did not change from the forward replay before",
+                    got.routing.counts
+                ));
+            }
         }
-        let replay = self.stats.replays - 1;
         self.stats.record_check(
-            || format!("MoE replay {replay} (microbatch {mb})"),
+            || format!("MoE microbatch {mb} of the step from replay {first}"),
             problems,
         );
         Ok(())
@@ -334,7 +859,22 @@ impl MoeSoak {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use fp8_moe::moe::plan_routing;
+    use fp8_moe::moe::reference as rf;
+    use fp8_moe::moe::routing::ALIGN_ROWS;
+
+    #[test]
+    fn the_soak_layer_is_valid_and_full_layer() {
+        MOE.check().unwrap();
+        assert_eq!(MOE.expert_gemm, ExpertGemm::Grouped);
+        assert_eq!(MOE.router.top_k, 1);
+        assert_eq!(scales().len(), formats(MOE.recipe, MOE.experts).len());
+        // The largest input (a routing feature) and weight stay far below E4M3's 448, a
+        // unit output gradient below E5M2's 57344.
+        let s = scales();
+        assert!(ROUTE_X * s[0] <= 256.0 && W_NOISE * s[4] <= 256.0);
+        assert!(DY_NOISE * s[2] <= 4096.0);
+        assert!(s.iter().all(|v| v.log2().fract() == 0.0), "powers of two");
+    }
 
     #[test]
     fn planned_counts_always_change_and_cover_the_patterns() {
@@ -376,30 +916,36 @@ mod tests {
         assert!(plan_experts(&mut rng, 0, &[], &mut experts_of).is_empty());
     }
 
-    /// The host model of the router (f64 sums) routes every token where the plan says, with
-    /// the margin the module docs derive: the device's f32 sums can not flip it.
+    /// The host model of the router (`moe::reference`, f64) routes every bf16 input token
+    /// where the plan says, with the margin the module docs derive: the device's f32 sums
+    /// can not flip it. The first plan also differs from a zero input's routing.
     #[test]
     fn routing_features_decide_the_expert_with_a_wide_margin() {
         let mut rng = Rng::new(11, 3);
-        let w = router_weights(&mut rng, MOE);
-        let mut experts_of = vec![0usize; MOE.tokens];
-        let mut x = vec![0f32; MOE.tokens * MOE.hidden];
-        let mut prev = Vec::new();
+        let p = params(&mut rng, MOE);
+        let dims = rf::MoeDims {
+            tokens: MOE.tokens,
+            hidden: MOE.hidden,
+            ffn: MOE.ffn,
+            experts: MOE.experts,
+            align: ALIGN_ROWS,
+        };
+        let cfg = rf::RouterConfig::from(MOE.router);
+        let wr: Vec<f64> = p.wr.iter().map(|&v| f64::from(v)).collect();
+        let mut x = vec![bf16::ZERO; MOE.tokens * MOE.hidden];
+        let zero = rf::route(&dims, &cfg, &vec![0.0; x.len()], &wr).unwrap();
+        let first = Plan::all_to_first();
+        assert_eq!(zero.topk, vec![0; MOE.tokens], "ties go to expert 0");
+        let mut plan = first.clone();
+        let mut prev = first.counts.clone();
         for _ in 0..50 {
-            let counts = plan_experts(&mut rng, MOE.experts, &prev, &mut experts_of);
-            fill_input(&mut rng, MOE, &experts_of, &mut x);
-            let mut logits = Vec::with_capacity(MOE.tokens * MOE.experts);
-            for (t, row) in x.chunks(MOE.hidden).enumerate() {
-                let mut l: Vec<f64> = w
-                    .chunks(MOE.hidden)
-                    .map(|we| {
-                        row.iter()
-                            .zip(we)
-                            .map(|(a, b)| f64::from(*a) * f64::from(*b))
-                            .sum()
-                    })
-                    .collect();
-                let k = experts_of[t];
+            plan.redraw(&mut rng, &prev, &mut x);
+            assert_ne!(plan.counts, prev);
+            let xf: Vec<f64> = x.iter().map(|v| f64::from(v.to_f32())).collect();
+            assert!(xf.iter().all(|v| v.abs() <= f64::from(ROUTE_X)));
+            let r = rf::route(&dims, &cfg, &xf, &wr).unwrap();
+            for (t, l) in r.logits.chunks(MOE.experts).enumerate() {
+                let k = plan.experts_of[t];
                 let best_other = l
                     .iter()
                     .enumerate()
@@ -411,55 +957,69 @@ mod tests {
                     "token {t}: margin {}",
                     l[k] - best_other
                 );
-                logits.extend(l.drain(..).map(|v| v as f32));
             }
-            let (expert, _, host_counts) = plan_routing(&logits, MOE.experts);
-            let want: Vec<i32> = experts_of.iter().map(|&e| e as i32).collect();
-            assert_eq!(expert, want);
-            assert_eq!(host_counts, counts);
-            prev = counts;
+            let want: Vec<u32> = plan.experts_of.iter().map(|&e| e as u32).collect();
+            assert_eq!(r.topk, want);
+            let counts: Vec<i32> = r.plan.counts.iter().map(|&c| c as i32).collect();
+            assert_eq!(counts, plan.counts);
+            prev.clone_from(&plan.counts);
+        }
+    }
+
+    #[test]
+    fn bf16_widens_bit_for_bit() {
+        let v = [bf16::from_f32(1.5), bf16::NEG_ZERO, bf16::from_bits(0x7fc1)];
+        let w = widen(&v);
+        assert_eq!(w[0], 1.5);
+        assert_eq!(w[1].to_bits(), 0x8000_0000);
+        assert_eq!(w[2].to_bits(), 0x7fc1_0000, "NaN payload kept");
+    }
+
+    fn pass(y: Vec<f32>, counts: Vec<i32>, topk: Vec<i32>) -> PassResult {
+        PassResult {
+            y,
+            dx: vec![0.5, -0.5],
+            grads: [vec![1.0], vec![2.0], vec![3.0]],
+            routing: RoutingRead {
+                offsets: vec![0, 128, 256],
+                counts,
+                topk,
+                gates: vec![1.0, 1.0],
+                losses: vec![0.01, 0.2],
+            },
         }
     }
 
     #[test]
     fn problems_name_what_differs() {
-        let r = |counts: Vec<i32>| Routing {
-            logits: vec![],
-            expert: vec![0, 1],
-            position: vec![0, 0],
-            gate: vec![],
-            counts,
+        let plan = Plan {
+            experts_of: vec![0, 1],
+            counts: vec![1, 1],
         };
-        let ok = routing_problems(
-            &[1.0, 2.0],
-            &r(vec![1, 1]),
-            &[1.0, 2.0],
-            &r(vec![1, 1]),
-            &[1, 1],
-        );
+        let eager = pass(vec![1.0, 2.0], vec![1, 1], vec![0, 1]);
+        let ok = pass_problems(&eager, &eager, &plan);
         assert!(ok.is_empty(), "{ok:?}");
-        let p = routing_problems(
-            &[1.0, 2.5],
-            &r(vec![2, 0]),
-            &[1.0, 2.0],
-            &r(vec![1, 1]),
-            &[1, 1],
-        );
-        assert_eq!(p.len(), 3, "{p:?}");
-        assert!(p[0].contains("output"), "{p:?}");
+        let p = pass_problems(&pass(vec![1.0, 2.5], vec![2, 0], vec![0, 0]), &eager, &plan);
+        assert_eq!(p.len(), 4, "{p:?}");
+        assert!(p[0].starts_with("output: 1 of 2"), "{p:?}");
         assert!(p[1].contains("planned"), "{p:?}");
-        assert!(p[2].contains("eager"), "{p:?}");
-        let p = routing_problems(
-            &[f32::NAN],
-            &r(vec![1, 1]),
-            &[f32::NAN],
-            &r(vec![1, 1]),
-            &[1, 1],
+        assert!(
+            p[2].contains("1 tokens routed off the plan, first token 1 to expert 0"),
+            "{p:?}"
         );
+        assert!(p[3].contains("eager"), "{p:?}");
+        let mut bad_grad = eager.clone();
+        bad_grad.grads[2][0] = 3.5;
+        let p = pass_problems(&bad_grad, &eager, &plan);
+        assert_eq!(p.len(), 1, "{p:?}");
+        assert!(p[0].starts_with("router weight gradient"), "{p:?}");
+        let nan = pass(vec![f32::NAN, 2.0], vec![1, 1], vec![0, 1]);
+        let p = pass_problems(&nan, &nan, &plan);
         assert_eq!(
             p.len(),
             1,
             "same NaN bits match; the eager NaN is named: {p:?}"
         );
+        assert!(p[0].starts_with("eager output element 0"), "{p:?}");
     }
 }

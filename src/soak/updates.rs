@@ -1,13 +1,16 @@
 //! Whole-graph and per-node updates of live execs, each followed by replays checked against
 //! a reference, interleaved with the soak's replays ([`Updates::event`]):
 //!
-//! * **The MoE layer itself** ([`MoeExec`]): a full-layer forward of an [`Fp8Moe`]
-//!   captured by hand into a [`GraphExec`]; every event captures the same forward again
-//!   with the next of three (input, output) buffer pairs and updates the exec to it with
-//!   [`GraphExec::update_or_reinstantiate`]. Two replays follow, each on a new input routed
-//!   as planned (see [`super::moe`]), with every output buffer poisoned first: the replay
-//!   must write exactly the new pair's output, equal bit for bit to an eager run of an
-//!   identical layer, and route as planned.
+//! * **The MoE layer itself** ([`MoeExec`]): a whole training pass of a full-layer
+//!   [`MoeLayer`] ([`train_pass`]: weight gradients zeroed, weights cast, forward, backward)
+//!   captured by hand into a [`GraphExec`]; every event captures the same pass again on the
+//!   next of three buffer sets (input, output gradient, output, input gradient, saved
+//!   buffers) and updates the exec to it with [`GraphExec::update_or_reinstantiate`]. Two
+//!   replays follow, each on a new input routed as planned and a new output gradient (see
+//!   [`super::moe`]), with every set's output and input gradient poisoned first: the replay
+//!   must write exactly the new set's, and its output, input gradient, weight gradients and
+//!   routing must equal an eager pass of an identical layer bit for bit and route as
+//!   planned.
 //! * **A chain of axpy kernels** ([`Chain`]): `y = 0`, then `y += a_k * x[s_k]` for 8 links,
 //!   built explicitly. Every event builds a fresh graph with new coefficients and sources
 //!   (a whole-graph update), then changes one link through a node handle of the graph the
@@ -18,16 +21,17 @@
 
 use std::sync::Arc;
 
+use cuda_graph::half::bf16;
 use cuda_graph::{
-    CaptureMode, Context, DeviceBuffer, Graph, GraphExec, GraphPool, InstantiateFlags, Kernel,
-    KernelNode, LaunchConfig, MemsetValue, Module, Stream, UpdateOutcome, kernel_args,
+    CaptureMode, Context, DeviceBuffer, Graph, GraphExec, InstantiateFlags, Kernel, KernelNode,
+    LaunchConfig, MemsetValue, Module, Stream, UpdateOutcome, kernel_args,
 };
-use fp8_moe::moe::{ExpertGemm, Fp8Moe};
-use graphed_callables::{Callable, Slot};
+use fp8_moe::moe::layer::MoeLayer;
 use serde::Serialize;
 
 use super::moe::{
-    MOE, Reference, at, expert_weights, fill_input, plan_experts, router_weights, routing_problems,
+    Grads, MOE, PassBuffers, PassResult, Plan, Reference, fill_grad, layer, params, pass_problems,
+    train_pass,
 };
 use super::{Rng, Stats, diff_problem};
 use crate::bench::BenchResult;
@@ -39,10 +43,14 @@ static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/soak.fatbin"));
 const LINKS: usize = 8;
 /// Elements of the chain's vectors.
 const CHAIN_LEN: usize = 4096;
-/// (input, output) pairs the MoE exec moves between.
-const PAIRS: usize = 3;
+/// Buffer sets the MoE exec moves between.
+const SETS: usize = 3;
 /// Checked replays after each update of the MoE exec.
 const REPLAYS_PER_UPDATE: usize = 2;
+/// The byte every output and input gradient of the MoE exec is set to before a replay, and
+/// the bf16 it makes (a NaN).
+const POISON: u8 = 0xff;
+const POISON_BITS: u16 = 0xffff;
 
 /// How whole-graph updates of one exec went.
 #[derive(Debug, Clone, Copy, Default, Serialize)]
@@ -284,20 +292,19 @@ fn build_chain(
     Ok((graph, nodes))
 }
 
-/// A hand-captured full-layer MoE forward whose exec moves between buffer pairs by
+/// A hand-captured full-layer MoE training pass whose exec moves between buffer sets by
 /// whole-graph updates.
 pub struct MoeExec {
-    layer: Fp8Moe,
+    layer: MoeLayer,
+    grads: Grads,
     reference: Reference,
-    pool: GraphPool,
-    xs: Vec<DeviceBuffer<f32>>,
-    ys: Vec<DeviceBuffer<f32>>,
-    /// The pair the exec reads and writes now.
+    sets: Vec<ExecSet>,
+    /// The set the exec reads and writes now.
     current: usize,
     exec: GraphExec,
-    host: Vec<f32>,
-    experts_of: Vec<usize>,
-    last_planned: Vec<i32>,
+    host_x: Vec<bf16>,
+    host_dy: Vec<bf16>,
+    plan: Plan,
     /// Whole-graph updates.
     pub whole_graph: WholeGraph,
     /// Replays (two after each update), checks, mismatches.
@@ -305,85 +312,92 @@ pub struct MoeExec {
 }
 
 impl MoeExec {
-    /// The layer and its eager twin with weights from `weights_rng`, the forward captured
-    /// on pair 0 and instantiated.
-    pub fn new(ctx: &Arc<Context>, stream: &Stream, weights_rng: &mut Rng) -> BenchResult<MoeExec> {
-        let router = router_weights(weights_rng, MOE);
-        let experts = expert_weights(weights_rng, MOE);
-        let mut layer = Fp8Moe::new(stream, MOE, &router, &experts, ExpertGemm::Grouped)?;
-        let reference = Reference::new(stream, &router, &experts)?;
-        let pool = GraphPool::new(ctx, 256)?;
-        let (nx, ny) = (MOE.tokens * MOE.hidden, MOE.tokens * MOE.ffn);
-        let xs = (0..PAIRS)
-            .map(|_| DeviceBuffer::from_host(stream, &vec![0f32; nx]))
-            .collect::<Result<Vec<_>, _>>()?;
-        let ys = (0..PAIRS)
-            .map(|_| DeviceBuffer::from_host(stream, &vec![0f32; ny]))
-            .collect::<Result<Vec<_>, _>>()?;
-        let graph = capture(&mut layer, &pool, stream, &xs[0], &ys[0])?;
+    /// The layer and its eager twin with parameters from `weights_rng`, the training pass
+    /// run once eagerly, then captured on set 0 and instantiated.
+    pub fn new(stream: &Stream, weights_rng: &mut Rng) -> BenchResult<MoeExec> {
+        let params = params(weights_rng, MOE);
+        let mut layer = layer(stream, &params)?;
+        let reference = Reference::new(stream, &params)?;
+        let n = MOE.tokens * MOE.hidden;
+        let sets = (0..SETS)
+            .map(|_| -> BenchResult<_> {
+                Ok(ExecSet {
+                    x: DeviceBuffer::from_host(stream, &vec![bf16::ZERO; n])?,
+                    dy: DeviceBuffer::from_host(stream, &vec![bf16::ZERO; n])?,
+                    bufs: PassBuffers::new(stream, &layer)?,
+                })
+            })
+            .collect::<BenchResult<Vec<_>>>()?;
+        // One eager pass first, as the runtime's warmup does: whatever the kernels set up on
+        // first use happens outside the capture.
+        let s0 = &sets[0];
+        train_pass(&mut layer, stream, &s0.x, &s0.dy, &s0.bufs)?;
+        let graph = capture(&mut layer, stream, s0)?;
         let exec = GraphExec::instantiate(&graph, InstantiateFlags::empty())?;
         Ok(MoeExec {
+            grads: Grads::of(&layer),
             layer,
             reference,
-            pool,
-            xs,
-            ys,
+            sets,
             current: 0,
             exec,
-            host: vec![0f32; nx],
-            experts_of: vec![0; MOE.tokens],
-            last_planned: Vec::new(),
+            host_x: vec![bf16::ZERO; n],
+            host_dy: vec![bf16::ZERO; n],
+            plan: Plan::all_to_first(),
             whole_graph: WholeGraph::default(),
             stats: Stats::default(),
         })
     }
 
-    /// Captures the forward on the next pair, updates the exec to it, and checks
+    /// Captures the training pass on the next set, updates the exec to it, and checks
     /// [`REPLAYS_PER_UPDATE`] replays.
     pub fn event(&mut self, stream: &Stream, rng: &mut Rng) -> BenchResult<()> {
-        let next = (self.current + 1) % PAIRS;
-        let graph = capture(
-            &mut self.layer,
-            &self.pool,
-            stream,
-            &self.xs[next],
-            &self.ys[next],
-        )?;
+        let next = (self.current + 1) % SETS;
+        let graph = capture(&mut self.layer, stream, &self.sets[next])?;
         let mut update_problems = Vec::new();
         self.whole_graph
             .update(&mut self.exec, &graph, &mut update_problems)?;
         self.current = next;
         for _ in 0..REPLAYS_PER_UPDATE {
-            let planned = plan_experts(rng, MOE.experts, &self.last_planned, &mut self.experts_of);
-            fill_input(rng, MOE, &self.experts_of, &mut self.host);
-            self.last_planned = planned.clone();
-            self.xs[next].copy_from_host(stream, &self.host)?;
-            for y in &self.ys {
-                y.fill_u32_bits(stream, f32::NAN.to_bits())?;
+            let prev = std::mem::take(&mut self.plan.counts);
+            self.plan.redraw(rng, &prev, &mut self.host_x);
+            fill_grad(rng, &mut self.host_dy);
+            let set = &self.sets[next];
+            set.x.copy_from_host(stream, &self.host_x)?;
+            set.dy.copy_from_host(stream, &self.host_dy)?;
+            for s in &self.sets {
+                s.bufs.y().memset_bytes(stream, POISON)?;
+                s.bufs.dx().memset_bytes(stream, POISON)?;
             }
             self.exec.launch(stream)?;
             self.stats.replays += 1;
-            let got = self.ys[next].to_vec(stream)?;
-            let routing = self.layer.routing(stream)?;
-            let (want, eager) = self.reference.run(stream, &self.xs[next])?;
+            let b = &set.bufs;
+            let got = PassResult::read(stream, b.y(), b.dx(), &self.grads, b.routing()?)?;
+            let eager = self.reference.run(stream, &set.x, &set.dy)?;
             let mut problems = std::mem::take(&mut update_problems);
-            problems.extend(routing_problems(&got, &routing, &want, &eager, &planned));
-            for (j, y) in self.ys.iter().enumerate() {
-                if j != next
-                    && y.to_vec(stream)?
+            problems.extend(pass_problems(&got, &eager, &self.plan));
+            for (j, s) in self.sets.iter().enumerate() {
+                if j == next {
+                    continue;
+                }
+                for (what, buf) in [("output", s.bufs.y()), ("input gradient", s.bufs.dx())] {
+                    if buf
+                        .to_vec(stream)?
                         .iter()
-                        .any(|v| v.to_bits() != f32::NAN.to_bits())
-                {
-                    problems.push(format!(
-                        "the replay wrote the output of pair {j}; the update moved it to pair {next}"
-                    ));
+                        .any(|v| v.to_bits() != POISON_BITS)
+                    {
+                        problems.push(format!(
+                            "the replay wrote the {what} of set {j}; the update moved it to \
+                             set {next}"
+                        ));
+                    }
                 }
             }
             let n = self.stats.replays;
             self.stats.record_check(
                 || {
                     format!(
-                        "MoE exec replay {n} (pair {next}, after whole-graph update {})",
+                        "MoE exec replay {n} (set {next}, after whole-graph update {})",
                         self.whole_graph.updates
                     )
                 },
@@ -394,17 +408,18 @@ impl MoeExec {
     }
 }
 
-/// The layer's forward of `x` into `y`, captured.
-fn capture(
-    layer: &mut Fp8Moe,
-    pool: &GraphPool,
-    stream: &Stream,
-    x: &DeviceBuffer<f32>,
-    y: &DeviceBuffer<f32>,
-) -> BenchResult<Graph> {
-    let slot = Slot::new(at(0), vec![x], vec![y], vec![]).with_pool(pool);
+/// One buffer set of the MoE exec: the input, the output gradient, and the pass's output,
+/// input gradient and saved buffers.
+struct ExecSet {
+    x: DeviceBuffer<bf16>,
+    dy: DeviceBuffer<bf16>,
+    bufs: PassBuffers,
+}
+
+/// The layer's [`train_pass`] on `set`, captured.
+fn capture(layer: &mut MoeLayer, stream: &Stream, set: &ExecSet) -> BenchResult<Graph> {
     Ok(stream.capture(CaptureMode::ThreadLocal, |s| {
-        layer.forward(s.stream(), &[x], &[y], &slot)
+        train_pass(layer, s.stream(), &set.x, &set.dy, &set.bufs)
     })?)
 }
 
@@ -430,7 +445,7 @@ impl Updates {
     ) -> BenchResult<Updates> {
         let chain = Chain::new(ctx, stream, weights_rng)?;
         let moe = if with_moe {
-            Some(MoeExec::new(ctx, stream, weights_rng)?)
+            Some(MoeExec::new(stream, weights_rng)?)
         } else {
             None
         };

@@ -287,9 +287,6 @@ pub(crate) fn validate_wgrad(what: &str, p: &WgradDesc) -> Result<()> {
     check_offsets(what, p.groups, p.offsets)
 }
 
-/// The weight-gradient GEMM has no Hopper kernel yet: [`GemmPath::Hopper`] is refused (before
-/// anything is enqueued); `Auto` and `Portable` run the portable kernel.
-
 /// Packed grouped GEMM (forward and data gradient of a dropless MoE layer): for every group
 /// `g` and every row `r` it owns (`offsets[g] <= r < offsets[g + 1]`),
 /// `D[r,:] = a.scale_inv * sb_g * A[r,:] . B[g]^T (+ bias) (+ D[r,:])`, where `sb_g` is
