@@ -84,16 +84,23 @@ __device__ __forceinline__ void load_f32x8(const float *p, float *f) {
     f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
 }
 
-// Top-k over s[0..experts) by one warp: k rounds of a warp argmax (larger score, ties to the
-// lower expert), each excluding the experts chosen before. `chosen` (k entries, shared) gets
-// the experts in descending score order.
-__device__ void warp_topk(const float *s, unsigned experts, unsigned k, int *chosen) {
+// Top-k over s[0..experts) by one warp: k (<= 8) rounds of a warp argmax (larger score,
+// ties to the lower expert), each excluding the experts chosen before. Every lane gets the
+// experts in descending score order in `chosen` and their scores in `chosen_v` (registers:
+// the rounds share nothing through shared memory, and each lane reads only its own s[e]).
+__device__ __forceinline__ void warp_topk(const float *s, unsigned experts, unsigned k,
+                                          int (&chosen)[8], float (&chosen_v)[8]) {
     const unsigned lane = threadIdx.x & 31u;
-    for (unsigned j = 0; j < k; ++j) {
+#pragma unroll
+    for (unsigned j = 0; j < 8; ++j) {
+        chosen[j] = -1;
+        chosen_v[j] = 0.0f;
+        if (j >= k) continue;
         float v = 0.0f;
         int i = -1;
         for (unsigned e = lane; e < experts; e += 32) {
             bool taken = false;
+#pragma unroll
             for (unsigned q = 0; q < j; ++q) taken |= chosen[q] == (int)e;
             if (!taken) better(v, i, s[e], (int)e);
         }
@@ -103,8 +110,9 @@ __device__ void warp_topk(const float *s, unsigned experts, unsigned k, int *cho
             const int i2 = __shfl_xor_sync(0xffffffffu, i, o);
             better(v, i, v2, i2);
         }
-        if (lane == 0) chosen[j] = i;
-        __syncwarp();
+        // The xor tree leaves every lane with the same winner.
+        chosen[j] = i;
+        chosen_v[j] = v;
     }
 }
 
@@ -131,7 +139,6 @@ extern "C" __global__ void __launch_bounds__(MOE_BLOCK)
                        unsigned experts, unsigned k, unsigned score_fn, unsigned renormalize) {
     cuda_graph::pdl_enter();
     extern __shared__ float sh[]; // l: [MOE_TOKENS][experts] logits, then s: the scores
-    __shared__ int chosen_all[MOE_TOKENS][8];
     const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
     const unsigned t0 = blockIdx.x * MOE_TOKENS;
     if (t0 >= tokens) return;
@@ -184,7 +191,6 @@ extern "C" __global__ void __launch_bounds__(MOE_BLOCK)
     if (warp >= nt) return;
     const unsigned t = t0 + warp;
     float *l = sh + (size_t)warp * experts, *s = sh + (size_t)(MOE_TOKENS + warp) * experts;
-    int *chosen = chosen_all[warp];
     float m = -INFINITY;
     for (unsigned e = lane; e < experts; e += 32) m = fmaxf(m, l[e]);
     m = warp_max(m);
@@ -205,14 +211,20 @@ extern "C" __global__ void __launch_bounds__(MOE_BLOCK)
     }
     if (lane == 0) lse[t] = m + logf(z);
     __syncwarp();
-    warp_topk(s, experts, k, chosen);
+    int chosen[8];
+    float chosen_v[8];
+    warp_topk(s, experts, k, chosen, chosen_v);
     if (lane == 0) {
         float sum = 0.0f;
-        for (unsigned j = 0; j < k; ++j) sum += s[chosen[j]];
+#pragma unroll
+        for (unsigned j = 0; j < 8; ++j)
+            if (j < k) sum += chosen_v[j];
         const bool norm = score_fn != 0 || renormalize != 0;
-        for (unsigned j = 0; j < k; ++j) {
+#pragma unroll
+        for (unsigned j = 0; j < 8; ++j) {
+            if (j >= k) continue;
             topk[(size_t)t * k + j] = chosen[j];
-            gates[(size_t)t * k + j] = norm ? s[chosen[j]] / sum : s[chosen[j]];
+            gates[(size_t)t * k + j] = norm ? chosen_v[j] / sum : chosen_v[j];
         }
     }
 }
