@@ -815,3 +815,99 @@ fn warmup_reports_only_the_routed_experts_weights() {
         assert_eq!(got, want, "{mode:?}: tensors warmup reported");
     }
 }
+
+/// With step gradients, microbatch 0's weight-gradient pass writes the weight gradients
+/// (experts without tokens get zeros) and later microbatches add to them: over two steps of
+/// two microbatches, eagerly, both expert-GEMM modes, the gradients equal (as values) those
+/// of a default layer zeroed before each step, while the step layer's start as NaN and are
+/// never zeroed. Microbatch 0 sends every token to expert 2, so the other experts have no
+/// rows there and must come out zero rather than keep the NaN.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn step_gradients_are_written_by_the_first_microbatch() {
+    let ctx = Context::default_device().unwrap();
+    let mut rng = fresh_rng("step_gradients_are_written_by_the_first_microbatch");
+    for mode in [ExpertGemm::PerExpert, ExpertGemm::Grouped] {
+        let mut cfg = config(mode);
+        cfg.router.top_k = 1;
+        let (t, h) = (cfg.tokens, cfg.hidden);
+        let mut params = random_params(&mut rng, &cfg);
+        params.wr.iter_mut().for_each(|w| *w *= 0.03);
+        params.wr[2 * h..3 * h].fill(1.0);
+        let stream = Stream::new(&ctx).unwrap();
+        let make = |step: bool| {
+            MoeLayer::new(&stream, cfg, &params, fixed_scaling(&stream, &cfg), 0)
+                .unwrap()
+                .with_step_gradients(step)
+        };
+        let mut layers = [make(false), make(true)];
+        let grads = |l: &MoeLayer| {
+            [
+                l.fc1().1.share(),
+                l.fc2().1.share(),
+                l.router_weight().1.share(),
+            ]
+        };
+        for g in grads(&layers[1]) {
+            g.copy_from_host(&stream, &vec![f32::NAN; g.len()]).unwrap();
+        }
+        // Saved buffers per layer and microbatch.
+        let saved: Vec<Vec<Vec<DeviceBuffer<u8>>>> = layers
+            .iter()
+            .map(|l| {
+                (0..2)
+                    .map(|_| {
+                        l.saved_bytes()
+                            .iter()
+                            .map(|&n| DeviceBuffer::<u8>::alloc(&ctx, n).unwrap())
+                            .collect()
+                    })
+                    .collect()
+            })
+            .collect();
+        let y = DeviceBuffer::<bf16>::alloc(&ctx, t * h).unwrap();
+        let dx = DeviceBuffer::<bf16>::alloc(&ctx, t * h).unwrap();
+        for step in 0..2 {
+            for g in grads(&layers[0]) {
+                g.memset_bytes(&stream, 0).unwrap();
+            }
+            for mb in 0..2 {
+                // Microbatch 0: positive x, so expert 2's large router row takes every token.
+                let xv: Vec<f32> = rng
+                    .vec(t * h, 1.0)
+                    .iter()
+                    .map(|&v| if mb == 0 { 0.5 + 0.5 * v.abs() } else { v })
+                    .collect();
+                let x = DeviceBuffer::from_host(&stream, &to_bf16(&xv)).unwrap();
+                let dy = DeviceBuffer::from_host(&stream, &to_bf16(&rng.vec(t * h, 1.0))).unwrap();
+                for (layer, saved) in layers.iter_mut().zip(&saved) {
+                    let at = GraphIndex {
+                        chunk: 0,
+                        microbatch: mb,
+                        layer: 0,
+                    };
+                    let slot = Slot::new(at, vec![&x], vec![&y], saved[mb].iter().collect());
+                    if mb == 0 {
+                        layer.cast_weights(&stream, &slot).unwrap();
+                    }
+                    layer.forward(&stream, &[&x], &[&y], &slot).unwrap();
+                    layer.backward(&stream, &[&dy], &[&dx], &slot).unwrap();
+                }
+            }
+            for (what, (a, b)) in ["dW1", "dW2", "dWr"]
+                .iter()
+                .zip(grads(&layers[0]).iter().zip(grads(&layers[1]).iter()))
+            {
+                let (a, b) = (a.to_vec(&stream).unwrap(), b.to_vec(&stream).unwrap());
+                let bad = a.iter().zip(&b).position(|(p, q)| !p.is_finite() || p != q);
+                assert!(
+                    bad.is_none(),
+                    "{mode:?} step {step} {what}: element {bad:?}: {:?} vs {:?} (step gradients)",
+                    bad.map(|i| a[i]),
+                    bad.map(|i| b[i])
+                );
+                assert!(a.iter().any(|&v| v != 0.0), "{mode:?} {what}: all zero");
+            }
+        }
+    }
+}

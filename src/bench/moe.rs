@@ -16,7 +16,11 @@
 //! `mma.sync` kernels (`GemmPath::Portable`) for comparison.
 //!
 //! The step is the layer's work only (weight casts once per step, router, dispatch, experts,
-//! combine and the backward); no scale update or optimizer. Every mode's output is checked
+//! combine and the backward); no scale update or optimizer. The weight gradients are the
+//! step's ([`MoeLayer::with_step_gradients`]: the step's one microbatch writes them, as
+//! PyTorch's first backward after `zero_grad()` does); a fifth row per shape runs the full
+//! layer adding them to f32 gradients that are never zeroed instead (the layer's default),
+//! which reads them once more per step. Every mode's output is checked
 //! against the eager run on the same input (bit for bit for breaking-layer, which runs the
 //! same kernels; to 1e-2 of the largest value for full-layer, whose grouped GEMMs sum in
 //! another order than the dense ones).
@@ -105,8 +109,9 @@ fn bf16s(v: &[f32]) -> Vec<bf16> {
     v.iter().map(|&x| bf16::from_f32(x)).collect()
 }
 
-/// A layer of `cfg` with fixed random parameters and scales suited to them.
-fn layer(stream: &Stream, cfg: MoeLayerConfig) -> BenchResult<MoeLayer> {
+/// A layer of `cfg` with fixed random parameters and scales suited to them, its weight
+/// gradients the step's (`step_gradients`) or accumulated.
+fn layer(stream: &Stream, cfg: MoeLayerConfig, step_gradients: bool) -> BenchResult<MoeLayer> {
     let (e, h, f) = (cfg.experts, cfg.hidden, cfg.ffn);
     let params = MoeParams {
         wr: Rng::new(1, 0).vec(e * h, 0.02),
@@ -126,7 +131,7 @@ fn layer(stream: &Stream, cfg: MoeLayerConfig) -> BenchResult<MoeLayer> {
         };
         scaling.scale(t)?.write(stream, max / v)?;
     }
-    Ok(MoeLayer::new(stream, cfg, &params, scaling, 0)?)
+    Ok(MoeLayer::new(stream, cfg, &params, scaling, 0)?.with_step_gradients(step_gradients))
 }
 
 fn inputs(stream: &Stream, s: Shape) -> BenchResult<Vec<DeviceBuffer<bf16>>> {
@@ -149,7 +154,7 @@ fn grad(stream: &Stream, s: Shape) -> BenchResult<DeviceBuffer<bf16>> {
 
 /// Eager step time (ms) and the output for input 0.
 fn eager(ctx: &Arc<Context>, stream: &Stream, s: Shape) -> BenchResult<(f64, Vec<bf16>)> {
-    let mut layer = layer(stream, config(s, ExpertGemm::PerExpert))?;
+    let mut layer = layer(stream, config(s, ExpertGemm::PerExpert), true)?;
     let xs = inputs(stream, s)?;
     let dy = grad(stream, s)?;
     let n = s.tokens * s.hidden;
@@ -197,8 +202,9 @@ fn graphed(
     s: Shape,
     mode: ExpertGemm,
     path: GemmPath,
+    step_gradients: bool,
 ) -> BenchResult<(f64, Vec<bf16>)> {
-    let layer = layer(stream, config(s, mode))?.with_gemm_path(path);
+    let layer = layer(stream, config(s, mode), step_gradients)?.with_gemm_path(path);
     let xs = inputs(stream, s)?;
     let dy = grad(stream, s)?;
     let schedule = Schedule::new(&[1, -1], vec![1])?;
@@ -296,10 +302,15 @@ pub fn run(tokens: Option<usize>, experts: Option<usize>) -> BenchResult<Vec<Row
         let flops = 18.0 * (s.tokens * s.top_k * s.hidden * s.ffn) as f64;
         let dense = dense_tflops(&ctx, &stream, s.tokens * s.top_k, 2 * s.ffn, s.hidden)?;
         let (eager_ms, y_eager) = eager(&ctx, &stream, s)?;
-        let (breaking_ms, y_breaking) = graphed(&stream, s, ExpertGemm::PerExpert, GemmPath::Auto)?;
-        let (full_ms, y_full) = graphed(&stream, s, ExpertGemm::Grouped, GemmPath::Auto)?;
+        let (breaking_ms, y_breaking) =
+            graphed(&stream, s, ExpertGemm::PerExpert, GemmPath::Auto, true)?;
+        let (full_ms, y_full) = graphed(&stream, s, ExpertGemm::Grouped, GemmPath::Auto, true)?;
         let (portable_ms, y_portable) =
-            graphed(&stream, s, ExpertGemm::Grouped, GemmPath::Portable)?;
+            graphed(&stream, s, ExpertGemm::Grouped, GemmPath::Portable, true)?;
+        let (acc_ms, y_acc) = graphed(&stream, s, ExpertGemm::Grouped, GemmPath::Auto, false)?;
+        if y_acc != y_full {
+            return Err(format!("{s:?}: full-layer output depends on the gradient mode").into());
+        }
         let err_portable = rel_err(&y_portable, &y_eager);
         if err_portable > 1e-2 {
             return Err(format!(
@@ -370,6 +381,17 @@ pub fn run(tokens: Option<usize>, experts: Option<usize>) -> BenchResult<Vec<Row
                 "GEMMs at {:.0} TFLOP/s; {:.2}x the full-layer step",
                 rate(portable_ms),
                 portable_ms / full_ms,
+            ),
+            pass: None,
+        });
+        rows.push(Row {
+            name: format!("{what}: full-layer step, gradients accumulated"),
+            value: acc_ms,
+            unit: "ms",
+            yardstick: format!(
+                "GEMMs at {:.0} TFLOP/s; {:.2}x the full-layer step (f32 gradients read once more)",
+                rate(acc_ms),
+                acc_ms / full_ms,
             ),
             pass: None,
         });

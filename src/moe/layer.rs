@@ -12,7 +12,8 @@
 //! of dY to the gradient format (E5M2 in the HYBRID recipe, E4M3 in the E4M3 one), fc2's
 //! dgrad and wgrad, the SwiGLU backward fused with its casts, fc1's dgrad and wgrad, then
 //! the router (through the scores, top-k, renormalisation, aux and z losses) into `dx` and
-//! the router weight's gradient. Weight gradients accumulate in f32.
+//! the router weight's gradient. Weight gradients accumulate in f32, or, with
+//! [`MoeLayer::with_step_gradients`], hold one step's sum (microbatch 0 writes them).
 //!
 //! # Expert GEMMs ([`ExpertGemm`])
 //! * [`ExpertGemm::PerExpert`] (the reference): the offsets are read to the host (a stream
@@ -242,6 +243,9 @@ pub struct MoeLayer {
     /// Whether the device is compute capability 9.0 (`Auto` then runs the grouped GEMMs on
     /// the sm_90a kernels).
     hopper: bool,
+    /// Whether microbatch 0's weight-gradient pass writes the weight gradients instead of
+    /// adding to them ([`MoeLayer::with_step_gradients`]).
+    step_gradients: bool,
     wr: DeviceBuffer<f32>,
     dwr: DeviceBuffer<f32>,
     w1: DeviceBuffer<bf16>,
@@ -334,6 +338,7 @@ impl MoeLayer {
             first_tensor,
             path: GemmPath::Auto,
             hopper: stream.context().device().compute_capability()? == (9, 0),
+            step_gradients: false,
             wr: DeviceBuffer::from_host(stream, &params.wr)?,
             dwr: zeroed(stream, e * h)?,
             w1: DeviceBuffer::from_host(stream, &to_bf16(&params.w1))?,
@@ -365,6 +370,28 @@ impl MoeLayer {
     pub fn with_gemm_path(mut self, path: GemmPath) -> MoeLayer {
         self.path = path;
         self
+    }
+
+    /// This layer with its weight gradients holding one step's sum (`true`) instead of
+    /// adding up until the caller zeroes them (`false`, the default, like [`Fp8Linear`]'s):
+    /// the weight-gradient pass of microbatch 0 (the slot's [`GraphIndex`] microbatch) writes
+    /// `dW1`, `dW2` and `dWr` (experts without tokens get zeros), later microbatches add to
+    /// them. The runtime runs a chunk's weight-gradient passes in microbatch order (also when
+    /// the schedule splits them off), so microbatch 0's comes first in every step, and no
+    /// zeroing is needed between steps: it saves reading the f32 gradients once per step
+    /// (`4 E (3 F H) + 4 E H` bytes), what TransformerEngine's `zero_out_wgrad` saves.
+    ///
+    /// [`Fp8Linear`]: crate::linear::Fp8Linear
+    /// [`GraphIndex`]: graphed_callables::GraphIndex
+    pub fn with_step_gradients(mut self, on: bool) -> MoeLayer {
+        self.step_gradients = on;
+        self
+    }
+
+    /// Whether the weight-gradient pass of `slot` adds to the gradients (otherwise it writes
+    /// them: microbatch 0 with [`with_step_gradients`](Self::with_step_gradients)).
+    fn accumulate_grads(&self, slot: &Slot<'_, bf16>) -> bool {
+        !(self.step_gradients && slot.at().microbatch == 0)
     }
 
     /// The path of the grouped GEMMs: `Auto` resolved to the sm_90a kernels on Hopper.
@@ -533,9 +560,10 @@ impl MoeLayer {
         Ok(())
     }
 
-    /// A weight gradient of every expert, accumulated: `D[e] += A[:, rows of e] . B[:, rows
-    /// of e]^T`, A `[m, C]`, B `[n, C]` (the transposed packed copies), D `[E, m, n]` f32.
-    /// Per expert: the grouped kernel on one expert's two offsets, for the experts with rows.
+    /// A weight gradient of every expert: `D[e] (+)= A[:, rows of e] . B[:, rows of e]^T`
+    /// (added with `accumulate`, else written: an expert without rows gets zeros), A
+    /// `[m, C]`, B `[n, C]` (the transposed packed copies), D `[E, m, n]` f32. Per expert:
+    /// the grouped kernel on one expert's two offsets, for the experts with rows.
     #[allow(clippy::too_many_arguments)] // the GEMM's operands
     fn experts_wgrad(
         &self,
@@ -546,11 +574,12 @@ impl MoeLayer {
         a: Operand<'_>,
         b: Operand<'_>,
         d: &DeviceBuffer<f32>,
+        accumulate: bool,
     ) -> Result<()> {
         let capacity = self.cfg.capacity();
         let opts = GemmOptions::new()
             .path(self.grouped_path())
-            .accumulate(true);
+            .accumulate(accumulate);
         let Some(off) = host_offsets else {
             let shape = WgradShape {
                 groups: self.cfg.experts,
@@ -562,6 +591,10 @@ impl MoeLayer {
         };
         for e in 0..self.cfg.experts {
             if off[e + 1] <= off[e] {
+                if !accumulate {
+                    d.slice(e * m * n..(e + 1) * m * n)?
+                        .memset_bytes(stream, 0)?;
+                }
                 continue;
             }
             let shape = WgradShape {
@@ -656,8 +689,13 @@ impl MoeLayer {
     }
 
     /// Backward part 2: the experts' data gradients (fc2 dgrad, SwiGLU backward + casts,
-    /// fc1 dgrad) and, with `weights`, their weight gradients.
-    fn experts_backward(&self, stream: &Stream, s: &Saved<'_>, weights: bool) -> Result<()> {
+    /// fc1 dgrad) and, with `weights = Some(accumulate)`, their weight gradients.
+    fn experts_backward(
+        &self,
+        stream: &Stream,
+        s: &Saved<'_>,
+        weights: Option<bool>,
+    ) -> Result<()> {
         let (c, h, f) = (self.cfg.capacity(), self.cfg.hidden, self.cfg.ffn);
         let host = self.host_offsets(stream, &s.routing)?;
         let g = grad_format(self.cfg.recipe);
@@ -699,19 +737,20 @@ impl MoeLayer {
             (&self.w1_t, &self.w1_scales()?),
             &self.dxp,
         )?;
-        if weights {
-            self.experts_weight_backward(stream, s, host.as_deref())?;
+        if let Some(accumulate) = weights {
+            self.experts_weight_backward(stream, s, host.as_deref(), accumulate)?;
         }
         Ok(())
     }
 
     /// The experts' weight gradients from the saved transposed copies:
-    /// `dW2[e] += dY_e^T . h_e`, `dW1[e] += dA_e^T . X_e`.
+    /// `dW2[e] (+)= dY_e^T . h_e`, `dW1[e] (+)= dA_e^T . X_e` (added with `accumulate`).
     fn experts_weight_backward(
         &self,
         stream: &Stream,
         s: &Saved<'_>,
         host: Option<&[i32]>,
+        accumulate: bool,
     ) -> Result<()> {
         let (h, f) = (self.cfg.hidden, self.cfg.ffn);
         let (e4, g) = (Fp8Format::E4M3, grad_format(self.cfg.recipe));
@@ -731,6 +770,7 @@ impl MoeLayer {
                 scale_inv: &s.si[1],
             },
             &self.dw2,
+            accumulate,
         )?;
         self.experts_wgrad(
             stream,
@@ -748,25 +788,26 @@ impl MoeLayer {
                 scale_inv: &s.si[0],
             },
             &self.dw1,
+            accumulate,
         )
     }
 
-    /// Backward part 3: the router's backward and dx (and, with `weights`, the router
-    /// weight's gradient).
+    /// Backward part 3: the router's backward and dx (and, with `weights = Some(accumulate)`,
+    /// the router weight's gradient).
     fn router_backward(
         &self,
         stream: &Stream,
         x: &DeviceBuffer<bf16>,
         dx: &DeviceBuffer<bf16>,
         s: &Saved<'_>,
-        weights: bool,
+        weights: Option<bool>,
     ) -> Result<()> {
         self.router.backward(stream, &s.routing)?;
         self.router
             .input_backward(stream, &self.dxp, &self.wr, &s.routing, dx)?;
-        if weights {
+        if let Some(accumulate) = weights {
             self.router
-                .weight_backward(stream, x, &s.routing, &self.dwr, true)?;
+                .weight_backward(stream, x, &s.routing, &self.dwr, accumulate)?;
         }
         Ok(())
     }
@@ -821,7 +862,7 @@ impl MoeLayer {
     }
 
     /// Part `part` of the backward: 0 the gates' gradient and dY's cast, 1 the experts, 2 the
-    /// router backward and dx; with `weights`, parts 1 and 2 also accumulate their weight
+    /// router backward and dx; with `weights`, parts 1 and 2 also compute their weight
     /// gradients (without, [`Callable::backward_weight`] does it later).
     fn backward_part(
         &self,
@@ -840,8 +881,11 @@ impl MoeLayer {
                 slot.record_tensors([self.first_tensor + DY, self.first_tensor + DA]);
                 self.combine_backward(stream, dy, &s)
             }
-            1 => self.experts_backward(stream, &s, weights),
-            2 => self.router_backward(stream, self.forward_input(slot)?, dx, &s, weights),
+            1 => self.experts_backward(stream, &s, weights.then(|| self.accumulate_grads(slot))),
+            2 => {
+                let w = weights.then(|| self.accumulate_grads(slot));
+                self.router_backward(stream, self.forward_input(slot)?, dx, &s, w)
+            }
             _ => Err(self.not_a_segment(slot, "backward", part, "a part")),
         }
     }
@@ -999,9 +1043,10 @@ impl Callable<bf16> for MoeLayer {
         self.grouped_only(slot, "split weight gradients")?;
         let s = self.saved(slot)?;
         let x = self.forward_input(slot)?;
-        self.experts_weight_backward(stream, &s, None)?;
+        let accumulate = self.accumulate_grads(slot);
+        self.experts_weight_backward(stream, &s, None, accumulate)?;
         self.router
-            .weight_backward(stream, x, &s.routing, &self.dwr, true)
+            .weight_backward(stream, x, &s.routing, &self.dwr, accumulate)
     }
 
     /// Grouped: one graphed segment. Per expert: `[Graphed, Eager, Graphed]` (router +
