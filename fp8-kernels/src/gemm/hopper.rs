@@ -149,10 +149,7 @@ pub(crate) fn launch(stream: &Stream, p: &GemmProblem<'_>) -> Result<()> {
 fn launch_with(stream: &Stream, p: &GemmProblem<'_>, bn: Option<usize>) -> Result<()> {
     check(p)?;
     let groups = p.groups.max(1);
-    let out = match p.d {
-        GemmOut::Bf16(_) => "bf16",
-        GemmOut::F32(_) => "f32",
-    };
+    let out = p.d.name();
     // The SM count, cached with the module (any kernel of it will do).
     let (_, sms) = kernel(stream.context(), "fp8_gemm_ref_e4m3_e4m3")?;
     let bn = match bn {
@@ -214,10 +211,7 @@ pub(crate) fn launch_packed(stream: &Stream, p: &PackedProblem<'_>) -> Result<()
             "capacity = {capacity}, N = {n}, K = {k}, groups = {groups} exceed 2^31"
         ));
     }
-    let out = match p.d {
-        GemmOut::Bf16(_) => "bf16",
-        GemmOut::F32(_) => "f32",
-    };
+    let out = p.d.name();
     let (_, sms) = kernel(stream.context(), "fp8_gemm_ref_e4m3_e4m3")?;
     let bn = choose_bn_for(1, capacity, n, sms as usize);
     let name = format!(
@@ -289,10 +283,7 @@ pub(crate) fn launch_wgrad(stream: &Stream, p: &WgradProblem<'_>) -> Result<()> 
             "capacity = {capacity}, M = {m}, N = {n}, groups = {groups} exceed 2^31 tiles or rows"
         ));
     }
-    let out = match p.d {
-        GemmOut::Bf16(_) => "bf16",
-        GemmOut::F32(_) => "f32",
-    };
+    let out = p.d.name();
     let (_, sms) = kernel(stream.context(), "fp8_gemm_ref_e4m3_e4m3")?;
     let bn = choose_bn_for(groups, m, n, sms as usize);
     let name = format!(
