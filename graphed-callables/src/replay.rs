@@ -387,6 +387,30 @@ impl<T: DeviceRepr> GraphedCallables<T> {
         Ok(self.buffers.grad_inputs_slice(g.start))
     }
 
+    /// The saved buffers of layer `layer` of (`chunk`, `microbatch`): the bytes its callable
+    /// sees as [`Slot::saved`](crate::Slot::saved) in every pass of that microbatch (what it
+    /// keeps there, e.g. a router's routing, can be read after a replay). Microbatches that
+    /// share buffers under [`reuse_buffers`](crate::GraphedOptions::reuse_buffers) share these
+    /// too.
+    ///
+    /// Errors: [`InvalidArgument`](cuda_graph::Error::InvalidArgument) for a chunk,
+    /// microbatch or layer out of range.
+    pub fn saved(
+        &self,
+        chunk: usize,
+        microbatch: usize,
+        layer: usize,
+    ) -> Result<Vec<&DeviceBuffer<u8>>> {
+        let g = self.graphs_of(chunk, microbatch)?;
+        if layer >= g.len() {
+            return Err(Error::invalid(format!(
+                "no layer {layer} in chunk {chunk}: it has {} layer(s)",
+                g.len()
+            )));
+        }
+        Ok(self.buffers.saved(g.start + layer))
+    }
+
     fn graphs_of(&self, chunk: usize, microbatch: usize) -> Result<std::ops::Range<usize>> {
         self.schedule
             .layout()

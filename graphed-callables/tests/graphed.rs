@@ -680,6 +680,22 @@ fn saved_activations_survive_until_their_backward() {
         gpu.read(graphed.static_inputs(0, 0).unwrap()[0]),
         input(0, 0)
     );
+    // And each microbatch's saved z of layer 0 (x * w + b, rounded twice as gl_fwd does) is
+    // its own, where the runtime hands it out.
+    let (w, b0) = weights(0);
+    for b in 0..3 {
+        let saved = graphed.saved(0, b, 0).expect("saved buffers");
+        assert_eq!(saved.len(), 1);
+        let x = input(0, b);
+        let z: Vec<f32> = (0..N).map(|i| x[i] * w[i] + b0[i]).collect();
+        assert_eq!(
+            gpu.read(&saved[0].reinterpret::<f32>().unwrap()),
+            z,
+            "saved z of microbatch {b}"
+        );
+    }
+    assert!(graphed.saved(0, 0, 2).is_err(), "chunk 0 has 2 layers");
+    assert!(graphed.saved(0, 3, 0).is_err(), "3 microbatches");
     let mut grads_in = Vec::new();
     for b in 0..3 {
         let dy = gpu.upload(&grad_output(0, b));

@@ -39,21 +39,18 @@
 //!
 //! # Reading the graphed layer's routing
 //!
-//! The runtime keeps each microbatch's saved buffers (the routing is `saved[0]`) at one
-//! address for its lifetime, and does not hand them out. The graphed layer is therefore
-//! wrapped in a [`Callable`] that passes every call through and, on each forward the build
-//! runs (warmup and capture), keeps a view of that microbatch's routing buffer: the view
-//! taken at capture reads what every later replay of that microbatch routed.
+//! Each microbatch's routing is its layer's saved buffer 0, which the runtime hands out
+//! ([`GraphedCallables::saved`]): read after a replay, it holds what that replay routed.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use cuda_graph::half::bf16;
-use cuda_graph::{DeviceBuffer, Error, Stream};
+use cuda_graph::{DeviceBuffer, Stream};
 use fp8_kernels::{AmaxAlgo, CastScaling, DelayedScaling, Fp8Format};
 use fp8_moe::moe::layer::{ExpertGemm, Fp8Recipe, MoeLayer, MoeLayerConfig, MoeParams, formats};
 use fp8_moe::moe::routing::{RouterConfig, RoutingBuffers, ScoreFn};
 use graphed_callables::{
-    Callable, GraphIndex, GraphedCallables, GraphedOptions, Schedule, SegmentKind, Slot, Step,
+    Callable, GraphIndex, GraphedCallables, GraphedOptions, Schedule, Slot, Step,
 };
 
 use super::{Rng, Stats, diff_problem};
@@ -524,157 +521,6 @@ impl Reference {
     }
 }
 
-/// Views of each microbatch's saved routing buffer, filled by [`Tapped`].
-type RoutingTap = Arc<Mutex<Vec<Option<DeviceBuffer<u8>>>>>;
-
-/// The graphed layer behind a tap: every call goes to the layer; each forward also leaves a
-/// view of its microbatch's routing buffer (saved buffer 0) in the tap (see the [module
-/// documentation](self#reading-the-graphed-layers-routing)).
-struct Tapped {
-    layer: MoeLayer,
-    tap: RoutingTap,
-}
-
-impl Tapped {
-    /// Keeps a view of `slot`'s routing buffer as its microbatch's.
-    fn record(&self, slot: &Slot<'_, bf16>) -> cuda_graph::Result<()> {
-        let mb = slot.microbatch();
-        let mut tap = self
-            .tap
-            .lock()
-            .map_err(|_| Error::InvalidArgument("soak: the MoE routing tap is poisoned".into()))?;
-        match (tap.get_mut(mb), slot.saved().first()) {
-            (Some(entry), Some(routing)) => {
-                *entry = Some(routing.share());
-                Ok(())
-            }
-            _ => Err(Error::InvalidArgument(format!(
-                "soak: MoE forward of microbatch {mb} with {} saved buffers; the tap has {} \
-                 microbatches",
-                slot.saved().len(),
-                tap.len()
-            ))),
-        }
-    }
-}
-
-impl Callable<bf16> for Tapped {
-    fn input_lens(&self) -> Vec<usize> {
-        self.layer.input_lens()
-    }
-
-    fn output_lens(&self) -> Vec<usize> {
-        self.layer.output_lens()
-    }
-
-    fn saved_bytes(&self) -> Vec<usize> {
-        self.layer.saved_bytes()
-    }
-
-    fn cast_weights(&mut self, stream: &Stream, slot: &Slot<'_, bf16>) -> cuda_graph::Result<()> {
-        self.layer.cast_weights(stream, slot)
-    }
-
-    fn forward(
-        &mut self,
-        stream: &Stream,
-        inputs: &[&DeviceBuffer<bf16>],
-        outputs: &[&DeviceBuffer<bf16>],
-        slot: &Slot<'_, bf16>,
-    ) -> cuda_graph::Result<()> {
-        self.record(slot)?;
-        self.layer.forward(stream, inputs, outputs, slot)
-    }
-
-    fn backward(
-        &mut self,
-        stream: &Stream,
-        grad_outputs: &[&DeviceBuffer<bf16>],
-        grad_inputs: &[&DeviceBuffer<bf16>],
-        slot: &Slot<'_, bf16>,
-    ) -> cuda_graph::Result<()> {
-        self.layer.backward(stream, grad_outputs, grad_inputs, slot)
-    }
-
-    fn backward_input(
-        &mut self,
-        stream: &Stream,
-        grad_outputs: &[&DeviceBuffer<bf16>],
-        grad_inputs: &[&DeviceBuffer<bf16>],
-        slot: &Slot<'_, bf16>,
-    ) -> cuda_graph::Result<()> {
-        self.layer
-            .backward_input(stream, grad_outputs, grad_inputs, slot)
-    }
-
-    fn backward_weight(
-        &mut self,
-        stream: &Stream,
-        grad_outputs: &[&DeviceBuffer<bf16>],
-        slot: &Slot<'_, bf16>,
-    ) -> cuda_graph::Result<()> {
-        self.layer.backward_weight(stream, grad_outputs, slot)
-    }
-
-    fn forward_segments(&self) -> Vec<SegmentKind> {
-        self.layer.forward_segments()
-    }
-
-    fn backward_segments(&self) -> Vec<SegmentKind> {
-        self.layer.backward_segments()
-    }
-
-    fn forward_segment(
-        &mut self,
-        segment: usize,
-        stream: &Stream,
-        inputs: &[&DeviceBuffer<bf16>],
-        outputs: &[&DeviceBuffer<bf16>],
-        slot: &Slot<'_, bf16>,
-    ) -> cuda_graph::Result<()> {
-        self.record(slot)?;
-        self.layer
-            .forward_segment(segment, stream, inputs, outputs, slot)
-    }
-
-    fn backward_segment(
-        &mut self,
-        segment: usize,
-        stream: &Stream,
-        grad_outputs: &[&DeviceBuffer<bf16>],
-        grad_inputs: &[&DeviceBuffer<bf16>],
-        slot: &Slot<'_, bf16>,
-    ) -> cuda_graph::Result<()> {
-        self.layer
-            .backward_segment(segment, stream, grad_outputs, grad_inputs, slot)
-    }
-
-    fn forward_eager(
-        &self,
-        segment: usize,
-        stream: &Stream,
-        inputs: &[&DeviceBuffer<bf16>],
-        outputs: &[&DeviceBuffer<bf16>],
-        slot: &Slot<'_, bf16>,
-    ) -> cuda_graph::Result<()> {
-        self.record(slot)?;
-        self.layer
-            .forward_eager(segment, stream, inputs, outputs, slot)
-    }
-
-    fn backward_eager(
-        &self,
-        segment: usize,
-        stream: &Stream,
-        grad_outputs: &[&DeviceBuffer<bf16>],
-        grad_inputs: &[&DeviceBuffer<bf16>],
-        slot: &Slot<'_, bf16>,
-    ) -> cuda_graph::Result<()> {
-        self.layer
-            .backward_eager(segment, stream, grad_outputs, grad_inputs, slot)
-    }
-}
-
 /// The graphed MoE layer, its eager twin, and the host side of their data.
 pub struct MoeSoak {
     graphed: GraphedCallables<bf16>,
@@ -718,26 +564,24 @@ impl MoeSoak {
         let grad_outputs = (MICROBATCHES..2 * MICROBATCHES)
             .map(view)
             .collect::<Result<Vec<_>, _>>()?;
-        let tap: RoutingTap = Arc::new(Mutex::new((0..MICROBATCHES).map(|_| None).collect()));
-        let tapped = Tapped {
-            layer,
-            tap: tap.clone(),
-        };
         let graphed = GraphedCallables::build(
             stream,
-            vec![Box::new(tapped) as Box<dyn Callable<bf16>>],
+            vec![Box::new(layer) as Box<dyn Callable<bf16>>],
             &[vec![&inputs[0]]],
             GraphedOptions::new(Schedule::new(&ORDER, vec![1])?),
         )?;
-        let routing = tap
-            .lock()
-            .map_err(|_| "soak: the MoE routing tap is poisoned")?
-            .iter()
-            .enumerate()
-            .map(|(mb, r)| {
-                r.as_ref()
-                    .map(DeviceBuffer::share)
-                    .ok_or_else(|| format!("soak: the build ran no MoE forward of microbatch {mb}"))
+        // Each microbatch's routing: saved buffer 0 of its (only) layer.
+        let routing = (0..MICROBATCHES)
+            .map(|mb| {
+                graphed
+                    .saved(0, mb, 0)?
+                    .first()
+                    .map(|b| b.share())
+                    .ok_or_else(|| {
+                        cuda_graph::Error::InvalidArgument(format!(
+                            "soak: the MoE layer of microbatch {mb} has no saved buffers"
+                        ))
+                    })
             })
             .collect::<Result<Vec<_>, _>>()?;
         // Warmup ended with the forward of the last microbatch, on zeros: every token to
