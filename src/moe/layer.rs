@@ -240,8 +240,10 @@ pub struct MoeLayer {
     scaling: Arc<DelayedScaling>,
     first_tensor: usize,
     path: GemmPath,
-    /// Whether the device is compute capability 9.0 (`Auto` then runs the grouped GEMMs on
-    /// the sm_90a kernels).
+    /// Whether the sm_90a kernels run on the device ([`hopper_available`]: `Auto` then runs
+    /// the grouped GEMMs on them).
+    ///
+    /// [`hopper_available`]: fp8_kernels::gemm::hopper_available
     hopper: bool,
     /// Whether microbatch 0's weight-gradient pass writes the weight gradients instead of
     /// adding to them ([`MoeLayer::with_step_gradients`]).
@@ -337,7 +339,7 @@ impl MoeLayer {
             scaling,
             first_tensor,
             path: GemmPath::Auto,
-            hopper: stream.context().device().compute_capability()? == (9, 0),
+            hopper: fp8_kernels::gemm::hopper_available(stream.context())?,
             step_gradients: false,
             wr: DeviceBuffer::from_host(stream, &params.wr)?,
             dwr: zeroed(stream, e * h)?,

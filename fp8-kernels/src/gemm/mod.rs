@@ -425,6 +425,14 @@ fn desc(
     }
 }
 
+/// Whether [`GemmPath::Hopper`] runs on the device of `ctx` (compute capability 9.0, for
+/// which the kernels hold sm_90a code). A caller that knows its packed offsets are aligned
+/// (multiples of [`ALIGN_ROWS`]) can pick the sm_90a packed kernels with it, which
+/// [`GemmPath::Auto`] does not do for the packed layout.
+pub fn hopper_available(ctx: &std::sync::Arc<cuda_graph::Context>) -> Result<bool> {
+    hopper::available(ctx)
+}
+
 /// Tries the Hopper path: `Ok(true)` when it enqueued the GEMM, `Ok(false)` when it does not
 /// take this device or problem (nothing enqueued).
 fn try_hopper(stream: &Stream, p: &GemmProblem<'_>) -> Result<bool> {
