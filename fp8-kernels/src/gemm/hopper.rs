@@ -24,6 +24,7 @@ use cuda_graph::{Context, DeviceBuffer, Error, KernelArgs, LaunchConfig, Result,
 
 use super::packed::{GroupScales, PackedProblem, WgradProblem};
 use super::{Bias, GemmOut, GemmProblem};
+use crate::format::Fp8Format;
 use crate::module::kernel;
 use crate::quantize::idx;
 
@@ -139,6 +140,34 @@ fn tensor_map(
     Ok(map.opaque)
 }
 
+/// The SM count, cached with the module (any kernel of it will do).
+fn sm_count(stream: &Stream) -> Result<u32> {
+    Ok(kernel(stream.context(), "fp8_gemm_ref_e4m3_e4m3")?.1)
+}
+
+/// The kernel of a layout (`""` grouped blocks, `"packed_"`, `"wgrad_"`), operand formats,
+/// output type (`GemmOut::name`) and tile width.
+fn kernel_name(layout: &str, a: Fp8Format, b: Fp8Format, out: &str, bn: usize) -> String {
+    format!(
+        "fp8_gemm_sm90_{layout}{}_{}_{out}_n{bn}",
+        a.name(),
+        b.name()
+    )
+}
+
+/// The refusals the packed launches share, before anything else: a device other than 9.0
+/// and an odd N (the epilogue stores column pairs). `what` names the launch in the error.
+fn check_packed_device(stream: &Stream, what: &str, n: usize) -> Result<()> {
+    let bad = |msg: String| Err(Error::InvalidArgument(format!("sm90 {what}: {msg}")));
+    if !available(stream.context())? {
+        return bad("the device is not compute capability 9.0 (use GemmPath::Auto)".into());
+    }
+    if n % 2 != 0 {
+        return bad(format!("N = {n} is odd"));
+    }
+    Ok(())
+}
+
 /// Enqueues the (validated) problem on `stream`: no synchronisation, no allocation, so it can
 /// be captured. Row counts, when given, are read by the kernel at run time.
 pub(crate) fn launch(stream: &Stream, p: &GemmProblem<'_>) -> Result<()> {
@@ -149,19 +178,13 @@ pub(crate) fn launch(stream: &Stream, p: &GemmProblem<'_>) -> Result<()> {
 fn launch_with(stream: &Stream, p: &GemmProblem<'_>, bn: Option<usize>) -> Result<()> {
     check(p)?;
     let groups = p.groups.max(1);
-    let out = p.d.name();
-    // The SM count, cached with the module (any kernel of it will do).
-    let (_, sms) = kernel(stream.context(), "fp8_gemm_ref_e4m3_e4m3")?;
+    let sms = sm_count(stream)?;
     let bn = match bn {
         Some(bn @ (128 | 192)) => bn,
         Some(bn) => return Err(Error::InvalidArgument(format!("tile width {bn}"))),
         None => choose_bn(p, sms as usize),
     };
-    let name = format!(
-        "fp8_gemm_sm90_{}_{}_{out}_n{bn}",
-        p.a.format.name(),
-        p.b.format.name()
-    );
+    let name = kernel_name("", p.a.format, p.b.format, p.d.name(), bn);
     let tiles = groups * p.m.div_ceil(TILE) * p.n.div_ceil(bn);
     let (k, cfg) = prepare(stream, &name, bn, tiles, sms)?;
     let ta = tensor_map(p.a.data, groups, p.m, p.k, TILE)?;
@@ -198,27 +221,17 @@ fn launch_with(stream: &Stream, p: &GemmProblem<'_>, bn: Option<usize>) -> Resul
 /// past its first row's group are otherwise left unwritten) and `N` even.
 pub(crate) fn launch_packed(stream: &Stream, p: &PackedProblem<'_>) -> Result<()> {
     let (groups, capacity, n, k) = (p.shape.groups, p.shape.capacity, p.shape.n, p.shape.k);
-    let bad = |msg: String| Err(Error::InvalidArgument(format!("sm90 packed GEMM: {msg}")));
-    if !available(stream.context())? {
-        return bad("the device is not compute capability 9.0 (use GemmPath::Auto)".into());
-    }
-    if n % 2 != 0 {
-        return bad(format!("N = {n} is odd"));
-    }
+    check_packed_device(stream, "packed GEMM", n)?;
     let lim = i32::MAX as usize;
     if capacity > lim || n > lim || k > lim || groups.saturating_mul(n) > lim {
-        return bad(format!(
-            "capacity = {capacity}, N = {n}, K = {k}, groups = {groups} exceed 2^31"
-        ));
+        return Err(Error::InvalidArgument(format!(
+            "sm90 packed GEMM: capacity = {capacity}, N = {n}, K = {k}, groups = {groups} \
+             exceed 2^31"
+        )));
     }
-    let out = p.d.name();
-    let (_, sms) = kernel(stream.context(), "fp8_gemm_ref_e4m3_e4m3")?;
+    let sms = sm_count(stream)?;
     let bn = choose_bn_for(1, capacity, n, sms as usize);
-    let name = format!(
-        "fp8_gemm_sm90_packed_{}_{}_{out}_n{bn}",
-        p.a.format.name(),
-        p.b.format.name()
-    );
+    let name = kernel_name("packed_", p.a.format, p.b.format, p.d.name(), bn);
     let tiles = capacity.div_ceil(TILE) * n.div_ceil(bn);
     let (kern, cfg) = prepare(stream, &name, bn, tiles, sms)?;
     let ta = tensor_map(p.a.data, 1, capacity, k, TILE)?;
@@ -267,30 +280,20 @@ pub(crate) fn launch_packed(stream: &Stream, p: &PackedProblem<'_>) -> Result<()
 /// neighbours' columns) and `N` even.
 pub(crate) fn launch_wgrad(stream: &Stream, p: &WgradProblem<'_>) -> Result<()> {
     let (groups, capacity, m, n) = (p.shape.groups, p.shape.capacity, p.shape.m, p.shape.n);
-    let bad = |msg: String| Err(Error::InvalidArgument(format!("sm90 wgrad GEMM: {msg}")));
-    if !available(stream.context())? {
-        return bad("the device is not compute capability 9.0 (use GemmPath::Auto)".into());
-    }
-    if n % 2 != 0 {
-        return bad(format!("N = {n} is odd"));
-    }
+    check_packed_device(stream, "wgrad GEMM", n)?;
     let lim = i32::MAX as usize;
     let tiles = groups
         .saturating_mul(m.div_ceil(TILE))
         .saturating_mul(n.div_ceil(128));
     if capacity > lim || m > lim || n > lim || tiles > lim {
-        return bad(format!(
-            "capacity = {capacity}, M = {m}, N = {n}, groups = {groups} exceed 2^31 tiles or rows"
-        ));
+        return Err(Error::InvalidArgument(format!(
+            "sm90 wgrad GEMM: capacity = {capacity}, M = {m}, N = {n}, groups = {groups} \
+             exceed 2^31 tiles or rows"
+        )));
     }
-    let out = p.d.name();
-    let (_, sms) = kernel(stream.context(), "fp8_gemm_ref_e4m3_e4m3")?;
+    let sms = sm_count(stream)?;
     let bn = choose_bn_for(groups, m, n, sms as usize);
-    let name = format!(
-        "fp8_gemm_sm90_wgrad_{}_{}_{out}_n{bn}",
-        p.a.format.name(),
-        p.b.format.name()
-    );
+    let name = kernel_name("wgrad_", p.a.format, p.b.format, p.d.name(), bn);
     let tiles = groups * m.div_ceil(TILE) * n.div_ceil(bn);
     let (kern, cfg) = prepare(stream, &name, bn, tiles, sms)?;
     let ta = tensor_map(p.a.data, 1, m, capacity, TILE)?;
@@ -364,6 +367,24 @@ fn push_head<'a>(
 #[cfg(test)]
 mod cpu_tests {
     use super::*;
+
+    #[test]
+    fn kernel_names_match_the_entry_points() {
+        // The names FP8K_GEMM_SM90{,_PACKED,_WGRAD} in gemm_sm90.cuh give.
+        let (e4, e5) = (Fp8Format::E4M3, Fp8Format::E5M2);
+        assert_eq!(
+            kernel_name("", e4, e5, "bf16", 128),
+            "fp8_gemm_sm90_e4m3_e5m2_bf16_n128"
+        );
+        assert_eq!(
+            kernel_name("packed_", e5, e4, "f32", 192),
+            "fp8_gemm_sm90_packed_e5m2_e4m3_f32_n192"
+        );
+        assert_eq!(
+            kernel_name("wgrad_", e5, e4, "f32", 192),
+            "fp8_gemm_sm90_wgrad_e5m2_e4m3_f32_n192"
+        );
+    }
 
     #[test]
     fn tile_width_choice() {
