@@ -78,6 +78,18 @@ struct Setup {
 
 /// Random parameters for `cfg`: router weights within 0.3, expert weights within 0.2 (bf16
 /// values, as the layer stores them).
+/// Router weights that send every token with a positive input ([`positive`]) to expert `e`
+/// first: its row all ones, every other weight scaled by `shrink`.
+fn route_positive_inputs_to(params: &mut MoeParams, e: usize, hidden: usize, shrink: f32) {
+    params.wr.iter_mut().for_each(|w| *w *= shrink);
+    params.wr[e * hidden..(e + 1) * hidden].fill(1.0);
+}
+
+/// `0.5 + 0.5 |v|`: inputs in [0.5, 1].
+fn positive(v: &[f32]) -> Vec<f32> {
+    v.iter().map(|v| 0.5 + 0.5 * v.abs()).collect()
+}
+
 fn random_params(rng: &mut Rng, cfg: &MoeLayerConfig) -> MoeParams {
     let (h, f, e) = (cfg.hidden, cfg.ffn, cfg.experts);
     MoeParams {
@@ -102,14 +114,8 @@ fn setup(
     let mut params = random_params(rng, &cfg);
     let mut x_host = bf16_round(&rng.vec(t * h, 1.0));
     if let Some(e0) = one_expert {
-        x_host = bf16_round(
-            &x_host
-                .iter()
-                .map(|v| 0.5 + 0.5 * v.abs())
-                .collect::<Vec<_>>(),
-        );
-        params.wr.iter_mut().for_each(|w| *w *= 0.05);
-        params.wr[e0 * h..(e0 + 1) * h].fill(1.0);
+        x_host = bf16_round(&positive(&x_host));
+        route_positive_inputs_to(&mut params, e0, h, 0.05);
     }
     let dy_host = bf16_round(&rng.vec(t * h, 1.0));
     let dims = rf::MoeDims {
@@ -766,8 +772,7 @@ fn warmup_reports_only_the_routed_experts_weights() {
         let (t, h, e) = (cfg.tokens, cfg.hidden, cfg.experts);
         // Every token to expert 2: positive x, expert 2's router row 1, the others small.
         let mut params = random_params(&mut rng, &cfg);
-        params.wr.iter_mut().for_each(|w| *w *= 0.03);
-        params.wr[2 * h..3 * h].fill(1.0);
+        route_positive_inputs_to(&mut params, 2, h, 0.03);
         let stream = Stream::new(&ctx).unwrap();
         let fmts = formats(cfg.recipe, e);
         // Tensors from 10 on: the layer's first is not 0.
@@ -776,12 +781,8 @@ fn warmup_reports_only_the_routed_experts_weights() {
         let scaling =
             Arc::new(DelayedScaling::new(&stream, &all, 1, 0, AmaxAlgo::MostRecent).unwrap());
         let layer = MoeLayer::new(&stream, cfg, &params, scaling, 10).unwrap();
-        let x: Vec<bf16> = rng
-            .vec(t * h, 1.0)
-            .iter()
-            .map(|&v| bf16::from_f32(0.5 + 0.5 * v.abs()))
-            .collect();
-        let x = DeviceBuffer::from_host(&stream, &x).unwrap();
+        let x =
+            DeviceBuffer::from_host(&stream, &to_bf16(&positive(&rng.vec(t * h, 1.0)))).unwrap();
         let seen = Arc::new(Mutex::new(None));
         let mut options = graphed_callables::GraphedOptions::new(
             graphed_callables::Schedule::new(&[1, -1], vec![1]).unwrap(),
@@ -832,8 +833,7 @@ fn step_gradients_are_written_by_the_first_microbatch() {
         cfg.router.top_k = 1;
         let (t, h) = (cfg.tokens, cfg.hidden);
         let mut params = random_params(&mut rng, &cfg);
-        params.wr.iter_mut().for_each(|w| *w *= 0.03);
-        params.wr[2 * h..3 * h].fill(1.0);
+        route_positive_inputs_to(&mut params, 2, h, 0.03);
         let stream = Stream::new(&ctx).unwrap();
         let make = |step: bool| {
             MoeLayer::new(&stream, cfg, &params, fixed_scaling(&stream, &cfg), 0)
@@ -873,11 +873,8 @@ fn step_gradients_are_written_by_the_first_microbatch() {
             }
             for mb in 0..2 {
                 // Microbatch 0: positive x, so expert 2's large router row takes every token.
-                let xv: Vec<f32> = rng
-                    .vec(t * h, 1.0)
-                    .iter()
-                    .map(|&v| if mb == 0 { 0.5 + 0.5 * v.abs() } else { v })
-                    .collect();
+                let v = rng.vec(t * h, 1.0);
+                let xv = if mb == 0 { positive(&v) } else { v };
                 let x = DeviceBuffer::from_host(&stream, &to_bf16(&xv)).unwrap();
                 let dy = DeviceBuffer::from_host(&stream, &to_bf16(&rng.vec(t * h, 1.0))).unwrap();
                 for (layer, saved) in layers.iter_mut().zip(&saved) {

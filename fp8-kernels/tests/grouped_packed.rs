@@ -383,20 +383,36 @@ impl FwdRun {
     }
 }
 
+/// D of `len` elements of `out` for one eager run: filled with known values (returned, as
+/// the GEMM sees them) when accumulating, else poisoned; and its bits before the GEMM.
+fn prepared_d(
+    ctx: &Arc<Context>,
+    stream: &Stream,
+    out: DType,
+    len: usize,
+    accumulate: Option<u64>,
+) -> (Out, Option<Vec<f32>>, Vec<u32>) {
+    let mut d = Out::new(ctx, out, len);
+    let prev = match accumulate {
+        Some(seed) => {
+            let mut rng = Rng::new(seed);
+            let xs: Vec<f32> = (0..len).map(|_| rng.unit() * 5000.0).collect();
+            Some(d.fill(stream, &xs))
+        }
+        None => {
+            d.poison(stream);
+            None
+        }
+    };
+    let before = d.bits(stream);
+    (d, prev, before)
+}
+
 /// Runs `c` eagerly and checks it.
 fn check_fwd(ctx: &Arc<Context>, stream: &Stream, c: &Fwd) {
     let run = FwdRun::new(stream, c);
-    let (cap, n) = (run.host.lay.capacity, c.n);
-    let mut d = Out::new(ctx, c.out, cap * n);
-    let prev = if c.accumulate {
-        let mut rng = Rng::new(c.seed + 1);
-        let xs: Vec<f32> = (0..cap * n).map(|_| rng.unit() * 5000.0).collect();
-        Some(d.fill(stream, &xs))
-    } else {
-        d.poison(stream);
-        None
-    };
-    let before = d.bits(stream);
+    let len = run.host.lay.capacity * c.n;
+    let (d, prev, before) = prepared_d(ctx, stream, c.out, len, c.accumulate.then_some(c.seed + 1));
     run.launch(stream, c, &d)
         .unwrap_or_else(|e| panic!("{} {c:?}: grouped_gemm_packed failed: {e}", c.name));
     stream.synchronize().unwrap();
@@ -812,16 +828,7 @@ impl WgRun {
 fn check_wg(ctx: &Arc<Context>, stream: &Stream, c: &Wg) {
     let run = WgRun::new(stream, c);
     let len = c.rows.groups() * c.m * c.n;
-    let mut d = Out::new(ctx, c.out, len);
-    let prev = if c.accumulate {
-        let mut rng = Rng::new(c.seed + 1);
-        let xs: Vec<f32> = (0..len).map(|_| rng.unit() * 5000.0).collect();
-        Some(d.fill(stream, &xs))
-    } else {
-        d.poison(stream);
-        None
-    };
-    let before = d.bits(stream);
+    let (d, prev, before) = prepared_d(ctx, stream, c.out, len, c.accumulate.then_some(c.seed + 1));
     run.launch(stream, c, &d)
         .unwrap_or_else(|e| panic!("{} {c:?}: grouped_gemm_wgrad failed: {e}", c.name));
     stream.synchronize().unwrap();
