@@ -10,9 +10,20 @@
 // CTA: 384 threads = 3 warpgroups. Warpgroup 0 is the producer (one thread issues the TMA
 // loads; registers given back with setmaxnreg), warpgroups 1 and 2 are consumers, each
 // computing 64 rows x BN columns of the tile with wgmma m64nBNk32.
-// Tile 128 x BN x 128 (BN = 128 with 6 stages, or 192 with 5; each consumer computes 64 x BN).
+// Tile 128 x BN x 128 (BN = 128 or 192; each consumer computes 64 x BN).
 // Shared memory: STAGES x (A 128x128 bytes + B BNx128 bytes), 128-byte swizzled by TMA,
-// 1024-byte aligned; then full[STAGES] and empty[STAGES] mbarriers.
+// 1024-byte aligned; then the two consumers' output staging (64 x BN of the output type each);
+// then full[STAGES] and empty[STAGES] mbarriers. The ring is as deep as the rest leaves room
+// for (Cfg), at most 6 stages.
+//
+// Epilogue, two ways. The store epilogue (D overwritten with every row of the tile: the
+// packed layouts, or grouped blocks without counts): each consumer writes its scaled 64 x BN
+// (+ bias) into its staging in the 128-byte swizzled layout of a TMA store box, and one of
+// its threads issues the bulk tensor stores; the consumer goes on to its next tile's main
+// loop while the copy engine drains the staging (it waits for that read only before writing
+// the staging again). The register epilogue (accumulating into D, grouped blocks with row
+// counts, a D the store's tensor map can not describe): stores from registers, rows below the
+// group's count.
 #pragma once
 #include "common.cuh"
 
@@ -23,11 +34,23 @@ constexpr int BM = 128, BK = 128;
 constexpr int THREADS = 384;
 constexpr int TILE_A = BM * BK;  // bytes
 // Per tile width BN (128 or 192): B tile bytes, stage bytes, ring depth, shared memory.
-template <int BN> struct Cfg {
+// With `Out` the output type: the staging of the store epilogue, and the ring depth that fits
+// beside it in the 227 KiB a CTA may have (BN 128: 6 stages for bf16 out, 5 for f32; BN 192:
+// 4 and 3). Keep in step with `smem_bytes` in src/gemm/hopper.rs.
+constexpr int SMEM_LIMIT = 232448;
+template <int BN, typename Out> struct Cfg {
     static constexpr int TILE_B = BN * BK;
     static constexpr int STAGE_BYTES = TILE_A + TILE_B;
-    static constexpr int STAGES = BN == 128 ? 6 : 5;
-    static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 2 * STAGES * 8 + 1024;
+    static constexpr int STAGING = 2 * 64 * BN * int(sizeof(Out));
+    static constexpr int FIT = (SMEM_LIMIT - 1024 - STAGING - 2 * 6 * 8) / STAGE_BYTES;
+    static constexpr int STAGES = FIT < 6 ? FIT : 6;
+    static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + STAGING + 2 * STAGES * 8 + 1024;
+    static_assert(STAGES >= 3 && SMEM_BYTES <= SMEM_LIMIT, "shared memory");
+};
+// Columns of one 128-byte swizzled store box (the swizzle's row width), and 64 rows of them.
+template <typename Out> struct StoreBox {
+    static constexpr int COLS = 128 / int(sizeof(Out));
+    static constexpr int BYTES = 64 * 128;
 };
 // m-tiles per rasterization band: consecutive tiles walk down a band of this many m-tiles,
 // then move one n-tile right, so a wave of CTAs shares A and B panels in L2.
@@ -150,6 +173,37 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const TmaDesc *map, ui
                  : "memory");
 }
 
+// 3-D tiled TMA store of the shared box at `src` to (c0, c1, c2) of `map` (out-of-bounds
+// elements are not written), in the thread's current bulk group.
+__device__ __forceinline__ void tma_store_3d(const TmaDesc *map, uint32_t src, int c0, int c1, int c2) {
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(
+                     reinterpret_cast<uint64_t>(map)),
+                 "r"(src), "r"(c0), "r"(c1), "r"(c2)
+                 : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// Until the thread's bulk groups have read their shared sources (the staging is free again).
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+// Until the thread's bulk groups are complete (their writes done).
+__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+// Generic-proxy writes to shared memory made visible to the async proxy (the TMA store).
+__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// Barrier `id` over `threads` threads (one consumer warpgroup), not the whole CTA.
+__device__ __forceinline__ void named_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Two consecutive outputs into the staging (8 bytes of f32 or 4 of bf16).
+template <typename Out> __device__ __forceinline__ void stage2(uint32_t addr, float a, float b);
+template <> __device__ __forceinline__ void stage2<float>(uint32_t addr, float a, float b) {
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(a), "f"(b) : "memory");
+}
+template <> __device__ __forceinline__ void stage2<__nv_bfloat16>(uint32_t addr, float a, float b) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+    asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(*reinterpret_cast<const uint32_t *>(&v))
+                 : "memory");
+}
+
 // wgmma shared-memory descriptor of a K-major tile written by TMA with 128-byte swizzle:
 // rows of 128 bytes, 8-row groups 1024 bytes apart (stride byte offset), leading byte offset
 // unused (the k32 slice lies inside one swizzle row), layout type 1 = 128B swizzle.
@@ -248,20 +302,27 @@ __device__ __forceinline__ Tile wgrad_tile_at(int t, int groups, int m, int ntil
     return tile_at(t, nullptr, groups, m, ntiles);
 }
 
-// dims = (m, n, k, groups); flags = (sa index, sb index, bias kind 0/1 bf16/2 f32, accumulate).
+// dims = (m, n, k, groups); flags = (sa index, sb index, bias kind 0/1 bf16/2 f32, epilogue):
+// flags.w bit 0 accumulates into D (the register epilogue), bit 1 takes the store epilogue
+// through `td`, a tensor map of D as [groups, rows, n] (PACKED: [1, m, n]) with boxes of
+// 64 rows x StoreBox<Out>::COLS columns, 128-byte swizzle; the host sets bit 1 only for
+// problems that overwrite every row of their tiles (PACKED, WGRAD, GROUPED without counts).
 // `sbg`, when not null, holds one scale_inv per group of B (instead of sb[flags.y]).
 template <__nv_fp8_interpretation_t FA, __nv_fp8_interpretation_t FB, typename Out, int BN,
           int MODE = GROUPED>
-__device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, Out *d, const void *bias,
-                                     const float *sa, const float *sb, const int *counts, uint4 dims,
-                                     uint4 flags, const float *sbg = nullptr) {
+__device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const TmaDesc *td, Out *d,
+                                     const void *bias, const float *sa, const float *sb,
+                                     const int *counts, uint4 dims, uint4 flags,
+                                     const float *sbg = nullptr) {
 #ifdef FP8K_SM90A
-    constexpr int STAGES = Cfg<BN>::STAGES, STAGE_BYTES = Cfg<BN>::STAGE_BYTES;
+    using C = Cfg<BN, Out>;
+    constexpr int STAGES = C::STAGES, STAGE_BYTES = C::STAGE_BYTES;
     constexpr int NACC = BN / 2;  // accumulator registers per thread
     extern __shared__ uint8_t smem_raw[];
     const uint32_t raw = smem_u32(smem_raw);
     const uint32_t base = (raw + 1023u) & ~1023u;
-    const uint32_t bars = base + STAGES * STAGE_BYTES;
+    const uint32_t staging = base + STAGES * STAGE_BYTES;
+    const uint32_t bars = staging + C::STAGING;
     auto full = [&](int s) { return bars + 8u * s; };
     auto empty = [&](int s) { return bars + 8u * (STAGES + s); };
     auto tile_a = [&](int s) { return base + s * STAGE_BYTES; };
@@ -275,6 +336,9 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, Out *
     if (threadIdx.x == 0) {
         asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(ta)) : "memory");
         asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(tb)) : "memory");
+        if (flags.w & 2u) {
+            asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(td)) : "memory");
+        }
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full(s), 1);
             mbar_init(empty(s), 8);  // one arrive per consumer warp
@@ -337,7 +401,11 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, Out *
         const int warp = t128 / 32, lane = t128 % 32;
         const float sa_v = sa[flags.x], sb_v = sb == nullptr ? 1.0f : sb[flags.y];
         const int bias_kind = bias == nullptr ? 0 : int(flags.z);
-        const bool accumulate = flags.w != 0;
+        const bool accumulate = (flags.w & 1u) != 0;
+        const bool store_epilogue = (flags.w & 2u) != 0;
+        // This consumer's staging (64 x BN outputs) and the thread that issues its stores.
+        const uint32_t stage_out = staging + cw * (C::STAGING / 2);
+        const bool issuer = t128 == 0;
         int stage = 0;
         uint32_t phase = 0;
         for (int t = blockIdx.x; t < total; t += gridDim.x) {
@@ -369,13 +437,50 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, Out *
                     phase ^= 1u;
                 }
             }
-            // Epilogue: rows below the group's count, columns below n.
+            // (An empty reduction writes +0: alpha * 0 would be NaN for an infinite alpha.)
+            const float alpha_t = kr.hi > kr.lo ? alpha : 0.0f;
+            if (store_epilogue) {
+                // The staging is free once the previous tile's stores have read it.
+                if (issuer) bulk_wait_read();
+                named_sync(1 + cw, 128);
+                // Thread (warp, lane) holds rows warp * 16 + lane / 4 (+ 8) and column pairs
+                // 2 * (lane % 4) + 8 * i of the consumer's 64 x BN. In the box of its columns
+                // (COLS wide, 128-byte rows), a row's 16-byte chunk q sits at chunk q ^ (row % 8):
+                // a warp's 8 rows then hit distinct banks per chunk (a full-speed store).
+                constexpr int COLS = StoreBox<Out>::COLS;
+                const int rl = warp * 16 + lane / 4;
+#pragma unroll
+                for (int j = 0; j < NACC / 2; ++j) {
+                    const int r = rl + 8 * (j & 1), c = 2 * (lane % 4) + 8 * (j >> 1);
+                    const int gc = tl.nt * BN + c;
+                    // As the register epilogue rounds: alpha * acc + bias (+0 without one).
+                    float2 bv = make_float2(0.0f, 0.0f);
+                    if (gc < n) bv = make_float2(bias_at(bias, bias_kind, gc), bias_at(bias, bias_kind, gc + 1));
+                    const float a = alpha_t * acc[2 * j] + bv.x, b = alpha_t * acc[2 * j + 1] + bv.y;
+                    const int byte = (c % COLS) * int(sizeof(Out));
+                    const uint32_t at = stage_out + (c / COLS) * StoreBox<Out>::BYTES + r * 128 +
+                                        ((((byte >> 4) ^ (r & 7)) << 4) | (byte & 15));
+                    stage2<Out>(at, a, b);
+                }
+                fence_async_shared();
+                named_sync(1 + cw, 128);
+                if (issuer) {
+                    const int row = tl.mt * BM + cw * 64;
+                    const int g = MODE == PACKED ? 0 : tl.g;
+#pragma unroll
+                    for (int q = 0; q < BN / COLS; ++q) {
+                        const int col = tl.nt * BN + q * COLS;
+                        if (col < n) tma_store_3d(td, stage_out + q * StoreBox<Out>::BYTES, col, row, g);
+                    }
+                    bulk_commit();
+                }
+                continue;
+            }
+            // Register epilogue: rows below the group's count, columns below n.
             // Packed: row indices are absolute, the bound is the group's end.
             const int rows = MODE == PACKED    ? packed_offset(counts, tl.g + 1, m)
                              : MODE == WGRAD || counts == nullptr ? m
                                                  : min(max(__ldg(counts + tl.g), 0), m);
-            // (An empty reduction writes +0: alpha * 0 would be NaN for an infinite alpha.)
-            const float alpha_t = kr.hi > kr.lo ? alpha : 0.0f;
             const int row0 = tl.mt * BM + cw * 64 + warp * 16 + lane / 4;
             const int col0 = tl.nt * BN + 2 * (lane % 4);
             Out *dg = MODE == PACKED ? d : d + size_t(tl.g) * size_t(m) * size_t(n);
@@ -416,6 +521,8 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, Out *
                 }
             }
         }
+        // The staging must outlive the stores that read it, and D be written, before exit.
+        if (store_epilogue && issuer) bulk_wait();
     }
 #else
     __trap();
@@ -447,27 +554,29 @@ __device__ __forceinline__ void gemm_ref(const uint8_t *a, const uint8_t *b, flo
     extern "C" __global__ void __launch_bounds__(fp8k::sm90::THREADS, 1)                             \
         fp8_gemm_sm90_##AN##_##BN_##_##ON##_n##W(const __grid_constant__ fp8k::sm90::TmaDesc ta,       \
                                                  const __grid_constant__ fp8k::sm90::TmaDesc tb,       \
+                                                 const __grid_constant__ fp8k::sm90::TmaDesc td,       \
                                                  OT *d, const void *bias, const float *sa,             \
                                                  const float *sb, const int *counts, uint4 dims,       \
                                                  uint4 flags) {                                        \
-        fp8k::sm90::gemm<FA, FB, OT, W>(&ta, &tb, d, bias, sa, sb, counts, dims, flags);             \
+        fp8k::sm90::gemm<FA, FB, OT, W>(&ta, &tb, &td, d, bias, sa, sb, counts, dims, flags);             \
     }
 #define FP8K_GEMM_SM90_PACKED(AN, FA, BN_, FB, ON, OT, W)                                              \
     extern "C" __global__ void __launch_bounds__(fp8k::sm90::THREADS, 1)                             \
         fp8_gemm_sm90_packed_##AN##_##BN_##_##ON##_n##W(                                             \
             const __grid_constant__ fp8k::sm90::TmaDesc ta, const __grid_constant__ fp8k::sm90::TmaDesc tb, \
-            OT *d, const void *bias, const float *sa, const float *sb, const float *sbg,            \
+            const __grid_constant__ fp8k::sm90::TmaDesc td, OT *d, const void *bias, const float *sa, const float *sb, const float *sbg,            \
             const int *offsets, uint4 dims, uint4 flags) {                                           \
-        fp8k::sm90::gemm<FA, FB, OT, W, fp8k::sm90::PACKED>(&ta, &tb, d, bias, sa, sb, offsets, dims, \
+        fp8k::sm90::gemm<FA, FB, OT, W, fp8k::sm90::PACKED>(&ta, &tb, &td, d, bias, sa, sb, offsets, dims, \
                                                             flags, sbg);                         \
     }
 // The packed weight gradient: dims = (m, n, capacity, groups), no bias, per-tensor scales.
+// Every kernel's `td` is D's store tensor map (read with flags.w & 2 only; zeros otherwise).
 #define FP8K_GEMM_SM90_WGRAD(AN, FA, BN_, FB, ON, OT, W)                                               \
     extern "C" __global__ void __launch_bounds__(fp8k::sm90::THREADS, 1)                             \
         fp8_gemm_sm90_wgrad_##AN##_##BN_##_##ON##_n##W(                                              \
             const __grid_constant__ fp8k::sm90::TmaDesc ta, const __grid_constant__ fp8k::sm90::TmaDesc tb, \
-            OT *d, const float *sa, const float *sb, const int *offsets, uint4 dims, uint4 flags) {  \
-        fp8k::sm90::gemm<FA, FB, OT, W, fp8k::sm90::WGRAD>(&ta, &tb, d, nullptr, sa, sb, offsets, dims, \
+            const __grid_constant__ fp8k::sm90::TmaDesc td, OT *d, const float *sa, const float *sb, const int *offsets, uint4 dims, uint4 flags) {  \
+        fp8k::sm90::gemm<FA, FB, OT, W, fp8k::sm90::WGRAD>(&ta, &tb, &td, d, nullptr, sa, sb, offsets, dims, \
                                                            flags);                               \
     }
 #define FP8K_GEMM_SM90_OUTS(AN, FA, BN_, FB)                                                           \

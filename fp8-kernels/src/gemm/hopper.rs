@@ -9,8 +9,14 @@
 //! * A and B data 16-byte aligned (TMA), D 8-byte aligned;
 //! * m, N, K, groups and `groups * m` below 2^31.
 //!
-//! Tile 128 x BN x 128 with BN 128 or 192 (chosen per problem to fill the SMs); edge tiles read zeros past the tensor (TMA out-of-bounds fill) and
-//! store only rows below the group's count and columns below N.
+//! Tile 128 x BN x 128 with BN 128 or 192 (chosen per problem to fill the SMs); edge tiles
+//! read zeros past the tensor (TMA out-of-bounds fill) and store only rows below the group's
+//! count and columns below N.
+//!
+//! Epilogue: a problem that overwrites whole tiles of D (the packed layouts, or grouped blocks
+//! without row counts; not accumulating; D 16-byte aligned with rows a multiple of 16 bytes)
+//! goes through shared memory and TMA stores, overlapped with the next tile's main loop;
+//! the others store from registers.
 
 // Reached through the entry points in `gemm/`, written alongside this path.
 
@@ -33,12 +39,21 @@ const TILE: usize = 128;
 /// Threads per CTA (producer warpgroup + two consumer warpgroups).
 const THREADS: u32 = 384;
 
-/// Dynamic shared memory of the tile width `bn` (keep in step with `Cfg<BN>` in the kernel):
-/// the ring (6 stages for 128, 5 for 192) of A and B tiles, the barriers, 1 KiB alignment
-/// slack.
-fn smem_bytes(bn: usize) -> usize {
-    let stages = if bn == 128 { 6 } else { 5 };
-    stages * (TILE * TILE + bn * TILE) + 2 * stages * 8 + 1024
+/// The most dynamic shared memory a CTA may have on sm_90 (227 KiB).
+const SMEM_LIMIT: usize = 232_448;
+
+/// Rows of one TMA store box of the epilogue (a consumer warpgroup's half of the tile).
+const STORE_ROWS: usize = 64;
+
+/// Dynamic shared memory of tile width `bn` and output elements of `out_size` bytes (keep in
+/// step with `Cfg<BN, Out>` in the kernel): the ring of A and B tiles, as deep as fits (at most
+/// 6 stages) beside the epilogue's staging (two consumers' 64 x `bn` outputs), the barriers,
+/// 1 KiB alignment slack.
+fn smem_bytes(bn: usize, out_size: usize) -> usize {
+    let stage = TILE * TILE + bn * TILE;
+    let staging = 2 * STORE_ROWS * bn * out_size;
+    let stages = ((SMEM_LIMIT - 1024 - staging - 2 * 6 * 8) / stage).min(6);
+    stages * stage + staging + 2 * stages * 8 + 1024
 }
 
 /// The tile width (128 or 192) for a problem: waves of tiles over the SMs times the width (a
@@ -46,11 +61,15 @@ fn smem_bytes(bn: usize) -> usize {
 /// wgmma reads less shared memory per FLOP: 1234 against 1109 TFLOP/s at 8192^3, 1069
 /// against 1037 at 4096x7168x4096 on an H200; 128 wins where the wave count decides, e.g.
 /// 2048^3 and M <= 128).
+/// f32 outputs take 128: the 192-wide tile's staging leaves room for only 3 stages.
 fn choose_bn(p: &GemmProblem<'_>, sms: usize) -> usize {
-    choose_bn_for(p.groups, p.m, p.n, sms)
+    choose_bn_for(p.groups, p.m, p.n, p.d.elem_size(), sms)
 }
 
-fn choose_bn_for(groups: usize, m: usize, n: usize, sms: usize) -> usize {
+fn choose_bn_for(groups: usize, m: usize, n: usize, out_size: usize, sms: usize) -> usize {
+    if out_size == 4 {
+        return 128;
+    }
     let cost = |bn: usize| {
         let tiles = groups.max(1) * m.div_ceil(TILE) * n.div_ceil(bn);
         tiles.div_ceil(sms.max(1)) * bn
@@ -140,6 +159,76 @@ fn tensor_map(
     Ok(map.opaque)
 }
 
+/// The store epilogue's tensor map of D as `[groups, rows, n]` elements (box 64 rows x one
+/// 128-byte swizzle row of columns), or `None` when D does not allow one (not 16-byte aligned,
+/// rows not a multiple of 16 bytes, sizes past the map's limits): the kernel then stores from
+/// registers.
+fn store_map(d: &GemmOut<'_>, groups: usize, rows: usize, n: usize) -> Result<Option<[u64; 16]>> {
+    let es = d.elem_size();
+    let (ptr, dtype) = match d {
+        GemmOut::Bf16(b) => (
+            b.as_raw(),
+            CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        ),
+        GemmOut::F32(b) => (
+            b.as_raw(),
+            CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
+        ),
+    };
+    // Strides below 2^40 bytes, dimensions below 2^32 (the driver's limits).
+    let bytes = groups
+        .checked_mul(rows)
+        .and_then(|x| x.checked_mul(n))
+        .and_then(|x| x.checked_mul(es));
+    let fits = (n * es) % 16 == 0
+        && ptr % 16 == 0
+        && groups.max(rows).max(n) < 1 << 32
+        && bytes.is_some_and(|b| b < 1 << 40);
+    if !fits || groups == 0 || rows == 0 || n == 0 {
+        return Ok(None);
+    }
+    let drv = cuda_graph::sys::driver()?;
+    let encode = drv.cuTensorMapEncodeTiled()?;
+    let dims = [n as u64, rows as u64, groups as u64];
+    let strides = [(n * es) as u64, (rows * n * es) as u64];
+    let bx = [(128 / es) as u32, STORE_ROWS as u32, 1];
+    let el = [1u32, 1, 1];
+    let mut map = CUtensorMap { opaque: [0; 16] };
+    // SAFETY: every pointer is to a live local array of the length the rank (3) implies; the
+    // global address is D, which the entry points sized to hold groups * rows * n elements;
+    // the driver only writes `map`.
+    let rc = unsafe {
+        encode(
+            &mut map,
+            dtype,
+            3,
+            ptr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            bx.as_ptr(),
+            el.as_ptr(),
+            CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_NONE,
+            CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    if rc != CUresult::CUDA_SUCCESS {
+        return Err(Error::driver("cuTensorMapEncodeTiled", rc));
+    }
+    Ok(Some(map.opaque))
+}
+
+/// The epilogue flags (`flags.w` of the kernel): bit 0 accumulate, bit 1 the store epilogue
+/// (when `store` holds D's map and nothing is accumulated; the map then goes to the kernel,
+/// zeros otherwise).
+fn epilogue(accumulate: bool, store: Option<[u64; 16]>) -> (u32, [u64; 16]) {
+    match store {
+        Some(map) if !accumulate => (2, map),
+        _ => (u32::from(accumulate), [0; 16]),
+    }
+}
+
 /// The SM count, cached with the module (any kernel of it will do).
 fn sm_count(stream: &Stream) -> Result<u32> {
     Ok(kernel(stream.context(), "fp8_gemm_ref_e4m3_e4m3")?.1)
@@ -186,18 +275,19 @@ fn launch_with(stream: &Stream, p: &GemmProblem<'_>, bn: Option<usize>) -> Resul
     };
     let name = kernel_name("", p.a.format, p.b.format, p.d.name(), bn);
     let tiles = groups * p.m.div_ceil(TILE) * p.n.div_ceil(bn);
-    let (k, cfg) = prepare(stream, &name, bn, tiles, sms)?;
+    let (k, cfg) = prepare(stream, &name, bn, p.d.elem_size(), tiles, sms)?;
     let ta = tensor_map(p.a.data, groups, p.m, p.k, TILE)?;
     let tb = tensor_map(p.b.data, groups, p.n, p.k, bn)?;
+    // Row counts leave rows of a tile unwritten: the register epilogue.
+    let store = match p.counts {
+        None => store_map(&p.d, groups, p.m, p.n)?,
+        Some(_) => None,
+    };
+    let (epi, td) = epilogue(p.accumulate, store);
     let dims = [p.m as u32, p.n as u32, p.k as u32, groups as u32];
     let null = 0u64;
-    let (args, bias_kind) = push_head(KernelArgs::new(), [&ta, &tb], &p.d, &p.bias, &null);
-    let flags = [
-        idx(p.a.scale_inv)?,
-        idx(p.b.scale_inv)?,
-        bias_kind,
-        u32::from(p.accumulate),
-    ];
+    let (args, bias_kind) = push_head(KernelArgs::new(), [&ta, &tb, &td], &p.d, &p.bias, &null);
+    let flags = [idx(p.a.scale_inv)?, idx(p.b.scale_inv)?, bias_kind, epi];
     let args = args.arg(p.a.scale_inv.buffer()).arg(p.b.scale_inv.buffer());
     let args = match p.counts {
         Some(c) => args.arg(c),
@@ -208,8 +298,9 @@ fn launch_with(stream: &Stream, p: &GemmProblem<'_>, bn: Option<usize>) -> Resul
     // SAFETY: the tensor maps cover exactly A ([groups, m, K]) and B ([groups, N, K]), so
     // TMA reads stay inside them (zeros past the edges); the kernel writes D only at rows
     // below min(count, m) and columns below N of each group's [m, N] block, which the entry
-    // points' validation sized; bias has N elements; counts has `groups` int32s; each scalar
-    // index is inside its buffer (DeviceScalar checks it).
+    // points' validation sized (the store map, given only without counts, is D's
+    // [groups, m, N], and TMA stores skip what lies outside it); bias has N elements; counts
+    // has `groups` int32s; each scalar index is inside its buffer (DeviceScalar checks it).
     unsafe { stream.launch_pdl(&k, &cfg, &args) }
 }
 
@@ -217,8 +308,9 @@ fn launch_with(stream: &Stream, p: &GemmProblem<'_>, bn: Option<usize>) -> Resul
 /// kernel: the persistent TMA + wgmma kernel with the packed tile order (m-tiles up to
 /// `offsets[groups]`, each tile's group found by a binary search over the device offsets, B
 /// of that group, one scale_inv per group when given). Needs every offset a multiple of 128
-/// (a tile then belongs to one group, which the dropless layout guarantees; rows of a tile
-/// past its first row's group are otherwise left unwritten) and `N` even.
+/// (a tile then belongs to one group, which the dropless layout guarantees; otherwise a
+/// tile's rows past its first row's group are computed with that group, or left unwritten
+/// when accumulating) and `N` even.
 pub(crate) fn launch_packed(stream: &Stream, p: &PackedProblem<'_>) -> Result<()> {
     let (groups, capacity, n, k) = (p.shape.groups, p.shape.capacity, p.shape.n, p.shape.k);
     check_packed_device(stream, "packed GEMM", n)?;
@@ -230,25 +322,22 @@ pub(crate) fn launch_packed(stream: &Stream, p: &PackedProblem<'_>) -> Result<()
         )));
     }
     let sms = sm_count(stream)?;
-    let bn = choose_bn_for(1, capacity, n, sms as usize);
+    let es = p.d.elem_size();
+    let bn = choose_bn_for(1, capacity, n, es, sms as usize);
     let name = kernel_name("packed_", p.a.format, p.b.format, p.d.name(), bn);
     let tiles = capacity.div_ceil(TILE) * n.div_ceil(bn);
-    let (kern, cfg) = prepare(stream, &name, bn, tiles, sms)?;
+    let (kern, cfg) = prepare(stream, &name, bn, es, tiles, sms)?;
     let ta = tensor_map(p.a.data, 1, capacity, k, TILE)?;
     let tb = tensor_map(p.b.data, groups, n, k, bn)?;
+    let (epi, td) = epilogue(p.accumulate, store_map(&p.d, 1, capacity, n)?);
     let dims = [capacity as u32, n as u32, k as u32, groups as u32];
     let null = 0u64;
-    let (args, bias_kind) = push_head(KernelArgs::new(), [&ta, &tb], &p.d, &p.bias, &null);
+    let (args, bias_kind) = push_head(KernelArgs::new(), [&ta, &tb, &td], &p.d, &p.bias, &null);
     let (sb_idx, sb, sbg) = match p.b.scale_inv {
         GroupScales::Tensor(s) => (idx(s)?, Some(s.buffer()), None),
         GroupScales::PerGroup(buf) => (0, None, Some(buf)),
     };
-    let flags = [
-        idx(p.a.scale_inv)?,
-        sb_idx,
-        bias_kind,
-        u32::from(p.accumulate),
-    ];
+    let flags = [idx(p.a.scale_inv)?, sb_idx, bias_kind, epi];
     let args = args.arg(p.a.scale_inv.buffer());
     let args = match sb {
         Some(b) => args.arg(b),
@@ -263,8 +352,9 @@ pub(crate) fn launch_packed(stream: &Stream, p: &PackedProblem<'_>) -> Result<()
     .arg(&flags);
     // SAFETY: the tensor maps cover exactly A ([capacity, K]) and B ([groups, N, K]), so TMA
     // reads stay inside them (zeros past the edges); the kernel writes D ([capacity, N],
-    // validated) only at rows below the clamped offsets[g + 1] <= capacity and columns below
-    // N; the group index comes from a binary search over the groups + 1 offsets (validated
+    // validated) only at rows below the clamped offsets[groups] rounded up to a tile, capped
+    // at capacity (the store map is D's [capacity, N]; TMA stores skip what lies outside it),
+    // and columns below N; the group index comes from a binary search over the groups + 1 offsets (validated
     // length) and stays in 0..groups, which bounds B's group coordinate and the per-group
     // scales (groups values, validated); bias has N elements; scalar indices are inside their
     // buffers.
@@ -292,20 +382,17 @@ pub(crate) fn launch_wgrad(stream: &Stream, p: &WgradProblem<'_>) -> Result<()> 
         )));
     }
     let sms = sm_count(stream)?;
-    let bn = choose_bn_for(groups, m, n, sms as usize);
+    let es = p.d.elem_size();
+    let bn = choose_bn_for(groups, m, n, es, sms as usize);
     let name = kernel_name("wgrad_", p.a.format, p.b.format, p.d.name(), bn);
     let tiles = groups * m.div_ceil(TILE) * n.div_ceil(bn);
-    let (kern, cfg) = prepare(stream, &name, bn, tiles, sms)?;
+    let (kern, cfg) = prepare(stream, &name, bn, es, tiles, sms)?;
     let ta = tensor_map(p.a.data, 1, m, capacity, TILE)?;
     let tb = tensor_map(p.b.data, 1, n, capacity, bn)?;
+    let (epi, td) = epilogue(p.accumulate, store_map(&p.d, groups, m, n)?);
     let dims = [m as u32, n as u32, capacity as u32, groups as u32];
-    let flags = [
-        idx(p.a.scale_inv)?,
-        idx(p.b.scale_inv)?,
-        0,
-        u32::from(p.accumulate),
-    ];
-    let args = KernelArgs::new().arg(&ta).arg(&tb);
+    let flags = [idx(p.a.scale_inv)?, idx(p.b.scale_inv)?, 0, epi];
+    let args = KernelArgs::new().arg(&ta).arg(&tb).arg(&td);
     let args = match &p.d {
         GemmOut::Bf16(b) => args.arg(*b),
         GemmOut::F32(b) => args.arg(*b),
@@ -317,23 +404,26 @@ pub(crate) fn launch_wgrad(stream: &Stream, p: &WgradProblem<'_>) -> Result<()> 
     .arg(&flags);
     // SAFETY: the tensor maps cover exactly A ([m, capacity]) and B ([n, capacity]), so TMA
     // reads stay inside them (zeros past the edges); the kernel writes D ([groups, m, N],
-    // validated) only at rows below m and columns below N of group g's block, g < groups;
+    // validated, and the store map's extent) only at rows below m and columns below N of
+    // group g's block, g < groups;
     // offsets has groups + 1 int32s (validated), clamped to [0, capacity] before use; scalar
     // indices are inside their buffers.
     unsafe { stream.launch_pdl(&kern, &cfg, &args) }
 }
 
-/// The kernel `name` with its dynamic shared memory for tile width `bn` allowed, and the
+/// The kernel `name` with its dynamic shared memory for tile width `bn` and `out_size`-byte
+/// outputs allowed, and the
 /// persistent launch for `tiles` tiles: one CTA per SM at most.
 fn prepare(
     stream: &Stream,
     name: &str,
     bn: usize,
+    out_size: usize,
     tiles: usize,
     sms: u32,
 ) -> Result<(cuda_graph::Kernel, LaunchConfig)> {
     let (k, _) = kernel(stream.context(), name)?;
-    let smem = smem_bytes(bn);
+    let smem = smem_bytes(bn, out_size);
     k.set_max_dynamic_shared_memory(smem)?;
     let grid = (tiles.min(sms as usize)).max(1) as u32;
     let cfg = LaunchConfig {
@@ -343,16 +433,17 @@ fn prepare(
     Ok((k, cfg))
 }
 
-/// Pushes the kernels' first parameters: the two tensor maps, D and the bias (`null`, which
-/// holds 0, when absent); returns the args and the bias kind flag (0 none, 1 bf16, 2 f32).
+/// Pushes the kernels' first parameters: the tensor maps of A, B and D's store, D and the
+/// bias (`null`, which holds 0, when absent); returns the args and the bias kind flag (0
+/// none, 1 bf16, 2 f32).
 fn push_head<'a>(
     args: KernelArgs<'a>,
-    maps: [&'a [u64; 16]; 2],
+    maps: [&'a [u64; 16]; 3],
     d: &'a GemmOut<'a>,
     bias: &'a Option<Bias<'a>>,
     null: &'a u64,
 ) -> (KernelArgs<'a>, u32) {
-    let args = args.arg(maps[0]).arg(maps[1]);
+    let args = args.arg(maps[0]).arg(maps[1]).arg(maps[2]);
     let args = match d {
         GemmOut::Bf16(b) => args.arg(*b),
         GemmOut::F32(b) => args.arg(*b),
@@ -397,10 +488,17 @@ mod cpu_tests {
             (1, 64, 4096, 128),
             (8, 512, 4096, 128),
         ] {
-            assert_eq!(choose_bn_for(g, m, n, 132), bn, "{g} x {m} x {n}");
+            assert_eq!(choose_bn_for(g, m, n, 2, 132), bn, "{g} x {m} x {n}");
+            assert_eq!(choose_bn_for(g, m, n, 4, 132), 128, "f32 {g} x {m} x {n}");
         }
-        assert_eq!(smem_bytes(128), 6 * 32768 + 96 + 1024);
-        assert_eq!(smem_bytes(192), 5 * 40960 + 80 + 1024);
+        // Ring stages beside the staging (2 x 64 x bn outputs), as the kernel's Cfg computes.
+        assert_eq!(smem_bytes(128, 2), 6 * 32768 + 32768 + 96 + 1024);
+        assert_eq!(smem_bytes(128, 4), 5 * 32768 + 65536 + 80 + 1024);
+        assert_eq!(smem_bytes(192, 2), 4 * 40960 + 49152 + 64 + 1024);
+        assert_eq!(smem_bytes(192, 4), 3 * 40960 + 98304 + 48 + 1024);
+        for (bn, es) in [(128, 2), (128, 4), (192, 2), (192, 4)] {
+            assert!(smem_bytes(bn, es) <= SMEM_LIMIT);
+        }
     }
 
     use proptest::prelude::*;
@@ -425,7 +523,7 @@ mod cpu_tests {
         ) {
             let d = (groups as u128) * (m as u128) * (n as u128);
             if d <= usize::MAX as u128 {
-                let bn = choose_bn_for(groups, m, n, sms);
+                let bn = choose_bn_for(groups, m, n, 2, sms);
                 prop_assert!(bn == 128 || bn == 192, "{}", bn);
             }
         }
@@ -813,6 +911,57 @@ mod tests {
         let mut c = Case::plain(70, 64, 128);
         c.accumulate = true;
         run_case(&s, &c, seed);
+    }
+
+    /// The store epilogue (no counts: shared memory + TMA stores) and the register epilogue
+    /// (counts of every row: the same problem, stored from registers) write the same bits,
+    /// for both outputs, both widths, a bias, and edges of rows (m not a multiple of 64) and
+    /// columns (N not a multiple of the store box) that the TMA store clips.
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn store_and_register_epilogues_agree_bit_for_bit() {
+        let (_ctx, s) = setup();
+        let mut seed = 300;
+        for (m, n, k, groups) in [(200, 136, 256, 3), (77, 8, 128, 1), (300, 328, 384, 2)] {
+            for f32_out in [false, true] {
+                for bn in [128, 192] {
+                    let mut c = Case::plain(m, n, k);
+                    c.groups = groups;
+                    c.f32_out = f32_out;
+                    c.bias = BiasKind::F32;
+                    let h = host_data(&c, seed);
+                    seed += 1;
+                    let mut dv = upload(&s, &c, &h);
+                    let mut run = |counts: Option<Vec<i32>>| {
+                        c.counts = counts;
+                        if let Some(cs) = &c.counts {
+                            dv.counts.copy_from_host(&s, cs).unwrap();
+                        }
+                        reset_d(&s, &c, &h, &mut dv);
+                        launch_with(&s, &problem(&c, &dv), Some(bn)).unwrap();
+                        s.synchronize().unwrap();
+                        let bits: Vec<u32> = if f32_out {
+                            dv.d32
+                                .to_vec(&s)
+                                .unwrap()
+                                .iter()
+                                .map(|x| x.to_bits())
+                                .collect()
+                        } else {
+                            let v = dv.d16.to_vec(&s).unwrap();
+                            v.iter().map(|x| u32::from(x.to_bits())).collect()
+                        };
+                        let err = verify(&s, &c, &h, &dv, c.counts.as_deref());
+                        assert!(err < bound(&c), "{m}x{n}x{k}: relative error {err:.3e}");
+                        bits
+                    };
+                    let stored = run(None);
+                    let registers = run(Some(vec![m as i32; groups]));
+                    let what = format!("{m}x{n}x{k} g{groups} f32_out={f32_out} bn={bn}");
+                    assert!(stored == registers, "{what}: the epilogues differ");
+                }
+            }
+        }
     }
 
     #[test]

@@ -220,6 +220,13 @@ impl GemmOut<'_> {
             GemmOut::F32(_) => "f32",
         }
     }
+    /// Bytes per element: 2 or 4.
+    pub(crate) fn elem_size(&self) -> usize {
+        match self {
+            GemmOut::Bf16(_) => 2,
+            GemmOut::F32(_) => 4,
+        }
+    }
 }
 
 impl Bias<'_> {

@@ -13,8 +13,9 @@
 //! TMA + wgmma kernel, on explicit [`GemmPath::Hopper`] (the MoE layer's choice on Hopper,
 //! where it builds the offsets): it needs offsets that are multiples of [`ALIGN_ROWS`]. It
 //! clamps them to `[0, capacity]` and stays inside its buffers whatever they hold, but does
-//! not follow the rules below for other values: the forward leaves the rows of a tile past
-//! its first row's group unwritten, the weight gradient sums whole 128-column blocks.
+//! not follow the rules below for other values: the forward computes a whole 128-row tile
+//! with its first row's group (rows past that group are then written with it, or left
+//! unwritten when accumulating), the weight gradient sums whole 128-column blocks.
 //!
 //! # How the kernels read the offsets
 //! Entry `i` is taken as `eff(i) = clamp(offsets[i], 0, capacity)` rounded down to a multiple
