@@ -181,6 +181,7 @@ __device__ __forceinline__ void tma_store_3d(const TmaDesc *map, uint32_t src, i
                  "r"(src), "r"(c0), "r"(c1), "r"(c2)
                  : "memory");
 }
+
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 // Until the thread's bulk groups have read their shared sources (the staging is free again).
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
@@ -297,9 +298,14 @@ enum Mode : int {
     WGRAD = 2,
 };
 
-// The tiles of the weight gradient: every (g, mt, nt), group-major, in bands like tile_at.
-__device__ __forceinline__ Tile wgrad_tile_at(int t, int groups, int m, int ntiles) {
-    return tile_at(t, nullptr, groups, m, ntiles);
+// The tiles of the weight gradient: every (g, mt, nt), group-major, then row-major (n
+// fastest): a wave of CTAs writes whole rows of D, one contiguous stretch of memory (3% faster
+// than the bands of tile_at, which favour reuse of A and B in L2: the weight gradient's
+// operands are small, its f32 output large).
+__device__ __forceinline__ Tile wgrad_tile_at(int t, int m, int ntiles) {
+    const int per = ((m + BM - 1) / BM) * ntiles;
+    const int g = t / per, rem = t - g * per;
+    return Tile{g, rem / ntiles, rem % ntiles};
 }
 
 // dims = (m, n, k, groups); flags = (sa index, sb index, bias kind 0/1 bf16/2 f32, epilogue):
@@ -354,7 +360,7 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                                       : total_tiles(counts, groups, m, ntiles);
     auto tile = [&](int t) {
         return MODE == PACKED  ? packed_tile_at(t, counts, groups, m, ntiles)
-               : MODE == WGRAD ? wgrad_tile_at(t, groups, m, ntiles)
+               : MODE == WGRAD ? wgrad_tile_at(t, m, ntiles)
                                : tile_at(t, counts, groups, m, ntiles);
     };
     // The k-blocks of a tile: all of K, or (WGRAD) the group's reduction range, offsets

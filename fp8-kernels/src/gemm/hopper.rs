@@ -964,6 +964,75 @@ mod tests {
         }
     }
 
+    /// The grouped weight gradient's f32 output rate (the MoE layer's fc1 shape, 8 experts of
+    /// 128 and of 1024 rows, overwritten) against a memset of the same bytes, in one run.
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn wgrad_write_probe() {
+        use super::super::packed::WgradShape;
+        let (ctx, s) = setup();
+        let (groups, m, n) = (8usize, 4096usize, 2048usize);
+        let d = DeviceBuffer::<f32>::alloc(&ctx, groups * m * n).unwrap();
+        let time = |f: &mut dyn FnMut()| {
+            for _ in 0..3 {
+                f();
+            }
+            let (t0, t1) = (Event::new(&ctx).unwrap(), Event::new(&ctx).unwrap());
+            t0.record(&s).unwrap();
+            for _ in 0..10 {
+                f();
+            }
+            t1.record(&s).unwrap();
+            t1.synchronize().unwrap();
+            f64::from(Event::elapsed_ms(&t0, &t1).unwrap()) / 10.0
+        };
+        let bytes = (groups * m * n * 4) as f64;
+        let ms = time(&mut || d.memset_bytes(&s, 0).unwrap());
+        println!(
+            "memset {} MB: {ms:.3} ms, {:.2} TB/s",
+            bytes / 1e6,
+            bytes / ms / 1e9
+        );
+        for per in [128usize, 1024] {
+            let capacity = groups * per;
+            let a =
+                DeviceBuffer::from_host(&s, &Rng(5).fp8(m * capacity, Fp8Format::E5M2)).unwrap();
+            let b =
+                DeviceBuffer::from_host(&s, &Rng(6).fp8(n * capacity, Fp8Format::E4M3)).unwrap();
+            let offs: Vec<i32> = (0..=groups).map(|g| (g * per) as i32).collect();
+            let offsets = DeviceBuffer::from_host(&s, &offs).unwrap();
+            let one = DeviceScalar::new(&s, 1.0).unwrap();
+            let p = WgradProblem {
+                shape: WgradShape {
+                    groups,
+                    capacity,
+                    m,
+                    n,
+                },
+                a: Operand {
+                    data: &a,
+                    format: Fp8Format::E5M2,
+                    scale_inv: &one,
+                },
+                b: Operand {
+                    data: &b,
+                    format: Fp8Format::E4M3,
+                    scale_inv: &one,
+                },
+                d: GemmOut::F32(&d),
+                offsets: &offsets,
+                accumulate: false,
+            };
+            let ms = time(&mut || launch_wgrad(&s, &p).unwrap());
+            let tf = 2.0 * (groups * per * m * n) as f64 / (ms * 1e-3) / 1e12;
+            println!(
+                "wgrad {groups} x {m} x {n}, K {per} per group: {ms:.3} ms, {:.2} TB/s written, \
+                 {tf:.0} TFLOP/s",
+                bytes / ms / 1e9
+            );
+        }
+    }
+
     #[test]
     #[ignore = "needs a CUDA device"]
     fn rejects_what_it_cannot_do() {
