@@ -278,7 +278,9 @@ __device__ __forceinline__ void cast_transpose_src(const Src &src, uint8_t *__re
                                                    float *scale_inv, float *amax, const float *noop) {
     using T = CtTile<Src::V, Src::OUT>;
     __shared__ unsigned sm[2][T::WORDS];
-    // The flag, the rows in use and the scale are independent loads: one round trip.
+    // The flag and the rows in use are independent loads (one round trip); the scale is needed
+    // only at the first conversion, so its load may follow the noop check, beside the first
+    // tile's loads.
     const bool skip = is_noop(noop);
     const TileWalk<T> tw(rows, rows_in_use(used, rows), cols);
     const float s = CURRENT ? current_scale(*amax, FormatMax<F>::value) : *scale;

@@ -1030,3 +1030,111 @@ fn bandwidth_probe_cast_transpose_bf16() {
         "timed blockwise output"
     );
 }
+
+/// Not a target check: prints the time of a MoE layer's expert-weight casts (8 experts, W1
+/// [4096, 2048] and W2 [2048, 2048] bf16 -> E4M3, 384 MB moved) as two batched launches,
+/// beside the same casts as 16 plain launches and a device copy moving the same bytes, and
+/// checks the timed results.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn bandwidth_probe_batched_expert_weights() {
+    use cuda_graph::Event;
+    use cuda_graph::half::bf16;
+    let (ctx, stream) = setup();
+    let experts = 8usize;
+    let shapes = [(4096usize, 2048usize), (2048, 2048)];
+    struct Weight {
+        rows: usize,
+        cols: usize,
+        w: DeviceBuffer<bf16>,
+        y: DeviceBuffer<u8>,
+        yt: DeviceBuffer<u8>,
+        scalars: BatchScalars,
+        parts: Vec<(Fp8Tensor, DeviceBuffer<u8>)>,
+    }
+    let weights: Vec<Weight> = shapes
+        .iter()
+        .map(|&(rows, cols)| {
+            let n = experts * rows * cols;
+            let w = DeviceBuffer::<bf16>::alloc(&ctx, n).unwrap();
+            w.memset_bytes(&stream, 0x3f).unwrap(); // every element bf16 0x3f3f
+            let parts = (0..experts)
+                .map(|_| {
+                    let t = Fp8Tensor::new(&stream, &[rows, cols], Fp8Format::E4M3).unwrap();
+                    (t, DeviceBuffer::<u8>::alloc(&ctx, rows * cols).unwrap())
+                })
+                .collect();
+            Weight {
+                rows,
+                cols,
+                w,
+                y: DeviceBuffer::alloc(&ctx, n).unwrap(),
+                yt: DeviceBuffer::alloc(&ctx, n).unwrap(),
+                scalars: BatchScalars::new(&stream, &vec![1.0; experts], &vec![0.0; experts]),
+                parts,
+            }
+        })
+        .collect();
+    let bytes: usize = shapes.iter().map(|&(r, c)| 4 * experts * r * c).sum();
+    let copy_src = DeviceBuffer::<u8>::alloc(&ctx, bytes / 2).unwrap();
+    let copy_dst = DeviceBuffer::<u8>::alloc(&ctx, bytes / 2).unwrap();
+    let (start, end) = (Event::new(&ctx).unwrap(), Event::new(&ctx).unwrap());
+    let iters = 20;
+    let time = |f: &mut dyn FnMut()| {
+        f();
+        start.record(&stream).unwrap();
+        for _ in 0..iters {
+            f();
+        }
+        end.record(&stream).unwrap();
+        end.synchronize().unwrap();
+        Event::elapsed_ms(&start, &end).unwrap() * 1e3 / iters as f32
+    };
+    let batched_us = time(&mut || {
+        for w in &weights {
+            let out = w.scalars.out(&w.y, &w.yt, Fp8Format::E4M3);
+            let dims = (experts, w.rows, w.cols);
+            fp8_kernels::cast_transpose_batched(&stream, &w.w, dims, &out, None).unwrap();
+        }
+    });
+    let plain_us = time(&mut || {
+        for w in &weights {
+            let n = w.rows * w.cols;
+            for (x, (t, tt)) in w.parts.iter().enumerate() {
+                let part = w.w.slice(x * n..(x + 1) * n).unwrap();
+                fp8_kernels::cast_transpose(&stream, &part, w.rows, w.cols, t, tt, None).unwrap();
+            }
+        }
+    });
+    let copy_us = time(&mut || copy_dst.copy_from_device(&stream, &copy_src).unwrap());
+    let tbs = |us: f32| bytes as f64 / (f64::from(us) * 1e6);
+    eprintln!(
+        "expert weights, 8 x ([4096, 2048] + [2048, 2048]) bf16 -> e4m3, {} MB: batched (2 \
+         launches) {batched_us:.1} us, {:.2} TB/s; plain (16 launches) {plain_us:.1} us, {:.2} \
+         TB/s; device copy of as many bytes {copy_us:.1} us, {:.2} TB/s",
+        bytes / 1_000_000,
+        tbs(batched_us),
+        tbs(plain_us),
+        tbs(copy_us)
+    );
+    let v = r::widen(0x3f3f, DType::Bf16);
+    let want = r::quantize(v, 1.0, Fp8Format::E4M3);
+    for w in &weights {
+        assert!(
+            w.y.to_vec(&stream).unwrap().iter().all(|&b| b == want),
+            "timed row-major"
+        );
+        assert!(
+            w.yt.to_vec(&stream).unwrap().iter().all(|&b| b == want),
+            "timed transposed"
+        );
+        let out = w.scalars.out(&w.y, &w.yt, Fp8Format::E4M3);
+        for g in 0..experts {
+            assert_eq!(
+                out.amax.get(g).unwrap().read(&stream).unwrap(),
+                v,
+                "amax {g}"
+            );
+        }
+    }
+}
