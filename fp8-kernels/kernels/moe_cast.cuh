@@ -18,15 +18,27 @@
 //   d gate = dh * up * silu'(gate) (columns 0..F) and d up = dh * silu(gate) (columns F..2F),
 //   silu'(v) = sigmoid(v) * (1 + v * (1 - sigmoid(v))).
 // All math in f32 (expf), one rounding at the FP8 cast.
+//
+// The backward's source gives both halves of one column from the same three loads (OUT = 2:
+// d gate at output column c, d up at F + c), so each input byte is read, and each sigmoid
+// computed, once (tiles over the 2F output columns would do both twice).
 #pragma once
 #include "cast_transpose.cuh"
 
 namespace fp8k {
 
+// Resident CTAs per SM of the persistent grids (launchers' constants; keep in step), chosen
+// so the registers fit without spilling: the SwiGLU's 2 loads per vector (128 bytes a thread
+// in flight) take up to 80 registers, 3 CTAs per SM; the backward's 3 loads (192 bytes) and
+// 16 outputs per row up to 128, 2 CTAs per SM. Both keep 96 KB per SM in flight.
+constexpr unsigned SWIGLU_CTAS_PER_SM = 3;
+constexpr unsigned SWIGLU_BWD_CTAS_PER_SM = 2;
+
 __device__ __forceinline__ float sigmoid_f32(float v) { return 1.0f / (1.0f + expf(-v)); }
 
 template <typename In> struct GatherSource {
     static constexpr int V = 16 / sizeof(In);
+    static constexpr int OUT = 1;
     struct Raw {
         uint4 v;
         float g;
@@ -52,16 +64,20 @@ template <typename In> struct GatherSource {
 #pragma unroll
         for (int i = 0; i < V; ++i) f[i] *= raw.g;
     }
-    __device__ __forceinline__ float at(unsigned long long r, unsigned long long c) const {
+    __device__ __forceinline__ void at(unsigned long long r, unsigned long long c, float *f) const {
         const long long a = assignment(r);
-        if (a < 0) return 0.0f;
+        if (a < 0) {
+            f[0] = 0.0f;
+            return;
+        }
         const unsigned long long t = (unsigned long long)a / k;
-        return to_f32(x[t * cols + c]) * (row_scale ? row_scale[a] : 1.0f);
+        f[0] = to_f32(x[t * cols + c]) * (row_scale ? row_scale[a] : 1.0f);
     }
 };
 
 struct SwigluSource {
     static constexpr int V = 8;
+    static constexpr int OUT = 1;
     struct Raw {
         uint4 gate, up;
     };
@@ -80,33 +96,31 @@ struct SwigluSource {
 #pragma unroll
         for (int i = 0; i < V; ++i) f[i] = swiglu(g[i], u[i]);
     }
-    __device__ __forceinline__ float at(unsigned long long r, unsigned long long c) const {
+    __device__ __forceinline__ void at(unsigned long long r, unsigned long long c, float *f) const {
         const __nv_bfloat16 *row = a + r * 2 * ffn;
-        return swiglu(to_f32(row[c]), to_f32(row[ffn + c]));
+        f[0] = swiglu(to_f32(row[c]), to_f32(row[ffn + c]));
     }
 };
 
 struct SwigluBackwardSource {
     static constexpr int V = 8;
+    static constexpr int OUT = 2; // f[0 .. V): d gate, f[V .. 2V): d up
     struct Raw {
         uint4 gate, up, dh;
-        bool upper;
     };
     const __nv_bfloat16 *a;  // [rows, 2 * ffn]
     const __nv_bfloat16 *dh; // [rows, ffn]
     unsigned long long ffn;
-    // Output column c of 2 * ffn: d gate (c < ffn) or d up (c >= ffn) of column c mod ffn.
+    // d gate (upper = false) or d up (upper = true) of one column.
     __device__ __forceinline__ static float grad(float g, float u, float d, bool upper) {
         const float s = sigmoid_f32(g);
         return upper ? d * (g * s) : d * u * (s * (1.0f + g * (1.0f - s)));
     }
     __device__ __forceinline__ Raw load(unsigned long long r, unsigned long long c) const {
-        const bool upper = c >= ffn;
-        const unsigned long long cc = upper ? c - ffn : c;
         const __nv_bfloat16 *row = a + r * 2 * ffn;
-        return Raw{__ldg(reinterpret_cast<const uint4 *>(row + cc)),
-                   __ldg(reinterpret_cast<const uint4 *>(row + ffn + cc)),
-                   __ldg(reinterpret_cast<const uint4 *>(dh + r * ffn + cc)), upper};
+        return Raw{__ldg(reinterpret_cast<const uint4 *>(row + c)),
+                   __ldg(reinterpret_cast<const uint4 *>(row + ffn + c)),
+                   __ldg(reinterpret_cast<const uint4 *>(dh + r * ffn + c))};
     }
     __device__ __forceinline__ void unpack(const Raw &raw, float *f) const {
         float g[V], u[V], d[V];
@@ -114,28 +128,27 @@ struct SwigluBackwardSource {
         unpack16<__nv_bfloat16>(raw.up, u);
         unpack16<__nv_bfloat16>(raw.dh, d);
 #pragma unroll
-        for (int i = 0; i < V; ++i) f[i] = grad(g[i], u[i], d[i], raw.upper);
+        for (int i = 0; i < V; ++i) {
+            f[i] = grad(g[i], u[i], d[i], false);
+            f[V + i] = grad(g[i], u[i], d[i], true);
+        }
     }
-    __device__ __forceinline__ float at(unsigned long long r, unsigned long long c) const {
-        const bool upper = c >= ffn;
-        const unsigned long long cc = upper ? c - ffn : c;
+    __device__ __forceinline__ void at(unsigned long long r, unsigned long long c, float *f) const {
         const __nv_bfloat16 *row = a + r * 2 * ffn;
-        return grad(to_f32(row[cc]), to_f32(row[ffn + cc]), to_f32(dh[r * ffn + cc]), upper);
+        const float g = to_f32(row[c]), u = to_f32(row[ffn + c]), d = to_f32(dh[r * ffn + c]);
+        f[0] = grad(g, u, d, false);
+        f[1] = grad(g, u, d, true);
     }
 };
-
-// The rows in use: *used (an int on the device, clamped at 0).
-__device__ __forceinline__ unsigned long long rows_in_use(const int *used) {
-    const int u = *used;
-    return u < 0 ? 0ull : (unsigned long long)u;
-}
 
 } // namespace fp8k
 
 // Slots: idx = (scale, scale_inv, amax, noop) indices into their buffers; `used` is
 // used_buf[used_idx]. Each cast has a delayed-scaling entry (suffix-less: the scale from
 // *scale, amax maxed) and a current-scaling one (_current: the scale from *amax, which the
-// format-independent _amax entry filled after the amax was zeroed).
+// format-independent _amax entry filled after the amax was zeroed). COLS is the source's
+// columns (the output has Src::OUT times as many); CTAS the resident CTAs per SM the
+// launcher sizes the grid for.
 #define FP8K_MOE_SRC_GATHER(IN_T)                                                                  \
     const fp8k::GatherSource<IN_T> src{x, cols, token_of_row, assignments, k, row_scale}
 #define FP8K_MOE_SRC_SWIGLU const fp8k::SwigluSource src{a, ffn}
@@ -147,59 +160,58 @@ __device__ __forceinline__ unsigned long long rows_in_use(const int *used) {
 #define FP8K_MOE_SWIGLU_PARAMS const __nv_bfloat16 *a
 #define FP8K_MOE_SWIGLU_BWD_PARAMS const __nv_bfloat16 *a, const __nv_bfloat16 *dh
 
-// One family: NAME, its source parameters and construction, and its output columns.
-#define FP8K_MOE_CAST(NAME, PARAMS, SRC, COLS_PARAM, COLS, FMT_NAME, FMT)                          \
-    extern "C" __global__ void __launch_bounds__(fp8k::CT_THREADS) NAME##_##FMT_NAME(              \
-        PARAMS, uint8_t *y, uint8_t *yt, unsigned long long rows, unsigned long long COLS_PARAM,   \
+// One family: NAME, its source parameters and construction, and its columns.
+#define FP8K_MOE_CAST(NAME, PARAMS, SRC, COLS, CTAS, FMT_NAME, FMT)                                \
+    extern "C" __global__ void __launch_bounds__(fp8k::CT_THREADS, CTAS) NAME##_##FMT_NAME(        \
+        PARAMS, uint8_t *y, uint8_t *yt, unsigned long long rows, unsigned long long COLS,         \
         const int *used_buf, unsigned used_idx, float *scale, float *scale_inv, float *amax,       \
         const float *noop, uint4 idx) {                                                            \
         cuda_graph::pdl_enter();                                                                   \
         SRC;                                                                                       \
         fp8k::cast_transpose_src<decltype(src), FMT, false>(                                       \
-            src, y, yt, rows, fp8k::rows_in_use(used_buf + used_idx), COLS,                        \
-            fp8k::slot(scale, idx.x), fp8k::slot(scale_inv, idx.y), fp8k::slot(amax, idx.z),       \
-            fp8k::slot(noop, idx.w));                                                              \
+            src, y, yt, rows, used_buf + used_idx, COLS, fp8k::slot(scale, idx.x),                 \
+            fp8k::slot(scale_inv, idx.y), fp8k::slot(amax, idx.z), fp8k::slot(noop, idx.w));       \
     }                                                                                              \
-    extern "C" __global__ void __launch_bounds__(fp8k::CT_THREADS) NAME##_current_##FMT_NAME(      \
-        PARAMS, uint8_t *y, uint8_t *yt, unsigned long long rows, unsigned long long COLS_PARAM,   \
+    extern "C" __global__ void __launch_bounds__(fp8k::CT_THREADS, CTAS) NAME##_current_##FMT_NAME( \
+        PARAMS, uint8_t *y, uint8_t *yt, unsigned long long rows, unsigned long long COLS,         \
         const int *used_buf, unsigned used_idx, float *scale, float *scale_inv, float *amax,       \
         const float *noop, uint4 idx) {                                                            \
         cuda_graph::pdl_enter();                                                                   \
         SRC;                                                                                       \
         fp8k::cast_transpose_src<decltype(src), FMT, true>(                                        \
-            src, y, yt, rows, fp8k::rows_in_use(used_buf + used_idx), COLS,                        \
-            fp8k::slot(scale, idx.x), fp8k::slot(scale_inv, idx.y), fp8k::slot(amax, idx.z),       \
-            fp8k::slot(noop, idx.w));                                                              \
+            src, y, yt, rows, used_buf + used_idx, COLS, fp8k::slot(scale, idx.x),                 \
+            fp8k::slot(scale_inv, idx.y), fp8k::slot(amax, idx.z), fp8k::slot(noop, idx.w));       \
     }
 
-#define FP8K_MOE_AMAX(NAME, PARAMS, SRC, COLS_PARAM, COLS)                                         \
-    extern "C" __global__ void __launch_bounds__(fp8k::CT_THREADS) NAME##_amax(                    \
-        PARAMS, unsigned long long rows, unsigned long long COLS_PARAM, const int *used_buf,       \
+#define FP8K_MOE_AMAX(NAME, PARAMS, SRC, COLS, CTAS)                                               \
+    extern "C" __global__ void __launch_bounds__(fp8k::CT_THREADS, CTAS) NAME##_amax(              \
+        PARAMS, unsigned long long rows, unsigned long long COLS, const int *used_buf,             \
         unsigned used_idx, float *amax, const float *noop, uint2 idx) {                            \
         cuda_graph::pdl_enter();                                                                   \
         SRC;                                                                                       \
-        fp8k::amax_src(src, rows, fp8k::rows_in_use(used_buf + used_idx), COLS,                    \
-                       fp8k::slot(amax, idx.x), fp8k::slot(noop, idx.y));                          \
+        fp8k::amax_src(src, rows, used_buf + used_idx, COLS, fp8k::slot(amax, idx.x),              \
+                       fp8k::slot(noop, idx.y));                                                   \
     }
 
 #define FP8K_MOE_GATHER_ALL(IN_NAME, IN_T)                                                         \
     FP8K_MOE_CAST(fp8_moe_gather_cast_transpose_##IN_NAME, FP8K_MOE_GATHER_PARAMS(IN_T),            \
-                  FP8K_MOE_SRC_GATHER(IN_T), cols, cols, e4m3, __NV_E4M3)                          \
+                  FP8K_MOE_SRC_GATHER(IN_T), cols, fp8k::CT_CTAS_PER_SM, e4m3, __NV_E4M3)          \
     FP8K_MOE_CAST(fp8_moe_gather_cast_transpose_##IN_NAME, FP8K_MOE_GATHER_PARAMS(IN_T),            \
-                  FP8K_MOE_SRC_GATHER(IN_T), cols, cols, e5m2, __NV_E5M2)                          \
+                  FP8K_MOE_SRC_GATHER(IN_T), cols, fp8k::CT_CTAS_PER_SM, e5m2, __NV_E5M2)          \
     FP8K_MOE_AMAX(fp8_moe_gather_cast_transpose_##IN_NAME, FP8K_MOE_GATHER_PARAMS(IN_T),            \
-                  FP8K_MOE_SRC_GATHER(IN_T), cols, cols)
+                  FP8K_MOE_SRC_GATHER(IN_T), cols, fp8k::CT_CTAS_PER_SM)
 
 FP8K_MOE_GATHER_ALL(bf16, __nv_bfloat16)
 FP8K_MOE_GATHER_ALL(f32, float)
-FP8K_MOE_CAST(fp8_swiglu_cast_transpose_bf16, FP8K_MOE_SWIGLU_PARAMS, FP8K_MOE_SRC_SWIGLU, ffn, ffn,
-              e4m3, __NV_E4M3)
-FP8K_MOE_CAST(fp8_swiglu_cast_transpose_bf16, FP8K_MOE_SWIGLU_PARAMS, FP8K_MOE_SRC_SWIGLU, ffn, ffn,
-              e5m2, __NV_E5M2)
-FP8K_MOE_AMAX(fp8_swiglu_cast_transpose_bf16, FP8K_MOE_SWIGLU_PARAMS, FP8K_MOE_SRC_SWIGLU, ffn, ffn)
+FP8K_MOE_CAST(fp8_swiglu_cast_transpose_bf16, FP8K_MOE_SWIGLU_PARAMS, FP8K_MOE_SRC_SWIGLU, ffn,
+              fp8k::SWIGLU_CTAS_PER_SM, e4m3, __NV_E4M3)
+FP8K_MOE_CAST(fp8_swiglu_cast_transpose_bf16, FP8K_MOE_SWIGLU_PARAMS, FP8K_MOE_SRC_SWIGLU, ffn,
+              fp8k::SWIGLU_CTAS_PER_SM, e5m2, __NV_E5M2)
+FP8K_MOE_AMAX(fp8_swiglu_cast_transpose_bf16, FP8K_MOE_SWIGLU_PARAMS, FP8K_MOE_SRC_SWIGLU, ffn,
+              fp8k::SWIGLU_CTAS_PER_SM)
 FP8K_MOE_CAST(fp8_swiglu_backward_cast_transpose_bf16, FP8K_MOE_SWIGLU_BWD_PARAMS,
-              FP8K_MOE_SRC_SWIGLU_BWD, ffn, 2 * ffn, e4m3, __NV_E4M3)
+              FP8K_MOE_SRC_SWIGLU_BWD, ffn, fp8k::SWIGLU_BWD_CTAS_PER_SM, e4m3, __NV_E4M3)
 FP8K_MOE_CAST(fp8_swiglu_backward_cast_transpose_bf16, FP8K_MOE_SWIGLU_BWD_PARAMS,
-              FP8K_MOE_SRC_SWIGLU_BWD, ffn, 2 * ffn, e5m2, __NV_E5M2)
+              FP8K_MOE_SRC_SWIGLU_BWD, ffn, fp8k::SWIGLU_BWD_CTAS_PER_SM, e5m2, __NV_E5M2)
 FP8K_MOE_AMAX(fp8_swiglu_backward_cast_transpose_bf16, FP8K_MOE_SWIGLU_BWD_PARAMS,
-              FP8K_MOE_SRC_SWIGLU_BWD, ffn, 2 * ffn)
+              FP8K_MOE_SRC_SWIGLU_BWD, ffn, fp8k::SWIGLU_BWD_CTAS_PER_SM)

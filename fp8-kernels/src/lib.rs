@@ -10,6 +10,9 @@
 //! * [`quantize`] (fused amax, optional noop flag), [`quantize_current`] (current scaling),
 //!   [`amax`], [`dequantize`];
 //! * [`cast_transpose`]: the FP8 cast row-major and transposed in one pass, amax fused;
+//!   [`cast_transpose_batched`]: the same for a batch of equally shaped matrices (a MoE
+//!   layer's expert weights) in one launch, each with its own scale, scale_inv and amax
+//!   ([`ScalarSlots`]);
 //! * the dropless MoE layer's casts, fused with its data movement and SwiGLU
 //!   ([`gather_cast_transpose`], [`swiglu_cast_transpose`], [`swiglu_backward_cast_transpose`]):
 //!   the permute into the packed expert-major layout, the combine's backward, the SwiGLU and
@@ -70,7 +73,10 @@ mod scaling;
 mod tensor;
 
 pub use block_scale::{BlockShape, quantize_blockwise};
-pub use cast_transpose::{TILE_COLS, cast_transpose, tile_rows};
+pub use cast_transpose::{
+    BatchedCastOut, MAX_BATCH, ScalarSlots, TILE_COLS, cast_transpose, cast_transpose_batched,
+    tile_rows,
+};
 pub use format::{DType, Fp8Format};
 pub use module::{FATBIN, module};
 pub use moe_cast::{

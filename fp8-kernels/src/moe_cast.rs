@@ -35,14 +35,20 @@
 use cuda_graph::half::bf16;
 use cuda_graph::{DeviceBuffer, Error, KernelArgs, LaunchConfig, Result, Stream};
 
-use crate::cast_transpose::{check_outputs, matrix_numel, push_noop, slot_indices, tile_count};
+use crate::cast_transpose::{
+    CTAS_PER_SM, THREADS, blocks_per_matrix, check_outputs, matrix_numel, push_noop, slot_indices,
+    tile_count,
+};
 use crate::format::DType;
 use crate::module::kernel;
 use crate::quantize::ALIGN;
 use crate::tensor::{DeviceScalar, Fp8Tensor, HpBuffer, check_align};
 
-/// Threads per block of the cast-transpose kernels.
-const THREADS: u32 = 256;
+/// Resident blocks per SM of the SwiGLU cast's grid (`SWIGLU_CTAS_PER_SM` in
+/// `kernels/moe_cast.cuh`; keep in step).
+const SWIGLU_CTAS_PER_SM: u32 = 3;
+/// Resident blocks per SM of the SwiGLU backward's grid (`SWIGLU_BWD_CTAS_PER_SM`).
+const SWIGLU_BWD_CTAS_PER_SM: u32 = 2;
 /// The largest `k` of a gather (top-k routing).
 pub const MAX_TOP_K: usize = 8;
 
@@ -166,15 +172,16 @@ impl Source<'_> {
 }
 
 /// Enqueues one fused cast family's launches: `name` the kernel family (the format suffix and
-/// the `_current` / `_amax` entries are derived from it), `dims` = (rows, the columns
-/// parameter as the kernel takes it), `tiles` its grid.
+/// the `_current` / `_amax` entries are derived from it), `dims` = (rows, the source's
+/// columns as the kernel takes them), `tiles` the tiles of all `rows`, `ctas_per_sm` the
+/// family's resident blocks per SM.
 fn launch_fused(
     stream: &Stream,
     name: &str,
     source: Source<'_>,
     dims: (u64, u64),
     used: RowsInUse<'_>,
-    tiles: u32,
+    (tiles, ctas_per_sm): (u32, u32),
     dst: FusedCastOut<'_>,
 ) -> Result<()> {
     let out = dst.out;
@@ -182,8 +189,15 @@ fn launch_fused(
     let fmt = out.format().name();
     let null = 0u64;
     let (rows, cols) = dims;
-    let cfg = LaunchConfig::linear(tiles, THREADS);
     let current = dst.scaling == CastScaling::Current;
+    let kname = if current {
+        format!("{name}_current_{fmt}")
+    } else {
+        format!("{name}_{fmt}")
+    };
+    let (kern, sms) = kernel(stream.context(), &kname)?;
+    // A persistent grid over the tiles of all rows; the kernels stop at the rows in use.
+    let cfg = LaunchConfig::linear(blocks_per_matrix(tiles, sms, ctas_per_sm, 1), THREADS);
     if current {
         let amax_idx = [indices[2], indices[3]];
         let (zero, _) = kernel(stream.context(), "fp8_zero_amax")?;
@@ -205,12 +219,6 @@ fn launch_fused(
         // the amax slot.
         unsafe { stream.launch_pdl(&amax, &cfg, &args) }?;
     }
-    let kname = if current {
-        format!("{name}_current_{fmt}")
-    } else {
-        format!("{name}_{fmt}")
-    };
-    let (kern, _sms) = kernel(stream.context(), &kname)?;
     let args = source
         .push(KernelArgs::new(), &null)
         .arg(out.data())
@@ -224,9 +232,9 @@ fn launch_fused(
         .arg(out.amax().buffer());
     let args = push_noop(args, dst.noop, &null).arg(&indices);
     // SAFETY: the callers checked that the kernel's reads (the source, rows x cols of it
-    // through `source`'s buffers) and writes (rows * cols bytes to each of out.data() and
-    // out_t, 16-byte aligned) are inside their buffers; used.buf is read at a checked index;
-    // the scalar slots are inside their buffers (DeviceScalar checks them).
+    // through `source`'s buffers) and writes (rows x the output's columns bytes to each of
+    // out.data() and out_t, 16-byte aligned) are inside their buffers; used.buf is read at a
+    // checked index; the scalar slots are inside their buffers (DeviceScalar checks them).
     unsafe { stream.launch_pdl(&kern, &cfg, &args) }
 }
 
@@ -318,7 +326,7 @@ pub fn gather_cast_transpose<'a>(
         source,
         (rows as u64, cols as u64),
         used,
-        tiles,
+        (tiles, CTAS_PER_SM),
         dst,
     )
 }
@@ -369,7 +377,7 @@ pub fn swiglu_cast_transpose(
         Source::Swiglu { a },
         (rows as u64, ffn as u64),
         used,
-        tiles,
+        (tiles, SWIGLU_CTAS_PER_SM),
         dst,
     )
 }
@@ -401,7 +409,8 @@ pub fn swiglu_backward_cast_transpose(
     }
     check_align(&format!("{what} dh"), dh.as_raw(), ALIGN)?;
     check_outputs(what, rows, 2 * ffn, dst.out, dst.out_t)?;
-    let tiles = tile_count(rows, 2 * ffn, DType::Bf16)?;
+    // Tiles over the ffn source columns: each gives d gate and d up of its columns.
+    let tiles = tile_count(rows, ffn, DType::Bf16)?;
     // The kernels read rows * 2 * ffn elements of a and rows * ffn of dh (checked).
     launch_fused(
         stream,
@@ -409,7 +418,7 @@ pub fn swiglu_backward_cast_transpose(
         Source::SwigluBackward { a, dh },
         (rows as u64, ffn as u64),
         used,
-        tiles,
+        (tiles, SWIGLU_BWD_CTAS_PER_SM),
         dst,
     )
 }

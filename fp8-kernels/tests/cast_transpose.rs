@@ -1,11 +1,13 @@
-//! GPU tests of cast-transpose and block-scaled quantize against the bit-exact CPU reference,
-//! on fresh random data of odd shapes, outputs poisoned first; the noop flag; graph capture
-//! and replay; bad input. Run with `cargo test -p fp8-kernels -- --include-ignored` on a
+//! GPU tests of cast-transpose (plain and batched) and block-scaled quantize against the
+//! bit-exact CPU reference, on fresh random data of odd shapes, outputs poisoned first; the
+//! batched cast against separate casts; the noop flag; graph capture and replay; bad input. Run with `cargo test -p fp8-kernels -- --include-ignored` on a
 //! CUDA machine.
 
 use cuda_graph::{DeviceBuffer, GraphExec, InstantiateFlags, Result, Stream};
 use fp8_kernels::reference as r;
-use fp8_kernels::{BlockShape, DType, DeviceScalar, Fp8Format, Fp8Tensor, HpBuffer};
+use fp8_kernels::{
+    BatchedCastOut, BlockShape, DType, DeviceScalar, Fp8Format, Fp8Tensor, HpBuffer, ScalarSlots,
+};
 
 /// Odd shapes (tails in both dimensions), one aligned shape of whole tiles, and one aligned
 /// shape whose edge tiles are partial (fast and edge paths in one launch).
@@ -45,8 +47,12 @@ fn poisoned_matrix(stream: &Stream, rows: usize, cols: usize, fmt: Fp8Format) ->
 }
 
 fn poisoned_bytes(stream: &Stream, n: usize) -> DeviceBuffer<u8> {
+    poisoned_bytes_with(stream, n, 0xff)
+}
+
+fn poisoned_bytes_with(stream: &Stream, n: usize, poison: u8) -> DeviceBuffer<u8> {
     let b = DeviceBuffer::<u8>::alloc(stream.context(), n).unwrap();
-    b.memset_bytes(stream, 0xff).unwrap();
+    b.memset_bytes(stream, poison).unwrap();
     stream.synchronize().unwrap();
     b
 }
@@ -328,6 +334,384 @@ fn captured_graph_replays_like_eager() {
         let want: Vec<u32> = ws.iter().map(|v| v.to_bits()).collect();
         assert_eq!(gs, want, "{what}: blockwise scales");
     }
+}
+
+/// Batches `(count, rows, cols)`: edge tiles only (rows % 16 != 0), one matrix with fast and
+/// edge tiles, fast and edge tiles, whole fast tiles, and single-row matrices at unaligned
+/// offsets.
+const BATCHES: [(usize, usize, usize); 5] = [
+    (3, 100, 72),
+    (1, 272, 144),
+    (5, 144, 80),
+    (8, 256, 128),
+    (2, 1, 37),
+];
+
+/// The scalars of a batch of `count` matrices, each kind in its own buffer with its own first
+/// index and stride (scale: from 2 every 1; scale_inv: from 1 every 2; amax: from 0 every 3,
+/// like a delayed-scaling history), every other element poisoned.
+struct BatchScalars {
+    scale: DeviceBuffer<f32>,
+    scale_inv: DeviceBuffer<f32>,
+    amax: DeviceBuffer<f32>,
+}
+
+impl BatchScalars {
+    const LAYOUT: [(usize, usize); 3] = [(2, 1), (1, 2), (0, 3)];
+
+    /// Scales `scales[g]`, amax `amax[g]`, scale_inv poisoned.
+    fn new(stream: &Stream, scales: &[f32], amax: &[f32]) -> BatchScalars {
+        let count = scales.len();
+        let buf = |(first, stride): (usize, usize), vals: Option<&[f32]>| {
+            let mut host = vec![f32::from_bits(POISON_F32); first + count * stride + 2];
+            if let Some(v) = vals {
+                for (g, &x) in v.iter().enumerate() {
+                    host[first + g * stride] = x;
+                }
+            }
+            DeviceBuffer::from_host(stream, &host).unwrap()
+        };
+        BatchScalars {
+            scale: buf(Self::LAYOUT[0], Some(scales)),
+            scale_inv: buf(Self::LAYOUT[1], None),
+            amax: buf(Self::LAYOUT[2], Some(amax)),
+        }
+    }
+
+    fn out<'a>(
+        &self,
+        data: &'a DeviceBuffer<u8>,
+        data_t: &'a DeviceBuffer<u8>,
+        fmt: Fp8Format,
+    ) -> BatchedCastOut<'a> {
+        let slots = |b: &DeviceBuffer<f32>, (first, stride): (usize, usize)| {
+            ScalarSlots::new(DeviceScalar::at(b, first).unwrap(), stride)
+        };
+        BatchedCastOut {
+            data,
+            data_t,
+            format: fmt,
+            scale: slots(&self.scale, Self::LAYOUT[0]),
+            scale_inv: slots(&self.scale_inv, Self::LAYOUT[1]),
+            amax: slots(&self.amax, Self::LAYOUT[2]),
+        }
+    }
+
+    /// The bits of (scale, scale_inv, amax) buffers.
+    fn bits(&self, stream: &Stream) -> [Vec<u32>; 3] {
+        [&self.scale, &self.scale_inv, &self.amax].map(|b| {
+            b.to_vec(stream)
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect()
+        })
+    }
+}
+
+/// Batched cast-transpose against `count` separate plain casts of the same matrices (each
+/// uploaded on its own) and the CPU reference: both outputs bit for bit (poisoned with 0xaa
+/// first), every matrix's scale_inv and amax (some preset above the data's amax, which must be
+/// kept), scales kept and every element of the scalar buffers outside the slots untouched.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn batched_cast_transpose_equals_separate_casts() {
+    let (_ctx, stream) = setup();
+    let exact_nan = hardware_fp8();
+    for (di, &dtype) in DTYPES.iter().enumerate() {
+        for fmt in Fp8Format::ALL {
+            for (bi, &(count, rows, cols)) in BATCHES.iter().enumerate() {
+                let what = format!("batched {dtype:?}->{fmt:?} {count} x [{rows}, {cols}]");
+                let n = rows * cols;
+                let seed = 5003 + (di * 100 + bi) as u64 * 7 + fmt as u64;
+                // Specials (inf, NaN, ...) land in some matrices only.
+                let xs = random_data(seed, count * n, true);
+                let (input, wide) = upload(&stream, dtype, &xs);
+                let scales: Vec<f32> = (0..count)
+                    .map(|g| 0.713_4 * 2f32.powi(g as i32 % 5 - 2))
+                    .collect();
+                let preset: Vec<f32> = (0..count)
+                    .map(|g| if g % 2 == 1 { 1e30 } else { 0.0 })
+                    .collect();
+                let scalars = BatchScalars::new(&stream, &scales, &preset);
+                let before = scalars.bits(&stream);
+                let y = poisoned_bytes_with(&stream, count * n, 0xaa);
+                let yt = poisoned_bytes_with(&stream, count * n, 0xaa);
+                let out = scalars.out(&y, &yt, fmt);
+                fp8_kernels::cast_transpose_batched(
+                    &stream,
+                    input.view(),
+                    (count, rows, cols),
+                    &out,
+                    None,
+                )
+                .unwrap();
+                let (got_y, got_t) = (y.to_vec(&stream).unwrap(), yt.to_vec(&stream).unwrap());
+                let after = scalars.bits(&stream);
+                for g in 0..count {
+                    let what = format!("{what} matrix {g}");
+                    let part = g * n..(g + 1) * n;
+                    let (one, _) = upload(&stream, dtype, &xs[part.clone()]);
+                    let sep = Fp8Tensor::new(&stream, &[rows, cols], fmt).unwrap();
+                    sep.data().memset_bytes(&stream, 0xaa).unwrap();
+                    let sep_t = poisoned_bytes_with(&stream, n, 0xaa);
+                    sep.scale().write(&stream, scales[g]).unwrap();
+                    sep.amax().write(&stream, preset[g]).unwrap();
+                    sep.scale_inv()
+                        .write(&stream, f32::from_bits(POISON_F32))
+                        .unwrap();
+                    fp8_kernels::cast_transpose(
+                        &stream,
+                        one.view(),
+                        rows,
+                        cols,
+                        &sep,
+                        &sep_t,
+                        None,
+                    )
+                    .unwrap();
+                    let sep_y = sep.data().to_vec(&stream).unwrap();
+                    let sep_tv = sep_t.to_vec(&stream).unwrap();
+                    assert!(
+                        got_y[part.clone()] == sep_y[..],
+                        "{what}: row-major vs separate"
+                    );
+                    assert!(
+                        got_t[part.clone()] == sep_tv[..],
+                        "{what}: transposed vs separate"
+                    );
+                    let (want_y, want_t, _) =
+                        r::cast_transpose_ref(&wide[part.clone()], rows, cols, scales[g], fmt);
+                    check_against(
+                        &format!("{what} row-major"),
+                        &got_y[part.clone()],
+                        &want_y,
+                        fmt,
+                        exact_nan,
+                    );
+                    check_against(
+                        &format!("{what} transposed"),
+                        &got_t[part],
+                        &want_t,
+                        fmt,
+                        exact_nan,
+                    );
+                    let [(s0, ss), (i0, is), (a0, as_)] = BatchScalars::LAYOUT;
+                    assert_eq!(
+                        after[0][s0 + g * ss],
+                        scales[g].to_bits(),
+                        "{what}: scale kept"
+                    );
+                    assert_eq!(
+                        after[1][i0 + g * is],
+                        scalar_bits(&stream, sep.scale_inv()),
+                        "{what}: scale_inv"
+                    );
+                    assert_eq!(
+                        after[1][i0 + g * is],
+                        (1.0 / scales[g]).to_bits(),
+                        "{what}: scale_inv value"
+                    );
+                    assert_eq!(
+                        after[2][a0 + g * as_],
+                        scalar_bits(&stream, sep.amax()),
+                        "{what}: amax"
+                    );
+                }
+                for (k, (a, b)) in after.iter().zip(&before).enumerate() {
+                    let (first, stride) = BatchScalars::LAYOUT[k];
+                    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+                        let slot =
+                            i >= first && (i - first) % stride == 0 && (i - first) / stride < count;
+                        if !slot {
+                            assert_eq!(x, y, "{what}: scalar buffer {k} element {i} written");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// With the noop flag at 1 a batched cast writes nothing (outputs and every scalar as they
+/// were); at 0 it runs.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn batched_cast_transpose_noop_writes_nothing() {
+    let (_ctx, stream) = setup();
+    let (count, rows, cols) = (4, 144, 80);
+    let n = count * rows * cols;
+    let noop = DeviceScalar::new(&stream, 1.0).unwrap();
+    for dtype in DTYPES {
+        let xs = random_data(77, n, false);
+        let (input, wide) = upload(&stream, dtype, &xs);
+        let scalars = BatchScalars::new(&stream, &[3.0; 4], &[0.0; 4]);
+        let before = scalars.bits(&stream);
+        let y = poisoned_bytes_with(&stream, n, 0xaa);
+        let yt = poisoned_bytes_with(&stream, n, 0xaa);
+        let out = scalars.out(&y, &yt, Fp8Format::E4M3);
+        fp8_kernels::cast_transpose_batched(
+            &stream,
+            input.view(),
+            (count, rows, cols),
+            &out,
+            Some(&noop),
+        )
+        .unwrap();
+        assert!(
+            y.to_vec(&stream).unwrap().iter().all(|&b| b == 0xaa),
+            "{dtype:?}: noop wrote data"
+        );
+        assert!(
+            yt.to_vec(&stream).unwrap().iter().all(|&b| b == 0xaa),
+            "{dtype:?}: noop wrote the transpose"
+        );
+        assert!(
+            scalars.bits(&stream) == before,
+            "{dtype:?}: noop wrote a scalar"
+        );
+        noop.write(&stream, 0.0).unwrap();
+        fp8_kernels::cast_transpose_batched(
+            &stream,
+            input.view(),
+            (count, rows, cols),
+            &out,
+            Some(&noop),
+        )
+        .unwrap();
+        let (want_y, _, _) = r::cast_transpose_ref(&wide, count * rows, cols, 3.0, Fp8Format::E4M3);
+        assert!(
+            y.to_vec(&stream).unwrap() == want_y,
+            "{dtype:?}: ran, row-major"
+        );
+        for g in 0..count {
+            assert_eq!(
+                out.scale_inv.get(g).unwrap().read(&stream).unwrap(),
+                1.0 / 3.0,
+                "{dtype:?}: ran, scale_inv {g}"
+            );
+            let part = &wide[g * rows * cols..(g + 1) * rows * cols];
+            assert_eq!(
+                out.amax.get(g).unwrap().read(&stream).unwrap(),
+                r::amax(part.iter().copied()),
+                "{dtype:?}: ran, amax {g}"
+            );
+        }
+        noop.write(&stream, 1.0).unwrap();
+    }
+}
+
+/// Bad batches are errors before any launch: no matrix, too many, wrong lengths, slots past
+/// their buffer, misalignment, an empty dimension; nothing is written.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn batched_cast_transpose_rejects_bad_arguments() {
+    let (_ctx, stream) = setup();
+    let (count, rows, cols) = (3, 16, 32);
+    let n = count * rows * cols;
+    let x = DeviceBuffer::from_host(&stream, &vec![1.0f32; n + 4]).unwrap();
+    let (exact, short, misaligned) = (
+        x.slice(..n).unwrap(),
+        x.slice(..n - 1).unwrap(),
+        x.slice(1..n + 1).unwrap(),
+    );
+    let scalars = BatchScalars::new(&stream, &[1.0; 3], &[0.0; 3]);
+    let before = scalars.bits(&stream);
+    let big = poisoned_bytes_with(&stream, n + 16, 0xaa);
+    let y = big.slice(..n).unwrap();
+    let yt = poisoned_bytes_with(&stream, n, 0xaa);
+    let y_short = big.slice(..n - 1).unwrap();
+    let y_misaligned = big.slice(1..n + 1).unwrap();
+    let out = scalars.out(&y, &yt, Fp8Format::E4M3);
+    let run = |input: &DeviceBuffer<f32>, dims, o: &BatchedCastOut<'_>| {
+        fp8_kernels::cast_transpose_batched(&stream, input, dims, o, None)
+    };
+    assert!(run(&exact, (0, rows, cols), &out).is_err(), "count 0");
+    assert!(
+        run(&exact, (fp8_kernels::MAX_BATCH + 1, rows, cols), &out).is_err(),
+        "count above the grid"
+    );
+    assert!(run(&exact, (count, 0, cols), &out).is_err(), "empty rows");
+    assert!(
+        run(&short, (count, rows, cols), &out).is_err(),
+        "input too short"
+    );
+    assert!(
+        run(&x, (count, rows, cols), &out).is_err(),
+        "input too long"
+    );
+    assert!(
+        run(&misaligned, (count, rows, cols), &out).is_err(),
+        "misaligned input"
+    );
+    assert!(
+        run(&exact, (count + 1, rows, cols), &out).is_err(),
+        "one matrix more than the buffers"
+    );
+    let short_out = BatchedCastOut {
+        data: &y_short,
+        ..out.clone()
+    };
+    assert!(
+        run(&exact, (count, rows, cols), &short_out).is_err(),
+        "output too short"
+    );
+    let short_t = BatchedCastOut {
+        data_t: &y_short,
+        ..out.clone()
+    };
+    assert!(
+        run(&exact, (count, rows, cols), &short_t).is_err(),
+        "transposed output too short"
+    );
+    let misaligned_out = BatchedCastOut {
+        data: &y_misaligned,
+        ..out.clone()
+    };
+    assert!(
+        run(&exact, (count, rows, cols), &misaligned_out).is_err(),
+        "misaligned output"
+    );
+    // The amax buffer holds 3 * 3 + 2 elements: from 2 every 4 the third slot (10) is the
+    // last element and fits, from 3 it is past the end.
+    let amax_at = |first, stride| BatchedCastOut {
+        amax: ScalarSlots::new(DeviceScalar::at(&scalars.amax, first).unwrap(), stride),
+        ..out.clone()
+    };
+    assert!(
+        run(&exact, (count, rows, cols), &amax_at(3, 4)).is_err(),
+        "amax slots past the buffer"
+    );
+    assert!(
+        run(&exact, (count, rows, cols), &amax_at(0, usize::MAX)).is_err(),
+        "amax slots overflow"
+    );
+    let scale_inv_past = BatchedCastOut {
+        scale_inv: ScalarSlots::new(DeviceScalar::at(&scalars.scale_inv, 0).unwrap(), 6),
+        ..out.clone()
+    };
+    assert!(
+        run(&exact, (count, rows, cols), &scale_inv_past).is_err(),
+        "scale_inv slots past the buffer"
+    );
+    stream.synchronize().unwrap();
+    assert!(
+        big.to_vec(&stream).unwrap().iter().all(|&b| b == 0xaa),
+        "output written on error"
+    );
+    assert!(
+        yt.to_vec(&stream).unwrap().iter().all(|&b| b == 0xaa),
+        "transpose written on error"
+    );
+    assert!(scalars.bits(&stream) == before, "scalars written on error");
+    // The edge of the amax buffer is a valid slot, and the valid call works.
+    run(&exact, (count, rows, cols), &amax_at(2, 4)).unwrap();
+    run(&exact, (count, rows, cols), &out).unwrap();
+    assert!(
+        yt.to_vec(&stream).unwrap().iter().all(|&b| b == 0x38),
+        "1.0 in E4M3"
+    );
+    assert_eq!(out.amax.get(count - 1).unwrap().read(&stream).unwrap(), 1.0);
 }
 
 /// Input for a block-scaled test: random finite values whose magnitude varies by block, an
@@ -645,4 +1029,112 @@ fn bandwidth_probe_cast_transpose_bf16() {
         bq.to_vec(&stream).unwrap().iter().all(|&b| b == bwant),
         "timed blockwise output"
     );
+}
+
+/// Not a target check: prints the time of a MoE layer's expert-weight casts (8 experts, W1
+/// [4096, 2048] and W2 [2048, 2048] bf16 -> E4M3, 384 MB moved) as two batched launches,
+/// beside the same casts as 16 plain launches and a device copy moving the same bytes, and
+/// checks the timed results.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn bandwidth_probe_batched_expert_weights() {
+    use cuda_graph::Event;
+    use cuda_graph::half::bf16;
+    let (ctx, stream) = setup();
+    let experts = 8usize;
+    let shapes = [(4096usize, 2048usize), (2048, 2048)];
+    struct Weight {
+        rows: usize,
+        cols: usize,
+        w: DeviceBuffer<bf16>,
+        y: DeviceBuffer<u8>,
+        yt: DeviceBuffer<u8>,
+        scalars: BatchScalars,
+        parts: Vec<(Fp8Tensor, DeviceBuffer<u8>)>,
+    }
+    let weights: Vec<Weight> = shapes
+        .iter()
+        .map(|&(rows, cols)| {
+            let n = experts * rows * cols;
+            let w = DeviceBuffer::<bf16>::alloc(&ctx, n).unwrap();
+            w.memset_bytes(&stream, 0x3f).unwrap(); // every element bf16 0x3f3f
+            let parts = (0..experts)
+                .map(|_| {
+                    let t = Fp8Tensor::new(&stream, &[rows, cols], Fp8Format::E4M3).unwrap();
+                    (t, DeviceBuffer::<u8>::alloc(&ctx, rows * cols).unwrap())
+                })
+                .collect();
+            Weight {
+                rows,
+                cols,
+                w,
+                y: DeviceBuffer::alloc(&ctx, n).unwrap(),
+                yt: DeviceBuffer::alloc(&ctx, n).unwrap(),
+                scalars: BatchScalars::new(&stream, &vec![1.0; experts], &vec![0.0; experts]),
+                parts,
+            }
+        })
+        .collect();
+    let bytes: usize = shapes.iter().map(|&(r, c)| 4 * experts * r * c).sum();
+    let copy_src = DeviceBuffer::<u8>::alloc(&ctx, bytes / 2).unwrap();
+    let copy_dst = DeviceBuffer::<u8>::alloc(&ctx, bytes / 2).unwrap();
+    let (start, end) = (Event::new(&ctx).unwrap(), Event::new(&ctx).unwrap());
+    let iters = 20;
+    let time = |f: &mut dyn FnMut()| {
+        f();
+        start.record(&stream).unwrap();
+        for _ in 0..iters {
+            f();
+        }
+        end.record(&stream).unwrap();
+        end.synchronize().unwrap();
+        Event::elapsed_ms(&start, &end).unwrap() * 1e3 / iters as f32
+    };
+    let batched_us = time(&mut || {
+        for w in &weights {
+            let out = w.scalars.out(&w.y, &w.yt, Fp8Format::E4M3);
+            let dims = (experts, w.rows, w.cols);
+            fp8_kernels::cast_transpose_batched(&stream, &w.w, dims, &out, None).unwrap();
+        }
+    });
+    let plain_us = time(&mut || {
+        for w in &weights {
+            let n = w.rows * w.cols;
+            for (x, (t, tt)) in w.parts.iter().enumerate() {
+                let part = w.w.slice(x * n..(x + 1) * n).unwrap();
+                fp8_kernels::cast_transpose(&stream, &part, w.rows, w.cols, t, tt, None).unwrap();
+            }
+        }
+    });
+    let copy_us = time(&mut || copy_dst.copy_from_device(&stream, &copy_src).unwrap());
+    let tbs = |us: f32| bytes as f64 / (f64::from(us) * 1e6);
+    eprintln!(
+        "expert weights, 8 x ([4096, 2048] + [2048, 2048]) bf16 -> e4m3, {} MB: batched (2 \
+         launches) {batched_us:.1} us, {:.2} TB/s; plain (16 launches) {plain_us:.1} us, {:.2} \
+         TB/s; device copy of as many bytes {copy_us:.1} us, {:.2} TB/s",
+        bytes / 1_000_000,
+        tbs(batched_us),
+        tbs(plain_us),
+        tbs(copy_us)
+    );
+    let v = r::widen(0x3f3f, DType::Bf16);
+    let want = r::quantize(v, 1.0, Fp8Format::E4M3);
+    for w in &weights {
+        assert!(
+            w.y.to_vec(&stream).unwrap().iter().all(|&b| b == want),
+            "timed row-major"
+        );
+        assert!(
+            w.yt.to_vec(&stream).unwrap().iter().all(|&b| b == want),
+            "timed transposed"
+        );
+        let out = w.scalars.out(&w.y, &w.yt, Fp8Format::E4M3);
+        for g in 0..experts {
+            assert_eq!(
+                out.amax.get(g).unwrap().read(&stream).unwrap(),
+                v,
+                "amax {g}"
+            );
+        }
+    }
 }

@@ -53,9 +53,9 @@ use fp8_kernels::gemm::{
     grouped_gemm_packed, grouped_gemm_wgrad,
 };
 use fp8_kernels::{
-    CastScaling, DelayedScaling, DeviceScalar, Fp8Format, Fp8Tensor, FusedCastOut, Gather,
-    RowsInUse, cast_transpose, gather_cast_transpose, swiglu_backward_cast_transpose,
-    swiglu_cast_transpose,
+    BatchedCastOut, CastScaling, DelayedScaling, DeviceScalar, Fp8Format, Fp8Tensor, FusedCastOut,
+    Gather, RowsInUse, ScalarSlots, cast_transpose_batched, gather_cast_transpose,
+    swiglu_backward_cast_transpose, swiglu_cast_transpose,
 };
 use graphed_callables::{Callable, SegmentKind, Slot};
 
@@ -955,41 +955,32 @@ impl Callable<bf16> for MoeLayer {
         self.cfg.saved_bytes().unwrap_or_default()
     }
 
-    /// Casts each expert's W1 and W2 to E4M3, row-major and transposed (one cast-transpose
-    /// per expert and weight, each with its expert's scale, maxing into its amax); skipped on
-    /// the device when the slot's noop flag reads 1.0. The weight tensors are reported by
-    /// the forward, for the experts that got tokens.
+    /// Casts each expert's W1 and W2 to E4M3, row-major and transposed: one batched
+    /// cast-transpose per weight over all experts, each expert with its own scale, scale_inv
+    /// and amax (consecutive tensors of the delayed-scaling state); skipped on the device when
+    /// the slot's noop flag reads 1.0. The weight tensors are reported by the forward, for the
+    /// experts that got tokens.
     fn cast_weights(&mut self, stream: &Stream, slot: &Slot<'_, bf16>) -> Result<()> {
         let noop = slot
             .skip_weight_cast()
             .map(|f| DeviceScalar::at(f, 0))
             .transpose()?;
         let (e, h, f) = (self.cfg.experts, self.cfg.hidden, self.cfg.ffn);
+        let history = self.scaling.history_len();
         for (w, w_q, w_t, rows, cols, first) in [
             (&self.w1, &self.w1_q, &self.w1_t, 2 * f, h, w1_tensor(0)),
             (&self.w2, &self.w2_q, &self.w2_t, h, f, w2_tensor(e, 0)),
         ] {
-            let n = rows * cols;
-            for x in 0..e {
-                let t = self.first_tensor + first + x;
-                let part = Fp8Tensor::from_parts(
-                    w_q.slice(x * n..(x + 1) * n)?,
-                    &[rows, cols],
-                    Fp8Format::E4M3,
-                    self.scaling.scale(t)?,
-                    DeviceScalar::at(&self.w_si, first - ACTIVATIONS + x)?,
-                    self.scaling.amax(t)?,
-                )?;
-                cast_transpose(
-                    stream,
-                    &w.slice(x * n..(x + 1) * n)?,
-                    rows,
-                    cols,
-                    &part,
-                    &w_t.slice(x * n..(x + 1) * n)?,
-                    noop.as_ref(),
-                )?;
-            }
+            let t = self.first_tensor + first;
+            let out = BatchedCastOut {
+                data: w_q,
+                data_t: w_t,
+                format: Fp8Format::E4M3,
+                scale: ScalarSlots::new(self.scaling.scale(t)?, 1),
+                scale_inv: ScalarSlots::new(DeviceScalar::at(&self.w_si, first - ACTIVATIONS)?, 1),
+                amax: ScalarSlots::new(self.scaling.amax(t)?, history),
+            };
+            cast_transpose_batched(stream, w, (e, rows, cols), &out, noop.as_ref())?;
         }
         Ok(())
     }
