@@ -636,6 +636,11 @@ fn combine_and_the_backward_match_the_reference() {
         case(120, 32, 32, 8, ScoreFn::Sigmoid, false),
         // The scalar paths (H not a multiple of 8, E not of 4).
         case(90, 20, 5, 2, ScoreFn::Softmax, true),
+        // Enough tokens for several tokens per block in every kernel (up to 4 in the
+        // combine's, 8 in the input gradient's), the last block short.
+        case(1101, 64, 8, 2, ScoreFn::Softmax, false),
+        case(1030, 32, 16, 1, ScoreFn::Sigmoid, false),
+        case(515, 32, 16, 4, ScoreFn::Softmax, true),
     ] {
         let run = route_and_check(&gpu, &mut rng, &c);
         let d = c.dims;
@@ -670,11 +675,12 @@ fn combine_and_the_backward_match_the_reference() {
             );
         }
 
-        // The gates' gradient.
+        // The gates' gradient, then the logits'.
         let dy_host = to_bf16(&rng.vec(t * h, 1.0));
         let dy = DeviceBuffer::from_host(s, &dy_host).unwrap();
         poison_f32(&gpu, &b.d_gates);
-        r.combine_backward_gates(s, &dy, &y, b).unwrap();
+        poison_f32(&gpu, &b.d_logits);
+        r.combine_backward(s, &dy, &y, b).unwrap();
         let dyf = f64s_bf16(&dy_host);
         let want: Vec<f64> = (0..t * k)
             .map(|a| {
@@ -693,9 +699,7 @@ fn combine_and_the_backward_match_the_reference() {
             1e-6,
         );
 
-        // The router backward, from the device's d_gates.
-        poison_f32(&gpu, &b.d_logits);
-        r.backward(s, b).unwrap();
+        // The logits' gradient, from the device's d_gates.
         let rd = ref_dims(d);
         let want = rf::router_backward(
             &rd,

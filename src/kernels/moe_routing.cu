@@ -3,21 +3,45 @@
 // auxiliary losses, the combine, and the backward of each.
 //
 // Deterministic: every floating-point sum has a fixed order (sequential loops, fixed shuffle
-// trees and one fixed shared-memory tree), the dispatch keeps token order, and the only
-// atomics are integer counts in shared memory (their result does not depend on the order). No
-// kernel synchronises with the host or reads the routing back: everything data-dependent
-// stays on the device, so the kernels replay in CUDA graphs as the routing changes.
+// trees, fixed shared-memory trees and sums over warps in warp order), the dispatch keeps
+// token order, and the only atomics are integer counts in shared memory (their result does
+// not depend on the order). No kernel synchronises with the host or reads the routing back:
+// everything data-dependent stays on the device, so the kernels replay in CUDA graphs as the
+// routing changes.
+//
+// Thread mapping of the [*, H] bf16 rows: a thread takes W consecutive columns h .. h + W - 1
+// of each row it touches, W = 8 (one 16-byte load or store) when H % 8 == 0 and the row
+// pointers are 16-byte aligned, else W = 1 (the scalar path: the same code instantiated with
+// W = 1, for odd shapes such as H = 20). The 256 threads of a block cover 256 * W columns
+// per pass, so at H = 2048 a thread holds one 16-byte piece of every row the block reads.
+// Small T gets more blocks (fewer tokens per block), large T more tokens per block (the
+// launcher picks them, routing.rs); each thread issues a batch of loads (8 or more, all of a
+// pass where the registers allow) before it uses any, so several 16-byte loads per thread are
+// in flight.
 #include <cuda_bf16.h>
 #include <cuda_graph/pdl.cuh>
 
 #define MOE_BLOCK 256
 #define MOE_WARPS (MOE_BLOCK / 32)
-// Tokens per block of the router forward and the input gradient (one per warp in the former).
-#define MOE_TOKENS MOE_WARPS
-// Threads of the single block of the auxiliary losses (`LOSSES_BLOCK` in routing.rs).
-#define MOE_LOSSES_BLOCK 1024
-// Experts per block (held in registers per thread) of the router weight gradient.
+// The most tokens per block of the router forward and the input gradient (`MAX_WR_TOKENS` in
+// routing.rs): the tokens that share each Wr load.
+#define MOE_TOKENS 8
+// The most (token, expert) rows per block of the combine and its backward (`ROW_SLOTS`), all
+// of them loaded in one go, and the most tokens per such block (`MAX_ROW_TOKENS`).
+#define MOE_SLOTS 8
+#define MOE_ROW_TOKENS 4
+// The most experts per token (`MAX_TOP_K`).
+#define MOE_TOP_K 8
+// The most experts (`MAX_EXPERTS`).
+#define MOE_MAX_EXPERTS 512
+// Threads of the plan scan's single block (`SCAN_BLOCK`).
+#define MOE_SCAN_BLOCK 1024
+// Experts per pass of the router forward (their Wr pieces held in registers per thread).
+#define MOE_ROUTER_EXPERTS 4
+// Experts per block of the router weight gradient (held in registers per thread).
 #define MOE_WGRAD_EXPERTS 8
+// Columns per block of the router weight gradient: 32 lanes x 8 (`WGRAD_COLS`).
+#define MOE_WGRAD_COLS 256
 
 namespace {
 
@@ -34,6 +58,43 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// Inclusive prefix sum over the warp's lanes (integers: exact in any order).
+__device__ __forceinline__ int warp_scan(int v) {
+    const unsigned lane = threadIdx.x & 31u;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int n = __shfl_up_sync(0xffffffffu, v, o);
+        if (lane >= (unsigned)o) v += n;
+    }
+    return v;
+}
+
+// N (4 or 8) sums over the warp at once: every lane l ends with the warp's total of
+// v[(l >> S) & (N - 1)], S = 5 - log2(N) (lanes l >> S the same hold the same total). First
+// log2(N) halving exchanges (lanes l and l ^ o, o = 16, 8, ..., each keep half of the values
+// and add the partner's copy of that half), then xor steps over the remaining lane bits:
+// N - 1 + S shuffles instead of 5 N. The tree is fixed (lanes l, l ^ 16 first, then ^ 8, ^ 4,
+// ^ 2, ^ 1) and each pair sum is the same whichever lane forms it, so the result is the same
+// on every run.
+template <int N> __device__ __forceinline__ float warp_sum_n(float (&v)[N]) {
+    static_assert(N == 4 || N == 8, "4 or 8 sums");
+    const unsigned lane = threadIdx.x & 31u;
+#pragma unroll
+    for (int n = N / 2, o = 16; n >= 1; n /= 2, o /= 2) { // n: values kept, o: partner distance
+        const bool upper = (lane & (unsigned)o) != 0;
+#pragma unroll
+        for (int j = 0; j < n; ++j) {
+            const float send = upper ? v[j] : v[j + n];
+            const float keep = upper ? v[j + n] : v[j];
+            v[j] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+        }
+    }
+    float r = v[0];
+#pragma unroll
+    for (int o = 16 / N; o > 0; o /= 2) r += __shfl_xor_sync(0xffffffffu, r, o);
+    return r;
+}
+
 // The larger of two (value, index) candidates: larger value, ties to the lower index; an
 // index of -1 is "none" and loses to everything.
 __device__ __forceinline__ void better(float &v, int &i, float v2, int i2) {
@@ -46,7 +107,7 @@ __device__ __forceinline__ void better(float &v, int &i, float v2, int i2) {
 
 __device__ __forceinline__ float sigmoidf(float v) { return 1.0f / (1.0f + expf(-v)); }
 
-// Whether a pointer allows 16-byte vector accesses. The vector paths below also need rows a
+// Whether a pointer allows 16-byte vector accesses. The vector paths also need rows a
 // multiple of 8 bf16 (16 bytes) apart, so every row start is aligned when the base is.
 __device__ __forceinline__ bool aligned16(const void *p) {
     return (reinterpret_cast<size_t>(p) & 15) == 0;
@@ -63,26 +124,86 @@ __device__ __forceinline__ void bf16x8_to_f32(const uint4 &u, float *f) {
     }
 }
 
-__device__ __forceinline__ uint4 load16(const __nv_bfloat16 *p) {
-    return __ldg(reinterpret_cast<const uint4 *>(p));
-}
-
-// Eight floats rounded to bf16 (to nearest even, as __float2bfloat16_rn), one 16-byte store.
-__device__ __forceinline__ void store_bf16x8(__nv_bfloat16 *p, const float *f) {
+// W consecutive bf16 as loaded (one 16-byte vector for W = 8, one element for W = 1), kept
+// packed until used so that many loads fit in registers at once.
+template <int W> struct Bf16s;
+template <> struct Bf16s<8> {
     uint4 u;
-    __nv_bfloat162 *b = reinterpret_cast<__nv_bfloat162 *>(&u);
+    __device__ __forceinline__ void load(const __nv_bfloat16 *p) {
+        u = __ldg(reinterpret_cast<const uint4 *>(p));
+    }
+    __device__ __forceinline__ void to_f32(float (&f)[8]) const { bf16x8_to_f32(u, f); }
+};
+template <> struct Bf16s<1> {
+    __nv_bfloat16 b;
+    __device__ __forceinline__ void load(const __nv_bfloat16 *p) { b = __ldg(p); }
+    __device__ __forceinline__ void to_f32(float (&f)[1]) const { f[0] = __bfloat162float(b); }
+};
+
+// W consecutive floats (two 16-byte loads for W = 8).
+template <int W> __device__ __forceinline__ void load_f32(const float *p, float (&f)[W]) {
+    if constexpr (W == 8) {
+        const float4 a = __ldg(reinterpret_cast<const float4 *>(p));
+        const float4 b = __ldg(reinterpret_cast<const float4 *>(p) + 1);
+        f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w;
+        f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
+    } else {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) b[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
-    *reinterpret_cast<uint4 *>(p) = u;
+        for (int v = 0; v < W; ++v) f[v] = __ldg(p + v);
+    }
 }
 
-// Eight floats from two 16-byte loads.
-__device__ __forceinline__ void load_f32x8(const float *p, float *f) {
-    const float4 a = __ldg(reinterpret_cast<const float4 *>(p));
-    const float4 b = __ldg(reinterpret_cast<const float4 *>(p) + 1);
-    f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w;
-    f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
+// W floats rounded to bf16 (to nearest even, as __float2bfloat16_rn); one 16-byte store for
+// W = 8.
+template <int W> __device__ __forceinline__ void store_bf16(__nv_bfloat16 *p, const float (&f)[W]) {
+    if constexpr (W == 8) {
+        uint4 u;
+        __nv_bfloat162 *b = reinterpret_cast<__nv_bfloat162 *>(&u);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) b[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+        *reinterpret_cast<uint4 *>(p) = u;
+    } else {
+#pragma unroll
+        for (int v = 0; v < W; ++v) p[v] = __float2bfloat16_rn(f[v]);
+    }
 }
+
+template <int N> struct Const {
+    static constexpr int value = N;
+};
+
+// The row kernels' compile-time layout: f(Const<KS>, Const<W>) with KS = k rounded up to a
+// power of two (a block's (token i, expert j) row lives in register slot i * KS + j, so that
+// every slot index is a constant and the slots stay in registers) and W = 8 when `vec`, else
+// 1.
+template <typename F> __device__ __forceinline__ void with_row_layout(unsigned k, bool vec, F f) {
+    const auto w = [&](auto ks) {
+        if (vec)
+            f(ks, Const<8>{});
+        else
+            f(ks, Const<1>{});
+    };
+    if (k <= 1)
+        w(Const<1>{});
+    else if (k <= 2)
+        w(Const<2>{});
+    else if (k <= 4)
+        w(Const<4>{});
+    else
+        w(Const<8>{});
+}
+
+// k rounded up to a power of two (the KS of with_row_layout).
+__device__ __forceinline__ unsigned slots_per_token(unsigned k) {
+    return k <= 1 ? 1u : k <= 2 ? 2u : k <= 4 ? 4u : 8u;
+}
+
+// A row block's register slots for KS: TT tokens (i) of KS slots each, slot q = i * KS + j
+// holding expert j < k of token i; NS = TT * KS <= MOE_SLOTS slots in all.
+template <int KS> struct RowSlots {
+    static constexpr int TT = MOE_SLOTS / KS < MOE_ROW_TOKENS ? MOE_SLOTS / KS : MOE_ROW_TOKENS;
+    static constexpr int NS = TT * KS;
+};
 
 // Top-k over s[0..experts) by one warp: k (<= 8) rounds of a warp argmax (larger score,
 // ties to the lower expert), each excluding the experts chosen before. Every lane gets the
@@ -116,15 +237,365 @@ __device__ __forceinline__ void warp_topk(const float *s, unsigned experts, unsi
     }
 }
 
+// The router forward's dot products for experts g0 .. g0 + 3 and the block's nt tokens:
+// r[i] of lane l = the warp's part of logit (t0 + i, g0 + (l >> 3)). Warp w takes the columns
+// w * 32 * W + MOE_BLOCK * W * n (lane l the W from l * W on), in n order; per column group a
+// thread sums its W products in h order, then warp_sum_n adds the lanes. Each thread loads its
+// Wr columns of the 4 experts once for all nt tokens (registers), and the nt x pieces all in
+// flight together. (4 experts a pass, not 8: 8 x pieces and 4 experts' Wr fit 128 registers;
+// the next group's x loads hit L1.)
+template <int W>
+__device__ __forceinline__ void router_dots(const __nv_bfloat16 *xb, const float *wr,
+                                            unsigned hidden, unsigned experts, unsigned g0,
+                                            unsigned nt, float (&r)[MOE_TOKENS]) {
+    const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int i = 0; i < MOE_TOKENS; ++i) r[i] = 0.0f;
+    // h0 is the warp's first column of the pass: the bound is warp-uniform, as the shuffles
+    // of warp_sum_n need the whole warp.
+    for (unsigned h0 = warp * 32 * W; h0 < hidden; h0 += MOE_BLOCK * W) {
+        const unsigned h = h0 + lane * W;
+        const bool in = h < hidden; // W = 8: hidden % 8 == 0, so all 8 columns are
+        float w[MOE_ROUTER_EXPERTS][W];
+#pragma unroll
+        for (int j = 0; j < MOE_ROUTER_EXPERTS; ++j) {
+            if (in && g0 + j < experts) {
+                load_f32<W>(wr + (size_t)(g0 + j) * hidden + h, w[j]);
+            } else {
+#pragma unroll
+                for (int v = 0; v < W; ++v) w[j][v] = 0.0f;
+            }
+        }
+        Bf16s<W> xr[MOE_TOKENS];
+#pragma unroll
+        for (int i = 0; i < MOE_TOKENS; ++i)
+            if (in && (unsigned)i < nt) xr[i].load(xb + (size_t)i * hidden + h);
+#pragma unroll
+        for (int i = 0; i < MOE_TOKENS; ++i) {
+            if ((unsigned)i >= nt) break; // block-uniform
+            float xf[W];
+            if (in) {
+                xr[i].to_f32(xf);
+            } else {
+#pragma unroll
+                for (int v = 0; v < W; ++v) xf[v] = 0.0f;
+            }
+            float a[MOE_ROUTER_EXPERTS];
+#pragma unroll
+            for (int j = 0; j < MOE_ROUTER_EXPERTS; ++j) {
+                a[j] = 0.0f;
+#pragma unroll
+                for (int v = 0; v < W; ++v) a[j] = fmaf(xf[v], w[j][v], a[j]);
+            }
+            r[i] += warp_sum_n(a);
+        }
+    }
+}
+
+// The gates' gradient, a block's dot products: acc[q] = this thread's part of dy[t0 + i, :] .
+// y[row of (i, j), :] for register slot q = i * KS + j (0 for a slot without a row). The
+// thread takes the columns h = threadIdx.x * W + MOE_BLOCK * W * n in n order, each group's
+// W products in h order; it loads each token's dy piece once and every slot's y piece, all
+// in flight together.
+template <int KS, int W>
+__device__ __forceinline__ void gate_dots(const __nv_bfloat16 *dy, const __nv_bfloat16 *y,
+                                          const int (*rs)[MOE_TOP_K], unsigned t0, unsigned nt,
+                                          unsigned hidden, unsigned k, float (&acc)[MOE_SLOTS]) {
+    constexpr int TT = RowSlots<KS>::TT, NS = RowSlots<KS>::NS;
+    int row[NS];
+#pragma unroll
+    for (int q = 0; q < MOE_SLOTS; ++q) acc[q] = 0.0f;
+#pragma unroll
+    for (int q = 0; q < NS; ++q) {
+        const unsigned i = q / KS, j = q % KS;
+        row[q] = i < nt && j < k ? rs[i][j] : -1;
+    }
+    for (unsigned h = threadIdx.x * W; h < hidden; h += MOE_BLOCK * W) {
+        Bf16s<W> dv[TT], yv[NS];
+#pragma unroll
+        for (int i = 0; i < TT; ++i)
+            if ((unsigned)i < nt) dv[i].load(dy + (size_t)(t0 + i) * hidden + h);
+#pragma unroll
+        for (int q = 0; q < NS; ++q)
+            if (row[q] >= 0) yv[q].load(y + (size_t)row[q] * hidden + h);
+#pragma unroll
+        for (int q = 0; q < NS; ++q) {
+            if (row[q] < 0) continue;
+            float a[W], b[W];
+            dv[q / KS].to_f32(a);
+            yv[q].to_f32(b);
+#pragma unroll
+            for (int v = 0; v < W; ++v) acc[q] = fmaf(a[v], b[v], acc[q]);
+        }
+    }
+}
+
+// The logits' gradient of one token, by one warp, from its logits l, the aux loss's gradient
+// on each score ce[e], its top-k experts tk, gates gt and the gates' gradient dg (k each);
+// s and ds are the warp's scratch rows (experts floats each). Writes dl[0 .. experts).
+//   through the gates:  softmax without renormalisation: d s_e = sum_j [e_j = e] dg_j;
+//                       renormalised (sigmoid always): d s_{e_i} = (dg_i - sum_j dg_j g_j) / S,
+//                       S = sum of the chosen scores;
+//   the aux loss:       c_e = aux_coef * E * f_e / T on p[t, e]: softmax p = s, so d s_e += c_e;
+//                       sigmoid p = s / Q, so d s_e += (c_e - sum_e' c_e' p_e') / Q;
+//   to the logits:      softmax d l_e = s_e (d s_e - sum_e' d s_e' s_e');
+//                       sigmoid d l_e = d s_e s_e (1 - s_e);
+//   the z-loss:         d l_e += z_coef * (2 / T) * lse * softmax(l)_e.
+__device__ __forceinline__ void token_backward(const float *l, const float *ce, const int *tk,
+                                               const float *gt, const float *dg, float *s,
+                                               float *ds, float *dl, unsigned tokens,
+                                               unsigned experts, unsigned k, unsigned score_fn,
+                                               unsigned renormalize, float z_coef) {
+    const unsigned lane = threadIdx.x & 31u;
+    float m = -INFINITY;
+    for (unsigned e = lane; e < experts; e += 32) m = fmaxf(m, l[e]);
+    m = warp_max(m);
+    float z = 0.0f;
+    for (unsigned e = lane; e < experts; e += 32) z += expf(l[e] - m);
+    z = warp_sum(z);
+    const float lse = m + logf(z);
+    float q = 0.0f;
+    for (unsigned e = lane; e < experts; e += 32) {
+        const float v = score_fn == 0 ? expf(l[e] - m) / z : sigmoidf(l[e]);
+        s[e] = v;
+        q += v;
+    }
+    q = warp_sum(q);
+    // The aux loss's gradient on the scores; for sigmoid its mean over p needs a sum first.
+    float cp = 0.0f;
+    for (unsigned e = lane; e < experts; e += 32) {
+        const float c = ce[e];
+        ds[e] = c;
+        cp += c * (s[e] / q);
+    }
+    cp = warp_sum(cp);
+    if (score_fn != 0)
+        for (unsigned e = lane; e < experts; e += 32) ds[e] = (ds[e] - cp) / q;
+    __syncwarp();
+    // Through the gates (lane 0: k <= 8 terms, in j order).
+    if (lane == 0) {
+        const bool norm = score_fn != 0 || renormalize != 0;
+        float sum = 0.0f, dot = 0.0f;
+        for (unsigned j = 0; j < k; ++j) {
+            const int e = tk[j];
+            if (e >= 0 && (unsigned)e < experts) sum += s[e];
+            dot += dg[j] * gt[j];
+        }
+        for (unsigned j = 0; j < k; ++j) {
+            const int e = tk[j];
+            if (e < 0 || (unsigned)e >= experts) continue;
+            ds[e] += norm ? (dg[j] - dot) / sum : dg[j];
+        }
+    }
+    __syncwarp();
+    float sds = 0.0f;
+    if (score_fn == 0) {
+        for (unsigned e = lane; e < experts; e += 32) sds += ds[e] * s[e];
+        sds = warp_sum(sds);
+    }
+    const float zc = z_coef * 2.0f / (float)tokens * lse;
+    for (unsigned e = lane; e < experts; e += 32) {
+        const float sm = expf(l[e] - m) / z;
+        const float v = score_fn == 0 ? s[e] * (ds[e] - sds) : ds[e] * s[e] * (1.0f - s[e]);
+        dl[e] = v + zc * sm;
+    }
+}
+
+// The combine, a block's rows: out[t0 + i, :] = sum_j gates * y[row of (i, j), :] in j order
+// (f32, fmaf from 0), rounded to bf16; a row of -1 adds nothing. All the block's row loads of
+// a column group are in flight together.
+template <int KS, int W>
+__device__ __forceinline__ void combine_rows(const __nv_bfloat16 *y, const int (*rs)[MOE_TOP_K],
+                                             const float (*gs)[MOE_TOP_K], __nv_bfloat16 *out,
+                                             unsigned t0, unsigned nt, unsigned hidden,
+                                             unsigned k) {
+    constexpr int TT = RowSlots<KS>::TT, NS = RowSlots<KS>::NS;
+    int row[NS];
+    float g[NS];
+#pragma unroll
+    for (int q = 0; q < NS; ++q) {
+        const unsigned i = q / KS, j = q % KS;
+        const bool ok = i < nt && j < k;
+        row[q] = ok ? rs[i][j] : -1;
+        g[q] = ok ? gs[i][j] : 0.0f;
+    }
+    for (unsigned h = threadIdx.x * W; h < hidden; h += MOE_BLOCK * W) {
+        Bf16s<W> yv[NS];
+#pragma unroll
+        for (int q = 0; q < NS; ++q)
+            if (row[q] >= 0) yv[q].load(y + (size_t)row[q] * hidden + h);
+#pragma unroll
+        for (int i = 0; i < TT; ++i) {
+            if ((unsigned)i >= nt) break;
+            float acc[W];
+#pragma unroll
+            for (int v = 0; v < W; ++v) acc[v] = 0.0f;
+#pragma unroll
+            for (int j = 0; j < KS; ++j) {
+                const int q = i * KS + j;
+                if (row[q] < 0) continue;
+                float f[W];
+                yv[q].to_f32(f);
+#pragma unroll
+                for (int v = 0; v < W; ++v) acc[v] = fmaf(g[q], f[v], acc[v]);
+            }
+            store_bf16<W>(out + (size_t)(t0 + i) * hidden + h, acc);
+        }
+    }
+}
+
+// The input gradient, a block's rows (see moe_unpermute_backward): per pass of W columns,
+// the experts' rows j outer and the MOE_TOKENS tokens inner (the tokens' loads in flight
+// together, each element's terms in j order; a missing row loads nothing), then the router's
+// part with each Wr piece loaded once for all the tokens. (Not all of a token's rows at once
+// as in the combine: the 64 sums of 8 tokens x 8 columns and 8 loads fill 128 registers.)
+template <int W>
+__device__ __forceinline__ void unpermute_rows(const __nv_bfloat16 *dxp,
+                                               const int (*rs)[MOE_TOP_K], const float *dl,
+                                               const float *wr, __nv_bfloat16 *dx, unsigned t0,
+                                               unsigned nt, unsigned hidden, unsigned experts,
+                                               unsigned k) {
+    const float4 *dl4 = reinterpret_cast<const float4 *>(dl);
+    static_assert(MOE_TOKENS == 8, "d_logits of one expert: two float4");
+    for (unsigned h = threadIdx.x * W; h < hidden; h += MOE_BLOCK * W) {
+        float acc[MOE_TOKENS][W];
+#pragma unroll
+        for (int i = 0; i < MOE_TOKENS; ++i)
+#pragma unroll
+            for (int v = 0; v < W; ++v) acc[i][v] = 0.0f;
+        for (unsigned j = 0; j < k; ++j) {
+            int row[MOE_TOKENS];
+            Bf16s<W> raw[MOE_TOKENS];
+#pragma unroll
+            for (int i = 0; i < MOE_TOKENS; ++i) {
+                row[i] = (unsigned)i < nt ? rs[i][j] : -1;
+                if (row[i] >= 0) raw[i].load(dxp + (size_t)row[i] * hidden + h);
+            }
+#pragma unroll
+            for (int i = 0; i < MOE_TOKENS; ++i) {
+                if (row[i] < 0) continue;
+                float f[W];
+                raw[i].to_f32(f);
+#pragma unroll
+                for (int v = 0; v < W; ++v) acc[i][v] += f[v];
+            }
+        }
+#pragma unroll 4
+        for (unsigned e = 0; e < experts; ++e) {
+            float w[W];
+            load_f32<W>(wr + (size_t)e * hidden + h, w);
+            const float4 da = dl4[2 * e], db = dl4[2 * e + 1];
+            const float d[MOE_TOKENS] = {da.x, da.y, da.z, da.w, db.x, db.y, db.z, db.w};
+#pragma unroll
+            for (int i = 0; i < MOE_TOKENS; ++i)
+#pragma unroll
+                for (int v = 0; v < W; ++v) acc[i][v] = fmaf(d[i], w[v], acc[i][v]);
+        }
+#pragma unroll
+        for (int i = 0; i < MOE_TOKENS; ++i)
+            if ((unsigned)i < nt) store_bf16<W>(dx + (size_t)(t0 + i) * hidden + h, acc[i]);
+    }
+}
+
+// A lane's 8 columns of a router-weight-gradient block (columns c0 .. c0 + 255): 8
+// consecutive ones, c0 + 8 lane + v (one 16-byte load), or with !VEC c0 + lane + 32 v (eight
+// 2-byte loads, each warp access still 64 contiguous bytes); either way the block covers
+// MOE_WGRAD_COLS columns, so the grid does not depend on the path.
+template <bool VEC> __device__ __forceinline__ unsigned wgrad_col(unsigned c0, unsigned v) {
+    const unsigned lane = threadIdx.x & 31u;
+    return VEC ? c0 + lane * 8 + v : c0 + lane + 32 * v;
+}
+
+template <bool VEC> struct Cols8;
+template <> struct Cols8<true> {
+    uint4 u;
+    __device__ __forceinline__ void load(const __nv_bfloat16 *row, unsigned c0, unsigned hidden) {
+        const unsigned c = wgrad_col<true>(c0, 0);
+        u = c < hidden ? __ldg(reinterpret_cast<const uint4 *>(row + c)) : make_uint4(0, 0, 0, 0);
+    }
+    __device__ __forceinline__ void to_f32(float (&f)[8]) const { bf16x8_to_f32(u, f); }
+};
+template <> struct Cols8<false> {
+    __nv_bfloat16 b[8];
+    __device__ __forceinline__ void load(const __nv_bfloat16 *row, unsigned c0, unsigned hidden) {
+#pragma unroll
+        for (int v = 0; v < 8; ++v) {
+            const unsigned c = wgrad_col<false>(c0, v);
+            b[v] = c < hidden ? __ldg(row + c) : __float2bfloat16_rn(0.0f);
+        }
+    }
+    __device__ __forceinline__ void to_f32(float (&f)[8]) const {
+#pragma unroll
+        for (int v = 0; v < 8; ++v) f[v] = __bfloat162float(b[v]);
+    }
+};
+
+// The router weight gradient's per-warp sums: acc[g][v] = sum over the warp's tokens i = warp
+// + MOE_WARPS n of the chunk (in order) of dls[i][g] * x[i, column v of the lane]; B tokens'
+// loads in flight together.
+template <bool VEC>
+__device__ __forceinline__ void wgrad_dots(const __nv_bfloat16 *xc, const float *dls,
+                                           unsigned nt, unsigned hidden, unsigned c0,
+                                           float (&acc)[MOE_WGRAD_EXPERTS][8]) {
+    constexpr int B = VEC ? 8 : 4; // the scalar path holds 8 registers per token
+    const unsigned warp = threadIdx.x >> 5;
+    const float4 *d4 = reinterpret_cast<const float4 *>(dls);
+    static_assert(MOE_WGRAD_EXPERTS == 8, "one token's d_logits: two float4");
+    for (unsigned i0 = warp; i0 < nt; i0 += B * MOE_WARPS) {
+        Cols8<VEC> xr[B];
+#pragma unroll
+        for (int u = 0; u < B; ++u) {
+            const unsigned i = i0 + u * MOE_WARPS;
+            if (i < nt) xr[u].load(xc + (size_t)i * hidden, c0, hidden);
+        }
+#pragma unroll
+        for (int u = 0; u < B; ++u) {
+            const unsigned i = i0 + u * MOE_WARPS;
+            if (i >= nt) break;
+            float xf[8];
+            xr[u].to_f32(xf);
+            const float4 da = d4[2 * i], db = d4[2 * i + 1];
+            const float d[MOE_WGRAD_EXPERTS] = {da.x, da.y, da.z, da.w, db.x, db.y, db.z, db.w};
+#pragma unroll
+            for (int g = 0; g < MOE_WGRAD_EXPERTS; ++g)
+#pragma unroll
+                for (int v = 0; v < 8; ++v) acc[g][v] = fmaf(d[g], xf[v], acc[g][v]);
+        }
+    }
+}
+
+template <bool VEC>
+__device__ __forceinline__ void wgrad_store(float *pc, unsigned hidden, unsigned experts,
+                                            unsigned e0, unsigned c0,
+                                            const float (&acc)[MOE_WGRAD_EXPERTS][8]) {
+#pragma unroll
+    for (int g = 0; g < MOE_WGRAD_EXPERTS; ++g) {
+        if (e0 + g >= experts) break;
+        float *pr = pc + (size_t)(e0 + g) * hidden;
+        if (VEC) {
+            const unsigned c = wgrad_col<true>(c0, 0);
+            if (c < hidden) {
+                float4 *p4 = reinterpret_cast<float4 *>(pr + c);
+                p4[0] = make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
+                p4[1] = make_float4(acc[g][4], acc[g][5], acc[g][6], acc[g][7]);
+            }
+        } else {
+#pragma unroll
+            for (int v = 0; v < 8; ++v) {
+                const unsigned c = wgrad_col<false>(c0, v);
+                if (c < hidden) pr[c] = acc[g][v];
+            }
+        }
+    }
+}
+
 } // namespace
 
-// Router forward, one block of MOE_BLOCK threads per MOE_TOKENS tokens t0 + i (the last block
-// may have fewer), dynamic shared memory 2 * MOE_TOKENS * experts floats.
-//   logits[t, e] = sum_h x[t, h] * wr[e, h]   (warp w takes experts w, w + 8, ... for all the
-//                  block's tokens, so each wr[e, h] is loaded once per block; when hidden % 8
-//                  == 0 and x, wr are 16-byte aligned, lane l sums the 8-element groups
-//                  h = 8 (l + 32 n) .. + 7 for n = 0, 1, ... in order (16-byte loads), else h =
-//                  l, l + 32, ... in order; then a fixed xor tree)
+// Router forward, one block of MOE_BLOCK threads per `tpb` (<= MOE_TOKENS) tokens t0 + i
+// (the last block may have fewer), dynamic shared memory 2 * MOE_TOKENS * experts floats.
+//   logits[t, e] = sum_h x[t, h] * wr[e, h]   (experts 4 at a time: router_dots gives each
+//                  warp's part for all the block's tokens, the 8 warps' parts are added in
+//                  warp order)
 // then warp i finishes token t0 + i:
 //   score: softmax (score_fn 0) or sigmoid (1) of the logits;
 //   probs[t, e]  = the per-token distribution the aux loss uses: softmax, or the sigmoid
@@ -132,100 +603,105 @@ __device__ __forceinline__ void warp_topk(const float *s, unsigned experts, unsi
 //   topk[t, j]   = the j-th largest score (ties to the lower expert);
 //   gates[t, j]  = softmax: score (divided by the sum of the k chosen scores if renormalize);
 //                  sigmoid: score / sum of the k chosen scores;
-//   lse[t]       = logsumexp of the logits (for the z-loss).
-extern "C" __global__ void __launch_bounds__(MOE_BLOCK)
+//   lse[t]       = logsumexp of the logits (for the z-loss);
+// and the block's sums for the losses (moe_plan_scan adds them up), column-major over the
+// blocks: loss_partial[e * blocks + block] = sum over its tokens (in order) of probs[t, e],
+// loss_partial[experts * blocks + block] = the sum of lse[t]^2.
+// (At least 2 blocks per SM in the launch bounds: 128 registers hold a thread's Wr pieces of
+// 4 experts and the x pieces of 8 tokens.)
+extern "C" __global__ void __launch_bounds__(MOE_BLOCK, 2)
     moe_router_forward(const __nv_bfloat16 *x, const float *wr, float *logits, float *probs,
-                       int *topk, float *gates, float *lse, unsigned tokens, unsigned hidden,
-                       unsigned experts, unsigned k, unsigned score_fn, unsigned renormalize) {
+                       int *topk, float *gates, float *lse, float *loss_partial, unsigned tokens,
+                       unsigned hidden, unsigned experts, unsigned k, unsigned score_fn,
+                       unsigned renormalize, unsigned tpb) {
     cuda_graph::pdl_enter();
-    extern __shared__ float sh[]; // l: [MOE_TOKENS][experts] logits, then s: the scores
+    extern __shared__ float sh[]; // l: [MOE_TOKENS][experts] logits (then probs), s: scores
+    __shared__ float part[MOE_WARPS][MOE_TOKENS][MOE_ROUTER_EXPERTS];
+    __shared__ float lse_sh[MOE_TOKENS];
+    static_assert(MOE_TOKENS <= MOE_WARPS, "a warp finishes each token");
     const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
-    const unsigned t0 = blockIdx.x * MOE_TOKENS;
+    const unsigned t0 = blockIdx.x * tpb;
     if (t0 >= tokens) return;
-    const unsigned nt = min((unsigned)MOE_TOKENS, tokens - t0); // block-uniform
+    const unsigned nt = min(tpb, tokens - t0); // block-uniform
     const __nv_bfloat16 *xb = x + (size_t)t0 * hidden;
     const bool vec = hidden % 8 == 0 && aligned16(x) && aligned16(wr);
-    for (unsigned e = warp; e < experts; e += MOE_WARPS) {
-        const float *w = wr + (size_t)e * hidden;
-        float acc[MOE_TOKENS];
+    for (unsigned g0 = 0; g0 < experts; g0 += MOE_ROUTER_EXPERTS) {
+        float r[MOE_TOKENS];
+        if (vec)
+            router_dots<8>(xb, wr, hidden, experts, g0, nt, r);
+        else
+            router_dots<1>(xb, wr, hidden, experts, g0, nt, r);
+        // Lanes 8 m .. 8 m + 7 hold the same sums (expert g0 + m); the first writes them.
+        if ((lane & 7) == 0) {
 #pragma unroll
-        for (int i = 0; i < MOE_TOKENS; ++i) acc[i] = 0.0f;
-        // Past the last token (the last block) the loads repeat its row (all loads
-        // unconditional, in flight together); those sums are dropped.
-        if (vec) {
-            for (unsigned h = lane * 8; h < hidden; h += 32 * 8) {
-                float wv[8];
-                load_f32x8(w + h, wv);
-                uint4 xr[MOE_TOKENS];
+            for (int i = 0; i < MOE_TOKENS; ++i)
+                if ((unsigned)i < nt) part[warp][i][lane >> 3] = r[i];
+        }
+        __syncthreads();
+        if (threadIdx.x < nt * MOE_ROUTER_EXPERTS) {
+            const unsigned i = threadIdx.x / MOE_ROUTER_EXPERTS;
+            const unsigned j = threadIdx.x % MOE_ROUTER_EXPERTS;
+            if (g0 + j < experts) {
+                float v = part[0][i][j];
 #pragma unroll
-                for (int i = 0; i < MOE_TOKENS; ++i)
-                    xr[i] = load16(xb + (size_t)min((unsigned)i, nt - 1) * hidden + h);
-#pragma unroll
-                for (int i = 0; i < MOE_TOKENS; ++i) {
-                    float xv[8];
-                    bf16x8_to_f32(xr[i], xv);
-#pragma unroll
-                    for (int v = 0; v < 8; ++v) acc[i] = fmaf(xv[v], wv[v], acc[i]);
-                }
-            }
-        } else {
-            for (unsigned h = lane; h < hidden; h += 32) {
-                const float wv = w[h];
-                __nv_bfloat16 xr[MOE_TOKENS];
-#pragma unroll
-                for (int i = 0; i < MOE_TOKENS; ++i)
-                    xr[i] = xb[(size_t)min((unsigned)i, nt - 1) * hidden + h];
-#pragma unroll
-                for (int i = 0; i < MOE_TOKENS; ++i)
-                    acc[i] = fmaf(__bfloat162float(xr[i]), wv, acc[i]);
+                for (int w = 1; w < MOE_WARPS; ++w) v += part[w][i][j];
+                sh[(size_t)i * experts + g0 + j] = v;
             }
         }
+        __syncthreads(); // part is written again by the next group
+    }
+    if (warp < nt) {
+        const unsigned t = t0 + warp;
+        float *l = sh + (size_t)warp * experts, *s = sh + (size_t)(MOE_TOKENS + warp) * experts;
+        float m = -INFINITY;
+        for (unsigned e = lane; e < experts; e += 32) m = fmaxf(m, l[e]);
+        m = warp_max(m);
+        float z = 0.0f;
+        for (unsigned e = lane; e < experts; e += 32) z += expf(l[e] - m);
+        z = warp_sum(z);
+        float q = 0.0f; // sum of the sigmoid scores
+        for (unsigned e = lane; e < experts; e += 32) {
+            const float v = score_fn == 0 ? expf(l[e] - m) / z : sigmoidf(l[e]);
+            s[e] = v;
+            q += v;
+        }
+        q = warp_sum(q);
+        float *lr = logits + (size_t)t * experts, *pr = probs + (size_t)t * experts;
+        for (unsigned e = lane; e < experts; e += 32) {
+            const float p = score_fn == 0 ? s[e] : s[e] / q;
+            lr[e] = l[e];
+            pr[e] = p;
+            l[e] = p; // for the loss sums below
+        }
+        const float ls = m + logf(z);
+        if (lane == 0) {
+            lse[t] = ls;
+            lse_sh[warp] = ls;
+        }
+        __syncwarp();
+        int chosen[8];
+        float chosen_v[8];
+        warp_topk(s, experts, k, chosen, chosen_v);
+        if (lane == 0) {
+            float sum = 0.0f;
 #pragma unroll
-        for (int i = 0; i < MOE_TOKENS; ++i) {
-            if ((unsigned)i >= nt) continue;
-            const float v = warp_sum(acc[i]);
-            if (lane == 0) sh[(size_t)i * experts + e] = v;
+            for (unsigned j = 0; j < 8; ++j)
+                if (j < k) sum += chosen_v[j];
+            const bool norm = score_fn != 0 || renormalize != 0;
+#pragma unroll
+            for (unsigned j = 0; j < 8; ++j) {
+                if (j >= k) continue;
+                topk[(size_t)t * k + j] = chosen[j];
+                gates[(size_t)t * k + j] = norm ? chosen_v[j] / sum : chosen_v[j];
+            }
         }
     }
     __syncthreads();
-    if (warp >= nt) return;
-    const unsigned t = t0 + warp;
-    float *l = sh + (size_t)warp * experts, *s = sh + (size_t)(MOE_TOKENS + warp) * experts;
-    float m = -INFINITY;
-    for (unsigned e = lane; e < experts; e += 32) m = fmaxf(m, l[e]);
-    m = warp_max(m);
-    float z = 0.0f;
-    for (unsigned e = lane; e < experts; e += 32) z += expf(l[e] - m);
-    z = warp_sum(z);
-    float q = 0.0f; // sum of the sigmoid scores
-    for (unsigned e = lane; e < experts; e += 32) {
-        const float v = score_fn == 0 ? expf(l[e] - m) / z : sigmoidf(l[e]);
-        s[e] = v;
-        q += v;
-    }
-    q = warp_sum(q);
-    float *lr = logits + (size_t)t * experts, *pr = probs + (size_t)t * experts;
-    for (unsigned e = lane; e < experts; e += 32) {
-        lr[e] = l[e];
-        pr[e] = score_fn == 0 ? s[e] : s[e] / q;
-    }
-    if (lane == 0) lse[t] = m + logf(z);
-    __syncwarp();
-    int chosen[8];
-    float chosen_v[8];
-    warp_topk(s, experts, k, chosen, chosen_v);
-    if (lane == 0) {
-        float sum = 0.0f;
-#pragma unroll
-        for (unsigned j = 0; j < 8; ++j)
-            if (j < k) sum += chosen_v[j];
-        const bool norm = score_fn != 0 || renormalize != 0;
-#pragma unroll
-        for (unsigned j = 0; j < 8; ++j) {
-            if (j >= k) continue;
-            topk[(size_t)t * k + j] = chosen[j];
-            gates[(size_t)t * k + j] = norm ? chosen_v[j] / sum : chosen_v[j];
-        }
+    for (unsigned c = threadIdx.x; c <= experts; c += MOE_BLOCK) {
+        float v = 0.0f;
+        for (unsigned i = 0; i < nt; ++i)
+            v += c < experts ? sh[(size_t)i * experts + c] : lse_sh[i] * lse_sh[i];
+        loss_partial[(size_t)c * gridDim.x + blockIdx.x] = v;
     }
 }
 
@@ -249,31 +725,116 @@ extern "C" __global__ void __launch_bounds__(MOE_BLOCK)
         block_counts[(size_t)blockIdx.x * experts + e] = hist[e];
 }
 
-// Step 2 of 3, one block: per expert, an exclusive scan of the block counts in block order
-// (block_counts becomes each block's base within the expert), counts[e] = the total; then
-// offsets[0] = 0, offsets[e + 1] = offsets[e] + counts[e] rounded up to `align`.
-extern "C" __global__ void __launch_bounds__(MOE_BLOCK)
-    moe_plan_scan(int *block_counts, int *counts, int *offsets, unsigned blocks, unsigned experts,
-                  unsigned align) {
+// Step 2 of 3, one block of MOE_SCAN_BLOCK threads: everything that needs all the tokens.
+// Warps 0 .. 15 and 16 .. 31 work side by side, then all of them:
+//   per expert, an exclusive scan of the block counts in block order (block_counts becomes
+//     each block's base within the expert), counts[e] = the total: warp w takes experts 8 w ..
+//     8 w + 7 (then + 128, ...), lane l the blocks l, l + 32, ..., a shuffle scan per 32
+//     blocks, the 8 experts' loads in flight together;
+//   the losses' column sums: warp 16 + w takes the columns c = w, w + 16, ... of
+//     loss_partial ([experts + 1][parts], moe_router_forward), lane l its rows l, l + 32, ...
+//     in order (8 loads in flight), then a fixed xor tree;
+//   offsets[0] = 0, offsets[e + 1] = offsets[e] + counts[e] rounded up to `align` (one thread
+//     per expert, a block-wide integer scan);
+//   token_of_row[r] = -1 for the rows no assignment takes: each expert's padding [offsets[e]
+//     + counts[e], offsets[e + 1]) and the rows from offsets[E] to `rows` (plan_assign writes
+//     all the others, so the whole buffer is written on every run);
+//   losses[0] = aux = aux_coef * E * sum_e f_e * P_e, f_e = counts[e] / (T * k), P_e = (1/T)
+//     sum_t probs[t, e]; losses[1] = z = z_coef * (1/T) * sum_t lse[t]^2 (warp 0:
+//     lane-strided terms, a fixed xor tree).
+extern "C" __global__ void __launch_bounds__(MOE_SCAN_BLOCK)
+    moe_plan_scan(int *block_counts, const float *loss_partial, int *counts, int *offsets,
+                  int *token_of_row, float *losses, unsigned blocks, unsigned experts,
+                  unsigned align, unsigned rows, unsigned parts, unsigned tokens, unsigned k,
+                  float aux_coef, float z_coef) {
     cuda_graph::pdl_enter();
-    for (unsigned e = threadIdx.x; e < experts; e += MOE_BLOCK) {
-        int run = 0;
-        for (unsigned c = 0; c < blocks; ++c) {
-            const size_t q = (size_t)c * experts + e;
-            const int n = block_counts[q];
-            block_counts[q] = run;
-            run += n;
+    __shared__ int cnt[MOE_MAX_EXPERTS];
+    __shared__ int off[MOE_MAX_EXPERTS + 1];
+    __shared__ float col[MOE_MAX_EXPERTS + 1];
+    __shared__ int wtot[MOE_SCAN_BLOCK / 32];
+    constexpr unsigned SIDE = MOE_SCAN_BLOCK / 64; // warps on each side
+    const unsigned tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
+    if (warp < SIDE) {
+        for (unsigned e0 = warp * 8; e0 < experts; e0 += SIDE * 8) {
+            int carry[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) carry[j] = 0;
+            for (unsigned c0 = 0; c0 < blocks; c0 += 32) {
+                const unsigned c = c0 + lane;
+                int v[8];
+#pragma unroll
+                for (int j = 0; j < 8; ++j)
+                    v[j] = c < blocks && e0 + j < experts
+                               ? block_counts[(size_t)c * experts + e0 + j]
+                               : 0;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const int incl = warp_scan(v[j]);
+                    if (c < blocks && e0 + j < experts)
+                        block_counts[(size_t)c * experts + e0 + j] = carry[j] + incl - v[j];
+                    carry[j] += __shfl_sync(0xffffffffu, incl, 31);
+                }
+            }
+            if (lane == 0) {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    if (e0 + j >= experts) break;
+                    cnt[e0 + j] = carry[j];
+                    counts[e0 + j] = carry[j];
+                }
+            }
         }
-        counts[e] = run;
+    } else {
+        for (unsigned c = warp - SIDE; c <= experts; c += SIDE) {
+            const float *p = loss_partial + (size_t)c * parts;
+            float acc = 0.0f;
+            unsigned r = lane;
+            for (; r + 7 * 32 < parts; r += 8 * 32) {
+                float v[8];
+#pragma unroll
+                for (int u = 0; u < 8; ++u) v[u] = __ldg(p + r + u * 32);
+#pragma unroll
+                for (int u = 0; u < 8; ++u) acc += v[u];
+            }
+            for (; r < parts; r += 32) acc += __ldg(p + r);
+            acc = warp_sum(acc);
+            if (lane == 0) col[c] = acc;
+        }
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-        int off = 0;
-        offsets[0] = 0;
-        for (unsigned e = 0; e < experts; ++e) {
-            const int c = counts[e];
-            off += (int)(((unsigned)c + align - 1) / align * align);
-            offsets[e + 1] = off;
+    const int rv = tid < experts ? (int)(((unsigned)cnt[tid] + align - 1) / align * align) : 0;
+    const int incl = warp_scan(rv);
+    if (lane == 31) wtot[warp] = incl;
+    __syncthreads();
+    if (warp == 0) {
+        const int w = wtot[lane];
+        wtot[lane] = warp_scan(w) - w; // the warps' exclusive prefix
+    }
+    __syncthreads();
+    const int excl = wtot[warp] + incl - rv;
+    if (tid < experts) {
+        off[tid] = excl;
+        offsets[tid] = excl;
+    }
+    if (tid + 1 == experts) {
+        off[experts] = excl + rv;
+        offsets[experts] = excl + rv;
+    }
+    __syncthreads();
+    for (unsigned e = warp; e < experts; e += MOE_SCAN_BLOCK / 32)
+        for (int r = off[e] + cnt[e] + (int)lane; r < off[e + 1]; r += 32) token_of_row[r] = -1;
+    for (unsigned r = (unsigned)off[experts] + tid; r < rows; r += MOE_SCAN_BLOCK)
+        token_of_row[r] = -1;
+    if (warp == 0) {
+        float aux = 0.0f;
+        for (unsigned e = lane; e < experts; e += 32) {
+            const float f = (float)cnt[e] / ((float)tokens * (float)k);
+            aux += f * (col[e] / (float)tokens);
+        }
+        aux = warp_sum(aux);
+        if (lane == 0) {
+            losses[0] = aux_coef * (float)experts * aux;
+            losses[1] = z_coef * col[experts] / (float)tokens;
         }
     }
 }
@@ -281,19 +842,22 @@ extern "C" __global__ void __launch_bounds__(MOE_BLOCK)
 // Step 3 of 3, the same blocks as step 1. Assignment i of expert e goes to row
 //   offsets[e] + (its block's base within e) + (earlier assignments of e in its block),
 // the last term from warp match masks and per-warp counts: token order within each expert.
-// row_of[i] = that row (-1 for an expert out of range); token_of_row[row] = i (the launcher
-// fills token_of_row with -1 first, so padding rows stay -1). Dynamic shared memory:
-// MOE_WARPS * experts ints.
+// row_of[i] = that row (-1 for an expert out of range); token_of_row[row] = i (the padding
+// rows are moe_plan_scan's). The block's first rows per expert are loaded into shared memory
+// while topk is read (one round trip). Dynamic shared memory: (MOE_WARPS + 1) * experts ints.
 extern "C" __global__ void __launch_bounds__(MOE_BLOCK)
     moe_plan_assign(const int *topk, const int *block_base, const int *offsets, int *row_of,
                     int *token_of_row, unsigned assignments, unsigned experts) {
     cuda_graph::pdl_enter();
-    extern __shared__ int warp_counts[]; // [MOE_WARPS][experts]
-    for (unsigned q = threadIdx.x; q < MOE_WARPS * experts; q += MOE_BLOCK) warp_counts[q] = 0;
-    __syncthreads();
+    extern __shared__ int sa[]; // [MOE_WARPS][experts] per-warp counts, then [experts] bases
+    int *warp_counts = sa, *base = sa + MOE_WARPS * experts;
     const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
     const unsigned i = blockIdx.x * MOE_BLOCK + threadIdx.x;
     int e = i < assignments ? topk[i] : -1;
+    for (unsigned q = threadIdx.x; q < experts; q += MOE_BLOCK)
+        base[q] = offsets[q] + block_base[(size_t)blockIdx.x * experts + q];
+    for (unsigned q = threadIdx.x; q < MOE_WARPS * experts; q += MOE_BLOCK) warp_counts[q] = 0;
+    __syncthreads();
     if (e >= 0 && (unsigned)e >= experts) e = -2; // out of range: its own group, not placed
     const unsigned peers = __match_any_sync(0xffffffffu, e);
     const unsigned rank = __popc(peers & ((1u << lane) - 1u));
@@ -306,388 +870,163 @@ extern "C" __global__ void __launch_bounds__(MOE_BLOCK)
     }
     int before = 0;
     for (unsigned w = 0; w < warp; ++w) before += warp_counts[w * experts + e];
-    const int row = offsets[e] + block_base[(size_t)blockIdx.x * experts + e] + before + (int)rank;
+    const int row = base[e] + before + (int)rank;
     row_of[i] = row;
     token_of_row[row] = (int)i;
 }
 
-// The auxiliary losses, one block of MOE_LOSSES_BLOCK threads:
-//   aux = aux_coef * E * sum_e f_e * P_e, f_e = counts[e] / (T * k), P_e = (1/T) sum_t probs[t, e]
-//   z   = z_coef * (1/T) * sum_t lse[t]^2
-// losses[0] = aux, losses[1] = z. probs is read as rows of `cols` vectors (float4 when E % 4 ==
-// 0 and probs is 16-byte aligned, else floats): thread g * cols + c (g < groups =
-// MOE_LOSSES_BLOCK / cols) sums vector c of the rows t = g, g + groups, ... in order; the
-// groups' sums are then added by a fixed pairwise tree (group g += group g + ceil(n / 2) while
-// n > 1 groups remain), the experts' terms by a lane-strided sum and a fixed xor tree. The
-// z-loss: thread-strided sums in order, then fixed xor trees. (At least 1 block per SM in the
-// launch bounds lets ptxas keep the eight loads in flight.)
-extern "C" __global__ void __launch_bounds__(MOE_LOSSES_BLOCK, 1)
-    moe_router_losses(const float *probs, const float *lse, const int *counts, float *losses,
-                      unsigned tokens, unsigned experts, unsigned k, float aux_coef, float z_coef) {
-    cuda_graph::pdl_enter();
-    // [groups][experts] per-group sums: groups * experts <= 4 * MOE_LOSSES_BLOCK (float4
-    // vectors) or MOE_LOSSES_BLOCK (floats), as cols <= experts <= 512.
-    __shared__ __align__(16) float red[4 * MOE_LOSSES_BLOCK];
-    __shared__ float zw[MOE_LOSSES_BLOCK / 32];
-    const unsigned tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
-    const bool vec = experts % 4 == 0 && aligned16(probs);
-    const unsigned cols = vec ? experts / 4 : experts;
-    const unsigned groups = MOE_LOSSES_BLOCK / cols;
-    const unsigned g = tid / cols, c = tid % cols;
-    if (g < groups) {
-        // Eight loads in flight, then their sums in t order.
-        unsigned t = g;
-        if (vec) {
-            const float4 *p4 = reinterpret_cast<const float4 *>(probs);
-            float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            for (; t + 7 * groups < tokens; t += 8 * groups) {
-                float4 v[8];
-#pragma unroll
-                for (int u = 0; u < 8; ++u) v[u] = __ldg(p4 + (size_t)(t + u * groups) * cols + c);
-#pragma unroll
-                for (int u = 0; u < 8; ++u) {
-                    acc.x += v[u].x;
-                    acc.y += v[u].y;
-                    acc.z += v[u].z;
-                    acc.w += v[u].w;
-                }
-            }
-            for (; t < tokens; t += groups) {
-                const float4 v = __ldg(p4 + (size_t)t * cols + c);
-                acc.x += v.x;
-                acc.y += v.y;
-                acc.z += v.z;
-                acc.w += v.w;
-            }
-            reinterpret_cast<float4 *>(red)[g * cols + c] = acc;
-        } else {
-            float acc = 0.0f;
-            for (; t + 7 * groups < tokens; t += 8 * groups) {
-                float v[8];
-#pragma unroll
-                for (int u = 0; u < 8; ++u) v[u] = __ldg(probs + (size_t)(t + u * groups) * cols + c);
-#pragma unroll
-                for (int u = 0; u < 8; ++u) acc += v[u];
-            }
-            for (; t < tokens; t += groups) acc += __ldg(probs + (size_t)t * cols + c);
-            red[g * experts + c] = acc;
-        }
-    }
-    float z = 0.0f;
-    for (unsigned t = tid; t < tokens; t += MOE_LOSSES_BLOCK) z += lse[t] * lse[t];
-    z = warp_sum(z);
-    if (lane == 0) zw[warp] = z;
-    __syncthreads();
-    for (unsigned n = groups; n > 1;) {
-        const unsigned half = (n + 1) / 2;
-        for (unsigned q = tid; q < (n - half) * experts; q += MOE_LOSSES_BLOCK)
-            red[q] += red[q + half * experts];
-        __syncthreads();
-        n = half;
-    }
-    if (warp != 0) return;
-    float aux = 0.0f;
-    for (unsigned e = lane; e < experts; e += 32) {
-        const float f = (float)counts[e] / ((float)tokens * (float)k);
-        aux += f * (red[e] / (float)tokens);
-    }
-    aux = warp_sum(aux);
-    static_assert(MOE_LOSSES_BLOCK / 32 == 32, "one warp sums the per-warp z sums");
-    z = warp_sum(zw[lane]);
-    if (lane == 0) {
-        losses[0] = aux_coef * (float)experts * aux;
-        losses[1] = z_coef * z / (float)tokens;
-    }
-}
-
 // Combine: out[t, :] = sum_j gates[t, j] * y[row_of[t, j], :] in j order (f32), rounded to
-// bf16. One block per token; a negative row contributes nothing. Each thread takes 8
-// consecutive h (16-byte loads and stores) when hidden % 8 == 0 and y, out are 16-byte
-// aligned, else single h.
-extern "C" __global__ void __launch_bounds__(MOE_BLOCK)
+// bf16; a negative row contributes nothing. One block per `tpb` tokens t0 + i (tpb <=
+// RowSlots<KS>::TT: tpb * KS <= MOE_SLOTS, KS = k rounded up to a power of two, and tpb <=
+// MOE_ROW_TOKENS; the last block may have fewer): the block's tpb * k rows and gates go to
+// shared memory first, then combine_rows (each thread W columns per pass, all the rows'
+// loads in flight together). (At least 4 blocks per SM in the launch bounds: 64 registers
+// still hold the 8 loads.)
+extern "C" __global__ void __launch_bounds__(MOE_BLOCK, 4)
     moe_combine_forward(const __nv_bfloat16 *y, const int *row_of, const float *gates,
                         __nv_bfloat16 *out, unsigned tokens, unsigned hidden, unsigned k,
-                        unsigned rows) {
+                        unsigned rows, unsigned tpb) {
     cuda_graph::pdl_enter();
-    __shared__ int rs[8]; // the token's rows, -1 where out of range (k <= 8)
-    __shared__ float gs[8];
-    const unsigned t = blockIdx.x;
-    if (t >= tokens) return;
-    if (threadIdx.x < k) {
-        const int r = row_of[(size_t)t * k + threadIdx.x];
-        rs[threadIdx.x] = r >= 0 && (unsigned)r < rows ? r : -1;
-        gs[threadIdx.x] = gates[(size_t)t * k + threadIdx.x];
+    __shared__ int rs[MOE_ROW_TOKENS][MOE_TOP_K]; // [i][j], -1 where out of range
+    __shared__ float gs[MOE_ROW_TOKENS][MOE_TOP_K];
+    const unsigned t0 = blockIdx.x * tpb;
+    if (t0 >= tokens) return;
+    const unsigned nt = min(tpb, tokens - t0); // block-uniform
+    if (threadIdx.x < nt * k) {
+        const unsigned i = threadIdx.x / k, j = threadIdx.x % k;
+        const size_t a = (size_t)t0 * k + threadIdx.x;
+        const int r = row_of[a];
+        rs[i][j] = r >= 0 && (unsigned)r < rows ? r : -1;
+        gs[i][j] = gates[a];
     }
     __syncthreads();
-    __nv_bfloat16 *o = out + (size_t)t * hidden;
-    if (hidden % 8 == 0 && aligned16(y) && aligned16(out)) {
-        for (unsigned h = threadIdx.x * 8; h < hidden; h += MOE_BLOCK * 8) {
-            uint4 yv[8]; // all k rows' loads in flight first
-#pragma unroll
-            for (int j = 0; j < 8; ++j)
-                if ((unsigned)j < k && rs[j] >= 0) yv[j] = load16(y + (size_t)rs[j] * hidden + h);
-            float acc[8];
-#pragma unroll
-            for (int v = 0; v < 8; ++v) acc[v] = 0.0f;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                if ((unsigned)j >= k || rs[j] < 0) continue;
-                float f[8];
-                bf16x8_to_f32(yv[j], f);
-#pragma unroll
-                for (int v = 0; v < 8; ++v) acc[v] = fmaf(gs[j], f[v], acc[v]);
-            }
-            store_bf16x8(o + h, acc);
-        }
-    } else {
-        for (unsigned h = threadIdx.x; h < hidden; h += MOE_BLOCK) {
-            float acc = 0.0f;
-            for (unsigned j = 0; j < k; ++j)
-                if (rs[j] >= 0) acc = fmaf(gs[j], __bfloat162float(y[(size_t)rs[j] * hidden + h]), acc);
-            o[h] = __float2bfloat16_rn(acc);
-        }
-    }
+    const bool vec = hidden % 8 == 0 && aligned16(y) && aligned16(out);
+    with_row_layout(k, vec, [&](auto ks, auto w) {
+        combine_rows<decltype(ks)::value, decltype(w)::value>(y, rs, gs, out, t0, nt, hidden, k);
+    });
 }
 
-// The gates' gradient: d_gates[i] = sum_h dy[t, h] * y[row_of[i], h] for each assignment i =
-// t * k + j, one warp per assignment (blocks of MOE_WARPS assignments); 0 for a negative row.
-// When hidden % 8 == 0 and dy, y are 16-byte aligned, lane l sums the 8-element groups h =
-// 8 (l + 32 n) .. + 7 for n = 0, 1, ... in order (16-byte loads), else h = l, l + 32, ... in
-// order; then a fixed xor tree.
-extern "C" __global__ void __launch_bounds__(MOE_BLOCK)
-    moe_combine_backward_gates(const __nv_bfloat16 *dy, const __nv_bfloat16 *y, const int *row_of,
-                               float *d_gates, unsigned tokens, unsigned hidden, unsigned k,
-                               unsigned rows) {
+// The combine's backward into the router: the gates' gradient and then the logits'. One
+// block per `tpb` tokens t0 + i (tpb as for the combine), dynamic shared memory (3 * tpb + 1)
+// * experts floats.
+//   d_gates[t, j] = sum_h dy[t, h] * y[row_of[t, j], h] (0 for a negative row): gate_dots's
+//                   per-thread sums, warp_sum_n over each warp, the warps' sums in warp order;
+//   d_logits[t, :] = token_backward (one warp per token) from the saved logits, top-k, gates
+//                   and counts, and the block's d_gates.
+// Everything the second part reads is loaded into shared memory with the rows at the start
+// (one round trip).
+extern "C" __global__ void __launch_bounds__(MOE_BLOCK, 2)
+    moe_combine_backward(const __nv_bfloat16 *dy, const __nv_bfloat16 *y, const int *row_of,
+                         const float *logits, const int *topk, const float *gates,
+                         const int *counts, float *d_gates, float *d_logits, unsigned tokens,
+                         unsigned hidden, unsigned experts, unsigned k, unsigned rows,
+                         unsigned tpb, unsigned score_fn, unsigned renormalize, float aux_coef,
+                         float z_coef) {
     cuda_graph::pdl_enter();
+    // [tpb][experts] logits, [tpb][experts] scores, [tpb][experts] their gradients, then
+    // [experts] the aux loss's gradient on each score.
+    extern __shared__ float sb[];
+    __shared__ int rs[MOE_ROW_TOKENS][MOE_TOP_K], tk[MOE_ROW_TOKENS][MOE_TOP_K]; // [i][j]
+    __shared__ float gt[MOE_ROW_TOKENS][MOE_TOP_K], dg[MOE_ROW_TOKENS][MOE_TOP_K];
+    __shared__ float part[MOE_WARPS][MOE_SLOTS];
+    static_assert(MOE_ROW_TOKENS <= MOE_WARPS, "a warp finishes each token");
     const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
-    const size_t i = (size_t)blockIdx.x * MOE_WARPS + warp;
-    if (i >= (size_t)tokens * k) return;
-    const size_t t = i / k;
-    const int r = row_of[i];
-    float acc = 0.0f;
-    if (r >= 0 && (unsigned)r < rows) {
-        const __nv_bfloat16 *dr = dy + t * hidden, *yr = y + (size_t)r * hidden;
-        if (hidden % 8 == 0 && aligned16(dy) && aligned16(y)) {
-            // Batches of 4 groups per lane: their loads in flight together, then the sums in
-            // h order.
-            for (unsigned h0 = lane * 8; h0 < hidden; h0 += 4 * 32 * 8) {
-                uint4 a[4], b[4];
-#pragma unroll
-                for (int u = 0; u < 4; ++u) {
-                    const unsigned h = h0 + u * 32 * 8;
-                    if (h < hidden) {
-                        a[u] = load16(dr + h);
-                        b[u] = load16(yr + h);
-                    }
-                }
-#pragma unroll
-                for (int u = 0; u < 4; ++u) {
-                    if (h0 + u * 32 * 8 >= hidden) break;
-                    float af[8], bf[8];
-                    bf16x8_to_f32(a[u], af);
-                    bf16x8_to_f32(b[u], bf);
-#pragma unroll
-                    for (int v = 0; v < 8; ++v) acc = fmaf(af[v], bf[v], acc);
-                }
-            }
-        } else {
-            for (unsigned h = lane; h < hidden; h += 32)
-                acc = fmaf(__bfloat162float(dr[h]), __bfloat162float(yr[h]), acc);
-        }
-    }
-    acc = warp_sum(acc);
-    if (lane == 0) d_gates[i] = acc;
-}
-
-// Router backward, one warp per token (blocks of MOE_BLOCK threads = MOE_WARPS tokens),
-// dynamic shared memory MOE_WARPS * 2 * experts floats. From the saved logits, top-k and
-// gates, the gates' gradient and the expert counts:
-//   through the gates:  softmax without renormalisation: d s_e = sum_j [e_j = e] dg_j;
-//                       renormalised (sigmoid always): d s_{e_i} = (dg_i - sum_j dg_j g_j) / S,
-//                       S = sum of the chosen scores;
-//   the aux loss:       c_e = aux_coef * E * f_e / T on p[t, e]: softmax p = s, so d s_e += c_e;
-//                       sigmoid p = s / Q, so d s_e += (c_e - sum_e' c_e' p_e') / Q;
-//   to the logits:      softmax d l_e = s_e (d s_e - sum_e' d s_e' s_e');
-//                       sigmoid d l_e = d s_e s_e (1 - s_e);
-//   the z-loss:         d l_e += z_coef * (2 / T) * lse * softmax(l)_e.
-extern "C" __global__ void __launch_bounds__(MOE_BLOCK)
-    moe_router_backward(const float *logits, const int *topk, const float *gates,
-                        const float *d_gates, const int *counts, float *d_logits, unsigned tokens,
-                        unsigned experts, unsigned k, unsigned score_fn, unsigned renormalize,
-                        float aux_coef, float z_coef) {
-    cuda_graph::pdl_enter();
-    extern __shared__ float sh[];
-    const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
-    const unsigned t = blockIdx.x * MOE_WARPS + warp;
-    if (t >= tokens) return;
-    float *s = sh + (size_t)warp * 2 * experts, *ds = s + experts;
-    const float *l = logits + (size_t)t * experts;
-    float m = -INFINITY;
-    for (unsigned e = lane; e < experts; e += 32) m = fmaxf(m, l[e]);
-    m = warp_max(m);
-    float z = 0.0f;
-    for (unsigned e = lane; e < experts; e += 32) z += expf(l[e] - m);
-    z = warp_sum(z);
-    const float lse = m + logf(z);
-    float q = 0.0f;
-    for (unsigned e = lane; e < experts; e += 32) {
-        const float v = score_fn == 0 ? expf(l[e] - m) / z : sigmoidf(l[e]);
-        s[e] = v;
-        q += v;
-    }
-    q = warp_sum(q);
+    const unsigned t0 = blockIdx.x * tpb;
+    if (t0 >= tokens) return;
+    const unsigned nt = min(tpb, tokens - t0), na = nt * k; // block-uniform
+    float *lg = sb, *sc = sb + (size_t)tpb * experts, *dsc = sb + (size_t)2 * tpb * experts;
+    float *ce = sb + (size_t)3 * tpb * experts;
+    for (unsigned q = threadIdx.x; q < nt * experts; q += MOE_BLOCK)
+        lg[q] = logits[(size_t)t0 * experts + q];
     const float inv_tk = 1.0f / ((float)tokens * (float)k);
     const float aux_scale = aux_coef * (float)experts / (float)tokens;
-    // The aux loss's gradient on the scores; for sigmoid its mean over p needs a sum first.
-    float cp = 0.0f;
-    for (unsigned e = lane; e < experts; e += 32) {
-        const float c = aux_scale * (float)counts[e] * inv_tk;
-        ds[e] = c;
-        cp += c * (s[e] / q);
+    for (unsigned e = threadIdx.x; e < experts; e += MOE_BLOCK)
+        ce[e] = aux_scale * (float)counts[e] * inv_tk;
+    if (threadIdx.x < na) {
+        const unsigned i = threadIdx.x / k, j = threadIdx.x % k;
+        const size_t a = (size_t)t0 * k + threadIdx.x;
+        const int r = row_of[a];
+        rs[i][j] = r >= 0 && (unsigned)r < rows ? r : -1;
+        tk[i][j] = topk[a];
+        gt[i][j] = gates[a];
     }
-    cp = warp_sum(cp);
-    if (score_fn != 0)
-        for (unsigned e = lane; e < experts; e += 32) ds[e] = (ds[e] - cp) / q;
-    __syncwarp();
-    // Through the gates (lane 0: k <= 8 terms, in j order).
-    if (lane == 0) {
-        const int *tk = topk + (size_t)t * k;
-        const float *g = gates + (size_t)t * k, *dg = d_gates + (size_t)t * k;
-        const bool norm = score_fn != 0 || renormalize != 0;
-        float sum = 0.0f, dot = 0.0f;
-        for (unsigned j = 0; j < k; ++j) {
-            const int e = tk[j];
-            if (e >= 0 && (unsigned)e < experts) sum += s[e];
-            dot += dg[j] * g[j];
-        }
-        for (unsigned j = 0; j < k; ++j) {
-            const int e = tk[j];
-            if (e < 0 || (unsigned)e >= experts) continue;
-            ds[e] += norm ? (dg[j] - dot) / sum : dg[j];
-        }
+    __syncthreads();
+    float acc[MOE_SLOTS];
+    const bool vec = hidden % 8 == 0 && aligned16(dy) && aligned16(y);
+    with_row_layout(k, vec, [&](auto ks, auto w) {
+        gate_dots<decltype(ks)::value, decltype(w)::value>(dy, y, rs, t0, nt, hidden, k, acc);
+    });
+    const float v = warp_sum_n(acc);
+    if ((lane & 3) == 0) part[warp][lane >> 2] = v;
+    __syncthreads();
+    if (threadIdx.x < na) {
+        const unsigned i = threadIdx.x / k, j = threadIdx.x % k;
+        const unsigned q = i * slots_per_token(k) + j;
+        float g = part[0][q];
+#pragma unroll
+        for (int w = 1; w < MOE_WARPS; ++w) g += part[w][q];
+        dg[i][j] = g;
+        d_gates[(size_t)t0 * k + threadIdx.x] = g;
     }
-    __syncwarp();
-    float sds = 0.0f;
-    if (score_fn == 0) {
-        for (unsigned e = lane; e < experts; e += 32) sds += ds[e] * s[e];
-        sds = warp_sum(sds);
-    }
-    const float zc = z_coef * 2.0f / (float)tokens * lse;
-    float *dl = d_logits + (size_t)t * experts;
-    for (unsigned e = lane; e < experts; e += 32) {
-        const float sm = expf(l[e] - m) / z;
-        const float v = score_fn == 0 ? s[e] * (ds[e] - sds) : ds[e] * s[e] * (1.0f - s[e]);
-        dl[e] = v + zc * sm;
+    __syncthreads();
+    if (warp < nt) {
+        const size_t o = (size_t)warp * experts;
+        token_backward(lg + o, ce, tk[warp], gt[warp], dg[warp], sc + o, dsc + o,
+                       d_logits + (size_t)(t0 + warp) * experts, tokens, experts, k, score_fn,
+                       renormalize, z_coef);
     }
 }
 
 // The input gradient: dx[t, h] = sum_j dxp[row_of[t, j], h] (j order) + sum_e d_logits[t, e] *
-// wr[e, h] (e order), f32, rounded to bf16. One block per MOE_TOKENS tokens t0 + i (the last
-// block may have fewer), so each wr[e, h] is loaded once per block and used for all of them
-// from registers; dynamic shared memory MOE_TOKENS * experts floats (the tokens' d_logits,
-// expert-major). Each thread takes 8 consecutive h (16-byte loads and stores) when hidden % 8
-// == 0 and dxp, wr, dx are 16-byte aligned, else single h; the per-element order is the same
-// either way.
-extern "C" __global__ void __launch_bounds__(MOE_BLOCK)
+// wr[e, h] (e order), f32, rounded to bf16. One block per `tpb` (<= MOE_TOKENS) tokens t0 + i
+// (the last block may have fewer), so each wr[e, h] is loaded once per block and used for all
+// of them from registers; dynamic shared memory MOE_TOKENS * experts floats (the tokens'
+// d_logits, expert-major). unpermute_rows does the rest: W columns per thread per pass, the
+// tokens' j-th rows loaded together; the per-element order is the same for W = 8 and W = 1.
+extern "C" __global__ void __launch_bounds__(MOE_BLOCK, 2)
     moe_unpermute_backward(const __nv_bfloat16 *dxp, const int *row_of, const float *d_logits,
                            const float *wr, __nv_bfloat16 *dx, unsigned tokens, unsigned hidden,
-                           unsigned experts, unsigned k, unsigned rows) {
+                           unsigned experts, unsigned k, unsigned rows, unsigned tpb) {
     cuda_graph::pdl_enter();
     extern __shared__ __align__(16) float dl[]; // [experts][MOE_TOKENS], 0 past the last token
-    __shared__ int rs[MOE_TOKENS][8];           // rows, -1 where out of range (k <= 8)
-    const unsigned t0 = blockIdx.x * MOE_TOKENS;
+    __shared__ int rs[MOE_TOKENS][MOE_TOP_K];   // rows, -1 where out of range
+    const unsigned t0 = blockIdx.x * tpb;
     if (t0 >= tokens) return;
-    const unsigned nt = min((unsigned)MOE_TOKENS, tokens - t0); // block-uniform
+    const unsigned nt = min(tpb, tokens - t0); // block-uniform
     for (unsigned q = threadIdx.x; q < MOE_TOKENS * experts; q += MOE_BLOCK) {
         const unsigned i = q / experts, e = q % experts;
         dl[e * MOE_TOKENS + i] = i < nt ? d_logits[(size_t)(t0 + i) * experts + e] : 0.0f;
     }
-    for (unsigned q = threadIdx.x; q < MOE_TOKENS * k; q += MOE_BLOCK) {
+    for (unsigned q = threadIdx.x; q < nt * k; q += MOE_BLOCK) {
         const unsigned i = q / k, j = q % k;
-        const int r = i < nt ? row_of[(size_t)(t0 + i) * k + j] : -1;
+        const int r = row_of[(size_t)t0 * k + q];
         rs[i][j] = r >= 0 && (unsigned)r < rows ? r : -1;
     }
     __syncthreads();
-    const float4 *dl4 = reinterpret_cast<const float4 *>(dl);
-    static_assert(MOE_TOKENS == 8, "d_logits of one expert: two float4");
-    if (hidden % 8 == 0 && aligned16(dxp) && aligned16(wr) && aligned16(dx)) {
-        for (unsigned h = threadIdx.x * 8; h < hidden; h += MOE_BLOCK * 8) {
-            float acc[MOE_TOKENS][8];
-#pragma unroll
-            for (int i = 0; i < MOE_TOKENS; ++i)
-#pragma unroll
-                for (int v = 0; v < 8; ++v) acc[i][v] = 0.0f;
-            // j outer, tokens inner: the tokens' loads in flight together, each element's
-            // terms still in j order.
-            // A negative row loads row 0 (the capacity is at least 1 row) and adds nothing.
-            for (unsigned j = 0; j < k; ++j) {
-                uint4 raw[MOE_TOKENS];
-#pragma unroll
-                for (int i = 0; i < MOE_TOKENS; ++i)
-                    raw[i] = load16(dxp + (size_t)max(rs[i][j], 0) * hidden + h);
-#pragma unroll
-                for (int i = 0; i < MOE_TOKENS; ++i) {
-                    if (rs[i][j] < 0) continue;
-                    float f[8];
-                    bf16x8_to_f32(raw[i], f);
-#pragma unroll
-                    for (int v = 0; v < 8; ++v) acc[i][v] += f[v];
-                }
-            }
-#pragma unroll 4
-            for (unsigned e = 0; e < experts; ++e) {
-                float w[8];
-                load_f32x8(wr + (size_t)e * hidden + h, w);
-                const float4 da = dl4[2 * e], db = dl4[2 * e + 1];
-                const float d[MOE_TOKENS] = {da.x, da.y, da.z, da.w, db.x, db.y, db.z, db.w};
-#pragma unroll
-                for (int i = 0; i < MOE_TOKENS; ++i)
-#pragma unroll
-                    for (int v = 0; v < 8; ++v) acc[i][v] = fmaf(d[i], w[v], acc[i][v]);
-            }
-#pragma unroll
-            for (int i = 0; i < MOE_TOKENS; ++i)
-                if ((unsigned)i < nt) store_bf16x8(dx + (size_t)(t0 + i) * hidden + h, acc[i]);
-        }
-    } else {
-        for (unsigned h = threadIdx.x; h < hidden; h += MOE_BLOCK) {
-            float acc[MOE_TOKENS];
-#pragma unroll
-            for (int i = 0; i < MOE_TOKENS; ++i) {
-                acc[i] = 0.0f;
-                if ((unsigned)i >= nt) continue;
-                for (unsigned j = 0; j < k; ++j) {
-                    const int r = rs[i][j];
-                    if (r >= 0) acc[i] += __bfloat162float(dxp[(size_t)r * hidden + h]);
-                }
-            }
-            for (unsigned e = 0; e < experts; ++e) {
-                const float w = wr[(size_t)e * hidden + h];
-#pragma unroll
-                for (int i = 0; i < MOE_TOKENS; ++i) acc[i] = fmaf(dl[e * MOE_TOKENS + i], w, acc[i]);
-            }
-#pragma unroll
-            for (int i = 0; i < MOE_TOKENS; ++i)
-                if ((unsigned)i < nt) dx[(size_t)(t0 + i) * hidden + h] = __float2bfloat16_rn(acc[i]);
-        }
-    }
+    const bool vec = hidden % 8 == 0 && aligned16(dxp) && aligned16(wr) && aligned16(dx);
+    if (vec)
+        unpermute_rows<8>(dxp, rs, dl, wr, dx, t0, nt, hidden, experts, k);
+    else
+        unpermute_rows<1>(dxp, rs, dl, wr, dx, t0, nt, hidden, experts, k);
 }
 
 // The router weight's gradient, step 1 of 2: partial[c, e, h] = sum over the tokens t of
-// chunk c (chunk tokens each, in order) of d_logits[t, e] * x[t, h]. Grid (ceil(ceil(H / 2) /
-// MOE_BLOCK), chunks, ceil(E / MOE_WGRAD_EXPERTS)), dynamic shared memory chunk *
-// MOE_WGRAD_EXPERTS floats (the chunk's d_logits of the block's experts). Thread p of block
-// (b, c, g) takes h = 2 (b * MOE_BLOCK + p) and h + 1 for experts g * MOE_WGRAD_EXPERTS + (0 ..
-// MOE_WGRAD_EXPERTS), so each x[t, h] is loaded once per group of experts (one 4-byte load of
-// the pair when hidden is even and x 4-byte aligned, else two 2-byte loads). (At least 1 block
-// per SM in the launch bounds lets ptxas keep a batch's 16 loads in flight.)
-extern "C" __global__ void __launch_bounds__(MOE_BLOCK, 1)
+// chunk c (chunk tokens each) of d_logits[t, e] * x[t, h]. Grid (ceil(H / MOE_WGRAD_COLS),
+// chunks, ceil(E / MOE_WGRAD_EXPERTS)), dynamic shared memory chunk * MOE_WGRAD_EXPERTS floats
+// (the chunk's d_logits of the block's experts). Every warp of block (b, c, g) takes the same
+// 256 columns from b * 256 (8 per lane, wgrad_col: 16-byte loads when H % 8 == 0 and x,
+// partial are 16-byte aligned) for experts g * 8 .. g * 8 + 7, warp w the chunk's tokens w,
+// w + 8, ... (wgrad_dots); the 8 warps' sums are then added by a fixed tree in shared memory
+// (warp w += warp w + n for n = 4, 2, 1) and warp 0 writes them. (At least 2 blocks per SM in
+// the launch bounds: 64 sums and 8 loads per thread fit 128 registers.)
+extern "C" __global__ void __launch_bounds__(MOE_BLOCK, 2)
     moe_router_wgrad_partial(const float *d_logits, const __nv_bfloat16 *x, float *partial,
                              unsigned tokens, unsigned hidden, unsigned experts, unsigned chunk) {
     cuda_graph::pdl_enter();
     extern __shared__ __align__(16) float dls[]; // [chunk][MOE_WGRAD_EXPERTS]
-    static_assert(MOE_WGRAD_EXPERTS == 8, "one token's d_logits: two float4");
-    const unsigned e0 = blockIdx.z * MOE_WGRAD_EXPERTS;
+    __shared__ float red[MOE_WARPS / 2][MOE_WGRAD_EXPERTS * 8][32];
+    const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    const unsigned e0 = blockIdx.z * MOE_WGRAD_EXPERTS, c0 = blockIdx.x * MOE_WGRAD_COLS;
     const unsigned t0 = blockIdx.y * chunk;
     if (t0 >= tokens) return;
     const unsigned nt = min(chunk, tokens - t0);
@@ -696,61 +1035,106 @@ extern "C" __global__ void __launch_bounds__(MOE_BLOCK, 1)
         dls[q] = e < experts ? d_logits[(size_t)(t0 + i) * experts + e] : 0.0f;
     }
     __syncthreads();
-    const unsigned h = 2 * (blockIdx.x * MOE_BLOCK + threadIdx.x);
-    if (h >= hidden) return;
-    const bool pair = h + 1 < hidden;
-    const __nv_bfloat16 *xp = x + (size_t)t0 * hidden + h;
-    const float4 *d4 = reinterpret_cast<const float4 *>(dls);
-    float a0[MOE_WGRAD_EXPERTS], a1[MOE_WGRAD_EXPERTS];
+    float acc[MOE_WGRAD_EXPERTS][8];
 #pragma unroll
-    for (int g = 0; g < MOE_WGRAD_EXPERTS; ++g) a0[g] = a1[g] = 0.0f;
-    const bool vec = hidden % 2 == 0 && (reinterpret_cast<size_t>(x) & 3) == 0;
-    const auto load = [&](unsigned i) {
-        const __nv_bfloat16 *xi = xp + (size_t)i * hidden;
-        if (vec) return *reinterpret_cast<const __nv_bfloat162 *>(xi);
-        __nv_bfloat162 v;
-        v.x = xi[0];
-        v.y = pair ? xi[1] : __float2bfloat16_rn(0.0f);
-        return v;
-    };
-    const auto step = [&](unsigned i, __nv_bfloat162 xv) {
-        const float2 xf = __bfloat1622float2(xv);
-        const float4 da = d4[2 * i], db = d4[2 * i + 1];
-        const float d[MOE_WGRAD_EXPERTS] = {da.x, da.y, da.z, da.w, db.x, db.y, db.z, db.w};
+    for (int g = 0; g < MOE_WGRAD_EXPERTS; ++g)
 #pragma unroll
-        for (int g = 0; g < MOE_WGRAD_EXPERTS; ++g) {
-            a0[g] = fmaf(d[g], xf.x, a0[g]);
-            a1[g] = fmaf(d[g], xf.y, a1[g]);
+        for (int v = 0; v < 8; ++v) acc[g][v] = 0.0f;
+    const __nv_bfloat16 *xc = x + (size_t)t0 * hidden;
+    const bool vec = hidden % 8 == 0 && aligned16(x) && aligned16(partial);
+    if (vec)
+        wgrad_dots<true>(xc, dls, nt, hidden, c0, acc);
+    else
+        wgrad_dots<false>(xc, dls, nt, hidden, c0, acc);
+    for (unsigned n = MOE_WARPS / 2; n > 0; n >>= 1) {
+        if (warp >= n && warp < 2 * n) {
+#pragma unroll
+            for (int g = 0; g < MOE_WGRAD_EXPERTS; ++g)
+#pragma unroll
+                for (int v = 0; v < 8; ++v) red[warp - n][g * 8 + v][lane] = acc[g][v];
         }
-    };
-    // Batches of 16 tokens: their x loads in flight together, then the sums in token order.
-    unsigned i0 = 0;
-    for (; i0 + 16 <= nt; i0 += 16) {
-        __nv_bfloat162 xv[16];
+        __syncthreads();
+        if (warp < n) {
 #pragma unroll
-        for (int u = 0; u < 16; ++u) xv[u] = load(i0 + u);
+            for (int g = 0; g < MOE_WGRAD_EXPERTS; ++g)
 #pragma unroll
-        for (int u = 0; u < 16; ++u) step(i0 + u, xv[u]);
+                for (int v = 0; v < 8; ++v) acc[g][v] += red[warp][g * 8 + v][lane];
+        }
+        __syncthreads();
     }
-    for (; i0 < nt; ++i0) step(i0, load(i0));
+    if (warp != 0) return;
     float *pc = partial + (size_t)blockIdx.y * experts * hidden;
-#pragma unroll
-    for (int g = 0; g < MOE_WGRAD_EXPERTS; ++g) {
-        const unsigned e = e0 + g;
-        if (e >= experts) break;
-        pc[(size_t)e * hidden + h] = a0[g];
-        if (pair) pc[(size_t)e * hidden + h + 1] = a1[g];
-    }
+    if (vec)
+        wgrad_store<true>(pc, hidden, experts, e0, c0, acc);
+    else
+        wgrad_store<false>(pc, hidden, experts, e0, c0, acc);
 }
 
-// Step 2 of 2: dwr[e, h] (+)= sum over chunks c in order of partial[c, e, h].
+// Step 2 of 2: dwr[q] (+)= sum over chunks c of partial[c, q]. Four lanes per group of four
+// consecutive q (one float4 when n % 4 == 0 and partial, dwr are 16-byte aligned): lane s
+// sums the chunks s, s + 4, ... in order (8 loads in flight), then (s0 + s1) + (s2 + s3) by
+// two xor shuffles.
 extern "C" __global__ void __launch_bounds__(MOE_BLOCK)
     moe_router_wgrad_reduce(const float *partial, float *dwr, unsigned n, unsigned chunks,
                             unsigned accumulate) {
     cuda_graph::pdl_enter();
-    const size_t q = (size_t)blockIdx.x * MOE_BLOCK + threadIdx.x;
-    if (q >= n) return;
-    float acc = 0.0f;
-    for (unsigned c = 0; c < chunks; ++c) acc += partial[(size_t)c * n + q];
-    dwr[q] = accumulate ? dwr[q] + acc : acc;
+    const size_t first = (size_t)blockIdx.x * MOE_BLOCK + threadIdx.x;
+    const size_t g = first / 4, groups = ((size_t)n + 3) / 4;
+    // Whole warps past the end leave; the others stay whole for the shuffles.
+    if ((first & ~(size_t)31) / 4 >= groups) return;
+    const unsigned s = threadIdx.x & 3u;
+    const bool vec = n % 4 == 0 && aligned16(partial) && aligned16(dwr);
+    float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (g < groups) {
+        if (vec) {
+            const float4 *p = reinterpret_cast<const float4 *>(partial) + g;
+            const size_t stride = n / 4;
+            unsigned c = s;
+            for (; c + 7 * 4 < chunks; c += 8 * 4) {
+                float4 v[8];
+#pragma unroll
+                for (int u = 0; u < 8; ++u) v[u] = __ldg(p + (size_t)(c + 4 * u) * stride);
+#pragma unroll
+                for (int u = 0; u < 8; ++u) {
+                    a[0] += v[u].x;
+                    a[1] += v[u].y;
+                    a[2] += v[u].z;
+                    a[3] += v[u].w;
+                }
+            }
+            for (; c < chunks; c += 4) {
+                const float4 v = __ldg(p + (size_t)c * stride);
+                a[0] += v.x;
+                a[1] += v.y;
+                a[2] += v.z;
+                a[3] += v.w;
+            }
+        } else {
+            for (unsigned c = s; c < chunks; c += 4)
+#pragma unroll
+                for (int v = 0; v < 4; ++v)
+                    if (g * 4 + v < n) a[v] += __ldg(partial + (size_t)c * n + g * 4 + v);
+        }
+    }
+#pragma unroll
+    for (int v = 0; v < 4; ++v) {
+        a[v] += __shfl_xor_sync(0xffffffffu, a[v], 1);
+        a[v] += __shfl_xor_sync(0xffffffffu, a[v], 2);
+    }
+    if (g >= groups || s != 0) return;
+    if (vec) {
+        float4 *d4 = reinterpret_cast<float4 *>(dwr) + g;
+        float4 r = make_float4(a[0], a[1], a[2], a[3]);
+        if (accumulate) {
+            const float4 o = *d4;
+            r = make_float4(o.x + a[0], o.y + a[1], o.z + a[2], o.w + a[3]);
+        }
+        *d4 = r;
+    } else {
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+            const size_t q = g * 4 + v;
+            if (q < n) dwr[q] = accumulate ? dwr[q] + a[v] : a[v];
+        }
+    }
 }

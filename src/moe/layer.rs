@@ -8,11 +8,11 @@
 //! E4M3 cast of fc2's input ([`swiglu_cast_transpose`]) -> fc2 (`[E, H, F]`) -> combine (the
 //! gate-weighted sum of each token's `k` expert rows, bf16 out).
 //!
-//! The backward, all of it: the gates' gradient, the combine's backward fused with the cast
-//! of dY to the gradient format (E5M2 in the HYBRID recipe, E4M3 in the E4M3 one), fc2's
-//! dgrad and wgrad, the SwiGLU backward fused with its casts, fc1's dgrad and wgrad, then
-//! the router (through the scores, top-k, renormalisation, aux and z losses) into `dx` and
-//! the router weight's gradient. Weight gradients accumulate in f32, or, with
+//! The backward, all of it: the gates' gradient and from it the router logits' (through the
+//! scores, top-k, renormalisation, aux and z losses), the combine's backward fused with the
+//! cast of dY to the gradient format (E5M2 in the HYBRID recipe, E4M3 in the E4M3 one),
+//! fc2's dgrad and wgrad, the SwiGLU backward fused with its casts, fc1's dgrad and wgrad,
+//! then `dx` and the router weight's gradient. Weight gradients accumulate in f32, or, with
 //! [`MoeLayer::with_step_gradients`], hold one step's sum (microbatch 0 writes them).
 //!
 //! # Expert GEMMs ([`ExpertGemm`])
@@ -22,7 +22,7 @@
 //!   the grouped weight-gradient kernel restricted to that expert. Under graphed callables:
 //!   breaking-layer capture (Megatron's `moe_router` / `moe_preprocess` scopes): forward
 //!   `[Graphed: router + permute] [Eager: experts] [Graphed: combine]`, backward
-//!   `[Graphed: gates' gradient + dY cast] [Eager: experts] [Graphed: router backward]`.
+//!   `[Graphed: gates' and router gradients + dY cast] [Eager: experts] [Graphed: dx]`.
 //! * [`ExpertGemm::Grouped`]: grouped GEMMs reading the offsets on the device; nothing on
 //!   the host between the kernels, so each pass is one graph (full-layer capture).
 //!
@@ -670,7 +670,8 @@ impl MoeLayer {
         )
     }
 
-    /// Backward part 1: the gates' gradient and dY's cast into the packed layout.
+    /// Backward part 1: the gates' and the router logits' gradients and dY's cast into the
+    /// packed layout.
     fn combine_backward(
         &self,
         stream: &Stream,
@@ -678,8 +679,7 @@ impl MoeLayer {
         s: &Saved<'_>,
     ) -> Result<()> {
         let (t, h) = (self.cfg.tokens, self.cfg.hidden);
-        self.router
-            .combine_backward_gates(stream, dy, &s.y, &s.routing)?;
+        self.router.combine_backward(stream, dy, &s.y, &s.routing)?;
         let dy_fp8 = self.tensor(&self.dyq, &[self.cfg.capacity(), h], DY, &s.si[2])?;
         let gather = Gather {
             token_of_row: &s.routing.token_of_row,
@@ -794,8 +794,8 @@ impl MoeLayer {
         )
     }
 
-    /// Backward part 3: the router's backward and dx (and, with `weights = Some(accumulate)`,
-    /// the router weight's gradient).
+    /// Backward part 3: dx (and, with `weights = Some(accumulate)`, the router weight's
+    /// gradient) from the logits' gradient of part 1.
     fn router_backward(
         &self,
         stream: &Stream,
@@ -804,7 +804,6 @@ impl MoeLayer {
         s: &Saved<'_>,
         weights: Option<bool>,
     ) -> Result<()> {
-        self.router.backward(stream, &s.routing)?;
         self.router
             .input_backward(stream, &self.dxp, &self.wr, &s.routing, dx)?;
         if let Some(accumulate) = weights {
@@ -863,9 +862,9 @@ impl MoeLayer {
         }
     }
 
-    /// Part `part` of the backward: 0 the gates' gradient and dY's cast, 1 the experts, 2 the
-    /// router backward and dx; with `weights`, parts 1 and 2 also compute their weight
-    /// gradients (without, [`Callable::backward_weight`] does it later).
+    /// Part `part` of the backward: 0 the gates' and logits' gradients and dY's cast, 1 the
+    /// experts, 2 dx; with `weights`, parts 1 and 2 also compute their weight gradients
+    /// (without, [`Callable::backward_weight`] does it later).
     fn backward_part(
         &self,
         part: usize,

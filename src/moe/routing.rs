@@ -11,10 +11,10 @@
 //! each expert; then the load-balancing and z losses. The experts' activations are moved into
 //! the packed layout by [`fp8_kernels::gather_cast_transpose`] with `token_of_row`.
 //! [`Router::combine`] weighs each token's `k` expert rows by the gates. The backward:
-//! [`Router::combine_backward_gates`] (the gates' gradient), [`Router::backward`] (the
-//! logits' gradient through the scores, top-k, renormalisation, aux and z losses),
-//! [`Router::input_backward`] (the input gradient: the experts' rows summed back to tokens
-//! plus the router's part) and [`Router::weight_backward`] (the router weight's gradient).
+//! [`Router::combine_backward`] (the gates' gradient, then the logits' through the scores,
+//! top-k, renormalisation, aux and z losses), [`Router::input_backward`] (the input gradient:
+//! the experts' rows summed back to tokens plus the router's part) and
+//! [`Router::weight_backward`] (the router weight's gradient).
 //!
 //! Nothing here reads the routing back to the host or synchronises: all of it can be
 //! captured once and replayed as the routing changes. Every floating-point sum has a fixed
@@ -34,16 +34,32 @@ use cuda_graph::{DeviceBuffer, Error, Kernel, KernelArgs, LaunchConfig, Module, 
 /// The kernels, built from `src/kernels/moe_routing.cu`.
 static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/moe_routing.fatbin"));
 
-/// Threads per block of every kernel (`MOE_BLOCK`).
+/// Threads per block of every kernel but the plan scan (`MOE_BLOCK`).
 const BLOCK: u32 = 256;
 /// Warps per block (`MOE_WARPS`).
 const WARPS: u32 = BLOCK / 32;
+/// Threads of the plan scan's single block (`MOE_SCAN_BLOCK`).
+const SCAN_BLOCK: u32 = 1024;
 /// Tokens per chunk of the router weight gradient's first step.
 const WGRAD_CHUNK: usize = 128;
-/// Tokens per block of the router forward and the input gradient (`MOE_TOKENS`).
-const TOKENS_PER_BLOCK: u32 = WARPS;
-/// Threads of the auxiliary losses' single block (`MOE_LOSSES_BLOCK`).
-const LOSSES_BLOCK: u32 = 1024;
+/// The most tokens per block of the router forward and the input gradient, which read all of
+/// `Wr` in every block and use each piece for all the block's tokens (`MOE_TOKENS`).
+const MAX_WR_TOKENS: usize = 8;
+/// Tokens per block of the `Wr` kernels: one block per 128 tokens would be about one per SM;
+/// more tokens per block only once that many blocks fill the GPU.
+const WR_TOKENS_STEP: usize = 128;
+/// The most (token, expert) rows per block of the combine and its backward (`MOE_SLOTS`).
+const ROW_SLOTS: usize = 8;
+/// The most tokens per block of the combine and its backward (`MOE_ROW_TOKENS`).
+const MAX_ROW_TOKENS: usize = 4;
+/// The combine kernels take one more token per block for every 256 tokens: at least 256
+/// blocks (two per SM) before blocks grow.
+const ROW_TOKENS_STEP: usize = 256;
+// The combine's backward takes (3 * tokens + 1) * E floats of dynamic shared memory: within
+// the 48 KiB a launch gets without opting in, beside its static arrays (768 bytes).
+const _: () = assert!((3 * MAX_ROW_TOKENS + 1) * MAX_EXPERTS * 4 + 768 <= 48 * 1024);
+/// Columns per block of the router weight gradient's first step (`MOE_WGRAD_COLS`).
+const WGRAD_COLS: u32 = 256;
 /// Experts per block of the router weight gradient's first step (`MOE_WGRAD_EXPERTS`).
 const WGRAD_EXPERTS: u32 = 8;
 
@@ -167,6 +183,26 @@ impl RoutingDims {
         (self.tokens * self.top_k).div_ceil(BLOCK as usize)
     }
 
+    /// Tokens per block of the router forward and the input gradient (`1..=MAX_WR_TOKENS`).
+    fn wr_tokens_per_block(&self) -> usize {
+        self.tokens.div_ceil(WR_TOKENS_STEP).clamp(1, MAX_WR_TOKENS)
+    }
+
+    /// Blocks of the router forward: each writes one row of the losses' partial sums.
+    fn router_blocks(&self) -> usize {
+        self.tokens.div_ceil(self.wr_tokens_per_block())
+    }
+
+    /// Tokens per block of the combine and its backward: at most `ROW_SLOTS` rows with `k`
+    /// rounded up to a power of two (the kernels' register layout), at most
+    /// `MAX_ROW_TOKENS`, one per `ROW_TOKENS_STEP` tokens; at least 1.
+    fn row_tokens_per_block(&self) -> usize {
+        (ROW_SLOTS / self.top_k.next_power_of_two())
+            .min(MAX_ROW_TOKENS)
+            .min(self.tokens / ROW_TOKENS_STEP)
+            .max(1)
+    }
+
     /// Token chunks of the router weight gradient.
     fn wgrad_chunks(&self) -> usize {
         self.tokens.div_ceil(WGRAD_CHUNK)
@@ -206,6 +242,9 @@ pub struct RoutingBuffers {
     /// `[T, E]` the logits' gradient (backward).
     pub d_logits: DeviceBuffer<f32>,
     block_counts: DeviceBuffer<i32>,
+    /// `[E + 1, router blocks]`: per router-forward block, its tokens' sums of each expert's
+    /// probability and of `lse^2` (the losses' first step).
+    loss_partial: DeviceBuffer<f32>,
     wgrad_partial: DeviceBuffer<f32>,
 }
 
@@ -213,23 +252,24 @@ pub struct RoutingBuffers {
 const FIELD_ALIGN: usize = 256;
 
 /// The element counts of the fields, in layout order (all 4-byte elements).
-fn field_lens(d: RoutingDims) -> [usize; 14] {
+fn field_lens(d: RoutingDims) -> [usize; 15] {
     let (t, e, k, h) = (d.tokens, d.experts, d.top_k, d.hidden);
     [
-        t * e,                    // logits
-        t * e,                    // probs
-        t,                        // lse
-        t * k,                    // topk
-        t * k,                    // gates
-        e,                        // counts
-        e + 1,                    // offsets
-        t * k,                    // row_of
-        d.capacity(),             // token_of_row
-        2,                        // losses
-        t * k,                    // d_gates
-        t * e,                    // d_logits
-        d.plan_blocks() * e,      // block_counts
-        d.wgrad_chunks() * e * h, // wgrad_partial
+        t * e,                       // logits
+        t * e,                       // probs
+        t,                           // lse
+        t * k,                       // topk
+        t * k,                       // gates
+        e,                           // counts
+        e + 1,                       // offsets
+        t * k,                       // row_of
+        d.capacity(),                // token_of_row
+        2,                           // losses
+        t * k,                       // d_gates
+        t * e,                       // d_logits
+        d.plan_blocks() * e,         // block_counts
+        (e + 1) * d.router_blocks(), // loss_partial
+        d.wgrad_chunks() * e * h,    // wgrad_partial
     ]
 }
 
@@ -278,7 +318,8 @@ impl RoutingBuffers {
             d_gates: f(next(l[10])?)?,
             d_logits: f(next(l[11])?)?,
             block_counts: i(next(l[12])?)?,
-            wgrad_partial: f(next(l[13])?)?,
+            loss_partial: f(next(l[13])?)?,
+            wgrad_partial: f(next(l[14])?)?,
         })
     }
 
@@ -304,10 +345,8 @@ struct Kernels {
     plan_count: Kernel,
     plan_scan: Kernel,
     plan_assign: Kernel,
-    losses: Kernel,
     combine: Kernel,
-    combine_gates: Kernel,
-    backward: Kernel,
+    combine_backward: Kernel,
     input_backward: Kernel,
     wgrad_partial: Kernel,
     wgrad_reduce: Kernel,
@@ -341,6 +380,12 @@ struct Dims32 {
     blocks: u32,
     /// Token chunks of the router weight gradient.
     chunks: u32,
+    /// Tokens per block of the router forward and the input gradient.
+    wr_tokens: u32,
+    /// Blocks of the router forward.
+    router_blocks: u32,
+    /// Tokens per block of the combine and its backward.
+    row_tokens: u32,
 }
 
 impl Dims32 {
@@ -356,6 +401,9 @@ impl Dims32 {
             assignments: u(d.tokens * d.top_k),
             blocks: u(d.plan_blocks()),
             chunks: u(d.wgrad_chunks()),
+            wr_tokens: u(d.wr_tokens_per_block()),
+            router_blocks: u(d.router_blocks()),
+            row_tokens: u(d.row_tokens_per_block()),
         }
     }
 }
@@ -395,10 +443,8 @@ impl Router {
             plan_count: module.kernel("moe_plan_count")?,
             plan_scan: module.kernel("moe_plan_scan")?,
             plan_assign: module.kernel("moe_plan_assign")?,
-            losses: module.kernel("moe_router_losses")?,
             combine: module.kernel("moe_combine_forward")?,
-            combine_gates: module.kernel("moe_combine_backward_gates")?,
-            backward: module.kernel("moe_router_backward")?,
+            combine_backward: module.kernel("moe_combine_backward")?,
             input_backward: module.kernel("moe_unpermute_backward")?,
             wgrad_partial: module.kernel("moe_router_wgrad_partial")?,
             wgrad_reduce: module.kernel("moe_router_wgrad_reduce")?,
@@ -444,7 +490,7 @@ impl Router {
 
     /// The router and the plan: logits, scores, top-k, gates, counts, offsets, `row_of`,
     /// `token_of_row` and the two losses into `b`, from `x` (`[T, H]` bf16) and `wr` (`[E,
-    /// H]` f32). Seven kernels and a memset; capturable.
+    /// H]` f32). Four kernels; capturable.
     pub fn forward(
         &self,
         stream: &Stream,
@@ -457,10 +503,18 @@ impl Router {
         let d = self.dims;
         check_len(what, "x", x.len(), d.tokens * d.hidden)?;
         check_len(what, "wr", wr.len(), d.experts * d.hidden)?;
-        let Dims32 { t, h, e, k, .. } = self.n;
+        let Dims32 {
+            t,
+            h,
+            e,
+            k,
+            wr_tokens,
+            router_blocks,
+            ..
+        } = self.n;
         let (score, renorm) = self.score_args();
-        let mut cfg = LaunchConfig::linear(t.div_ceil(TOKENS_PER_BLOCK), BLOCK);
-        cfg.shared_mem_bytes = 2 * TOKENS_PER_BLOCK * e * 4;
+        let mut cfg = LaunchConfig::linear(router_blocks, BLOCK);
+        cfg.shared_mem_bytes = 2 * MAX_WR_TOKENS as u32 * e * 4;
         let args = KernelArgs::new()
             .arg(x)
             .arg(wr)
@@ -469,51 +523,39 @@ impl Router {
             .arg(&b.topk)
             .arg(&b.gates)
             .arg(&b.lse)
+            .arg(&b.loss_partial)
             .arg(&t)
             .arg(&h)
             .arg(&e)
             .arg(&k)
             .arg(&score)
-            .arg(&renorm);
-        // SAFETY: block c handles the tokens t = c * 8 + i < T: reads x's rows t (T * H
-        // checked) and all of wr (E * H checked), writes rows t of logits and probs (T * E),
-        // lse[t], topk and gates at t * k + j (T * k); the shared memory holds the 2 * 8 * E
-        // floats it uses. The 16-byte vector loads are taken only when H % 8 == 0 and the
+            .arg(&renorm)
+            .arg(&wr_tokens);
+        // SAFETY: block c handles the tokens t = c * wr_tokens + i < T (wr_tokens <= 8, the
+        // kernel's MOE_TOKENS): reads x's rows t (T * H checked) and all of wr (E * H
+        // checked), writes rows t of logits and probs (T * E), lse[t], topk and gates at t * k
+        // + j (T * k), and loss_partial[c' * router_blocks + c] for c' <= E ((E + 1) *
+        // router_blocks allocated, the grid is router_blocks); the shared memory holds the 2 *
+        // 8 * E floats it uses. The 16-byte vector loads are taken only when H % 8 == 0 and the
         // kernel finds x and wr 16-byte aligned.
         unsafe { stream.launch_pdl(&self.k.forward, &cfg, &args) }?;
-        self.plan(stream, b)?;
-        let args = KernelArgs::new()
-            .arg(&b.probs)
-            .arg(&b.lse)
-            .arg(&b.counts)
-            .arg(&b.losses)
-            .arg(&t)
-            .arg(&e)
-            .arg(&k)
-            .arg(&self.cfg.aux_coef)
-            .arg(&self.cfg.z_coef);
-        // SAFETY: one block reads probs (T * E; float4 loads only when E % 4 == 0 and the
-        // kernel finds probs 16-byte aligned), lse (T) and counts (E) and writes the two
-        // losses, all buffers of the checked dims.
-        unsafe {
-            stream.launch_pdl(
-                &self.k.losses,
-                &LaunchConfig::linear(1, LOSSES_BLOCK),
-                &args,
-            )
-        }
+        self.plan(stream, b)
     }
 
-    /// The dispatch plan from `b.topk` (count, scan, assign).
+    /// The dispatch plan from `b.topk` (count, scan, assign), with the losses and the padding
+    /// rows of `token_of_row` in the scan.
     fn plan(&self, stream: &Stream, b: &RoutingBuffers) -> Result<()> {
         let Dims32 {
+            t,
             e,
+            k,
             assignments,
             blocks,
             align,
+            rows,
+            router_blocks,
             ..
         } = self.n;
-        b.token_of_row.fill_u32_bits(stream, u32::MAX)?;
         let mut cfg = LaunchConfig::linear(blocks, BLOCK);
         cfg.shared_mem_bytes = e * 4;
         let args = KernelArgs::new()
@@ -526,16 +568,35 @@ impl Router {
         unsafe { stream.launch_pdl(&self.k.plan_count, &cfg, &args) }?;
         let args = KernelArgs::new()
             .arg(&b.block_counts)
+            .arg(&b.loss_partial)
             .arg(&b.counts)
             .arg(&b.offsets)
+            .arg(&b.token_of_row)
+            .arg(&b.losses)
             .arg(&blocks)
             .arg(&e)
-            .arg(&align);
-        // SAFETY: one block rewrites block_counts (blocks * E), writes counts (E) and offsets
-        // (E + 1).
-        unsafe { stream.launch_pdl(&self.k.plan_scan, &LaunchConfig::linear(1, BLOCK), &args) }?;
+            .arg(&align)
+            .arg(&rows)
+            .arg(&router_blocks)
+            .arg(&t)
+            .arg(&k)
+            .arg(&self.cfg.aux_coef)
+            .arg(&self.cfg.z_coef);
+        // SAFETY: one block rewrites block_counts (blocks * E), reads loss_partial ((E + 1) *
+        // router_blocks), writes counts (E), offsets (E + 1), the two losses, and
+        // token_of_row at rows in [offsets[e] + counts[e], offsets[e + 1]) and [offsets[E],
+        // capacity), all below the capacity (the offsets are the prefix sums of the counts
+        // rounded up, and the capacity bounds their total); its static shared memory is sized
+        // for MAX_EXPERTS (E <= MAX_EXPERTS checked).
+        unsafe {
+            stream.launch_pdl(
+                &self.k.plan_scan,
+                &LaunchConfig::linear(1, SCAN_BLOCK),
+                &args,
+            )
+        }?;
         let mut cfg = LaunchConfig::linear(blocks, BLOCK);
-        cfg.shared_mem_bytes = WARPS * e * 4;
+        cfg.shared_mem_bytes = (WARPS + 1) * e * 4;
         let args = KernelArgs::new()
             .arg(&b.topk)
             .arg(&b.block_counts)
@@ -546,9 +607,8 @@ impl Router {
             .arg(&e);
         // SAFETY: reads topk (T * k), block_counts (blocks * E) and offsets (E + 1); writes
         // row_of (T * k) and token_of_row at rows offsets[e] + rank, where rank < counts[e]
-        // and offsets[e] + counts[e] <= offsets[E] <= capacity (the offsets are the prefix
-        // sums of the counts rounded up, and the capacity bounds their total); shared
-        // memory holds 8 * E ints.
+        // and offsets[e] + counts[e] <= offsets[E] <= capacity (as above); shared memory
+        // holds (8 + 1) * E ints.
         unsafe { stream.launch_pdl(&self.k.plan_assign, &cfg, &args) }
     }
 
@@ -566,7 +626,14 @@ impl Router {
         let d = self.dims;
         check_len(what, "y", y.len(), d.capacity() * d.hidden)?;
         check_len(what, "out", out.len(), d.tokens * d.hidden)?;
-        let Dims32 { t, h, k, rows, .. } = self.n;
+        let Dims32 {
+            t,
+            h,
+            k,
+            rows,
+            row_tokens,
+            ..
+        } = self.n;
         let args = KernelArgs::new()
             .arg(y)
             .arg(&b.row_of)
@@ -575,24 +642,36 @@ impl Router {
             .arg(&t)
             .arg(&h)
             .arg(&k)
-            .arg(&rows);
-        // SAFETY: block t reads row_of and gates at t * k + j (T * k) and y rows r < rows
-        // (checked in the kernel; capacity * H checked), and writes out's row t (T * H); the
+            .arg(&rows)
+            .arg(&row_tokens);
+        // SAFETY: block c handles the tokens t = c * row_tokens + i < T (row_tokens * k
+        // rounded up to a power of two <= 8 and row_tokens <= 4, the kernel's MOE_SLOTS and
+        // MOE_ROW_TOKENS): reads row_of and gates at t * k + j (T * k) and y rows r < rows
+        // (checked in the kernel; capacity * H checked), and writes out's rows t (T * H); the
         // 16-byte vector accesses are taken only when H % 8 == 0 and the kernel finds y and
         // out 16-byte aligned.
-        unsafe { stream.launch_pdl(&self.k.combine, &LaunchConfig::linear(t, BLOCK), &args) }
+        unsafe {
+            stream.launch_pdl(
+                &self.k.combine,
+                &LaunchConfig::linear(t.div_ceil(row_tokens), BLOCK),
+                &args,
+            )
+        }
     }
 
-    /// The gates' gradient `b.d_gates[t, j] = dy[t, :] . y[row_of[t, j], :]` from the
-    /// layer's output gradient `dy` (`[T, H]`) and the experts' output `y`.
-    pub fn combine_backward_gates(
+    /// The combine's backward into the router, from the layer's output gradient `dy` (`[T,
+    /// H]`) and the experts' output `y`: the gates' gradient `b.d_gates[t, j] = dy[t, :] .
+    /// y[row_of[t, j], :]`, then from it and the saved routing the logits' gradient
+    /// `b.d_logits`: through the gates (score function, top-k, renormalisation), the aux loss
+    /// and the z-loss (each counted with weight 1 in the loss). One kernel.
+    pub fn combine_backward(
         &self,
         stream: &Stream,
         dy: &DeviceBuffer<bf16>,
         y: &DeviceBuffer<bf16>,
         b: &RoutingBuffers,
     ) -> Result<()> {
-        let what = "Router::combine_backward_gates";
+        let what = "Router::combine_backward";
         self.check_buffers(what, b)?;
         let d = self.dims;
         check_len(what, "dy", dy.len(), d.tokens * d.hidden)?;
@@ -600,60 +679,43 @@ impl Router {
         let Dims32 {
             t,
             h,
+            e,
             k,
             rows,
-            assignments,
+            row_tokens,
             ..
         } = self.n;
+        let (score, renorm) = self.score_args();
+        let mut cfg = LaunchConfig::linear(t.div_ceil(row_tokens), BLOCK);
+        cfg.shared_mem_bytes = (3 * row_tokens + 1) * e * 4;
         let args = KernelArgs::new()
             .arg(dy)
             .arg(y)
             .arg(&b.row_of)
-            .arg(&b.d_gates)
-            .arg(&t)
-            .arg(&h)
-            .arg(&k)
-            .arg(&rows);
-        // SAFETY: warp w of block c handles assignment i = c * 8 + w < T * k (token t = i /
-        // k): reads dy's row t, y's row row_of[i] when inside [0, rows), and writes
-        // d_gates[i]; all lengths checked; the 16-byte vector loads are taken only when H % 8
-        // == 0 and the kernel finds dy and y 16-byte aligned.
-        unsafe {
-            stream.launch_pdl(
-                &self.k.combine_gates,
-                &LaunchConfig::linear(assignments.div_ceil(WARPS), BLOCK),
-                &args,
-            )
-        }
-    }
-
-    /// The logits' gradient `b.d_logits` from `b.d_gates` and the saved routing: through the
-    /// gates (score function, top-k, renormalisation), the aux loss and the z-loss (each
-    /// counted with weight 1 in the loss).
-    pub fn backward(&self, stream: &Stream, b: &RoutingBuffers) -> Result<()> {
-        self.check_buffers("Router::backward", b)?;
-        let Dims32 { t, e, k, .. } = self.n;
-        let (score, renorm) = self.score_args();
-        let mut cfg = LaunchConfig::linear(t.div_ceil(WARPS), BLOCK);
-        cfg.shared_mem_bytes = WARPS * 2 * e * 4;
-        let args = KernelArgs::new()
             .arg(&b.logits)
             .arg(&b.topk)
             .arg(&b.gates)
-            .arg(&b.d_gates)
             .arg(&b.counts)
+            .arg(&b.d_gates)
             .arg(&b.d_logits)
             .arg(&t)
+            .arg(&h)
             .arg(&e)
             .arg(&k)
+            .arg(&rows)
+            .arg(&row_tokens)
             .arg(&score)
             .arg(&renorm)
             .arg(&self.cfg.aux_coef)
             .arg(&self.cfg.z_coef);
-        // SAFETY: warp w of block c handles token c * 8 + w < T: reads logits' row (T * E),
-        // topk, gates, d_gates at t * k + j (T * k), counts (E); writes d_logits' row; the
-        // shared memory holds 8 * 2 * E floats.
-        unsafe { stream.launch_pdl(&self.k.backward, &cfg, &args) }
+        // SAFETY: block c handles the tokens t = c * row_tokens + i < T (row_tokens as in
+        // `combine`): reads dy's rows t (T * H), y's rows row_of[t * k + j] when inside [0,
+        // rows) (capacity * H), logits' rows t (T * E), topk, gates and row_of at t * k + j (T *
+        // k) and counts (E); writes d_gates at t * k + j and d_logits' rows t; all lengths
+        // checked; the shared memory holds the (3 * row_tokens + 1) * E floats it uses; the
+        // 16-byte vector loads are taken only when H % 8 == 0 and the kernel finds dy and y
+        // 16-byte aligned.
+        unsafe { stream.launch_pdl(&self.k.combine_backward, &cfg, &args) }
     }
 
     /// The input gradient `dx[t, :] = sum_j dxp[row_of[t, j], :] + d_logits[t, :] . wr`
@@ -674,10 +736,16 @@ impl Router {
         check_len(what, "wr", wr.len(), d.experts * d.hidden)?;
         check_len(what, "dx", dx.len(), d.tokens * d.hidden)?;
         let Dims32 {
-            t, h, e, k, rows, ..
+            t,
+            h,
+            e,
+            k,
+            rows,
+            wr_tokens,
+            ..
         } = self.n;
-        let mut cfg = LaunchConfig::linear(t.div_ceil(TOKENS_PER_BLOCK), BLOCK);
-        cfg.shared_mem_bytes = TOKENS_PER_BLOCK * e * 4;
+        let mut cfg = LaunchConfig::linear(t.div_ceil(wr_tokens), BLOCK);
+        cfg.shared_mem_bytes = MAX_WR_TOKENS as u32 * e * 4;
         let args = KernelArgs::new()
             .arg(dxp)
             .arg(&b.row_of)
@@ -688,12 +756,13 @@ impl Router {
             .arg(&h)
             .arg(&e)
             .arg(&k)
-            .arg(&rows);
-        // SAFETY: block c handles the tokens t = c * 8 + i < T: reads row_of at t * k + j, dxp
-        // rows inside [0, rows) (checked in the kernel), d_logits' rows t, all of wr, and
-        // writes dx's rows t; lengths checked; shared memory holds the 8 * E floats it uses;
-        // the 16-byte vector accesses are taken only when H % 8 == 0 and the kernel finds
-        // dxp, wr and dx 16-byte aligned.
+            .arg(&rows)
+            .arg(&wr_tokens);
+        // SAFETY: block c handles the tokens t = c * wr_tokens + i < T (wr_tokens <= 8, the
+        // kernel's MOE_TOKENS): reads row_of at t * k + j, dxp rows inside [0, rows) (checked
+        // in the kernel), d_logits' rows t, all of wr, and writes dx's rows t; lengths
+        // checked; shared memory holds the 8 * E floats it uses; the 16-byte vector accesses
+        // are taken only when H % 8 == 0 and the kernel finds dxp, wr and dx 16-byte aligned.
         unsafe { stream.launch_pdl(&self.k.input_backward, &cfg, &args) }
     }
 
@@ -718,11 +787,7 @@ impl Router {
         } = self.n;
         let (chunk, n32) = (WGRAD_CHUNK as u32, e * h);
         let cfg = LaunchConfig {
-            grid: (
-                h.div_ceil(2).div_ceil(BLOCK),
-                chunks,
-                e.div_ceil(WGRAD_EXPERTS),
-            ),
+            grid: (h.div_ceil(WGRAD_COLS), chunks, e.div_ceil(WGRAD_EXPERTS)),
             shared_mem_bytes: chunk * WGRAD_EXPERTS * 4,
             ..LaunchConfig::linear(1, BLOCK)
         };
@@ -734,10 +799,11 @@ impl Router {
             .arg(&h)
             .arg(&e)
             .arg(&chunk);
-        // SAFETY: thread (h, h + 1) of chunk c, expert group g reads d_logits and x at tokens of
-        // its chunk (< T), experts e < E and columns < H, and writes wgrad_partial[c * E * H
-        // + e * H + h] (chunks * E * H allocated); shared memory holds the chunk * 8 floats
-        // it uses.
+        // SAFETY: block (b, c, g) reads d_logits and x at the tokens of chunk c (< T), experts
+        // g * 8 + i < E and columns b * 256 + i < H, and writes wgrad_partial[c * E * H + e * H
+        // + h] for those (chunks * E * H allocated); shared memory holds the chunk * 8 floats
+        // it uses; the 16-byte vector accesses are taken only when H % 8 == 0 and the kernel
+        // finds x and wgrad_partial 16-byte aligned.
         unsafe { stream.launch_pdl(&self.k.wgrad_partial, &cfg, &args) }?;
         let acc = u32::from(accumulate);
         let args = KernelArgs::new()
@@ -746,12 +812,13 @@ impl Router {
             .arg(&n32)
             .arg(&chunks)
             .arg(&acc);
-        // SAFETY: thread q < E * H reads wgrad_partial at c * E * H + q and reads/writes
-        // dwr[q] (E * H checked).
+        // SAFETY: four threads per group of four q < E * H read wgrad_partial at c * E * H + q
+        // and one reads/writes dwr[q] (E * H checked); the float4 accesses are taken only when
+        // E * H % 4 == 0 and the kernel finds wgrad_partial and dwr 16-byte aligned.
         unsafe {
             stream.launch_pdl(
                 &self.k.wgrad_reduce,
-                &LaunchConfig::linear(n32.div_ceil(BLOCK), BLOCK),
+                &LaunchConfig::linear((n32.div_ceil(4) * 4).div_ceil(BLOCK), BLOCK),
                 &args,
             )
         }
@@ -789,6 +856,41 @@ mod tests {
             assert!(cap < t * k + e * (a - 1) + a, "{d:?}");
         }
         assert_eq!(dims(256, 8, 2, 128).capacity(), 1536);
+    }
+
+    #[test]
+    fn blocks_fit_the_kernels_layouts() {
+        for t in [1, 100, 256, 1101, 4096, 1 << 16] {
+            for (e, k) in [
+                (8, 1),
+                (8, 2),
+                (5, 3),
+                (16, 4),
+                (256, 8),
+                (MAX_EXPERTS, 1),
+                (MAX_EXPERTS, 2),
+            ] {
+                let d = dims(t, e, k, 128);
+                let w = d.wr_tokens_per_block();
+                assert!((1..=MAX_WR_TOKENS).contains(&w), "{d:?}");
+                assert_eq!(d.router_blocks(), t.div_ceil(w), "{d:?}");
+                let r = d.row_tokens_per_block();
+                assert!((1..=MAX_ROW_TOKENS).contains(&r), "{d:?}");
+                assert!(r * k.next_power_of_two() <= ROW_SLOTS, "{d:?}");
+            }
+        }
+        // The H200 shapes: T = 256 spreads over more blocks, T = 4096 shares more per block.
+        let (small, large) = (dims(256, 8, 2, 128), dims(4096, 8, 2, 128));
+        assert_eq!(
+            (small.wr_tokens_per_block(), small.router_blocks()),
+            (2, 128)
+        );
+        assert_eq!(
+            (large.wr_tokens_per_block(), large.router_blocks()),
+            (8, 512)
+        );
+        assert_eq!(small.row_tokens_per_block(), 1);
+        assert_eq!(large.row_tokens_per_block(), 4);
     }
 
     #[test]
