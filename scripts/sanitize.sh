@@ -13,6 +13,10 @@
 # errors matching a line of sanitizer-allow.txt (beside this script: "call<TAB>result<TAB>
 # reason") are expected and counted apart; anything else makes the line FAIL and the script
 # exit non-zero. Logs: LOG_DIR/<tool>.<binary>.log.
+#
+# initcheck does not see writes made by TMA bulk tensor stores (the sm_90a GEMM epilogue):
+# memory first written that way reads as uninitialised to it, so tests zero such buffers
+# first, as the graphed runtime does with its own.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 logs=${1:?usage: sanitize.sh LOG_DIR [TOOLS] [BINARY_FILTER]}

@@ -626,74 +626,63 @@ fn batched_cast_transpose_rejects_bad_arguments() {
     let run = |input: &DeviceBuffer<f32>, dims, o: &BatchedCastOut<'_>| {
         fp8_kernels::cast_transpose_batched(&stream, input, dims, o, None)
     };
-    assert!(run(&exact, (0, rows, cols), &out).is_err(), "count 0");
-    assert!(
-        run(&exact, (fp8_kernels::MAX_BATCH + 1, rows, cols), &out).is_err(),
-        "count above the grid"
-    );
-    assert!(run(&exact, (count, 0, cols), &out).is_err(), "empty rows");
-    assert!(
-        run(&short, (count, rows, cols), &out).is_err(),
-        "input too short"
-    );
-    assert!(
-        run(&x, (count, rows, cols), &out).is_err(),
-        "input too long"
-    );
-    assert!(
-        run(&misaligned, (count, rows, cols), &out).is_err(),
-        "misaligned input"
-    );
-    assert!(
-        run(&exact, (count + 1, rows, cols), &out).is_err(),
-        "one matrix more than the buffers"
-    );
-    let short_out = BatchedCastOut {
-        data: &y_short,
+    let with_data = |data| BatchedCastOut {
+        data,
         ..out.clone()
     };
-    assert!(
-        run(&exact, (count, rows, cols), &short_out).is_err(),
-        "output too short"
-    );
-    let short_t = BatchedCastOut {
-        data_t: &y_short,
+    let with_data_t = |data_t| BatchedCastOut {
+        data_t,
         ..out.clone()
     };
-    assert!(
-        run(&exact, (count, rows, cols), &short_t).is_err(),
-        "transposed output too short"
-    );
-    let misaligned_out = BatchedCastOut {
-        data: &y_misaligned,
-        ..out.clone()
-    };
-    assert!(
-        run(&exact, (count, rows, cols), &misaligned_out).is_err(),
-        "misaligned output"
-    );
     // The amax buffer holds 3 * 3 + 2 elements: from 2 every 4 the third slot (10) is the
     // last element and fits, from 3 it is past the end.
     let amax_at = |first, stride| BatchedCastOut {
         amax: ScalarSlots::new(DeviceScalar::at(&scalars.amax, first).unwrap(), stride),
         ..out.clone()
     };
-    assert!(
-        run(&exact, (count, rows, cols), &amax_at(3, 4)).is_err(),
-        "amax slots past the buffer"
-    );
-    assert!(
-        run(&exact, (count, rows, cols), &amax_at(0, usize::MAX)).is_err(),
-        "amax slots overflow"
-    );
     let scale_inv_past = BatchedCastOut {
         scale_inv: ScalarSlots::new(DeviceScalar::at(&scalars.scale_inv, 0).unwrap(), 6),
         ..out.clone()
     };
-    assert!(
-        run(&exact, (count, rows, cols), &scale_inv_past).is_err(),
-        "scale_inv slots past the buffer"
-    );
+    let dims = (count, rows, cols);
+    let cases = [
+        (&exact, (0, rows, cols), out.clone(), "count 0"),
+        (
+            &exact,
+            (fp8_kernels::MAX_BATCH + 1, rows, cols),
+            out.clone(),
+            "count above the grid",
+        ),
+        (&exact, (count, 0, cols), out.clone(), "empty rows"),
+        (&short, dims, out.clone(), "input too short"),
+        (&x, dims, out.clone(), "input too long"),
+        (&misaligned, dims, out.clone(), "misaligned input"),
+        (
+            &exact,
+            (count + 1, rows, cols),
+            out.clone(),
+            "one matrix more than the buffers",
+        ),
+        (&exact, dims, with_data(&y_short), "output too short"),
+        (
+            &exact,
+            dims,
+            with_data_t(&y_short),
+            "transposed output too short",
+        ),
+        (&exact, dims, with_data(&y_misaligned), "misaligned output"),
+        (&exact, dims, amax_at(3, 4), "amax slots past the buffer"),
+        (&exact, dims, amax_at(0, usize::MAX), "amax slots overflow"),
+        (
+            &exact,
+            dims,
+            scale_inv_past,
+            "scale_inv slots past the buffer",
+        ),
+    ];
+    for (input, d, o, what) in &cases {
+        assert!(run(input, *d, o).is_err(), "{what}");
+    }
     stream.synchronize().unwrap();
     assert!(
         big.to_vec(&stream).unwrap().iter().all(|&b| b == 0xaa),

@@ -58,6 +58,21 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// The max m of a token's `experts` logits and z = sum_e exp(l_e - m), lanes striding over the
+// experts, both reduced across the warp (every lane gets them): softmax_e = exp(l_e - m) / z,
+// log-sum-exp = m + log z.
+struct LogitStats {
+    float m, z;
+};
+__device__ __forceinline__ LogitStats warp_logit_stats(const float *l, unsigned experts, unsigned lane) {
+    float m = -INFINITY;
+    for (unsigned e = lane; e < experts; e += 32) m = fmaxf(m, l[e]);
+    m = warp_max(m);
+    float z = 0.0f;
+    for (unsigned e = lane; e < experts; e += 32) z += expf(l[e] - m);
+    return LogitStats{m, warp_sum(z)};
+}
+
 // Inclusive prefix sum over the warp's lanes (integers: exact in any order).
 __device__ __forceinline__ int warp_scan(int v) {
     const unsigned lane = threadIdx.x & 31u;
@@ -347,12 +362,8 @@ __device__ __forceinline__ void token_backward(const float *l, const float *ce, 
                                                unsigned experts, unsigned k, unsigned score_fn,
                                                unsigned renormalize, float z_coef) {
     const unsigned lane = threadIdx.x & 31u;
-    float m = -INFINITY;
-    for (unsigned e = lane; e < experts; e += 32) m = fmaxf(m, l[e]);
-    m = warp_max(m);
-    float z = 0.0f;
-    for (unsigned e = lane; e < experts; e += 32) z += expf(l[e] - m);
-    z = warp_sum(z);
+    const LogitStats st = warp_logit_stats(l, experts, lane);
+    const float m = st.m, z = st.z;
     const float lse = m + logf(z);
     float q = 0.0f;
     for (unsigned e = lane; e < experts; e += 32) {
@@ -653,12 +664,8 @@ extern "C" __global__ void __launch_bounds__(MOE_BLOCK, 2)
     if (warp < nt) {
         const unsigned t = t0 + warp;
         float *l = sh + (size_t)warp * experts, *s = sh + (size_t)(MOE_TOKENS + warp) * experts;
-        float m = -INFINITY;
-        for (unsigned e = lane; e < experts; e += 32) m = fmaxf(m, l[e]);
-        m = warp_max(m);
-        float z = 0.0f;
-        for (unsigned e = lane; e < experts; e += 32) z += expf(l[e] - m);
-        z = warp_sum(z);
+        const LogitStats st = warp_logit_stats(l, experts, lane);
+        const float m = st.m, z = st.z;
         float q = 0.0f; // sum of the sigmoid scores
         for (unsigned e = lane; e < experts; e += 32) {
             const float v = score_fn == 0 ? expf(l[e] - m) / z : sigmoidf(l[e]);
