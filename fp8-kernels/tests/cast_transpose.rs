@@ -950,7 +950,6 @@ fn bad_input_is_rejected_before_any_launch() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn bandwidth_probe_cast_transpose_bf16() {
-    use cuda_graph::Event;
     let (ctx, stream) = setup();
     let (rows, cols) = (8192usize, 16384usize);
     let n = rows * cols;
@@ -961,18 +960,7 @@ fn bandwidth_probe_cast_transpose_bf16() {
     let out_t = DeviceBuffer::<u8>::alloc(&ctx, n).unwrap();
     let bq = DeviceBuffer::<u8>::alloc(&ctx, n).unwrap();
     let bs = DeviceBuffer::<f32>::alloc(&ctx, BlockShape::Row1x128.scales_len(rows, cols)).unwrap();
-    let (start, end) = (Event::new(&ctx).unwrap(), Event::new(&ctx).unwrap());
-    let iters = 20;
-    let time = |f: &mut dyn FnMut()| {
-        f();
-        start.record(&stream).unwrap();
-        for _ in 0..iters {
-            f();
-        }
-        end.record(&stream).unwrap();
-        end.synchronize().unwrap();
-        Event::elapsed_ms(&start, &end).unwrap() / iters as f32
-    };
+    let time = |f: &mut dyn FnMut()| mean_ms(&stream, f);
     let ct_ms = time(&mut || {
         fp8_kernels::cast_transpose(&stream, HpBuffer::Bf16(&x), rows, cols, &out, &out_t, None)
             .unwrap()
@@ -1027,7 +1015,6 @@ fn bandwidth_probe_cast_transpose_bf16() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn bandwidth_probe_batched_expert_weights() {
-    use cuda_graph::Event;
     use cuda_graph::half::bf16;
     let (ctx, stream) = setup();
     let experts = 8usize;
@@ -1067,18 +1054,7 @@ fn bandwidth_probe_batched_expert_weights() {
     let bytes: usize = shapes.iter().map(|&(r, c)| 4 * experts * r * c).sum();
     let copy_src = DeviceBuffer::<u8>::alloc(&ctx, bytes / 2).unwrap();
     let copy_dst = DeviceBuffer::<u8>::alloc(&ctx, bytes / 2).unwrap();
-    let (start, end) = (Event::new(&ctx).unwrap(), Event::new(&ctx).unwrap());
-    let iters = 20;
-    let time = |f: &mut dyn FnMut()| {
-        f();
-        start.record(&stream).unwrap();
-        for _ in 0..iters {
-            f();
-        }
-        end.record(&stream).unwrap();
-        end.synchronize().unwrap();
-        Event::elapsed_ms(&start, &end).unwrap() * 1e3 / iters as f32
-    };
+    let time = |f: &mut dyn FnMut()| mean_ms(&stream, f) * 1e3;
     let batched_us = time(&mut || {
         for w in &weights {
             let out = w.scalars.out(&w.y, &w.yt, Fp8Format::E4M3);

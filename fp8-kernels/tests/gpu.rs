@@ -600,25 +600,13 @@ fn bad_input_is_rejected_before_any_launch() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn bandwidth_probe_quantize_bf16() {
-    use cuda_graph::Event;
     let (ctx, stream) = setup();
     let n = 1usize << 28;
     let x = DeviceBuffer::<bf16>::alloc(&ctx, n).unwrap();
     x.memset_bytes(&stream, 0x3f).unwrap(); // every element bf16 0x3f3f
     let copy = DeviceBuffer::<bf16>::alloc(&ctx, n).unwrap();
     let out = Fp8Tensor::new(&stream, &[n], Fp8Format::E4M3).unwrap();
-    let (start, end) = (Event::new(&ctx).unwrap(), Event::new(&ctx).unwrap());
-    let iters = 20;
-    let time = |f: &mut dyn FnMut()| {
-        f();
-        start.record(&stream).unwrap();
-        for _ in 0..iters {
-            f();
-        }
-        end.record(&stream).unwrap();
-        end.synchronize().unwrap();
-        Event::elapsed_ms(&start, &end).unwrap() / iters as f32
-    };
+    let time = |f: &mut dyn FnMut()| mean_ms(&stream, f);
     let q_ms =
         time(&mut || fp8_kernels::quantize(&stream, HpBuffer::Bf16(&x), &out, None).unwrap());
     let c_ms = time(&mut || copy.copy_from_device(&stream, &x).unwrap());

@@ -61,11 +61,8 @@ fn smem_bytes(bn: usize, out_size: usize) -> usize {
 /// wgmma reads less shared memory per FLOP: 1234 against 1109 TFLOP/s at 8192^3, 1069
 /// against 1037 at 4096x7168x4096 on an H200; 128 wins where the wave count decides, e.g.
 /// 2048^3 and M <= 128).
-/// f32 outputs take 128: the 192-wide tile's staging leaves room for only 3 stages.
-fn choose_bn(p: &GemmProblem<'_>, sms: usize) -> usize {
-    choose_bn_for(p.groups, p.m, p.n, p.d.elem_size(), sms)
-}
-
+/// f32 outputs (`out_size` 4) take 128: the 192-wide tile's staging leaves room for only 3
+/// stages.
 fn choose_bn_for(groups: usize, m: usize, n: usize, out_size: usize, sms: usize) -> usize {
     if out_size == 4 {
         return 128;
@@ -267,15 +264,11 @@ pub(crate) fn launch(stream: &Stream, p: &GemmProblem<'_>) -> Result<()> {
 fn launch_with(stream: &Stream, p: &GemmProblem<'_>, bn: Option<usize>) -> Result<()> {
     check(p)?;
     let groups = p.groups.max(1);
-    let sms = sm_count(stream)?;
-    let bn = match bn {
-        Some(bn @ (128 | 192)) => bn,
-        Some(bn) => return Err(Error::InvalidArgument(format!("tile width {bn}"))),
-        None => choose_bn(p, sms as usize),
-    };
-    let name = kernel_name("", p.a.format, p.b.format, p.d.name(), bn);
-    let tiles = groups * p.m.div_ceil(TILE) * p.n.div_ceil(bn);
-    let (k, cfg) = prepare(stream, &name, bn, p.d.elem_size(), tiles, sms)?;
+    if let Some(bn) = bn.filter(|bn| ![128, 192].contains(bn)) {
+        return Err(Error::InvalidArgument(format!("tile width {bn}")));
+    }
+    let formats = (p.a.format, p.b.format);
+    let (bn, k, cfg) = select(stream, "", formats, &p.d, (groups, p.m, p.n), bn)?;
     let ta = tensor_map(p.a.data, groups, p.m, p.k, TILE)?;
     let tb = tensor_map(p.b.data, groups, p.n, p.k, bn)?;
     // Row counts leave rows of a tile unwritten: the register epilogue.
@@ -321,12 +314,8 @@ pub(crate) fn launch_packed(stream: &Stream, p: &PackedProblem<'_>) -> Result<()
              exceed 2^31"
         )));
     }
-    let sms = sm_count(stream)?;
-    let es = p.d.elem_size();
-    let bn = choose_bn_for(1, capacity, n, es, sms as usize);
-    let name = kernel_name("packed_", p.a.format, p.b.format, p.d.name(), bn);
-    let tiles = capacity.div_ceil(TILE) * n.div_ceil(bn);
-    let (kern, cfg) = prepare(stream, &name, bn, es, tiles, sms)?;
+    let formats = (p.a.format, p.b.format);
+    let (bn, kern, cfg) = select(stream, "packed_", formats, &p.d, (1, capacity, n), None)?;
     let ta = tensor_map(p.a.data, 1, capacity, k, TILE)?;
     let tb = tensor_map(p.b.data, groups, n, k, bn)?;
     let (epi, td) = epilogue(p.accumulate, store_map(&p.d, 1, capacity, n)?);
@@ -381,12 +370,8 @@ pub(crate) fn launch_wgrad(stream: &Stream, p: &WgradProblem<'_>) -> Result<()> 
              exceed 2^31 tiles or rows"
         )));
     }
-    let sms = sm_count(stream)?;
-    let es = p.d.elem_size();
-    let bn = choose_bn_for(groups, m, n, es, sms as usize);
-    let name = kernel_name("wgrad_", p.a.format, p.b.format, p.d.name(), bn);
-    let tiles = groups * m.div_ceil(TILE) * n.div_ceil(bn);
-    let (kern, cfg) = prepare(stream, &name, bn, es, tiles, sms)?;
+    let formats = (p.a.format, p.b.format);
+    let (bn, kern, cfg) = select(stream, "wgrad_", formats, &p.d, (groups, m, n), None)?;
     let ta = tensor_map(p.a.data, 1, m, capacity, TILE)?;
     let tb = tensor_map(p.b.data, 1, n, capacity, bn)?;
     let (epi, td) = epilogue(p.accumulate, store_map(&p.d, groups, m, n)?);
@@ -411,26 +396,30 @@ pub(crate) fn launch_wgrad(stream: &Stream, p: &WgradProblem<'_>) -> Result<()> 
     unsafe { stream.launch_pdl(&kern, &cfg, &args) }
 }
 
-/// The kernel `name` with its dynamic shared memory for tile width `bn` and `out_size`-byte
-/// outputs allowed, and the
-/// persistent launch for `tiles` tiles: one CTA per SM at most.
-fn prepare(
+/// The tile width (`forced`, or chosen for `groups x m x n` outputs), the kernel of `layout`
+/// (as [`kernel_name`] takes it) for the operand formats and D's type with its dynamic shared
+/// memory allowed, and the persistent launch over the tiles: one CTA per SM at most.
+fn select(
     stream: &Stream,
-    name: &str,
-    bn: usize,
-    out_size: usize,
-    tiles: usize,
-    sms: u32,
-) -> Result<(cuda_graph::Kernel, LaunchConfig)> {
-    let (k, _) = kernel(stream.context(), name)?;
-    let smem = smem_bytes(bn, out_size);
+    layout: &str,
+    (fa, fb): (Fp8Format, Fp8Format),
+    d: &GemmOut<'_>,
+    (groups, m, n): (usize, usize, usize),
+    forced: Option<usize>,
+) -> Result<(usize, cuda_graph::Kernel, LaunchConfig)> {
+    let sms = sm_count(stream)?;
+    let es = d.elem_size();
+    let bn = forced.unwrap_or_else(|| choose_bn_for(groups, m, n, es, sms as usize));
+    let (k, _) = kernel(stream.context(), &kernel_name(layout, fa, fb, d.name(), bn))?;
+    let smem = smem_bytes(bn, es);
     k.set_max_dynamic_shared_memory(smem)?;
+    let tiles = groups.max(1) * m.div_ceil(TILE) * n.div_ceil(bn);
     let grid = (tiles.min(sms as usize)).max(1) as u32;
     let cfg = LaunchConfig {
         shared_mem_bytes: smem as u32,
         ..LaunchConfig::linear(grid, THREADS)
     };
-    Ok((k, cfg))
+    Ok((bn, k, cfg))
 }
 
 /// Pushes the kernels' first parameters: the tensor maps of A, B and D's store, D and the
@@ -468,12 +457,12 @@ mod cpu_tests {
             "fp8_gemm_sm90_e4m3_e5m2_bf16_n128"
         );
         assert_eq!(
-            kernel_name("packed_", e5, e4, "f32", 192),
-            "fp8_gemm_sm90_packed_e5m2_e4m3_f32_n192"
+            kernel_name("packed_", e5, e4, "bf16", 192),
+            "fp8_gemm_sm90_packed_e5m2_e4m3_bf16_n192"
         );
         assert_eq!(
-            kernel_name("wgrad_", e5, e4, "f32", 192),
-            "fp8_gemm_sm90_wgrad_e5m2_e4m3_f32_n192"
+            kernel_name("wgrad_", e5, e4, "f32", 128),
+            "fp8_gemm_sm90_wgrad_e5m2_e4m3_f32_n128"
         );
     }
 
@@ -964,6 +953,24 @@ mod tests {
         }
     }
 
+    /// Mean milliseconds per call of `f` over 10 calls after 3 untimed ones (CUDA events).
+    fn mean_ms(s: &Stream, f: &mut dyn FnMut()) -> f64 {
+        for _ in 0..3 {
+            f();
+        }
+        let (t0, t1) = (
+            Event::new(s.context()).unwrap(),
+            Event::new(s.context()).unwrap(),
+        );
+        t0.record(s).unwrap();
+        for _ in 0..10 {
+            f();
+        }
+        t1.record(s).unwrap();
+        t1.synchronize().unwrap();
+        f64::from(Event::elapsed_ms(&t0, &t1).unwrap()) / 10.0
+    }
+
     /// The grouped weight gradient's f32 output rate (the MoE layer's fc1 shape, 8 experts of
     /// 128 and of 1024 rows, overwritten) against a memset of the same bytes, in one run.
     #[test]
@@ -973,19 +980,7 @@ mod tests {
         let (ctx, s) = setup();
         let (groups, m, n) = (8usize, 4096usize, 2048usize);
         let d = DeviceBuffer::<f32>::alloc(&ctx, groups * m * n).unwrap();
-        let time = |f: &mut dyn FnMut()| {
-            for _ in 0..3 {
-                f();
-            }
-            let (t0, t1) = (Event::new(&ctx).unwrap(), Event::new(&ctx).unwrap());
-            t0.record(&s).unwrap();
-            for _ in 0..10 {
-                f();
-            }
-            t1.record(&s).unwrap();
-            t1.synchronize().unwrap();
-            f64::from(Event::elapsed_ms(&t0, &t1).unwrap()) / 10.0
-        };
+        let time = |f: &mut dyn FnMut()| mean_ms(&s, f);
         let bytes = (groups * m * n * 4) as f64;
         let ms = time(&mut || d.memset_bytes(&s, 0).unwrap());
         println!(
@@ -1172,20 +1167,7 @@ mod tests {
             reset_d(&s, &c, &hb, &mut dv);
             let p = problem(&c, &dv);
             for bn in [128, 192] {
-                for _ in 0..3 {
-                    launch_with(&s, &p, Some(bn)).unwrap();
-                }
-                let (t0, t1) = (
-                    Event::new(s.context()).unwrap(),
-                    Event::new(s.context()).unwrap(),
-                );
-                t0.record(&s).unwrap();
-                for _ in 0..10 {
-                    launch_with(&s, &p, Some(bn)).unwrap();
-                }
-                t1.record(&s).unwrap();
-                t1.synchronize().unwrap();
-                let ms = f64::from(Event::elapsed_ms(&t0, &t1).unwrap()) / 10.0;
+                let ms = mean_ms(&s, &mut || launch_with(&s, &p, Some(bn)).unwrap());
                 let tflops = 2.0 * (m * n * k) as f64 / (ms * 1e-3) / 1e12;
                 println!("  forced bn={bn}: {ms:.3} ms, {tflops:.0} TFLOP/s");
             }
@@ -1209,8 +1191,11 @@ mod tests {
             let tflops = 2.0 * (m * n * k) as f64 / (ms * 1e-3) / 1e12;
             println!(
                 "sm90 GEMM {m}x{n}x{k} bf16 (bn {}): {ms:.3} ms, {tflops:.0} TFLOP/s (wall {:?})",
-                choose_bn(
-                    &p,
+                choose_bn_for(
+                    p.groups,
+                    p.m,
+                    p.n,
+                    p.d.elem_size(),
                     s.context().device().multiprocessor_count().unwrap() as usize
                 ),
                 wall.elapsed()

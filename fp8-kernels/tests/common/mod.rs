@@ -1,11 +1,12 @@
 //! Helpers shared by the fp8-kernels GPU tests: seeded random data with specials, uploads
-//! in every input dtype with the exact host widening, poisoning, and capture.
+//! in every input dtype with the exact host widening, poisoning, capture, and the probes'
+//! event timing.
 #![allow(dead_code)] // each test file uses a different subset
 
 use std::sync::Arc;
 
 use cuda_graph::half::{bf16, f16};
-use cuda_graph::{CaptureMode, Context, DeviceBuffer, Graph, Result, Stream};
+use cuda_graph::{CaptureMode, Context, DeviceBuffer, Event, Graph, Result, Stream};
 use fp8_kernels::gemm::{Bias, GemmOut};
 use fp8_kernels::reference as r;
 use fp8_kernels::{DType, DeviceScalar, Fp8Format, Fp8Tensor, HpBuffer};
@@ -13,6 +14,22 @@ use fp8_kernels::{DType, DeviceScalar, Fp8Format, Fp8Tensor, HpBuffer};
 pub const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::Bf16];
 
 pub const POISON_F32: u32 = 0xdead_beef;
+
+/// Mean milliseconds per call of `f` on `stream` over 20 calls, timed with CUDA events after
+/// one untimed call (the bandwidth probes' clock).
+pub fn mean_ms(stream: &Stream, f: &mut dyn FnMut()) -> f32 {
+    const ITERS: u16 = 20;
+    let ctx = stream.context();
+    let (start, end) = (Event::new(ctx).unwrap(), Event::new(ctx).unwrap());
+    f();
+    start.record(stream).unwrap();
+    for _ in 0..ITERS {
+        f();
+    }
+    end.record(stream).unwrap();
+    end.synchronize().unwrap();
+    Event::elapsed_ms(&start, &end).unwrap() / f32::from(ITERS)
+}
 
 pub fn setup() -> (Arc<Context>, Stream) {
     let ctx = Context::default_device().expect("a CUDA device");
