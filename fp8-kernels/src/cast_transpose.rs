@@ -102,7 +102,7 @@ pub fn cast_transpose<'a>(
             input.len()
         )));
     }
-    check_align(&format!("{what} input"), input.device_ptr(), ALIGN)?;
+    check_align(format_args!("{what} input"), input.device_ptr(), ALIGN)?;
     check_outputs(what, rows, cols, out, out_t)?;
     let one = |s: &DeviceScalar| -> Result<[u32; 2]> { Ok([idx(s)?, 0]) };
     let slots = [one(out.scale())?, one(out.scale_inv())?, one(out.amax())?];
@@ -157,7 +157,7 @@ impl ScalarSlots {
 
     /// `(first index, stride)` as the kernel takes them, after checking that the `count`
     /// slots lie inside the buffer at u32 indices.
-    fn kernel_indices(&self, what: &str, count: usize) -> Result<[u32; 2]> {
+    fn kernel_indices(&self, what: impl std::fmt::Display, count: usize) -> Result<[u32; 2]> {
         let (first, len) = (self.first.index(), self.first.buffer().len());
         if !slots_fit(first, self.stride, count, len) {
             return Err(Error::InvalidArgument(format!(
@@ -271,18 +271,20 @@ pub fn cast_transpose_batched<'a>(
             )));
         }
     }
-    check_align(&format!("{what} input"), input.device_ptr(), ALIGN)?;
-    check_align(&format!("{what} output"), out.data.as_raw(), ALIGN)?;
+    check_align(format_args!("{what} input"), input.device_ptr(), ALIGN)?;
+    check_align(format_args!("{what} output"), out.data.as_raw(), ALIGN)?;
     check_align(
-        &format!("{what} transposed output"),
+        format_args!("{what} transposed output"),
         out.data_t.as_raw(),
         ALIGN,
     )?;
     let slots = [
-        out.scale.kernel_indices(&format!("{what} scale"), count)?,
+        out.scale
+            .kernel_indices(format_args!("{what} scale"), count)?,
         out.scale_inv
-            .kernel_indices(&format!("{what} scale_inv"), count)?,
-        out.amax.kernel_indices(&format!("{what} amax"), count)?,
+            .kernel_indices(format_args!("{what} scale_inv"), count)?,
+        out.amax
+            .kernel_indices(format_args!("{what} amax"), count)?,
     ];
     let buffers = [&out.scale, &out.scale_inv, &out.amax].map(|s| s.first.buffer());
     launch(
@@ -364,8 +366,12 @@ pub(crate) fn check_outputs(
             out_t.len()
         )));
     }
-    check_align(&format!("{what} output"), out.data().as_raw(), ALIGN)?;
-    check_align(&format!("{what} transposed output"), out_t.as_raw(), ALIGN)
+    check_align(format_args!("{what} output"), out.data().as_raw(), ALIGN)?;
+    check_align(
+        format_args!("{what} transposed output"),
+        out_t.as_raw(),
+        ALIGN,
+    )
 }
 
 /// The kernel's `(scale, scale_inv, amax, noop)` slot indices.

@@ -307,7 +307,7 @@ pub fn gather_cast_transpose<'a>(
         )));
     }
     let rows = gather.token_of_row.len();
-    check_align(&format!("{what} input"), input.device_ptr(), ALIGN)?;
+    check_align(format_args!("{what} input"), input.device_ptr(), ALIGN)?;
     check_outputs(what, rows, cols, dst.out, dst.out_t)?;
     let tiles = tile_count(rows, cols, dtype)?;
     let source = Source::Gather {
@@ -349,7 +349,7 @@ fn check_swiglu_input(what: &str, a: &DeviceBuffer<bf16>, rows: usize, ffn: usiz
             a.len()
         )));
     }
-    check_align(&format!("{what} a"), a.as_raw(), ALIGN)
+    check_align(format_args!("{what} a"), a.as_raw(), ALIGN)
 }
 
 /// `out = cast(silu(gate) * up)` of the packed fc1 output `a` (`[rows, 2 * ffn]` bf16, gate
@@ -407,7 +407,7 @@ pub fn swiglu_backward_cast_transpose(
             rows * ffn
         )));
     }
-    check_align(&format!("{what} dh"), dh.as_raw(), ALIGN)?;
+    check_align(format_args!("{what} dh"), dh.as_raw(), ALIGN)?;
     check_outputs(what, rows, 2 * ffn, dst.out, dst.out_t)?;
     // Tiles over the ffn source columns: each gives d gate and d up of its columns.
     let tiles = tile_count(rows, ffn, DType::Bf16)?;

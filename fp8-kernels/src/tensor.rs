@@ -255,8 +255,9 @@ impl HpBuffer<'_> {
     }
 }
 
-/// Checks that a device address is `align`-byte aligned.
-pub(crate) fn check_align(what: &str, addr: u64, align: u64) -> Result<()> {
+/// Checks that a device address is `align`-byte aligned; `what` names it in the error and is
+/// formatted only then (callers pass `format_args!`: nothing allocated on the launch path).
+pub(crate) fn check_align(what: impl std::fmt::Display, addr: u64, align: u64) -> Result<()> {
     if addr % align == 0 {
         Ok(())
     } else {
