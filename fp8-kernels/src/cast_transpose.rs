@@ -119,8 +119,9 @@ pub fn cast_transpose<'a>(
 
 /// `count` device scalars of one buffer, one per matrix of a batch: matrix `g`'s is element
 /// `first.index() + g * stride` of `first.buffer()`. A [`DelayedScaling`](crate::DelayedScaling)'s
-/// scales (or scale_invs) of consecutive tensors `t0 ..` are `ScalarSlots::new(s.scale(t0)?, 1)`;
-/// their amax slots are `ScalarSlots::new(s.amax(t0)?, s.history_len())`.
+/// scales and amax slots of consecutive tensors `t0 ..` are
+/// [`scale_slots(t0)`](crate::DelayedScaling::scale_slots) and
+/// [`amax_slots(t0)`](crate::DelayedScaling::amax_slots).
 #[derive(Debug, Clone)]
 pub struct ScalarSlots {
     first: DeviceScalar,

@@ -5,6 +5,7 @@ use std::sync::{Arc, Mutex};
 
 use cuda_graph::{DeviceBuffer, Error, KernelArgs, LaunchConfig, Result, Stream};
 
+use crate::cast_transpose::ScalarSlots;
 use crate::format::Fp8Format;
 use crate::module::kernel;
 use crate::reference::scaled_max;
@@ -141,6 +142,16 @@ impl DelayedScaling {
     pub fn scale_inv(&self, t: usize) -> Result<DeviceScalar> {
         self.check(t)?;
         DeviceScalar::at(&self.scale_inv, t)
+    }
+    /// The scales of tensors `t0, t0 + 1, ...`, one per matrix of a batched cast
+    /// ([`cast_transpose_batched`](crate::cast_transpose_batched) checks that its count fits).
+    pub fn scale_slots(&self, t0: usize) -> Result<ScalarSlots> {
+        Ok(ScalarSlots::new(self.scale(t0)?, 1))
+    }
+    /// The amax slots (each tensor's current history entry) of tensors `t0, t0 + 1, ...`, one
+    /// per matrix of a batched cast.
+    pub fn amax_slots(&self, t0: usize) -> Result<ScalarSlots> {
+        Ok(ScalarSlots::new(self.amax(t0)?, self.history_len))
     }
 
     /// An FP8 tensor of `shape` for slot `t`, with `data` as its bytes and this state's scale,

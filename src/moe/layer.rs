@@ -965,7 +965,6 @@ impl Callable<bf16> for MoeLayer {
             .map(|f| DeviceScalar::at(f, 0))
             .transpose()?;
         let (e, h, f) = (self.cfg.experts, self.cfg.hidden, self.cfg.ffn);
-        let history = self.scaling.history_len();
         for (w, w_q, w_t, rows, cols, first) in [
             (&self.w1, &self.w1_q, &self.w1_t, 2 * f, h, w1_tensor(0)),
             (&self.w2, &self.w2_q, &self.w2_t, h, f, w2_tensor(e, 0)),
@@ -975,9 +974,9 @@ impl Callable<bf16> for MoeLayer {
                 data: w_q,
                 data_t: w_t,
                 format: Fp8Format::E4M3,
-                scale: ScalarSlots::new(self.scaling.scale(t)?, 1),
+                scale: self.scaling.scale_slots(t)?,
                 scale_inv: ScalarSlots::new(DeviceScalar::at(&self.w_si, first - ACTIVATIONS)?, 1),
-                amax: ScalarSlots::new(self.scaling.amax(t)?, history),
+                amax: self.scaling.amax_slots(t)?,
             };
             cast_transpose_batched(stream, w, (e, rows, cols), &out, noop.as_ref())?;
         }
