@@ -21,9 +21,10 @@
 // (+ bias) into its staging in the 128-byte swizzled layout of a TMA store box, and one of
 // its threads issues the bulk tensor stores; the consumer goes on to its next tile's main
 // loop while the copy engine drains the staging (it waits for that read only before writing
-// the staging again). The register epilogue (accumulating into D, grouped blocks with row
-// counts, a D the store's tensor map can not describe): stores from registers, rows below the
-// group's count.
+// the staging again). Accumulating into an f32 D, the boxes are added into it by the copy
+// engine (bulk tensor reduce-add in L2) instead of stored. The register epilogue (accumulating
+// into a bf16 D, grouped blocks with row counts, a D the store's tensor map can not describe):
+// stores from registers, rows below the group's count, reading D first when accumulating.
 #pragma once
 #include "common.cuh"
 
@@ -182,6 +183,14 @@ __device__ __forceinline__ void tma_store_3d(const TmaDesc *map, uint32_t src, i
                  : "memory");
 }
 
+// The same box added into `map` (D += box) by the copy engine in L2: f32 only (bf16 would round
+// twice).
+__device__ __forceinline__ void tma_reduce_add_3d(const TmaDesc *map, uint32_t src, int c0, int c1, int c2) {
+    asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(
+                     reinterpret_cast<uint64_t>(map)),
+                 "r"(src), "r"(c0), "r"(c1), "r"(c2)
+                 : "memory");
+}
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 // Until the thread's bulk groups have read their shared sources (the staging is free again).
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
@@ -309,10 +318,11 @@ __device__ __forceinline__ Tile wgrad_tile_at(int t, int m, int ntiles) {
 }
 
 // dims = (m, n, k, groups); flags = (sa index, sb index, bias kind 0/1 bf16/2 f32, epilogue):
-// flags.w bit 0 accumulates into D (the register epilogue), bit 1 takes the store epilogue
-// through `td`, a tensor map of D as [groups, rows, n] (PACKED: [1, m, n]) with boxes of
-// 64 rows x StoreBox<Out>::COLS columns, 128-byte swizzle; the host sets bit 1 only for
-// problems that overwrite every row of their tiles (PACKED, WGRAD, GROUPED without counts).
+// flags.w bit 0 accumulates into D, bit 1 takes the store epilogue through `td`, a tensor
+// map of D as [groups, rows, n] (PACKED: [1, m, n]) with boxes of 64 rows x
+// StoreBox<Out>::COLS columns, 128-byte swizzle (both bits: reduce-add of the boxes); the host
+// sets bit 1 only for problems that write every row of their tiles (PACKED, WGRAD, GROUPED
+// without counts), and with bit 0 only for an f32 D.
 // `sbg`, when not null, holds one scale_inv per group of B (instead of sb[flags.y]).
 template <__nv_fp8_interpretation_t FA, __nv_fp8_interpretation_t FB, typename Out, int BN,
           int MODE = GROUPED>
@@ -476,7 +486,13 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
 #pragma unroll
                     for (int q = 0; q < BN / COLS; ++q) {
                         const int col = tl.nt * BN + q * COLS;
-                        if (col < n) tma_store_3d(td, stage_out + q * StoreBox<Out>::BYTES, col, row, g);
+                        if (col >= n) continue;
+                        const uint32_t box = stage_out + q * StoreBox<Out>::BYTES;
+                        if (accumulate) {
+                            tma_reduce_add_3d(td, box, col, row, g);
+                        } else {
+                            tma_store_3d(td, box, col, row, g);
+                        }
                     }
                     bulk_commit();
                 }

@@ -13,10 +13,10 @@
 //! read zeros past the tensor (TMA out-of-bounds fill) and store only rows below the group's
 //! count and columns below N.
 //!
-//! Epilogue: a problem that overwrites whole tiles of D (the packed layouts, or grouped blocks
-//! without row counts; not accumulating; D 16-byte aligned with rows a multiple of 16 bytes)
-//! goes through shared memory and TMA stores, overlapped with the next tile's main loop;
-//! the others store from registers.
+//! Epilogue: a problem that writes whole tiles of D (the packed layouts, or grouped blocks
+//! without row counts; D 16-byte aligned with rows a multiple of 16 bytes; overwriting, or
+//! accumulating into f32) goes through shared memory and TMA stores (reduce-adds in L2 when
+//! accumulating), overlapped with the next tile's main loop; the others store from registers.
 
 // Reached through the entry points in `gemm/`, written alongside this path.
 
@@ -217,11 +217,13 @@ fn store_map(d: &GemmOut<'_>, groups: usize, rows: usize, n: usize) -> Result<Op
 }
 
 /// The epilogue flags (`flags.w` of the kernel): bit 0 accumulate, bit 1 the store epilogue
-/// (when `store` holds D's map and nothing is accumulated; the map then goes to the kernel,
-/// zeros otherwise).
-fn epilogue(accumulate: bool, store: Option<[u64; 16]>) -> (u32, [u64; 16]) {
+/// (when `store` holds D's map, and D is f32 if accumulating: the boxes are then added into
+/// D by the copy engine; a bf16 sum would round twice). The map goes to the kernel with bit
+/// 1, zeros otherwise.
+fn epilogue(accumulate: bool, d: &GemmOut<'_>, store: Option<[u64; 16]>) -> (u32, [u64; 16]) {
     match store {
         Some(map) if !accumulate => (2, map),
+        Some(map) if matches!(d, GemmOut::F32(_)) => (3, map),
         _ => (u32::from(accumulate), [0; 16]),
     }
 }
@@ -276,7 +278,7 @@ fn launch_with(stream: &Stream, p: &GemmProblem<'_>, bn: Option<usize>) -> Resul
         None => store_map(&p.d, groups, p.m, p.n)?,
         Some(_) => None,
     };
-    let (epi, td) = epilogue(p.accumulate, store);
+    let (epi, td) = epilogue(p.accumulate, &p.d, store);
     let dims = [p.m as u32, p.n as u32, p.k as u32, groups as u32];
     let null = 0u64;
     let (args, bias_kind) = push_head(KernelArgs::new(), [&ta, &tb, &td], &p.d, &p.bias, &null);
@@ -318,7 +320,7 @@ pub(crate) fn launch_packed(stream: &Stream, p: &PackedProblem<'_>) -> Result<()
     let (bn, kern, cfg) = select(stream, "packed_", formats, &p.d, (1, capacity, n), None)?;
     let ta = tensor_map(p.a.data, 1, capacity, k, TILE)?;
     let tb = tensor_map(p.b.data, groups, n, k, bn)?;
-    let (epi, td) = epilogue(p.accumulate, store_map(&p.d, 1, capacity, n)?);
+    let (epi, td) = epilogue(p.accumulate, &p.d, store_map(&p.d, 1, capacity, n)?);
     let dims = [capacity as u32, n as u32, k as u32, groups as u32];
     let null = 0u64;
     let (args, bias_kind) = push_head(KernelArgs::new(), [&ta, &tb, &td], &p.d, &p.bias, &null);
@@ -374,7 +376,7 @@ pub(crate) fn launch_wgrad(stream: &Stream, p: &WgradProblem<'_>) -> Result<()> 
     let (bn, kern, cfg) = select(stream, "wgrad_", formats, &p.d, (groups, m, n), None)?;
     let ta = tensor_map(p.a.data, 1, m, capacity, TILE)?;
     let tb = tensor_map(p.b.data, 1, n, capacity, bn)?;
-    let (epi, td) = epilogue(p.accumulate, store_map(&p.d, groups, m, n)?);
+    let (epi, td) = epilogue(p.accumulate, &p.d, store_map(&p.d, groups, m, n)?);
     let dims = [m as u32, n as u32, capacity as u32, groups as u32];
     let flags = [idx(p.a.scale_inv)?, idx(p.b.scale_inv)?, 0, epi];
     let args = KernelArgs::new().arg(&ta).arg(&tb).arg(&td);
@@ -902,21 +904,24 @@ mod tests {
         run_case(&s, &c, seed);
     }
 
-    /// The store epilogue (no counts: shared memory + TMA stores) and the register epilogue
-    /// (counts of every row: the same problem, stored from registers) write the same bits,
-    /// for both outputs, both widths, a bias, and edges of rows (m not a multiple of 64) and
-    /// columns (N not a multiple of the store box) that the TMA store clips.
+    /// The store epilogue (no counts: shared memory + TMA stores, or reduce-adds into an f32
+    /// D when accumulating) and the register epilogue (counts of every row: the same problem,
+    /// from registers) write the same bits, for both outputs, both widths, a bias,
+    /// accumulating into f32, and edges of rows (m not a multiple of 64) and columns (N not a
+    /// multiple of the store box) that the TMA store clips.
     #[test]
     #[ignore = "needs a CUDA device"]
     fn store_and_register_epilogues_agree_bit_for_bit() {
         let (_ctx, s) = setup();
         let mut seed = 300;
+        let outs = [(false, false), (true, false), (true, true)];
         for (m, n, k, groups) in [(200, 136, 256, 3), (77, 8, 128, 1), (300, 328, 384, 2)] {
-            for f32_out in [false, true] {
+            for (f32_out, accumulate) in outs {
                 for bn in [128, 192] {
                     let mut c = Case::plain(m, n, k);
                     c.groups = groups;
                     c.f32_out = f32_out;
+                    c.accumulate = accumulate;
                     c.bias = BiasKind::F32;
                     let h = host_data(&c, seed);
                     seed += 1;
@@ -946,7 +951,8 @@ mod tests {
                     };
                     let stored = run(None);
                     let registers = run(Some(vec![m as i32; groups]));
-                    let what = format!("{m}x{n}x{k} g{groups} f32_out={f32_out} bn={bn}");
+                    let what =
+                        format!("{m}x{n}x{k} g{groups} f32_out={f32_out} acc={accumulate} bn={bn}");
                     assert!(stored == registers, "{what}: the epilogues differ");
                 }
             }
