@@ -140,6 +140,13 @@ __device__ __forceinline__ uint32_t smem_u32(const void *p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// `x`, which the compiler can no longer recompute from its inputs (it keeps the register).
+__device__ __forceinline__ uint32_t opaque_u32(uint32_t x) {
+    uint32_t r;
+    asm volatile("mov.b32 %0, %1;" : "=r"(r) : "r"(x));
+    return r;
+}
+
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
 }
@@ -201,17 +208,6 @@ __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy
 // Barrier `id` over `threads` threads (one consumer warpgroup), not the whole CTA.
 __device__ __forceinline__ void named_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-
-// Two consecutive outputs into the staging (8 bytes of f32 or 4 of bf16).
-template <typename Out> __device__ __forceinline__ void stage2(uint32_t addr, float a, float b);
-template <> __device__ __forceinline__ void stage2<float>(uint32_t addr, float a, float b) {
-    asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(a), "f"(b) : "memory");
-}
-template <> __device__ __forceinline__ void stage2<__nv_bfloat16>(uint32_t addr, float a, float b) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
-    asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(*reinterpret_cast<const uint32_t *>(&v))
-                 : "memory");
 }
 
 // wgmma shared-memory descriptor of a K-major tile written by TMA with 128-byte swizzle:
@@ -336,7 +332,9 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
     constexpr int NACC = BN / 2;  // accumulator registers per thread
     extern __shared__ uint8_t smem_raw[];
     const uint32_t raw = smem_u32(smem_raw);
-    const uint32_t base = (raw + 1023u) & ~1023u;
+    // Kept in a register (opaque): otherwise the compiler re-derives the shared window address
+    // (S2UR of the CTA id and its latency) at every k-block of the main loops.
+    const uint32_t base = opaque_u32((raw + 1023u) & ~1023u);
     const uint32_t staging = base + STAGES * STAGE_BYTES;
     const uint32_t bars = staging + C::STAGING;
     auto full = [&](int s) { return bars + 8u * s; };
@@ -421,16 +419,25 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
         const bool store_epilogue = (flags.w & 2u) != 0;
         // This consumer's staging (64 x BN outputs) and the thread that issues its stores.
         const uint32_t stage_out = staging + cw * (C::STAGING / 2);
+        uint8_t *const stage_ptr = smem_raw + (stage_out - raw);
         const bool issuer = t128 == 0;
         int stage = 0;
         uint32_t phase = 0;
-        for (int t = blockIdx.x; t < total; t += gridDim.x) {
-            const Tile tl = tile(t);
+        // The next tile is worked out while the tensor cores run this tile's first k-block
+        // (its binary search and divisions would otherwise stall both consumers, and the
+        // tensor cores, at every tile start).
+        auto tile_after = [&](int t) {
+            const int u = t + int(gridDim.x);
+            return u < total ? tile(u) : Tile{-1, 0, 0};
+        };
+        Tile tl = int(blockIdx.x) < total ? tile(int(blockIdx.x)) : Tile{-1, 0, 0}, next = tl;
+        for (int t = blockIdx.x; t < total; t += gridDim.x, tl = next) {
             const float alpha = sa_v * (sbg != nullptr ? __ldg(sbg + tl.g) : sb_v);
             float acc[NACC];
 #pragma unroll
             for (int i = 0; i < NACC; ++i) acc[i] = 0.0f;
             const KRange kr = krange(tl);
+            if (kr.hi <= kr.lo) next = tile_after(t);
             // An empty reduction (WGRAD) leaves an accumulated D[g] as it was.
             if (kr.hi <= kr.lo && accumulate) continue;
             for (int kb = kr.lo; kb < kr.hi; ++kb) {
@@ -444,6 +451,7 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                     wgmma_fp8<FA, FB, BN>(part, da, db, kk > 0 ? 1 : 0);
                 }
                 wgmma_commit();
+                if (kb == kr.lo) next = tile_after(t);
                 wgmma_wait0();
                 if (lane == 0) mbar_arrive(empty(stage));
 #pragma unroll
@@ -459,24 +467,46 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                 // The staging is free once the previous tile's stores have read it.
                 if (issuer) bulk_wait_read();
                 named_sync(1 + cw, 128);
-                // Thread (warp, lane) holds rows warp * 16 + lane / 4 (+ 8) and column pairs
-                // 2 * (lane % 4) + 8 * i of the consumer's 64 x BN. In the box of its columns
-                // (COLS wide, 128-byte rows), a row's 16-byte chunk q sits at chunk q ^ (row % 8):
-                // a warp's 8 rows then hit distinct banks per chunk (a full-speed store).
-                constexpr int COLS = StoreBox<Out>::COLS;
-                const int rl = warp * 16 + lane / 4;
+                // Thread (warp, lane) holds rows rl and rl + 8 (rl = warp * 16 + lane / 4) and
+                // the column pairs c0 + 8 p (c0 = 2 (lane % 4), p < BN / 8) of the consumer's
+                // 64 x BN: acc[4p], acc[4p + 1] in row rl, acc[4p + 2], acc[4p + 3] in row rl + 8.
+                // In the box of its columns (COLS wide, 128-byte rows), a row's 16-byte chunk q
+                // sits at chunk q ^ (row % 8): a warp's 8 rows then hit distinct banks per chunk
+                // (a full-speed store). Column pair p's byte in its box row is
+                // c0 * SZ + ((8 p) % COLS) * SZ, the second term a multiple of 16, so its chunk is
+                // ((8 p) % COLS) * SZ / 16 ^ (c0 * SZ / 16): all that varies with p is a
+                // compile-time constant XORed into a per-thread one (y), and the unrolled stores
+                // take immediate offsets. Bias columns are loaded first, in one uniform branch
+                // (loads can not move past the stores), and only when there is a bias: without
+                // one this is 2 FFMA, a convert (bf16) and one store per pair.
+                constexpr int COLS = StoreBox<Out>::COLS, SZ = int(sizeof(Out)), PAIRS = BN / 8;
+                const int rl = warp * 16 + lane / 4, c0 = 2 * (lane % 4);
+                uint8_t *const row_base = stage_ptr + rl * 128 + ((c0 * SZ) & 15);
+                const int y = ((c0 * SZ) >> 4) ^ (rl & 7);
+                auto stage_tile = [&](auto bias_of) {
 #pragma unroll
-                for (int j = 0; j < NACC / 2; ++j) {
-                    const int r = rl + 8 * (j & 1), c = 2 * (lane % 4) + 8 * (j >> 1);
-                    const int gc = tl.nt * BN + c;
-                    // As the register epilogue rounds: alpha * acc + bias (+0 without one).
-                    float2 bv = make_float2(0.0f, 0.0f);
-                    if (gc < n) bv = make_float2(bias_at(bias, bias_kind, gc), bias_at(bias, bias_kind, gc + 1));
-                    const float a = alpha_t * acc[2 * j] + bv.x, b = alpha_t * acc[2 * j + 1] + bv.y;
-                    const int byte = (c % COLS) * int(sizeof(Out));
-                    const uint32_t at = stage_out + (c / COLS) * StoreBox<Out>::BYTES + r * 128 +
-                                        ((((byte >> 4) ^ (r & 7)) << 4) | (byte & 15));
-                    stage2<Out>(at, a, b);
+                    for (int p = 0; p < PAIRS; ++p) {
+                        const float2 bv = bias_of(p);
+                        const int chunk = ((((8 * p) % COLS) * SZ) >> 4) ^ y;
+                        uint8_t *const at = row_base + (8 * p / COLS) * StoreBox<Out>::BYTES + chunk * 16;
+                        // As the register epilogue rounds: alpha * acc + bias (+0 without one).
+                        store2<Out>(reinterpret_cast<Out *>(at), alpha_t * acc[4 * p] + bv.x,
+                                    alpha_t * acc[4 * p + 1] + bv.y);
+                        store2<Out>(reinterpret_cast<Out *>(at + 8 * 128), alpha_t * acc[4 * p + 2] + bv.x,
+                                    alpha_t * acc[4 * p + 3] + bv.y);
+                    }
+                };
+                if (bias_kind == 0) {
+                    stage_tile([](int) { return make_float2(0.0f, 0.0f); });
+                } else {
+                    float2 bias_v[PAIRS];
+#pragma unroll
+                    for (int p = 0; p < PAIRS; ++p) {
+                        const int gc = tl.nt * BN + c0 + 8 * p;  // even, like n: gc + 1 < n too
+                        bias_v[p] = make_float2(0.0f, 0.0f);
+                        if (gc < n) bias_v[p] = make_float2(bias_at(bias, bias_kind, gc), bias_at(bias, bias_kind, gc + 1));
+                    }
+                    stage_tile([&](int p) { return bias_v[p]; });
                 }
                 fence_async_shared();
                 named_sync(1 + cw, 128);

@@ -182,6 +182,8 @@ struct Fwd {
     accumulate: bool,
     per_group_scales: bool,
     path: GemmPath,
+    /// The tile-width hint ([`GemmOptions::expected_rows`]).
+    expected_rows: Option<usize>,
     seed: u64,
 }
 
@@ -202,6 +204,7 @@ impl Fwd {
             accumulate: false,
             per_group_scales: false,
             path: GemmPath::Portable,
+            expected_rows: None,
             seed: (counts.len() * 7919 + n * 131 + k) as u64,
         }
     }
@@ -379,6 +382,9 @@ impl FwdRun {
         if let Some(bb) = &self.bias {
             opts = opts.bias(bb.view());
         }
+        if let Some(rows) = c.expected_rows {
+            opts = opts.expected_rows(rows);
+        }
         grouped_gemm_packed(stream, self.shape(c), a, b, d.view(), &self.offsets, opts)
     }
 }
@@ -488,6 +494,14 @@ fn packed_forward_on_hopper() {
             bias: Some(DType::Bf16),
             per_group_scales: true,
             ..Fwd::new("options", &[150, 0, 260, 1], 136, 48)
+        });
+    }
+    // The tile-width hint: 72 m-tiles of N = 392 take 192-wide tiles for the capacity, 128-wide
+    // ones for a hint of 1 row (clamped up) and the capacity for a hint past it (clamped down).
+    for expected_rows in [None, Some(0), Some(1), Some(usize::MAX)] {
+        cases.push(Fwd {
+            expected_rows,
+            ..Fwd::new("tile-width hint", &[3000, 2000, 4100], 392, 256)
         });
     }
     cases.push(Fwd {

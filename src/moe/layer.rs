@@ -526,7 +526,9 @@ impl MoeLayer {
     ) -> Result<()> {
         let (groups, capacity) = (self.cfg.experts, self.cfg.capacity());
         let Some(off) = host_offsets else {
-            let opts = GemmOptions::new().path(self.grouped_path());
+            let opts = GemmOptions::new()
+                .path(self.grouped_path())
+                .expected_rows(self.cfg.routing_dims().expected_rows());
             let shape = PackedShape {
                 groups,
                 capacity,

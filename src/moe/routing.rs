@@ -178,6 +178,16 @@ impl RoutingDims {
         (self.tokens * self.top_k + self.experts * (a - 1)).div_ceil(a) * a
     }
 
+    /// The rows of the packed layout expected in use: the `T * k` assignments plus half an
+    /// alignment of padding per expert, at most the capacity. The expert GEMMs pick their tile
+    /// width for it ([`GemmOptions::expected_rows`]); the capacity allows for a whole
+    /// alignment per expert, which at small `T` doubles the rows.
+    ///
+    /// [`GemmOptions::expected_rows`]: fp8_kernels::gemm::GemmOptions::expected_rows
+    pub fn expected_rows(&self) -> usize {
+        (self.tokens * self.top_k + self.experts * (self.align / 2)).min(self.capacity())
+    }
+
     /// Blocks of the plan kernels: one per 256 assignments.
     fn plan_blocks(&self) -> usize {
         (self.tokens * self.top_k).div_ceil(BLOCK as usize)
@@ -851,6 +861,8 @@ mod tests {
             let d = dims(t, e, k, a);
             d.check().unwrap();
             let cap = d.capacity();
+            let expected = d.expected_rows();
+            assert!(t * k <= expected && expected <= cap, "{expected} of {cap}");
             assert_eq!(cap % a, 0);
             assert!(cap >= t * k + e * (a - 1), "{d:?}");
             assert!(cap < t * k + e * (a - 1) + a, "{d:?}");

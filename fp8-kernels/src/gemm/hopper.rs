@@ -317,7 +317,10 @@ pub(crate) fn launch_packed(stream: &Stream, p: &PackedProblem<'_>) -> Result<()
         )));
     }
     let formats = (p.a.format, p.b.format);
-    let (bn, kern, cfg) = select(stream, "packed_", formats, &p.d, (1, capacity, n), None)?;
+    // The tile width for the rows expected in use, the grid for the whole capacity.
+    let rows = p.expected_rows.map_or(capacity, |r| r.clamp(1, capacity));
+    let bn = choose_bn_for(1, rows, n, p.d.elem_size(), sm_count(stream)? as usize);
+    let (bn, kern, cfg) = select(stream, "packed_", formats, &p.d, (1, capacity, n), Some(bn))?;
     let ta = tensor_map(p.a.data, 1, capacity, k, TILE)?;
     let tb = tensor_map(p.b.data, groups, n, k, bn)?;
     let (epi, td) = epilogue(p.accumulate, &p.d, store_map(&p.d, 1, capacity, n)?);
@@ -478,6 +481,13 @@ mod cpu_tests {
             (1, 128, 7168, 128),
             (1, 64, 4096, 128),
             (8, 512, 4096, 128),
+            // The MoE layer's packed GEMMs (H = F = 2048, 8 experts, top-2) for the rows
+            // expected in use: T = 256 (1024 rows: 8 m-tiles, a weight-streaming problem whose
+            // narrower tiles spread over more SMs), T = 4096 (8704 rows).
+            (1, 1024, 4096, 128),
+            (1, 1024, 2048, 128),
+            (1, 8704, 4096, 192),
+            (1, 8704, 2048, 192),
         ] {
             assert_eq!(choose_bn_for(g, m, n, 2, 132), bn, "{g} x {m} x {n}");
             assert_eq!(choose_bn_for(g, m, n, 4, 132), 128, "f32 {g} x {m} x {n}");
@@ -585,7 +595,7 @@ mod tests {
         b.to_f32()
     }
 
-    #[derive(Clone, Copy, PartialEq)]
+    #[derive(Clone, Copy, PartialEq, Debug)]
     enum BiasKind {
         None,
         Bf16,
@@ -906,8 +916,8 @@ mod tests {
 
     /// The store epilogue (no counts: shared memory + TMA stores, or reduce-adds into an f32
     /// D when accumulating) and the register epilogue (counts of every row: the same problem,
-    /// from registers) write the same bits, for both outputs, both widths, a bias,
-    /// accumulating into f32, and edges of rows (m not a multiple of 64) and columns (N not a
+    /// from registers) write the same bits, for both outputs, both widths, no bias and either
+    /// bias type, accumulating into f32, and edges of rows (m not a multiple of 64) and columns (N not a
     /// multiple of the store box) that the TMA store clips.
     #[test]
     #[ignore = "needs a CUDA device"]
@@ -915,14 +925,17 @@ mod tests {
         let (_ctx, s) = setup();
         let mut seed = 300;
         let outs = [(false, false), (true, false), (true, true)];
+        let biases = [BiasKind::None, BiasKind::Bf16, BiasKind::F32];
         for (m, n, k, groups) in [(200, 136, 256, 3), (77, 8, 128, 1), (300, 328, 384, 2)] {
-            for (f32_out, accumulate) in outs {
+            for ((f32_out, accumulate), bias) in
+                outs.into_iter().flat_map(|o| biases.map(|b| (o, b)))
+            {
                 for bn in [128, 192] {
                     let mut c = Case::plain(m, n, k);
                     c.groups = groups;
                     c.f32_out = f32_out;
                     c.accumulate = accumulate;
-                    c.bias = BiasKind::F32;
+                    c.bias = bias;
                     let h = host_data(&c, seed);
                     seed += 1;
                     let mut dv = upload(&s, &c, &h);
@@ -951,8 +964,10 @@ mod tests {
                     };
                     let stored = run(None);
                     let registers = run(Some(vec![m as i32; groups]));
-                    let what =
-                        format!("{m}x{n}x{k} g{groups} f32_out={f32_out} acc={accumulate} bn={bn}");
+                    let what = format!(
+                        "{m}x{n}x{k} g{groups} f32_out={f32_out} acc={accumulate} bias={:?} bn={bn}",
+                        c.bias
+                    );
                     assert!(stored == registers, "{what}: the epilogues differ");
                 }
             }

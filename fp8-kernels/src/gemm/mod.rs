@@ -274,6 +274,12 @@ pub struct GemmOptions<'a> {
     pub accumulate: bool,
     /// Which kernel runs.
     pub path: GemmPath,
+    /// Packed GEMMs ([`grouped_gemm_packed`]) only: the rows the offsets are expected to put
+    /// in use (`offsets[groups]`), which the device reads only when the kernel runs. The
+    /// sm_90a kernel picks its tile width for this many rows instead of the whole capacity
+    /// (a dropless MoE layer's capacity allows for every expert's worst padding, twice the
+    /// rows in use at small token counts). It never changes the result, only the speed.
+    pub expected_rows: Option<usize>,
 }
 
 impl<'a> GemmOptions<'a> {
@@ -294,6 +300,12 @@ impl<'a> GemmOptions<'a> {
     /// On a given path.
     pub fn path(mut self, path: GemmPath) -> GemmOptions<'a> {
         self.path = path;
+        self
+    }
+    /// With the rows a packed GEMM's offsets are expected to put in use (a tuning hint; see
+    /// [`GemmOptions::expected_rows`]).
+    pub fn expected_rows(mut self, rows: usize) -> GemmOptions<'a> {
+        self.expected_rows = Some(rows);
         self
     }
 }

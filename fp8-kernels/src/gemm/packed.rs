@@ -139,6 +139,8 @@ pub(crate) struct PackedProblem<'a> {
     pub offsets: &'a DeviceBuffer<i32>,
     pub bias: Option<Bias<'a>>,
     pub accumulate: bool,
+    /// The tile-width hint ([`GemmOptions::expected_rows`]).
+    pub expected_rows: Option<usize>,
 }
 
 /// A validated packed weight-gradient problem.
@@ -347,6 +349,7 @@ pub fn grouped_gemm_packed<'a>(
         offsets,
         bias: opts.bias,
         accumulate: opts.accumulate,
+        expected_rows: opts.expected_rows,
     };
     match opts.path {
         // The sm90 kernel on request only: it needs aligned offsets, which Auto can not check
