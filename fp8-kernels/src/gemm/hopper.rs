@@ -925,10 +925,17 @@ mod tests {
         let (_ctx, s) = setup();
         let mut seed = 300;
         let outs = [(false, false), (true, false), (true, true)];
-        let biases = [BiasKind::None, BiasKind::Bf16, BiasKind::F32];
-        for (m, n, k, groups) in [(200, 136, 256, 3), (77, 8, 128, 1), (300, 328, 384, 2)] {
-            for ((f32_out, accumulate), bias) in
-                outs.into_iter().flat_map(|o| biases.map(|b| (o, b)))
+        // Every bias kind on the first shape; no bias and an f32 one at the edges.
+        let all = &[BiasKind::None, BiasKind::Bf16, BiasKind::F32][..];
+        let two = &[BiasKind::None, BiasKind::F32][..];
+        for (m, n, k, groups, biases) in [
+            (200, 136, 256, 3, all),
+            (77, 8, 128, 1, two),
+            (300, 328, 384, 2, two),
+        ] {
+            for ((f32_out, accumulate), &bias) in outs
+                .into_iter()
+                .flat_map(|o| biases.iter().map(move |b| (o, b)))
             {
                 for bn in [128, 192] {
                     let mut c = Case::plain(m, n, k);
@@ -958,8 +965,11 @@ mod tests {
                             let v = dv.d16.to_vec(&s).unwrap();
                             v.iter().map(|x| u32::from(x.to_bits())).collect()
                         };
-                        let err = verify(&s, &c, &h, &dv, c.counts.as_deref());
-                        assert!(err < bound(&c), "{m}x{n}x{k}: relative error {err:.3e}");
+                        // (The register epilogue's bits are compared with these.)
+                        if c.counts.is_none() {
+                            let err = verify(&s, &c, &h, &dv, None);
+                            assert!(err < bound(&c), "{m}x{n}x{k}: relative error {err:.3e}");
+                        }
                         bits
                     };
                     let stored = run(None);
