@@ -22,7 +22,9 @@ use std::sync::Arc;
 use cuda_graph::half::bf16;
 use cuda_graph::{Context, DeviceBuffer, Stream};
 use fp8_kernels::{AmaxAlgo, CastScaling, DelayedScaling};
-use fp8_moe::moe::layer::{ExpertGemm, Fp8Recipe, MoeLayer, MoeLayerConfig, MoeParams, formats};
+use fp8_moe::moe::layer::{
+    ExpertGemm, Fp8Recipe, GradDtype, MoeLayer, MoeLayerConfig, MoeParams, WeightGrad, formats,
+};
 use fp8_moe::moe::routing::{RouterConfig, ScoreFn};
 use fp8_moe::rng::Rng;
 use graphed_callables::{Callable, GraphIndex, GraphedCallables, GraphedOptions, Schedule, Slot};
@@ -44,6 +46,7 @@ const CFG: MoeLayerConfig = MoeLayerConfig {
     recipe: Fp8Recipe::Hybrid,
     expert_gemm: ExpertGemm::Grouped,
     scaling: CastScaling::Current,
+    grad_dtype: GradDtype::F32,
 };
 const MICROBATCHES: usize = 2;
 const STEPS: usize = 12;
@@ -80,14 +83,14 @@ fn layer(stream: &Stream, params: &MoeParams) -> Result<MoeLayer, BoxError> {
 /// The weights and their gradients of a layer, as shared handles (they outlive the box the
 /// runtime takes).
 struct Weights {
-    w1: (DeviceBuffer<bf16>, DeviceBuffer<f32>),
-    w2: (DeviceBuffer<bf16>, DeviceBuffer<f32>),
+    w1: (DeviceBuffer<bf16>, WeightGrad),
+    w2: (DeviceBuffer<bf16>, WeightGrad),
     wr: (DeviceBuffer<f32>, DeviceBuffer<f32>),
 }
 
 impl Weights {
     fn of(l: &MoeLayer) -> Weights {
-        let share = |(w, g): (&DeviceBuffer<bf16>, &DeviceBuffer<f32>)| (w.share(), g.share());
+        let share = |(w, g): (&DeviceBuffer<bf16>, &WeightGrad)| (w.share(), g.share());
         let (wr, dwr) = l.router_weight();
         Weights {
             w1: share(l.fc1()),
@@ -99,8 +102,8 @@ impl Weights {
     /// The three weight gradients, read back.
     fn grads(&self, s: &Stream) -> Result<Vec<Vec<f32>>, BoxError> {
         Ok(vec![
-            self.w1.1.to_vec(s)?,
-            self.w2.1.to_vec(s)?,
+            self.w1.1.to_f32_vec(s)?,
+            self.w2.1.to_f32_vec(s)?,
             self.wr.1.to_vec(s)?,
         ])
     }
@@ -114,7 +117,7 @@ impl Weights {
         };
         for (w, g) in [&self.w1, &self.w2] {
             let mut v: Vec<f32> = w.to_vec(s)?.iter().map(|x| x.to_f32()).collect();
-            step(&mut v, &g.to_vec(s)?);
+            step(&mut v, &g.to_f32_vec(s)?);
             w.copy_from_host(s, &bf16s(&v))?;
         }
         let mut v = self.wr.0.to_vec(s)?;

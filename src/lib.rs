@@ -21,7 +21,7 @@ pub mod rng;
 pub mod scaling;
 
 pub use linear::Fp8Linear;
-pub use moe::layer::{ExpertGemm, MoeLayer, MoeLayerConfig, MoeParams};
+pub use moe::layer::{ExpertGemm, GradDtype, MoeLayer, MoeLayerConfig, MoeParams, WeightGrad};
 pub use scaling::ScalingSnapshot;
 
 /// The README's Rust examples, compiled (not run) as doctests of this crate, which depends on

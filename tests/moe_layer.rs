@@ -27,7 +27,8 @@ use fp8_kernels::gemm::GemmPath;
 use fp8_kernels::reference::{decode, encode};
 use fp8_kernels::{AmaxAlgo, CastScaling, DelayedScaling, Fp8Format};
 use fp8_moe::moe::layer::{
-    ExpertGemm, Fp8Recipe, MoeLayer, MoeLayerConfig, MoeParams, formats, tensors,
+    ExpertGemm, Fp8Recipe, GradDtype, MoeLayer, MoeLayerConfig, MoeParams, WeightGrad, formats,
+    tensors,
 };
 use fp8_moe::moe::reference as rf;
 use fp8_moe::moe::routing::{ALIGN_ROWS, RouterConfig, ScoreFn};
@@ -60,6 +61,25 @@ fn config(expert_gemm: ExpertGemm) -> MoeLayerConfig {
         recipe: Fp8Recipe::Hybrid,
         expert_gemm,
         scaling: CastScaling::Delayed,
+        grad_dtype: GradDtype::F32,
+    }
+}
+
+/// A gradient's bits, widened to u32 (bf16 bits in the low half).
+fn grad_bits(stream: &Stream, g: &WeightGrad) -> Vec<u32> {
+    match g {
+        WeightGrad::F32(b) => b
+            .to_vec(stream)
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect(),
+        WeightGrad::Bf16(b) => b
+            .to_vec(stream)
+            .unwrap()
+            .iter()
+            .map(|v| u32::from(v.to_bits()))
+            .collect(),
     }
 }
 
@@ -317,10 +337,10 @@ fn check_layer(label: &str, s: &mut Setup) {
     let e_dwr = rel_err(&f64s(&dwr.to_vec(st).unwrap()), &grads.dwr);
     assert!(e_dwr < 0.20, "{label}: dwr rel err {e_dwr}");
     let (_, dw1) = s.layer.fc1();
-    let e_dw1 = rel_err(&f64s(&dw1.to_vec(st).unwrap()), &grads.dw1);
+    let e_dw1 = rel_err(&f64s(&dw1.to_f32_vec(st).unwrap()), &grads.dw1);
     assert!(e_dw1 < 0.20, "{label}: dw1 rel err {e_dw1}");
     let (_, dw2) = s.layer.fc2();
-    let e_dw2 = rel_err(&f64s(&dw2.to_vec(st).unwrap()), &grads.dw2);
+    let e_dw2 = rel_err(&f64s(&dw2.to_f32_vec(st).unwrap()), &grads.dw2);
     assert!(e_dw2 < 0.20, "{label}: dw2 rel err {e_dw2}");
     let routing = s.layer.routing_of(&s.saved[0]).unwrap();
     let losses = f64s(&routing.losses.to_vec(st).unwrap());
@@ -353,12 +373,12 @@ fn check_layer(label: &str, s: &mut Setup) {
         ),
         (
             "dw1",
-            rel_err(&f64s(&dw1.to_vec(st).unwrap()), &mg.dw1),
+            rel_err(&f64s(&dw1.to_f32_vec(st).unwrap()), &mg.dw1),
             0.06,
         ),
         (
             "dw2",
-            rel_err(&f64s(&dw2.to_vec(st).unwrap()), &mg.dw2),
+            rel_err(&f64s(&dw2.to_f32_vec(st).unwrap()), &mg.dw2),
             0.06,
         ),
     ];
@@ -453,8 +473,8 @@ fn a_captured_full_layer_equals_eager_bit_for_bit() {
     let eager = results(&s);
     // Gradients accumulate: zero them before each run so both runs add to zero.
     let zero = |s: &Setup| {
-        s.layer.fc1().1.memset_bytes(&s.stream, 0).unwrap();
-        s.layer.fc2().1.memset_bytes(&s.stream, 0).unwrap();
+        s.layer.fc1().1.zero(&s.stream).unwrap();
+        s.layer.fc2().1.zero(&s.stream).unwrap();
         s.layer
             .router_weight()
             .1
@@ -503,8 +523,8 @@ fn results(s: &Setup) -> Vec<Vec<u32>> {
     vec![
         h(&s.y),
         h(&s.dx),
-        f(s.layer.fc1().1),
-        f(s.layer.fc2().1),
+        grad_bits(st, s.layer.fc1().1),
+        grad_bits(st, s.layer.fc2().1),
         f(s.layer.router_weight().1),
     ]
 }
@@ -577,7 +597,7 @@ fn schedule_bits(
         // Warmup ran backwards (the aux and z losses add router gradients even with zero
         // output gradients): start from zero like the eager run.
         for b in &grads {
-            b.memset_bytes(&stream, 0).unwrap();
+            b.zero(&stream).unwrap();
         }
         dwr.memset_bytes(&stream, 0).unwrap();
         for step in 0..2 {
@@ -649,15 +669,11 @@ fn schedule_bits(
         }
     }
     stream.synchronize().unwrap();
-    for b in grads.iter().chain([&dwr]) {
+    for b in grads.iter().chain([&WeightGrad::F32(dwr)]) {
         out.push(
-            b.to_vec(&stream)
-                .unwrap()
+            grad_bits(&stream, b)
                 .iter()
-                .flat_map(|v| {
-                    let u = v.to_bits();
-                    [u as u16, (u >> 16) as u16]
-                })
+                .flat_map(|&u| [u as u16, (u >> 16) as u16])
                 .collect(),
         );
     }
@@ -669,8 +685,15 @@ fn schedule_bits(
 fn graph_modes_equal_eager_bit_for_bit() {
     let ctx = Context::default_device().unwrap();
     let mut rng = fresh_rng("graph_modes_equal_eager_bit_for_bit");
-    for mode in [ExpertGemm::PerExpert, ExpertGemm::Grouped] {
-        let cfg = config(mode);
+    let modes = [ExpertGemm::PerExpert, ExpertGemm::Grouped];
+    for (mode, grad_dtype) in modes
+        .into_iter()
+        .flat_map(|m| [(m, GradDtype::F32), (m, GradDtype::Bf16)])
+    {
+        let cfg = MoeLayerConfig {
+            grad_dtype,
+            ..config(mode)
+        };
         let (t, h) = (cfg.tokens, cfg.hidden);
         let params = random_params(&mut rng, &cfg);
         let data: Vec<(Vec<bf16>, Vec<bf16>)> = (0..4)
@@ -682,7 +705,7 @@ fn graph_modes_equal_eager_bit_for_bit() {
         for (i, (a, g)) in eager.iter().zip(&graphed).enumerate() {
             assert!(
                 a == g,
-                "{mode:?}: result {i} (8 passes, then dW1, dW2, dWr) differs"
+                "{mode:?} {grad_dtype:?}: result {i} (8 passes, then dW1, dW2, dWr) differs"
             );
         }
         if mode == ExpertGemm::Grouped {
@@ -690,7 +713,7 @@ fn graph_modes_equal_eager_bit_for_bit() {
             for (i, (a, g)) in eager.iter().zip(&split).enumerate() {
                 assert!(
                     a == g,
-                    "split weight gradients: result {i} differs from eager"
+                    "{grad_dtype:?} split weight gradients: result {i} differs from eager"
                 );
             }
         }
@@ -845,11 +868,12 @@ fn step_gradients_are_written_by_the_first_microbatch() {
             [
                 l.fc1().1.share(),
                 l.fc2().1.share(),
-                l.router_weight().1.share(),
+                WeightGrad::F32(l.router_weight().1.share()),
             ]
         };
         for g in grads(&layers[1]) {
-            g.copy_from_host(&stream, &vec![f32::NAN; g.len()]).unwrap();
+            let nan = vec![f32::NAN; g.len()];
+            g.as_f32().unwrap().copy_from_host(&stream, &nan).unwrap();
         }
         // Saved buffers per layer and microbatch, zeroed as the runtime zeroes its own (and
         // as compute-sanitizer's initcheck needs: it does not see the TMA stores of the sm_90a
@@ -875,7 +899,7 @@ fn step_gradients_are_written_by_the_first_microbatch() {
         let dx = DeviceBuffer::<bf16>::alloc(&ctx, t * h).unwrap();
         for step in 0..2 {
             for g in grads(&layers[0]) {
-                g.memset_bytes(&stream, 0).unwrap();
+                g.zero(&stream).unwrap();
             }
             for mb in 0..2 {
                 // Microbatch 0: positive x, so expert 2's large router row takes every token.
@@ -901,7 +925,10 @@ fn step_gradients_are_written_by_the_first_microbatch() {
                 .iter()
                 .zip(grads(&layers[0]).iter().zip(grads(&layers[1]).iter()))
             {
-                let (a, b) = (a.to_vec(&stream).unwrap(), b.to_vec(&stream).unwrap());
+                let (a, b) = (
+                    a.to_f32_vec(&stream).unwrap(),
+                    b.to_f32_vec(&stream).unwrap(),
+                );
                 let bad = a.iter().zip(&b).position(|(p, q)| !p.is_finite() || p != q);
                 assert!(
                     bad.is_none(),
@@ -910,6 +937,116 @@ fn step_gradients_are_written_by_the_first_microbatch() {
                     bad.map(|i| b[i])
                 );
                 assert!(a.iter().any(|&v| v != 0.0), "{mode:?} {what}: all zero");
+            }
+        }
+    }
+}
+
+/// bf16 weight gradients ([`GradDtype::Bf16`]) are the f32 ones rounded: two layers of the
+/// same parameters, one per gradient type, run the same two-microbatch step (step gradients:
+/// microbatch 0 writes, microbatch 1 adds), eagerly and with every expert GEMM path. The
+/// outputs, input gradients and the router weight's gradient are the same bits; after
+/// microbatch 0 each bf16 gradient is the f32 one rounded to nearest (the same f32 sum,
+/// rounded once; within one bf16 ulp where the tile widths, which the output type picks,
+/// differ); after microbatch 1 the bf16 sum, rounded twice, is within an ulp of microbatch 0's
+/// f32 gradient (its first rounding) and an ulp of the total (its second) of the f32 one.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn bf16_weight_gradients_are_the_f32_ones_rounded() {
+    let ctx = Context::default_device().unwrap();
+    let mut rng = fresh_rng("bf16_weight_gradients_are_the_f32_ones_rounded");
+    for mode in [ExpertGemm::PerExpert, ExpertGemm::Grouped] {
+        let cfg = config(mode);
+        let (t, h) = (cfg.tokens, cfg.hidden);
+        let params = random_params(&mut rng, &cfg);
+        let stream = Stream::new(&ctx).unwrap();
+        let mut layers = [GradDtype::F32, GradDtype::Bf16].map(|grad_dtype| {
+            let c = MoeLayerConfig { grad_dtype, ..cfg };
+            MoeLayer::new(&stream, c, &params, fixed_scaling(&stream, &c), 0)
+                .unwrap()
+                .with_step_gradients(true)
+        });
+        assert_eq!(layers[1].fc1().1.dtype(), GradDtype::Bf16);
+        let saved: Vec<Vec<DeviceBuffer<u8>>> = (0..2)
+            .map(|_| {
+                layers[0]
+                    .saved_bytes()
+                    .iter()
+                    .map(|&n| {
+                        let b = DeviceBuffer::<u8>::alloc(&ctx, n).unwrap();
+                        b.memset_bytes(&stream, 0).unwrap();
+                        b
+                    })
+                    .collect()
+            })
+            .collect();
+        let y = DeviceBuffer::<bf16>::alloc(&ctx, t * h).unwrap();
+        let dx = DeviceBuffer::<bf16>::alloc(&ctx, t * h).unwrap();
+        let data: Vec<_> = (0..2)
+            .map(|_| {
+                let up = |v: Vec<f32>| DeviceBuffer::from_host(&stream, &to_bf16(&v)).unwrap();
+                (up(rng.vec(t * h, 1.0)), up(rng.vec(t * h, 1.0)))
+            })
+            .collect();
+        // One bf16 ulp of |v|: 2^(exponent - 7).
+        let ulp = |v: f32| {
+            if v == 0.0 {
+                0.0
+            } else {
+                2f32.powi(v.abs().log2().floor() as i32 - 7)
+            }
+        };
+        let mut first: Vec<Vec<f32>> = vec![Vec::new(); 2];
+        for mb in 0..2 {
+            let mut outs = Vec::new();
+            for layer in layers.iter_mut() {
+                let at = GraphIndex {
+                    chunk: 0,
+                    microbatch: mb,
+                    layer: 0,
+                };
+                let (x, dy) = &data[mb];
+                let slot = Slot::new(at, vec![x], vec![&y], saved[mb].iter().collect());
+                if mb == 0 {
+                    layer.cast_weights(&stream, &slot).unwrap();
+                }
+                layer.forward(&stream, &[x], &[&y], &slot).unwrap();
+                let yv = y.to_vec(&stream).unwrap();
+                layer.backward(&stream, &[dy], &[&dx], &slot).unwrap();
+                let dwr = layer.router_weight().1.to_vec(&stream).unwrap();
+                outs.push((yv, dx.to_vec(&stream).unwrap(), dwr));
+            }
+            assert!(outs[0] == outs[1], "{mode:?} mb {mb}: y, dx or dWr differ");
+            for (what, pick) in [("dW1", 0usize), ("dW2", 1)] {
+                let grads: Vec<Vec<f32>> = layers
+                    .iter()
+                    .map(|l| {
+                        let g = if pick == 0 { l.fc1().1 } else { l.fc2().1 };
+                        g.to_f32_vec(&stream).unwrap()
+                    })
+                    .collect();
+                let (a, b) = (&grads[0], &grads[1]);
+                let mut exact = 0usize;
+                for (i, (&p, &q)) in a.iter().zip(b).enumerate() {
+                    let bound = match mb {
+                        0 => ulp(p),
+                        _ => ulp(first[pick][i]) + ulp(p),
+                    };
+                    assert!(
+                        q.is_finite() && (q - p).abs() <= bound,
+                        "{mode:?} mb {mb} {what}[{i}]: bf16 {q} vs f32 {p}"
+                    );
+                    exact += usize::from(q == bf16::from_f32(p).to_f32());
+                }
+                if mb == 0 {
+                    assert!(
+                        exact * 100 >= a.len() * 95,
+                        "{mode:?} {what}: only {exact} of {} rounded to nearest",
+                        a.len()
+                    );
+                }
+                assert!(a.iter().any(|&v| v != 0.0), "{mode:?} {what}: all zero");
+                first[pick] = grads[0].clone();
             }
         }
     }

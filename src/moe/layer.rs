@@ -12,8 +12,9 @@
 //! scores, top-k, renormalisation, aux and z losses), the combine's backward fused with the
 //! cast of dY to the gradient format (E5M2 in the HYBRID recipe, E4M3 in the E4M3 one),
 //! fc2's dgrad and wgrad, the SwiGLU backward fused with its casts, fc1's dgrad and wgrad,
-//! then `dx` and the router weight's gradient. Weight gradients accumulate in f32, or, with
-//! [`MoeLayer::with_step_gradients`], hold one step's sum (microbatch 0 writes them).
+//! then `dx` and the router weight's gradient. Weight gradients accumulate (in f32, or in
+//! bf16 with [`GradDtype::Bf16`]), or, with [`MoeLayer::with_step_gradients`], hold one step's
+//! sum (microbatch 0 writes them).
 //!
 //! # Expert GEMMs ([`ExpertGemm`])
 //! * [`ExpertGemm::PerExpert`] (the reference): the offsets are read to the host (a stream
@@ -49,8 +50,8 @@ use std::sync::Arc;
 use cuda_graph::half::bf16;
 use cuda_graph::{DeviceBuffer, Error, Result, Stream};
 use fp8_kernels::gemm::{
-    GemmOptions, GemmPath, GemmShape, GroupedOperand, Operand, PackedShape, WgradShape, gemm,
-    grouped_gemm_packed, grouped_gemm_wgrad,
+    GemmOptions, GemmOut, GemmPath, GemmShape, GroupedOperand, Operand, PackedShape, WgradShape,
+    gemm, grouped_gemm_packed, grouped_gemm_wgrad,
 };
 use fp8_kernels::{
     BatchedCastOut, CastScaling, DelayedScaling, DeviceScalar, Fp8Format, Fp8Tensor, FusedCastOut,
@@ -133,6 +134,115 @@ pub enum ExpertGemm {
     Grouped,
 }
 
+/// The type of the expert weights' gradients (`dW1`, `dW2`; the router weight's stays f32).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum GradDtype {
+    /// f32 (the default): like Megatron-LM's `main_grad`, microbatches add up without
+    /// rounding to bf16 in between.
+    #[default]
+    F32,
+    /// bf16, the parameters' type: like PyTorch's `.grad` of bf16 parameters, or
+    /// TransformerEngine without `fuse_wgrad_accumulation`. Half the bytes written (and read,
+    /// when accumulating); a microbatch's sum is rounded to bf16 once, and every later
+    /// microbatch's addition rounds again.
+    Bf16,
+}
+
+/// An expert weight's gradient buffer, of the layer's [`GradDtype`].
+#[derive(Debug)]
+pub enum WeightGrad {
+    /// [`GradDtype::F32`].
+    F32(DeviceBuffer<f32>),
+    /// [`GradDtype::Bf16`].
+    Bf16(DeviceBuffer<bf16>),
+}
+
+impl WeightGrad {
+    /// `n` zeros of `dtype`.
+    fn zeroed(stream: &Stream, n: usize, dtype: GradDtype) -> Result<WeightGrad> {
+        Ok(match dtype {
+            GradDtype::F32 => WeightGrad::F32(zeroed(stream, n)?),
+            GradDtype::Bf16 => WeightGrad::Bf16(zeroed(stream, n)?),
+        })
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> GradDtype {
+        match self {
+            WeightGrad::F32(_) => GradDtype::F32,
+            WeightGrad::Bf16(_) => GradDtype::Bf16,
+        }
+    }
+
+    /// Elements.
+    pub fn len(&self) -> usize {
+        match self {
+            WeightGrad::F32(b) => b.len(),
+            WeightGrad::Bf16(b) => b.len(),
+        }
+    }
+
+    /// Whether it has no elements (never, for a layer's gradient).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Another handle to the same memory ([`DeviceBuffer::share`]).
+    pub fn share(&self) -> WeightGrad {
+        match self {
+            WeightGrad::F32(b) => WeightGrad::F32(b.share()),
+            WeightGrad::Bf16(b) => WeightGrad::Bf16(b.share()),
+        }
+    }
+
+    /// Enqueues zeroing it on `stream` (also inside a capture).
+    pub fn zero(&self, stream: &Stream) -> Result<()> {
+        match self {
+            WeightGrad::F32(b) => b.memset_bytes(stream, 0),
+            WeightGrad::Bf16(b) => b.memset_bytes(stream, 0),
+        }
+    }
+
+    /// The gradient read back as f32 (bf16 widened exactly; waits for `stream`).
+    pub fn to_f32_vec(&self, stream: &Stream) -> Result<Vec<f32>> {
+        Ok(match self {
+            WeightGrad::F32(b) => b.to_vec(stream)?,
+            WeightGrad::Bf16(b) => b.to_vec(stream)?.iter().map(|x| x.to_f32()).collect(),
+        })
+    }
+
+    /// The f32 buffer ([`GradDtype::F32`]).
+    pub fn as_f32(&self) -> Option<&DeviceBuffer<f32>> {
+        match self {
+            WeightGrad::F32(b) => Some(b),
+            WeightGrad::Bf16(_) => None,
+        }
+    }
+
+    /// The bf16 buffer ([`GradDtype::Bf16`]).
+    pub fn as_bf16(&self) -> Option<&DeviceBuffer<bf16>> {
+        match self {
+            WeightGrad::Bf16(b) => Some(b),
+            WeightGrad::F32(_) => None,
+        }
+    }
+
+    /// Calls `f` with elements `range` as a GEMM output (a view; the whole buffer for
+    /// `None`).
+    fn with_out<R>(
+        &self,
+        range: Option<std::ops::Range<usize>>,
+        f: impl FnOnce(GemmOut<'_>) -> Result<R>,
+    ) -> Result<R> {
+        match (self, range) {
+            (WeightGrad::F32(b), None) => f(GemmOut::from(b)),
+            (WeightGrad::Bf16(b), None) => f(GemmOut::from(b)),
+            (WeightGrad::F32(b), Some(r)) => f(GemmOut::from(&b.slice(r)?)),
+            (WeightGrad::Bf16(b), Some(r)) => f(GemmOut::from(&b.slice(r)?)),
+        }
+    }
+}
+
 /// A layer's shape and settings.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct MoeLayerConfig {
@@ -155,6 +265,8 @@ pub struct MoeLayerConfig {
     /// its tensor's amax first). The expert weights keep delayed scaling: they are cast once
     /// per step.
     pub scaling: CastScaling,
+    /// The type of the expert weights' gradients.
+    pub grad_dtype: GradDtype,
 }
 
 impl MoeLayerConfig {
@@ -251,9 +363,9 @@ pub struct MoeLayer {
     wr: DeviceBuffer<f32>,
     dwr: DeviceBuffer<f32>,
     w1: DeviceBuffer<bf16>,
-    dw1: DeviceBuffer<f32>,
+    dw1: WeightGrad,
     w2: DeviceBuffer<bf16>,
-    dw2: DeviceBuffer<f32>,
+    dw2: WeightGrad,
     /// The E4M3 weights, row-major (`[E, 2F, H]`, `[E, H, F]`) and per expert transposed
     /// (`[E, H, 2F]`, `[E, F, H]`).
     w1_q: DeviceBuffer<u8>,
@@ -344,9 +456,9 @@ impl MoeLayer {
             wr: DeviceBuffer::from_host(stream, &params.wr)?,
             dwr: zeroed(stream, e * h)?,
             w1: DeviceBuffer::from_host(stream, &to_bf16(&params.w1))?,
-            dw1: zeroed(stream, e * 2 * f * h)?,
+            dw1: WeightGrad::zeroed(stream, e * 2 * f * h, cfg.grad_dtype)?,
             w2: DeviceBuffer::from_host(stream, &to_bf16(&params.w2))?,
-            dw2: zeroed(stream, e * h * f)?,
+            dw2: WeightGrad::zeroed(stream, e * h * f, cfg.grad_dtype)?,
             w1_q: zeroed(stream, e * 2 * f * h)?,
             w1_t: zeroed(stream, e * 2 * f * h)?,
             w2_q: zeroed(stream, e * h * f)?,
@@ -380,8 +492,8 @@ impl MoeLayer {
     /// `dW1`, `dW2` and `dWr` (experts without tokens get zeros), later microbatches add to
     /// them. The runtime runs a chunk's weight-gradient passes in microbatch order (also when
     /// the schedule splits them off), so microbatch 0's comes first in every step, and no
-    /// zeroing is needed between steps: it saves reading the f32 gradients once per step
-    /// (`4 E (3 F H) + 4 E H` bytes), what TransformerEngine's `zero_out_wgrad` saves.
+    /// zeroing is needed between steps: it saves reading the gradients once per step
+    /// (`4 E (3 F H) + 4 E H` bytes in f32), what TransformerEngine's `zero_out_wgrad` saves.
     ///
     /// [`Fp8Linear`]: crate::linear::Fp8Linear
     /// [`GraphIndex`]: graphed_callables::GraphIndex
@@ -414,13 +526,13 @@ impl MoeLayer {
         (&self.wr, &self.dwr)
     }
 
-    /// fc1's weights `[E, 2F, H]` bf16 and their f32 gradient.
-    pub fn fc1(&self) -> (&DeviceBuffer<bf16>, &DeviceBuffer<f32>) {
+    /// fc1's weights `[E, 2F, H]` bf16 and their gradient ([`GradDtype`]).
+    pub fn fc1(&self) -> (&DeviceBuffer<bf16>, &WeightGrad) {
         (&self.w1, &self.dw1)
     }
 
-    /// fc2's weights `[E, H, F]` bf16 and their f32 gradient.
-    pub fn fc2(&self) -> (&DeviceBuffer<bf16>, &DeviceBuffer<f32>) {
+    /// fc2's weights `[E, H, F]` bf16 and their gradient ([`GradDtype`]).
+    pub fn fc2(&self) -> (&DeviceBuffer<bf16>, &WeightGrad) {
         (&self.w2, &self.dw2)
     }
 
@@ -577,7 +689,7 @@ impl MoeLayer {
         (m, n): (usize, usize),
         a: Operand<'_>,
         b: Operand<'_>,
-        d: &DeviceBuffer<f32>,
+        d: &WeightGrad,
         accumulate: bool,
     ) -> Result<()> {
         let capacity = self.cfg.capacity();
@@ -591,13 +703,18 @@ impl MoeLayer {
                 m,
                 n,
             };
-            return grouped_gemm_wgrad(stream, shape, a, b, d, &routing.offsets, opts);
+            return d.with_out(None, |d| {
+                grouped_gemm_wgrad(stream, shape, a, b, d, &routing.offsets, opts)
+            });
         };
         for e in 0..self.cfg.experts {
+            let range = e * m * n..(e + 1) * m * n;
             if off[e + 1] <= off[e] {
                 if !accumulate {
-                    d.slice(e * m * n..(e + 1) * m * n)?
-                        .memset_bytes(stream, 0)?;
+                    d.with_out(Some(range), |d_e| match d_e {
+                        GemmOut::F32(b) => b.memset_bytes(stream, 0),
+                        GemmOut::Bf16(b) => b.memset_bytes(stream, 0),
+                    })?;
                 }
                 continue;
             }
@@ -607,9 +724,10 @@ impl MoeLayer {
                 m,
                 n,
             };
-            let d_e = d.slice(e * m * n..(e + 1) * m * n)?;
             let off_e = routing.offsets.slice(e..e + 2)?;
-            grouped_gemm_wgrad(stream, shape, a, b, &d_e, &off_e, opts)?;
+            d.with_out(Some(range), |d_e| {
+                grouped_gemm_wgrad(stream, shape, a, b, d_e, &off_e, opts)
+            })?;
         }
         Ok(())
     }
@@ -1155,6 +1273,7 @@ mod tests {
             recipe: Fp8Recipe::Hybrid,
             expert_gemm: ExpertGemm::Grouped,
             scaling: CastScaling::Delayed,
+            grad_dtype: GradDtype::F32,
         }
     }
 

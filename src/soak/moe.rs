@@ -47,7 +47,9 @@ use std::sync::Arc;
 use cuda_graph::half::bf16;
 use cuda_graph::{DeviceBuffer, Stream};
 use fp8_kernels::{AmaxAlgo, CastScaling, DelayedScaling, Fp8Format};
-use fp8_moe::moe::layer::{ExpertGemm, Fp8Recipe, MoeLayer, MoeLayerConfig, MoeParams, formats};
+use fp8_moe::moe::layer::{
+    ExpertGemm, Fp8Recipe, GradDtype, MoeLayer, MoeLayerConfig, MoeParams, WeightGrad, formats,
+};
 use fp8_moe::moe::routing::{RouterConfig, RoutingBuffers, ScoreFn};
 use graphed_callables::{
     Callable, GraphIndex, GraphedCallables, GraphedOptions, Schedule, Slot, Step,
@@ -74,6 +76,7 @@ pub const MOE: MoeLayerConfig = MoeLayerConfig {
     recipe: Fp8Recipe::Hybrid,
     expert_gemm: ExpertGemm::Grouped,
     scaling: CastScaling::Delayed,
+    grad_dtype: GradDtype::F32,
 };
 /// Microbatches of the schedule `[1, 1, 1, -1, -1, -1]`: a forward and a backward graph each.
 const MICROBATCHES: usize = 3;
@@ -297,7 +300,10 @@ impl RoutingRead {
 
 /// Views of a layer's weight gradients (f32, accumulated by every backward): fc1's, fc2's,
 /// the router's. They stay valid after the layer moves into the runtime.
-pub struct Grads([DeviceBuffer<f32>; 3]);
+pub struct Grads {
+    experts: [WeightGrad; 2],
+    router: DeviceBuffer<f32>,
+}
 
 impl Grads {
     /// The names of the gradients, in order.
@@ -309,22 +315,26 @@ impl Grads {
 
     /// Views of `layer`'s gradients.
     pub fn of(layer: &MoeLayer) -> Grads {
-        Grads([
-            layer.fc1().1.share(),
-            layer.fc2().1.share(),
-            layer.router_weight().1.share(),
-        ])
+        Grads {
+            experts: [layer.fc1().1.share(), layer.fc2().1.share()],
+            router: layer.router_weight().1.share(),
+        }
     }
 
     /// Enqueues zeroing every gradient on `stream` (also inside a capture).
     pub fn zero(&self, stream: &Stream) -> cuda_graph::Result<()> {
-        self.0.iter().try_for_each(|g| g.memset_bytes(stream, 0))
+        self.experts.iter().try_for_each(|g| g.zero(stream))?;
+        self.router.memset_bytes(stream, 0)
     }
 
     /// The gradients, read back (waits).
     pub fn read(&self, stream: &Stream) -> BenchResult<[Vec<f32>; 3]> {
-        let [a, b, c] = &self.0;
-        Ok([a.to_vec(stream)?, b.to_vec(stream)?, c.to_vec(stream)?])
+        let [a, b] = &self.experts;
+        Ok([
+            a.to_f32_vec(stream)?,
+            b.to_f32_vec(stream)?,
+            self.router.to_vec(stream)?,
+        ])
     }
 }
 
