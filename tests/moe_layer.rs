@@ -322,14 +322,26 @@ fn bf16_vec(b: &DeviceBuffer<bf16>, s: &Stream) -> Vec<f64> {
         .collect()
 }
 
-/// Runs one forward and backward of `s` and checks everything against both references.
-fn check_layer(label: &str, s: &mut Setup) {
+/// The forward's bound against the unquantized reference when every token goes to one
+/// expert. Those cases draw every input in [0.5, 1] ([`positive`]), so the tokens' rows are
+/// nearly the same vector (0.75 in every column, a quarter of that in spread) and so are their
+/// outputs: the quantization errors of the one expert's weights then repeat in every row
+/// instead of averaging over independent rows, and the norm-wise error of the 96 x 64 output
+/// behaves like that of a few rows. Its spread over fresh seeds is wider than the 0.065 of
+/// the random cases: 0.105 seen once on the H200 (against 0.10). The rounded-reference check
+/// below (0.03) is unchanged: the device's arithmetic is held as tightly as in every case.
+const FWD_BOUND_ONE_EXPERT: f64 = 0.15;
+
+/// Runs one forward and backward of `s` and checks everything against both references: the
+/// forward against the unquantized one to `fwd_bound` (0.10, or 0.15 for the one-expert
+/// cases: see [`FWD_BOUND_ONE_EXPERT`]).
+fn check_layer(label: &str, s: &mut Setup, fwd_bound: f64) {
     run(s);
     let st = &s.stream;
     let (fwd, grads) = &s.reference;
     let out = bf16_vec(&s.y, st);
     let e_out = rel_err(&out, &fwd.out);
-    assert!(e_out < 0.10, "{label}: forward rel err {e_out}");
+    assert!(e_out < fwd_bound, "{label}: forward rel err {e_out}");
     let dx = bf16_vec(&s.dx, st);
     let e_dx = rel_err(&dx, &grads.dx);
     assert!(e_dx < 0.20, "{label}: dx rel err {e_dx}");
@@ -440,7 +452,12 @@ fn layer_matches_the_f64_reference_in_both_modes() {
         ];
         for (what, cfg, one) in cases {
             let mut s = setup(&ctx, &mut rng, cfg, one, GemmPath::Auto);
-            check_layer(&format!("{mode:?} {what}"), &mut s);
+            let bound = if one.is_some() {
+                FWD_BOUND_ONE_EXPERT
+            } else {
+                0.10
+            };
+            check_layer(&format!("{mode:?} {what}"), &mut s, bound);
         }
     }
     // Auto runs the grouped GEMMs on the sm_90a kernels on Hopper: the portable kernels too.
@@ -452,7 +469,7 @@ fn layer_matches_the_f64_reference_in_both_modes() {
         ),
     ] {
         let mut s = setup(&ctx, &mut rng, cfg, None, GemmPath::Portable);
-        check_layer(what, &mut s);
+        check_layer(what, &mut s, 0.10);
     }
     assert_eq!(tensors(8), 20);
 }
