@@ -308,9 +308,12 @@ pub(crate) fn validate_wgrad(what: &str, p: &WgradDesc) -> Result<()> {
 /// multiple of [`ALIGN_ROWS`], exact buffer lengths, A/B/D/bias 16-byte aligned, offsets and
 /// per-group scales 4-byte aligned, `ceil(n / 128) <= 65535`. `Auto` and `Portable` run the
 /// portable kernel; [`GemmPath::Hopper`] runs the sm_90a TMA + wgmma kernel, which also needs
-/// compute capability 9.0, `n` even and every offset a multiple of [`ALIGN_ROWS`] (new: not
-/// yet the default until it has run on a device). Enqueues one kernel, never
-/// synchronises or allocates (capturable).
+/// compute capability 9.0, `n` even and every offset a multiple of [`ALIGN_ROWS`] (the offsets
+/// are on the device, so `Auto` can not check that and keeps the portable kernel; callers that
+/// own the layout, like the MoE layer, ask for `Hopper`). On that kernel
+/// [`GemmOptions::expected_rows`] picks the tile width for the rows the offsets are expected
+/// to use (the whole capacity without it). Enqueues one kernel, never synchronises or
+/// allocates (capturable).
 pub fn grouped_gemm_packed<'a>(
     stream: &Stream,
     shape: PackedShape,
