@@ -2,10 +2,12 @@
 # Runs compute-sanitizer over every GPU test binary of a GPU bundle (scripts/gpu-bundle.sh
 # copies this script to .bundle/sanitize.sh) and prints one summary line per (tool, binary).
 #
-#     sanitize.sh LOG_DIR [TOOLS] [BINARY_FILTER]
+#     sanitize.sh LOG_DIR [TOOLS] [BINARY_FILTER] [TEST_FILTER]
 #
 # TOOLS: comma-separated, default memcheck,racecheck,synccheck,initcheck (memcheck runs with
 # --leak-check full). BINARY_FILTER: a substring of the binary names to run (default: all).
+# TEST_FILTER: a substring of the test names to run in each binary (default: all; the skips
+# below apply either way).
 # Each binary gets $SANITIZE_TIMEOUT seconds per tool (default 300).
 #
 # Reports are counted from the sanitizer's own lines: memory errors, races and hazards, leaks,
@@ -19,9 +21,11 @@
 # first, as the graphed runtime does with its own.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-logs=${1:?usage: sanitize.sh LOG_DIR [TOOLS] [BINARY_FILTER]}
+logs=${1:?usage: sanitize.sh LOG_DIR [TOOLS] [BINARY_FILTER] [TEST_FILTER]}
 tools=${2:-memcheck,racecheck,synccheck,initcheck}
 filter=${3:-}
+test_filter=()
+[ -n "${4:-}" ] && test_filter=("$4")
 allow="$here/sanitizer-allow.txt"
 [ -f "$allow" ] || allow="$here/../scripts/sanitizer-allow.txt"
 bins="$here/bin"
@@ -64,7 +68,8 @@ for tool in ${tools//,/ }; do
     # while the host acts: the sanitizer serializes kernels and launches, so the spinning
     # kernel ends before the drop they test (seen with initcheck: launch returned only after
     # the watchdog released the spin); they pass without the sanitizer.
-    skips=(--skip throughput --skip bandwidth_probe
+    # (`_probe` covers every timing probe: bandwidth, throughput, weight-gradient write.)
+    skips=(--skip throughput --skip _probe
            --skip threads_capture_their_own_streams_at_the_same_time
            --skip dropping_a_launched_exec_waits_for_its_own_launches_not_the_context
            --skip an_exec_dropped_on_another_thread_while_it_runs_keeps_its_memory_until_done)
@@ -74,7 +79,7 @@ for tool in ${tools//,/ }; do
     [ "$tool" = racecheck ] && skips+=(--skip one_exec_launched_from_two_threads_runs_every_launch_once_in_turn)
     FP8_MOE_BIN="$bins/fp8-moe" timeout "${SANITIZE_TIMEOUT:-300}" \
       compute-sanitizer --tool "$tool" "${extra[@]}" --print-limit 200 \
-      "$t" --include-ignored --test-threads=1 "${skips[@]}" > "$log" 2>&1
+      "$t" --include-ignored --test-threads=1 "${skips[@]}" "${test_filter[@]}" > "$log" 2>&1
     rc=$?
     secs=$(( $(date +%s) - start ))
     line=$(python3 - "$log" "$allow" "$rc" <<'PY'
