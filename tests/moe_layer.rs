@@ -65,6 +65,44 @@ fn config(expert_gemm: ExpertGemm) -> MoeLayerConfig {
     }
 }
 
+/// Saved buffers for a slot of `layer`, zeroed as the runtime zeroes its own (and as
+/// compute-sanitizer's initcheck needs: it does not see the TMA stores of the sm_90a GEMMs'
+/// epilogue, so memory they wrote first would read as uninitialized).
+fn zeroed_saved(stream: &Stream, layer: &MoeLayer) -> Vec<DeviceBuffer<u8>> {
+    layer
+        .saved_bytes()
+        .iter()
+        .map(|&n| {
+            let b = DeviceBuffer::<u8>::alloc(stream.context(), n).unwrap();
+            b.memset_bytes(stream, 0).unwrap();
+            b
+        })
+        .collect()
+}
+
+/// One eager microbatch `mb` of `layer` (chunk 0, layer 0) with `saved`: the weight cast on
+/// microbatch 0, the forward of `x` into `y`, the backward of `dy` into `dx`.
+fn eager_microbatch(
+    stream: &Stream,
+    layer: &mut MoeLayer,
+    mb: usize,
+    saved: &[DeviceBuffer<u8>],
+    (x, y): (&DeviceBuffer<bf16>, &DeviceBuffer<bf16>),
+    (dy, dx): (&DeviceBuffer<bf16>, &DeviceBuffer<bf16>),
+) {
+    let at = GraphIndex {
+        chunk: 0,
+        microbatch: mb,
+        layer: 0,
+    };
+    let slot = Slot::new(at, vec![x], vec![y], saved.iter().collect());
+    if mb == 0 {
+        layer.cast_weights(stream, &slot).unwrap();
+    }
+    layer.forward(stream, &[x], &[y], &slot).unwrap();
+    layer.backward(stream, &[dy], &[dx], &slot).unwrap();
+}
+
 /// A gradient's bits, widened to u32 (bf16 bits in the low half).
 fn grad_bits(stream: &Stream, g: &WeightGrad) -> Vec<u32> {
     match g {
@@ -248,15 +286,7 @@ fn setup(
     let mut layer = MoeLayer::new(&stream, cfg, &params, scaling, 0)
         .unwrap()
         .with_gemm_path(path);
-    let saved: Vec<DeviceBuffer<u8>> = layer
-        .saved_bytes()
-        .iter()
-        .map(|&n| {
-            let b = DeviceBuffer::<u8>::alloc(ctx, n).unwrap();
-            b.memset_bytes(&stream, 0).unwrap();
-            b
-        })
-        .collect();
+    let saved = zeroed_saved(&stream, &layer);
     let x = DeviceBuffer::from_host(
         &stream,
         &x_host
@@ -637,19 +667,8 @@ fn schedule_bits(
             }
         }
     } else {
-        let saved: Vec<Vec<DeviceBuffer<u8>>> = (0..2)
-            .map(|_| {
-                layer
-                    .saved_bytes()
-                    .iter()
-                    .map(|&b| {
-                        let buf = DeviceBuffer::<u8>::alloc(ctx, b).unwrap();
-                        buf.memset_bytes(&stream, 0).unwrap();
-                        buf
-                    })
-                    .collect()
-            })
-            .collect();
+        let saved: Vec<Vec<DeviceBuffer<u8>>> =
+            (0..2).map(|_| zeroed_saved(&stream, &layer)).collect();
         let xs: Vec<DeviceBuffer<bf16>> = (0..2).map(|_| up(&vec![bf16::ZERO; n])).collect();
         let ys: Vec<DeviceBuffer<bf16>> = (0..2).map(|_| up(&vec![bf16::ZERO; n])).collect();
         let dx = up(&vec![bf16::ZERO; n]);
@@ -892,25 +911,10 @@ fn step_gradients_are_written_by_the_first_microbatch() {
             let nan = vec![f32::NAN; g.len()];
             g.as_f32().unwrap().copy_from_host(&stream, &nan).unwrap();
         }
-        // Saved buffers per layer and microbatch, zeroed as the runtime zeroes its own (and
-        // as compute-sanitizer's initcheck needs: it does not see the TMA stores of the sm_90a
-        // GEMMs' epilogue, so memory they wrote first would read as uninitialized).
+        // Saved buffers per layer and microbatch.
         let saved: Vec<Vec<Vec<DeviceBuffer<u8>>>> = layers
             .iter()
-            .map(|l| {
-                (0..2)
-                    .map(|_| {
-                        l.saved_bytes()
-                            .iter()
-                            .map(|&n| {
-                                let b = DeviceBuffer::<u8>::alloc(&ctx, n).unwrap();
-                                b.memset_bytes(&stream, 0).unwrap();
-                                b
-                            })
-                            .collect()
-                    })
-                    .collect()
-            })
+            .map(|l| (0..2).map(|_| zeroed_saved(&stream, l)).collect())
             .collect();
         let y = DeviceBuffer::<bf16>::alloc(&ctx, t * h).unwrap();
         let dx = DeviceBuffer::<bf16>::alloc(&ctx, t * h).unwrap();
@@ -925,17 +929,7 @@ fn step_gradients_are_written_by_the_first_microbatch() {
                 let x = DeviceBuffer::from_host(&stream, &to_bf16(&xv)).unwrap();
                 let dy = DeviceBuffer::from_host(&stream, &to_bf16(&rng.vec(t * h, 1.0))).unwrap();
                 for (layer, saved) in layers.iter_mut().zip(&saved) {
-                    let at = GraphIndex {
-                        chunk: 0,
-                        microbatch: mb,
-                        layer: 0,
-                    };
-                    let slot = Slot::new(at, vec![&x], vec![&y], saved[mb].iter().collect());
-                    if mb == 0 {
-                        layer.cast_weights(&stream, &slot).unwrap();
-                    }
-                    layer.forward(&stream, &[&x], &[&y], &slot).unwrap();
-                    layer.backward(&stream, &[&dy], &[&dx], &slot).unwrap();
+                    eager_microbatch(&stream, layer, mb, &saved[mb], (&x, &y), (&dy, &dx));
                 }
             }
             for (what, (a, b)) in ["dW1", "dW2", "dWr"]
@@ -984,19 +978,8 @@ fn bf16_weight_gradients_are_the_f32_ones_rounded() {
                 .with_step_gradients(true)
         });
         assert_eq!(layers[1].fc1().1.dtype(), GradDtype::Bf16);
-        let saved: Vec<Vec<DeviceBuffer<u8>>> = (0..2)
-            .map(|_| {
-                layers[0]
-                    .saved_bytes()
-                    .iter()
-                    .map(|&n| {
-                        let b = DeviceBuffer::<u8>::alloc(&ctx, n).unwrap();
-                        b.memset_bytes(&stream, 0).unwrap();
-                        b
-                    })
-                    .collect()
-            })
-            .collect();
+        let saved: Vec<Vec<DeviceBuffer<u8>>> =
+            (0..2).map(|_| zeroed_saved(&stream, &layers[0])).collect();
         let y = DeviceBuffer::<bf16>::alloc(&ctx, t * h).unwrap();
         let dx = DeviceBuffer::<bf16>::alloc(&ctx, t * h).unwrap();
         let data: Vec<_> = (0..2)
@@ -1017,21 +1000,11 @@ fn bf16_weight_gradients_are_the_f32_ones_rounded() {
         for mb in 0..2 {
             let mut outs = Vec::new();
             for layer in layers.iter_mut() {
-                let at = GraphIndex {
-                    chunk: 0,
-                    microbatch: mb,
-                    layer: 0,
-                };
                 let (x, dy) = &data[mb];
-                let slot = Slot::new(at, vec![x], vec![&y], saved[mb].iter().collect());
-                if mb == 0 {
-                    layer.cast_weights(&stream, &slot).unwrap();
-                }
-                layer.forward(&stream, &[x], &[&y], &slot).unwrap();
-                let yv = y.to_vec(&stream).unwrap();
-                layer.backward(&stream, &[dy], &[&dx], &slot).unwrap();
+                eager_microbatch(&stream, layer, mb, &saved[mb], (x, &y), (dy, &dx));
+                // (The backward writes only dx: y still holds the forward's output.)
                 let dwr = layer.router_weight().1.to_vec(&stream).unwrap();
-                outs.push((yv, dx.to_vec(&stream).unwrap(), dwr));
+                outs.push((y.to_vec(&stream).unwrap(), dx.to_vec(&stream).unwrap(), dwr));
             }
             assert!(outs[0] == outs[1], "{mode:?} mb {mb}: y, dx or dWr differ");
             for (what, pick) in [("dW1", 0usize), ("dW2", 1)] {

@@ -104,8 +104,9 @@ pub fn cast_transpose<'a>(
     }
     check_align(format_args!("{what} input"), input.device_ptr(), ALIGN)?;
     check_outputs(what, rows, cols, out, out_t)?;
-    let one = |s: &DeviceScalar| -> Result<[u32; 2]> { Ok([idx(s)?, 0]) };
-    let slots = [one(out.scale())?, one(out.scale_inv())?, one(out.amax())?];
+    // One matrix: each slot's index, stride 0 (launch adds the noop flag's index).
+    let [scale, scale_inv, amax, _] = slot_indices(out, None)?;
+    let slots = [[scale, 0], [scale_inv, 0], [amax, 0]];
     let buffers = [out.scale(), out.scale_inv(), out.amax()].map(DeviceScalar::buffer);
     launch(
         stream,

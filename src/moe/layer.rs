@@ -197,10 +197,15 @@ impl WeightGrad {
 
     /// Enqueues zeroing it on `stream` (also inside a capture).
     pub fn zero(&self, stream: &Stream) -> Result<()> {
-        match self {
-            WeightGrad::F32(b) => b.memset_bytes(stream, 0),
-            WeightGrad::Bf16(b) => b.memset_bytes(stream, 0),
-        }
+        self.zero_range(stream, None)
+    }
+
+    /// Enqueues zeroing elements `range` (all for `None`).
+    fn zero_range(&self, stream: &Stream, range: Option<std::ops::Range<usize>>) -> Result<()> {
+        self.with_out(range, |d| match d {
+            GemmOut::F32(b) => b.memset_bytes(stream, 0),
+            GemmOut::Bf16(b) => b.memset_bytes(stream, 0),
+        })
     }
 
     /// The gradient read back as f32 (bf16 widened exactly; waits for `stream`).
@@ -711,10 +716,7 @@ impl MoeLayer {
             let range = e * m * n..(e + 1) * m * n;
             if off[e + 1] <= off[e] {
                 if !accumulate {
-                    d.with_out(Some(range), |d_e| match d_e {
-                        GemmOut::F32(b) => b.memset_bytes(stream, 0),
-                        GemmOut::Bf16(b) => b.memset_bytes(stream, 0),
-                    })?;
+                    d.zero_range(stream, Some(range))?;
                 }
                 continue;
             }

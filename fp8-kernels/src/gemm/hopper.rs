@@ -104,49 +104,46 @@ pub(crate) fn check(p: &GemmProblem<'_>) -> Result<()> {
     if p.a.data.as_raw() % 16 != 0 || p.b.data.as_raw() % 16 != 0 {
         return bad("A and B must be 16-byte aligned".into());
     }
-    let d = match p.d {
-        GemmOut::Bf16(b) => b.as_raw(),
-        GemmOut::F32(b) => b.as_raw(),
-    };
-    if d % 8 != 0 {
+    if p.d.device_ptr() % 8 != 0 {
         return bad("D must be 8-byte aligned".into());
     }
     Ok(())
 }
 
-/// A 3-D tiled tensor map over `[groups, rows, k]` bytes, box `[1, box_rows, 128]`, 128-byte
-/// swizzle, zeros out of bounds.
-fn tensor_map(
-    buf: &DeviceBuffer<u8>,
-    groups: usize,
-    rows: usize,
-    k: usize,
-    box_rows: usize,
+/// A 3-D tiled tensor map over `dims` = `[cols, rows, groups]` elements of `elem_size` bytes
+/// at `ptr` (rows contiguous), box `[box_cols, box_rows, 1]`, 128-byte swizzle, no
+/// out-of-bounds fill (loads read zeros past the edges, stores skip them).
+fn encode_3d(
+    ptr: u64,
+    (dtype, elem_size): (CUtensorMapDataType, usize),
+    [cols, rows, groups]: [usize; 3],
+    [box_cols, box_rows]: [usize; 2],
+    promotion: CUtensorMapL2promotion,
 ) -> Result<[u64; 16]> {
-    let d = cuda_graph::sys::driver()?;
-    let encode = d.cuTensorMapEncodeTiled()?;
-    let dims = [k as u64, rows as u64, groups as u64];
+    let drv = cuda_graph::sys::driver()?;
+    let encode = drv.cuTensorMapEncodeTiled()?;
+    let dims = [cols as u64, rows as u64, groups as u64];
     // Byte strides of dimensions 1 and 2 (dimension 0 is contiguous).
-    let strides = [k as u64, (rows * k) as u64];
-    let bx = [TILE as u32, box_rows as u32, 1];
-    let es = [1u32, 1, 1];
+    let strides = [(cols * elem_size) as u64, (rows * cols * elem_size) as u64];
+    let bx = [box_cols as u32, box_rows as u32, 1];
+    let el = [1u32, 1, 1];
     let mut map = CUtensorMap { opaque: [0; 16] };
-    // SAFETY: every pointer is to a live local array of the length the rank (3) implies;
-    // the global address is the live buffer, which holds groups*rows*k bytes (checked by the
-    // entry points' validation); the driver only writes `map`.
+    // SAFETY: every pointer is to a live local array of the length the rank (3) implies; the
+    // global address is a live buffer the callers' validation sized to hold
+    // groups * rows * cols elements; the driver only writes `map`.
     let rc = unsafe {
         encode(
             &mut map,
-            CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+            dtype,
             3,
-            buf.as_raw() as *mut std::ffi::c_void,
+            ptr as *mut std::ffi::c_void,
             dims.as_ptr(),
             strides.as_ptr(),
             bx.as_ptr(),
-            es.as_ptr(),
+            el.as_ptr(),
             CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
             CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-            CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            promotion,
             CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
         )
     };
@@ -156,21 +153,32 @@ fn tensor_map(
     Ok(map.opaque)
 }
 
+/// The operands' tensor map over `[groups, rows, k]` bytes, box `[1, box_rows, 128]`.
+fn tensor_map(
+    buf: &DeviceBuffer<u8>,
+    groups: usize,
+    rows: usize,
+    k: usize,
+    box_rows: usize,
+) -> Result<[u64; 16]> {
+    encode_3d(
+        buf.as_raw(),
+        (CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8, 1),
+        [k, rows, groups],
+        [TILE, box_rows],
+        CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+    )
+}
+
 /// The store epilogue's tensor map of D as `[groups, rows, n]` elements (box 64 rows x one
 /// 128-byte swizzle row of columns), or `None` when D does not allow one (not 16-byte aligned,
 /// rows not a multiple of 16 bytes, sizes past the map's limits): the kernel then stores from
 /// registers.
 fn store_map(d: &GemmOut<'_>, groups: usize, rows: usize, n: usize) -> Result<Option<[u64; 16]>> {
-    let es = d.elem_size();
-    let (ptr, dtype) = match d {
-        GemmOut::Bf16(b) => (
-            b.as_raw(),
-            CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-        ),
-        GemmOut::F32(b) => (
-            b.as_raw(),
-            CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
-        ),
+    let (es, ptr) = (d.elem_size(), d.device_ptr());
+    let dtype = match d {
+        GemmOut::Bf16(_) => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        GemmOut::F32(_) => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
     };
     // Strides below 2^40 bytes, dimensions below 2^32 (the driver's limits).
     let bytes = groups
@@ -184,36 +192,14 @@ fn store_map(d: &GemmOut<'_>, groups: usize, rows: usize, n: usize) -> Result<Op
     if !fits || groups == 0 || rows == 0 || n == 0 {
         return Ok(None);
     }
-    let drv = cuda_graph::sys::driver()?;
-    let encode = drv.cuTensorMapEncodeTiled()?;
-    let dims = [n as u64, rows as u64, groups as u64];
-    let strides = [(n * es) as u64, (rows * n * es) as u64];
-    let bx = [(128 / es) as u32, STORE_ROWS as u32, 1];
-    let el = [1u32, 1, 1];
-    let mut map = CUtensorMap { opaque: [0; 16] };
-    // SAFETY: every pointer is to a live local array of the length the rank (3) implies; the
-    // global address is D, which the entry points sized to hold groups * rows * n elements;
-    // the driver only writes `map`.
-    let rc = unsafe {
-        encode(
-            &mut map,
-            dtype,
-            3,
-            ptr as *mut std::ffi::c_void,
-            dims.as_ptr(),
-            strides.as_ptr(),
-            bx.as_ptr(),
-            el.as_ptr(),
-            CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-            CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_NONE,
-            CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-        )
-    };
-    if rc != CUresult::CUDA_SUCCESS {
-        return Err(Error::driver("cuTensorMapEncodeTiled", rc));
-    }
-    Ok(Some(map.opaque))
+    encode_3d(
+        ptr,
+        (dtype, es),
+        [n, rows, groups],
+        [128 / es, STORE_ROWS],
+        CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_NONE,
+    )
+    .map(Some)
 }
 
 /// The epilogue flags (`flags.w` of the kernel): bit 0 accumulate, bit 1 the store epilogue
