@@ -12,8 +12,9 @@
 // computing 64 rows x BN columns of the tile with wgmma m64nBNk32.
 // Tile 128 x BN x 128 (BN = 128 or 192; each consumer computes 64 x BN).
 // Shared memory: STAGES x (A 128x128 bytes + B BNx128 bytes), 128-byte swizzled by TMA,
-// 1024-byte aligned; then the two consumers' output staging (64 x BN of the output type each);
-// then full[STAGES] and empty[STAGES] mbarriers. The ring is as deep as the rest leaves room
+// 1024-byte aligned; then the two consumers' output staging (64 x BN of the output type each,
+// half of that for f32 at BN 192, which goes through in two parts); then full[STAGES] and
+// empty[STAGES] mbarriers. The ring is as deep as the rest leaves room
 // for (Cfg), at most 6 stages.
 //
 // Epilogue, two ways. The store epilogue (D overwritten with every row of the tile: the
@@ -36,13 +37,17 @@ constexpr int THREADS = 384;
 constexpr int TILE_A = BM * BK;  // bytes
 // Per tile width BN (128 or 192): B tile bytes, stage bytes, ring depth, shared memory.
 // With `Out` the output type: the staging of the store epilogue, and the ring depth that fits
-// beside it in the 227 KiB a CTA may have (BN 128: 6 stages for bf16 out, 5 for f32; BN 192:
-// 4 and 3). Keep in step with `smem_bytes` in src/gemm/hopper.rs.
+// beside it in the 227 KiB a CTA may have. The staging holds a consumer's 64 x BN outputs in
+// PARTS parts stored one after the other: one part, except f32 at BN 192, whose whole tile
+// (96 KiB for both consumers) would leave room for 3 stages; in two halves of 96 columns it
+// leaves 4. Stages: BN 128: 6 for bf16 out, 5 for f32; BN 192: 4 for both. Keep in step with
+// `smem_bytes` in src/gemm/hopper.rs.
 constexpr int SMEM_LIMIT = 232448;
 template <int BN, typename Out> struct Cfg {
     static constexpr int TILE_B = BN * BK;
     static constexpr int STAGE_BYTES = TILE_A + TILE_B;
-    static constexpr int STAGING = 2 * 64 * BN * int(sizeof(Out));
+    static constexpr int PARTS = BN == 192 && sizeof(Out) == 4 ? 2 : 1;
+    static constexpr int STAGING = 2 * 64 * (BN / PARTS) * int(sizeof(Out));
     static constexpr int FIT = (SMEM_LIMIT - 1024 - STAGING - 2 * 6 * 8) / STAGE_BYTES;
     static constexpr int STAGES = FIT < 6 ? FIT : 6;
     static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + STAGING + 2 * STAGES * 8 + 1024;
@@ -464,9 +469,6 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
             // (An empty reduction writes +0: alpha * 0 would be NaN for an infinite alpha.)
             const float alpha_t = kr.hi > kr.lo ? alpha : 0.0f;
             if (store_epilogue) {
-                // The staging is free once the previous tile's stores have read it.
-                if (issuer) bulk_wait_read();
-                named_sync(1 + cw, 128);
                 // Thread (warp, lane) holds rows rl and rl + 8 (rl = warp * 16 + lane / 4) and
                 // the column pairs c0 + 8 p (c0 = 2 (lane % 4), p < BN / 8) of the consumer's
                 // 64 x BN: acc[4p], acc[4p + 1] in row rl, acc[4p + 2], acc[4p + 3] in row rl + 8.
@@ -479,25 +481,56 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                 // take immediate offsets. Bias columns are loaded first, in one uniform branch
                 // (loads can not move past the stores), and only when there is a bias: without
                 // one this is 2 FFMA, a convert (bf16) and one store per pair.
+                // The tile goes through the staging in PARTS parts (Cfg): each waits until the
+                // copy engine has read the staging (the previous part's or tile's stores), fills
+                // it, and has its boxes stored.
                 constexpr int COLS = StoreBox<Out>::COLS, SZ = int(sizeof(Out)), PAIRS = BN / 8;
+                constexpr int PARTS = C::PARTS, PART_PAIRS = PAIRS / PARTS;
+                constexpr int PART_BOXES = BN / COLS / PARTS;
+                static_assert(PART_PAIRS * 8 == PART_BOXES * COLS, "a part is whole boxes");
                 const int rl = warp * 16 + lane / 4, c0 = 2 * (lane % 4);
                 uint8_t *const row_base = stage_ptr + rl * 128 + ((c0 * SZ) & 15);
                 const int y = ((c0 * SZ) >> 4) ^ (rl & 7);
-                auto stage_tile = [&](auto bias_of) {
+                const int row = tl.mt * BM + cw * 64;
+                const int g = MODE == PACKED ? 0 : tl.g;
+                auto store_tile = [&](auto bias_of) {
 #pragma unroll
-                    for (int p = 0; p < PAIRS; ++p) {
-                        const float2 bv = bias_of(p);
-                        const int chunk = ((((8 * p) % COLS) * SZ) >> 4) ^ y;
-                        uint8_t *const at = row_base + (8 * p / COLS) * StoreBox<Out>::BYTES + chunk * 16;
-                        // As the register epilogue rounds: alpha * acc + bias (+0 without one).
-                        store2<Out>(reinterpret_cast<Out *>(at), alpha_t * acc[4 * p] + bv.x,
-                                    alpha_t * acc[4 * p + 1] + bv.y);
-                        store2<Out>(reinterpret_cast<Out *>(at + 8 * 128), alpha_t * acc[4 * p + 2] + bv.x,
-                                    alpha_t * acc[4 * p + 3] + bv.y);
+                    for (int part = 0; part < PARTS; ++part) {
+                        if (issuer) bulk_wait_read();
+                        named_sync(1 + cw, 128);
+#pragma unroll
+                        for (int pp = 0; pp < PART_PAIRS; ++pp) {
+                            const int p = part * PART_PAIRS + pp;
+                            const float2 bv = bias_of(p);
+                            const int chunk = ((((8 * p) % COLS) * SZ) >> 4) ^ y;
+                            const int box = 8 * p / COLS - part * PART_BOXES;
+                            uint8_t *const at = row_base + box * StoreBox<Out>::BYTES + chunk * 16;
+                            // As the register epilogue rounds: alpha * acc + bias (+0 without one).
+                            store2<Out>(reinterpret_cast<Out *>(at), alpha_t * acc[4 * p] + bv.x,
+                                        alpha_t * acc[4 * p + 1] + bv.y);
+                            store2<Out>(reinterpret_cast<Out *>(at + 8 * 128), alpha_t * acc[4 * p + 2] + bv.x,
+                                        alpha_t * acc[4 * p + 3] + bv.y);
+                        }
+                        fence_async_shared();
+                        named_sync(1 + cw, 128);
+                        if (issuer) {
+#pragma unroll
+                            for (int q = 0; q < PART_BOXES; ++q) {
+                                const int col = tl.nt * BN + (part * PART_BOXES + q) * COLS;
+                                if (col >= n) continue;
+                                const uint32_t box = stage_out + q * StoreBox<Out>::BYTES;
+                                if (accumulate) {
+                                    tma_reduce_add_3d(td, box, col, row, g);
+                                } else {
+                                    tma_store_3d(td, box, col, row, g);
+                                }
+                            }
+                            bulk_commit();
+                        }
                     }
                 };
                 if (bias_kind == 0) {
-                    stage_tile([](int) { return make_float2(0.0f, 0.0f); });
+                    store_tile([](int) { return make_float2(0.0f, 0.0f); });
                 } else {
                     float2 bias_v[PAIRS];
 #pragma unroll
@@ -506,25 +539,7 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                         bias_v[p] = make_float2(0.0f, 0.0f);
                         if (gc < n) bias_v[p] = make_float2(bias_at(bias, bias_kind, gc), bias_at(bias, bias_kind, gc + 1));
                     }
-                    stage_tile([&](int p) { return bias_v[p]; });
-                }
-                fence_async_shared();
-                named_sync(1 + cw, 128);
-                if (issuer) {
-                    const int row = tl.mt * BM + cw * 64;
-                    const int g = MODE == PACKED ? 0 : tl.g;
-#pragma unroll
-                    for (int q = 0; q < BN / COLS; ++q) {
-                        const int col = tl.nt * BN + q * COLS;
-                        if (col >= n) continue;
-                        const uint32_t box = stage_out + q * StoreBox<Out>::BYTES;
-                        if (accumulate) {
-                            tma_reduce_add_3d(td, box, col, row, g);
-                        } else {
-                            tma_store_3d(td, box, col, row, g);
-                        }
-                    }
-                    bulk_commit();
+                    store_tile([&](int p) { return bias_v[p]; });
                 }
                 continue;
             }
@@ -631,9 +646,8 @@ __device__ __forceinline__ void gemm_ref(const uint8_t *a, const uint8_t *b, flo
         fp8k::sm90::gemm<FA, FB, OT, W, fp8k::sm90::WGRAD>(&ta, &tb, &td, d, nullptr, sa, sb, offsets, dims, \
                                                            flags);                               \
     }
-// The instances of one format pair: bf16 and f32 outputs at both tile widths for grouped
-// blocks (f32 at 192 only when a launch forces it); the packed layouts' f32 outputs at 128
-// only, the width the host picks for f32 (the 192-wide staging leaves room for 3 stages).
+// The instances of one format pair: bf16 and f32 outputs at both tile widths for every
+// layout.
 #define FP8K_GEMM_SM90_OUTS(AN, FA, BN_, FB)                                                           \
     FP8K_GEMM_SM90(AN, FA, BN_, FB, bf16, __nv_bfloat16, 128)                                        \
     FP8K_GEMM_SM90(AN, FA, BN_, FB, f32, float, 128)                                                 \
@@ -642,9 +656,11 @@ __device__ __forceinline__ void gemm_ref(const uint8_t *a, const uint8_t *b, flo
     FP8K_GEMM_SM90_PACKED(AN, FA, BN_, FB, bf16, __nv_bfloat16, 128)                                 \
     FP8K_GEMM_SM90_PACKED(AN, FA, BN_, FB, f32, float, 128)                                          \
     FP8K_GEMM_SM90_PACKED(AN, FA, BN_, FB, bf16, __nv_bfloat16, 192)                                 \
+    FP8K_GEMM_SM90_PACKED(AN, FA, BN_, FB, f32, float, 192)                                          \
     FP8K_GEMM_SM90_WGRAD(AN, FA, BN_, FB, bf16, __nv_bfloat16, 128)                                  \
     FP8K_GEMM_SM90_WGRAD(AN, FA, BN_, FB, f32, float, 128)                                           \
     FP8K_GEMM_SM90_WGRAD(AN, FA, BN_, FB, bf16, __nv_bfloat16, 192)                                  \
+    FP8K_GEMM_SM90_WGRAD(AN, FA, BN_, FB, f32, float, 192)                                           \
     extern "C" __global__ void fp8_gemm_ref_##AN##_##BN_(const uint8_t *a, const uint8_t *b, float *d, \
                                                         const float *sa, const float *sb, uint4 dims,  \
                                                         uint2 idx) {                                   \

@@ -47,11 +47,12 @@ const STORE_ROWS: usize = 64;
 
 /// Dynamic shared memory of tile width `bn` and output elements of `out_size` bytes (keep in
 /// step with `Cfg<BN, Out>` in the kernel): the ring of A and B tiles, as deep as fits (at most
-/// 6 stages) beside the epilogue's staging (two consumers' 64 x `bn` outputs), the barriers,
-/// 1 KiB alignment slack.
+/// 6 stages) beside the epilogue's staging (two consumers' 64 x `bn` outputs, or half of them
+/// for f32 at 192, which the kernel stores in two parts), the barriers, 1 KiB alignment slack.
 fn smem_bytes(bn: usize, out_size: usize) -> usize {
     let stage = TILE * TILE + bn * TILE;
-    let staging = 2 * STORE_ROWS * bn * out_size;
+    let parts = if bn == 192 && out_size == 4 { 2 } else { 1 };
+    let staging = 2 * STORE_ROWS * (bn / parts) * out_size;
     let stages = ((SMEM_LIMIT - 1024 - staging - 2 * 6 * 8) / stage).min(6);
     stages * stage + staging + 2 * stages * 8 + 1024
 }
@@ -61,12 +62,9 @@ fn smem_bytes(bn: usize, out_size: usize) -> usize {
 /// wgmma reads less shared memory per FLOP: 1234 against 1109 TFLOP/s at 8192^3, 1069
 /// against 1037 at 4096x7168x4096 on an H200; 128 wins where the wave count decides, e.g.
 /// 2048^3 and M <= 128).
-/// f32 outputs (`out_size` 4) take 128: the 192-wide tile's staging leaves room for only 3
-/// stages.
-fn choose_bn_for(groups: usize, m: usize, n: usize, out_size: usize, sms: usize) -> usize {
-    if out_size == 4 {
-        return 128;
-    }
+/// The same for both output types (`_out_size`): f32 at 192 stores its tile in two parts to
+/// keep 4 stages, like bf16.
+fn choose_bn_for(groups: usize, m: usize, n: usize, _out_size: usize, sms: usize) -> usize {
     let cost = |bn: usize| {
         let tiles = groups.max(1) * m.div_ceil(TILE) * n.div_ceil(bn);
         tiles.div_ceil(sms.max(1)) * bn
@@ -476,13 +474,13 @@ mod cpu_tests {
             (1, 8704, 2048, 192),
         ] {
             assert_eq!(choose_bn_for(g, m, n, 2, 132), bn, "{g} x {m} x {n}");
-            assert_eq!(choose_bn_for(g, m, n, 4, 132), 128, "f32 {g} x {m} x {n}");
+            assert_eq!(choose_bn_for(g, m, n, 4, 132), bn, "f32 {g} x {m} x {n}");
         }
         // Ring stages beside the staging (2 x 64 x bn outputs), as the kernel's Cfg computes.
         assert_eq!(smem_bytes(128, 2), 6 * 32768 + 32768 + 96 + 1024);
         assert_eq!(smem_bytes(128, 4), 5 * 32768 + 65536 + 80 + 1024);
         assert_eq!(smem_bytes(192, 2), 4 * 40960 + 49152 + 64 + 1024);
-        assert_eq!(smem_bytes(192, 4), 3 * 40960 + 98304 + 48 + 1024);
+        assert_eq!(smem_bytes(192, 4), 4 * 40960 + 49152 + 64 + 1024);
         for (bn, es) in [(128, 2), (128, 4), (192, 2), (192, 4)] {
             assert!(smem_bytes(bn, es) <= SMEM_LIMIT);
         }
