@@ -23,9 +23,11 @@
 // its threads issues the bulk tensor stores; the consumer goes on to its next tile's main
 // loop while the copy engine drains the staging (it waits for that read only before writing
 // the staging again). Accumulating into an f32 D, the boxes are added into it by the copy
-// engine (bulk tensor reduce-add in L2) instead of stored. The register epilogue (accumulating
-// into a bf16 D, grouped blocks with row counts, a D the store's tensor map can not describe):
-// stores from registers, rows below the group's count, reading D first when accumulating.
+// engine (bulk tensor reduce-add in L2) instead of stored. Grouped blocks with row counts take
+// it for the tiles whose rows all lie below their group's count, and the register epilogue
+// for the group's last, partial tile. The register epilogue (those tiles, accumulating into a
+// bf16 D, a D the store's tensor map can not describe): stores from registers, rows below the
+// group's count, reading D first when accumulating.
 #pragma once
 #include "common.cuh"
 
@@ -322,8 +324,8 @@ __device__ __forceinline__ Tile wgrad_tile_at(int t, int m, int ntiles) {
 // flags.w bit 0 accumulates into D, bit 1 takes the store epilogue through `td`, a tensor
 // map of D as [groups, rows, n] (PACKED: [1, m, n]) with boxes of 64 rows x
 // StoreBox<Out>::COLS columns, 128-byte swizzle (both bits: reduce-add of the boxes); the host
-// sets bit 1 only for problems that write every row of their tiles (PACKED, WGRAD, GROUPED
-// without counts), and with bit 0 only for an f32 D.
+// sets bit 1 with bit 0 only for an f32 D. GROUPED with counts stores through `td` only tiles
+// whose every row lies below the group's count (the others from registers).
 // `sbg`, when not null, holds one scale_inv per group of B (instead of sb[flags.y]).
 template <__nv_fp8_interpretation_t FA, __nv_fp8_interpretation_t FB, typename Out, int BN,
           int MODE = GROUPED>
@@ -468,7 +470,16 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
             }
             // (An empty reduction writes +0: alpha * 0 would be NaN for an infinite alpha.)
             const float alpha_t = kr.hi > kr.lo ? alpha : 0.0f;
-            if (store_epilogue) {
+            // Grouped blocks with counts: the store epilogue writes whole tiles, so only a tile
+            // whose rows all lie below its group's count takes it.
+            bool tile_store = store_epilogue;
+            if constexpr (MODE == GROUPED) {
+                if (tile_store && counts != nullptr) {
+                    const int rows_g = min(max(__ldg(counts + tl.g), 0), m);
+                    tile_store = (tl.mt + 1) * BM <= rows_g;
+                }
+            }
+            if (tile_store) {
                 // Thread (warp, lane) holds rows rl and rl + 8 (rl = warp * 16 + lane / 4) and
                 // the column pairs c0 + 8 p (c0 = 2 (lane % 4), p < BN / 8) of the consumer's
                 // 64 x BN: acc[4p], acc[4p + 1] in row rl, acc[4p + 2], acc[4p + 3] in row rl + 8.

@@ -248,6 +248,17 @@ pub(crate) fn launch(stream: &Stream, p: &GemmProblem<'_>) -> Result<()> {
 
 /// [`launch`] with the tile width forced (128 or 192) or chosen (`None`).
 fn launch_with(stream: &Stream, p: &GemmProblem<'_>, bn: Option<usize>) -> Result<()> {
+    launch_epilogue(stream, p, bn, true)
+}
+
+/// [`launch_with`], and with `store` false every tile through the register epilogue (the
+/// tests compare the two epilogues).
+fn launch_epilogue(
+    stream: &Stream,
+    p: &GemmProblem<'_>,
+    bn: Option<usize>,
+    store: bool,
+) -> Result<()> {
     check(p)?;
     let groups = p.groups.max(1);
     if let Some(bn) = bn.filter(|bn| ![128, 192].contains(bn)) {
@@ -257,10 +268,12 @@ fn launch_with(stream: &Stream, p: &GemmProblem<'_>, bn: Option<usize>) -> Resul
     let (bn, k, cfg) = select(stream, "", formats, &p.d, (groups, p.m, p.n), bn)?;
     let ta = tensor_map(p.a.data, groups, p.m, p.k, TILE)?;
     let tb = tensor_map(p.b.data, groups, p.n, p.k, bn)?;
-    // Row counts leave rows of a tile unwritten: the register epilogue.
-    let store = match p.counts {
-        None => store_map(&p.d, groups, p.m, p.n)?,
-        Some(_) => None,
+    // With row counts the kernel stores through the map only the tiles whose rows all lie
+    // below their group's count; a group's last, partial tile goes from registers.
+    let store = if store {
+        store_map(&p.d, groups, p.m, p.n)?
+    } else {
+        None
     };
     let (epi, td) = epilogue(p.accumulate, &p.d, store);
     let dims = [p.m as u32, p.n as u32, p.k as u32, groups as u32];
@@ -277,8 +290,9 @@ fn launch_with(stream: &Stream, p: &GemmProblem<'_>, bn: Option<usize>) -> Resul
     // SAFETY: the tensor maps cover exactly A ([groups, m, K]) and B ([groups, N, K]), so
     // TMA reads stay inside them (zeros past the edges); the kernel writes D only at rows
     // below min(count, m) and columns below N of each group's [m, N] block, which the entry
-    // points' validation sized (the store map, given only without counts, is D's
-    // [groups, m, N], and TMA stores skip what lies outside it); bias has N elements; counts
+    // points' validation sized (the store map is D's [groups, m, N], TMA stores skip what lies
+    // outside it, and with counts the kernel stores through it only tiles whose every row is
+    // below the group's count); bias has N elements; counts
     // has `groups` int32s; each scalar index is inside its buffer (DeviceScalar checks it).
     unsafe { stream.launch_pdl(&k, &cfg, &args) }
 }
@@ -899,8 +913,9 @@ mod tests {
     }
 
     /// The store epilogue (no counts: shared memory + TMA stores, or reduce-adds into an f32
-    /// D when accumulating) and the register epilogue (counts of every row: the same problem,
-    /// from registers) write the same bits, for both outputs, both widths, no bias and either
+    /// D when accumulating), the register epilogue (counts of every row, every tile forced to
+    /// it: the same problem, from registers) and the two mixed (counts: whole tiles stored,
+    /// each group's last, partial tile from registers) write the same bits, for both outputs, both widths, no bias and either
     /// bias type, accumulating into f32, and edges of rows (m not a multiple of 64) and columns (N not a
     /// multiple of the store box) that the TMA store clips.
     #[test]
@@ -930,13 +945,13 @@ mod tests {
                     let h = host_data(&c, seed);
                     seed += 1;
                     let mut dv = upload(&s, &c, &h);
-                    let mut run = |counts: Option<Vec<i32>>| {
+                    let mut run = |counts: Option<Vec<i32>>, store: bool| {
                         c.counts = counts;
                         if let Some(cs) = &c.counts {
                             dv.counts.copy_from_host(&s, cs).unwrap();
                         }
                         reset_d(&s, &c, &h, &mut dv);
-                        launch_with(&s, &problem(&c, &dv), Some(bn)).unwrap();
+                        launch_epilogue(&s, &problem(&c, &dv), Some(bn), store).unwrap();
                         s.synchronize().unwrap();
                         let bits: Vec<u32> = if f32_out {
                             dv.d32
@@ -956,13 +971,18 @@ mod tests {
                         }
                         bits
                     };
-                    let stored = run(None);
-                    let registers = run(Some(vec![m as i32; groups]));
+                    let stored = run(None, true);
+                    let every_row = Some(vec![m as i32; groups]);
+                    // Counts, every tile from registers; then counts with the whole tiles
+                    // stored and each group's last, partial one from registers.
+                    let registers = run(every_row.clone(), false);
+                    let mixed = run(every_row, true);
                     let what = format!(
                         "{m}x{n}x{k} g{groups} f32_out={f32_out} acc={accumulate} bias={:?} bn={bn}",
                         c.bias
                     );
                     assert!(stored == registers, "{what}: the epilogues differ");
+                    assert!(stored == mixed, "{what}: the mixed epilogue differs");
                 }
             }
         }
