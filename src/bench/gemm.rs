@@ -6,7 +6,8 @@ use std::sync::Arc;
 use cuda_graph::half::bf16;
 use cuda_graph::{CaptureMode, Context, DeviceBuffer, GraphExec, InstantiateFlags, Stream};
 use fp8_kernels::gemm::{
-    GemmOptions, GemmOut, GemmPath, GemmShape, GroupedShape, Operand, gemm, grouped_gemm,
+    ALIGN_ROWS, GemmOptions, GemmOut, GemmPath, GemmShape, GroupedShape, Operand, PackedShape,
+    WgradShape, gemm, grouped_gemm, grouped_gemm_packed, grouped_gemm_wgrad,
 };
 use fp8_kernels::{DeviceScalar, Fp8Format};
 
@@ -29,6 +30,18 @@ const CUBLAS_BEFORE: [f64; 5] = [1440.0, 1094.0, 477.0, 121.0, 132.0];
 const GROUPS: usize = 8;
 const GROUP_N: usize = 4096;
 const GROUP_K: usize = 2048;
+
+/// The MoE layer's expert GEMMs in its packed layout (H = F = 2048, 8 experts, top-2): the
+/// row counts of T = 4096 (8192 assignments, uneven like a router's) and of T = 256 (512).
+const PACKED_COUNTS: [(&str, [usize; 8]); 2] = [
+    ("T=4096", [1100, 950, 1024, 1010, 980, 1070, 1040, 1018]),
+    ("T=256", [70, 58, 64, 66, 61, 69, 60, 64]),
+];
+/// (name, N, K) of the packed forward-layout GEMMs: fc1's forward, fc1's data gradient.
+const PACKED_FWD: [(&str, usize, usize); 2] =
+    [("fc1 forward", 4096, 2048), ("fc1 dgrad", 2048, 4096)];
+/// (M, N) of the packed weight gradient: fc1's (2F x H).
+const PACKED_WGRAD: (usize, usize) = (4096, 2048);
 
 /// Small problems (M, N, K, accumulate) whose time is the kernel's latency: the three GEMMs
 /// of the graphed-callables bench's FP8 linear layers (forward, dgrad, wgrad) at 16 tokens
@@ -269,6 +282,7 @@ pub fn run() -> BenchResult<Vec<Row>> {
             pass: None,
         });
     }
+    rows.extend(packed_rows(&stream, &lt, &one)?);
     // Small problems: latency per GEMM, Hopper against portable kernel.
     for shape in SMALL {
         let (m, n, k, acc) = shape;
@@ -295,5 +309,152 @@ pub fn run() -> BenchResult<Vec<Row>> {
         yardstick: "yardstick only, loaded at run time".into(),
         pass: None,
     });
+    Ok(rows)
+}
+
+/// cuBLASLt's dense `m x n x k` (bf16 out) in this run, TFLOP/s: the yardstick of a grouped
+/// problem with `m` real rows.
+fn cublas_dense_tflops(
+    stream: &Stream,
+    lt: &CublasLt,
+    (m, n, k): (usize, usize, usize),
+    scales: [u64; 2],
+    seed: u64,
+) -> BenchResult<f64> {
+    let p = dense(stream, m, n, k, seed)?;
+    let plan = lt.plan(m, n, k, scales)?;
+    let ms = event_median_ms(stream, WARMUP, REPS, || {
+        plan.run(
+            stream.as_raw(),
+            p.a.as_raw(),
+            p.b.as_raw(),
+            p.d_ref.as_raw(),
+        )
+    })?;
+    Ok(tflops(m, n, k, ms))
+}
+
+/// The MoE layer's packed expert GEMMs on the sm_90a path (forward layout: fc1's forward and
+/// data gradient; fc1's weight gradient with a per-group K), each against cuBLASLt's dense
+/// GEMM on the same real rows in this run. Rates count real rows only (the padding rows the
+/// layout adds are work the yardstick does not do). The forward layouts are checked group by
+/// group against cuBLASLt before they are timed.
+fn packed_rows(stream: &Stream, lt: &CublasLt, one: &DeviceScalar) -> BenchResult<Vec<Row>> {
+    let ctx = stream.context();
+    let scales = [one.device_ptr(), one.device_ptr()];
+    let mut rows = Vec::new();
+    for (li, (layout, counts)) in PACKED_COUNTS.iter().enumerate() {
+        let total: usize = counts.iter().sum();
+        // Each group's rows start at a multiple of ALIGN_ROWS; padding rows are zero.
+        let mut offsets = vec![0usize];
+        for &c in counts {
+            let last = *offsets.last().unwrap_or(&0);
+            offsets.push(last + c.div_ceil(ALIGN_ROWS) * ALIGN_ROWS);
+        }
+        let capacity = *offsets.last().unwrap_or(&0);
+        let offs: Vec<i32> = offsets.iter().map(|&o| o as i32).collect();
+        let offsets_dev = DeviceBuffer::from_host(stream, &offs)?;
+        let seed = 60 + 10 * li as u64;
+        for &(what, n, k) in &PACKED_FWD {
+            let mut a_host = random_e4m3(capacity * k, seed);
+            for (g, &c) in counts.iter().enumerate() {
+                a_host[(offsets[g] + c) * k..offsets[g + 1] * k].fill(0);
+            }
+            let a = DeviceBuffer::from_host(stream, &a_host)?;
+            let b = DeviceBuffer::from_host(stream, &random_e4m3(GROUPS * n * k, seed + 1))?;
+            let d = DeviceBuffer::<bf16>::alloc(ctx, capacity * n)?;
+            d.memset_bytes(stream, 0xff)?;
+            let shape = PackedShape {
+                groups: GROUPS,
+                capacity,
+                n,
+                k,
+            };
+            let opts = GemmOptions::new()
+                .path(GemmPath::Hopper)
+                .expected_rows(total + GROUPS * ALIGN_ROWS / 2);
+            let run_ours = || {
+                grouped_gemm_packed(
+                    stream,
+                    shape,
+                    e4m3(&a, one),
+                    e4m3(&b, one),
+                    GemmOut::Bf16(&d),
+                    &offsets_dev,
+                    opts,
+                )
+            };
+            run_ours()?;
+            let got = d.to_vec(stream)?;
+            for (g, &c) in counts.iter().enumerate() {
+                let plan = lt.plan(c, n, k, scales)?;
+                let d_ref = DeviceBuffer::<bf16>::alloc(ctx, c * n)?;
+                let a_g = a.as_raw() + (offsets[g] * k) as u64;
+                let b_g = b.as_raw() + (g * n * k) as u64;
+                plan.run(stream.as_raw(), a_g, b_g, d_ref.as_raw())?;
+                let want = d_ref.to_vec(stream)?;
+                let err = rel_err(&got[offsets[g] * n..(offsets[g] + c) * n], &want);
+                if err.is_nan() || err >= 2e-2 {
+                    return Err(format!(
+                        "packed {what} {layout}: group {g} differs from cuBLASLt ({err:.2e})"
+                    )
+                    .into());
+                }
+            }
+            let ms = event_median_ms(stream, WARMUP, REPS, || run_ours().map_err(Into::into))?;
+            let ours = tflops(total, n, k, ms);
+            let theirs = cublas_dense_tflops(stream, lt, (total, n, k), scales, seed + 2)?;
+            rows.push(Row {
+                name: format!("packed MoE {what} {layout}: {total} rows, N={n} K={k}"),
+                value: ours,
+                unit: "TFLOP/s",
+                yardstick: format!(
+                    "real rows only ({capacity} in the layout); cuBLASLt dense {total}x{n}x{k} \
+                     {theirs:.0} in this run ({:.2}x)",
+                    ours / theirs
+                ),
+                pass: None,
+            });
+        }
+        // fc1's weight gradient: D[g] = A[:, rows of g] . B[:, rows of g]^T, A [m, capacity]
+        // (dA^T), B [n, capacity] (X^T), bf16 out.
+        let (m, n) = PACKED_WGRAD;
+        let a = DeviceBuffer::from_host(stream, &random_e4m3(m * capacity, seed + 3))?;
+        let b = DeviceBuffer::from_host(stream, &random_e4m3(n * capacity, seed + 4))?;
+        let d = DeviceBuffer::<bf16>::alloc(ctx, GROUPS * m * n)?;
+        let shape = WgradShape {
+            groups: GROUPS,
+            capacity,
+            m,
+            n,
+        };
+        let opts = GemmOptions::new().path(GemmPath::Hopper);
+        let run_ours = || {
+            grouped_gemm_wgrad(
+                stream,
+                shape,
+                e4m3(&a, one),
+                e4m3(&b, one),
+                GemmOut::Bf16(&d),
+                &offsets_dev,
+                opts,
+            )
+        };
+        run_ours()?;
+        let ms = event_median_ms(stream, WARMUP, REPS, || run_ours().map_err(Into::into))?;
+        let ours = tflops(m, n, total, ms);
+        let theirs = cublas_dense_tflops(stream, lt, (m, n, total), scales, seed + 5)?;
+        rows.push(Row {
+            name: format!("packed MoE fc1 wgrad {layout}: {GROUPS} x {m}x{n}, K={total} in all"),
+            value: ours,
+            unit: "TFLOP/s",
+            yardstick: format!(
+                "real rows only; cuBLASLt dense {m}x{n}x{total} {theirs:.0} in this run ({:.2}x; \
+                 the same FLOPs, one output)",
+                ours / theirs
+            ),
+            pass: None,
+        });
+    }
     Ok(rows)
 }
