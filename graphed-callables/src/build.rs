@@ -3,9 +3,11 @@
 //! each needs besides the callables (and what replays need to run eager segments).
 
 use std::cell::{Cell, RefCell};
+use std::sync::Arc;
 
 use cuda_graph::CaptureMode;
 use cuda_graph::ConditionalHandle;
+use cuda_graph::Event;
 use cuda_graph::Graph;
 use cuda_graph::GraphPool;
 use cuda_graph::Stream;
@@ -37,13 +39,16 @@ pub(crate) struct Rig<'a, T: DeviceRepr> {
 }
 
 /// Whether a forward's weight casts run right before its cast segment.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Cast {
+#[derive(Clone, Copy)]
+enum Cast<'e> {
     /// No cast here (backward passes, a forward whose callable casts nothing or has FP8
     /// off, or casts already captured in the graph's IF node).
     Skip,
     /// `cast_weights` then the segment, unconditionally (warmup; the noop-flag mechanism).
     Always,
+    /// The casts were captured on a forked stream ending in this event: the segment runs
+    /// beside them and waits for it ([`Slot::wait_weight_cast`]) before reading the weights.
+    Beside(&'e Arc<Event>),
 }
 
 /// Callable `c`.
@@ -80,6 +85,7 @@ impl<'a, T: DeviceRepr> Rig<'a, T> {
             pool: Some(self.pool),
             warmup: recorder.is_some(),
             skip_weight_cast: self.flags.noop.get(pair),
+            weight_cast: None,
             recorder,
             fp8,
         })
@@ -120,12 +126,16 @@ impl<'a, T: DeviceRepr> Rig<'a, T> {
         kind: SegmentKind,
         stream: &Stream,
         recorder: Option<&'a TensorRecorder>,
-        cast: Cast,
+        cast: Cast<'_>,
     ) -> Result<()> {
-        let slot = self.slot(ls.graph, recorder)?;
+        let mut slot = self.slot(ls.graph, recorder)?;
         let callable = callable_mut(callables, ls.callable)?;
-        if ls.step.pass() == Pass::Forward && cast == Cast::Always {
-            callable.cast_weights(stream, &slot)?;
+        match cast {
+            Cast::Always if ls.step.pass() == Pass::Forward => {
+                callable.cast_weights(stream, &slot)?
+            }
+            Cast::Beside(event) => slot.weight_cast = Some(event.clone()),
+            _ => {}
         }
         if kind == SegmentKind::Eager {
             return self.run_eager_with(&**callable, ls, segment, stream, &slot);
@@ -290,26 +300,48 @@ impl<'a, T: DeviceRepr> Rig<'a, T> {
                     casting.push(*part);
                 }
             }
-            let graph = stream.capture(mode, |s| {
-                let stream = s.stream();
-                if caching == WeightCaching::Conditional && !casting.is_empty() {
-                    self.capture_cast_if(callables, &casting, stream)?;
-                }
-                for part in parts {
-                    // Noop flag: always captured, the kernels skip on the device. Static:
-                    // captured in the first microbatch's graphs only.
-                    let captured = match caching {
+            // Noop flag: always captured, the kernels skip on the device. Static: captured
+            // in the first microbatch's graphs only. Conditional: in the IF node.
+            let captured = |part: &Part| {
+                casting.contains(part)
+                    && match caching {
                         WeightCaching::NoopFlag => true,
                         WeightCaching::Static => part.ls.step.is_first_microbatch(),
                         WeightCaching::Conditional => false,
-                    };
-                    let cast = if captured && casting.contains(part) {
-                        Cast::Always
-                    } else {
-                        Cast::Skip
+                    }
+            };
+            let beside = self.casts_beside(callables, &casting, caching, &captured)?;
+            let graph = stream.capture(mode, |s| {
+                let main = s.stream().clone();
+                // Casts beside the segments: on a fork, which the segments wait for through
+                // their slots (Callable::overlaps_weight_cast) and the graph's end joins.
+                let side = if beside { Some(s.fork()?) } else { None };
+                let cast_stream = side.as_ref().unwrap_or(&main);
+                if caching == WeightCaching::Conditional && !casting.is_empty() {
+                    self.capture_cast_if(callables, &casting, cast_stream)?;
+                }
+                let ready = match &side {
+                    Some(side) => {
+                        for part in casting.iter().filter(|p| captured(p)) {
+                            self.cast_weights(callables, part.ls, side)?;
+                        }
+                        let event = Arc::new(Event::for_sync(side.context())?);
+                        event.record(side)?;
+                        Some(event)
+                    }
+                    None => None,
+                };
+                for part in parts {
+                    let cast = match &ready {
+                        Some(event) if casting.contains(part) => Cast::Beside(event),
+                        None if captured(part) => Cast::Always,
+                        _ => Cast::Skip,
                     };
                     let (ls, seg) = (part.ls, part.segment);
-                    self.run_segment(callables, ls, seg, SegmentKind::Graphed, stream, None, cast)?;
+                    self.run_segment(callables, ls, seg, SegmentKind::Graphed, &main, None, cast)?;
+                }
+                if let Some(side) = &side {
+                    s.join(side)?;
                 }
                 Ok(())
             })?;
@@ -319,6 +351,31 @@ impl<'a, T: DeviceRepr> Rig<'a, T> {
             graphs.push(graph);
         }
         Ok((execs, graphs))
+    }
+
+    /// Whether a graph's weight casts go on a fork beside its segments: there are casts to
+    /// capture in it (an IF node, or `captured` parts) and every casting part's callable
+    /// [overlaps](Callable::overlaps_weight_cast) them.
+    fn casts_beside(
+        &self,
+        callables: &mut Callables<T>,
+        casting: &[Part],
+        caching: WeightCaching,
+        captured: &dyn Fn(&Part) -> bool,
+    ) -> Result<bool> {
+        let any = match caching {
+            WeightCaching::Conditional => !casting.is_empty(),
+            _ => casting.iter().any(captured),
+        };
+        if !any {
+            return Ok(false);
+        }
+        for part in casting {
+            if !callable_mut(callables, part.ls.callable)?.overlaps_weight_cast() {
+                return Ok(false);
+            }
+        }
+        Ok(true)
     }
 
     /// Captures, on the capturing `stream`, one IF node holding the casts of every part in

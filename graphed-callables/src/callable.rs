@@ -1,10 +1,12 @@
 //! What a graphed layer is: the [`Callable`] trait, and the [`Slot`] of static buffers the
 //! runtime hands each forward and backward.
 
-use cuda_graph::GraphPool;
+use std::sync::Arc;
+
 use cuda_graph::Stream;
 use cuda_graph::{DeviceBuffer, DeviceRepr};
 use cuda_graph::{Error, Result};
+use cuda_graph::{Event, GraphPool};
 
 use crate::layout::GraphIndex;
 use crate::segments::SegmentKind;
@@ -149,6 +151,22 @@ pub trait Callable<T: DeviceRepr>: Send {
     fn cast_weights(&mut self, stream: &Stream, slot: &Slot<'_, T>) -> Result<()> {
         let _ = (stream, slot);
         Ok(())
+    }
+
+    /// Whether this layer's captured weight casts may run *beside* the start of its cast
+    /// segment instead of before it. Default `false`.
+    ///
+    /// With `true`, the runtime captures the casts of a graph whose casting callables all
+    /// say so on a stream forked from the capture (the IF node too, in
+    /// [`Conditional`](crate::WeightCaching::Conditional) mode), so the segment's first
+    /// kernels (a MoE layer's router and permute, say) run while the weights are cast; the
+    /// fork is joined at the end of the graph. The segment must call
+    /// [`slot.wait_weight_cast(stream)`](Slot::wait_weight_cast) before its first kernel
+    /// that reads what [`cast_weights`](Self::cast_weights) writes: until then nothing
+    /// orders the two. Later segments, eager ones, warmup and other microbatches need no
+    /// call (the wait is a no-op there), but it is always allowed.
+    fn overlaps_weight_cast(&self) -> bool {
+        false
     }
 
     /// Enqueues the forward pass on `stream`: reads `inputs` (lengths
@@ -343,6 +361,7 @@ pub struct Slot<'a, T: DeviceRepr> {
     pub(crate) pool: Option<&'a GraphPool>,
     pub(crate) warmup: bool,
     pub(crate) skip_weight_cast: Option<&'a DeviceBuffer<f32>>,
+    pub(crate) weight_cast: Option<Arc<Event>>,
     pub(crate) recorder: Option<&'a TensorRecorder>,
     pub(crate) fp8: bool,
 }
@@ -367,6 +386,7 @@ impl<'a, T: DeviceRepr> Slot<'a, T> {
             pool: None,
             warmup: false,
             skip_weight_cast: None,
+            weight_cast: None,
             recorder: None,
             fp8: true,
         }
@@ -418,6 +438,7 @@ impl<'a, T: DeviceRepr> Slot<'a, T> {
             pool: self.pool,
             warmup: self.warmup,
             skip_weight_cast: self.skip_weight_cast,
+            weight_cast: self.weight_cast.clone(),
             recorder: self.recorder,
             fp8: self.fp8,
         }
@@ -475,6 +496,25 @@ impl<'a, T: DeviceRepr> Slot<'a, T> {
     /// decides; cast unconditionally) and in slots made with [`Slot::new`].
     pub fn skip_weight_cast(&self) -> Option<&'a DeviceBuffer<f32>> {
         self.skip_weight_cast
+    }
+
+    /// Makes `stream` wait for this graph's weight casts when the runtime captured them on
+    /// a forked stream (a callable that [overlaps its
+    /// casts](Callable::overlaps_weight_cast), in its cast segment); a no-op otherwise.
+    /// Call it before the first kernel that reads the cast weights.
+    ///
+    /// Errors: [`Error::Driver`](cuda_graph::Error::Driver) from the event wait.
+    pub fn wait_weight_cast(&self, stream: &Stream) -> Result<()> {
+        match &self.weight_cast {
+            Some(event) => stream.wait_event(event),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether this slot's cast segment runs beside weight casts it must
+    /// [wait for](Self::wait_weight_cast) (`false` outside such a capture).
+    pub fn weight_cast_pending(&self) -> bool {
+        self.weight_cast.is_some()
     }
 
     /// Whether this callable runs its low-precision path

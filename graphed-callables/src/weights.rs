@@ -33,6 +33,17 @@
 //!   launches on later microbatches. It is the cheapest on the device; the two flag
 //!   mechanisms keep the decision on the device, as TransformerEngine does.
 //!
+//! # Casts beside the forward
+//!
+//! A callable whose forward starts with work that does not read its cast weights (a MoE
+//! layer's router and permute) can say so
+//! ([`Callable::overlaps_weight_cast`](crate::Callable::overlaps_weight_cast)): the runtime
+//! then captures the graph's casts (the IF node, the noop-flag casts or the static ones) on
+//! a stream forked from the capture, so they run concurrently with that head, and the
+//! callable waits for them ([`Slot::wait_weight_cast`](crate::Slot::wait_weight_cast))
+//! right before its first read of the cast weights; the fork is joined at the graph's end.
+//! Warmup and eager runs cast first, as always (the wait is a no-op there).
+//!
 //! Whether a forward graph casts at all is found at build by capturing its
 //! `cast_weights` into a throwaway graph: a callable that enqueues nothing gets neither
 //! the IF node nor a flag write

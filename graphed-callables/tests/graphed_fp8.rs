@@ -4,7 +4,8 @@
 //! microbatches and for the interleaved 2 x 3 order; the conditional form holds an IF node in
 //! every forward graph; a cast that ignores the noop flag is detected (it casts on every
 //! microbatch); the replay hooks run once per replay in order and the warmup hooks once
-//! each (restoring state warmup changed).
+//! each (restoring state warmup changed); a layer that overlaps its casts
+//! ([`Callable::overlaps_weight_cast`]) gets them beside its forward's head in every mode.
 //!
 //! The "cast" is a one-thread kernel that increments a per-layer device counter
 //! (tests/kernels/graphed_kernels.cu: `gl_count_cast` honours the noop flag,
@@ -13,7 +14,8 @@
 //! bit for bit so the forward still runs after the IF node.
 
 use cuda_graph::{
-    DeviceBuffer, GraphPool, Kernel, LaunchConfig, NodeKind, Result, Stream, kernel_args,
+    DeviceBuffer, GraphPool, Kernel, KernelNode, LaunchConfig, NodeId, NodeKind, Result, Stream,
+    kernel_args,
 };
 use graphed_callables::{
     Callable, GraphIndex, GraphedCallables, GraphedOptions, Schedule, Slot, Step, WarmupRecord,
@@ -90,6 +92,21 @@ struct CastLayer {
     bwd: Kernel,
     cast: Kernel,
     cast_ignoring: Kernel,
+    /// With `Some`, the forward is [head, wait for the casts, snapshot, gl_fwd], and the
+    /// layer overlaps its casts (Callable::overlaps_weight_cast) when `opt_in`.
+    overlap: Option<Overlap>,
+}
+
+/// The extra forward kernels of an overlapping CastLayer: a head that needs no cast weights
+/// (gl_fill of a scratch buffer) and, after `Slot::wait_weight_cast`, a snapshot of the cast
+/// counter (gl_copy_u32): it equals the counter when the wait ordered it after the cast.
+struct Overlap {
+    /// Whether the layer says it overlaps (false: the same kernels, casts before them).
+    opt_in: bool,
+    head: Kernel,
+    copy: Kernel,
+    scratch: DeviceBuffer<f32>,
+    snapshot: Arc<DeviceBuffer<u32>>,
 }
 
 impl CastLayer {
@@ -105,7 +122,21 @@ impl CastLayer {
             bwd: gpu.k("gl_bwd"),
             cast: gpu.k("gl_count_cast"),
             cast_ignoring: gpu.k("gl_count_cast_ignoring_flag"),
+            overlap: None,
         }
+    }
+
+    /// This layer with the head and snapshot kernels in its forward, overlapping its casts
+    /// with them when `opt_in`.
+    fn with_head(mut self, gpu: &Gpu, opt_in: bool, snapshot: Arc<DeviceBuffer<u32>>) -> Self {
+        self.overlap = Some(Overlap {
+            opt_in,
+            head: gpu.k("gl_fill"),
+            copy: gpu.k("gl_copy_u32"),
+            scratch: gpu.upload(&[0.0f32; N]),
+            snapshot,
+        });
+        self
     }
 }
 
@@ -124,6 +155,9 @@ impl Callable<f32> for CastLayer {
     }
     fn gradients(&self) -> Vec<&DeviceBuffer<f32>> {
         vec![&self.dw, &self.db]
+    }
+    fn overlaps_weight_cast(&self) -> bool {
+        self.overlap.as_ref().is_some_and(|o| o.opt_in)
     }
     fn cast_weights(&mut self, stream: &Stream, slot: &Slot<'_, f32>) -> Result<()> {
         let one = LaunchConfig::linear(1, 1);
@@ -146,6 +180,21 @@ impl Callable<f32> for CastLayer {
     ) -> Result<()> {
         let n = N as u32;
         let z = slot.saved()[0].reinterpret::<f32>()?;
+        if let Some(o) = &self.overlap {
+            let all = LaunchConfig::for_elements(n, 128);
+            // SAFETY: gl_fill writes n floats of the N-element scratch.
+            unsafe { stream.launch(&o.head, &all, &kernel_args![o.scratch, 1.0f32, n]) }?;
+            slot.wait_weight_cast(stream)?;
+            let one = LaunchConfig::linear(1, 1);
+            // SAFETY: gl_copy_u32 copies 1 word between one-element buffers.
+            unsafe {
+                stream.launch(
+                    &o.copy,
+                    &one,
+                    &kernel_args![*o.snapshot, *self.counter, 1u32],
+                )
+            }?;
+        }
         // SAFETY: gl_fwd reads n floats of x, w, b and writes n floats of z and y; all are
         // N-element buffers.
         unsafe {
@@ -510,6 +559,128 @@ fn noop_flag_casts_once_per_step_interleaved_2x3() {
     );
     assert_eq!(per_step, vec![vec![1, 1, 3]; STEPS]);
     assert_eq!(not_once_per_step(&per_step), vec![2]);
+}
+
+// ---- Casts beside the forward (Callable::overlaps_weight_cast) ----
+
+/// Whether `to` is reachable from `from` along `graph`'s edges.
+fn reaches(graph: &cuda_graph::Graph, from: NodeId, to: NodeId) -> bool {
+    let mut seen = vec![from];
+    let mut todo = vec![from];
+    while let Some(n) = todo.pop() {
+        for (d, _) in graph.dependents(n).expect("dependents") {
+            if d == to {
+                return true;
+            }
+            if !seen.contains(&d) {
+                seen.push(d);
+                todo.push(d);
+            }
+        }
+    }
+    false
+}
+
+/// The node of `graph` launching `kernel` (exactly one).
+fn kernel_node(graph: &cuda_graph::Graph, kernel: &Kernel) -> NodeId {
+    let found: Vec<NodeId> = graph
+        .nodes()
+        .expect("nodes")
+        .into_iter()
+        .filter_map(|n| KernelNode::try_from(n).ok())
+        .filter(|k| graph.kernel_function(k).expect("kernel params") == kernel.as_raw())
+        .map(|k| k.id())
+        .collect();
+    assert_eq!(found.len(), 1, "one {} node", kernel.name());
+    found[0]
+}
+
+/// A layer that overlaps its casts gets them captured on a fork beside its forward's head
+/// in every caching mode: in the first microbatch's forward graph neither the casts (the
+/// cast kernel, or the IF node holding it) nor the head reaches the other, and both reach
+/// the snapshot taken after `Slot::wait_weight_cast`; on the device that snapshot equals
+/// the cast counter after every forward (the wait ordered it after this step's cast), casts
+/// still run once per step and the outputs are exact. The same layer without the opt-in has
+/// its head after the casts, so the structural check can fail.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn overlapped_casts_run_beside_the_forward_head_in_every_mode() {
+    let gpu = Gpu::new();
+    let (cast_k, head_k, copy_k) = (
+        gpu.k("gl_count_cast"),
+        gpu.k("gl_fill"),
+        gpu.k("gl_copy_u32"),
+    );
+    let modes = [
+        WeightCaching::Static,
+        WeightCaching::NoopFlag,
+        WeightCaching::Conditional,
+    ];
+    for mode in modes {
+        for overlap in [true, false] {
+            let what = format!("{mode:?}, overlap {overlap}");
+            let options = GraphedOptions::from_order(&ORDER_1X3, vec![1])
+                .expect("valid order")
+                .with_weight_caching(mode);
+            let counter = Arc::new(gpu.upload(&[0u32]));
+            let snapshot = Arc::new(gpu.upload(&[u32::MAX]));
+            let layer = CastLayer::new(&gpu, CastKind::HonoursFlag, counter.clone());
+            let layer = layer.with_head(&gpu, overlap, snapshot.clone());
+            let graphed = build(&gpu, options, vec![Box::new(layer)]);
+
+            let first = graphed.schedule().layout().index(0, 0, 0).unwrap();
+            let g = graphed.forward_graph(first).expect("forward graph kept");
+            let cast = match mode {
+                WeightCaching::Conditional => {
+                    let ifs: Vec<NodeId> = g
+                        .nodes()
+                        .unwrap()
+                        .into_iter()
+                        .filter(|n| n.kind == NodeKind::Conditional)
+                        .map(|n| n.id)
+                        .collect();
+                    assert_eq!(ifs.len(), 1, "{what}: one IF node");
+                    ifs[0]
+                }
+                _ => kernel_node(g, &cast_k),
+            };
+            let (head, snap) = (kernel_node(g, &head_k), kernel_node(g, &copy_k));
+            assert_eq!(
+                reaches(g, cast, head),
+                !overlap,
+                "{what}: head after the casts"
+            );
+            assert!(!reaches(g, head, cast), "{what}: casts after the head");
+            assert!(reaches(g, cast, snap), "{what}: snapshot after the casts");
+            assert!(reaches(g, head, snap), "{what}: snapshot after the head");
+
+            let dy = gpu.upload(&[0.0f32; N]);
+            let start = gpu.read(&counter)[0];
+            for step in 0..STEPS {
+                for &s in graphed.schedule().steps() {
+                    let (m, b) = (s.chunk(), s.microbatch());
+                    if let Step::Forward { .. } = s {
+                        let x = gpu.upload(&input(m, b));
+                        let y = graphed.forward(m, b, &[&x], &gpu.stream).expect("forward");
+                        let (got, want) = (gpu.read(&y[0]), host_forward(&input(m, b), 1));
+                        assert!(
+                            got.iter()
+                                .zip(&want)
+                                .all(|(g, w)| g.to_bits() == w.to_bits()),
+                            "{what}: forward output of microbatch {b}"
+                        );
+                        let (snap, now) = (gpu.read(&snapshot)[0], gpu.read(&counter)[0]);
+                        assert_eq!(snap, now, "{what}: step {step} microbatch {b} snapshot");
+                        assert_eq!(now - start, step as u32 + 1, "{what}: casts once per step");
+                    } else {
+                        graphed
+                            .backward(m, b, &[&dy], &gpu.stream)
+                            .expect("backward");
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// The kernels' flag semantics, eagerly with Slot::new(..).with_skip_weight_cast: the

@@ -978,7 +978,11 @@ impl MoeLayer {
                 self.route(stream, x, &s)?;
                 self.record_routed_weights(stream, &s, slot)
             }
-            1 => self.experts_forward(stream, &s),
+            1 => {
+                // The router and the permute above ran beside the weight casts.
+                slot.wait_weight_cast(stream)?;
+                self.experts_forward(stream, &s)
+            }
             2 => self.router.combine(stream, &s.y, &s.routing, out),
             _ => Err(self.not_a_segment(slot, "forward", part, "a part")),
         }
@@ -1103,6 +1107,13 @@ impl Callable<bf16> for MoeLayer {
             cast_transpose_batched(stream, w, (e, rows, cols), &out, noop.as_ref())?;
         }
         Ok(())
+    }
+
+    /// Yes: the router, the dispatch plan and the permute (forward part 0) read neither
+    /// the cast weights nor their scales, so in a capture they run beside the casts and the
+    /// experts wait for them.
+    fn overlaps_weight_cast(&self) -> bool {
+        true
     }
 
     /// The whole pass eagerly: router + permute, experts, combine.
