@@ -209,9 +209,11 @@ fn graphed(
     s: Shape,
     mode: ExpertGemm,
     path: GemmPath,
-    (step_gradients, grad_dtype): (bool, GradDtype),
+    (step_gradients, grad_dtype, beside): (bool, GradDtype, bool),
 ) -> BenchResult<(f64, Vec<bf16>)> {
-    let layer = layer(stream, config(s, mode, grad_dtype), step_gradients)?.with_gemm_path(path);
+    let layer = layer(stream, config(s, mode, grad_dtype), step_gradients)?
+        .with_gemm_path(path)
+        .with_weight_grads_beside(beside);
     let xs = inputs(stream, s)?;
     let dy = grad(stream, s)?;
     let schedule = Schedule::new(&[1, -1], vec![1])?;
@@ -310,10 +312,12 @@ pub fn run(tokens: Option<usize>, experts: Option<usize>) -> BenchResult<Vec<Row
         let dense = dense_tflops(&ctx, &stream, s.tokens * s.top_k, 2 * s.ffn, s.hidden)?;
         let (eager_ms, y_eager) = eager(&ctx, &stream, s)?;
         let (f32_step, f32_acc, bf16_step) = (
-            (true, GradDtype::F32),
-            (false, GradDtype::F32),
-            (true, GradDtype::Bf16),
+            (true, GradDtype::F32, false),
+            (false, GradDtype::F32, false),
+            (true, GradDtype::Bf16, false),
         );
+        let (f32_beside, bf16_beside) =
+            ((true, GradDtype::F32, true), (true, GradDtype::Bf16, true));
         let (breaking_ms, y_breaking) =
             graphed(&stream, s, ExpertGemm::PerExpert, GemmPath::Auto, f32_step)?;
         let (full_ms, y_full) = graphed(&stream, s, ExpertGemm::Grouped, GemmPath::Auto, f32_step)?;
@@ -327,7 +331,11 @@ pub fn run(tokens: Option<usize>, experts: Option<usize>) -> BenchResult<Vec<Row
         let (acc_ms, y_acc) = graphed(&stream, s, ExpertGemm::Grouped, GemmPath::Auto, f32_acc)?;
         let (bf16_ms, y_bf16) =
             graphed(&stream, s, ExpertGemm::Grouped, GemmPath::Auto, bf16_step)?;
-        if y_acc != y_full || y_bf16 != y_full {
+        let (beside_ms, y_beside) =
+            graphed(&stream, s, ExpertGemm::Grouped, GemmPath::Auto, f32_beside)?;
+        let (bf16_beside_ms, y_bf16_beside) =
+            graphed(&stream, s, ExpertGemm::Grouped, GemmPath::Auto, bf16_beside)?;
+        if y_acc != y_full || y_bf16 != y_full || y_beside != y_full || y_bf16_beside != y_full {
             return Err(format!("{s:?}: full-layer output depends on the gradient mode").into());
         }
         let err_portable = rel_err(&y_portable, &y_eager);
@@ -408,6 +416,26 @@ pub fn run(tokens: Option<usize>, experts: Option<usize>) -> BenchResult<Vec<Row
             ),
             pass: s.target_ms.map(|t| bf16_ms <= t),
         });
+        for (dtype, ms, base) in [
+            ("f32", beside_ms, full_ms),
+            ("bf16", bf16_beside_ms, bf16_ms),
+        ] {
+            rows.push(Row {
+                name: format!("{what}: full-layer step, {dtype} weight gradients beside"),
+                value: ms,
+                unit: "ms",
+                yardstick: format!(
+                    "GEMMs at {:.0} TFLOP/s; {:.2}x the same step with them after the data \
+                     gradients (MoeLayer::with_weight_grads_beside){}",
+                    rate(ms),
+                    ms / base,
+                    s.target_ms
+                        .map(|t| format!("; target <= {t:.2} ms"))
+                        .unwrap_or_default()
+                ),
+                pass: s.target_ms.map(|t| ms <= t),
+            });
+        }
         rows.push(Row {
             name: format!("{what}: full-layer step, portable grouped GEMMs"),
             value: portable_ms,

@@ -387,6 +387,11 @@ pub struct MoeLayer {
     /// bf16 intermediates within a backward: fc2's dgrad `[C, F]`, fc1's dgrad `[C, H]`.
     dh: DeviceBuffer<bf16>,
     dxp: DeviceBuffer<bf16>,
+    /// The stream work runs on beside the caller's within one part ([`MoeLayer::beside`]).
+    side: Stream,
+    /// Whether the experts' weight-gradient GEMMs run beside their data-gradient chain
+    /// ([`MoeLayer::with_weight_grads_beside`]).
+    wgrad_beside: bool,
 }
 
 fn zeroed<T: cuda_graph::DeviceRepr>(stream: &Stream, n: usize) -> Result<DeviceBuffer<T>> {
@@ -475,6 +480,8 @@ impl MoeLayer {
             daq: zeroed(stream, c * 2 * f)?,
             dh: zeroed(stream, c * f)?,
             dxp: zeroed(stream, c * h)?,
+            side: Stream::new(stream.context())?,
+            wgrad_beside: false,
         };
         stream.synchronize()?;
         Ok(layer)
@@ -505,6 +512,32 @@ impl MoeLayer {
     pub fn with_step_gradients(mut self, on: bool) -> MoeLayer {
         self.step_gradients = on;
         self
+    }
+
+    /// This layer with the experts' weight-gradient GEMMs on a second stream beside their
+    /// data-gradient chain (fc2's wgrad from the start of the experts' backward, fc1's once
+    /// its input is cast), joined before the router backward; default `false`. The results
+    /// are the same bit for bit (each GEMM writes its own output); whether it is faster
+    /// depends on how the two GEMMs' waves share the SMs (`fp8-moe bench moe` measures it).
+    pub fn with_weight_grads_beside(mut self, on: bool) -> MoeLayer {
+        self.wgrad_beside = on;
+        self
+    }
+
+    /// Runs `side` on the layer's side stream and `main` on `stream` concurrently: both
+    /// after everything enqueued on `stream` so far, and everything enqueued on `stream`
+    /// afterwards after both. Inside a capture it is a fork and a join in the graph; eagerly
+    /// the two streams run at once. `side` must not touch what `main` does.
+    fn beside(
+        &self,
+        stream: &Stream,
+        side: impl FnOnce(&Stream) -> Result<()>,
+        main: impl FnOnce(&Stream) -> Result<()>,
+    ) -> Result<()> {
+        self.side.wait_stream(stream)?;
+        side(&self.side)?;
+        main(stream)?;
+        stream.wait_stream(&self.side)
     }
 
     /// Whether the weight-gradient pass of `slot` adds to the gradients (otherwise it writes
@@ -801,7 +834,6 @@ impl MoeLayer {
         s: &Saved<'_>,
     ) -> Result<()> {
         let (t, h) = (self.cfg.tokens, self.cfg.hidden);
-        self.router.combine_backward(stream, dy, &s.y, &s.routing)?;
         let dy_fp8 = self.tensor(&self.dyq, &[self.cfg.capacity(), h], DY, &s.si[2])?;
         let gather = Gather {
             token_of_row: &s.routing.token_of_row,
@@ -809,7 +841,15 @@ impl MoeLayer {
             row_scale: Some(&s.routing.gates),
         };
         let used = RowsInUse::last(&s.routing.offsets)?;
-        gather_cast_transpose(stream, dy, (t, h), gather, used, self.cast(&dy_fp8, s.dy_t))
+        // The gates' and logits' gradients (read by part 3 only) beside dY's cast (which
+        // scales by the forward's gates).
+        self.beside(
+            stream,
+            |side| self.router.combine_backward(side, dy, &s.y, &s.routing),
+            |main| {
+                gather_cast_transpose(main, dy, (t, h), gather, used, self.cast(&dy_fp8, s.dy_t))
+            },
+        )
     }
 
     /// Backward part 2: the experts' data gradients (fc2 dgrad, SwiGLU backward + casts,
@@ -823,6 +863,13 @@ impl MoeLayer {
         let (c, h, f) = (self.cfg.capacity(), self.cfg.hidden, self.cfg.ffn);
         let host = self.host_offsets(stream, &s.routing)?;
         let g = grad_format(self.cfg.recipe);
+        // With weight gradients beside: fc2's from here, fc1's once dA is cast, on the side
+        // stream; joined at the end.
+        let beside = weights.filter(|_| self.wgrad_beside);
+        if let Some(accumulate) = beside {
+            self.side.wait_stream(stream)?;
+            self.fc2_weight_backward(&self.side, s, host.as_deref(), accumulate)?;
+        }
         // dh = dY . W2 (B = W2^T per expert, [F, H]).
         self.experts_gemm(
             stream,
@@ -847,6 +894,10 @@ impl MoeLayer {
             used,
             self.cast(&da_fp8, s.da_t),
         )?;
+        if let Some(accumulate) = beside {
+            self.side.wait_stream(stream)?;
+            self.fc1_weight_backward(&self.side, s, host.as_deref(), accumulate)?;
+        }
         // dXp = dA . W1 (B = W1^T per expert, [H, 2F]).
         self.experts_gemm(
             stream,
@@ -861,15 +912,30 @@ impl MoeLayer {
             (&self.w1_t, &self.w1_scales()?),
             &self.dxp,
         )?;
-        if let Some(accumulate) = weights {
-            self.experts_weight_backward(stream, s, host.as_deref(), accumulate)?;
+        match (beside, weights) {
+            (Some(_), _) => stream.wait_stream(&self.side),
+            (None, Some(accumulate)) => {
+                self.experts_weight_backward(stream, s, host.as_deref(), accumulate)
+            }
+            (None, None) => Ok(()),
         }
-        Ok(())
     }
 
     /// The experts' weight gradients from the saved transposed copies:
     /// `dW2[e] (+)= dY_e^T . h_e`, `dW1[e] (+)= dA_e^T . X_e` (added with `accumulate`).
     fn experts_weight_backward(
+        &self,
+        stream: &Stream,
+        s: &Saved<'_>,
+        host: Option<&[i32]>,
+        accumulate: bool,
+    ) -> Result<()> {
+        self.fc2_weight_backward(stream, s, host, accumulate)?;
+        self.fc1_weight_backward(stream, s, host, accumulate)
+    }
+
+    /// `dW2[e] (+)= dY_e^T . h_e` (needs dY's cast of backward part 1).
+    fn fc2_weight_backward(
         &self,
         stream: &Stream,
         s: &Saved<'_>,
@@ -895,7 +961,19 @@ impl MoeLayer {
             },
             &self.dw2,
             accumulate,
-        )?;
+        )
+    }
+
+    /// `dW1[e] (+)= dA_e^T . X_e` (needs dA's cast by the SwiGLU backward).
+    fn fc1_weight_backward(
+        &self,
+        stream: &Stream,
+        s: &Saved<'_>,
+        host: Option<&[i32]>,
+        accumulate: bool,
+    ) -> Result<()> {
+        let (h, f) = (self.cfg.hidden, self.cfg.ffn);
+        let (e4, g) = (Fp8Format::E4M3, grad_format(self.cfg.recipe));
         self.experts_wgrad(
             stream,
             &s.routing,
@@ -926,13 +1004,22 @@ impl MoeLayer {
         s: &Saved<'_>,
         weights: Option<bool>,
     ) -> Result<()> {
-        self.router
-            .input_backward(stream, &self.dxp, &self.wr, &s.routing, dx)?;
-        if let Some(accumulate) = weights {
+        let dx_of = |main: &Stream| {
             self.router
-                .weight_backward(stream, x, &s.routing, &self.dwr, accumulate)?;
+                .input_backward(main, &self.dxp, &self.wr, &s.routing, dx)
+        };
+        match weights {
+            // The router weight's gradient beside dx (both read the logits' gradient).
+            Some(accumulate) => self.beside(
+                stream,
+                |side| {
+                    self.router
+                        .weight_backward(side, x, &s.routing, &self.dwr, accumulate)
+                },
+                dx_of,
+            ),
+            None => dx_of(stream),
         }
-        Ok(())
     }
 
     /// In a warmup pass, reports the weight tensors of the experts that got tokens (reads
