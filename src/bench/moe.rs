@@ -202,15 +202,23 @@ fn eager(ctx: &Arc<Context>, stream: &Stream, s: Shape) -> BenchResult<(f64, Vec
     Ok((ms, y0))
 }
 
-/// Graphed step time (ms) and the output for input 0: one microbatch, forward then
-/// backward, under the runtime (breaking-layer for per-expert GEMMs, full-layer for grouped).
+/// Median times (ms) of a graphed step and of its forward and backward replayed alone.
+#[derive(Clone, Copy)]
+struct Times {
+    step: f64,
+    forward: f64,
+    backward: f64,
+}
+
+/// Graphed step times and the output for input 0: one microbatch, forward then backward,
+/// under the runtime (breaking-layer for per-expert GEMMs, full-layer for grouped).
 fn graphed(
     stream: &Stream,
     s: Shape,
     mode: ExpertGemm,
     path: GemmPath,
     (step_gradients, grad_dtype, beside): (bool, GradDtype, bool),
-) -> BenchResult<(f64, Vec<bf16>)> {
+) -> BenchResult<(Times, Vec<bf16>)> {
     let layer = layer(stream, config(s, mode, grad_dtype), step_gradients)?
         .with_gemm_path(path)
         .with_weight_grads_beside(beside);
@@ -230,13 +238,30 @@ fn graphed(
         v
     };
     let mut i = 0;
-    let ms = event_median_ms(stream, WARMUP, REPS, || {
+    let step = event_median_ms(stream, WARMUP, REPS, || {
         i += 1;
         graphed.forward(0, 0, &[&xs[i % INPUTS]], stream)?;
         graphed.backward(0, 0, &[&dy], stream)?;
         Ok(())
     })?;
-    Ok((ms, y0))
+    let forward = event_median_ms(stream, WARMUP, REPS, || {
+        i += 1;
+        graphed.forward(0, 0, &[&xs[i % INPUTS]], stream)?;
+        Ok(())
+    })?;
+    // The backward replayed on the last forward's saved state.
+    let backward = event_median_ms(stream, WARMUP, REPS, || {
+        graphed.backward(0, 0, &[&dy], stream)?;
+        Ok(())
+    })?;
+    Ok((
+        Times {
+            step,
+            forward,
+            backward,
+        },
+        y0,
+    ))
 }
 
 /// Our dense FP8 GEMM on `m x n x k` (E4M3, bf16 out): TFLOP/s.
@@ -318,23 +343,31 @@ pub fn run(tokens: Option<usize>, experts: Option<usize>) -> BenchResult<Vec<Row
         );
         let (f32_beside, bf16_beside) =
             ((true, GradDtype::F32, true), (true, GradDtype::Bf16, true));
-        let (breaking_ms, y_breaking) =
+        let (breaking, y_breaking) =
             graphed(&stream, s, ExpertGemm::PerExpert, GemmPath::Auto, f32_step)?;
-        let (full_ms, y_full) = graphed(&stream, s, ExpertGemm::Grouped, GemmPath::Auto, f32_step)?;
-        let (portable_ms, y_portable) = graphed(
+        let (full, y_full) = graphed(&stream, s, ExpertGemm::Grouped, GemmPath::Auto, f32_step)?;
+        let (portable, y_portable) = graphed(
             &stream,
             s,
             ExpertGemm::Grouped,
             GemmPath::Portable,
             f32_step,
         )?;
-        let (acc_ms, y_acc) = graphed(&stream, s, ExpertGemm::Grouped, GemmPath::Auto, f32_acc)?;
-        let (bf16_ms, y_bf16) =
-            graphed(&stream, s, ExpertGemm::Grouped, GemmPath::Auto, bf16_step)?;
-        let (beside_ms, y_beside) =
+        let (acc, y_acc) = graphed(&stream, s, ExpertGemm::Grouped, GemmPath::Auto, f32_acc)?;
+        let (bf16, y_bf16) = graphed(&stream, s, ExpertGemm::Grouped, GemmPath::Auto, bf16_step)?;
+        let (beside, y_beside) =
             graphed(&stream, s, ExpertGemm::Grouped, GemmPath::Auto, f32_beside)?;
-        let (bf16_beside_ms, y_bf16_beside) =
+        let (bf16_beside, y_bf16_beside) =
             graphed(&stream, s, ExpertGemm::Grouped, GemmPath::Auto, bf16_beside)?;
+        let (breaking_ms, full_ms, portable_ms, acc_ms, bf16_ms) =
+            (breaking.step, full.step, portable.step, acc.step, bf16.step);
+        let (beside_ms, bf16_beside_ms) = (beside.step, bf16_beside.step);
+        let parts = |t: Times| {
+            format!(
+                "; forward {:.3} + backward {:.3} ms replayed alone",
+                t.forward, t.backward
+            )
+        };
         if y_acc != y_full || y_bf16 != y_full || y_beside != y_full || y_bf16_beside != y_full {
             return Err(format!("{s:?}: full-layer output depends on the gradient mode").into());
         }
@@ -390,13 +423,14 @@ pub fn run(tokens: Option<usize>, experts: Option<usize>) -> BenchResult<Vec<Row
             value: full_ms,
             unit: "ms",
             yardstick: format!(
-                "GEMMs at {:.0} TFLOP/s; dense FP8 GEMM {:.0} TFLOP/s{}{}",
+                "GEMMs at {:.0} TFLOP/s; dense FP8 GEMM {:.0} TFLOP/s{}{}{}",
                 rate(full_ms),
                 dense,
                 torch(1),
                 s.target_ms
                     .map(|t| format!("; target <= {t:.2} ms"))
-                    .unwrap_or_default()
+                    .unwrap_or_default(),
+                parts(full)
             ),
             pass: s.target_ms.map(|t| full_ms <= t),
         });
@@ -406,13 +440,14 @@ pub fn run(tokens: Option<usize>, experts: Option<usize>) -> BenchResult<Vec<Row
             unit: "ms",
             yardstick: format!(
                 "GEMMs at {:.0} TFLOP/s; {:.2}x the f32-gradient step; gradients bf16 like \
-                 PyTorch's{}{}",
+                 PyTorch's{}{}{}",
                 rate(bf16_ms),
                 bf16_ms / full_ms,
                 torch(1),
                 s.target_ms
                     .map(|t| format!("; target <= {t:.2} ms"))
-                    .unwrap_or_default()
+                    .unwrap_or_default(),
+                parts(bf16)
             ),
             pass: s.target_ms.map(|t| bf16_ms <= t),
         });

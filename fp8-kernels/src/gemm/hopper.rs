@@ -361,6 +361,17 @@ pub(crate) fn launch_packed(stream: &Stream, p: &PackedProblem<'_>) -> Result<()
 /// `[0, capacity]` and rounded out to whole blocks, so a group may then also sum its
 /// neighbours' columns) and `N` even.
 pub(crate) fn launch_wgrad(stream: &Stream, p: &WgradProblem<'_>) -> Result<()> {
+    launch_wgrad_with(stream, p, None, true)
+}
+
+/// [`launch_wgrad`] with the tile width forced (128 or 192) or chosen (`None`), and with
+/// `store` false every tile through the register epilogue (the probes compare them).
+fn launch_wgrad_with(
+    stream: &Stream,
+    p: &WgradProblem<'_>,
+    bn: Option<usize>,
+    store: bool,
+) -> Result<()> {
     let (groups, capacity, m, n) = (p.shape.groups, p.shape.capacity, p.shape.m, p.shape.n);
     check_packed_device(stream, "wgrad GEMM", n)?;
     let lim = i32::MAX as usize;
@@ -374,10 +385,18 @@ pub(crate) fn launch_wgrad(stream: &Stream, p: &WgradProblem<'_>) -> Result<()> 
         )));
     }
     let formats = (p.a.format, p.b.format);
-    let (bn, kern, cfg) = select(stream, "wgrad_", formats, &p.d, (groups, m, n), None)?;
+    if let Some(bn) = bn.filter(|bn| ![128, 192].contains(bn)) {
+        return Err(Error::InvalidArgument(format!("tile width {bn}")));
+    }
+    let (bn, kern, cfg) = select(stream, "wgrad_", formats, &p.d, (groups, m, n), bn)?;
     let ta = tensor_map(p.a.data, 1, m, capacity, TILE)?;
     let tb = tensor_map(p.b.data, 1, n, capacity, bn)?;
-    let (epi, td) = epilogue(p.accumulate, &p.d, store_map(&p.d, groups, m, n)?);
+    let store = if store {
+        store_map(&p.d, groups, m, n)?
+    } else {
+        None
+    };
+    let (epi, td) = epilogue(p.accumulate, &p.d, store);
     let dims = [m as u32, n as u32, capacity as u32, groups as u32];
     let flags = [idx(p.a.scale_inv)?, idx(p.b.scale_inv)?, 0, epi];
     let args = KernelArgs::new().arg(&ta).arg(&tb).arg(&td);
@@ -1023,6 +1042,7 @@ mod tests {
             bytes / 1e6,
             bytes / ms / 1e9
         );
+        let d16 = DeviceBuffer::<bf16>::alloc(&ctx, groups * m * n).unwrap();
         for per in [128usize, 1024] {
             let capacity = groups * per;
             let a =
@@ -1060,6 +1080,19 @@ mod tests {
                  {tf:.0} TFLOP/s",
                 bytes / ms / 1e9
             );
+            // Each output type, tile width and epilogue.
+            for (out, dname) in [(GemmOut::F32(&d), "f32"), (GemmOut::Bf16(&d16), "bf16")] {
+                for (bn, store) in [(128, true), (192, true), (128, false), (192, false)] {
+                    let q = WgradProblem { d: out, ..p };
+                    let ms = time(&mut || launch_wgrad_with(&s, &q, Some(bn), store).unwrap());
+                    let tf = 2.0 * (groups * per * m * n) as f64 / (ms * 1e-3) / 1e12;
+                    let epi = if store { "TMA store" } else { "registers" };
+                    println!(
+                        "  {dname} out, n{bn}, {epi}: {:.1} us, {tf:.0} TFLOP/s",
+                        ms * 1e3
+                    );
+                }
+            }
         }
     }
 
