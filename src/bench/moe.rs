@@ -28,7 +28,7 @@
 use std::sync::Arc;
 
 use cuda_graph::half::bf16;
-use cuda_graph::{Context, DeviceBuffer, Stream};
+use cuda_graph::{Context, DeviceBuffer, Event, Stream};
 use fp8_kernels::gemm::{GemmOptions, GemmPath, GemmShape, Operand, gemm};
 use fp8_kernels::{AmaxAlgo, CastScaling, DelayedScaling, DeviceScalar, Fp8Format};
 use fp8_moe::moe::layer::{
@@ -202,7 +202,7 @@ fn eager(ctx: &Arc<Context>, stream: &Stream, s: Shape) -> BenchResult<(f64, Vec
     Ok((ms, y0))
 }
 
-/// Median times (ms) of a graphed step and of its forward and backward replayed alone.
+/// Median times (ms) of a graphed step and of its forward and backward (events between them).
 #[derive(Clone, Copy)]
 struct Times {
     step: f64,
@@ -217,11 +217,9 @@ fn graphed(
     s: Shape,
     mode: ExpertGemm,
     path: GemmPath,
-    (step_gradients, grad_dtype, beside): (bool, GradDtype, bool),
+    (step_gradients, grad_dtype): (bool, GradDtype),
 ) -> BenchResult<(Times, Vec<bf16>)> {
-    let layer = layer(stream, config(s, mode, grad_dtype), step_gradients)?
-        .with_gemm_path(path)
-        .with_weight_grads_beside(beside);
+    let layer = layer(stream, config(s, mode, grad_dtype), step_gradients)?.with_gemm_path(path);
     let xs = inputs(stream, s)?;
     let dy = grad(stream, s)?;
     let schedule = Schedule::new(&[1, -1], vec![1])?;
@@ -244,16 +242,31 @@ fn graphed(
         graphed.backward(0, 0, &[&dy], stream)?;
         Ok(())
     })?;
-    let forward = event_median_ms(stream, WARMUP, REPS, || {
+    // The same steps with an event between the passes (the schedule replays them in order).
+    let (e0, e1, e2) = (
+        Event::new(stream.context())?,
+        Event::new(stream.context())?,
+        Event::new(stream.context())?,
+    );
+    let (mut fwd, mut bwd) = (Vec::with_capacity(REPS), Vec::with_capacity(REPS));
+    for rep in 0..WARMUP + REPS {
         i += 1;
+        e0.record(stream)?;
         graphed.forward(0, 0, &[&xs[i % INPUTS]], stream)?;
-        Ok(())
-    })?;
-    // The backward replayed on the last forward's saved state.
-    let backward = event_median_ms(stream, WARMUP, REPS, || {
+        e1.record(stream)?;
         graphed.backward(0, 0, &[&dy], stream)?;
-        Ok(())
-    })?;
+        e2.record(stream)?;
+        e2.synchronize()?;
+        if rep >= WARMUP {
+            fwd.push(f64::from(Event::elapsed_ms(&e0, &e1)?));
+            bwd.push(f64::from(Event::elapsed_ms(&e1, &e2)?));
+        }
+    }
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (forward, backward) = (median(fwd), median(bwd));
     Ok((
         Times {
             step,
@@ -337,12 +350,10 @@ pub fn run(tokens: Option<usize>, experts: Option<usize>) -> BenchResult<Vec<Row
         let dense = dense_tflops(&ctx, &stream, s.tokens * s.top_k, 2 * s.ffn, s.hidden)?;
         let (eager_ms, y_eager) = eager(&ctx, &stream, s)?;
         let (f32_step, f32_acc, bf16_step) = (
-            (true, GradDtype::F32, false),
-            (false, GradDtype::F32, false),
-            (true, GradDtype::Bf16, false),
+            (true, GradDtype::F32),
+            (false, GradDtype::F32),
+            (true, GradDtype::Bf16),
         );
-        let (f32_beside, bf16_beside) =
-            ((true, GradDtype::F32, true), (true, GradDtype::Bf16, true));
         let (breaking, y_breaking) =
             graphed(&stream, s, ExpertGemm::PerExpert, GemmPath::Auto, f32_step)?;
         let (full, y_full) = graphed(&stream, s, ExpertGemm::Grouped, GemmPath::Auto, f32_step)?;
@@ -355,20 +366,15 @@ pub fn run(tokens: Option<usize>, experts: Option<usize>) -> BenchResult<Vec<Row
         )?;
         let (acc, y_acc) = graphed(&stream, s, ExpertGemm::Grouped, GemmPath::Auto, f32_acc)?;
         let (bf16, y_bf16) = graphed(&stream, s, ExpertGemm::Grouped, GemmPath::Auto, bf16_step)?;
-        let (beside, y_beside) =
-            graphed(&stream, s, ExpertGemm::Grouped, GemmPath::Auto, f32_beside)?;
-        let (bf16_beside, y_bf16_beside) =
-            graphed(&stream, s, ExpertGemm::Grouped, GemmPath::Auto, bf16_beside)?;
         let (breaking_ms, full_ms, portable_ms, acc_ms, bf16_ms) =
             (breaking.step, full.step, portable.step, acc.step, bf16.step);
-        let (beside_ms, bf16_beside_ms) = (beside.step, bf16_beside.step);
         let parts = |t: Times| {
             format!(
-                "; forward {:.3} + backward {:.3} ms replayed alone",
+                "; forward {:.3} + backward {:.3} ms (events between them)",
                 t.forward, t.backward
             )
         };
-        if y_acc != y_full || y_bf16 != y_full || y_beside != y_full || y_bf16_beside != y_full {
+        if y_acc != y_full || y_bf16 != y_full {
             return Err(format!("{s:?}: full-layer output depends on the gradient mode").into());
         }
         let err_portable = rel_err(&y_portable, &y_eager);
@@ -451,26 +457,6 @@ pub fn run(tokens: Option<usize>, experts: Option<usize>) -> BenchResult<Vec<Row
             ),
             pass: s.target_ms.map(|t| bf16_ms <= t),
         });
-        for (dtype, ms, base) in [
-            ("f32", beside_ms, full_ms),
-            ("bf16", bf16_beside_ms, bf16_ms),
-        ] {
-            rows.push(Row {
-                name: format!("{what}: full-layer step, {dtype} weight gradients beside"),
-                value: ms,
-                unit: "ms",
-                yardstick: format!(
-                    "GEMMs at {:.0} TFLOP/s; {:.2}x the same step with them after the data \
-                     gradients (MoeLayer::with_weight_grads_beside){}",
-                    rate(ms),
-                    ms / base,
-                    s.target_ms
-                        .map(|t| format!("; target <= {t:.2} ms"))
-                        .unwrap_or_default()
-                ),
-                pass: s.target_ms.map(|t| ms <= t),
-            });
-        }
         rows.push(Row {
             name: format!("{what}: full-layer step, portable grouped GEMMs"),
             value: portable_ms,

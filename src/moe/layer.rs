@@ -389,9 +389,6 @@ pub struct MoeLayer {
     dxp: DeviceBuffer<bf16>,
     /// The stream work runs on beside the caller's within one part ([`MoeLayer::beside`]).
     side: Stream,
-    /// Whether the experts' weight-gradient GEMMs run beside their data-gradient chain
-    /// ([`MoeLayer::with_weight_grads_beside`]).
-    wgrad_beside: bool,
 }
 
 fn zeroed<T: cuda_graph::DeviceRepr>(stream: &Stream, n: usize) -> Result<DeviceBuffer<T>> {
@@ -481,7 +478,6 @@ impl MoeLayer {
             dh: zeroed(stream, c * f)?,
             dxp: zeroed(stream, c * h)?,
             side: Stream::new(stream.context())?,
-            wgrad_beside: false,
         };
         stream.synchronize()?;
         Ok(layer)
@@ -511,16 +507,6 @@ impl MoeLayer {
     /// [`GraphIndex`]: graphed_callables::GraphIndex
     pub fn with_step_gradients(mut self, on: bool) -> MoeLayer {
         self.step_gradients = on;
-        self
-    }
-
-    /// This layer with the experts' weight-gradient GEMMs on a second stream beside their
-    /// data-gradient chain (fc2's wgrad from the start of the experts' backward, fc1's once
-    /// its input is cast), joined before the router backward; default `false`. The results
-    /// are the same bit for bit (each GEMM writes its own output); whether it is faster
-    /// depends on how the two GEMMs' waves share the SMs (`fp8-moe bench moe` measures it).
-    pub fn with_weight_grads_beside(mut self, on: bool) -> MoeLayer {
-        self.wgrad_beside = on;
         self
     }
 
@@ -863,13 +849,6 @@ impl MoeLayer {
         let (c, h, f) = (self.cfg.capacity(), self.cfg.hidden, self.cfg.ffn);
         let host = self.host_offsets(stream, &s.routing)?;
         let g = grad_format(self.cfg.recipe);
-        // With weight gradients beside: fc2's from here, fc1's once dA is cast, on the side
-        // stream; joined at the end.
-        let beside = weights.filter(|_| self.wgrad_beside);
-        if let Some(accumulate) = beside {
-            self.side.wait_stream(stream)?;
-            self.fc2_weight_backward(&self.side, s, host.as_deref(), accumulate)?;
-        }
         // dh = dY . W2 (B = W2^T per expert, [F, H]).
         self.experts_gemm(
             stream,
@@ -894,10 +873,6 @@ impl MoeLayer {
             used,
             self.cast(&da_fp8, s.da_t),
         )?;
-        if let Some(accumulate) = beside {
-            self.side.wait_stream(stream)?;
-            self.fc1_weight_backward(&self.side, s, host.as_deref(), accumulate)?;
-        }
         // dXp = dA . W1 (B = W1^T per expert, [H, 2F]).
         self.experts_gemm(
             stream,
@@ -912,30 +887,17 @@ impl MoeLayer {
             (&self.w1_t, &self.w1_scales()?),
             &self.dxp,
         )?;
-        match (beside, weights) {
-            (Some(_), _) => stream.wait_stream(&self.side),
-            (None, Some(accumulate)) => {
+        match weights {
+            Some(accumulate) => {
                 self.experts_weight_backward(stream, s, host.as_deref(), accumulate)
             }
-            (None, None) => Ok(()),
+            None => Ok(()),
         }
     }
 
     /// The experts' weight gradients from the saved transposed copies:
     /// `dW2[e] (+)= dY_e^T . h_e`, `dW1[e] (+)= dA_e^T . X_e` (added with `accumulate`).
     fn experts_weight_backward(
-        &self,
-        stream: &Stream,
-        s: &Saved<'_>,
-        host: Option<&[i32]>,
-        accumulate: bool,
-    ) -> Result<()> {
-        self.fc2_weight_backward(stream, s, host, accumulate)?;
-        self.fc1_weight_backward(stream, s, host, accumulate)
-    }
-
-    /// `dW2[e] (+)= dY_e^T . h_e` (needs dY's cast of backward part 1).
-    fn fc2_weight_backward(
         &self,
         stream: &Stream,
         s: &Saved<'_>,
@@ -961,19 +923,7 @@ impl MoeLayer {
             },
             &self.dw2,
             accumulate,
-        )
-    }
-
-    /// `dW1[e] (+)= dA_e^T . X_e` (needs dA's cast by the SwiGLU backward).
-    fn fc1_weight_backward(
-        &self,
-        stream: &Stream,
-        s: &Saved<'_>,
-        host: Option<&[i32]>,
-        accumulate: bool,
-    ) -> Result<()> {
-        let (h, f) = (self.cfg.hidden, self.cfg.ffn);
-        let (e4, g) = (Fp8Format::E4M3, grad_format(self.cfg.recipe));
+        )?;
         self.experts_wgrad(
             stream,
             &s.routing,
