@@ -232,6 +232,7 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
 
 #define FP8K_WGMMA_N128(TYPES)                                                                     \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                         \
@@ -327,8 +328,12 @@ __device__ __forceinline__ Tile wgrad_tile_at(int t, int m, int ntiles) {
 // sets bit 1 with bit 0 only for an f32 D. GROUPED with counts stores through `td` only tiles
 // whose every row lies below the group's count (the others from registers).
 // `sbg`, when not null, holds one scale_inv per group of B (instead of sb[flags.y]).
+// FAST: fast accumulation (TransformerEngine's fprop default, cuBLASLt's FAST_ACCUM): the
+// tensor cores accumulate over the whole reduction in their own accumulator, one k-block's
+// wgmma group in flight while the next is issued. Otherwise (promotion, as DeepGEMM does)
+// each k-block's products go to a fresh accumulator, waited for and added in f32.
 template <__nv_fp8_interpretation_t FA, __nv_fp8_interpretation_t FB, typename Out, int BN,
-          int MODE = GROUPED>
+          int MODE = GROUPED, bool FAST = false>
 __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const TmaDesc *td, Out *d,
                                      const void *bias, const float *sa, const float *sb,
                                      const int *counts, uint4 dims, uint4 flags,
@@ -447,7 +452,32 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
             if (kr.hi <= kr.lo) next = tile_after(t);
             // An empty reduction (WGRAD) leaves an accumulated D[g] as it was.
             if (kr.hi <= kr.lo && accumulate) continue;
-            for (int kb = kr.lo; kb < kr.hi; ++kb) {
+            if constexpr (FAST) {
+                // The stage whose wgmma group is still in flight (released one k-block later).
+                int held = -1;
+                for (int kb = kr.lo; kb < kr.hi; ++kb) {
+                    mbar_wait(full(stage), phase);
+                    wgmma_fence();
+#pragma unroll
+                    for (int kk = 0; kk < BK / 32; ++kk) {
+                        const uint64_t da = sw128_desc(tile_a(stage) + cw * 64 * BK + kk * 32);
+                        const uint64_t db = sw128_desc(tile_b(stage) + kk * 32);
+                        wgmma_fp8<FA, FB, BN>(acc, da, db, 1);
+                    }
+                    wgmma_commit();
+                    if (kb == kr.lo) next = tile_after(t);
+                    wgmma_wait1();
+                    if (held >= 0 && lane == 0) mbar_arrive(empty(held));
+                    held = stage;
+                    if (++stage == STAGES) {
+                        stage = 0;
+                        phase ^= 1u;
+                    }
+                }
+                wgmma_wait0();
+                if (held >= 0 && lane == 0) mbar_arrive(empty(held));
+            }
+            for (int kb = kr.lo; !FAST && kb < kr.hi; ++kb) {
                 mbar_wait(full(stage), phase);
                 float part[NACC];
                 wgmma_fence();
@@ -647,6 +677,27 @@ __device__ __forceinline__ void gemm_ref(const uint8_t *a, const uint8_t *b, flo
         fp8k::sm90::gemm<FA, FB, OT, W, fp8k::sm90::PACKED>(&ta, &tb, &td, d, bias, sa, sb, offsets, dims, \
                                                             flags, sbg);                         \
     }
+// Fast accumulation (E4M3 x E4M3, bf16 out: the forward GEMMs), grouped blocks and packed.
+#define FP8K_GEMM_SM90_FAST(W)                                                                         \
+    extern "C" __global__ void __launch_bounds__(fp8k::sm90::THREADS, 1)                             \
+        fp8_gemm_sm90_fast_e4m3_e4m3_bf16_n##W(const __grid_constant__ fp8k::sm90::TmaDesc ta,         \
+                                               const __grid_constant__ fp8k::sm90::TmaDesc tb,         \
+                                               const __grid_constant__ fp8k::sm90::TmaDesc td,         \
+                                               __nv_bfloat16 *d, const void *bias, const float *sa,    \
+                                               const float *sb, const int *counts, uint4 dims,         \
+                                               uint4 flags) {                                          \
+        fp8k::sm90::gemm<__NV_E4M3, __NV_E4M3, __nv_bfloat16, W, fp8k::sm90::GROUPED, true>(           \
+            &ta, &tb, &td, d, bias, sa, sb, counts, dims, flags);                                      \
+    }                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(fp8k::sm90::THREADS, 1)                             \
+        fp8_gemm_sm90_packed_fast_e4m3_e4m3_bf16_n##W(                                                 \
+            const __grid_constant__ fp8k::sm90::TmaDesc ta, const __grid_constant__ fp8k::sm90::TmaDesc tb, \
+            const __grid_constant__ fp8k::sm90::TmaDesc td, __nv_bfloat16 *d, const void *bias,          \
+            const float *sa, const float *sb, const float *sbg, const int *offsets, uint4 dims,        \
+            uint4 flags) {                                                                             \
+        fp8k::sm90::gemm<__NV_E4M3, __NV_E4M3, __nv_bfloat16, W, fp8k::sm90::PACKED, true>(            \
+            &ta, &tb, &td, d, bias, sa, sb, offsets, dims, flags, sbg);                                \
+    }
 // The packed weight gradient: dims = (m, n, capacity, groups), no bias, per-tensor scales.
 // Every kernel's `td` is D's store tensor map (read with flags.w & 2 only; zeros otherwise).
 #define FP8K_GEMM_SM90_WGRAD(AN, FA, BN_, FB, ON, OT, W)                                               \
@@ -682,3 +733,5 @@ FP8K_GEMM_SM90_OUTS(e4m3, __NV_E4M3, e4m3, __NV_E4M3)
 FP8K_GEMM_SM90_OUTS(e4m3, __NV_E4M3, e5m2, __NV_E5M2)
 FP8K_GEMM_SM90_OUTS(e5m2, __NV_E5M2, e4m3, __NV_E4M3)
 FP8K_GEMM_SM90_OUTS(e5m2, __NV_E5M2, e5m2, __NV_E5M2)
+FP8K_GEMM_SM90_FAST(128)
+FP8K_GEMM_SM90_FAST(192)

@@ -25,6 +25,7 @@ const DESC_TRANSA: i32 = 3;
 const DESC_TRANSB: i32 = 4;
 const DESC_A_SCALE_POINTER: i32 = 17;
 const DESC_B_SCALE_POINTER: i32 = 18;
+const DESC_FAST_ACCUM: i32 = 25;
 const PREF_MAX_WORKSPACE_BYTES: i32 = 1;
 
 /// `cublasLtMatmulHeuristicResult_t`: the 64-byte algo, workspace size, state, waves, 4
@@ -209,6 +210,19 @@ impl CublasLt {
     /// B transposed and A not (the "TN" layout FP8 requires). `scales` are device pointers
     /// to the two f32 scale_inv values.
     pub fn plan(&self, m: usize, n: usize, k: usize, scales: [u64; 2]) -> BenchResult<Plan<'_>> {
+        self.plan_with(m, n, k, scales, false)
+    }
+
+    /// [`plan`](Self::plan) with cuBLASLt's FP8 fast accumulation on or off
+    /// (`CUBLASLT_MATMUL_DESC_FAST_ACCUM`, off by default).
+    pub fn plan_with(
+        &self,
+        m: usize,
+        n: usize,
+        k: usize,
+        scales: [u64; 2],
+        fast: bool,
+    ) -> BenchResult<Plan<'_>> {
         let a = &self.api;
         let mut desc = std::ptr::null_mut();
         let mut layouts = [std::ptr::null_mut(); 3];
@@ -227,6 +241,8 @@ impl CublasLt {
             set(DESC_TRANSB, (&raw const no_trans).cast(), 4)?;
             set(DESC_A_SCALE_POINTER, (&raw const scales[1]).cast(), 8)?;
             set(DESC_B_SCALE_POINTER, (&raw const scales[0]).cast(), 8)?;
+            let fast = i8::from(fast);
+            set(DESC_FAST_ACCUM, (&raw const fast).cast(), 1)?;
             // Lt's A is our B ([N,K] row-major = K x N column-major, transposed to N x K); Lt's
             // B is our A ([M,K] row-major = K x M column-major); D is N x M column-major.
             ok(

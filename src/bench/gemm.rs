@@ -208,6 +208,68 @@ pub fn run() -> BenchResult<Vec<Row>> {
         });
     }
 
+    // Fast accumulation (the forward GEMMs' mode in TransformerEngine), both sides fast.
+    for (i, &(m, n, k)) in SHAPES.iter().enumerate().take(3) {
+        let p = dense(&stream, m, n, k, 20 + i as u64)?;
+        let plan = lt.plan(m, n, k, scales)?;
+        let fast_plan = lt.plan_with(m, n, k, scales, true)?;
+        let run_ours = |d: &DeviceBuffer<bf16>, fast: bool| {
+            gemm(
+                &stream,
+                GemmShape::new(m, n, k),
+                e4m3(&p.a, &one),
+                e4m3(&p.b, &one),
+                GemmOut::Bf16(d),
+                GemmOptions::default().fast_accumulation(fast),
+            )
+        };
+        let run_lt = || {
+            fast_plan.run(
+                stream.as_raw(),
+                p.a.as_raw(),
+                p.b.as_raw(),
+                p.d_ref.as_raw(),
+            )
+        };
+        // Against cuBLASLt's promoted (default) result.
+        run_ours(&p.d, true)?;
+        plan.run(
+            stream.as_raw(),
+            p.a.as_raw(),
+            p.b.as_raw(),
+            p.d_ref.as_raw(),
+        )?;
+        let err = rel_err(&p.d.to_vec(&stream)?, &p.d_ref.to_vec(&stream)?);
+        if err.is_nan() || err >= 2e-2 {
+            return Err(format!("{m}x{n}x{k} fast accumulation: off cuBLASLt by {err:.2e}").into());
+        }
+        let ms = |f: &mut dyn FnMut() -> BenchResult<()>| event_median_ms(&stream, WARMUP, REPS, f);
+        let ours = tflops(
+            m,
+            n,
+            k,
+            ms(&mut || run_ours(&p.d, true).map_err(Into::into))?,
+        );
+        let promoted = tflops(
+            m,
+            n,
+            k,
+            ms(&mut || run_ours(&p.d, false).map_err(Into::into))?,
+        );
+        let theirs = tflops(m, n, k, ms(&mut || run_lt())?);
+        rows.push(Row {
+            name: format!("gemm {m}x{n}x{k} e4m3 -> bf16, fast accumulation"),
+            value: ours,
+            unit: "TFLOP/s",
+            yardstick: format!(
+                "cuBLASLt fast accumulation {theirs:.0} in this run ({:.2}x); ours promoted \
+                 {promoted:.0}; rel err vs cuBLASLt's promoted sum {err:.1e}",
+                ours / theirs
+            ),
+            pass: None,
+        });
+    }
+
     // Grouped GEMM: 8 x 512 rows, and a skewed split of the same 4096 rows.
     let even = [512i32; GROUPS];
     let skewed = [2048i32, 1024, 512, 256, 128, 64, 32, 32];

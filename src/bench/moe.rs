@@ -217,9 +217,11 @@ fn graphed(
     s: Shape,
     mode: ExpertGemm,
     path: GemmPath,
-    (step_gradients, grad_dtype): (bool, GradDtype),
+    (step_gradients, grad_dtype, fast): (bool, GradDtype, bool),
 ) -> BenchResult<(Times, Vec<bf16>)> {
-    let layer = layer(stream, config(s, mode, grad_dtype), step_gradients)?.with_gemm_path(path);
+    let layer = layer(stream, config(s, mode, grad_dtype), step_gradients)?
+        .with_gemm_path(path)
+        .with_fast_forward_accumulation(fast);
     let xs = inputs(stream, s)?;
     let dy = grad(stream, s)?;
     let schedule = Schedule::new(&[1, -1], vec![1])?;
@@ -350,10 +352,11 @@ pub fn run(tokens: Option<usize>, experts: Option<usize>) -> BenchResult<Vec<Row
         let dense = dense_tflops(&ctx, &stream, s.tokens * s.top_k, 2 * s.ffn, s.hidden)?;
         let (eager_ms, y_eager) = eager(&ctx, &stream, s)?;
         let (f32_step, f32_acc, bf16_step) = (
-            (true, GradDtype::F32),
-            (false, GradDtype::F32),
-            (true, GradDtype::Bf16),
+            (true, GradDtype::F32, true),
+            (false, GradDtype::F32, true),
+            (true, GradDtype::Bf16, true),
         );
+        let promoted = (true, GradDtype::F32, false);
         let (breaking, y_breaking) =
             graphed(&stream, s, ExpertGemm::PerExpert, GemmPath::Auto, f32_step)?;
         let (full, y_full) = graphed(&stream, s, ExpertGemm::Grouped, GemmPath::Auto, f32_step)?;
@@ -374,6 +377,16 @@ pub fn run(tokens: Option<usize>, experts: Option<usize>) -> BenchResult<Vec<Row
                 t.forward, t.backward
             )
         };
+        let (promoted, y_promoted) =
+            graphed(&stream, s, ExpertGemm::Grouped, GemmPath::Auto, promoted)?;
+        let promoted_ms = promoted.step;
+        let err_promoted = rel_err(&y_full, &y_promoted);
+        if err_promoted > 1e-2 {
+            return Err(format!(
+                "{s:?}: fast and promoted forward sums differ by {err_promoted:e}"
+            )
+            .into());
+        }
         if y_acc != y_full || y_bf16 != y_full {
             return Err(format!("{s:?}: full-layer output depends on the gradient mode").into());
         }
@@ -456,6 +469,19 @@ pub fn run(tokens: Option<usize>, experts: Option<usize>) -> BenchResult<Vec<Row
                 parts(bf16)
             ),
             pass: s.target_ms.map(|t| bf16_ms <= t),
+        });
+        rows.push(Row {
+            name: format!("{what}: full-layer step, forward sums promoted"),
+            value: promoted_ms,
+            unit: "ms",
+            yardstick: format!(
+                "GEMMs at {:.0} TFLOP/s; {:.2}x the full-layer step, whose forward GEMMs \
+                 accumulate fast (MoeLayer::with_fast_forward_accumulation; output off by \
+                 {err_promoted:.1e})",
+                rate(promoted_ms),
+                promoted_ms / full_ms,
+            ),
+            pass: None,
         });
         rows.push(Row {
             name: format!("{what}: full-layer step, portable grouped GEMMs"),

@@ -389,6 +389,8 @@ pub struct MoeLayer {
     dxp: DeviceBuffer<bf16>,
     /// The stream work runs on beside the caller's within one part ([`MoeLayer::beside`]).
     side: Stream,
+    /// Fast accumulation in the forward GEMMs ([`MoeLayer::with_fast_forward_accumulation`]).
+    fast_forward: bool,
 }
 
 fn zeroed<T: cuda_graph::DeviceRepr>(stream: &Stream, n: usize) -> Result<DeviceBuffer<T>> {
@@ -478,6 +480,7 @@ impl MoeLayer {
             dh: zeroed(stream, c * f)?,
             dxp: zeroed(stream, c * h)?,
             side: Stream::new(stream.context())?,
+            fast_forward: true,
         };
         stream.synchronize()?;
         Ok(layer)
@@ -507,6 +510,15 @@ impl MoeLayer {
     /// [`GraphIndex`]: graphed_callables::GraphIndex
     pub fn with_step_gradients(mut self, on: bool) -> MoeLayer {
         self.step_gradients = on;
+        self
+    }
+
+    /// This layer with fast accumulation in its forward GEMMs (fc1 and fc2:
+    /// [`GemmOptions::fast_accumulation`], TransformerEngine's default for forward GEMMs) on
+    /// or off; default on. The data- and weight-gradient GEMMs always promote their sums to
+    /// f32 per 128-deep block, as TransformerEngine's do.
+    pub fn with_fast_forward_accumulation(mut self, on: bool) -> MoeLayer {
+        self.fast_forward = on;
         self
     }
 
@@ -658,13 +670,14 @@ impl MoeLayer {
         (n, k): (usize, usize),
         a: Operand<'_>,
         (b, b_scales): (&DeviceBuffer<u8>, &DeviceBuffer<f32>),
-        d: &DeviceBuffer<bf16>,
+        (d, fast): (&DeviceBuffer<bf16>, bool),
     ) -> Result<()> {
         let (groups, capacity) = (self.cfg.experts, self.cfg.capacity());
         let Some(off) = host_offsets else {
             let opts = GemmOptions::new()
                 .path(self.grouped_path())
-                .expected_rows(self.cfg.routing_dims().expected_rows());
+                .expected_rows(self.cfg.routing_dims().expected_rows())
+                .fast_accumulation(fast);
             let shape = PackedShape {
                 groups,
                 capacity,
@@ -694,7 +707,7 @@ impl MoeLayer {
                     scale_inv: &si_e,
                 },
                 &d_e,
-                GemmOptions::new().path(self.path),
+                GemmOptions::new().path(self.path).fast_accumulation(fast),
             )?;
         }
         Ok(())
@@ -791,7 +804,7 @@ impl MoeLayer {
                 scale_inv: &s.si[0],
             },
             (&self.w1_q, &self.w1_scales()?),
-            &s.a,
+            (&s.a, self.fast_forward),
         )?;
         let h_fp8 = self.tensor(&self.hq, &[c, f], HID, &s.si[1])?;
         let used = RowsInUse::last(&s.routing.offsets)?;
@@ -807,7 +820,7 @@ impl MoeLayer {
                 scale_inv: &s.si[1],
             },
             (&self.w2_q, &self.w2_scales()?),
-            &s.y,
+            (&s.y, self.fast_forward),
         )
     }
 
@@ -861,7 +874,7 @@ impl MoeLayer {
                 scale_inv: &s.si[2],
             },
             (&self.w2_t, &self.w2_scales()?),
-            &self.dh,
+            (&self.dh, false),
         )?;
         let da_fp8 = self.tensor(&self.daq, &[c, 2 * f], DA, &s.si[3])?;
         let used = RowsInUse::last(&s.routing.offsets)?;
@@ -885,7 +898,7 @@ impl MoeLayer {
                 scale_inv: &s.si[3],
             },
             (&self.w1_t, &self.w1_scales()?),
-            &self.dxp,
+            (&self.dxp, false),
         )?;
         match weights {
             Some(accumulate) => {

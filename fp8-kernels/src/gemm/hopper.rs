@@ -212,6 +212,14 @@ fn epilogue(accumulate: bool, d: &GemmOut<'_>, store: Option<[u64; 16]>) -> (u32
     }
 }
 
+/// Whether a GEMM with fast accumulation allowed (`fast`) takes the fast-accumulation kernels:
+/// they exist for E4M3 x E4M3 with a bf16 D (the forward GEMMs, where TransformerEngine
+/// accumulates fast); other problems keep the promoted sum.
+/// `out` is D's type name ([`GemmOut::name`]).
+fn fast_instance(fast: bool, formats: (Fp8Format, Fp8Format), out: &str) -> bool {
+    fast && formats == (Fp8Format::E4M3, Fp8Format::E4M3) && out == "bf16"
+}
+
 /// The SM count, cached with the module (any kernel of it will do).
 fn sm_count(stream: &Stream) -> Result<u32> {
     Ok(kernel(stream.context(), "fp8_gemm_ref_e4m3_e4m3")?.1)
@@ -265,7 +273,12 @@ fn launch_epilogue(
         return Err(Error::InvalidArgument(format!("tile width {bn}")));
     }
     let formats = (p.a.format, p.b.format);
-    let (bn, k, cfg) = select(stream, "", formats, &p.d, (groups, p.m, p.n), bn)?;
+    let layout = if fast_instance(p.fast, formats, p.d.name()) {
+        "fast_"
+    } else {
+        ""
+    };
+    let (bn, k, cfg) = select(stream, layout, formats, &p.d, (groups, p.m, p.n), bn)?;
     let ta = tensor_map(p.a.data, groups, p.m, p.k, TILE)?;
     let tb = tensor_map(p.b.data, groups, p.n, p.k, bn)?;
     // With row counts the kernel stores through the map only the tiles whose rows all lie
@@ -318,7 +331,12 @@ pub(crate) fn launch_packed(stream: &Stream, p: &PackedProblem<'_>) -> Result<()
     // The tile width for the rows expected in use, the grid for the whole capacity.
     let rows = p.expected_rows.map_or(capacity, |r| r.clamp(1, capacity));
     let bn = choose_bn_for(1, rows, n, p.d.elem_size(), sm_count(stream)? as usize);
-    let (bn, kern, cfg) = select(stream, "packed_", formats, &p.d, (1, capacity, n), Some(bn))?;
+    let layout = if fast_instance(p.fast, formats, p.d.name()) {
+        "packed_fast_"
+    } else {
+        "packed_"
+    };
+    let (bn, kern, cfg) = select(stream, layout, formats, &p.d, (1, capacity, n), Some(bn))?;
     let ta = tensor_map(p.a.data, 1, capacity, k, TILE)?;
     let tb = tensor_map(p.b.data, groups, n, k, bn)?;
     let (epi, td) = epilogue(p.accumulate, &p.d, store_map(&p.d, 1, capacity, n)?);
@@ -486,6 +504,26 @@ mod cpu_tests {
             kernel_name("wgrad_", e5, e4, "f32", 128),
             "fp8_gemm_sm90_wgrad_e5m2_e4m3_f32_n128"
         );
+        // FP8K_GEMM_SM90_FAST.
+        assert_eq!(
+            kernel_name("fast_", e4, e4, "bf16", 192),
+            "fp8_gemm_sm90_fast_e4m3_e4m3_bf16_n192"
+        );
+        assert_eq!(
+            kernel_name("packed_fast_", e4, e4, "bf16", 128),
+            "fp8_gemm_sm90_packed_fast_e4m3_e4m3_bf16_n128"
+        );
+    }
+
+    #[test]
+    fn fast_kernels_only_for_e4m3_pairs_into_bf16() {
+        let (e4, e5) = (Fp8Format::E4M3, Fp8Format::E5M2);
+        assert!(fast_instance(true, (e4, e4), "bf16"));
+        assert!(!fast_instance(false, (e4, e4), "bf16"));
+        assert!(!fast_instance(true, (e4, e4), "f32"));
+        for pair in [(e4, e5), (e5, e4), (e5, e5)] {
+            assert!(!fast_instance(true, pair, "bf16"), "{pair:?}");
+        }
     }
 
     #[test]
@@ -619,6 +657,7 @@ mod tests {
         F32,
     }
 
+    #[derive(Clone)]
     struct Case {
         m: usize,
         n: usize,
@@ -630,6 +669,8 @@ mod tests {
         f32_out: bool,
         bias: BiasKind,
         accumulate: bool,
+        /// Fast accumulation allowed.
+        fast: bool,
     }
 
     impl Case {
@@ -645,6 +686,7 @@ mod tests {
                 f32_out: false,
                 bias: BiasKind::None,
                 accumulate: false,
+                fast: false,
             }
         }
     }
@@ -768,6 +810,7 @@ mod tests {
                 BiasKind::F32 => Some(Bias::F32(&dv.bias32)),
             },
             accumulate: c.accumulate,
+            fast: c.fast,
         }
     }
 
@@ -895,6 +938,62 @@ mod tests {
                     run_case_with(&s, &c, 17 + i as u64, Some(bn));
                 }
             }
+        }
+    }
+
+    /// Fast accumulation (E4M3 x E4M3, bf16 out): against the fp64 reference at K up to
+    /// 4096, plain, with a bias, accumulating, and grouped blocks with counts, both widths;
+    /// its error beside the promoted sum's (printed). Where no fast kernel exists (f32 out,
+    /// E5M2) the option changes nothing: the same bits as without it.
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn fast_accumulation_matches_the_fp64_reference() {
+        let (_ctx, s) = setup();
+        let mut seed = 300;
+        let mut cases = Vec::new();
+        for (m, n, k) in [(256, 384, 4096), (200, 136, 256), (129, 258, 400)] {
+            cases.push(Case::plain(m, n, k));
+        }
+        let mut c = Case::plain(150, 264, 1024);
+        c.bias = BiasKind::F32;
+        cases.push(c.clone());
+        c.accumulate = true;
+        cases.push(c);
+        let mut c = Case::plain(160, 200, 2048);
+        c.groups = 3;
+        c.counts = Some(vec![100, 0, 160]);
+        cases.push(c);
+        for mut c in cases {
+            for bn in [128, 192] {
+                c.fast = true;
+                run_case_with(&s, &c, seed, Some(bn));
+                seed += 1;
+            }
+        }
+        // No fast kernel for these: the option is ignored, bit for bit.
+        for (fa, f32_out) in [(Fp8Format::E4M3, true), (Fp8Format::E5M2, false)] {
+            let mut c = Case::plain(200, 136, 1024);
+            c.fa = fa;
+            c.f32_out = f32_out;
+            let h = host_data(&c, seed);
+            let mut dv = upload(&s, &c, &h);
+            let mut bits = Vec::new();
+            for fast in [false, true] {
+                c.fast = fast;
+                reset_d(&s, &c, &h, &mut dv);
+                launch(&s, &problem(&c, &dv)).unwrap();
+                bits.push(
+                    read_d(&s, &c, &dv)
+                        .iter()
+                        .map(|x| x.to_bits())
+                        .collect::<Vec<_>>(),
+                );
+            }
+            assert!(
+                bits[0] == bits[1],
+                "{} f32_out {f32_out}: fast changed it",
+                fa.name()
+            );
         }
     }
 

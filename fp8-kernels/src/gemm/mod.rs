@@ -192,6 +192,8 @@ pub(crate) struct GemmProblem<'a> {
     pub bias: Option<Bias<'a>>,
     /// Add the product to D's current contents instead of overwriting.
     pub accumulate: bool,
+    /// Fast accumulation allowed ([`GemmOptions::fast_accumulation`]).
+    pub fast: bool,
 }
 
 impl GemmOut<'_> {
@@ -280,6 +282,12 @@ pub struct GemmOptions<'a> {
     /// (a dropless MoE layer's capacity allows for every expert's worst padding, twice the
     /// rows in use at small token counts). It never changes the result, only the speed.
     pub expected_rows: Option<usize>,
+    /// Allow fast accumulation (TransformerEngine's forward-GEMM default, cuBLASLt's
+    /// `FAST_ACCUM`): on the sm_90a path, for E4M3 x E4M3 with a bf16 D, the tensor cores
+    /// accumulate over all of K in their own accumulator instead of handing each 128-deep
+    /// block's products to an f32 sum: faster, and the sum keeps fewer bits (docs/perf-notes.md
+    /// has the figures). Elsewhere the GEMM is computed as without it. Default `false`.
+    pub fast_accumulation: bool,
 }
 
 impl<'a> GemmOptions<'a> {
@@ -306,6 +314,11 @@ impl<'a> GemmOptions<'a> {
     /// [`GemmOptions::expected_rows`]).
     pub fn expected_rows(mut self, rows: usize) -> GemmOptions<'a> {
         self.expected_rows = Some(rows);
+        self
+    }
+    /// With fast accumulation allowed (or not; see [`GemmOptions::fast_accumulation`]).
+    pub fn fast_accumulation(mut self, on: bool) -> GemmOptions<'a> {
+        self.fast_accumulation = on;
         self
     }
 }
@@ -539,6 +552,7 @@ fn dense_problem<'a>(
         d,
         bias: opts.bias,
         accumulate: opts.accumulate,
+        fast: opts.fast_accumulation,
     })
 }
 
@@ -594,6 +608,7 @@ pub fn grouped_gemm<'a>(
         d,
         bias: opts.bias,
         accumulate: opts.accumulate,
+        fast: opts.fast_accumulation,
     };
     dispatch(stream, &p, opts.path)
 }

@@ -141,6 +141,8 @@ pub(crate) struct PackedProblem<'a> {
     pub accumulate: bool,
     /// The tile-width hint ([`GemmOptions::expected_rows`]).
     pub expected_rows: Option<usize>,
+    /// Fast accumulation allowed ([`GemmOptions::fast_accumulation`]).
+    pub fast: bool,
 }
 
 /// A validated packed weight-gradient problem.
@@ -353,6 +355,7 @@ pub fn grouped_gemm_packed<'a>(
         bias: opts.bias,
         accumulate: opts.accumulate,
         expected_rows: opts.expected_rows,
+        fast: opts.fast_accumulation,
     };
     match opts.path {
         // The sm90 kernel on request only: it needs aligned offsets, which Auto can not check
