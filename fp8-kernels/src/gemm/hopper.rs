@@ -51,7 +51,11 @@ const STORE_ROWS: usize = 64;
 /// for f32 at 192, which the kernel stores in two parts), the barriers, 1 KiB alignment slack.
 fn smem_bytes(bn: usize, out_size: usize) -> usize {
     let stage = TILE * TILE + bn * TILE;
-    let parts = if bn == 192 && out_size == 4 { 2 } else { 1 };
+    let parts = if (bn == 192 && out_size == 4) || bn == 256 {
+        2
+    } else {
+        1
+    };
     let staging = 2 * STORE_ROWS * (bn / parts) * out_size;
     let stages = ((SMEM_LIMIT - 1024 - staging - 2 * 6 * 8) / stage).min(6);
     stages * stage + staging + 2 * stages * 8 + 1024
@@ -269,15 +273,13 @@ fn launch_epilogue(
 ) -> Result<()> {
     check(p)?;
     let groups = p.groups.max(1);
-    if let Some(bn) = bn.filter(|bn| ![128, 192].contains(bn)) {
+    let formats = (p.a.format, p.b.format);
+    let fast = fast_instance(p.fast, formats, p.d.name());
+    // 256 columns: the fast-accumulation kernels only.
+    if let Some(bn) = bn.filter(|&bn| !(bn == 128 || bn == 192 || (fast && bn == 256))) {
         return Err(Error::InvalidArgument(format!("tile width {bn}")));
     }
-    let formats = (p.a.format, p.b.format);
-    let layout = if fast_instance(p.fast, formats, p.d.name()) {
-        "fast_"
-    } else {
-        ""
-    };
+    let layout = if fast { "fast_" } else { "" };
     let (bn, k, cfg) = select(stream, layout, formats, &p.d, (groups, p.m, p.n), bn)?;
     let ta = tensor_map(p.a.data, groups, p.m, p.k, TILE)?;
     let tb = tensor_map(p.b.data, groups, p.n, p.k, bn)?;
@@ -549,6 +551,9 @@ mod cpu_tests {
         }
         // Ring stages beside the staging (2 x 64 x bn outputs), as the kernel's Cfg computes.
         assert_eq!(smem_bytes(128, 2), 6 * 32768 + 32768 + 96 + 1024);
+        // 256 wide (fast accumulation, bf16): the staging in two parts, 4 stages of 48 KiB.
+        assert_eq!(smem_bytes(256, 2), 4 * 49152 + 32768 + 64 + 1024);
+        assert!(smem_bytes(256, 2) <= SMEM_LIMIT);
         assert_eq!(smem_bytes(128, 4), 5 * 32768 + 65536 + 80 + 1024);
         assert_eq!(smem_bytes(192, 2), 4 * 40960 + 49152 + 64 + 1024);
         assert_eq!(smem_bytes(192, 4), 4 * 40960 + 49152 + 64 + 1024);
@@ -964,12 +969,45 @@ mod tests {
         c.counts = Some(vec![100, 0, 160]);
         cases.push(c);
         for mut c in cases {
-            for bn in [128, 192] {
+            for bn in [128, 192, 256] {
                 c.fast = true;
                 run_case_with(&s, &c, seed, Some(bn));
                 seed += 1;
             }
         }
+        // BN 256 (fast only): the store epilogue (two parts through the staging) and the
+        // register epilogue write the same bits, with and without a bias, at the edges.
+        for (m, n, k, bias) in [
+            (200, 520, 256, BiasKind::None),
+            (77, 264, 384, BiasKind::F32),
+        ] {
+            let mut c = Case::plain(m, n, k);
+            c.fast = true;
+            c.bias = bias;
+            let h = host_data(&c, seed);
+            seed += 1;
+            let mut dv = upload(&s, &c, &h);
+            let mut bits = Vec::new();
+            for store in [true, false] {
+                reset_d(&s, &c, &h, &mut dv);
+                launch_epilogue(&s, &problem(&c, &dv), Some(256), store).unwrap();
+                bits.push(
+                    read_d(&s, &c, &dv)
+                        .iter()
+                        .map(|x| x.to_bits())
+                        .collect::<Vec<_>>(),
+                );
+            }
+            assert!(
+                bits[0] == bits[1],
+                "{m}x{n}x{k} bn 256: the epilogues differ"
+            );
+        }
+        // The promoted kernels have no 256-wide tile.
+        let c = Case::plain(128, 256, 128);
+        let h = host_data(&c, seed);
+        let dv = upload(&s, &c, &h);
+        assert!(launch_with(&s, &problem(&c, &dv), Some(256)).is_err());
         // No fast kernel for these: the option is ignored, bit for bit.
         for (fa, f32_out) in [(Fp8Format::E4M3, true), (Fp8Format::E5M2, false)] {
             let mut c = Case::plain(200, 136, 1024);
@@ -1337,6 +1375,13 @@ mod tests {
                 let ms = mean_ms(&s, &mut || launch_with(&s, &p, Some(bn)).unwrap());
                 let tflops = 2.0 * (m * n * k) as f64 / (ms * 1e-3) / 1e12;
                 println!("  forced bn={bn}: {ms:.3} ms, {tflops:.0} TFLOP/s");
+            }
+            // Fast accumulation at every width (256 exists only there).
+            let pf = GemmProblem { fast: true, ..p };
+            for bn in [128, 192, 256] {
+                let ms = mean_ms(&s, &mut || launch_with(&s, &pf, Some(bn)).unwrap());
+                let tflops = 2.0 * (m * n * k) as f64 / (ms * 1e-3) / 1e12;
+                println!("  fast accumulation, forced bn={bn}: {ms:.3} ms, {tflops:.0} TFLOP/s");
             }
             // The automatic choice, timed and checked.
             for _ in 0..3 {
