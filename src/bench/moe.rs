@@ -202,6 +202,15 @@ fn eager(ctx: &Arc<Context>, stream: &Stream, s: Shape) -> BenchResult<(f64, Vec
     Ok((ms, y0))
 }
 
+/// What a graphed run varies besides the GEMM mode and path: the step writes the weight
+/// gradients (or adds to them), their type, fast accumulation in the forward GEMMs.
+#[derive(Clone, Copy)]
+struct Variant {
+    step_gradients: bool,
+    grad_dtype: GradDtype,
+    fast: bool,
+}
+
 /// Median times (ms) of a graphed step and of its forward and backward (events between them).
 #[derive(Clone, Copy)]
 struct Times {
@@ -217,8 +226,13 @@ fn graphed(
     s: Shape,
     mode: ExpertGemm,
     path: GemmPath,
-    (step_gradients, grad_dtype, fast): (bool, GradDtype, bool),
+    v: Variant,
 ) -> BenchResult<(Times, Vec<bf16>)> {
+    let Variant {
+        step_gradients,
+        grad_dtype,
+        fast,
+    } = v;
     let layer = layer(stream, config(s, mode, grad_dtype), step_gradients)?
         .with_gemm_path(path)
         .with_fast_forward_accumulation(fast);
@@ -351,12 +365,23 @@ pub fn run(tokens: Option<usize>, experts: Option<usize>) -> BenchResult<Vec<Row
         let flops = 18.0 * (s.tokens * s.top_k * s.hidden * s.ffn) as f64;
         let dense = dense_tflops(&ctx, &stream, s.tokens * s.top_k, 2 * s.ffn, s.hidden)?;
         let (eager_ms, y_eager) = eager(&ctx, &stream, s)?;
-        let (f32_step, f32_acc, bf16_step) = (
-            (true, GradDtype::F32, true),
-            (false, GradDtype::F32, true),
-            (true, GradDtype::Bf16, true),
-        );
-        let promoted = (true, GradDtype::F32, false);
+        let f32_step = Variant {
+            step_gradients: true,
+            grad_dtype: GradDtype::F32,
+            fast: true,
+        };
+        let f32_acc = Variant {
+            step_gradients: false,
+            ..f32_step
+        };
+        let bf16_step = Variant {
+            grad_dtype: GradDtype::Bf16,
+            ..f32_step
+        };
+        let promoted = Variant {
+            fast: false,
+            ..f32_step
+        };
         let (breaking, y_breaking) =
             graphed(&stream, s, ExpertGemm::PerExpert, GemmPath::Auto, f32_step)?;
         let (full, y_full) = graphed(&stream, s, ExpertGemm::Grouped, GemmPath::Auto, f32_step)?;
