@@ -501,41 +501,32 @@ pub fn run(tokens: Option<usize>, experts: Option<usize>) -> BenchResult<Vec<Row
             ),
             pass: s.target_ms.map(|t| bf16_ms <= t),
         });
-        rows.push(Row {
-            name: format!("{what}: full-layer step, forward sums promoted"),
-            value: promoted_ms,
-            unit: "ms",
-            yardstick: format!(
-                "GEMMs at {:.0} TFLOP/s; {:.2}x the full-layer step, whose forward GEMMs \
-                 accumulate fast (MoeLayer::with_fast_forward_accumulation; output off by \
-                 {err_promoted:.1e})",
-                rate(promoted_ms),
-                promoted_ms / full_ms,
+        // Variants of the full-layer step, each beside it.
+        let promoted_note = format!(
+            ", whose forward GEMMs accumulate fast (MoeLayer::with_fast_forward_accumulation; \
+             output off by {err_promoted:.1e})"
+        );
+        for (variant, ms, note) in [
+            ("forward sums promoted", promoted_ms, promoted_note.as_str()),
+            ("portable grouped GEMMs", portable_ms, ""),
+            (
+                "gradients accumulated",
+                acc_ms,
+                " (f32 gradients read once more)",
             ),
-            pass: None,
-        });
-        rows.push(Row {
-            name: format!("{what}: full-layer step, portable grouped GEMMs"),
-            value: portable_ms,
-            unit: "ms",
-            yardstick: format!(
-                "GEMMs at {:.0} TFLOP/s; {:.2}x the full-layer step",
-                rate(portable_ms),
-                portable_ms / full_ms,
-            ),
-            pass: None,
-        });
-        rows.push(Row {
-            name: format!("{what}: full-layer step, gradients accumulated"),
-            value: acc_ms,
-            unit: "ms",
-            yardstick: format!(
-                "GEMMs at {:.0} TFLOP/s; {:.2}x the full-layer step (f32 gradients read once more)",
-                rate(acc_ms),
-                acc_ms / full_ms,
-            ),
-            pass: None,
-        });
+        ] {
+            rows.push(Row {
+                name: format!("{what}: full-layer step, {variant}"),
+                value: ms,
+                unit: "ms",
+                yardstick: format!(
+                    "GEMMs at {:.0} TFLOP/s; {:.2}x the full-layer step{note}",
+                    rate(ms),
+                    ms / full_ms,
+                ),
+                pass: None,
+            });
+        }
     }
     Ok(rows)
 }
