@@ -37,7 +37,7 @@ use fp8_moe::moe::layer::{
 use fp8_moe::moe::routing::{RouterConfig, ScoreFn};
 use graphed_callables::{Callable, GraphIndex, GraphedCallables, GraphedOptions, Schedule, Slot};
 
-use super::{BenchResult, Rng, Row, event_median_ms};
+use super::{BenchResult, Rng, Row, event_median_ms, median};
 
 const WARMUP: usize = 3;
 const REPS: usize = 20;
@@ -278,11 +278,7 @@ fn graphed(
             bwd.push(f64::from(Event::elapsed_ms(&e1, &e2)?));
         }
     }
-    let median = |mut v: Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    let (forward, backward) = (median(fwd), median(bwd));
+    let (forward, backward) = (median(&mut fwd), median(&mut bwd));
     Ok((
         Times {
             step,
