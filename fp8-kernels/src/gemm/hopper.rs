@@ -331,23 +331,22 @@ fn launch_split_k(
     let (bn, kern, cfg) = select(stream, "", formats, &out, (splits, m, n), Some(128))?;
     let u8map = CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8;
     let l2 = CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
-    // A [m, K] and B [n, K] as [splits][rows][ks]: row stride K, slice stride ks (bytes).
-    let ta = encode_3d_strided(
-        p.a.data.as_raw(),
-        u8map,
-        [ks, m, splits],
-        [k, ks],
-        [TILE, TILE],
-        l2,
-    )?;
-    let tb = encode_3d_strided(
-        p.b.data.as_raw(),
-        u8map,
-        [ks, n, splits],
-        [k, ks],
-        [TILE, bn],
-        l2,
-    )?;
+    // A [m, K] and B [n, K] as [splits][rows][ks]: row stride K, slice stride ks (bytes). The
+    // slice stride is below the row stride; a driver that refuses such a view gets the GEMM
+    // unsplit (nothing was enqueued yet).
+    let view = |data: &DeviceBuffer<u8>, rows: usize, box_rows: usize| {
+        encode_3d_strided(
+            data.as_raw(),
+            u8map,
+            [ks, rows, splits],
+            [k, ks],
+            [TILE, box_rows],
+            l2,
+        )
+    };
+    let (Ok(ta), Ok(tb)) = (view(p.a.data, m, TILE), view(p.b.data, n, bn)) else {
+        return launch_with(stream, p, None);
+    };
     let (epi, td) = epilogue(false, &out, store_map(&out, splits, m, n)?);
     let dims = [m as u32, n as u32, ks as u32, splits as u32];
     let null = 0u64;
@@ -1200,6 +1199,7 @@ mod tests {
             let bytes =
                 super::super::split_k_workspace_bytes(super::super::GemmShape::new(c.m, c.n, c.k));
             let ws = DeviceBuffer::<u8>::alloc(&ctx, bytes).unwrap();
+            ws.memset_bytes(&s, 0xff).unwrap();
             let splits = split_k(c.m, c.n, c.k, sms, bytes);
             assert!(splits > 1, "{}x{}x{} does not split", c.m, c.n, c.k);
             let h = host_data(&c, seed);
@@ -1219,6 +1219,14 @@ mod tests {
             );
             println!("{what}: max|err|/max|ref| = {err:.3e}");
             assert!(err < bound(&c), "{what}: relative error {err:.3e}");
+            // The split path ran: the last split's partial products are in the workspace
+            // (all-ones bytes, a NaN pattern, before).
+            let partial = ws.to_vec(&s).unwrap();
+            let last = &partial[(splits - 1) * c.m * c.n * 4..splits * c.m * c.n * 4];
+            assert!(
+                last.iter().any(|&b| b != 0xff),
+                "{what}: the workspace was not written"
+            );
         }
         // gemm refuses a workspace that overlaps an operand or is misaligned.
         let c = Case::plain(64, 384, 3584);
