@@ -163,6 +163,10 @@
 //!   [`GraphedCallables::is_first_microbatch`], and read either by an IF conditional node
 //!   around the casts ([`WeightCaching::Conditional`]) or by the cast kernels as a noop flag
 //!   ([`WeightCaching::NoopFlag`], [`Slot::skip_weight_cast`]). See [`weights`].
+//! * Casts beside the forward: a callable whose forward starts with work that does not read
+//!   its cast weights says so ([`Callable::overlaps_weight_cast`]); the graph's casts are then
+//!   captured on a fork that runs beside that work, and the callable waits for them
+//!   ([`Slot::wait_weight_cast`]) before its first read of the cast weights.
 //! * Amax reduction and scale updates: [`GraphedOptions::after_forward`] and
 //!   [`GraphedOptions::after_backward`] run after every replay's launches (one fused launch
 //!   of the caller's, e.g. an amax reduction and scale update); [`GraphedOptions::before_warmup`] and
