@@ -651,6 +651,41 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
 #endif
 }
 
+// Split-K's sum: D[i] = sum over s < splits of partial[s * m * n + i] (s order) + bias[col]
+// (+ D[i] when accumulating), two columns per thread (n is even), grid-stride.
+// dims = (m, n, splits, accumulate); bias_kind 0 none, 1 bf16, 2 f32.
+template <typename Out>
+__device__ __forceinline__ void split_reduce(const float *partial, Out *d, const void *bias, uint4 dims,
+                                             unsigned bias_kind) {
+#ifdef FP8K_SM90A
+    cuda_graph::pdl_enter();
+    const size_t total = size_t(dims.x) * size_t(dims.y), pairs = total / 2;
+    const unsigned n = dims.y, splits = dims.z;
+    const bool accumulate = dims.w != 0;
+    for (size_t q = size_t(blockIdx.x) * blockDim.x + threadIdx.x; q < pairs;
+         q += size_t(gridDim.x) * blockDim.x) {
+        const size_t i = 2 * q;
+        float a = 0.0f, b = 0.0f;
+        for (unsigned sp = 0; sp < splits; ++sp) {
+            const float2 v = *reinterpret_cast<const float2 *>(partial + size_t(sp) * total + i);
+            a += v.x;
+            b += v.y;
+        }
+        const int c = int(i % n);
+        a += bias_at(bias, int(bias_kind), c);
+        b += bias_at(bias, int(bias_kind), c + 1);
+        if (accumulate) {
+            const float2 old = load2<Out>(d + i);
+            a += old.x;
+            b += old.y;
+        }
+        store2<Out>(d + i, a, b);
+    }
+#else
+    __trap();
+#endif
+}
+
 // Naive reference: one thread per output, fp32 accumulation in k order,
 // d[r, c] = sa * sb * sum_k A[r, k] * B[c, k] (f32 output, no bias).
 template <__nv_fp8_interpretation_t FA, __nv_fp8_interpretation_t FB>
@@ -750,3 +785,14 @@ FP8K_GEMM_SM90_OUTS(e5m2, __NV_E5M2, e5m2, __NV_E5M2)
 FP8K_GEMM_SM90_FAST(128)
 FP8K_GEMM_SM90_FAST(192)
 FP8K_GEMM_SM90_FAST(256)
+// Split-K's sum into D (see split_reduce).
+extern "C" __global__ void __launch_bounds__(256)
+    fp8_gemm_split_reduce_bf16(const float *partial, __nv_bfloat16 *d, const void *bias, uint4 dims,
+                               unsigned bias_kind) {
+    fp8k::sm90::split_reduce<__nv_bfloat16>(partial, d, bias, dims, bias_kind);
+}
+extern "C" __global__ void __launch_bounds__(256)
+    fp8_gemm_split_reduce_f32(const float *partial, float *d, const void *bias, uint4 dims,
+                              unsigned bias_kind) {
+    fp8k::sm90::split_reduce<float>(partial, d, bias, dims, bias_kind);
+}

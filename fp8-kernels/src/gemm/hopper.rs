@@ -119,20 +119,41 @@ fn encode_3d(
     ptr: u64,
     (dtype, elem_size): (CUtensorMapDataType, usize),
     [cols, rows, groups]: [usize; 3],
+    box_dims: [usize; 2],
+    promotion: CUtensorMapL2promotion,
+) -> Result<[u64; 16]> {
+    // Byte strides of dimensions 1 and 2 (dimension 0 is contiguous).
+    let strides = [cols * elem_size, rows * cols * elem_size];
+    encode_3d_strided(
+        ptr,
+        dtype,
+        [cols, rows, groups],
+        strides,
+        box_dims,
+        promotion,
+    )
+}
+
+/// [`encode_3d`] with the byte strides of dimensions 1 and 2 given (multiples of 16): e.g. a
+/// split-K view, whose "groups" are K-slices of the same rows.
+fn encode_3d_strided(
+    ptr: u64,
+    dtype: CUtensorMapDataType,
+    [cols, rows, groups]: [usize; 3],
+    [stride_rows, stride_groups]: [usize; 2],
     [box_cols, box_rows]: [usize; 2],
     promotion: CUtensorMapL2promotion,
 ) -> Result<[u64; 16]> {
     let drv = cuda_graph::sys::driver()?;
     let encode = drv.cuTensorMapEncodeTiled()?;
     let dims = [cols as u64, rows as u64, groups as u64];
-    // Byte strides of dimensions 1 and 2 (dimension 0 is contiguous).
-    let strides = [(cols * elem_size) as u64, (rows * cols * elem_size) as u64];
+    let strides = [stride_rows as u64, stride_groups as u64];
     let bx = [box_cols as u32, box_rows as u32, 1];
     let el = [1u32, 1, 1];
     let mut map = CUtensorMap { opaque: [0; 16] };
     // SAFETY: every pointer is to a live local array of the length the rank (3) implies; the
-    // global address is a live buffer the callers' validation sized to hold
-    // groups * rows * cols elements; the driver only writes `map`.
+    // global address is a live buffer the callers' validation sized to hold every element
+    // the dimensions and strides reach; the driver only writes `map`.
     let rc = unsafe {
         encode(
             &mut map,
@@ -253,9 +274,133 @@ fn check_packed_device(stream: &Stream, what: &str, n: usize) -> Result<()> {
 }
 
 /// Enqueues the (validated) problem on `stream`: no synchronisation, no allocation, so it can
-/// be captured. Row counts, when given, are read by the kernel at run time.
+/// be captured. Row counts, when given, are read by the kernel at run time. A plain GEMM
+/// with a workspace whose tiles leave SMs idle splits K ([`split_k`]).
 pub(crate) fn launch(stream: &Stream, p: &GemmProblem<'_>) -> Result<()> {
+    if let Some(ws) = p.workspace.filter(|_| p.groups <= 1 && p.counts.is_none()) {
+        check(p)?;
+        let splits = split_k(p.m, p.n, p.k, sm_count(stream)? as usize, ws.len());
+        if splits > 1 {
+            return launch_split_k(stream, p, ws, splits);
+        }
+    }
     launch_with(stream, p, None)
+}
+
+/// The K splits of a plain `m x n x k` GEMM on `sms` SMs with `ws_bytes` of workspace: 1
+/// (no split) when its 128 x 128 tiles already fill half the SMs, K is not whole 128-deep
+/// blocks or the workspace holds no two f32 copies of D; otherwise the most splits up to
+/// [`MAX_SPLIT_K`](super::MAX_SPLIT_K) that divide the k-blocks evenly, leave each split at
+/// least 4 of them, fit the workspace and do not make more tiles than SMs.
+fn split_k(m: usize, n: usize, k: usize, sms: usize, ws_bytes: usize) -> usize {
+    let tiles = m.div_ceil(TILE) * n.div_ceil(128);
+    let copy = m * n * 4;
+    if tiles == 0 || 2 * tiles > sms || k % TILE != 0 || copy == 0 {
+        return 1;
+    }
+    let kb = k / TILE;
+    let most = (sms / tiles)
+        .min(super::MAX_SPLIT_K)
+        .min(kb / 4)
+        .min(ws_bytes / copy);
+    (2..=most).rev().find(|s| kb % s == 0).unwrap_or(1)
+}
+
+/// A plain GEMM split over K in `splits` slices: the grouped kernel (f32 out, 128 wide, store
+/// epilogue) over views of A and B whose groups are the K-slices of the same rows writes
+/// `splits` partial products `alpha * A[:, slice] . B[:, slice]^T` into the workspace as
+/// `[splits, m, n]` f32; `fp8_gemm_split_reduce_*` adds them in split order into D, with the
+/// bias, and D's old contents when accumulating.
+fn launch_split_k(
+    stream: &Stream,
+    p: &GemmProblem<'_>,
+    ws: &DeviceBuffer<u8>,
+    splits: usize,
+) -> Result<()> {
+    let (m, n, k) = (p.m, p.n, p.k);
+    let ks = k / splits;
+    let copies = splits * m * n * 4;
+    let partial = ws.reinterpret::<f32>()?;
+    if partial.as_raw() % 16 != 0 || ws.len() < copies {
+        return Err(Error::InvalidArgument(format!(
+            "sm90 split-K: the workspace ({} bytes at {:#x}) is not 16-byte aligned or holds \
+             fewer than {copies} bytes",
+            ws.len(),
+            partial.as_raw()
+        )));
+    }
+    let partial = partial.slice(..splits * m * n)?;
+    let formats = (p.a.format, p.b.format);
+    let out = GemmOut::F32(&partial);
+    let (bn, kern, cfg) = select(stream, "", formats, &out, (splits, m, n), Some(128))?;
+    let u8map = CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8;
+    let l2 = CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
+    // A [m, K] and B [n, K] as [splits][rows][ks]: row stride K, slice stride ks (bytes). The
+    // slice stride is below the row stride; a driver that refuses such a view gets the GEMM
+    // unsplit (nothing was enqueued yet).
+    let view = |data: &DeviceBuffer<u8>, rows: usize, box_rows: usize| {
+        encode_3d_strided(
+            data.as_raw(),
+            u8map,
+            [ks, rows, splits],
+            [k, ks],
+            [TILE, box_rows],
+            l2,
+        )
+    };
+    let (Ok(ta), Ok(tb)) = (view(p.a.data, m, TILE), view(p.b.data, n, bn)) else {
+        return launch_with(stream, p, None);
+    };
+    let (epi, td) = epilogue(false, &out, store_map(&out, splits, m, n)?);
+    let dims = [m as u32, n as u32, ks as u32, splits as u32];
+    let null = 0u64;
+    let no_bias = None;
+    let (args, _) = push_head(KernelArgs::new(), [&ta, &tb, &td], &out, &no_bias, &null);
+    let flags = [idx(p.a.scale_inv)?, idx(p.b.scale_inv)?, 0, epi];
+    let args = args
+        .arg(p.a.scale_inv.buffer())
+        .arg(p.b.scale_inv.buffer())
+        .arg(&null)
+        .arg(&dims)
+        .arg(&flags);
+    // SAFETY: the maps view A ([m, K]) and B ([n, K]) as `splits` slices of `ks` = K / splits
+    // columns (slice s starts at byte s * ks of each row, and s * ks + ks <= K), so TMA reads
+    // stay inside them; the kernel writes the partial buffer (splits * m * n f32, checked
+    // above) only inside its [splits, m, n] blocks, through the store map of the same extent;
+    // no bias, no counts; the scalar indices are inside their buffers.
+    unsafe { stream.launch_pdl(&kern, &cfg, &args) }?;
+    split_reduce(stream, p, &partial, splits)
+}
+
+/// `D = sum over s of partial[s] (+ bias) (+ D)` in split order, two columns per thread.
+fn split_reduce(
+    stream: &Stream,
+    p: &GemmProblem<'_>,
+    partial: &DeviceBuffer<f32>,
+    splits: usize,
+) -> Result<()> {
+    let (m, n) = (p.m, p.n);
+    let name = format!("fp8_gemm_split_reduce_{}", p.d.name());
+    let (kern, sms) = kernel(stream.context(), &name)?;
+    let pairs = m * n / 2;
+    let blocks = pairs.div_ceil(256).min(sms as usize * 8).max(1) as u32;
+    let dims = [m as u32, n as u32, splits as u32, u32::from(p.accumulate)];
+    let null = 0u64;
+    let args = KernelArgs::new().arg(partial);
+    let args = match &p.d {
+        GemmOut::Bf16(b) => args.arg(*b),
+        GemmOut::F32(b) => args.arg(*b),
+    };
+    let (args, bias_kind) = match &p.bias {
+        Some(Bias::Bf16(b)) => (args.arg(*b), 1u32),
+        Some(Bias::F32(b)) => (args.arg(*b), 2u32),
+        None => (args.arg(&null), 0u32),
+    };
+    let args = args.arg(&dims).arg(&bias_kind);
+    // SAFETY: the kernel reads `splits` f32 copies of [m, n] from `partial` (sized so by the
+    // caller), the bias's n elements, and reads (when accumulating) and writes D's m * n
+    // elements (validated); N is even, so each thread's column pair lies in one row.
+    unsafe { stream.launch_pdl(&kern, &LaunchConfig::linear(blocks, 256), &args) }
 }
 
 /// [`launch`] with the tile width forced (128 or 192) or chosen (`None`).
@@ -515,6 +660,38 @@ mod cpu_tests {
         assert_eq!(
             kernel_name("packed_fast_", e4, e4, "bf16", 128),
             "fp8_gemm_sm90_packed_fast_e4m3_e4m3_bf16_n128"
+        );
+    }
+
+    #[test]
+    fn split_k_choice() {
+        let big = usize::MAX;
+        // (m, n, k, workspace bytes) -> splits on 132 SMs.
+        for (m, n, k, ws, want) in [
+            // 32 tiles: 4 splits fill 128 SMs; 56 k-blocks split evenly.
+            (64, 4096, 7168, big, 4),
+            // 56 tiles: 2 splits (112 CTAs).
+            (128, 7168, 2048, big, 2),
+            // 2 tiles: up to MAX_SPLIT_K, 32 k-blocks: 8.
+            (16, 256, 4096, big, 8),
+            // Enough tiles already, K not in whole blocks, K too short to split.
+            (8192, 8192, 8192, big, 1),
+            (64, 4096, 7000, big, 1),
+            (64, 4096, 512, big, 1),
+            // The workspace: 3 copies of D allow 3 splits, which do not divide 56: 2; one
+            // copy allows none.
+            (64, 4096, 7168, 3 * 64 * 4096 * 4, 2),
+            (64, 4096, 7168, 64 * 4096 * 4, 1),
+        ] {
+            assert_eq!(
+                split_k(m, n, k, 132, ws),
+                want,
+                "{m} x {n} x {k}, {ws} bytes"
+            );
+        }
+        assert_eq!(
+            super::super::split_k_workspace_bytes(super::super::GemmShape::new(64, 4096, 7168)),
+            8 * 64 * 4096 * 4
         );
     }
 
@@ -817,6 +994,7 @@ mod tests {
             },
             accumulate: c.accumulate,
             fast: c.fast,
+            workspace: None,
         }
     }
 
@@ -1032,6 +1210,87 @@ mod tests {
                 bits[0] == bits[1],
                 "{} f32_out {f32_out}: fast changed it",
                 fa.name()
+            );
+        }
+    }
+
+    /// Split K (a workspace, skinny M): against the fp64 reference with both output types,
+    /// a bias and accumulation; each case does split on this device; a misaligned or
+    /// overlapping workspace is refused by `gemm`.
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn split_k_matches_the_fp64_reference() {
+        let (ctx, s) = setup();
+        let sms = sm_count(&s).unwrap() as usize;
+        let mut seed = 400;
+        let mut cases = vec![Case::plain(64, 384, 3584), Case::plain(16, 256, 4096)];
+        let mut c = Case::plain(100, 264, 2048);
+        c.f32_out = true;
+        c.bias = BiasKind::F32;
+        cases.push(c.clone());
+        c.accumulate = true;
+        cases.push(c);
+        let mut c = Case::plain(48, 520, 2048);
+        c.bias = BiasKind::Bf16;
+        c.accumulate = true;
+        cases.push(c);
+        for c in cases {
+            let bytes =
+                super::super::split_k_workspace_bytes(super::super::GemmShape::new(c.m, c.n, c.k));
+            let ws = DeviceBuffer::<u8>::alloc(&ctx, bytes).unwrap();
+            ws.memset_bytes(&s, 0xff).unwrap();
+            let splits = split_k(c.m, c.n, c.k, sms, bytes);
+            assert!(splits > 1, "{}x{}x{} does not split", c.m, c.n, c.k);
+            let h = host_data(&c, seed);
+            seed += 1;
+            let mut dv = upload(&s, &c, &h);
+            reset_d(&s, &c, &h, &mut dv);
+            let p = GemmProblem {
+                workspace: Some(&ws),
+                ..problem(&c, &dv)
+            };
+            launch(&s, &p).unwrap();
+            s.synchronize().unwrap();
+            let err = verify(&s, &c, &h, &dv, None);
+            let what = format!(
+                "{}x{}x{} in {splits} splits, f32_out={} bias={:?} acc={}",
+                c.m, c.n, c.k, c.f32_out, c.bias, c.accumulate
+            );
+            println!("{what}: max|err|/max|ref| = {err:.3e}");
+            assert!(err < bound(&c), "{what}: relative error {err:.3e}");
+            // The split path ran: the last split's partial products are in the workspace
+            // (all-ones bytes, a NaN pattern, before).
+            let partial = ws.to_vec(&s).unwrap();
+            let last = &partial[(splits - 1) * c.m * c.n * 4..splits * c.m * c.n * 4];
+            assert!(
+                last.iter().any(|&b| b != 0xff),
+                "{what}: the workspace was not written"
+            );
+        }
+        // gemm refuses a workspace that overlaps an operand or is misaligned.
+        let c = Case::plain(64, 384, 3584);
+        let h = host_data(&c, seed);
+        let dv = upload(&s, &c, &h);
+        let op = |data, scale_inv| Operand {
+            data,
+            format: Fp8Format::E4M3,
+            scale_inv,
+        };
+        let shape = super::super::GemmShape::new(c.m, c.n, c.k);
+        let ws = DeviceBuffer::<u8>::alloc(&ctx, 64 << 20).unwrap();
+        let odd = ws.slice(8..).unwrap();
+        for (bad, what) in [(&dv.a, "overlaps A"), (&odd, "not 16-byte aligned")] {
+            let e = super::super::gemm(
+                &s,
+                shape,
+                op(&dv.a, &dv.sa),
+                op(&dv.b, &dv.sb),
+                &dv.d16,
+                super::super::GemmOptions::new().workspace(bad),
+            );
+            assert!(
+                matches!(&e, Err(Error::InvalidArgument(m)) if m.contains(what)),
+                "{what}: {e:?}"
             );
         }
     }
