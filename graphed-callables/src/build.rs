@@ -310,7 +310,7 @@ impl<'a, T: DeviceRepr> Rig<'a, T> {
                         WeightCaching::Conditional => false,
                     }
             };
-            let beside = self.casts_beside(callables, &casting, caching, &captured)?;
+            let beside = Self::casts_beside(callables, &casting, caching, &captured);
             let graph = stream.capture(mode, |s| {
                 let main = s.stream().clone();
                 // Casts beside the segments: on a fork, which the segments wait for through
@@ -357,25 +357,20 @@ impl<'a, T: DeviceRepr> Rig<'a, T> {
     /// capture in it (an IF node, or `captured` parts) and every casting part's callable
     /// [overlaps](Callable::overlaps_weight_cast) them.
     fn casts_beside(
-        &self,
-        callables: &mut Callables<T>,
+        callables: &Callables<T>,
         casting: &[Part],
         caching: WeightCaching,
         captured: &dyn Fn(&Part) -> bool,
-    ) -> Result<bool> {
+    ) -> bool {
         let any = match caching {
             WeightCaching::Conditional => !casting.is_empty(),
             _ => casting.iter().any(captured),
         };
-        if !any {
-            return Ok(false);
-        }
-        for part in casting {
-            if !callable_mut(callables, part.ls.callable)?.overlaps_weight_cast() {
-                return Ok(false);
-            }
-        }
-        Ok(true)
+        any && casting.iter().all(|part| {
+            callables
+                .get(part.ls.callable)
+                .is_some_and(|c| c.overlaps_weight_cast())
+        })
     }
 
     /// Captures, on the capturing `stream`, one IF node holding the casts of every part in

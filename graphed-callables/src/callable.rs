@@ -511,12 +511,6 @@ impl<'a, T: DeviceRepr> Slot<'a, T> {
         }
     }
 
-    /// Whether this slot's cast segment runs beside weight casts it must
-    /// [wait for](Self::wait_weight_cast) (`false` outside such a capture).
-    pub fn weight_cast_pending(&self) -> bool {
-        self.weight_cast.is_some()
-    }
-
     /// Whether this callable runs its low-precision path
     /// ([`GraphedOptions::low_precision`](crate::GraphedOptions::low_precision), like
     /// TransformerEngine's per-callable `fp8_enabled`): a layer that has an FP8 path and a

@@ -37,7 +37,7 @@ use fp8_moe::moe::layer::{
 use fp8_moe::moe::routing::{RouterConfig, ScoreFn};
 use graphed_callables::{Callable, GraphIndex, GraphedCallables, GraphedOptions, Schedule, Slot};
 
-use super::{BenchResult, Rng, Row, event_median_ms};
+use super::{BenchResult, Rng, Row, event_median_ms, median};
 
 const WARMUP: usize = 3;
 const REPS: usize = 20;
@@ -202,6 +202,15 @@ fn eager(ctx: &Arc<Context>, stream: &Stream, s: Shape) -> BenchResult<(f64, Vec
     Ok((ms, y0))
 }
 
+/// What a graphed run varies besides the GEMM mode and path: the step writes the weight
+/// gradients (or adds to them), their type, fast accumulation in the forward GEMMs.
+#[derive(Clone, Copy)]
+struct Variant {
+    step_gradients: bool,
+    grad_dtype: GradDtype,
+    fast: bool,
+}
+
 /// Median times (ms) of a graphed step and of its forward and backward (events between them).
 #[derive(Clone, Copy)]
 struct Times {
@@ -217,8 +226,13 @@ fn graphed(
     s: Shape,
     mode: ExpertGemm,
     path: GemmPath,
-    (step_gradients, grad_dtype, fast): (bool, GradDtype, bool),
+    v: Variant,
 ) -> BenchResult<(Times, Vec<bf16>)> {
+    let Variant {
+        step_gradients,
+        grad_dtype,
+        fast,
+    } = v;
     let layer = layer(stream, config(s, mode, grad_dtype), step_gradients)?
         .with_gemm_path(path)
         .with_fast_forward_accumulation(fast);
@@ -264,11 +278,7 @@ fn graphed(
             bwd.push(f64::from(Event::elapsed_ms(&e1, &e2)?));
         }
     }
-    let median = |mut v: Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    let (forward, backward) = (median(fwd), median(bwd));
+    let (forward, backward) = (median(&mut fwd), median(&mut bwd));
     Ok((
         Times {
             step,
@@ -351,12 +361,23 @@ pub fn run(tokens: Option<usize>, experts: Option<usize>) -> BenchResult<Vec<Row
         let flops = 18.0 * (s.tokens * s.top_k * s.hidden * s.ffn) as f64;
         let dense = dense_tflops(&ctx, &stream, s.tokens * s.top_k, 2 * s.ffn, s.hidden)?;
         let (eager_ms, y_eager) = eager(&ctx, &stream, s)?;
-        let (f32_step, f32_acc, bf16_step) = (
-            (true, GradDtype::F32, true),
-            (false, GradDtype::F32, true),
-            (true, GradDtype::Bf16, true),
-        );
-        let promoted = (true, GradDtype::F32, false);
+        let f32_step = Variant {
+            step_gradients: true,
+            grad_dtype: GradDtype::F32,
+            fast: true,
+        };
+        let f32_acc = Variant {
+            step_gradients: false,
+            ..f32_step
+        };
+        let bf16_step = Variant {
+            grad_dtype: GradDtype::Bf16,
+            ..f32_step
+        };
+        let promoted = Variant {
+            fast: false,
+            ..f32_step
+        };
         let (breaking, y_breaking) =
             graphed(&stream, s, ExpertGemm::PerExpert, GemmPath::Auto, f32_step)?;
         let (full, y_full) = graphed(&stream, s, ExpertGemm::Grouped, GemmPath::Auto, f32_step)?;
@@ -476,41 +497,32 @@ pub fn run(tokens: Option<usize>, experts: Option<usize>) -> BenchResult<Vec<Row
             ),
             pass: s.target_ms.map(|t| bf16_ms <= t),
         });
-        rows.push(Row {
-            name: format!("{what}: full-layer step, forward sums promoted"),
-            value: promoted_ms,
-            unit: "ms",
-            yardstick: format!(
-                "GEMMs at {:.0} TFLOP/s; {:.2}x the full-layer step, whose forward GEMMs \
-                 accumulate fast (MoeLayer::with_fast_forward_accumulation; output off by \
-                 {err_promoted:.1e})",
-                rate(promoted_ms),
-                promoted_ms / full_ms,
+        // Variants of the full-layer step, each beside it.
+        let promoted_note = format!(
+            ", whose forward GEMMs accumulate fast (MoeLayer::with_fast_forward_accumulation; \
+             output off by {err_promoted:.1e})"
+        );
+        for (variant, ms, note) in [
+            ("forward sums promoted", promoted_ms, promoted_note.as_str()),
+            ("portable grouped GEMMs", portable_ms, ""),
+            (
+                "gradients accumulated",
+                acc_ms,
+                " (f32 gradients read once more)",
             ),
-            pass: None,
-        });
-        rows.push(Row {
-            name: format!("{what}: full-layer step, portable grouped GEMMs"),
-            value: portable_ms,
-            unit: "ms",
-            yardstick: format!(
-                "GEMMs at {:.0} TFLOP/s; {:.2}x the full-layer step",
-                rate(portable_ms),
-                portable_ms / full_ms,
-            ),
-            pass: None,
-        });
-        rows.push(Row {
-            name: format!("{what}: full-layer step, gradients accumulated"),
-            value: acc_ms,
-            unit: "ms",
-            yardstick: format!(
-                "GEMMs at {:.0} TFLOP/s; {:.2}x the full-layer step (f32 gradients read once more)",
-                rate(acc_ms),
-                acc_ms / full_ms,
-            ),
-            pass: None,
-        });
+        ] {
+            rows.push(Row {
+                name: format!("{what}: full-layer step, {variant}"),
+                value: ms,
+                unit: "ms",
+                yardstick: format!(
+                    "GEMMs at {:.0} TFLOP/s; {:.2}x the full-layer step{note}",
+                    rate(ms),
+                    ms / full_ms,
+                ),
+                pass: None,
+            });
+        }
     }
     Ok(rows)
 }

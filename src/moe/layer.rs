@@ -48,7 +48,7 @@
 use std::sync::Arc;
 
 use cuda_graph::half::bf16;
-use cuda_graph::{DeviceBuffer, Error, Result, Stream};
+use cuda_graph::{DeviceBuffer, Error, Event, Result, Stream};
 use fp8_kernels::gemm::{
     GemmOptions, GemmOut, GemmPath, GemmShape, GroupedOperand, Operand, PackedShape, WgradShape,
     gemm, grouped_gemm_packed, grouped_gemm_wgrad,
@@ -387,8 +387,12 @@ pub struct MoeLayer {
     /// bf16 intermediates within a backward: fc2's dgrad `[C, F]`, fc1's dgrad `[C, H]`.
     dh: DeviceBuffer<bf16>,
     dxp: DeviceBuffer<bf16>,
-    /// The stream work runs on beside the caller's within one part ([`MoeLayer::beside`]).
+    /// The stream work runs on beside the caller's within one part ([`MoeLayer::beside`]),
+    /// and the events that fork it from the caller's stream and join it back (recorded
+    /// again at every fork and join: no event is made per call).
     side: Stream,
+    fork: Event,
+    join: Event,
     /// Fast accumulation in the forward GEMMs ([`MoeLayer::with_fast_forward_accumulation`]).
     fast_forward: bool,
 }
@@ -480,6 +484,8 @@ impl MoeLayer {
             dh: zeroed(stream, c * f)?,
             dxp: zeroed(stream, c * h)?,
             side: Stream::new(stream.context())?,
+            fork: Event::for_sync(stream.context())?,
+            join: Event::for_sync(stream.context())?,
             fast_forward: true,
         };
         stream.synchronize()?;
@@ -532,10 +538,12 @@ impl MoeLayer {
         side: impl FnOnce(&Stream) -> Result<()>,
         main: impl FnOnce(&Stream) -> Result<()>,
     ) -> Result<()> {
-        self.side.wait_stream(stream)?;
+        self.fork.record(stream)?;
+        self.side.wait_event(&self.fork)?;
         side(&self.side)?;
         main(stream)?;
-        stream.wait_stream(&self.side)
+        self.join.record(&self.side)?;
+        stream.wait_event(&self.join)
     }
 
     /// Whether the weight-gradient pass of `slot` adds to the gradients (otherwise it writes

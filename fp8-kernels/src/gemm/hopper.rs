@@ -272,9 +272,6 @@ fn launch_epilogue(
 ) -> Result<()> {
     check(p)?;
     let groups = p.groups.max(1);
-    if let Some(bn) = bn.filter(|bn| ![128, 192].contains(bn)) {
-        return Err(Error::InvalidArgument(format!("tile width {bn}")));
-    }
     let formats = (p.a.format, p.b.format);
     let layout = if fast_instance(p.fast, formats, p.d.name()) {
         "fast_"
@@ -286,11 +283,10 @@ fn launch_epilogue(
     let tb = tensor_map(p.b.data, groups, p.n, p.k, bn)?;
     // With row counts the kernel stores through the map only the tiles whose rows all lie
     // below their group's count; a group's last, partial tile goes from registers.
-    let store = if store {
-        store_map(&p.d, groups, p.m, p.n)?
-    } else {
-        None
-    };
+    let store = store
+        .then(|| store_map(&p.d, groups, p.m, p.n))
+        .transpose()?
+        .flatten();
     let (epi, td) = epilogue(p.accumulate, &p.d, store);
     let dims = [p.m as u32, p.n as u32, p.k as u32, groups as u32];
     let null = 0u64;
@@ -472,17 +468,13 @@ fn launch_wgrad_with(
         )));
     }
     let formats = (p.a.format, p.b.format);
-    if let Some(bn) = bn.filter(|bn| ![128, 192].contains(bn)) {
-        return Err(Error::InvalidArgument(format!("tile width {bn}")));
-    }
     let (bn, kern, cfg) = select(stream, "wgrad_", formats, &p.d, (groups, m, n), bn)?;
     let ta = tensor_map(p.a.data, 1, m, capacity, TILE)?;
     let tb = tensor_map(p.b.data, 1, n, capacity, bn)?;
-    let store = if store {
-        store_map(&p.d, groups, m, n)?
-    } else {
-        None
-    };
+    let store = store
+        .then(|| store_map(&p.d, groups, m, n))
+        .transpose()?
+        .flatten();
     let (epi, td) = epilogue(p.accumulate, &p.d, store);
     let dims = [m as u32, n as u32, capacity as u32, groups as u32];
     let flags = [idx(p.a.scale_inv)?, idx(p.b.scale_inv)?, 0, epi];
@@ -505,7 +497,8 @@ fn launch_wgrad_with(
     unsafe { stream.launch_pdl(&kern, &cfg, &args) }
 }
 
-/// The tile width (`forced`, or chosen for `groups x m x n` outputs), the kernel of `layout`
+/// The tile width (`forced`: 128 or 192, an [`Error::InvalidArgument`] otherwise; or chosen
+/// for `groups x m x n` outputs), the kernel of `layout`
 /// (as [`kernel_name`] takes it) for the operand formats and D's type with its dynamic shared
 /// memory allowed, and the persistent launch over the tiles: one CTA per SM at most.
 fn select(
@@ -516,6 +509,9 @@ fn select(
     (groups, m, n): (usize, usize, usize),
     forced: Option<usize>,
 ) -> Result<(usize, cuda_graph::Kernel, LaunchConfig)> {
+    if let Some(bn) = forced.filter(|bn| ![128, 192].contains(bn)) {
+        return Err(Error::InvalidArgument(format!("tile width {bn}")));
+    }
     let sms = sm_count(stream)?;
     let es = d.elem_size();
     let bn = forced.unwrap_or_else(|| choose_bn_for(groups, m, n, es, sms as usize));
