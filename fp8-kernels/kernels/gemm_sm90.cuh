@@ -343,8 +343,12 @@ __device__ __forceinline__ Tile wgrad_tile_at(int t, int m, int ntiles) {
 // tensor cores accumulate over the whole reduction in their own accumulator, one k-block's
 // wgmma group in flight while the next is issued. Otherwise (promotion, as DeepGEMM does)
 // each k-block's products go to a fresh accumulator, waited for and added in f32.
+// BLOCK: block scaling (DeepSeek-V3's 1x128 activations, 128x128 weights; BN 128, one group,
+// promoted): `sa` holds A's scale_inv per (row, k-block) `[m, kbt]`, `sb` B's per (128-row
+// block, k-block) `[ceil(n / 128), kbt]`, kbt = ceil(k / 128); each k-block's products are
+// scaled by sa[row, kb] * sb[nt, kb] as they are added to the f32 sum (alpha 1).
 template <__nv_fp8_interpretation_t FA, __nv_fp8_interpretation_t FB, typename Out, int BN,
-          int MODE = GROUPED, bool FAST = false>
+          int MODE = GROUPED, bool FAST = false, bool BLOCK = false>
 __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const TmaDesc *td, Out *d,
                                      const void *bias, const float *sa, const float *sb,
                                      const int *counts, uint4 dims, uint4 flags,
@@ -439,7 +443,10 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
         const int cw = wg - 1;  // which 64-row half of the tile
         const int t128 = threadIdx.x - 128 * wg;
         const int warp = t128 / 32, lane = t128 % 32;
-        const float sa_v = sa[flags.x], sb_v = sb == nullptr ? 1.0f : sb[flags.y];
+        static_assert(!BLOCK || (BN == 128 && !FAST && MODE == GROUPED), "block scaling");
+        const float sa_v = BLOCK ? 1.0f : sa[flags.x];
+        const float sb_v = BLOCK || sb == nullptr ? 1.0f : sb[flags.y];
+        const int kbt = (k + BK - 1) / BK;  // k-blocks per row of the block scales
         const int bias_kind = bias == nullptr ? 0 : int(flags.z);
         const bool accumulate = (flags.w & 1u) != 0;
         const bool store_epilogue = (flags.w & 2u) != 0;
@@ -491,7 +498,17 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                 wgmma_wait0();
                 if (held >= 0 && lane == 0) mbar_arrive(empty(held));
             }
+            // Block scaling: this thread's two rows (rl and rl + 8 of its consumer's 64).
+            const int brow = tl.mt * BM + cw * 64 + warp * 16 + lane / 4;
             for (int kb = kr.lo; !FAST && kb < kr.hi; ++kb) {
+                float s0 = 1.0f, s1 = 1.0f;
+                if constexpr (BLOCK) {
+                    // Loaded before the wait, used after it (rows past m read nothing: their
+                    // products are zero).
+                    const float b = __ldg(sb + size_t(tl.nt) * kbt + kb);
+                    s0 = brow < m ? __ldg(sa + size_t(brow) * kbt + kb) * b : 0.0f;
+                    s1 = brow + 8 < m ? __ldg(sa + size_t(brow + 8) * kbt + kb) * b : 0.0f;
+                }
                 mbar_wait(full(stage), phase);
                 float part[NACC];
                 wgmma_fence();
@@ -505,8 +522,14 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                 if (kb == kr.lo) next = tile_after(t);
                 wgmma_wait0();
                 if (lane == 0) mbar_arrive(empty(stage));
+                if constexpr (BLOCK) {
+                    // acc[4p], acc[4p + 1] are row rl's, acc[4p + 2], acc[4p + 3] row rl + 8's.
 #pragma unroll
-                for (int i = 0; i < NACC; ++i) acc[i] += part[i];
+                    for (int i = 0; i < NACC; ++i) acc[i] = fmaf(part[i], (i & 2) ? s1 : s0, acc[i]);
+                } else {
+#pragma unroll
+                    for (int i = 0; i < NACC; ++i) acc[i] += part[i];
+                }
                 if (++stage == STAGES) {
                     stage = 0;
                     phase ^= 1u;
@@ -796,3 +819,17 @@ extern "C" __global__ void __launch_bounds__(256)
                               unsigned bias_kind) {
     fp8k::sm90::split_reduce<float>(partial, d, bias, dims, bias_kind);
 }
+// Block-scaled (sa, sb: the block scales; see BLOCK), E4M3 x E4M3, one group, 128 wide.
+#define FP8K_GEMM_SM90_BLOCK(ON, OT)                                                                   \
+    extern "C" __global__ void __launch_bounds__(fp8k::sm90::THREADS, 1)                             \
+        fp8_gemm_sm90_block_e4m3_e4m3_##ON##_n128(const __grid_constant__ fp8k::sm90::TmaDesc ta,      \
+                                                  const __grid_constant__ fp8k::sm90::TmaDesc tb,      \
+                                                  const __grid_constant__ fp8k::sm90::TmaDesc td,      \
+                                                  OT *d, const void *bias, const float *sa,            \
+                                                  const float *sb, const int *counts, uint4 dims,      \
+                                                  uint4 flags) {                                       \
+        fp8k::sm90::gemm<__NV_E4M3, __NV_E4M3, OT, 128, fp8k::sm90::GROUPED, false, true>(             \
+            &ta, &tb, &td, d, bias, sa, sb, counts, dims, flags);                                      \
+    }
+FP8K_GEMM_SM90_BLOCK(bf16, __nv_bfloat16)
+FP8K_GEMM_SM90_BLOCK(f32, float)

@@ -1,6 +1,9 @@
 //! The sm_90a GEMM path (`kernels/gemm_sm90.cuh`): TMA loads through a 6-stage mbarrier
-//! ring, wgmma (QGMMA) consumers with fp32 promotion every 128 of K, a persistent grid of one
-//! CTA per SM whose tile scheduler reads the per-group row counts on the device.
+//! ring, wgmma (QGMMA) consumers with fp32 promotion every 128 of K (or, with fast
+//! accumulation, the tensor cores' own sum over all of K; with block scaling, each 128-deep
+//! block's products scaled by its row's and column block's scale_inv as they are promoted),
+//! a persistent grid of one CTA per SM whose tile scheduler reads the per-group row counts
+//! on the device.
 //!
 //! Alignment rules of this path (stricter than the entry points'; a problem outside them is
 //! an `InvalidArgument` before anything is enqueued, so the caller can fall back):
@@ -29,7 +32,7 @@ use cuda_graph::sys::{
 use cuda_graph::{Context, DeviceBuffer, Error, KernelArgs, LaunchConfig, Result, Stream};
 
 use super::packed::{GroupScales, PackedProblem, WgradProblem};
-use super::{Bias, GemmOut, GemmProblem};
+use super::{Bias, BlockOperand, GemmOut, GemmProblem};
 use crate::format::Fp8Format;
 use crate::module::kernel;
 use crate::quantize::idx;
@@ -453,6 +456,72 @@ fn launch_epilogue(
     // below the group's count); bias has N elements; counts
     // has `groups` int32s; each scalar index is inside its buffer (DeviceScalar checks it).
     unsafe { stream.launch_pdl(&k, &cfg, &args) }
+}
+
+/// Enqueues a (validated) block-scaled GEMM ([`super::gemm_blockwise`]) on the sm_90a
+/// kernel: E4M3 operands, 128-wide tiles, each k-block's products scaled by its row's and
+/// column block's scale_inv as they are added to the f32 sum. An [`Error::InvalidArgument`]
+/// (nothing enqueued) for other formats, shapes or alignments it does not take.
+pub(crate) fn launch_blockwise(
+    stream: &Stream,
+    (m, n, k): (usize, usize, usize),
+    a: &BlockOperand<'_>,
+    b: &BlockOperand<'_>,
+    d: &GemmOut<'_>,
+    bias: &Option<Bias<'_>>,
+    accumulate: bool,
+) -> Result<()> {
+    if (a.format, b.format) != (Fp8Format::E4M3, Fp8Format::E4M3) {
+        return Err(Error::InvalidArgument(format!(
+            "sm90 block-scaled GEMM: {} x {} operands (E4M3 x E4M3 only)",
+            a.format.name(),
+            b.format.name()
+        )));
+    }
+    if k % 16 != 0 || n % 2 != 0 || m == 0 || n == 0 {
+        return Err(Error::InvalidArgument(format!(
+            "sm90 block-scaled GEMM: {m} x {n} x {k} (K a multiple of 16, N even)"
+        )));
+    }
+    let lim = i32::MAX as usize;
+    if m > lim || n > lim || k > lim {
+        return Err(Error::InvalidArgument(format!(
+            "sm90 block-scaled GEMM: {m} x {n} x {k} exceeds 2^31"
+        )));
+    }
+    if a.data.as_raw() % 16 != 0 || b.data.as_raw() % 16 != 0 || d.device_ptr() % 8 != 0 {
+        return Err(Error::InvalidArgument(
+            "sm90 block-scaled GEMM: A and B must be 16-byte aligned, D 8-byte".into(),
+        ));
+    }
+    let name = format!("fp8_gemm_sm90_block_e4m3_e4m3_{}_n128", d.name());
+    let (kern, sms) = kernel(stream.context(), &name)?;
+    let smem = smem_bytes(128, d.elem_size());
+    kern.set_max_dynamic_shared_memory(smem)?;
+    let tiles = m.div_ceil(TILE) * n.div_ceil(128);
+    let cfg = LaunchConfig {
+        shared_mem_bytes: smem as u32,
+        ..LaunchConfig::linear(tiles.min(sms as usize).max(1) as u32, THREADS)
+    };
+    let ta = tensor_map(a.data, 1, m, k, TILE)?;
+    let tb = tensor_map(b.data, 1, n, k, 128)?;
+    let (epi, td) = epilogue(accumulate, d, store_map(d, 1, m, n)?);
+    let dims = [m as u32, n as u32, k as u32, 1];
+    let null = 0u64;
+    let (args, bias_kind) = push_head(KernelArgs::new(), [&ta, &tb, &td], d, bias, &null);
+    let flags = [0, 0, bias_kind, epi];
+    let args = args
+        .arg(a.scales_inv)
+        .arg(b.scales_inv)
+        .arg(&null)
+        .arg(&dims)
+        .arg(&flags);
+    // SAFETY: the tensor maps cover exactly A ([m, K]) and B ([n, K]), so TMA reads stay
+    // inside them; the kernel reads sa[r * ceil(K/128) + kb] for rows r < m and
+    // sb[nt * ceil(K/128) + kb] for 128-column tiles nt < ceil(N/128), kb < ceil(K/128) (the
+    // caller checked both lengths), and writes D ([m, N], validated) only at rows below m and
+    // columns below N (the store map has D's extent); bias has N elements.
+    unsafe { stream.launch_pdl(&kern, &cfg, &args) }
 }
 
 /// Enqueues a (validated) packed grouped GEMM ([`super::grouped_gemm_packed`]) on the sm_90a

@@ -688,9 +688,13 @@ pub fn grouped_gemm<'a>(
 /// 128x128 scales `sb = b.scales_inv`, `[ceil(n/128), ceil(k/128)]` — what
 /// [`quantize_blockwise`](crate::quantize_blockwise) writes with
 /// [`BlockShape::Row1x128`](crate::BlockShape::Row1x128) and
-/// [`BlockShape::Tile128x128`](crate::BlockShape::Tile128x128). The portable path runs it
-/// (`opts.path` is ignored: there is no Hopper block-scaled kernel yet). Validation follows
-/// the module's rules plus the two scale lengths; nothing is enqueued on an error.
+/// [`BlockShape::Tile128x128`](crate::BlockShape::Tile128x128). `opts.path`: `Auto` takes the
+/// sm_90a kernel (TMA + wgmma, the scales applied as each k-block is added to the f32 sum)
+/// for E4M3 x E4M3 on a compute capability 9.0 device when the shape allows it (K a multiple
+/// of 16, N even, A and B 16-byte aligned), the portable `mma.sync` kernel otherwise;
+/// `Hopper` asks for the former (an error where it can not run), `Portable` for the latter.
+/// Validation follows the module's rules plus the two scale lengths; nothing is enqueued on
+/// an error.
 pub fn gemm_blockwise<'a>(
     stream: &Stream,
     shape: GemmShape,
@@ -714,7 +718,40 @@ pub fn gemm_blockwise<'a>(
         b.scales_inv.len(),
         mul(what, &[n.div_ceil(128), kb])?,
     )?;
-    portable::launch_blockwise(stream, m, n, k, &a, &b, &d, &opts)
+    let hopper = |stream: &Stream| -> Result<bool> {
+        if !hopper::available(stream.context())? {
+            return Ok(false);
+        }
+        let shape = (m, n, k);
+        match hopper::launch_blockwise(stream, shape, &a, &b, &d, &opts.bias, opts.accumulate) {
+            Ok(()) => Ok(true),
+            // Not its formats, shape or alignment; it checks before enqueueing anything.
+            Err(Error::InvalidArgument(_)) => Ok(false),
+            Err(e) => Err(e),
+        }
+    };
+    match opts.path {
+        GemmPath::Portable => portable::launch_blockwise(stream, m, n, k, &a, &b, &d, &opts),
+        GemmPath::Auto => {
+            if hopper(stream)? {
+                Ok(())
+            } else {
+                portable::launch_blockwise(stream, m, n, k, &a, &b, &d, &opts)
+            }
+        }
+        GemmPath::Hopper => {
+            if hopper(stream)? {
+                Ok(())
+            } else {
+                Err(Error::InvalidArgument(format!(
+                    "gemm_blockwise with GemmPath::Hopper: the sm_90a block-scaled kernel is \
+                     unavailable here or does not take {m} x {n} x {k} ({} x {})",
+                    a.format.name(),
+                    b.format.name()
+                )))
+            }
+        }
+    }
 }
 
 /// Slow test oracle: the same result as [`gemm`] from a simple kernel, one thread per output
