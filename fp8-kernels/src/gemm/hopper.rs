@@ -64,22 +64,38 @@ fn smem_bytes(bn: usize, out_size: usize) -> usize {
     stages * stage + staging + 2 * stages * 8 + 1024
 }
 
-/// The tile width (128 or 192) for a problem: waves of tiles over the SMs times the width (a
-/// wave of 192-wide tiles takes 1.5x as long), with 192 credited 10% for its efficiency (its
-/// wgmma reads less shared memory per FLOP: 1234 against 1109 TFLOP/s at 8192^3, 1069
-/// against 1037 at 4096x7168x4096 on an H200; 128 wins where the wave count decides, e.g.
-/// 2048^3 and M <= 128).
+/// The tile width (128 or 192, and 256 where `wide`) for a problem: waves of tiles over the
+/// SMs times the width (a wave of 192-wide tiles takes 1.5x as long), with 192 credited 10%
+/// for its efficiency (its wgmma reads less shared memory per FLOP: 1234 against 1109
+/// TFLOP/s at 8192^3, 1069 against 1037 at 4096x7168x4096 on an H200; 128 wins where the
+/// wave count decides, e.g. 2048^3 and M <= 128).
 /// The same for both output types (`_out_size`): f32 at 192 stores its tile in two parts to
 /// keep 4 stages, like bf16.
-fn choose_bn_for(groups: usize, m: usize, n: usize, _out_size: usize, sms: usize) -> usize {
+/// `wide` (the fast-accumulation kernels, which have a 256-wide instance) takes 256 where its
+/// waves cost no more than the narrower choice's: 1478 against 1370 TFLOP/s at
+/// 4096x7168x4096, 1170 against 1120 at 2048^3 on an H200; at 8192^3 (16 waves of 256
+/// against 21 of 192, 1416 against 1430) and skinny M it keeps the narrower tile.
+fn choose_bn_for(
+    groups: usize,
+    m: usize,
+    n: usize,
+    _out_size: usize,
+    sms: usize,
+    wide: bool,
+) -> usize {
     let cost = |bn: usize| {
         let tiles = groups.max(1) * m.div_ceil(TILE) * n.div_ceil(bn);
         tiles.div_ceil(sms.max(1)) * bn
     };
-    if cost(192) * 10 <= cost(128) * 11 {
+    let narrow = if cost(192) * 10 <= cost(128) * 11 {
         192
     } else {
         128
+    };
+    if wide && cost(256) <= cost(narrow) {
+        256
+    } else {
+        narrow
     }
 }
 
@@ -291,14 +307,15 @@ pub(crate) fn launch(stream: &Stream, p: &GemmProblem<'_>) -> Result<()> {
 }
 
 /// The K splits of a plain `m x n x k` GEMM on `sms` SMs with `ws_bytes` of workspace: 1
-/// (no split) when its 128 x 128 tiles already fill half the SMs, K is not whole 128-deep
+/// (no split) when its 128 x 128 tiles already fill a quarter of the SMs (fewer splits than 4
+/// do not pay for the reduce: 184 against 212 TFLOP/s at 128x7168x2048 in 2 splits), K is not whole 128-deep
 /// blocks or the workspace holds no two f32 copies of D; otherwise the most splits up to
 /// [`MAX_SPLIT_K`](super::MAX_SPLIT_K) that divide the k-blocks evenly, leave each split at
 /// least 4 of them, fit the workspace and do not make more tiles than SMs.
 fn split_k(m: usize, n: usize, k: usize, sms: usize, ws_bytes: usize) -> usize {
     let tiles = m.div_ceil(TILE) * n.div_ceil(128);
     let copy = m * n * 4;
-    if tiles == 0 || 2 * tiles > sms || k % TILE != 0 || copy == 0 {
+    if tiles == 0 || 4 * tiles > sms || k % TILE != 0 || copy == 0 {
         return 1;
     }
     let kb = k / TILE;
@@ -544,12 +561,16 @@ pub(crate) fn launch_packed(stream: &Stream, p: &PackedProblem<'_>) -> Result<()
     let formats = (p.a.format, p.b.format);
     // The tile width for the rows expected in use, the grid for the whole capacity.
     let rows = p.expected_rows.map_or(capacity, |r| r.clamp(1, capacity));
-    let bn = choose_bn_for(1, rows, n, p.d.elem_size(), sm_count(stream)? as usize);
-    let layout = if fast_instance(p.fast, formats, p.d.name()) {
-        "packed_fast_"
-    } else {
-        "packed_"
-    };
+    let fast = fast_instance(p.fast, formats, p.d.name());
+    let layout = if fast { "packed_fast_" } else { "packed_" };
+    let bn = choose_bn_for(
+        1,
+        rows,
+        n,
+        p.d.elem_size(),
+        sm_count(stream)? as usize,
+        fast,
+    );
     let (bn, kern, cfg) = select(stream, layout, formats, &p.d, (1, capacity, n), Some(bn))?;
     let ta = tensor_map(p.a.data, 1, capacity, k, TILE)?;
     let tb = tensor_map(p.b.data, groups, n, k, bn)?;
@@ -666,7 +687,7 @@ fn select(
     }
     let sms = sm_count(stream)?;
     let es = d.elem_size();
-    let bn = forced.unwrap_or_else(|| choose_bn_for(groups, m, n, es, sms as usize));
+    let bn = forced.unwrap_or_else(|| choose_bn_for(groups, m, n, es, sms as usize, fast));
     let (k, _) = kernel(stream.context(), &kernel_name(layout, fa, fb, d.name(), bn))?;
     let smem = smem_bytes(bn, es);
     k.set_max_dynamic_shared_memory(smem)?;
@@ -739,8 +760,9 @@ mod cpu_tests {
         for (m, n, k, ws, want) in [
             // 32 tiles: 4 splits fill 128 SMs; 56 k-blocks split evenly.
             (64, 4096, 7168, big, 4),
-            // 56 tiles: 2 splits (112 CTAs).
-            (128, 7168, 2048, big, 2),
+            // 56 tiles, more than a quarter of the SMs: no split (2 splits measured 184
+            // against 212 TFLOP/s unsplit on an H200: the reduce costs more than it saves).
+            (128, 7168, 2048, big, 1),
             // 2 tiles: up to MAX_SPLIT_K, 32 k-blocks: 8.
             (16, 256, 4096, big, 8),
             // Enough tiles already, K not in whole blocks, K too short to split.
@@ -793,8 +815,28 @@ mod cpu_tests {
             (1, 8704, 4096, 192),
             (1, 8704, 2048, 192),
         ] {
-            assert_eq!(choose_bn_for(g, m, n, 2, 132), bn, "{g} x {m} x {n}");
-            assert_eq!(choose_bn_for(g, m, n, 4, 132), bn, "f32 {g} x {m} x {n}");
+            assert_eq!(choose_bn_for(g, m, n, 2, 132, false), bn, "{g} x {m} x {n}");
+            assert_eq!(
+                choose_bn_for(g, m, n, 4, 132, false),
+                bn,
+                "f32 {g} x {m} x {n}"
+            );
+        }
+        // With the 256-wide instance (fast accumulation): where its waves cost no more.
+        for (g, m, n, bn) in [
+            (1, 8192, 8192, 192),
+            (1, 4096, 7168, 256),
+            (1, 2048, 2048, 256),
+            (1, 128, 7168, 128),
+            (1, 64, 4096, 128),
+            (1, 8704, 4096, 256),
+            (1, 8704, 2048, 192),
+        ] {
+            assert_eq!(
+                choose_bn_for(g, m, n, 2, 132, true),
+                bn,
+                "wide {g} x {m} x {n}"
+            );
         }
         // Ring stages beside the staging (2 x 64 x bn outputs), as the kernel's Cfg computes.
         assert_eq!(smem_bytes(128, 2), 6 * 32768 + 32768 + 96 + 1024);
@@ -831,8 +873,10 @@ mod cpu_tests {
         ) {
             let d = (groups as u128) * (m as u128) * (n as u128);
             if d <= usize::MAX as u128 {
-                let bn = choose_bn_for(groups, m, n, 2, sms);
+                let bn = choose_bn_for(groups, m, n, 2, sms, false);
                 prop_assert!(bn == 128 || bn == 192, "{}", bn);
+                let wide = choose_bn_for(groups, m, n, 2, sms, true);
+                prop_assert!(wide == bn || wide == 256, "{} {}", bn, wide);
             }
         }
     }
@@ -947,6 +991,9 @@ mod tests {
     struct HostData {
         a: Vec<u8>,
         b: Vec<u8>,
+        /// `a` and `b` decoded once (the reference reads each value n or m times).
+        a_val: Vec<f64>,
+        b_val: Vec<f64>,
         bias: Vec<f32>,
         d0: Vec<f32>,
     }
@@ -964,17 +1011,30 @@ mod tests {
         if !c.f32_out {
             d0.iter_mut().for_each(|x| *x = from_bf16(to_bf16(*x)));
         }
-        HostData { a, b, bias, d0 }
+        HostData::new(c, a, b, bias, d0)
+    }
+
+    impl HostData {
+        fn new(c: &Case, a: Vec<u8>, b: Vec<u8>, bias: Vec<f32>, d0: Vec<f32>) -> Self {
+            let values = |v: &[u8], f| {
+                let table: Vec<f64> = (0..=255).map(|x| f64::from(decode(x, f))).collect();
+                v.iter().map(|&x| table[usize::from(x)]).collect()
+            };
+            HostData {
+                a_val: values(&a, c.fa),
+                b_val: values(&b, c.fb),
+                a,
+                b,
+                bias,
+                d0,
+            }
+        }
     }
 
     fn reference(c: &Case, h: &HostData, g: usize, r: usize, col: usize) -> f64 {
-        let a = &h.a[(g * c.m + r) * c.k..][..c.k];
-        let b = &h.b[(g * c.n + col) * c.k..][..c.k];
-        let dot: f64 = a
-            .iter()
-            .zip(b)
-            .map(|(&x, &y)| f64::from(decode(x, c.fa)) * f64::from(decode(y, c.fb)))
-            .sum();
+        let a = &h.a_val[(g * c.m + r) * c.k..][..c.k];
+        let b = &h.b_val[(g * c.n + col) * c.k..][..c.k];
+        let dot: f64 = a.iter().zip(b).map(|(x, y)| x * y).sum();
         let mut v = dot * f64::from(SA) * f64::from(SB);
         if c.bias != BiasKind::None {
             v += f64::from(h.bias[col]);
@@ -1689,12 +1749,8 @@ mod tests {
         ] {
             let c = Case::plain(m, n, k);
             let mut rng = Rng(3);
-            let h = HostData {
-                a: rng.fp8(m * k, c.fa),
-                b: rng.fp8(n * k, c.fb),
-                bias: Vec::new(),
-                d0: Vec::new(),
-            };
+            let (a, b) = (rng.fp8(m * k, c.fa), rng.fp8(n * k, c.fb));
+            let h = HostData::new(&c, a, b, Vec::new(), Vec::new());
             let mut hb = h;
             hb.bias = vec![0.0; n];
             let mut dv = upload(&s, &c, &hb);
@@ -1737,7 +1793,8 @@ mod tests {
                     p.m,
                     p.n,
                     p.d.elem_size(),
-                    s.context().device().multiprocessor_count().unwrap() as usize
+                    s.context().device().multiprocessor_count().unwrap() as usize,
+                    false
                 ),
                 wall.elapsed()
             );
