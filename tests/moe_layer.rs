@@ -641,6 +641,15 @@ fn schedule_bits(
             graphed_callables::GraphedOptions::new(schedule.clone()),
         )
         .unwrap();
+        // The layer overlaps its weight casts (Callable::overlaps_weight_cast): microbatch
+        // 0's forward graph (static caching: the casts are in it) starts with two roots, the
+        // casts' fork and the router; microbatch 1's, without casts, with the router alone.
+        let roots = |mb: usize| {
+            let at = g.schedule().layout().index(0, mb, 0).unwrap();
+            g.forward_graph(at).unwrap().root_nodes().unwrap().len()
+        };
+        assert_eq!(roots(0), 2, "the casts beside the router");
+        assert_eq!(roots(1), 1, "no casts on microbatch 1");
         // Warmup ran backwards (the aux and z losses add router gradients even with zero
         // output gradients): start from zero like the eager run.
         for b in &grads {

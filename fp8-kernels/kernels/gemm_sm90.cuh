@@ -42,13 +42,14 @@ constexpr int TILE_A = BM * BK;  // bytes
 // beside it in the 227 KiB a CTA may have. The staging holds a consumer's 64 x BN outputs in
 // PARTS parts stored one after the other: one part, except f32 at BN 192, whose whole tile
 // (96 KiB for both consumers) would leave room for 3 stages; in two halves of 96 columns it
-// leaves 4. Stages: BN 128: 6 for bf16 out, 5 for f32; BN 192: 4 for both. Keep in step with
+// leaves 4; and BN 256 (fast accumulation, bf16 out only), two halves of 128 columns, 4 stages.
+// Stages: BN 128: 6 for bf16 out, 5 for f32; BN 192: 4 for both; BN 256: 4. Keep in step with
 // `smem_bytes` in src/gemm/hopper.rs.
 constexpr int SMEM_LIMIT = 232448;
 template <int BN, typename Out> struct Cfg {
     static constexpr int TILE_B = BN * BK;
     static constexpr int STAGE_BYTES = TILE_A + TILE_B;
-    static constexpr int PARTS = BN == 192 && sizeof(Out) == 4 ? 2 : 1;
+    static constexpr int PARTS = (BN == 192 && sizeof(Out) == 4) || BN == 256 ? 2 : 1;
     static constexpr int STAGING = 2 * 64 * (BN / PARTS) * int(sizeof(Out));
     static constexpr int FIT = (SMEM_LIMIT - 1024 - STAGING - 2 * 6 * 8) / STAGE_BYTES;
     static constexpr int STAGES = FIT < 6 ? FIT : 6;
@@ -250,6 +251,14 @@ __device__ __forceinline__ void wgmma_wait1() { asm volatile("wgmma.wait_group.s
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])                                                                                \
                  : "l"(da), "l"(db), "r"(scale_d))
 
+#define FP8K_WGMMA_N256(TYPES)                                                                     \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                                        \
+                 "wgmma.mma_async.sync.aligned.m64n256k32.f32." TYPES " "                                 \
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "                                                                          \
+                 "%128, %129, p, 1, 1;\n}\n"                                                            \
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])                                                                                \
+                 : "l"(da), "l"(db), "r"(scale_d))
+
 #define FP8K_WGMMA_TYPES(MACRO)                                                                    \
     if constexpr (FA == __NV_E4M3 && FB == __NV_E4M3) {                                           \
         MACRO("e4m3.e4m3");                                                                        \
@@ -266,9 +275,11 @@ template <__nv_fp8_interpretation_t FA, __nv_fp8_interpretation_t FB, int BN>
 __device__ __forceinline__ void wgmma_fp8(float (&d)[BN / 2], uint64_t da, uint64_t db, int scale_d) {
     if constexpr (BN == 128) {
         FP8K_WGMMA_TYPES(FP8K_WGMMA_N128)
-    } else {
-        static_assert(BN == 192, "BN is 128 or 192");
+    } else if constexpr (BN == 192) {
         FP8K_WGMMA_TYPES(FP8K_WGMMA_N192)
+    } else {
+        static_assert(BN == 256, "BN is 128, 192 or 256");
+        FP8K_WGMMA_TYPES(FP8K_WGMMA_N256)
     }
 }
 
@@ -332,14 +343,21 @@ __device__ __forceinline__ Tile wgrad_tile_at(int t, int m, int ntiles) {
 // tensor cores accumulate over the whole reduction in their own accumulator, one k-block's
 // wgmma group in flight while the next is issued. Otherwise (promotion, as DeepGEMM does)
 // each k-block's products go to a fresh accumulator, waited for and added in f32.
+// BLOCK: block scaling (DeepSeek-V3's 1x128 activations, 128x128 weights; BN 128, one group,
+// promoted): `sa` holds A's scale_inv per (row, k-block) `[m, kbt]`, `sb` B's per (128-row
+// block, k-block) `[ceil(n / 128), kbt]`, kbt = ceil(k / 128); each k-block's products are
+// scaled by sa[row, kb] * sb[nt, kb] as they are added to the f32 sum (alpha 1).
 template <__nv_fp8_interpretation_t FA, __nv_fp8_interpretation_t FB, typename Out, int BN,
-          int MODE = GROUPED, bool FAST = false>
+          int MODE = GROUPED, bool FAST = false, bool BLOCK = false>
 __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const TmaDesc *td, Out *d,
                                      const void *bias, const float *sa, const float *sb,
                                      const int *counts, uint4 dims, uint4 flags,
                                      const float *sbg = nullptr) {
 #ifdef FP8K_SM90A
     using C = Cfg<BN, Out>;
+    // 256 columns hold 128 accumulator registers per thread: room for no second (promotion)
+    // accumulator beside them.
+    static_assert(FAST || BN <= 192, "BN 256 needs fast accumulation");
     constexpr int STAGES = C::STAGES, STAGE_BYTES = C::STAGE_BYTES;
     constexpr int NACC = BN / 2;  // accumulator registers per thread
     extern __shared__ uint8_t smem_raw[];
@@ -425,7 +443,10 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
         const int cw = wg - 1;  // which 64-row half of the tile
         const int t128 = threadIdx.x - 128 * wg;
         const int warp = t128 / 32, lane = t128 % 32;
-        const float sa_v = sa[flags.x], sb_v = sb == nullptr ? 1.0f : sb[flags.y];
+        static_assert(!BLOCK || (BN == 128 && !FAST && MODE == GROUPED), "block scaling");
+        const float sa_v = BLOCK ? 1.0f : sa[flags.x];
+        const float sb_v = BLOCK || sb == nullptr ? 1.0f : sb[flags.y];
+        const int kbt = (k + BK - 1) / BK;  // k-blocks per row of the block scales
         const int bias_kind = bias == nullptr ? 0 : int(flags.z);
         const bool accumulate = (flags.w & 1u) != 0;
         const bool store_epilogue = (flags.w & 2u) != 0;
@@ -477,7 +498,17 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                 wgmma_wait0();
                 if (held >= 0 && lane == 0) mbar_arrive(empty(held));
             }
+            // Block scaling: this thread's two rows (rl and rl + 8 of its consumer's 64).
+            const int brow = tl.mt * BM + cw * 64 + warp * 16 + lane / 4;
             for (int kb = kr.lo; !FAST && kb < kr.hi; ++kb) {
+                float s0 = 1.0f, s1 = 1.0f;
+                if constexpr (BLOCK) {
+                    // Loaded before the wait, used after it (rows past m read nothing: their
+                    // products are zero).
+                    const float b = __ldg(sb + size_t(tl.nt) * kbt + kb);
+                    s0 = brow < m ? __ldg(sa + size_t(brow) * kbt + kb) * b : 0.0f;
+                    s1 = brow + 8 < m ? __ldg(sa + size_t(brow + 8) * kbt + kb) * b : 0.0f;
+                }
                 mbar_wait(full(stage), phase);
                 float part[NACC];
                 wgmma_fence();
@@ -491,8 +522,14 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                 if (kb == kr.lo) next = tile_after(t);
                 wgmma_wait0();
                 if (lane == 0) mbar_arrive(empty(stage));
+                if constexpr (BLOCK) {
+                    // acc[4p], acc[4p + 1] are row rl's, acc[4p + 2], acc[4p + 3] row rl + 8's.
 #pragma unroll
-                for (int i = 0; i < NACC; ++i) acc[i] += part[i];
+                    for (int i = 0; i < NACC; ++i) acc[i] = fmaf(part[i], (i & 2) ? s1 : s0, acc[i]);
+                } else {
+#pragma unroll
+                    for (int i = 0; i < NACC; ++i) acc[i] += part[i];
+                }
                 if (++stage == STAGES) {
                     stage = 0;
                     phase ^= 1u;
@@ -637,6 +674,41 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
 #endif
 }
 
+// Split-K's sum: D[i] = sum over s < splits of partial[s * m * n + i] (s order) + bias[col]
+// (+ D[i] when accumulating), two columns per thread (n is even), grid-stride.
+// dims = (m, n, splits, accumulate); bias_kind 0 none, 1 bf16, 2 f32.
+template <typename Out>
+__device__ __forceinline__ void split_reduce(const float *partial, Out *d, const void *bias, uint4 dims,
+                                             unsigned bias_kind) {
+#ifdef FP8K_SM90A
+    cuda_graph::pdl_enter();
+    const size_t total = size_t(dims.x) * size_t(dims.y), pairs = total / 2;
+    const unsigned n = dims.y, splits = dims.z;
+    const bool accumulate = dims.w != 0;
+    for (size_t q = size_t(blockIdx.x) * blockDim.x + threadIdx.x; q < pairs;
+         q += size_t(gridDim.x) * blockDim.x) {
+        const size_t i = 2 * q;
+        float a = 0.0f, b = 0.0f;
+        for (unsigned sp = 0; sp < splits; ++sp) {
+            const float2 v = *reinterpret_cast<const float2 *>(partial + size_t(sp) * total + i);
+            a += v.x;
+            b += v.y;
+        }
+        const int c = int(i % n);
+        a += bias_at(bias, int(bias_kind), c);
+        b += bias_at(bias, int(bias_kind), c + 1);
+        if (accumulate) {
+            const float2 old = load2<Out>(d + i);
+            a += old.x;
+            b += old.y;
+        }
+        store2<Out>(d + i, a, b);
+    }
+#else
+    __trap();
+#endif
+}
+
 // Naive reference: one thread per output, fp32 accumulation in k order,
 // d[r, c] = sa * sb * sum_k A[r, k] * B[c, k] (f32 output, no bias).
 template <__nv_fp8_interpretation_t FA, __nv_fp8_interpretation_t FB>
@@ -735,3 +807,29 @@ FP8K_GEMM_SM90_OUTS(e5m2, __NV_E5M2, e4m3, __NV_E4M3)
 FP8K_GEMM_SM90_OUTS(e5m2, __NV_E5M2, e5m2, __NV_E5M2)
 FP8K_GEMM_SM90_FAST(128)
 FP8K_GEMM_SM90_FAST(192)
+FP8K_GEMM_SM90_FAST(256)
+// Split-K's sum into D (see split_reduce).
+extern "C" __global__ void __launch_bounds__(256)
+    fp8_gemm_split_reduce_bf16(const float *partial, __nv_bfloat16 *d, const void *bias, uint4 dims,
+                               unsigned bias_kind) {
+    fp8k::sm90::split_reduce<__nv_bfloat16>(partial, d, bias, dims, bias_kind);
+}
+extern "C" __global__ void __launch_bounds__(256)
+    fp8_gemm_split_reduce_f32(const float *partial, float *d, const void *bias, uint4 dims,
+                              unsigned bias_kind) {
+    fp8k::sm90::split_reduce<float>(partial, d, bias, dims, bias_kind);
+}
+// Block-scaled (sa, sb: the block scales; see BLOCK), E4M3 x E4M3, one group, 128 wide.
+#define FP8K_GEMM_SM90_BLOCK(ON, OT)                                                                   \
+    extern "C" __global__ void __launch_bounds__(fp8k::sm90::THREADS, 1)                             \
+        fp8_gemm_sm90_block_e4m3_e4m3_##ON##_n128(const __grid_constant__ fp8k::sm90::TmaDesc ta,      \
+                                                  const __grid_constant__ fp8k::sm90::TmaDesc tb,      \
+                                                  const __grid_constant__ fp8k::sm90::TmaDesc td,      \
+                                                  OT *d, const void *bias, const float *sa,            \
+                                                  const float *sb, const int *counts, uint4 dims,      \
+                                                  uint4 flags) {                                       \
+        fp8k::sm90::gemm<__NV_E4M3, __NV_E4M3, OT, 128, fp8k::sm90::GROUPED, false, true>(             \
+            &ta, &tb, &td, d, bias, sa, sb, counts, dims, flags);                                      \
+    }
+FP8K_GEMM_SM90_BLOCK(bf16, __nv_bfloat16)
+FP8K_GEMM_SM90_BLOCK(f32, float)

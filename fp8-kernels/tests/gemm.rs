@@ -406,7 +406,8 @@ fn grouped_gemm_in_a_graph_with_changing_counts() {
     }
 }
 
-/// Block-scaled GEMM on data from `quantize_blockwise` (1x128 for A, 128x128 for B).
+/// Block-scaled GEMM on data from `quantize_blockwise` (1x128 for A, 128x128 for B), on the
+/// portable path and on `Auto` (the sm_90a kernel for the E4M3 pairs on an H200).
 #[test]
 #[ignore = "needs a CUDA device"]
 fn blockwise_gemm_matches_fp64_reference() {
@@ -457,7 +458,10 @@ fn blockwise_gemm_matches_fp64_reference() {
         stream.synchronize().unwrap();
         let (a_h, b_h) = (a.to_vec(&stream).unwrap(), b.to_vec(&stream).unwrap());
         let (sa_h, sb_h) = (sa.to_vec(&stream).unwrap(), sb.to_vec(&stream).unwrap());
-        for out in [DType::F32, DType::Bf16] {
+        for (out, path) in [DType::F32, DType::Bf16]
+            .into_iter()
+            .flat_map(|o| PATHS.map(|p| (o, p)))
+        {
             for accumulate in [false, true] {
                 let mut d = Out::new(&ctx, out, m * n);
                 let prev = if accumulate {
@@ -481,7 +485,7 @@ fn blockwise_gemm_matches_fp64_reference() {
                         scales_inv: &sb,
                     },
                     d.view(),
-                    GemmOptions::new().accumulate(accumulate),
+                    GemmOptions::new().accumulate(accumulate).path(path),
                 )
                 .unwrap();
                 stream.synchronize().unwrap();
@@ -499,12 +503,78 @@ fn blockwise_gemm_matches_fp64_reference() {
                 });
                 let e = rel_error(&d.values(&stream), &want);
                 assert!(
-                    e < bound(out, GemmPath::Portable),
-                    "blockwise {m}x{n}x{k} {fa:?}x{fb:?} {out:?} acc {accumulate}: error {e:e}"
+                    e < bound(out, path),
+                    "blockwise {path:?} {m}x{n}x{k} {fa:?}x{fb:?} {out:?} acc {accumulate}: \
+                     error {e:e}"
                 );
             }
         }
     }
+}
+
+/// `GemmPath::Hopper` takes the sm_90a block-scaled kernel for E4M3 pairs (the same bits as
+/// `Auto` there, which shows `Auto` took it too; within the bf16 bound of the fp64 reference)
+/// and refuses an E5M2 operand rather than running it elsewhere.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn blockwise_hopper_path() {
+    let (ctx, stream) = setup();
+    let (m, n, k) = (130usize, 264usize, 400usize);
+    let kb = k.div_ceil(128);
+    let mut rng = Rng::new(77);
+    let a_h = rng.bytes(m * k, E4);
+    let b_h = rng.bytes(n * k, E4);
+    let sa_h: Vec<f32> = (0..m * kb).map(|_| 0.25 + rng.unit()).collect();
+    let sb_h: Vec<f32> = (0..n.div_ceil(128) * kb)
+        .map(|_| 0.25 + rng.unit())
+        .collect();
+    let up8 = |v: &[u8]| DeviceBuffer::from_host(&stream, v).unwrap();
+    let up32 = |v: &[f32]| DeviceBuffer::from_host(&stream, v).unwrap();
+    let (a, b, sa, sb) = (up8(&a_h), up8(&b_h), up32(&sa_h), up32(&sb_h));
+    let run = |path: GemmPath, fa: Fp8Format| {
+        let mut d = Out::new(&ctx, DType::Bf16, m * n);
+        d.poison(&stream);
+        let r = gemm_blockwise(
+            &stream,
+            GemmShape::new(m, n, k),
+            BlockOperand {
+                data: &a,
+                format: fa,
+                scales_inv: &sa,
+            },
+            BlockOperand {
+                data: &b,
+                format: E4,
+                scales_inv: &sb,
+            },
+            d.view(),
+            GemmOptions::new().path(path),
+        );
+        stream.synchronize().unwrap();
+        r.map(|()| d.values(&stream))
+    };
+    let hopper = run(GemmPath::Hopper, E4).expect("the sm_90a block-scaled kernel");
+    let auto = run(GemmPath::Auto, E4).unwrap();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&hopper), bits(&auto), "Auto takes the sm_90a kernel");
+    let want = gemm_f64(&RefGemm {
+        m,
+        n,
+        k,
+        a: &a_h,
+        a_format: E4,
+        b: &b_h,
+        b_format: E4,
+        scaling: RefScaling::Block { a: &sa_h, b: &sb_h },
+        bias: None,
+        d: None,
+    });
+    let e = rel_error(&hopper, &want);
+    assert!(e < BF16_BOUND, "sm_90a block-scaled: error {e:e}");
+    assert!(matches!(
+        run(GemmPath::Hopper, E5),
+        Err(cuda_graph::Error::InvalidArgument(_))
+    ));
 }
 
 /// Bad arguments are rejected with InvalidArgument before any launch: D keeps its poison.

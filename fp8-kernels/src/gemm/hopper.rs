@@ -1,6 +1,9 @@
 //! The sm_90a GEMM path (`kernels/gemm_sm90.cuh`): TMA loads through a 6-stage mbarrier
-//! ring, wgmma (QGMMA) consumers with fp32 promotion every 128 of K, a persistent grid of one
-//! CTA per SM whose tile scheduler reads the per-group row counts on the device.
+//! ring, wgmma (QGMMA) consumers with fp32 promotion every 128 of K (or, with fast
+//! accumulation, the tensor cores' own sum over all of K; with block scaling, each 128-deep
+//! block's products scaled by its row's and column block's scale_inv as they are promoted),
+//! a persistent grid of one CTA per SM whose tile scheduler reads the per-group row counts
+//! on the device.
 //!
 //! Alignment rules of this path (stricter than the entry points'; a problem outside them is
 //! an `InvalidArgument` before anything is enqueued, so the caller can fall back):
@@ -29,7 +32,7 @@ use cuda_graph::sys::{
 use cuda_graph::{Context, DeviceBuffer, Error, KernelArgs, LaunchConfig, Result, Stream};
 
 use super::packed::{GroupScales, PackedProblem, WgradProblem};
-use super::{Bias, GemmOut, GemmProblem};
+use super::{Bias, BlockOperand, GemmOut, GemmProblem};
 use crate::format::Fp8Format;
 use crate::module::kernel;
 use crate::quantize::idx;
@@ -51,28 +54,48 @@ const STORE_ROWS: usize = 64;
 /// for f32 at 192, which the kernel stores in two parts), the barriers, 1 KiB alignment slack.
 fn smem_bytes(bn: usize, out_size: usize) -> usize {
     let stage = TILE * TILE + bn * TILE;
-    let parts = if bn == 192 && out_size == 4 { 2 } else { 1 };
+    let parts = if (bn == 192 && out_size == 4) || bn == 256 {
+        2
+    } else {
+        1
+    };
     let staging = 2 * STORE_ROWS * (bn / parts) * out_size;
     let stages = ((SMEM_LIMIT - 1024 - staging - 2 * 6 * 8) / stage).min(6);
     stages * stage + staging + 2 * stages * 8 + 1024
 }
 
-/// The tile width (128 or 192) for a problem: waves of tiles over the SMs times the width (a
-/// wave of 192-wide tiles takes 1.5x as long), with 192 credited 10% for its efficiency (its
-/// wgmma reads less shared memory per FLOP: 1234 against 1109 TFLOP/s at 8192^3, 1069
-/// against 1037 at 4096x7168x4096 on an H200; 128 wins where the wave count decides, e.g.
-/// 2048^3 and M <= 128).
+/// The tile width (128 or 192, and 256 where `wide`) for a problem: waves of tiles over the
+/// SMs times the width (a wave of 192-wide tiles takes 1.5x as long), with 192 credited 10%
+/// for its efficiency (its wgmma reads less shared memory per FLOP: 1234 against 1109
+/// TFLOP/s at 8192^3, 1069 against 1037 at 4096x7168x4096 on an H200; 128 wins where the
+/// wave count decides, e.g. 2048^3 and M <= 128).
 /// The same for both output types (`_out_size`): f32 at 192 stores its tile in two parts to
 /// keep 4 stages, like bf16.
-fn choose_bn_for(groups: usize, m: usize, n: usize, _out_size: usize, sms: usize) -> usize {
+/// `wide` (the fast-accumulation kernels, which have a 256-wide instance) takes 256 where its
+/// waves cost no more than the narrower choice's: 1478 against 1370 TFLOP/s at
+/// 4096x7168x4096, 1170 against 1120 at 2048^3 on an H200; at 8192^3 (16 waves of 256
+/// against 21 of 192, 1416 against 1430) and skinny M it keeps the narrower tile.
+fn choose_bn_for(
+    groups: usize,
+    m: usize,
+    n: usize,
+    _out_size: usize,
+    sms: usize,
+    wide: bool,
+) -> usize {
     let cost = |bn: usize| {
         let tiles = groups.max(1) * m.div_ceil(TILE) * n.div_ceil(bn);
         tiles.div_ceil(sms.max(1)) * bn
     };
-    if cost(192) * 10 <= cost(128) * 11 {
+    let narrow = if cost(192) * 10 <= cost(128) * 11 {
         192
     } else {
         128
+    };
+    if wide && cost(256) <= cost(narrow) {
+        256
+    } else {
+        narrow
     }
 }
 
@@ -115,20 +138,41 @@ fn encode_3d(
     ptr: u64,
     (dtype, elem_size): (CUtensorMapDataType, usize),
     [cols, rows, groups]: [usize; 3],
+    box_dims: [usize; 2],
+    promotion: CUtensorMapL2promotion,
+) -> Result<[u64; 16]> {
+    // Byte strides of dimensions 1 and 2 (dimension 0 is contiguous).
+    let strides = [cols * elem_size, rows * cols * elem_size];
+    encode_3d_strided(
+        ptr,
+        dtype,
+        [cols, rows, groups],
+        strides,
+        box_dims,
+        promotion,
+    )
+}
+
+/// [`encode_3d`] with the byte strides of dimensions 1 and 2 given (multiples of 16): e.g. a
+/// split-K view, whose "groups" are K-slices of the same rows.
+fn encode_3d_strided(
+    ptr: u64,
+    dtype: CUtensorMapDataType,
+    [cols, rows, groups]: [usize; 3],
+    [stride_rows, stride_groups]: [usize; 2],
     [box_cols, box_rows]: [usize; 2],
     promotion: CUtensorMapL2promotion,
 ) -> Result<[u64; 16]> {
     let drv = cuda_graph::sys::driver()?;
     let encode = drv.cuTensorMapEncodeTiled()?;
     let dims = [cols as u64, rows as u64, groups as u64];
-    // Byte strides of dimensions 1 and 2 (dimension 0 is contiguous).
-    let strides = [(cols * elem_size) as u64, (rows * cols * elem_size) as u64];
+    let strides = [stride_rows as u64, stride_groups as u64];
     let bx = [box_cols as u32, box_rows as u32, 1];
     let el = [1u32, 1, 1];
     let mut map = CUtensorMap { opaque: [0; 16] };
     // SAFETY: every pointer is to a live local array of the length the rank (3) implies; the
-    // global address is a live buffer the callers' validation sized to hold
-    // groups * rows * cols elements; the driver only writes `map`.
+    // global address is a live buffer the callers' validation sized to hold every element
+    // the dimensions and strides reach; the driver only writes `map`.
     let rc = unsafe {
         encode(
             &mut map,
@@ -249,9 +293,134 @@ fn check_packed_device(stream: &Stream, what: &str, n: usize) -> Result<()> {
 }
 
 /// Enqueues the (validated) problem on `stream`: no synchronisation, no allocation, so it can
-/// be captured. Row counts, when given, are read by the kernel at run time.
+/// be captured. Row counts, when given, are read by the kernel at run time. A plain GEMM
+/// with a workspace whose tiles leave SMs idle splits K ([`split_k`]).
 pub(crate) fn launch(stream: &Stream, p: &GemmProblem<'_>) -> Result<()> {
+    if let Some(ws) = p.workspace.filter(|_| p.groups <= 1 && p.counts.is_none()) {
+        check(p)?;
+        let splits = split_k(p.m, p.n, p.k, sm_count(stream)? as usize, ws.len());
+        if splits > 1 {
+            return launch_split_k(stream, p, ws, splits);
+        }
+    }
     launch_with(stream, p, None)
+}
+
+/// The K splits of a plain `m x n x k` GEMM on `sms` SMs with `ws_bytes` of workspace: 1
+/// (no split) when its 128 x 128 tiles already fill a quarter of the SMs (fewer splits than 4
+/// do not pay for the reduce: 184 against 212 TFLOP/s at 128x7168x2048 in 2 splits), K is not whole 128-deep
+/// blocks or the workspace holds no two f32 copies of D; otherwise the most splits up to
+/// [`MAX_SPLIT_K`](super::MAX_SPLIT_K) that divide the k-blocks evenly, leave each split at
+/// least 4 of them, fit the workspace and do not make more tiles than SMs.
+fn split_k(m: usize, n: usize, k: usize, sms: usize, ws_bytes: usize) -> usize {
+    let tiles = m.div_ceil(TILE) * n.div_ceil(128);
+    let copy = m * n * 4;
+    if tiles == 0 || 4 * tiles > sms || k % TILE != 0 || copy == 0 {
+        return 1;
+    }
+    let kb = k / TILE;
+    let most = (sms / tiles)
+        .min(super::MAX_SPLIT_K)
+        .min(kb / 4)
+        .min(ws_bytes / copy);
+    (2..=most).rev().find(|s| kb % s == 0).unwrap_or(1)
+}
+
+/// A plain GEMM split over K in `splits` slices: the grouped kernel (f32 out, 128 wide, store
+/// epilogue) over views of A and B whose groups are the K-slices of the same rows writes
+/// `splits` partial products `alpha * A[:, slice] . B[:, slice]^T` into the workspace as
+/// `[splits, m, n]` f32; `fp8_gemm_split_reduce_*` adds them in split order into D, with the
+/// bias, and D's old contents when accumulating.
+fn launch_split_k(
+    stream: &Stream,
+    p: &GemmProblem<'_>,
+    ws: &DeviceBuffer<u8>,
+    splits: usize,
+) -> Result<()> {
+    let (m, n, k) = (p.m, p.n, p.k);
+    let ks = k / splits;
+    let copies = splits * m * n * 4;
+    let partial = ws.reinterpret::<f32>()?;
+    if partial.as_raw() % 16 != 0 || ws.len() < copies {
+        return Err(Error::InvalidArgument(format!(
+            "sm90 split-K: the workspace ({} bytes at {:#x}) is not 16-byte aligned or holds \
+             fewer than {copies} bytes",
+            ws.len(),
+            partial.as_raw()
+        )));
+    }
+    let partial = partial.slice(..splits * m * n)?;
+    let formats = (p.a.format, p.b.format);
+    let out = GemmOut::F32(&partial);
+    let (bn, kern, cfg) = select(stream, "", formats, &out, (splits, m, n), Some(128))?;
+    let u8map = CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8;
+    let l2 = CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
+    // A [m, K] and B [n, K] as [splits][rows][ks]: row stride K, slice stride ks (bytes). The
+    // slice stride is below the row stride; a driver that refuses such a view gets the GEMM
+    // unsplit (nothing was enqueued yet).
+    let view = |data: &DeviceBuffer<u8>, rows: usize, box_rows: usize| {
+        encode_3d_strided(
+            data.as_raw(),
+            u8map,
+            [ks, rows, splits],
+            [k, ks],
+            [TILE, box_rows],
+            l2,
+        )
+    };
+    let (Ok(ta), Ok(tb)) = (view(p.a.data, m, TILE), view(p.b.data, n, bn)) else {
+        return launch_with(stream, p, None);
+    };
+    let (epi, td) = epilogue(false, &out, store_map(&out, splits, m, n)?);
+    let dims = [m as u32, n as u32, ks as u32, splits as u32];
+    let null = 0u64;
+    let no_bias = None;
+    let (args, _) = push_head(KernelArgs::new(), [&ta, &tb, &td], &out, &no_bias, &null);
+    let flags = [idx(p.a.scale_inv)?, idx(p.b.scale_inv)?, 0, epi];
+    let args = args
+        .arg(p.a.scale_inv.buffer())
+        .arg(p.b.scale_inv.buffer())
+        .arg(&null)
+        .arg(&dims)
+        .arg(&flags);
+    // SAFETY: the maps view A ([m, K]) and B ([n, K]) as `splits` slices of `ks` = K / splits
+    // columns (slice s starts at byte s * ks of each row, and s * ks + ks <= K), so TMA reads
+    // stay inside them; the kernel writes the partial buffer (splits * m * n f32, checked
+    // above) only inside its [splits, m, n] blocks, through the store map of the same extent;
+    // no bias, no counts; the scalar indices are inside their buffers.
+    unsafe { stream.launch_pdl(&kern, &cfg, &args) }?;
+    split_reduce(stream, p, &partial, splits)
+}
+
+/// `D = sum over s of partial[s] (+ bias) (+ D)` in split order, two columns per thread.
+fn split_reduce(
+    stream: &Stream,
+    p: &GemmProblem<'_>,
+    partial: &DeviceBuffer<f32>,
+    splits: usize,
+) -> Result<()> {
+    let (m, n) = (p.m, p.n);
+    let name = format!("fp8_gemm_split_reduce_{}", p.d.name());
+    let (kern, sms) = kernel(stream.context(), &name)?;
+    let pairs = m * n / 2;
+    let blocks = pairs.div_ceil(256).min(sms as usize * 8).max(1) as u32;
+    let dims = [m as u32, n as u32, splits as u32, u32::from(p.accumulate)];
+    let null = 0u64;
+    let args = KernelArgs::new().arg(partial);
+    let args = match &p.d {
+        GemmOut::Bf16(b) => args.arg(*b),
+        GemmOut::F32(b) => args.arg(*b),
+    };
+    let (args, bias_kind) = match &p.bias {
+        Some(Bias::Bf16(b)) => (args.arg(*b), 1u32),
+        Some(Bias::F32(b)) => (args.arg(*b), 2u32),
+        None => (args.arg(&null), 0u32),
+    };
+    let args = args.arg(&dims).arg(&bias_kind);
+    // SAFETY: the kernel reads `splits` f32 copies of [m, n] from `partial` (sized so by the
+    // caller), the bias's n elements, and reads (when accumulating) and writes D's m * n
+    // elements (validated); N is even, so each thread's column pair lies in one row.
+    unsafe { stream.launch_pdl(&kern, &LaunchConfig::linear(blocks, 256), &args) }
 }
 
 /// [`launch`] with the tile width forced (128 or 192) or chosen (`None`).
@@ -306,6 +475,72 @@ fn launch_epilogue(
     unsafe { stream.launch_pdl(&k, &cfg, &args) }
 }
 
+/// Enqueues a (validated) block-scaled GEMM ([`super::gemm_blockwise`]) on the sm_90a
+/// kernel: E4M3 operands, 128-wide tiles, each k-block's products scaled by its row's and
+/// column block's scale_inv as they are added to the f32 sum. An [`Error::InvalidArgument`]
+/// (nothing enqueued) for other formats, shapes or alignments it does not take.
+pub(crate) fn launch_blockwise(
+    stream: &Stream,
+    (m, n, k): (usize, usize, usize),
+    a: &BlockOperand<'_>,
+    b: &BlockOperand<'_>,
+    d: &GemmOut<'_>,
+    bias: &Option<Bias<'_>>,
+    accumulate: bool,
+) -> Result<()> {
+    if (a.format, b.format) != (Fp8Format::E4M3, Fp8Format::E4M3) {
+        return Err(Error::InvalidArgument(format!(
+            "sm90 block-scaled GEMM: {} x {} operands (E4M3 x E4M3 only)",
+            a.format.name(),
+            b.format.name()
+        )));
+    }
+    if k % 16 != 0 || n % 2 != 0 || m == 0 || n == 0 {
+        return Err(Error::InvalidArgument(format!(
+            "sm90 block-scaled GEMM: {m} x {n} x {k} (K a multiple of 16, N even)"
+        )));
+    }
+    let lim = i32::MAX as usize;
+    if m > lim || n > lim || k > lim {
+        return Err(Error::InvalidArgument(format!(
+            "sm90 block-scaled GEMM: {m} x {n} x {k} exceeds 2^31"
+        )));
+    }
+    if a.data.as_raw() % 16 != 0 || b.data.as_raw() % 16 != 0 || d.device_ptr() % 8 != 0 {
+        return Err(Error::InvalidArgument(
+            "sm90 block-scaled GEMM: A and B must be 16-byte aligned, D 8-byte".into(),
+        ));
+    }
+    let name = format!("fp8_gemm_sm90_block_e4m3_e4m3_{}_n128", d.name());
+    let (kern, sms) = kernel(stream.context(), &name)?;
+    let smem = smem_bytes(128, d.elem_size());
+    kern.set_max_dynamic_shared_memory(smem)?;
+    let tiles = m.div_ceil(TILE) * n.div_ceil(128);
+    let cfg = LaunchConfig {
+        shared_mem_bytes: smem as u32,
+        ..LaunchConfig::linear(tiles.min(sms as usize).max(1) as u32, THREADS)
+    };
+    let ta = tensor_map(a.data, 1, m, k, TILE)?;
+    let tb = tensor_map(b.data, 1, n, k, 128)?;
+    let (epi, td) = epilogue(accumulate, d, store_map(d, 1, m, n)?);
+    let dims = [m as u32, n as u32, k as u32, 1];
+    let null = 0u64;
+    let (args, bias_kind) = push_head(KernelArgs::new(), [&ta, &tb, &td], d, bias, &null);
+    let flags = [0, 0, bias_kind, epi];
+    let args = args
+        .arg(a.scales_inv)
+        .arg(b.scales_inv)
+        .arg(&null)
+        .arg(&dims)
+        .arg(&flags);
+    // SAFETY: the tensor maps cover exactly A ([m, K]) and B ([n, K]), so TMA reads stay
+    // inside them; the kernel reads sa[r * ceil(K/128) + kb] for rows r < m and
+    // sb[nt * ceil(K/128) + kb] for 128-column tiles nt < ceil(N/128), kb < ceil(K/128) (the
+    // caller checked both lengths), and writes D ([m, N], validated) only at rows below m and
+    // columns below N (the store map has D's extent); bias has N elements.
+    unsafe { stream.launch_pdl(&kern, &cfg, &args) }
+}
+
 /// Enqueues a (validated) packed grouped GEMM ([`super::grouped_gemm_packed`]) on the sm_90a
 /// kernel: the persistent TMA + wgmma kernel with the packed tile order (m-tiles up to
 /// `offsets[groups]`, each tile's group found by a binary search over the device offsets, B
@@ -326,12 +561,16 @@ pub(crate) fn launch_packed(stream: &Stream, p: &PackedProblem<'_>) -> Result<()
     let formats = (p.a.format, p.b.format);
     // The tile width for the rows expected in use, the grid for the whole capacity.
     let rows = p.expected_rows.map_or(capacity, |r| r.clamp(1, capacity));
-    let bn = choose_bn_for(1, rows, n, p.d.elem_size(), sm_count(stream)? as usize);
-    let layout = if fast_instance(p.fast, formats, p.d.name()) {
-        "packed_fast_"
-    } else {
-        "packed_"
-    };
+    let fast = fast_instance(p.fast, formats, p.d.name());
+    let layout = if fast { "packed_fast_" } else { "packed_" };
+    let bn = choose_bn_for(
+        1,
+        rows,
+        n,
+        p.d.elem_size(),
+        sm_count(stream)? as usize,
+        fast,
+    );
     let (bn, kern, cfg) = select(stream, layout, formats, &p.d, (1, capacity, n), Some(bn))?;
     let ta = tensor_map(p.a.data, 1, capacity, k, TILE)?;
     let tb = tensor_map(p.b.data, groups, n, k, bn)?;
@@ -428,7 +667,8 @@ fn launch_wgrad_with(
     unsafe { stream.launch_pdl(&kern, &cfg, &args) }
 }
 
-/// The tile width (`forced`: 128 or 192, an [`Error::InvalidArgument`] otherwise; or chosen
+/// The tile width (`forced`: 128 or 192, or 256 for a fast-accumulation `layout`; an
+/// [`Error::InvalidArgument`] otherwise; or chosen
 /// for `groups x m x n` outputs), the kernel of `layout`
 /// (as [`kernel_name`] takes it) for the operand formats and D's type with its dynamic shared
 /// memory allowed, and the persistent launch over the tiles: one CTA per SM at most.
@@ -440,12 +680,14 @@ fn select(
     (groups, m, n): (usize, usize, usize),
     forced: Option<usize>,
 ) -> Result<(usize, cuda_graph::Kernel, LaunchConfig)> {
-    if let Some(bn) = forced.filter(|bn| ![128, 192].contains(bn)) {
+    // 256 columns: the fast-accumulation kernels only.
+    let fast = layout.contains("fast_");
+    if let Some(bn) = forced.filter(|&bn| !(bn == 128 || bn == 192 || (fast && bn == 256))) {
         return Err(Error::InvalidArgument(format!("tile width {bn}")));
     }
     let sms = sm_count(stream)?;
     let es = d.elem_size();
-    let bn = forced.unwrap_or_else(|| choose_bn_for(groups, m, n, es, sms as usize));
+    let bn = forced.unwrap_or_else(|| choose_bn_for(groups, m, n, es, sms as usize, fast));
     let (k, _) = kernel(stream.context(), &kernel_name(layout, fa, fb, d.name(), bn))?;
     let smem = smem_bytes(bn, es);
     k.set_max_dynamic_shared_memory(smem)?;
@@ -512,6 +754,39 @@ mod cpu_tests {
     }
 
     #[test]
+    fn split_k_choice() {
+        let big = usize::MAX;
+        // (m, n, k, workspace bytes) -> splits on 132 SMs.
+        for (m, n, k, ws, want) in [
+            // 32 tiles: 4 splits fill 128 SMs; 56 k-blocks split evenly.
+            (64, 4096, 7168, big, 4),
+            // 56 tiles, more than a quarter of the SMs: no split (2 splits measured 184
+            // against 212 TFLOP/s unsplit on an H200: the reduce costs more than it saves).
+            (128, 7168, 2048, big, 1),
+            // 2 tiles: up to MAX_SPLIT_K, 32 k-blocks: 8.
+            (16, 256, 4096, big, 8),
+            // Enough tiles already, K not in whole blocks, K too short to split.
+            (8192, 8192, 8192, big, 1),
+            (64, 4096, 7000, big, 1),
+            (64, 4096, 512, big, 1),
+            // The workspace: 3 copies of D allow 3 splits, which do not divide 56: 2; one
+            // copy allows none.
+            (64, 4096, 7168, 3 * 64 * 4096 * 4, 2),
+            (64, 4096, 7168, 64 * 4096 * 4, 1),
+        ] {
+            assert_eq!(
+                split_k(m, n, k, 132, ws),
+                want,
+                "{m} x {n} x {k}, {ws} bytes"
+            );
+        }
+        assert_eq!(
+            super::super::split_k_workspace_bytes(super::super::GemmShape::new(64, 4096, 7168)),
+            8 * 64 * 4096 * 4
+        );
+    }
+
+    #[test]
     fn fast_kernels_only_for_e4m3_pairs_into_bf16() {
         let (e4, e5) = (Fp8Format::E4M3, Fp8Format::E5M2);
         assert!(fast_instance(true, (e4, e4), "bf16"));
@@ -540,11 +815,34 @@ mod cpu_tests {
             (1, 8704, 4096, 192),
             (1, 8704, 2048, 192),
         ] {
-            assert_eq!(choose_bn_for(g, m, n, 2, 132), bn, "{g} x {m} x {n}");
-            assert_eq!(choose_bn_for(g, m, n, 4, 132), bn, "f32 {g} x {m} x {n}");
+            assert_eq!(choose_bn_for(g, m, n, 2, 132, false), bn, "{g} x {m} x {n}");
+            assert_eq!(
+                choose_bn_for(g, m, n, 4, 132, false),
+                bn,
+                "f32 {g} x {m} x {n}"
+            );
+        }
+        // With the 256-wide instance (fast accumulation): where its waves cost no more.
+        for (g, m, n, bn) in [
+            (1, 8192, 8192, 192),
+            (1, 4096, 7168, 256),
+            (1, 2048, 2048, 256),
+            (1, 128, 7168, 128),
+            (1, 64, 4096, 128),
+            (1, 8704, 4096, 256),
+            (1, 8704, 2048, 192),
+        ] {
+            assert_eq!(
+                choose_bn_for(g, m, n, 2, 132, true),
+                bn,
+                "wide {g} x {m} x {n}"
+            );
         }
         // Ring stages beside the staging (2 x 64 x bn outputs), as the kernel's Cfg computes.
         assert_eq!(smem_bytes(128, 2), 6 * 32768 + 32768 + 96 + 1024);
+        // 256 wide (fast accumulation, bf16): the staging in two parts, 4 stages of 48 KiB.
+        assert_eq!(smem_bytes(256, 2), 4 * 49152 + 32768 + 64 + 1024);
+        assert!(smem_bytes(256, 2) <= SMEM_LIMIT);
         assert_eq!(smem_bytes(128, 4), 5 * 32768 + 65536 + 80 + 1024);
         assert_eq!(smem_bytes(192, 2), 4 * 40960 + 49152 + 64 + 1024);
         assert_eq!(smem_bytes(192, 4), 4 * 40960 + 49152 + 64 + 1024);
@@ -575,8 +873,10 @@ mod cpu_tests {
         ) {
             let d = (groups as u128) * (m as u128) * (n as u128);
             if d <= usize::MAX as u128 {
-                let bn = choose_bn_for(groups, m, n, 2, sms);
+                let bn = choose_bn_for(groups, m, n, 2, sms, false);
                 prop_assert!(bn == 128 || bn == 192, "{}", bn);
+                let wide = choose_bn_for(groups, m, n, 2, sms, true);
+                prop_assert!(wide == bn || wide == 256, "{} {}", bn, wide);
             }
         }
     }
@@ -691,6 +991,9 @@ mod tests {
     struct HostData {
         a: Vec<u8>,
         b: Vec<u8>,
+        /// `a` and `b` decoded once (the reference reads each value n or m times).
+        a_val: Vec<f64>,
+        b_val: Vec<f64>,
         bias: Vec<f32>,
         d0: Vec<f32>,
     }
@@ -708,17 +1011,30 @@ mod tests {
         if !c.f32_out {
             d0.iter_mut().for_each(|x| *x = from_bf16(to_bf16(*x)));
         }
-        HostData { a, b, bias, d0 }
+        HostData::new(c, a, b, bias, d0)
+    }
+
+    impl HostData {
+        fn new(c: &Case, a: Vec<u8>, b: Vec<u8>, bias: Vec<f32>, d0: Vec<f32>) -> Self {
+            let values = |v: &[u8], f| {
+                let table: Vec<f64> = (0..=255).map(|x| f64::from(decode(x, f))).collect();
+                v.iter().map(|&x| table[usize::from(x)]).collect()
+            };
+            HostData {
+                a_val: values(&a, c.fa),
+                b_val: values(&b, c.fb),
+                a,
+                b,
+                bias,
+                d0,
+            }
+        }
     }
 
     fn reference(c: &Case, h: &HostData, g: usize, r: usize, col: usize) -> f64 {
-        let a = &h.a[(g * c.m + r) * c.k..][..c.k];
-        let b = &h.b[(g * c.n + col) * c.k..][..c.k];
-        let dot: f64 = a
-            .iter()
-            .zip(b)
-            .map(|(&x, &y)| f64::from(decode(x, c.fa)) * f64::from(decode(y, c.fb)))
-            .sum();
+        let a = &h.a_val[(g * c.m + r) * c.k..][..c.k];
+        let b = &h.b_val[(g * c.n + col) * c.k..][..c.k];
+        let dot: f64 = a.iter().zip(b).map(|(x, y)| x * y).sum();
         let mut v = dot * f64::from(SA) * f64::from(SB);
         if c.bias != BiasKind::None {
             v += f64::from(h.bias[col]);
@@ -807,6 +1123,7 @@ mod tests {
             },
             accumulate: c.accumulate,
             fast: c.fast,
+            workspace: None,
         }
     }
 
@@ -960,12 +1277,45 @@ mod tests {
         c.counts = Some(vec![100, 0, 160]);
         cases.push(c);
         for mut c in cases {
-            for bn in [128, 192] {
+            for bn in [128, 192, 256] {
                 c.fast = true;
                 run_case_with(&s, &c, seed, Some(bn));
                 seed += 1;
             }
         }
+        // BN 256 (fast only): the store epilogue (two parts through the staging) and the
+        // register epilogue write the same bits, with and without a bias, at the edges.
+        for (m, n, k, bias) in [
+            (200, 520, 256, BiasKind::None),
+            (77, 264, 384, BiasKind::F32),
+        ] {
+            let mut c = Case::plain(m, n, k);
+            c.fast = true;
+            c.bias = bias;
+            let h = host_data(&c, seed);
+            seed += 1;
+            let mut dv = upload(&s, &c, &h);
+            let mut bits = Vec::new();
+            for store in [true, false] {
+                reset_d(&s, &c, &h, &mut dv);
+                launch_epilogue(&s, &problem(&c, &dv), Some(256), store).unwrap();
+                bits.push(
+                    read_d(&s, &c, &dv)
+                        .iter()
+                        .map(|x| x.to_bits())
+                        .collect::<Vec<_>>(),
+                );
+            }
+            assert!(
+                bits[0] == bits[1],
+                "{m}x{n}x{k} bn 256: the epilogues differ"
+            );
+        }
+        // The promoted kernels have no 256-wide tile.
+        let c = Case::plain(128, 256, 128);
+        let h = host_data(&c, seed);
+        let dv = upload(&s, &c, &h);
+        assert!(launch_with(&s, &problem(&c, &dv), Some(256)).is_err());
         // No fast kernel for these: the option is ignored, bit for bit.
         for (fa, f32_out) in [(Fp8Format::E4M3, true), (Fp8Format::E5M2, false)] {
             let mut c = Case::plain(200, 136, 1024);
@@ -989,6 +1339,87 @@ mod tests {
                 bits[0] == bits[1],
                 "{} f32_out {f32_out}: fast changed it",
                 fa.name()
+            );
+        }
+    }
+
+    /// Split K (a workspace, skinny M): against the fp64 reference with both output types,
+    /// a bias and accumulation; each case does split on this device; a misaligned or
+    /// overlapping workspace is refused by `gemm`.
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn split_k_matches_the_fp64_reference() {
+        let (ctx, s) = setup();
+        let sms = sm_count(&s).unwrap() as usize;
+        let mut seed = 400;
+        let mut cases = vec![Case::plain(64, 384, 3584), Case::plain(16, 256, 4096)];
+        let mut c = Case::plain(100, 264, 2048);
+        c.f32_out = true;
+        c.bias = BiasKind::F32;
+        cases.push(c.clone());
+        c.accumulate = true;
+        cases.push(c);
+        let mut c = Case::plain(48, 520, 2048);
+        c.bias = BiasKind::Bf16;
+        c.accumulate = true;
+        cases.push(c);
+        for c in cases {
+            let bytes =
+                super::super::split_k_workspace_bytes(super::super::GemmShape::new(c.m, c.n, c.k));
+            let ws = DeviceBuffer::<u8>::alloc(&ctx, bytes).unwrap();
+            ws.memset_bytes(&s, 0xff).unwrap();
+            let splits = split_k(c.m, c.n, c.k, sms, bytes);
+            assert!(splits > 1, "{}x{}x{} does not split", c.m, c.n, c.k);
+            let h = host_data(&c, seed);
+            seed += 1;
+            let mut dv = upload(&s, &c, &h);
+            reset_d(&s, &c, &h, &mut dv);
+            let p = GemmProblem {
+                workspace: Some(&ws),
+                ..problem(&c, &dv)
+            };
+            launch(&s, &p).unwrap();
+            s.synchronize().unwrap();
+            let err = verify(&s, &c, &h, &dv, None);
+            let what = format!(
+                "{}x{}x{} in {splits} splits, f32_out={} bias={:?} acc={}",
+                c.m, c.n, c.k, c.f32_out, c.bias, c.accumulate
+            );
+            println!("{what}: max|err|/max|ref| = {err:.3e}");
+            assert!(err < bound(&c), "{what}: relative error {err:.3e}");
+            // The split path ran: the last split's partial products are in the workspace
+            // (all-ones bytes, a NaN pattern, before).
+            let partial = ws.to_vec(&s).unwrap();
+            let last = &partial[(splits - 1) * c.m * c.n * 4..splits * c.m * c.n * 4];
+            assert!(
+                last.iter().any(|&b| b != 0xff),
+                "{what}: the workspace was not written"
+            );
+        }
+        // gemm refuses a workspace that overlaps an operand or is misaligned.
+        let c = Case::plain(64, 384, 3584);
+        let h = host_data(&c, seed);
+        let dv = upload(&s, &c, &h);
+        let op = |data, scale_inv| Operand {
+            data,
+            format: Fp8Format::E4M3,
+            scale_inv,
+        };
+        let shape = super::super::GemmShape::new(c.m, c.n, c.k);
+        let ws = DeviceBuffer::<u8>::alloc(&ctx, 64 << 20).unwrap();
+        let odd = ws.slice(8..).unwrap();
+        for (bad, what) in [(&dv.a, "overlaps A"), (&odd, "not 16-byte aligned")] {
+            let e = super::super::gemm(
+                &s,
+                shape,
+                op(&dv.a, &dv.sa),
+                op(&dv.b, &dv.sb),
+                &dv.d16,
+                super::super::GemmOptions::new().workspace(bad),
+            );
+            assert!(
+                matches!(&e, Err(Error::InvalidArgument(m)) if m.contains(what)),
+                "{what}: {e:?}"
             );
         }
     }
@@ -1318,12 +1749,8 @@ mod tests {
         ] {
             let c = Case::plain(m, n, k);
             let mut rng = Rng(3);
-            let h = HostData {
-                a: rng.fp8(m * k, c.fa),
-                b: rng.fp8(n * k, c.fb),
-                bias: Vec::new(),
-                d0: Vec::new(),
-            };
+            let (a, b) = (rng.fp8(m * k, c.fa), rng.fp8(n * k, c.fb));
+            let h = HostData::new(&c, a, b, Vec::new(), Vec::new());
             let mut hb = h;
             hb.bias = vec![0.0; n];
             let mut dv = upload(&s, &c, &hb);
@@ -1333,6 +1760,13 @@ mod tests {
                 let ms = mean_ms(&s, &mut || launch_with(&s, &p, Some(bn)).unwrap());
                 let tflops = 2.0 * (m * n * k) as f64 / (ms * 1e-3) / 1e12;
                 println!("  forced bn={bn}: {ms:.3} ms, {tflops:.0} TFLOP/s");
+            }
+            // Fast accumulation at every width (256 exists only there).
+            let pf = GemmProblem { fast: true, ..p };
+            for bn in [128, 192, 256] {
+                let ms = mean_ms(&s, &mut || launch_with(&s, &pf, Some(bn)).unwrap());
+                let tflops = 2.0 * (m * n * k) as f64 / (ms * 1e-3) / 1e12;
+                println!("  fast accumulation, forced bn={bn}: {ms:.3} ms, {tflops:.0} TFLOP/s");
             }
             // The automatic choice, timed and checked.
             for _ in 0..3 {
@@ -1359,7 +1793,8 @@ mod tests {
                     p.m,
                     p.n,
                     p.d.elem_size(),
-                    s.context().device().multiprocessor_count().unwrap() as usize
+                    s.context().device().multiprocessor_count().unwrap() as usize,
+                    false
                 ),
                 wall.elapsed()
             );

@@ -194,6 +194,8 @@ pub(crate) struct GemmProblem<'a> {
     pub accumulate: bool,
     /// Fast accumulation allowed ([`GemmOptions::fast_accumulation`]).
     pub fast: bool,
+    /// Split-K scratch ([`GemmOptions::workspace`]; plain GEMMs only).
+    pub workspace: Option<&'a DeviceBuffer<u8>>,
 }
 
 impl GemmOut<'_> {
@@ -288,6 +290,27 @@ pub struct GemmOptions<'a> {
     /// block's products to an f32 sum: faster, and the sum keeps fewer bits (docs/perf-notes.md
     /// has the figures). Elsewhere the GEMM is computed as without it. Default `false`.
     pub fast_accumulation: bool,
+    /// Plain GEMMs ([`gemm`]) only: scratch memory (16-byte aligned) the sm_90a path may
+    /// split K over when the output has too few tiles to fill the SMs (skinny M: decode-sized
+    /// batches against large weights). The splits write f32 partial products into it and one
+    /// more kernel adds them in split order into D (with the bias, and D when accumulating):
+    /// deterministic, and within the f32 rounding of the unsplit sum. A workspace of
+    /// [`split_k_workspace_bytes`] bytes allows every split the path may choose; a smaller
+    /// one limits the splits to what fits, none at all computes the GEMM unsplit. It must
+    /// not be used by other work between the GEMM's launch and its completion.
+    pub workspace: Option<&'a DeviceBuffer<u8>>,
+}
+
+/// The most K splits a plain GEMM takes on the sm_90a path ([`GemmOptions::workspace`]).
+pub const MAX_SPLIT_K: usize = 8;
+
+/// Bytes of a workspace that lets `gemm` split K as far as it may for `shape`
+/// ([`GemmOptions::workspace`]): [`MAX_SPLIT_K`] f32 copies of D.
+pub fn split_k_workspace_bytes(shape: GemmShape) -> usize {
+    MAX_SPLIT_K
+        .saturating_mul(shape.m)
+        .saturating_mul(shape.n)
+        .saturating_mul(4)
 }
 
 impl<'a> GemmOptions<'a> {
@@ -319,6 +342,11 @@ impl<'a> GemmOptions<'a> {
     /// With fast accumulation allowed (or not; see [`GemmOptions::fast_accumulation`]).
     pub fn fast_accumulation(mut self, on: bool) -> GemmOptions<'a> {
         self.fast_accumulation = on;
+        self
+    }
+    /// With a split-K workspace (see [`GemmOptions::workspace`]).
+    pub fn workspace(mut self, workspace: &'a DeviceBuffer<u8>) -> GemmOptions<'a> {
+        self.workspace = Some(workspace);
         self
     }
 }
@@ -522,7 +550,43 @@ pub fn gemm<'a>(
 ) -> Result<()> {
     let GemmShape { m, n, k } = shape;
     let p = dense_problem("gemm", m, n, k, a, b, d.into(), &opts)?;
+    if let Some(ws) = opts.workspace {
+        check_workspace("gemm", ws, &p)?;
+    }
     dispatch(stream, &p, opts.path)
+}
+
+/// A split-K workspace must be 16-byte aligned and share no byte with A, B, D or the bias
+/// (the splits write it while the kernel reads them).
+fn check_workspace(what: &str, ws: &DeviceBuffer<u8>, p: &GemmProblem<'_>) -> Result<()> {
+    let span = |ptr: u64, bytes: usize| (ptr, ptr.saturating_add(bytes as u64));
+    let w = span(ws.as_raw(), ws.len());
+    if w.0 % 16 != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "{what}: the workspace at {:#x} is not 16-byte aligned",
+            w.0
+        )));
+    }
+    let mut others = vec![
+        ("A", span(p.a.data.as_raw(), p.a.data.len())),
+        ("B", span(p.b.data.as_raw(), p.b.data.len())),
+        ("D", span(p.d.device_ptr(), p.d.len() * p.d.elem_size())),
+    ];
+    if let Some(b) = &p.bias {
+        let size = match b {
+            Bias::Bf16(_) => 2,
+            Bias::F32(_) => 4,
+        };
+        others.push(("the bias", span(b.device_ptr(), b.len() * size)));
+    }
+    for (name, o) in others {
+        if w.0 < o.1 && o.0 < w.1 {
+            return Err(Error::InvalidArgument(format!(
+                "{what}: the workspace overlaps {name}"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Validates a plain (one-group) GEMM and builds its problem.
@@ -553,6 +617,7 @@ fn dense_problem<'a>(
         bias: opts.bias,
         accumulate: opts.accumulate,
         fast: opts.fast_accumulation,
+        workspace: opts.workspace,
     })
 }
 
@@ -609,6 +674,7 @@ pub fn grouped_gemm<'a>(
         bias: opts.bias,
         accumulate: opts.accumulate,
         fast: opts.fast_accumulation,
+        workspace: None,
     };
     dispatch(stream, &p, opts.path)
 }
@@ -622,9 +688,13 @@ pub fn grouped_gemm<'a>(
 /// 128x128 scales `sb = b.scales_inv`, `[ceil(n/128), ceil(k/128)]` — what
 /// [`quantize_blockwise`](crate::quantize_blockwise) writes with
 /// [`BlockShape::Row1x128`](crate::BlockShape::Row1x128) and
-/// [`BlockShape::Tile128x128`](crate::BlockShape::Tile128x128). The portable path runs it
-/// (`opts.path` is ignored: there is no Hopper block-scaled kernel yet). Validation follows
-/// the module's rules plus the two scale lengths; nothing is enqueued on an error.
+/// [`BlockShape::Tile128x128`](crate::BlockShape::Tile128x128). `opts.path`: `Auto` takes the
+/// sm_90a kernel (TMA + wgmma, the scales applied as each k-block is added to the f32 sum)
+/// for E4M3 x E4M3 on a compute capability 9.0 device when the shape allows it (K a multiple
+/// of 16, N even, A and B 16-byte aligned), the portable `mma.sync` kernel otherwise;
+/// `Hopper` asks for the former (an error where it can not run), `Portable` for the latter.
+/// Validation follows the module's rules plus the two scale lengths; nothing is enqueued on
+/// an error.
 pub fn gemm_blockwise<'a>(
     stream: &Stream,
     shape: GemmShape,
@@ -648,7 +718,40 @@ pub fn gemm_blockwise<'a>(
         b.scales_inv.len(),
         mul(what, &[n.div_ceil(128), kb])?,
     )?;
-    portable::launch_blockwise(stream, m, n, k, &a, &b, &d, &opts)
+    let hopper = |stream: &Stream| -> Result<bool> {
+        if !hopper::available(stream.context())? {
+            return Ok(false);
+        }
+        let shape = (m, n, k);
+        match hopper::launch_blockwise(stream, shape, &a, &b, &d, &opts.bias, opts.accumulate) {
+            Ok(()) => Ok(true),
+            // Not its formats, shape or alignment; it checks before enqueueing anything.
+            Err(Error::InvalidArgument(_)) => Ok(false),
+            Err(e) => Err(e),
+        }
+    };
+    match opts.path {
+        GemmPath::Portable => portable::launch_blockwise(stream, m, n, k, &a, &b, &d, &opts),
+        GemmPath::Auto => {
+            if hopper(stream)? {
+                Ok(())
+            } else {
+                portable::launch_blockwise(stream, m, n, k, &a, &b, &d, &opts)
+            }
+        }
+        GemmPath::Hopper => {
+            if hopper(stream)? {
+                Ok(())
+            } else {
+                Err(Error::InvalidArgument(format!(
+                    "gemm_blockwise with GemmPath::Hopper: the sm_90a block-scaled kernel is \
+                     unavailable here or does not take {m} x {n} x {k} ({} x {})",
+                    a.format.name(),
+                    b.format.name()
+                )))
+            }
+        }
+    }
 }
 
 /// Slow test oracle: the same result as [`gemm`] from a simple kernel, one thread per output
