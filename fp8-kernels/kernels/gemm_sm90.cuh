@@ -343,10 +343,47 @@ __device__ __forceinline__ Tile wgrad_tile_at(int t, int m, int ntiles) {
 // tensor cores accumulate over the whole reduction in their own accumulator, one k-block's
 // wgmma group in flight while the next is issued. Otherwise (promotion, as DeepGEMM does)
 // each k-block's products go to a fresh accumulator, waited for and added in f32.
-// BLOCK: block scaling (DeepSeek-V3's 1x128 activations, 128x128 weights; BN 128, one group,
-// promoted): `sa` holds A's scale_inv per (row, k-block) `[m, kbt]`, `sb` B's per (128-row
-// block, k-block) `[ceil(n / 128), kbt]`, kbt = ceil(k / 128); each k-block's products are
-// scaled by sa[row, kb] * sb[nt, kb] as they are added to the f32 sum (alpha 1).
+// BLOCK: block scaling (DeepSeek-V3's 1x128 activations, 128x128 weights; BN 128 or 192, one
+// group, promoted): `sa` holds A's scale_inv per (row, k-block) `[m, kbt]`, `sb` B's per
+// (128-row block, k-block) `[ceil(n / 128), kbt]`, kbt = ceil(k / 128); each k-block's products
+// are scaled by sa[row, kb] * sb[column / 128, kb] as they are added to the f32 sum (alpha 1).
+// A 192-wide tile spans two of B's blocks; see `BlockScales`.
+// The block scales one consumer thread applies to a k-block (BLOCK): its two rows' A scales
+// and the B scales of its tile's columns. A 128-wide tile is one of B's 128-column blocks; a
+// 192-wide tile nt starts at column 192 nt = 128 b + 64 (nt odd) or 128 b (even), so its
+// column pairs 8p .. 8p + 7 lie in block b for p < 8, in block b + 1 for p >= 16 and, for
+// 8 <= p < 16, in b (nt even) or b + 1 (odd): three B scales ("lo", "mid", "hi") chosen per p
+// at compile time. Rows at or past m and blocks past B's last take 0 and that last block's
+// scale (their products are zeros from the TMA's out-of-bounds fill).
+template <int BN>
+struct BlockScales {
+    static_assert(BN == 128 || BN == 192, "block-scaled tile width");
+    float r0, r1, lo, mid, hi;
+    __device__ __forceinline__ void load(const float *sa, const float *sb, int row, int m, int nt,
+                                         int n, int kbt, int kb) {
+        const int nblk = (n + 127) / 128;
+        const int b = BN == 128 ? nt : (3 * nt) / 2;
+        const int b1 = min(b + 1, nblk - 1);
+        r0 = row < m ? __ldg(sa + size_t(row) * kbt + kb) : 0.0f;
+        r1 = row + 8 < m ? __ldg(sa + size_t(row + 8) * kbt + kb) : 0.0f;
+        lo = __ldg(sb + size_t(b) * kbt + kb);
+        hi = BN == 128 ? lo : __ldg(sb + size_t(b1) * kbt + kb);
+        mid = BN == 128 || (nt & 1) == 0 ? lo : hi;
+    }
+    // The six factors sa[row] * sb[block]: {r0 lo, r0 mid, r0 hi, r1 lo, r1 mid, r1 hi}.
+    struct Products {
+        float v[6];
+        // The factor of column group p (compile-time after unrolling) in row rl (+ 8 if `second`).
+        __device__ __forceinline__ float at(int p, bool second) const {
+            const int region = p < 8 ? 0 : (p < 16 ? 1 : 2);
+            return v[(second ? 3 : 0) + region];
+        }
+    };
+    __device__ __forceinline__ Products products() const {
+        return Products{{r0 * lo, r0 * mid, r0 * hi, r1 * lo, r1 * mid, r1 * hi}};
+    }
+};
+
 template <__nv_fp8_interpretation_t FA, __nv_fp8_interpretation_t FB, typename Out, int BN,
           int MODE = GROUPED, bool FAST = false, bool BLOCK = false>
 __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const TmaDesc *td, Out *d,
@@ -443,7 +480,8 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
         const int cw = wg - 1;  // which 64-row half of the tile
         const int t128 = threadIdx.x - 128 * wg;
         const int warp = t128 / 32, lane = t128 % 32;
-        static_assert(!BLOCK || (BN == 128 && !FAST && MODE == GROUPED), "block scaling");
+        static_assert(!BLOCK || ((BN == 128 || BN == 192) && !FAST && MODE == GROUPED),
+                      "block scaling");
         const float sa_v = BLOCK ? 1.0f : sa[flags.x];
         const float sb_v = BLOCK || sb == nullptr ? 1.0f : sb[flags.y];
         const int kbt = (k + BK - 1) / BK;  // k-blocks per row of the block scales
@@ -498,16 +536,17 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                 wgmma_wait0();
                 if (held >= 0 && lane == 0) mbar_arrive(empty(held));
             }
-            // Block scaling: this thread's two rows (rl and rl + 8 of its consumer's 64).
+            // Block scaling: this thread's two rows (rl and rl + 8 of its consumer's 64); the
+            // scales of k-block kb + 1 are loaded while kb's products are computed.
             const int brow = tl.mt * BM + cw * 64 + warp * 16 + lane / 4;
+            BlockScales<BLOCK ? BN : 128> bs{}, bs_next{};  // (unused without BLOCK)
+            if constexpr (BLOCK) {
+                if (kr.lo < kr.hi) bs_next.load(sa, sb, brow, m, tl.nt, n, kbt, kr.lo);
+            }
             for (int kb = kr.lo; !FAST && kb < kr.hi; ++kb) {
-                float s0 = 1.0f, s1 = 1.0f;
                 if constexpr (BLOCK) {
-                    // Loaded before the wait, used after it (rows past m read nothing: their
-                    // products are zero).
-                    const float b = __ldg(sb + size_t(tl.nt) * kbt + kb);
-                    s0 = brow < m ? __ldg(sa + size_t(brow) * kbt + kb) * b : 0.0f;
-                    s1 = brow + 8 < m ? __ldg(sa + size_t(brow + 8) * kbt + kb) * b : 0.0f;
+                    bs = bs_next;
+                    if (kb + 1 < kr.hi) bs_next.load(sa, sb, brow, m, tl.nt, n, kbt, kb + 1);
                 }
                 mbar_wait(full(stage), phase);
                 float part[NACC];
@@ -523,9 +562,13 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                 wgmma_wait0();
                 if (lane == 0) mbar_arrive(empty(stage));
                 if constexpr (BLOCK) {
-                    // acc[4p], acc[4p + 1] are row rl's, acc[4p + 2], acc[4p + 3] row rl + 8's.
+                    // acc[4p], acc[4p + 1] are row rl's, acc[4p + 2], acc[4p + 3] row rl + 8's,
+                    // all in columns 8p .. 8p + 7 of the tile.
+                    const auto f = bs.products();
 #pragma unroll
-                    for (int i = 0; i < NACC; ++i) acc[i] = fmaf(part[i], (i & 2) ? s1 : s0, acc[i]);
+                    for (int i = 0; i < NACC; ++i) {
+                        acc[i] = fmaf(part[i], f.at(i / 4, (i & 2) != 0), acc[i]);
+                    }
                 } else {
 #pragma unroll
                     for (int i = 0; i < NACC; ++i) acc[i] += part[i];
@@ -819,17 +862,19 @@ extern "C" __global__ void __launch_bounds__(256)
                               unsigned bias_kind) {
     fp8k::sm90::split_reduce<float>(partial, d, bias, dims, bias_kind);
 }
-// Block-scaled (sa, sb: the block scales; see BLOCK), E4M3 x E4M3, one group, 128 wide.
-#define FP8K_GEMM_SM90_BLOCK(ON, OT)                                                                   \
+// Block-scaled (sa, sb: the block scales; see BLOCK), E4M3 x E4M3, one group, 128 or 192 wide.
+#define FP8K_GEMM_SM90_BLOCK(ON, OT, W)                                                                \
     extern "C" __global__ void __launch_bounds__(fp8k::sm90::THREADS, 1)                             \
-        fp8_gemm_sm90_block_e4m3_e4m3_##ON##_n128(const __grid_constant__ fp8k::sm90::TmaDesc ta,      \
+        fp8_gemm_sm90_block_e4m3_e4m3_##ON##_n##W(const __grid_constant__ fp8k::sm90::TmaDesc ta,      \
                                                   const __grid_constant__ fp8k::sm90::TmaDesc tb,      \
                                                   const __grid_constant__ fp8k::sm90::TmaDesc td,      \
                                                   OT *d, const void *bias, const float *sa,            \
                                                   const float *sb, const int *counts, uint4 dims,      \
                                                   uint4 flags) {                                       \
-        fp8k::sm90::gemm<__NV_E4M3, __NV_E4M3, OT, 128, fp8k::sm90::GROUPED, false, true>(             \
+        fp8k::sm90::gemm<__NV_E4M3, __NV_E4M3, OT, W, fp8k::sm90::GROUPED, false, true>(               \
             &ta, &tb, &td, d, bias, sa, sb, counts, dims, flags);                                      \
     }
-FP8K_GEMM_SM90_BLOCK(bf16, __nv_bfloat16)
-FP8K_GEMM_SM90_BLOCK(f32, float)
+FP8K_GEMM_SM90_BLOCK(bf16, __nv_bfloat16, 128)
+FP8K_GEMM_SM90_BLOCK(f32, float, 128)
+FP8K_GEMM_SM90_BLOCK(bf16, __nv_bfloat16, 192)
+FP8K_GEMM_SM90_BLOCK(f32, float, 192)

@@ -481,12 +481,26 @@ fn launch_epilogue(
 /// (nothing enqueued) for other formats, shapes or alignments it does not take.
 pub(crate) fn launch_blockwise(
     stream: &Stream,
-    (m, n, k): (usize, usize, usize),
+    shape: (usize, usize, usize),
     a: &BlockOperand<'_>,
     b: &BlockOperand<'_>,
     d: &GemmOut<'_>,
     bias: &Option<Bias<'_>>,
     accumulate: bool,
+) -> Result<()> {
+    launch_blockwise_with(stream, shape, (a, b), d, bias, accumulate, None)
+}
+
+/// [`launch_blockwise`] with the tile width forced (128 or 192) or chosen (`None`, as for
+/// per-tensor scales: [`choose_bn_for`]).
+fn launch_blockwise_with(
+    stream: &Stream,
+    (m, n, k): (usize, usize, usize),
+    (a, b): (&BlockOperand<'_>, &BlockOperand<'_>),
+    d: &GemmOut<'_>,
+    bias: &Option<Bias<'_>>,
+    accumulate: bool,
+    forced: Option<usize>,
 ) -> Result<()> {
     if (a.format, b.format) != (Fp8Format::E4M3, Fp8Format::E4M3) {
         return Err(Error::InvalidArgument(format!(
@@ -511,17 +525,24 @@ pub(crate) fn launch_blockwise(
             "sm90 block-scaled GEMM: A and B must be 16-byte aligned, D 8-byte".into(),
         ));
     }
-    let name = format!("fp8_gemm_sm90_block_e4m3_e4m3_{}_n128", d.name());
-    let (kern, sms) = kernel(stream.context(), &name)?;
-    let smem = smem_bytes(128, d.elem_size());
+    if let Some(bn) = forced.filter(|&bn| bn != 128 && bn != 192) {
+        return Err(Error::InvalidArgument(format!(
+            "sm90 block-scaled GEMM: tile width {bn}"
+        )));
+    }
+    let sms = sm_count(stream)? as usize;
+    let bn = forced.unwrap_or_else(|| choose_bn_for(1, m, n, d.elem_size(), sms, false));
+    let name = format!("fp8_gemm_sm90_block_e4m3_e4m3_{}_n{bn}", d.name());
+    let (kern, _) = kernel(stream.context(), &name)?;
+    let smem = smem_bytes(bn, d.elem_size());
     kern.set_max_dynamic_shared_memory(smem)?;
-    let tiles = m.div_ceil(TILE) * n.div_ceil(128);
+    let tiles = m.div_ceil(TILE) * n.div_ceil(bn);
     let cfg = LaunchConfig {
         shared_mem_bytes: smem as u32,
-        ..LaunchConfig::linear(tiles.min(sms as usize).max(1) as u32, THREADS)
+        ..LaunchConfig::linear(tiles.min(sms).max(1) as u32, THREADS)
     };
     let ta = tensor_map(a.data, 1, m, k, TILE)?;
-    let tb = tensor_map(b.data, 1, n, k, 128)?;
+    let tb = tensor_map(b.data, 1, n, k, bn)?;
     let (epi, td) = epilogue(accumulate, d, store_map(d, 1, m, n)?);
     let dims = [m as u32, n as u32, k as u32, 1];
     let null = 0u64;
@@ -535,8 +556,8 @@ pub(crate) fn launch_blockwise(
         .arg(&flags);
     // SAFETY: the tensor maps cover exactly A ([m, K]) and B ([n, K]), so TMA reads stay
     // inside them; the kernel reads sa[r * ceil(K/128) + kb] for rows r < m and
-    // sb[nt * ceil(K/128) + kb] for 128-column tiles nt < ceil(N/128), kb < ceil(K/128) (the
-    // caller checked both lengths), and writes D ([m, N], validated) only at rows below m and
+    // sb[blk * ceil(K/128) + kb] for B's 128-row blocks blk < ceil(N/128) (a tile's blocks
+    // clamped to the last), kb < ceil(K/128) (the caller checked both lengths), and writes D ([m, N], validated) only at rows below m and
     // columns below N (the store map has D's extent); bias has N elements.
     unsafe { stream.launch_pdl(&kern, &cfg, &args) }
 }
@@ -1250,6 +1271,99 @@ mod tests {
                     c.f32_out = f32_out;
                     run_case_with(&s, &c, 17 + i as u64, Some(bn));
                 }
+            }
+        }
+    }
+
+    /// The block-scaled kernel at both tile widths, both outputs, against the fp64 reference
+    /// of `sum_kb sa[row, kb] * sb[col / 128, kb] * (A . B over k-block kb)`: N with 192-wide
+    /// tiles that start on (even tiles) and half-way into (odd tiles) B's 128-column blocks
+    /// and a last partial tile, K with a partial last block, M not a multiple of the tile.
+    /// The scales span 2^-6 .. 2^6, so a product scaled by a neighbouring block's scale lands
+    /// far outside the bound. A width other than 128 and 192 is refused.
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn blockwise_widths_match_the_fp64_reference() {
+        let (_ctx, s) = setup();
+        for (m, n, k) in [
+            (130usize, 520usize, 400usize),
+            (200, 384, 256),
+            (64, 200, 128),
+        ] {
+            let kbt = k.div_ceil(128);
+            for f32_out in [false, true] {
+                let mut c = Case::plain(m, n, k);
+                c.f32_out = f32_out;
+                let h = host_data(&c, (m * n + k) as u64);
+                let mut rng = Rng((m * 7 + n) as u64 | 1);
+                let mut scales = |len: usize| -> Vec<f32> {
+                    (0..len)
+                        .map(|_| 2f32.powi((rng.next() % 13) as i32 - 6))
+                        .collect()
+                };
+                let (sa, sb) = (scales(m * kbt), scales(n.div_ceil(128) * kbt));
+                let want: Vec<f64> = (0..m * n)
+                    .map(|i| {
+                        let (r, col) = (i / n, i % n);
+                        (0..kbt)
+                            .map(|kb| {
+                                let ks = kb * 128..(kb * 128 + 128).min(k);
+                                let dot: f64 =
+                                    ks.map(|j| h.a_val[r * k + j] * h.b_val[col * k + j]).sum();
+                                dot * f64::from(sa[r * kbt + kb])
+                                    * f64::from(sb[col / 128 * kbt + kb])
+                            })
+                            .sum()
+                    })
+                    .collect();
+                let mut dv = upload(&s, &c, &h);
+                let sa_d = DeviceBuffer::from_host(&s, &sa).unwrap();
+                let sb_d = DeviceBuffer::from_host(&s, &sb).unwrap();
+                let (a_d, b_d) = (
+                    DeviceBuffer::from_host(&s, &h.a).unwrap(),
+                    DeviceBuffer::from_host(&s, &h.b).unwrap(),
+                );
+                let a = BlockOperand {
+                    data: &a_d,
+                    format: Fp8Format::E4M3,
+                    scales_inv: &sa_d,
+                };
+                let b = BlockOperand {
+                    data: &b_d,
+                    format: Fp8Format::E4M3,
+                    scales_inv: &sb_d,
+                };
+                for bn in [128, 192] {
+                    reset_d(&s, &c, &h, &mut dv);
+                    let out = if f32_out {
+                        GemmOut::F32(&dv.d32)
+                    } else {
+                        GemmOut::Bf16(&dv.d16)
+                    };
+                    launch_blockwise_with(&s, (m, n, k), (&a, &b), &out, &None, false, Some(bn))
+                        .unwrap();
+                    s.synchronize().unwrap();
+                    let got = read_d(&s, &c, &dv);
+                    let (mut err, mut mag) = (0f64, 0f64);
+                    for (g, w) in got.iter().zip(&want) {
+                        assert!(g.is_finite(), "{m}x{n}x{k} bn {bn}: {g} (want {w})");
+                        err = err.max((f64::from(*g) - w).abs());
+                        mag = mag.max(w.abs());
+                    }
+                    let rel = err / mag;
+                    println!("blockwise {m}x{n}x{k} f32_out={f32_out} bn={bn}: {rel:.3e}");
+                    assert!(
+                        rel < bound(&c),
+                        "{m}x{n}x{k} bn {bn} f32_out {f32_out}: {rel:e}"
+                    );
+                }
+                let out = GemmOut::Bf16(&dv.d16);
+                let refused =
+                    launch_blockwise_with(&s, (m, n, k), (&a, &b), &out, &None, false, Some(256));
+                assert!(
+                    matches!(refused, Err(Error::InvalidArgument(_))),
+                    "{refused:?}"
+                );
             }
         }
     }
