@@ -1283,7 +1283,7 @@ mod tests {
     /// far outside the bound. A width other than 128 and 192 is refused.
     #[test]
     #[ignore = "needs a CUDA device"]
-    fn blockwise_widths_match_the_fp64_reference() {
+    fn blockwise_at_both_widths_matches_the_fp64_reference() {
         let (_ctx, s) = setup();
         for (m, n, k) in [
             (130usize, 520usize, 400usize),
