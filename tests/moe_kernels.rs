@@ -284,6 +284,11 @@ fn router_and_plan_match_the_reference() {
         case(513, 32, 64, 4, ScoreFn::Sigmoid, false),
         // H not a multiple of 8 and E not of 4: the kernels' scalar (unvectorised) paths.
         case(77, 20, 5, 2, ScoreFn::Softmax, false),
+        // From 32 experts the logits come from the tiled GEMM (moe_router_logits): its scalar
+        // path (H = 20), and H = 40, whose last 16-column pieces fall past H (scalar there,
+        // vector loads elsewhere); T and E not multiples of its 64 x 64 tiles.
+        case(90, 20, 40, 2, ScoreFn::Softmax, false),
+        case(130, 40, 48, 4, ScoreFn::Sigmoid, true),
     ];
     for (k, score) in [(1, ScoreFn::Softmax), (2, ScoreFn::Sigmoid)] {
         let mut c = case(200, 32, 8, k, score, false);

@@ -606,7 +606,8 @@ __device__ __forceinline__ void wgrad_store(float *pc, unsigned hidden, unsigned
 // (the last block may have fewer), dynamic shared memory 2 * MOE_TOKENS * experts floats.
 //   logits[t, e] = sum_h x[t, h] * wr[e, h]   (experts 4 at a time: router_dots gives each
 //                  warp's part for all the block's tokens, the 8 warps' parts are added in
-//                  warp order)
+//                  warp order), or, when `precomputed`, read from `logits` (moe_router_logits
+//                  wrote them: many experts)
 // then warp i finishes token t0 + i:
 //   score: softmax (score_fn 0) or sigmoid (1) of the logits;
 //   probs[t, e]  = the per-token distribution the aux loss uses: softmax, or the sigmoid
@@ -624,7 +625,7 @@ extern "C" __global__ void __launch_bounds__(MOE_BLOCK, 2)
     moe_router_forward(const __nv_bfloat16 *x, const float *wr, float *logits, float *probs,
                        int *topk, float *gates, float *lse, float *loss_partial, unsigned tokens,
                        unsigned hidden, unsigned experts, unsigned k, unsigned score_fn,
-                       unsigned renormalize, unsigned tpb) {
+                       unsigned renormalize, unsigned tpb, unsigned precomputed) {
     cuda_graph::pdl_enter();
     extern __shared__ float sh[]; // l: [MOE_TOKENS][experts] logits (then probs), s: scores
     __shared__ float part[MOE_WARPS][MOE_TOKENS][MOE_ROUTER_EXPERTS];
@@ -636,7 +637,13 @@ extern "C" __global__ void __launch_bounds__(MOE_BLOCK, 2)
     const unsigned nt = min(tpb, tokens - t0); // block-uniform
     const __nv_bfloat16 *xb = x + (size_t)t0 * hidden;
     const bool vec = hidden % 8 == 0 && aligned16(x) && aligned16(wr);
-    for (unsigned g0 = 0; g0 < experts; g0 += MOE_ROUTER_EXPERTS) {
+    if (precomputed) {
+        // moe_router_logits wrote the block's logits (rows t0 .. t0 + nt - 1, contiguous).
+        const float *lb = logits + (size_t)t0 * experts;
+        for (unsigned i = threadIdx.x; i < nt * experts; i += MOE_BLOCK) sh[i] = lb[i];
+        __syncthreads();
+    }
+    for (unsigned g0 = 0; !precomputed && g0 < experts; g0 += MOE_ROUTER_EXPERTS) {
         float r[MOE_TOKENS];
         if (vec)
             router_dots<8>(xb, wr, hidden, experts, g0, nt, r);
@@ -676,7 +683,7 @@ extern "C" __global__ void __launch_bounds__(MOE_BLOCK, 2)
         float *lr = logits + (size_t)t * experts, *pr = probs + (size_t)t * experts;
         for (unsigned e = lane; e < experts; e += 32) {
             const float p = score_fn == 0 ? s[e] : s[e] / q;
-            lr[e] = l[e];
+            if (!precomputed) lr[e] = l[e];
             pr[e] = p;
             l[e] = p; // for the loss sums below
         }
@@ -709,6 +716,111 @@ extern "C" __global__ void __launch_bounds__(MOE_BLOCK, 2)
         for (unsigned i = 0; i < nt; ++i)
             v += c < experts ? sh[(size_t)i * experts + c] : lse_sh[i] * lse_sh[i];
         loss_partial[(size_t)c * gridDim.x + blockIdx.x] = v;
+    }
+}
+
+// The router's logits as a tiled GEMM on the CUDA cores, for many experts (the launcher's
+// choice, routing.rs), where moe_router_forward's per-block dot products would read all of Wr
+// once per 8 tokens: logits[t, e] = sum_h x[t, h] * wr[e, h] in f32, each sum one fmaf chain
+// in h order (deterministic). A block of RL_THREADS threads takes RL_T tokens x RL_E experts;
+// thread (ty, tx) the tokens ty * 8 .. + 7 and the experts tx * 4 .. + 3 (32 sums). The
+// reduction goes in chunks of RL_K columns through two shared-memory buffers, h-major (x
+// converted to f32), the next chunk's global loads in registers while this one is used:
+// 2 + 1 16-byte shared loads per 32 fmaf.
+#define RL_T 64
+#define RL_E 64
+#define RL_K 32
+#define RL_THREADS 128
+#define RL_PAD (RL_T + 4)
+extern "C" __global__ void __launch_bounds__(RL_THREADS)
+    moe_router_logits(const __nv_bfloat16 *x, const float *wr, float *logits, unsigned tokens,
+                      unsigned hidden, unsigned experts) {
+    cuda_graph::pdl_enter();
+    static_assert(RL_T == RL_E && RL_T * RL_K == 16 * RL_THREADS, "one 16-element piece each");
+    __shared__ __align__(16) float xs[2][RL_K][RL_PAD];
+    __shared__ __align__(16) float ws[2][RL_K][RL_PAD];
+    const unsigned t0 = blockIdx.x * RL_T, e0 = blockIdx.y * RL_E;
+    const unsigned tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    const bool vec = hidden % 8 == 0 && aligned16(x) && aligned16(wr);
+    // Loader: thread i takes row i / 2 of the tile (token or expert) and its columns
+    // (i % 2) * 16 .. + 15 of the chunk.
+    const unsigned lr = threadIdx.x / 2, lc = (threadIdx.x % 2) * 16;
+    float xv[16], wv[16];
+    auto load = [&](unsigned h0) {
+        const unsigned t = t0 + lr, e = e0 + lr;
+        const __nv_bfloat16 *xp = x + (size_t)t * hidden + h0 + lc;
+        const float *wp = wr + (size_t)e * hidden + h0 + lc;
+        if (vec && h0 + lc + 16 <= hidden) {
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                float f[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+                if (t < tokens) {
+                    Bf16s<8> b;
+                    b.load(xp + 8 * q);
+                    b.to_f32(f);
+                }
+                float g[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+                if (e < experts) load_f32<8>(wp + 8 * q, g);
+#pragma unroll
+                for (int v = 0; v < 8; ++v) {
+                    xv[8 * q + v] = f[v];
+                    wv[8 * q + v] = g[v];
+                }
+            }
+        } else {
+#pragma unroll
+            for (int v = 0; v < 16; ++v) {
+                const bool in = h0 + lc + v < hidden;
+                xv[v] = in && t < tokens ? __bfloat162float(xp[v]) : 0.0f;
+                wv[v] = in && e < experts ? wp[v] : 0.0f;
+            }
+        }
+    };
+    auto store = [&](int buf) {
+#pragma unroll
+        for (int v = 0; v < 16; ++v) {
+            xs[buf][lc + v][lr] = xv[v];
+            ws[buf][lc + v][lr] = wv[v];
+        }
+    };
+    float acc[8][4];
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
+    const unsigned chunks = (hidden + RL_K - 1) / RL_K;
+    load(0);
+    store(0);
+    __syncthreads();
+    for (unsigned c = 0; c < chunks; ++c) {
+        const int buf = c & 1;
+        if (c + 1 < chunks) load((c + 1) * RL_K);
+#pragma unroll
+        for (int kk = 0; kk < RL_K; ++kk) {
+            const float4 a0 = *reinterpret_cast<const float4 *>(&xs[buf][kk][ty * 8]);
+            const float4 a1 = *reinterpret_cast<const float4 *>(&xs[buf][kk][ty * 8 + 4]);
+            const float4 b = *reinterpret_cast<const float4 *>(&ws[buf][kk][tx * 4]);
+            const float a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+            const float bb[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(a[i], bb[j], acc[i][j]);
+        }
+        // The other buffer was last read in the previous chunk, before this chunk's barrier.
+        if (c + 1 < chunks) store(buf ^ 1);
+        __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const unsigned t = t0 + ty * 8 + i;
+        if (t >= tokens) break;
+        float *row = logits + (size_t)t * experts;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const unsigned e = e0 + tx * 4 + j;
+            if (e < experts) row[e] = acc[i][j];
+        }
     }
 }
 
