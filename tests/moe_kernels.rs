@@ -646,6 +646,12 @@ fn combine_and_the_backward_match_the_reference() {
         case(1101, 64, 8, 2, ScoreFn::Softmax, false),
         case(1030, 32, 16, 1, ScoreFn::Sigmoid, false),
         case(515, 32, 16, 4, ScoreFn::Softmax, true),
+        // From 32 experts the tiled kernels (logits, router weight gradient): two chunks of
+        // tokens with a short last one, E and H not multiples of the 64 x 64 tiles, H = 40
+        // with its last 16-column pieces past H; then E not a multiple of 4 and H = 20 (their
+        // scalar loads).
+        case(1101, 40, 48, 2, ScoreFn::Softmax, false),
+        case(300, 20, 37, 2, ScoreFn::Sigmoid, false),
     ] {
         let run = route_and_check(&gpu, &mut rng, &c);
         let d = c.dims;

@@ -719,87 +719,42 @@ extern "C" __global__ void __launch_bounds__(MOE_BLOCK, 2)
     }
 }
 
-// The router's logits as a tiled GEMM on the CUDA cores, for many experts (the launcher's
-// choice, routing.rs), where moe_router_forward's per-block dot products would read all of Wr
-// once per 8 tokens: logits[t, e] = sum_h x[t, h] * wr[e, h] in f32, each sum one fmaf chain
-// in h order (deterministic). A block of RL_THREADS threads takes RL_T tokens x RL_E experts;
-// thread (ty, tx) the tokens ty * 8 .. + 7 and the experts tx * 4 .. + 3 (32 sums). The
-// reduction goes in chunks of RL_K columns through two shared-memory buffers, h-major (x
-// converted to f32), the next chunk's global loads in registers while this one is used:
-// 2 + 1 16-byte shared loads per 32 fmaf.
+// Tiled GEMMs on the CUDA cores for the router at many experts (the launcher's choice,
+// routing.rs), where the per-block dot products of moe_router_forward and
+// moe_router_wgrad_partial read all of Wr (or sweep all the tokens) once per few tokens or
+// experts. A block of RL_THREADS threads computes a 64 x 64 tile C[m, n] = sum_k A[k, m] *
+// B[k, n] in f32, each output one fmaf chain in k order (deterministic); thread (ty, tx) holds
+// rows ty * 8 .. + 7 and columns tx * 4 .. + 3 (32 sums). The reduction goes in chunks of RL_K
+// through two shared-memory buffers, k-major, the next chunk's global loads in registers
+// while this one is used: 2 + 1 16-byte shared loads per 32 fmaf. `Loader` fetches a chunk
+// (`load(k0)`, 16 values of A and of B per thread) and writes it to the buffers (`store`).
 #define RL_T 64
-#define RL_E 64
 #define RL_K 32
 #define RL_THREADS 128
 #define RL_PAD (RL_T + 4)
-extern "C" __global__ void __launch_bounds__(RL_THREADS)
-    moe_router_logits(const __nv_bfloat16 *x, const float *wr, float *logits, unsigned tokens,
-                      unsigned hidden, unsigned experts) {
-    cuda_graph::pdl_enter();
-    static_assert(RL_T == RL_E && RL_T * RL_K == 16 * RL_THREADS, "one 16-element piece each");
-    __shared__ __align__(16) float xs[2][RL_K][RL_PAD];
-    __shared__ __align__(16) float ws[2][RL_K][RL_PAD];
-    const unsigned t0 = blockIdx.x * RL_T, e0 = blockIdx.y * RL_E;
+static_assert(RL_T * RL_K == 16 * RL_THREADS, "one 16-value piece of A and of B per thread");
+typedef float RlTile[RL_K][RL_PAD];
+
+template <class Loader>
+__device__ __forceinline__ void rl_tile_gemm(Loader &ld, unsigned k_len, RlTile *as, RlTile *bs,
+                                             float (&acc)[8][4]) {
     const unsigned tx = threadIdx.x % 16, ty = threadIdx.x / 16;
-    const bool vec = hidden % 8 == 0 && aligned16(x) && aligned16(wr);
-    // Loader: thread i takes row i / 2 of the tile (token or expert) and its columns
-    // (i % 2) * 16 .. + 15 of the chunk.
-    const unsigned lr = threadIdx.x / 2, lc = (threadIdx.x % 2) * 16;
-    float xv[16], wv[16];
-    auto load = [&](unsigned h0) {
-        const unsigned t = t0 + lr, e = e0 + lr;
-        const __nv_bfloat16 *xp = x + (size_t)t * hidden + h0 + lc;
-        const float *wp = wr + (size_t)e * hidden + h0 + lc;
-        if (vec && h0 + lc + 16 <= hidden) {
-#pragma unroll
-            for (int q = 0; q < 2; ++q) {
-                float f[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-                if (t < tokens) {
-                    Bf16s<8> b;
-                    b.load(xp + 8 * q);
-                    b.to_f32(f);
-                }
-                float g[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-                if (e < experts) load_f32<8>(wp + 8 * q, g);
-#pragma unroll
-                for (int v = 0; v < 8; ++v) {
-                    xv[8 * q + v] = f[v];
-                    wv[8 * q + v] = g[v];
-                }
-            }
-        } else {
-#pragma unroll
-            for (int v = 0; v < 16; ++v) {
-                const bool in = h0 + lc + v < hidden;
-                xv[v] = in && t < tokens ? __bfloat162float(xp[v]) : 0.0f;
-                wv[v] = in && e < experts ? wp[v] : 0.0f;
-            }
-        }
-    };
-    auto store = [&](int buf) {
-#pragma unroll
-        for (int v = 0; v < 16; ++v) {
-            xs[buf][lc + v][lr] = xv[v];
-            ws[buf][lc + v][lr] = wv[v];
-        }
-    };
-    float acc[8][4];
 #pragma unroll
     for (int i = 0; i < 8; ++i)
 #pragma unroll
         for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
-    const unsigned chunks = (hidden + RL_K - 1) / RL_K;
-    load(0);
-    store(0);
+    const unsigned chunks = (k_len + RL_K - 1) / RL_K;
+    ld.load(0);
+    ld.store(as[0], bs[0]);
     __syncthreads();
     for (unsigned c = 0; c < chunks; ++c) {
         const int buf = c & 1;
-        if (c + 1 < chunks) load((c + 1) * RL_K);
+        if (c + 1 < chunks) ld.load((c + 1) * RL_K);
 #pragma unroll
         for (int kk = 0; kk < RL_K; ++kk) {
-            const float4 a0 = *reinterpret_cast<const float4 *>(&xs[buf][kk][ty * 8]);
-            const float4 a1 = *reinterpret_cast<const float4 *>(&xs[buf][kk][ty * 8 + 4]);
-            const float4 b = *reinterpret_cast<const float4 *>(&ws[buf][kk][tx * 4]);
+            const float4 a0 = *reinterpret_cast<const float4 *>(&as[buf][kk][ty * 8]);
+            const float4 a1 = *reinterpret_cast<const float4 *>(&as[buf][kk][ty * 8 + 4]);
+            const float4 b = *reinterpret_cast<const float4 *>(&bs[buf][kk][tx * 4]);
             const float a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
             const float bb[4] = {b.x, b.y, b.z, b.w};
 #pragma unroll
@@ -808,9 +763,92 @@ extern "C" __global__ void __launch_bounds__(RL_THREADS)
                 for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(a[i], bb[j], acc[i][j]);
         }
         // The other buffer was last read in the previous chunk, before this chunk's barrier.
-        if (c + 1 < chunks) store(buf ^ 1);
+        if (c + 1 < chunks) ld.store(as[buf ^ 1], bs[buf ^ 1]);
         __syncthreads();
     }
+}
+
+// 16 consecutive values of a bf16 row from column c (those at or past `len`, or all when
+// `!valid`, are 0): two 16-byte loads when `vec` and the 16 lie below len, else one by one.
+__device__ __forceinline__ void rl_load_bf16(const __nv_bfloat16 *row, unsigned c, unsigned len,
+                                             bool valid, bool vec, float (&v)[16]) {
+    if (vec && c + 16 <= len) {
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+            float f[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+            if (valid) {
+                Bf16s<8> b;
+                b.load(row + c + 8 * q);
+                b.to_f32(f);
+            }
+#pragma unroll
+            for (int i = 0; i < 8; ++i) v[8 * q + i] = f[i];
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < 16; ++i)
+            v[i] = valid && c + i < len ? __bfloat162float(row[c + i]) : 0.0f;
+    }
+}
+
+// The same for an f32 row (four 16-byte loads when `vec`).
+__device__ __forceinline__ void rl_load_f32(const float *row, unsigned c, unsigned len,
+                                            bool valid, bool vec, float (&v)[16]) {
+    if (vec && c + 16 <= len) {
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+            float f[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+            if (valid) load_f32<8>(row + c + 8 * q, f);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) v[8 * q + i] = f[i];
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) v[i] = valid && c + i < len ? __ldg(row + c + i) : 0.0f;
+    }
+}
+
+// The logits: m = tokens, n = experts, k = hidden; A[h, t] = x[t, h], B[h, e] = wr[e, h]:
+// thread i loads row i / 2 of x's and of wr's tile, columns h0 + (i % 2) * 16 .. + 15, and
+// stores them transposed (k-major).
+struct RlLogitsLoader {
+    const __nv_bfloat16 *x;
+    const float *wr;
+    unsigned tokens, hidden, experts, t0, e0;
+    bool vec;
+    float xv[16], wv[16];
+    __device__ __forceinline__ unsigned row() const { return threadIdx.x / 2; }
+    __device__ __forceinline__ unsigned col() const { return (threadIdx.x % 2) * 16; }
+    __device__ __forceinline__ void load(unsigned h0) {
+        const unsigned t = t0 + row(), e = e0 + row();
+        rl_load_bf16(x + (size_t)min(t, tokens - 1) * hidden, h0 + col(), hidden, t < tokens,
+                     vec, xv);
+        rl_load_f32(wr + (size_t)min(e, experts - 1) * hidden, h0 + col(), hidden, e < experts,
+                    vec, wv);
+    }
+    __device__ __forceinline__ void store(RlTile &as, RlTile &bs) const {
+#pragma unroll
+        for (int v = 0; v < 16; ++v) {
+            as[col() + v][row()] = xv[v];
+            bs[col() + v][row()] = wv[v];
+        }
+    }
+};
+
+// logits[t, e] = sum_h x[t, h] * wr[e, h] in f32 (see rl_tile_gemm): block (bx, by) takes the
+// tokens bx * 64 .. + 63 and the experts by * 64 .. + 63. moe_router_forward then reads them
+// (`precomputed`).
+extern "C" __global__ void __launch_bounds__(RL_THREADS)
+    moe_router_logits(const __nv_bfloat16 *x, const float *wr, float *logits, unsigned tokens,
+                      unsigned hidden, unsigned experts) {
+    cuda_graph::pdl_enter();
+    __shared__ __align__(16) RlTile as[2], bs[2];
+    const unsigned t0 = blockIdx.x * RL_T, e0 = blockIdx.y * RL_T;
+    RlLogitsLoader ld{x, wr, tokens, hidden, experts, t0, e0,
+                      hidden % 8 == 0 && aligned16(x) && aligned16(wr)};
+    float acc[8][4];
+    rl_tile_gemm(ld, hidden, as, bs, acc);
+    const unsigned tx = threadIdx.x % 16, ty = threadIdx.x / 16;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
         const unsigned t = t0 + ty * 8 + i;
@@ -820,6 +858,72 @@ extern "C" __global__ void __launch_bounds__(RL_THREADS)
         for (int j = 0; j < 4; ++j) {
             const unsigned e = e0 + tx * 4 + j;
             if (e < experts) row[e] = acc[i][j];
+        }
+    }
+}
+
+// The router weight gradient's partial sums: m = experts, n = hidden columns, k = tokens;
+// A[t, e] = d_logits[t, e], B[t, h] = x[t, h], both already k-major: thread i loads row
+// i / 4 of each tile (token t0 + i / 4), columns (i % 4) * 16 .. + 15.
+struct RlWgradLoader {
+    const float *dl;
+    const __nv_bfloat16 *x;
+    unsigned t0, t_end, hidden, experts, e0, h0;
+    bool vec_dl, vec_x;
+    float av[16], bv[16];
+    __device__ __forceinline__ unsigned row() const { return threadIdx.x / 4; }
+    __device__ __forceinline__ unsigned col() const { return (threadIdx.x % 4) * 16; }
+    __device__ __forceinline__ void load(unsigned k0) {
+        const unsigned t = t0 + k0 + row();
+        const bool in = t < t_end;
+        const size_t tr = in ? t : t0;
+        rl_load_f32(dl + tr * experts, e0 + col(), experts, in, vec_dl, av);
+        rl_load_bf16(x + tr * hidden, h0 + col(), hidden, in, vec_x, bv);
+    }
+    __device__ __forceinline__ void store(RlTile &as, RlTile &bs) const {
+#pragma unroll
+        for (int v = 0; v < 16; v += 4) {
+            *reinterpret_cast<float4 *>(&as[row()][col() + v]) =
+                make_float4(av[v], av[v + 1], av[v + 2], av[v + 3]);
+            *reinterpret_cast<float4 *>(&bs[row()][col() + v]) =
+                make_float4(bv[v], bv[v + 1], bv[v + 2], bv[v + 3]);
+        }
+    }
+};
+
+// Router weight gradient, step 1 of 2 for many experts: partial[c, e, h] = sum over the
+// tokens t of chunk c (`chunk` tokens each, in order) of d_logits[t, e] * x[t, h] (see
+// rl_tile_gemm); grid (ceil(H / 64), ceil(E / 64), chunks). moe_router_wgrad_reduce adds the
+// chunks in order.
+extern "C" __global__ void __launch_bounds__(RL_THREADS)
+    moe_router_wgrad_tiled(const float *d_logits, const __nv_bfloat16 *x, float *partial,
+                           unsigned tokens, unsigned hidden, unsigned experts, unsigned chunk) {
+    cuda_graph::pdl_enter();
+    __shared__ __align__(16) RlTile as[2], bs[2];
+    const unsigned h0 = blockIdx.x * RL_T, e0 = blockIdx.y * RL_T, t0 = blockIdx.z * chunk;
+    if (t0 >= tokens) return;
+    const unsigned nt = min(chunk, tokens - t0);
+    RlWgradLoader ld{d_logits, x, t0, t0 + nt, hidden, experts, e0, h0,
+                     experts % 4 == 0 && aligned16(d_logits),
+                     hidden % 8 == 0 && aligned16(x)};
+    float acc[8][4];
+    rl_tile_gemm(ld, nt, as, bs, acc);
+    const unsigned tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    float *pc = partial + (size_t)blockIdx.z * experts * hidden;
+    const bool vec = hidden % 4 == 0 && aligned16(partial);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const unsigned e = e0 + ty * 8 + i;
+        if (e >= experts) break;
+        float *row = pc + (size_t)e * hidden;
+        const unsigned h = h0 + tx * 4;
+        if (vec && h + 4 <= hidden) {
+            *reinterpret_cast<float4 *>(row + h) =
+                make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+        } else {
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+                if (h + j < hidden) row[h + j] = acc[i][j];
         }
     }
 }

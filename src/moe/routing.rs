@@ -48,11 +48,20 @@ const MAX_WR_TOKENS: usize = 8;
 /// From this many experts on, the router's logits come from `moe_router_logits`, a tiled
 /// GEMM (64 tokens x 64 experts per block, every Wr piece used for 64 tokens), before
 /// `moe_router_forward` finishes the tokens from them: its own dot products read all of Wr
-/// once per 8 tokens, which at E = 256, H = 2048, T = 4096 took 0.40 ms on an H200.
+/// once per 8 tokens, which at E = 256, H = 2048, T = 4096 took 0.40 ms on an H200 (0.15 ms
+/// tiled, plus 0.03 to finish). The router weight gradient likewise goes through
+/// `moe_router_wgrad_tiled`.
 const LOGITS_GEMM_EXPERTS: usize = 32;
-/// Tokens and experts per block of `moe_router_logits` (`RL_T`, `RL_E`).
+/// Tokens per chunk of `moe_router_wgrad_tiled` (the router weight gradient from
+/// [`LOGITS_GEMM_EXPERTS`] experts on): ceil(T / 1024) partial sums, added in order.
+const WGRAD_TILED_TOKENS: usize = 1024;
+const _: () = assert!(
+    WGRAD_TILED_TOKENS >= WGRAD_CHUNK,
+    "the partials fit the buffer"
+);
+/// Rows and columns of a `moe_router_logits` / `moe_router_wgrad_tiled` block's tile (`RL_T`).
 const LOGITS_TILE: u32 = 64;
-/// Threads per block of `moe_router_logits` (`RL_THREADS`).
+/// Threads per block of the tiled router kernels (`RL_THREADS`).
 const LOGITS_THREADS: u32 = 128;
 /// Tokens per block of the `Wr` kernels: one block per 128 tokens would be about one per SM;
 /// more tokens per block only once that many blocks fill the GPU.
@@ -369,6 +378,7 @@ struct Kernels {
     combine_backward: Kernel,
     input_backward: Kernel,
     wgrad_partial: Kernel,
+    wgrad_tiled: Kernel,
     wgrad_reduce: Kernel,
     _module: Module,
 }
@@ -468,6 +478,7 @@ impl Router {
             combine_backward: module.kernel("moe_combine_backward")?,
             input_backward: module.kernel("moe_unpermute_backward")?,
             wgrad_partial: module.kernel("moe_router_wgrad_partial")?,
+            wgrad_tiled: module.kernel("moe_router_wgrad_tiled")?,
             wgrad_reduce: module.kernel("moe_router_wgrad_reduce")?,
             _module: module,
         };
@@ -830,26 +841,59 @@ impl Router {
         let Dims32 {
             t, h, e, chunks, ..
         } = self.n;
-        let (chunk, n32) = (WGRAD_CHUNK as u32, e * h);
-        let cfg = LaunchConfig {
-            grid: (h.div_ceil(WGRAD_COLS), chunks, e.div_ceil(WGRAD_EXPERTS)),
-            shared_mem_bytes: chunk * WGRAD_EXPERTS * 4,
-            ..LaunchConfig::linear(1, BLOCK)
+        let n32 = e * h;
+        let chunks = if d.experts >= LOGITS_GEMM_EXPERTS {
+            let chunk = WGRAD_TILED_TOKENS as u32;
+            let tiled_chunks = t.div_ceil(chunk);
+            let cfg = LaunchConfig {
+                grid: (
+                    h.div_ceil(LOGITS_TILE),
+                    e.div_ceil(LOGITS_TILE),
+                    tiled_chunks,
+                ),
+                block: (LOGITS_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+                attributes: Vec::new(),
+            };
+            let args = KernelArgs::new()
+                .arg(&b.d_logits)
+                .arg(x)
+                .arg(&b.wgrad_partial)
+                .arg(&t)
+                .arg(&h)
+                .arg(&e)
+                .arg(&chunk);
+            // SAFETY: block (bx, by, c) reads d_logits and x at the tokens of chunk c (< T),
+            // experts < E and columns < H (16-byte loads only for whole 16-value pieces below
+            // E or H, when E % 4 == 0 / H % 8 == 0 and the kernel finds the buffers 16-byte
+            // aligned), and writes wgrad_partial[c * E * H + e * H + h] for e < E, h < H; c <
+            // ceil(T / WGRAD_TILED_TOKENS) <= ceil(T / WGRAD_CHUNK) = chunks (chunks * E * H
+            // allocated). Its shared memory is static.
+            unsafe { stream.launch_pdl(&self.k.wgrad_tiled, &cfg, &args) }?;
+            tiled_chunks
+        } else {
+            let chunk = WGRAD_CHUNK as u32;
+            let cfg = LaunchConfig {
+                grid: (h.div_ceil(WGRAD_COLS), chunks, e.div_ceil(WGRAD_EXPERTS)),
+                shared_mem_bytes: chunk * WGRAD_EXPERTS * 4,
+                ..LaunchConfig::linear(1, BLOCK)
+            };
+            let args = KernelArgs::new()
+                .arg(&b.d_logits)
+                .arg(x)
+                .arg(&b.wgrad_partial)
+                .arg(&t)
+                .arg(&h)
+                .arg(&e)
+                .arg(&chunk);
+            // SAFETY: block (b, c, g) reads d_logits and x at the tokens of chunk c (< T),
+            // experts g * 8 + i < E and columns b * 256 + i < H, and writes wgrad_partial[c *
+            // E * H + e * H + h] for those (chunks * E * H allocated); shared memory holds the
+            // chunk * 8 floats it uses; the 16-byte vector accesses are taken only when H % 8
+            // == 0 and the kernel finds x and wgrad_partial 16-byte aligned.
+            unsafe { stream.launch_pdl(&self.k.wgrad_partial, &cfg, &args) }?;
+            chunks
         };
-        let args = KernelArgs::new()
-            .arg(&b.d_logits)
-            .arg(x)
-            .arg(&b.wgrad_partial)
-            .arg(&t)
-            .arg(&h)
-            .arg(&e)
-            .arg(&chunk);
-        // SAFETY: block (b, c, g) reads d_logits and x at the tokens of chunk c (< T), experts
-        // g * 8 + i < E and columns b * 256 + i < H, and writes wgrad_partial[c * E * H + e * H
-        // + h] for those (chunks * E * H allocated); shared memory holds the chunk * 8 floats
-        // it uses; the 16-byte vector accesses are taken only when H % 8 == 0 and the kernel
-        // finds x and wgrad_partial 16-byte aligned.
-        unsafe { stream.launch_pdl(&self.k.wgrad_partial, &cfg, &args) }?;
         let acc = u32::from(accumulate);
         let args = KernelArgs::new()
             .arg(&b.wgrad_partial)
