@@ -12,7 +12,7 @@ use fp8_kernels::gemm::{
 };
 use fp8_kernels::{DeviceScalar, Fp8Format};
 
-use super::cublaslt::CublasLt;
+use super::cublaslt::{CublasLt, Plan};
 use super::{BenchResult, Row, event_median_ms, xorshift};
 
 const WARMUP: usize = 3;
@@ -119,6 +119,7 @@ fn rel_err(ours: &[bf16], theirs: &[bf16]) -> f64 {
 }
 
 struct Dense {
+    shape: GemmShape,
     a: DeviceBuffer<u8>,
     b: DeviceBuffer<u8>,
     d: DeviceBuffer<bf16>,
@@ -132,6 +133,7 @@ fn dense(stream: &Stream, m: usize, n: usize, k: usize, seed: u64) -> BenchResul
     d.memset_bytes(stream, 0xff)?;
     d_ref.memset_bytes(stream, 0xff)?;
     Ok(Dense {
+        shape: GemmShape::new(m, n, k),
         a: DeviceBuffer::from_host(stream, &random_e4m3(m * k, seed))?,
         b: DeviceBuffer::from_host(stream, &random_e4m3(n * k, seed + 1))?,
         d,
@@ -152,6 +154,54 @@ fn tflops(m: usize, n: usize, k: usize, ms: f64) -> f64 {
     2.0 * m as f64 * n as f64 * k as f64 / (ms * 1e-3) / 1e12
 }
 
+/// Our per-tensor-scaled GEMM of `p`'s operands (scale 1) into `d`.
+fn per_tensor(
+    stream: &Stream,
+    p: &Dense,
+    one: &DeviceScalar,
+    d: &DeviceBuffer<bf16>,
+    opts: GemmOptions<'_>,
+) -> cuda_graph::Result<()> {
+    gemm(
+        stream,
+        p.shape,
+        e4m3(&p.a, one),
+        e4m3(&p.b, one),
+        GemmOut::Bf16(d),
+        opts,
+    )
+}
+
+/// Our GEMM (`run_ours`, into `p.d`) and a cuBLASLt plan (into `p.d_ref`) on the same
+/// operands: both run once and must agree within 2e-2 (an error naming `what` otherwise),
+/// then the median TFLOP/s of each; returns (ours, cuBLASLt's, their relative difference).
+fn ours_and_cublaslt(
+    stream: &Stream,
+    p: &Dense,
+    (m, n, k): (usize, usize, usize),
+    plan: &Plan<'_>,
+    what: &str,
+    run_ours: impl Fn() -> cuda_graph::Result<()>,
+) -> BenchResult<(f64, f64, f64)> {
+    let run_lt = || {
+        plan.run(
+            stream.as_raw(),
+            p.a.as_raw(),
+            p.b.as_raw(),
+            p.d_ref.as_raw(),
+        )
+    };
+    run_ours()?;
+    run_lt()?;
+    let err = rel_err(&p.d.to_vec(stream)?, &p.d_ref.to_vec(stream)?);
+    if err.is_nan() || err >= 2e-2 {
+        return Err(format!("{what}: ours and cuBLASLt differ (rel err {err:.2e})").into());
+    }
+    let ours = event_median_ms(stream, WARMUP, REPS, || run_ours().map_err(Into::into))?;
+    let theirs = event_median_ms(stream, WARMUP, REPS, run_lt)?;
+    Ok((tflops(m, n, k, ours), tflops(m, n, k, theirs), err))
+}
+
 /// Runs the benchmark; returns the rows.
 pub fn run() -> BenchResult<Vec<Row>> {
     let ctx: Arc<Context> = Context::default_device()?;
@@ -163,39 +213,15 @@ pub fn run() -> BenchResult<Vec<Row>> {
     for (i, &(m, n, k)) in SHAPES.iter().enumerate() {
         let p = dense(&stream, m, n, k, 10 + i as u64)?;
         let plan = lt.plan(m, n, k, scales)?;
-        let run_ours = || {
-            gemm(
-                &stream,
-                GemmShape::new(m, n, k),
-                e4m3(&p.a, &one),
-                e4m3(&p.b, &one),
-                GemmOut::Bf16(&p.d),
-                GemmOptions::default(),
-            )
-        };
-        let run_lt = || {
-            plan.run(
-                stream.as_raw(),
-                p.a.as_raw(),
-                p.b.as_raw(),
-                p.d_ref.as_raw(),
-            )
-        };
-        run_ours()?;
-        run_lt()?;
-        let err = rel_err(&p.d.to_vec(&stream)?, &p.d_ref.to_vec(&stream)?);
-        if err.is_nan() || err >= 2e-2 {
-            return Err(
-                format!("{m}x{n}x{k}: ours and cuBLASLt differ (rel err {err:.2e})").into(),
-            );
-        }
-        let ours = tflops(
-            m,
-            n,
-            k,
-            event_median_ms(&stream, WARMUP, REPS, || run_ours().map_err(Into::into))?,
-        );
-        let theirs = tflops(m, n, k, event_median_ms(&stream, WARMUP, REPS, run_lt)?);
+        let run_ours = || per_tensor(&stream, &p, &one, &p.d, GemmOptions::default());
+        let (ours, theirs, err) = ours_and_cublaslt(
+            &stream,
+            &p,
+            (m, n, k),
+            &plan,
+            &format!("{m}x{n}x{k}"),
+            run_ours,
+        )?;
         rows.push(Row {
             name: format!("gemm {m}x{n}x{k} e4m3 -> bf16"),
             value: ours,
@@ -215,36 +241,17 @@ pub fn run() -> BenchResult<Vec<Row>> {
         let plan = lt.plan(m, n, k, scales)?;
         let ws = DeviceBuffer::<u8>::alloc(&ctx, split_k_workspace_bytes(GemmShape::new(m, n, k)))?;
         let run_ours = || {
-            gemm(
+            per_tensor(
                 &stream,
-                GemmShape::new(m, n, k),
-                e4m3(&p.a, &one),
-                e4m3(&p.b, &one),
-                GemmOut::Bf16(&p.d),
+                &p,
+                &one,
+                &p.d,
                 GemmOptions::default().workspace(&ws),
             )
         };
-        let run_lt = || {
-            plan.run(
-                stream.as_raw(),
-                p.a.as_raw(),
-                p.b.as_raw(),
-                p.d_ref.as_raw(),
-            )
-        };
-        run_ours()?;
-        run_lt()?;
-        let err = rel_err(&p.d.to_vec(&stream)?, &p.d_ref.to_vec(&stream)?);
-        if err.is_nan() || err >= 2e-2 {
-            return Err(format!("{m}x{n}x{k} split K: off cuBLASLt by {err:.2e}").into());
-        }
-        let ours = tflops(
-            m,
-            n,
-            k,
-            event_median_ms(&stream, WARMUP, REPS, || run_ours().map_err(Into::into))?,
-        );
-        let theirs = tflops(m, n, k, event_median_ms(&stream, WARMUP, REPS, run_lt)?);
+        let what = format!("{m}x{n}x{k} split K");
+        let (ours, theirs, err) =
+            ours_and_cublaslt(&stream, &p, (m, n, k), &plan, &what, run_ours)?;
         rows.push(Row {
             name: format!("gemm {m}x{n}x{k} e4m3 -> bf16, split-K workspace"),
             value: ours,
@@ -287,16 +294,7 @@ pub fn run() -> BenchResult<Vec<Row>> {
                 GemmOptions::default().path(GemmPath::Hopper),
             )
         };
-        let run_tensor = || {
-            gemm(
-                &stream,
-                GemmShape::new(m, n, k),
-                e4m3(&p.a, &one),
-                e4m3(&p.b, &one),
-                GemmOut::Bf16(&p.d_ref),
-                GemmOptions::default(),
-            )
-        };
+        let run_tensor = || per_tensor(&stream, &p, &one, &p.d_ref, GemmOptions::default());
         run_block()?;
         let ms = |f: &mut dyn FnMut() -> BenchResult<()>| event_median_ms(&stream, WARMUP, REPS, f);
         let block = tflops(m, n, k, ms(&mut || run_block().map_err(Into::into))?);
@@ -319,12 +317,11 @@ pub fn run() -> BenchResult<Vec<Row>> {
         let plan = lt.plan(m, n, k, scales)?;
         let fast_plan = lt.plan_with(m, n, k, scales, true)?;
         let run_ours = |d: &DeviceBuffer<bf16>, fast: bool| {
-            gemm(
+            per_tensor(
                 &stream,
-                GemmShape::new(m, n, k),
-                e4m3(&p.a, &one),
-                e4m3(&p.b, &one),
-                GemmOut::Bf16(d),
+                &p,
+                &one,
+                d,
                 GemmOptions::default().fast_accumulation(fast),
             )
         };

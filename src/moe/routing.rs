@@ -842,35 +842,18 @@ impl Router {
             t, h, e, chunks, ..
         } = self.n;
         let n32 = e * h;
-        let chunks = if d.experts >= LOGITS_GEMM_EXPERTS {
+        // Both kernels take the same arguments: (the kernel, its launch, tokens per chunk,
+        // the chunks of partial sums it writes).
+        let (kernel, cfg, chunk, chunks) = if d.experts >= LOGITS_GEMM_EXPERTS {
             let chunk = WGRAD_TILED_TOKENS as u32;
-            let tiled_chunks = t.div_ceil(chunk);
+            let tiled = t.div_ceil(chunk);
             let cfg = LaunchConfig {
-                grid: (
-                    h.div_ceil(LOGITS_TILE),
-                    e.div_ceil(LOGITS_TILE),
-                    tiled_chunks,
-                ),
+                grid: (h.div_ceil(LOGITS_TILE), e.div_ceil(LOGITS_TILE), tiled),
                 block: (LOGITS_THREADS, 1, 1),
                 shared_mem_bytes: 0,
                 attributes: Vec::new(),
             };
-            let args = KernelArgs::new()
-                .arg(&b.d_logits)
-                .arg(x)
-                .arg(&b.wgrad_partial)
-                .arg(&t)
-                .arg(&h)
-                .arg(&e)
-                .arg(&chunk);
-            // SAFETY: block (bx, by, c) reads d_logits and x at the tokens of chunk c (< T),
-            // experts < E and columns < H (16-byte loads only for whole 16-value pieces below
-            // E or H, when E % 4 == 0 / H % 8 == 0 and the kernel finds the buffers 16-byte
-            // aligned), and writes wgrad_partial[c * E * H + e * H + h] for e < E, h < H; c <
-            // ceil(T / WGRAD_TILED_TOKENS) <= ceil(T / WGRAD_CHUNK) = chunks (chunks * E * H
-            // allocated). Its shared memory is static.
-            unsafe { stream.launch_pdl(&self.k.wgrad_tiled, &cfg, &args) }?;
-            tiled_chunks
+            (&self.k.wgrad_tiled, cfg, chunk, tiled)
         } else {
             let chunk = WGRAD_CHUNK as u32;
             let cfg = LaunchConfig {
@@ -878,22 +861,26 @@ impl Router {
                 shared_mem_bytes: chunk * WGRAD_EXPERTS * 4,
                 ..LaunchConfig::linear(1, BLOCK)
             };
-            let args = KernelArgs::new()
-                .arg(&b.d_logits)
-                .arg(x)
-                .arg(&b.wgrad_partial)
-                .arg(&t)
-                .arg(&h)
-                .arg(&e)
-                .arg(&chunk);
-            // SAFETY: block (b, c, g) reads d_logits and x at the tokens of chunk c (< T),
-            // experts g * 8 + i < E and columns b * 256 + i < H, and writes wgrad_partial[c *
-            // E * H + e * H + h] for those (chunks * E * H allocated); shared memory holds the
-            // chunk * 8 floats it uses; the 16-byte vector accesses are taken only when H % 8
-            // == 0 and the kernel finds x and wgrad_partial 16-byte aligned.
-            unsafe { stream.launch_pdl(&self.k.wgrad_partial, &cfg, &args) }?;
-            chunks
+            (&self.k.wgrad_partial, cfg, chunk, chunks)
         };
+        let args = KernelArgs::new()
+            .arg(&b.d_logits)
+            .arg(x)
+            .arg(&b.wgrad_partial)
+            .arg(&t)
+            .arg(&h)
+            .arg(&e)
+            .arg(&chunk);
+        // SAFETY: each block reads d_logits and x at the tokens of its chunk (< T), experts < E
+        // and columns < H, and writes wgrad_partial[c * E * H + e * H + h] for its chunk c <
+        // `chunks` <= ceil(T / WGRAD_CHUNK) (WGRAD_TILED_TOKENS >= WGRAD_CHUNK; that many * E
+        // * H allocated). moe_router_wgrad_partial (block (b, c, g): experts g * 8 + i, columns
+        // b * 256 + i) holds the chunk * 8 floats of dynamic shared memory it uses, and takes
+        // 16-byte accesses only when H % 8 == 0 and it finds x and wgrad_partial 16-byte
+        // aligned; moe_router_wgrad_tiled (block (bx, by, c): a 64 x 64 tile) has static shared
+        // memory and takes 16-byte loads only for whole 16-value pieces below E or H, when E %
+        // 4 == 0 / H % 8 == 0 and it finds the buffer 16-byte aligned.
+        unsafe { stream.launch_pdl(kernel, &cfg, &args) }?;
         let acc = u32::from(accumulate);
         let args = KernelArgs::new()
             .arg(&b.wgrad_partial)

@@ -1162,6 +1162,11 @@ mod tests {
         }
     }
 
+    /// D's values as bits (bf16 outputs widened to f32 first), for bit-for-bit comparisons.
+    fn d_bits(s: &Stream, c: &Case, dv: &Dev) -> Vec<u32> {
+        read_d(s, c, dv).iter().map(|x| x.to_bits()).collect()
+    }
+
     /// Checks D against the fp64 reference (rows below the counts) and the poison (rows at
     /// or above them, which must be untouched); returns max |err| / max |ref|.
     fn verify(s: &Stream, c: &Case, h: &HostData, dv: &Dev, counts: Option<&[i32]>) -> f64 {
@@ -1413,12 +1418,7 @@ mod tests {
             for store in [true, false] {
                 reset_d(&s, &c, &h, &mut dv);
                 launch_epilogue(&s, &problem(&c, &dv), Some(256), store).unwrap();
-                bits.push(
-                    read_d(&s, &c, &dv)
-                        .iter()
-                        .map(|x| x.to_bits())
-                        .collect::<Vec<_>>(),
-                );
+                bits.push(d_bits(&s, &c, &dv));
             }
             assert!(
                 bits[0] == bits[1],
@@ -1442,12 +1442,7 @@ mod tests {
                 c.fast = fast;
                 reset_d(&s, &c, &h, &mut dv);
                 launch(&s, &problem(&c, &dv)).unwrap();
-                bits.push(
-                    read_d(&s, &c, &dv)
-                        .iter()
-                        .map(|x| x.to_bits())
-                        .collect::<Vec<_>>(),
-                );
+                bits.push(d_bits(&s, &c, &dv));
             }
             assert!(
                 bits[0] == bits[1],
