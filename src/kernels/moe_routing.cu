@@ -770,7 +770,7 @@ __device__ __forceinline__ void rl_tile_gemm(Loader &ld, unsigned k_len, RlTile 
 
 // 16 consecutive values of a bf16 row from column c (those at or past `len`, or all when
 // `!valid`, are 0): two 16-byte loads when `vec` and the 16 lie below len, else one by one.
-__device__ __forceinline__ void rl_load_bf16(const __nv_bfloat16 *row, unsigned c, unsigned len,
+__device__ __forceinline__ void rl_load(const __nv_bfloat16 *row, unsigned c, unsigned len,
                                              bool valid, bool vec, float (&v)[16]) {
     if (vec && c + 16 <= len) {
 #pragma unroll
@@ -792,7 +792,7 @@ __device__ __forceinline__ void rl_load_bf16(const __nv_bfloat16 *row, unsigned 
 }
 
 // The same for an f32 row (four 16-byte loads when `vec`).
-__device__ __forceinline__ void rl_load_f32(const float *row, unsigned c, unsigned len,
+__device__ __forceinline__ void rl_load(const float *row, unsigned c, unsigned len,
                                             bool valid, bool vec, float (&v)[16]) {
     if (vec && c + 16 <= len) {
 #pragma unroll
@@ -808,35 +808,61 @@ __device__ __forceinline__ void rl_load_f32(const float *row, unsigned c, unsign
     }
 }
 
-// The logits: m = tokens, n = experts, k = hidden; A[h, t] = x[t, h], B[h, e] = wr[e, h]:
-// thread i loads row i / 2 of x's and of wr's tile, columns h0 + (i % 2) * 16 .. + 15, and
-// stores them transposed (k-major).
-struct RlLogitsLoader {
-    const __nv_bfloat16 *x;
-    const float *wr;
-    unsigned tokens, hidden, experts, t0, e0;
+// One thread's 16 values of an operand tile, loaded from a row-major array (`base`, rows of
+// `len` elements) and written to a k-major shared tile. Transposed (`RlPieceT`): the tile's
+// 64 m-rows are rows m0 .. m0 + 63 of the array and its k runs along them (thread i: row
+// i / 2, k (i % 2) * 16 .. + 15 of the chunk). Natural (`RlPieceN`): the tile's k-rows are the
+// array's rows kb .. ke - 1 and its 64 columns run along them from c0 (thread i: k-row i / 4,
+// columns (i % 4) * 16 .. + 15). Past the array's rows or row length the values are 0.
+template <typename E> struct RlPieceT {
+    const E *base;
+    unsigned rows, len, m0;
     bool vec;
-    float xv[16], wv[16];
-    __device__ __forceinline__ unsigned row() const { return threadIdx.x / 2; }
-    __device__ __forceinline__ unsigned col() const { return (threadIdx.x % 2) * 16; }
-    __device__ __forceinline__ void load(unsigned h0) {
-        const unsigned t = t0 + row(), e = e0 + row();
-        rl_load_bf16(x + (size_t)min(t, tokens - 1) * hidden, h0 + col(), hidden, t < tokens,
-                     vec, xv);
-        rl_load_f32(wr + (size_t)min(e, experts - 1) * hidden, h0 + col(), hidden, e < experts,
-                    vec, wv);
+    float v[16];
+    __device__ __forceinline__ void load(unsigned k0) {
+        const unsigned r = m0 + threadIdx.x / 2;
+        rl_load(base + (size_t)min(r, rows - 1) * len, k0 + (threadIdx.x % 2) * 16, len,
+                r < rows, vec, v);
+    }
+    __device__ __forceinline__ void store(RlTile &t) const {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) t[(threadIdx.x % 2) * 16 + i][threadIdx.x / 2] = v[i];
+    }
+};
+template <typename E> struct RlPieceN {
+    const E *base;
+    unsigned kb, ke, len, c0;
+    bool vec;
+    float v[16];
+    __device__ __forceinline__ void load(unsigned k0) {
+        const unsigned r = kb + k0 + threadIdx.x / 4;
+        rl_load(base + (size_t)(r < ke ? r : kb) * len, c0 + (threadIdx.x % 4) * 16, len, r < ke,
+                vec, v);
+    }
+    __device__ __forceinline__ void store(RlTile &t) const {
+        float *row = &t[threadIdx.x / 4][(threadIdx.x % 4) * 16];
+#pragma unroll
+        for (int i = 0; i < 16; i += 4)
+            *reinterpret_cast<float4 *>(row + i) = make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
+    }
+};
+// rl_tile_gemm's loader from two pieces: A's into `as`, B's into `bs`.
+template <class A, class B> struct RlLoader {
+    A a;
+    B b;
+    __device__ __forceinline__ void load(unsigned k0) {
+        a.load(k0);
+        b.load(k0);
     }
     __device__ __forceinline__ void store(RlTile &as, RlTile &bs) const {
-#pragma unroll
-        for (int v = 0; v < 16; ++v) {
-            as[col() + v][row()] = xv[v];
-            bs[col() + v][row()] = wv[v];
-        }
+        a.store(as);
+        b.store(bs);
     }
 };
 
-// logits[t, e] = sum_h x[t, h] * wr[e, h] in f32 (see rl_tile_gemm): block (bx, by) takes the
-// tokens bx * 64 .. + 63 and the experts by * 64 .. + 63. moe_router_forward then reads them
+// logits[t, e] = sum_h x[t, h] * wr[e, h] in f32 (see rl_tile_gemm; m = tokens, n = experts,
+// k = hidden, both operands transposed into the tiles): block (bx, by) takes the tokens
+// bx * 64 .. + 63 and the experts by * 64 .. + 63. moe_router_forward then reads them
 // (`precomputed`).
 extern "C" __global__ void __launch_bounds__(RL_THREADS)
     moe_router_logits(const __nv_bfloat16 *x, const float *wr, float *logits, unsigned tokens,
@@ -844,8 +870,9 @@ extern "C" __global__ void __launch_bounds__(RL_THREADS)
     cuda_graph::pdl_enter();
     __shared__ __align__(16) RlTile as[2], bs[2];
     const unsigned t0 = blockIdx.x * RL_T, e0 = blockIdx.y * RL_T;
-    RlLogitsLoader ld{x, wr, tokens, hidden, experts, t0, e0,
-                      hidden % 8 == 0 && aligned16(x) && aligned16(wr)};
+    const bool vec = hidden % 8 == 0 && aligned16(x) && aligned16(wr);
+    RlLoader<RlPieceT<__nv_bfloat16>, RlPieceT<float>> ld{{x, tokens, hidden, t0, vec},
+                                                           {wr, experts, hidden, e0, vec}};
     float acc[8][4];
     rl_tile_gemm(ld, hidden, as, bs, acc);
     const unsigned tx = threadIdx.x % 16, ty = threadIdx.x / 16;
@@ -862,34 +889,64 @@ extern "C" __global__ void __launch_bounds__(RL_THREADS)
     }
 }
 
-// The router weight gradient's partial sums: m = experts, n = hidden columns, k = tokens;
-// A[t, e] = d_logits[t, e], B[t, h] = x[t, h], both already k-major: thread i loads row
-// i / 4 of each tile (token t0 + i / 4), columns (i % 4) * 16 .. + 15.
-struct RlWgradLoader {
-    const float *dl;
-    const __nv_bfloat16 *x;
-    unsigned t0, t_end, hidden, experts, e0, h0;
-    bool vec_dl, vec_x;
-    float av[16], bv[16];
-    __device__ __forceinline__ unsigned row() const { return threadIdx.x / 4; }
-    __device__ __forceinline__ unsigned col() const { return (threadIdx.x % 4) * 16; }
-    __device__ __forceinline__ void load(unsigned k0) {
-        const unsigned t = t0 + k0 + row();
-        const bool in = t < t_end;
-        const size_t tr = in ? t : t0;
-        rl_load_f32(dl + tr * experts, e0 + col(), experts, in, vec_dl, av);
-        rl_load_bf16(x + tr * hidden, h0 + col(), hidden, in, vec_x, bv);
-    }
-    __device__ __forceinline__ void store(RlTile &as, RlTile &bs) const {
+// The input gradient for many experts (the launcher's choice, routing.rs): dx[t, h] = sum_j
+// dxp[row_of[t, j], h] (j order; rows outside [0, rows) add nothing) + sum_e d_logits[t, e] *
+// wr[e, h] (rl_tile_gemm: m = tokens, n = hidden columns, k = experts; d_logits transposed
+// into the tiles, wr as it is), in f32, rounded to bf16. Block (bx, by) takes the tokens
+// bx * 64 .. + 63 and the columns by * 64 .. + 63; a thread's expert rows are read 4 columns
+// (8 bytes) at a time where H % 4 == 0 and dxp, dx are 8-byte aligned.
+extern "C" __global__ void __launch_bounds__(RL_THREADS)
+    moe_unpermute_backward_tiled(const __nv_bfloat16 *dxp, const int *row_of,
+                                 const float *d_logits, const float *wr, __nv_bfloat16 *dx,
+                                 unsigned tokens, unsigned hidden, unsigned experts, unsigned k,
+                                 unsigned rows) {
+    cuda_graph::pdl_enter();
+    __shared__ __align__(16) RlTile as[2], bs[2];
+    const unsigned t0 = blockIdx.x * RL_T, h0 = blockIdx.y * RL_T;
+    RlLoader<RlPieceT<float>, RlPieceN<float>> ld{
+        {d_logits, tokens, experts, t0, experts % 4 == 0 && aligned16(d_logits)},
+        {wr, 0, experts, hidden, h0, hidden % 4 == 0 && aligned16(wr)}};
+    float acc[8][4];
+    rl_tile_gemm(ld, experts, as, bs, acc);
+    const unsigned tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    const unsigned h = h0 + tx * 4;
+    if (h >= hidden) return;
+    const bool vec = hidden % 4 == 0 && (reinterpret_cast<size_t>(dxp) & 7) == 0 &&
+                     (reinterpret_cast<size_t>(dx) & 7) == 0;
 #pragma unroll
-        for (int v = 0; v < 16; v += 4) {
-            *reinterpret_cast<float4 *>(&as[row()][col() + v]) =
-                make_float4(av[v], av[v + 1], av[v + 2], av[v + 3]);
-            *reinterpret_cast<float4 *>(&bs[row()][col() + v]) =
-                make_float4(bv[v], bv[v + 1], bv[v + 2], bv[v + 3]);
+    for (int i = 0; i < 8; ++i) {
+        const unsigned t = t0 + ty * 8 + i;
+        if (t >= tokens) break;
+        float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (unsigned j = 0; j < k; ++j) {
+            const int r = row_of[(size_t)t * k + j];
+            if (r < 0 || (unsigned)r >= rows) continue;
+            const __nv_bfloat16 *src = dxp + (size_t)r * hidden + h;
+            if (vec) {
+                const uint2 u = __ldg(reinterpret_cast<const uint2 *>(src));
+                const __nv_bfloat162 *p = reinterpret_cast<const __nv_bfloat162 *>(&u);
+                const float2 a = __bfloat1622float2(p[0]), b = __bfloat1622float2(p[1]);
+                sum[0] += a.x, sum[1] += a.y, sum[2] += b.x, sum[3] += b.y;
+            } else {
+#pragma unroll
+                for (int q = 0; q < 4; ++q)
+                    if (h + q < hidden) sum[q] += __bfloat162float(src[q]);
+            }
+        }
+        __nv_bfloat16 *out = dx + (size_t)t * hidden + h;
+        if (vec) {
+            uint2 u;
+            __nv_bfloat162 *p = reinterpret_cast<__nv_bfloat162 *>(&u);
+            p[0] = __floats2bfloat162_rn(sum[0] + acc[i][0], sum[1] + acc[i][1]);
+            p[1] = __floats2bfloat162_rn(sum[2] + acc[i][2], sum[3] + acc[i][3]);
+            *reinterpret_cast<uint2 *>(out) = u;
+        } else {
+#pragma unroll
+            for (int q = 0; q < 4; ++q)
+                if (h + q < hidden) out[q] = __float2bfloat16_rn(sum[q] + acc[i][q]);
         }
     }
-};
+}
 
 // Router weight gradient, step 1 of 2 for many experts: partial[c, e, h] = sum over the
 // tokens t of chunk c (`chunk` tokens each, in order) of d_logits[t, e] * x[t, h] (see
@@ -903,9 +960,10 @@ extern "C" __global__ void __launch_bounds__(RL_THREADS)
     const unsigned h0 = blockIdx.x * RL_T, e0 = blockIdx.y * RL_T, t0 = blockIdx.z * chunk;
     if (t0 >= tokens) return;
     const unsigned nt = min(chunk, tokens - t0);
-    RlWgradLoader ld{d_logits, x, t0, t0 + nt, hidden, experts, e0, h0,
-                     experts % 4 == 0 && aligned16(d_logits),
-                     hidden % 8 == 0 && aligned16(x)};
+    // m = experts, n = hidden columns, k = the chunk's tokens; both operands are token-major.
+    RlLoader<RlPieceN<float>, RlPieceN<__nv_bfloat16>> ld{
+        {d_logits, t0, t0 + nt, experts, e0, experts % 4 == 0 && aligned16(d_logits)},
+        {x, t0, t0 + nt, hidden, h0, hidden % 8 == 0 && aligned16(x)}};
     float acc[8][4];
     rl_tile_gemm(ld, nt, as, bs, acc);
     const unsigned tx = threadIdx.x % 16, ty = threadIdx.x / 16;
