@@ -889,65 +889,6 @@ extern "C" __global__ void __launch_bounds__(RL_THREADS)
     }
 }
 
-// The input gradient for many experts (the launcher's choice, routing.rs): dx[t, h] = sum_j
-// dxp[row_of[t, j], h] (j order; rows outside [0, rows) add nothing) + sum_e d_logits[t, e] *
-// wr[e, h] (rl_tile_gemm: m = tokens, n = hidden columns, k = experts; d_logits transposed
-// into the tiles, wr as it is), in f32, rounded to bf16. Block (bx, by) takes the tokens
-// bx * 64 .. + 63 and the columns by * 64 .. + 63; a thread's expert rows are read 4 columns
-// (8 bytes) at a time where H % 4 == 0 and dxp, dx are 8-byte aligned.
-extern "C" __global__ void __launch_bounds__(RL_THREADS)
-    moe_unpermute_backward_tiled(const __nv_bfloat16 *dxp, const int *row_of,
-                                 const float *d_logits, const float *wr, __nv_bfloat16 *dx,
-                                 unsigned tokens, unsigned hidden, unsigned experts, unsigned k,
-                                 unsigned rows) {
-    cuda_graph::pdl_enter();
-    __shared__ __align__(16) RlTile as[2], bs[2];
-    const unsigned t0 = blockIdx.x * RL_T, h0 = blockIdx.y * RL_T;
-    RlLoader<RlPieceT<float>, RlPieceN<float>> ld{
-        {d_logits, tokens, experts, t0, experts % 4 == 0 && aligned16(d_logits)},
-        {wr, 0, experts, hidden, h0, hidden % 4 == 0 && aligned16(wr)}};
-    float acc[8][4];
-    rl_tile_gemm(ld, experts, as, bs, acc);
-    const unsigned tx = threadIdx.x % 16, ty = threadIdx.x / 16;
-    const unsigned h = h0 + tx * 4;
-    if (h >= hidden) return;
-    const bool vec = hidden % 4 == 0 && (reinterpret_cast<size_t>(dxp) & 7) == 0 &&
-                     (reinterpret_cast<size_t>(dx) & 7) == 0;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        const unsigned t = t0 + ty * 8 + i;
-        if (t >= tokens) break;
-        float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (unsigned j = 0; j < k; ++j) {
-            const int r = row_of[(size_t)t * k + j];
-            if (r < 0 || (unsigned)r >= rows) continue;
-            const __nv_bfloat16 *src = dxp + (size_t)r * hidden + h;
-            if (vec) {
-                const uint2 u = __ldg(reinterpret_cast<const uint2 *>(src));
-                const __nv_bfloat162 *p = reinterpret_cast<const __nv_bfloat162 *>(&u);
-                const float2 a = __bfloat1622float2(p[0]), b = __bfloat1622float2(p[1]);
-                sum[0] += a.x, sum[1] += a.y, sum[2] += b.x, sum[3] += b.y;
-            } else {
-#pragma unroll
-                for (int q = 0; q < 4; ++q)
-                    if (h + q < hidden) sum[q] += __bfloat162float(src[q]);
-            }
-        }
-        __nv_bfloat16 *out = dx + (size_t)t * hidden + h;
-        if (vec) {
-            uint2 u;
-            __nv_bfloat162 *p = reinterpret_cast<__nv_bfloat162 *>(&u);
-            p[0] = __floats2bfloat162_rn(sum[0] + acc[i][0], sum[1] + acc[i][1]);
-            p[1] = __floats2bfloat162_rn(sum[2] + acc[i][2], sum[3] + acc[i][3]);
-            *reinterpret_cast<uint2 *>(out) = u;
-        } else {
-#pragma unroll
-            for (int q = 0; q < 4; ++q)
-                if (h + q < hidden) out[q] = __float2bfloat16_rn(sum[q] + acc[i][q]);
-        }
-    }
-}
-
 // Router weight gradient, step 1 of 2 for many experts: partial[c, e, h] = sum over the
 // tokens t of chunk c (`chunk` tokens each, in order) of d_logits[t, e] * x[t, h] (see
 // rl_tile_gemm); grid (ceil(H / 64), ceil(E / 64), chunks). moe_router_wgrad_reduce adds the

@@ -49,9 +49,11 @@ const MAX_WR_TOKENS: usize = 8;
 /// GEMM (64 tokens x 64 experts per block, every Wr piece used for 64 tokens), before
 /// `moe_router_forward` finishes the tokens from them: its own dot products read all of Wr
 /// once per 8 tokens, which at E = 256, H = 2048, T = 4096 took 0.40 ms on an H200 (0.15 ms
-/// tiled, plus 0.03 to finish). The router weight gradient (`moe_router_wgrad_tiled`) and the
-/// input gradient's router part (`moe_unpermute_backward_tiled`) go through the same tile
-/// loop.
+/// tiled, plus 0.03 to finish). The router weight gradient (`moe_router_wgrad_tiled`, 0.13 ms
+/// against 0.25) goes through the same tile loop. The input gradient does not: a tiled version
+/// (the tile's d_logits . Wr plus the token's expert rows in its epilogue) took 0.27 ms
+/// against `moe_unpermute_backward`'s 0.17 at E = 256, its epilogue's row gathers waiting on
+/// each other.
 const LOGITS_GEMM_EXPERTS: usize = 32;
 /// Tokens per chunk of `moe_router_wgrad_tiled` (the router weight gradient from
 /// [`LOGITS_GEMM_EXPERTS`] experts on): ceil(T / 1024) partial sums, added in order.
@@ -378,7 +380,6 @@ struct Kernels {
     combine: Kernel,
     combine_backward: Kernel,
     input_backward: Kernel,
-    input_backward_tiled: Kernel,
     wgrad_partial: Kernel,
     wgrad_tiled: Kernel,
     wgrad_reduce: Kernel,
@@ -479,7 +480,6 @@ impl Router {
             combine: module.kernel("moe_combine_forward")?,
             combine_backward: module.kernel("moe_combine_backward")?,
             input_backward: module.kernel("moe_unpermute_backward")?,
-            input_backward_tiled: module.kernel("moe_unpermute_backward_tiled")?,
             wgrad_partial: module.kernel("moe_router_wgrad_partial")?,
             wgrad_tiled: module.kernel("moe_router_wgrad_tiled")?,
             wgrad_reduce: module.kernel("moe_router_wgrad_reduce")?,
@@ -803,33 +803,6 @@ impl Router {
             wr_tokens,
             ..
         } = self.n;
-        if d.experts >= LOGITS_GEMM_EXPERTS {
-            let cfg = LaunchConfig {
-                grid: (t.div_ceil(LOGITS_TILE), h.div_ceil(LOGITS_TILE), 1),
-                block: (LOGITS_THREADS, 1, 1),
-                shared_mem_bytes: 0,
-                attributes: Vec::new(),
-            };
-            let args = KernelArgs::new()
-                .arg(dxp)
-                .arg(&b.row_of)
-                .arg(&b.d_logits)
-                .arg(wr)
-                .arg(dx)
-                .arg(&t)
-                .arg(&h)
-                .arg(&e)
-                .arg(&k)
-                .arg(&rows);
-            // SAFETY: block (bx, by) takes the tokens t < T and columns h < H of its 64 x 64
-            // tile: reads row_of at t * k + j, dxp rows inside [0, rows) (checked in the
-            // kernel), d_logits' rows t (E values each) and wr's rows e < E, and writes dx[t,
-            // h]; lengths checked. Its 16-byte loads are taken only for whole 16-value pieces
-            // below E or H, when E % 4 == 0 / H % 4 == 0 and it finds d_logits / wr 16-byte
-            // aligned; its 8-byte accesses to dxp and dx only when H % 4 == 0 and both are
-            // 8-byte aligned. Its shared memory is static.
-            return unsafe { stream.launch_pdl(&self.k.input_backward_tiled, &cfg, &args) };
-        }
         let mut cfg = LaunchConfig::linear(t.div_ceil(wr_tokens), BLOCK);
         cfg.shared_mem_bytes = MAX_WR_TOKENS as u32 * e * 4;
         let args = KernelArgs::new()
