@@ -291,8 +291,9 @@ pub struct GemmOptions<'a> {
     /// has the figures). Elsewhere the GEMM is computed as without it. Default `false`.
     pub fast_accumulation: bool,
     /// Plain GEMMs ([`gemm`]) only: scratch memory (16-byte aligned) the sm_90a path may
-    /// split K over when the output has too few tiles to fill the SMs (skinny M: decode-sized
-    /// batches against large weights). The splits write f32 partial products into it and one
+    /// split K over when the output's 128 x 128 tiles fill at most a quarter of the SMs
+    /// (skinny M: decode-sized batches against large weights; fewer than 4 splits cost more
+    /// than they gain). The splits write f32 partial products into it and one
     /// more kernel adds them in split order into D (with the bias, and D when accumulating):
     /// deterministic, and within the f32 rounding of the unsplit sum. A workspace of
     /// [`split_k_workspace_bytes`] bytes allows every split the path may choose; a smaller
