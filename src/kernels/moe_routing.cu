@@ -771,7 +771,7 @@ __device__ __forceinline__ void rl_tile_gemm(Loader &ld, unsigned k_len, RlTile 
 // 16 consecutive values of a bf16 row from column c (those at or past `len`, or all when
 // `!valid`, are 0): two 16-byte loads when `vec` and the 16 lie below len, else one by one.
 __device__ __forceinline__ void rl_load(const __nv_bfloat16 *row, unsigned c, unsigned len,
-                                             bool valid, bool vec, float (&v)[16]) {
+                                        bool valid, bool vec, float (&v)[16]) {
     if (vec && c + 16 <= len) {
 #pragma unroll
         for (int q = 0; q < 2; ++q) {
@@ -793,7 +793,7 @@ __device__ __forceinline__ void rl_load(const __nv_bfloat16 *row, unsigned c, un
 
 // The same for an f32 row (four 16-byte loads when `vec`).
 __device__ __forceinline__ void rl_load(const float *row, unsigned c, unsigned len,
-                                            bool valid, bool vec, float (&v)[16]) {
+                                        bool valid, bool vec, float (&v)[16]) {
     if (vec && c + 16 <= len) {
 #pragma unroll
         for (int q = 0; q < 2; ++q) {
