@@ -178,7 +178,6 @@ fn per_tensor(
 fn ours_and_cublaslt(
     stream: &Stream,
     p: &Dense,
-    (m, n, k): (usize, usize, usize),
     plan: &Plan<'_>,
     what: &str,
     run_ours: impl Fn() -> cuda_graph::Result<()>,
@@ -199,6 +198,7 @@ fn ours_and_cublaslt(
     }
     let ours = event_median_ms(stream, WARMUP, REPS, || run_ours().map_err(Into::into))?;
     let theirs = event_median_ms(stream, WARMUP, REPS, run_lt)?;
+    let GemmShape { m, n, k } = p.shape;
     Ok((tflops(m, n, k, ours), tflops(m, n, k, theirs), err))
 }
 
@@ -214,14 +214,8 @@ pub fn run() -> BenchResult<Vec<Row>> {
         let p = dense(&stream, m, n, k, 10 + i as u64)?;
         let plan = lt.plan(m, n, k, scales)?;
         let run_ours = || per_tensor(&stream, &p, &one, &p.d, GemmOptions::default());
-        let (ours, theirs, err) = ours_and_cublaslt(
-            &stream,
-            &p,
-            (m, n, k),
-            &plan,
-            &format!("{m}x{n}x{k}"),
-            run_ours,
-        )?;
+        let (ours, theirs, err) =
+            ours_and_cublaslt(&stream, &p, &plan, &format!("{m}x{n}x{k}"), run_ours)?;
         rows.push(Row {
             name: format!("gemm {m}x{n}x{k} e4m3 -> bf16"),
             value: ours,
@@ -250,8 +244,7 @@ pub fn run() -> BenchResult<Vec<Row>> {
             )
         };
         let what = format!("{m}x{n}x{k} split K");
-        let (ours, theirs, err) =
-            ours_and_cublaslt(&stream, &p, (m, n, k), &plan, &what, run_ours)?;
+        let (ours, theirs, err) = ours_and_cublaslt(&stream, &p, &plan, &what, run_ours)?;
         rows.push(Row {
             name: format!("gemm {m}x{n}x{k} e4m3 -> bf16, split-K workspace"),
             value: ours,

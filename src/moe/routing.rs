@@ -50,22 +50,30 @@ const MAX_WR_TOKENS: usize = 8;
 /// `moe_router_forward` finishes the tokens from them: its own dot products read all of Wr
 /// once per 8 tokens, which at E = 256, H = 2048, T = 4096 took 0.40 ms on an H200 (0.15 ms
 /// tiled, plus 0.03 to finish). The router weight gradient (`moe_router_wgrad_tiled`, 0.13 ms
-/// against 0.25) goes through the same tile loop. The input gradient does not: a tiled version
-/// (the tile's d_logits . Wr plus the token's expert rows in its epilogue) took 0.27 ms
-/// against `moe_unpermute_backward`'s 0.17 at E = 256, its epilogue's row gathers waiting on
-/// each other.
-const LOGITS_GEMM_EXPERTS: usize = 32;
+/// against 0.25) goes through the same tile loop; the input gradient does not (a tiled
+/// version measured slower: docs/perf-notes.md, 2026-12-02).
+const TILED_ROUTER_EXPERTS: usize = 32;
 /// Tokens per chunk of `moe_router_wgrad_tiled` (the router weight gradient from
-/// [`LOGITS_GEMM_EXPERTS`] experts on): ceil(T / 1024) partial sums, added in order.
+/// [`TILED_ROUTER_EXPERTS`] experts on): ceil(T / 1024) partial sums, added in order.
 const WGRAD_TILED_TOKENS: usize = 1024;
 const _: () = assert!(
     WGRAD_TILED_TOKENS >= WGRAD_CHUNK,
     "the partials fit the buffer"
 );
 /// Rows and columns of a `moe_router_logits` / `moe_router_wgrad_tiled` block's tile (`RL_T`).
-const LOGITS_TILE: u32 = 64;
+const ROUTER_TILE: u32 = 64;
 /// Threads per block of the tiled router kernels (`RL_THREADS`).
-const LOGITS_THREADS: u32 = 128;
+const ROUTER_TILE_THREADS: u32 = 128;
+
+/// The launch of a tiled router kernel over `grid` tiles (static shared memory).
+fn tiled_launch(grid: (u32, u32, u32)) -> LaunchConfig {
+    LaunchConfig {
+        grid,
+        block: (ROUTER_TILE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+        attributes: Vec::new(),
+    }
+}
 /// Tokens per block of the `Wr` kernels: one block per 128 tokens would be about one per SM;
 /// more tokens per block only once that many blocks fill the GPU.
 const WR_TOKENS_STEP: usize = 128;
@@ -548,14 +556,9 @@ impl Router {
             ..
         } = self.n;
         let (score, renorm) = self.score_args();
-        let precomputed = u32::from(d.experts >= LOGITS_GEMM_EXPERTS);
+        let precomputed = u32::from(d.experts >= TILED_ROUTER_EXPERTS);
         if precomputed != 0 {
-            let cfg = LaunchConfig {
-                grid: (t.div_ceil(LOGITS_TILE), e.div_ceil(LOGITS_TILE), 1),
-                block: (LOGITS_THREADS, 1, 1),
-                shared_mem_bytes: 0,
-                attributes: Vec::new(),
-            };
+            let cfg = tiled_launch((t.div_ceil(ROUTER_TILE), e.div_ceil(ROUTER_TILE), 1));
             let args = KernelArgs::new()
                 .arg(x)
                 .arg(wr)
@@ -847,15 +850,10 @@ impl Router {
         let n32 = e * h;
         // Both kernels take the same arguments: (the kernel, its launch, tokens per chunk,
         // the chunks of partial sums it writes).
-        let (kernel, cfg, chunk, chunks) = if d.experts >= LOGITS_GEMM_EXPERTS {
+        let (kernel, cfg, chunk, chunks) = if d.experts >= TILED_ROUTER_EXPERTS {
             let chunk = WGRAD_TILED_TOKENS as u32;
             let tiled = t.div_ceil(chunk);
-            let cfg = LaunchConfig {
-                grid: (h.div_ceil(LOGITS_TILE), e.div_ceil(LOGITS_TILE), tiled),
-                block: (LOGITS_THREADS, 1, 1),
-                shared_mem_bytes: 0,
-                attributes: Vec::new(),
-            };
+            let cfg = tiled_launch((h.div_ceil(ROUTER_TILE), e.div_ceil(ROUTER_TILE), tiled));
             (&self.k.wgrad_tiled, cfg, chunk, tiled)
         } else {
             let chunk = WGRAD_CHUNK as u32;

@@ -307,9 +307,9 @@ pub(crate) fn launch(stream: &Stream, p: &GemmProblem<'_>) -> Result<()> {
 }
 
 /// The K splits of a plain `m x n x k` GEMM on `sms` SMs with `ws_bytes` of workspace: 1
-/// (no split) when its 128 x 128 tiles already fill a quarter of the SMs (fewer splits than 4
-/// do not pay for the reduce: 184 against 212 TFLOP/s at 128x7168x2048 in 2 splits), K is not whole 128-deep
-/// blocks or the workspace holds no two f32 copies of D; otherwise the most splits up to
+/// (no split) when its 128 x 128 tiles already fill a quarter of the SMs (fewer splits than
+/// 4 do not pay for the reduce: 184 against 212 TFLOP/s at 128x7168x2048 in 2 splits), K is
+/// not whole 128-deep blocks or the workspace holds no two f32 copies of D; otherwise the most splits up to
 /// [`MAX_SPLIT_K`](super::MAX_SPLIT_K) that divide the k-blocks evenly, leave each split at
 /// least 4 of them, fit the workspace and do not make more tiles than SMs.
 fn split_k(m: usize, n: usize, k: usize, sms: usize, ws_bytes: usize) -> usize {
@@ -411,11 +411,7 @@ fn split_reduce(
         GemmOut::Bf16(b) => args.arg(*b),
         GemmOut::F32(b) => args.arg(*b),
     };
-    let (args, bias_kind) = match &p.bias {
-        Some(Bias::Bf16(b)) => (args.arg(*b), 1u32),
-        Some(Bias::F32(b)) => (args.arg(*b), 2u32),
-        None => (args.arg(&null), 0u32),
-    };
+    let (args, bias_kind) = push_bias(args, &p.bias, &null);
     let args = args.arg(&dims).arg(&bias_kind);
     // SAFETY: the kernel reads `splits` f32 copies of [m, n] from `partial` (sized so by the
     // caller), the bias's n elements, and reads (when accumulating) and writes D's m * n
@@ -525,22 +521,8 @@ fn launch_blockwise_with(
             "sm90 block-scaled GEMM: A and B must be 16-byte aligned, D 8-byte".into(),
         ));
     }
-    if let Some(bn) = forced.filter(|&bn| bn != 128 && bn != 192) {
-        return Err(Error::InvalidArgument(format!(
-            "sm90 block-scaled GEMM: tile width {bn}"
-        )));
-    }
-    let sms = sm_count(stream)? as usize;
-    let bn = forced.unwrap_or_else(|| choose_bn_for(1, m, n, d.elem_size(), sms, false));
-    let name = format!("fp8_gemm_sm90_block_e4m3_e4m3_{}_n{bn}", d.name());
-    let (kern, _) = kernel(stream.context(), &name)?;
-    let smem = smem_bytes(bn, d.elem_size());
-    kern.set_max_dynamic_shared_memory(smem)?;
-    let tiles = m.div_ceil(TILE) * n.div_ceil(bn);
-    let cfg = LaunchConfig {
-        shared_mem_bytes: smem as u32,
-        ..LaunchConfig::linear(tiles.min(sms).max(1) as u32, THREADS)
-    };
+    let formats = (a.format, b.format);
+    let (bn, kern, cfg) = select(stream, "block_", formats, d, (1, m, n), forced)?;
     let ta = tensor_map(a.data, 1, m, k, TILE)?;
     let tb = tensor_map(b.data, 1, n, k, bn)?;
     let (epi, td) = epilogue(accumulate, d, store_map(d, 1, m, n)?);
@@ -557,8 +539,9 @@ fn launch_blockwise_with(
     // SAFETY: the tensor maps cover exactly A ([m, K]) and B ([n, K]), so TMA reads stay
     // inside them; the kernel reads sa[r * ceil(K/128) + kb] for rows r < m and
     // sb[blk * ceil(K/128) + kb] for B's 128-row blocks blk < ceil(N/128) (a tile's blocks
-    // clamped to the last), kb < ceil(K/128) (the caller checked both lengths), and writes D ([m, N], validated) only at rows below m and
-    // columns below N (the store map has D's extent); bias has N elements.
+    // clamped to the last), kb < ceil(K/128) (the caller checked both lengths), and writes D
+    // ([m, N], validated) only at rows below m and columns below N (the store map has D's
+    // extent); bias has N elements.
     unsafe { stream.launch_pdl(&kern, &cfg, &args) }
 }
 
@@ -736,6 +719,16 @@ fn push_head<'a>(
         GemmOut::Bf16(b) => args.arg(*b),
         GemmOut::F32(b) => args.arg(*b),
     };
+    push_bias(args, bias, null)
+}
+
+/// Pushes the bias (`null`, which holds 0, when absent); returns the args and the bias kind
+/// flag (0 none, 1 bf16, 2 f32).
+fn push_bias<'a>(
+    args: KernelArgs<'a>,
+    bias: &'a Option<Bias<'a>>,
+    null: &'a u64,
+) -> (KernelArgs<'a>, u32) {
     match bias {
         None => (args.arg(null), 0),
         Some(Bias::Bf16(b)) => (args.arg(*b), 1),
@@ -771,6 +764,11 @@ mod cpu_tests {
         assert_eq!(
             kernel_name("packed_fast_", e4, e4, "bf16", 128),
             "fp8_gemm_sm90_packed_fast_e4m3_e4m3_bf16_n128"
+        );
+        // FP8K_GEMM_SM90_BLOCK.
+        assert_eq!(
+            kernel_name("block_", e4, e4, "f32", 192),
+            "fp8_gemm_sm90_block_e4m3_e4m3_f32_n192"
         );
     }
 

@@ -252,6 +252,13 @@ impl Bias<'_> {
             Bias::F32(b) => b.as_raw(),
         }
     }
+    /// Bytes per element.
+    pub fn elem_size(&self) -> usize {
+        match self {
+            Bias::Bf16(_) => 2,
+            Bias::F32(_) => 4,
+        }
+    }
 }
 
 /// Which kernel computes a GEMM.
@@ -574,11 +581,7 @@ fn check_workspace(what: &str, ws: &DeviceBuffer<u8>, p: &GemmProblem<'_>) -> Re
         ("D", span(p.d.device_ptr(), p.d.len() * p.d.elem_size())),
     ];
     if let Some(b) = &p.bias {
-        let size = match b {
-            Bias::Bf16(_) => 2,
-            Bias::F32(_) => 4,
-        };
-        others.push(("the bias", span(b.device_ptr(), b.len() * size)));
+        others.push(("the bias", span(b.device_ptr(), b.len() * b.elem_size())));
     }
     for (name, o) in others {
         if w.0 < o.1 && o.0 < w.1 {
