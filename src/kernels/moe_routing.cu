@@ -770,43 +770,33 @@ __device__ __forceinline__ void rl_tile_gemm(Loader &ld, unsigned k_len, RlTile 
     }
 }
 
-// 16 consecutive values of a bf16 row from column c (those at or past `len`, or all when
-// `!valid`, are 0): two 16-byte loads when `vec` and the 16 lie below len, else one by one.
-__device__ __forceinline__ void rl_load(const __nv_bfloat16 *row, unsigned c, unsigned len,
-                                        bool valid, bool vec, float (&v)[16]) {
-    if (vec && c + 16 <= len) {
-#pragma unroll
-        for (int q = 0; q < 2; ++q) {
-            float f[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-            if (valid) {
-                Bf16s<8> b;
-                b.load(row + c + 8 * q);
-                b.to_f32(f);
-            }
-#pragma unroll
-            for (int i = 0; i < 8; ++i) v[8 * q + i] = f[i];
-        }
-    } else {
-#pragma unroll
-        for (int i = 0; i < 16; ++i)
-            v[i] = valid && c + i < len ? __bfloat162float(row[c + i]) : 0.0f;
-    }
+// 8 consecutive values of a row as f32 (one or two 16-byte loads), and one value.
+__device__ __forceinline__ void rl_load8(const __nv_bfloat16 *p, float (&f)[8]) {
+    Bf16s<8> b;
+    b.load(p);
+    b.to_f32(f);
 }
+__device__ __forceinline__ void rl_load8(const float *p, float (&f)[8]) { load_f32<8>(p, f); }
+__device__ __forceinline__ float rl_load1(const __nv_bfloat16 *p) { return __bfloat162float(*p); }
+__device__ __forceinline__ float rl_load1(const float *p) { return __ldg(p); }
 
-// The same for an f32 row (four 16-byte loads when `vec`).
-__device__ __forceinline__ void rl_load(const float *row, unsigned c, unsigned len,
-                                        bool valid, bool vec, float (&v)[16]) {
+// 16 consecutive values (bf16 or f32) of a row from column c, as f32 (those at or past
+// `len`, or all when `!valid`, are 0): 16-byte loads when `vec` and the 16 lie below len,
+// else one by one.
+template <typename E>
+__device__ __forceinline__ void rl_load(const E *row, unsigned c, unsigned len, bool valid,
+                                        bool vec, float (&v)[16]) {
     if (vec && c + 16 <= len) {
 #pragma unroll
         for (int q = 0; q < 2; ++q) {
             float f[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-            if (valid) load_f32<8>(row + c + 8 * q, f);
+            if (valid) rl_load8(row + c + 8 * q, f);
 #pragma unroll
             for (int i = 0; i < 8; ++i) v[8 * q + i] = f[i];
         }
     } else {
 #pragma unroll
-        for (int i = 0; i < 16; ++i) v[i] = valid && c + i < len ? __ldg(row + c + i) : 0.0f;
+        for (int i = 0; i < 16; ++i) v[i] = valid && c + i < len ? rl_load1(row + c + i) : 0.0f;
     }
 }
 
