@@ -36,8 +36,6 @@
 #define MOE_MAX_EXPERTS 512
 // Threads of the plan scan's single block (`SCAN_BLOCK`).
 #define MOE_SCAN_BLOCK 1024
-// Loss columns a plan-scan warp sums at a time.
-#define MOE_SCAN_COLS 4
 // Experts per pass of the router forward (their Wr pieces held in registers per thread).
 #define MOE_ROUTER_EXPERTS 4
 // Experts per block of the router weight gradient (held in registers per thread).
@@ -999,45 +997,20 @@ extern "C" __global__ void __launch_bounds__(MOE_SCAN_BLOCK)
             }
         }
     } else {
-        // Warp w takes the columns w, w + SIDE, w + 2 SIDE, ... of loss_partial, MOE_SCAN_COLS
-        // of them at a time so that their loads are in flight together (at E = 256 a warp
-        // has 16 columns, which one at a time left this kernel waiting on 32 round trips).
-        // Each column's sum keeps its order: lane l adds rows l, l + 32, ... in order (8 loads
-        // in flight), then warp_sum.
-        constexpr unsigned NC = MOE_SCAN_COLS;
-        for (unsigned cb = warp - SIDE; cb <= experts; cb += SIDE * NC) {
-            const float *p[NC];
-            bool in[NC];
-            float acc[NC];
-#pragma unroll
-            for (unsigned q = 0; q < NC; ++q) {
-                const unsigned c = cb + q * SIDE;
-                in[q] = c <= experts;
-                p[q] = loss_partial + (size_t)(in[q] ? c : cb) * parts;
-                acc[q] = 0.0f;
-            }
+        for (unsigned c = warp - SIDE; c <= experts; c += SIDE) {
+            const float *p = loss_partial + (size_t)c * parts;
+            float acc = 0.0f;
             unsigned r = lane;
             for (; r + 7 * 32 < parts; r += 8 * 32) {
-                float v[NC][8];
+                float v[8];
 #pragma unroll
-                for (unsigned q = 0; q < NC; ++q)
+                for (int u = 0; u < 8; ++u) v[u] = __ldg(p + r + u * 32);
 #pragma unroll
-                    for (int u = 0; u < 8; ++u) v[q][u] = in[q] ? __ldg(p[q] + r + u * 32) : 0.0f;
-#pragma unroll
-                for (unsigned q = 0; q < NC; ++q)
-#pragma unroll
-                    for (int u = 0; u < 8; ++u) acc[q] += v[q][u];
+                for (int u = 0; u < 8; ++u) acc += v[u];
             }
-            for (; r < parts; r += 32) {
-#pragma unroll
-                for (unsigned q = 0; q < NC; ++q)
-                    if (in[q]) acc[q] += __ldg(p[q] + r);
-            }
-#pragma unroll
-            for (unsigned q = 0; q < NC; ++q) {
-                const float sum = warp_sum(acc[q]);
-                if (lane == 0 && in[q]) col[cb + q * SIDE] = sum;
-            }
+            for (; r < parts; r += 32) acc += __ldg(p + r);
+            acc = warp_sum(acc);
+            if (lane == 0) col[c] = acc;
         }
     }
     __syncthreads();
