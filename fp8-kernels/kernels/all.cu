@@ -6,5 +6,6 @@
 #include "cast_transpose.cuh"
 #include "moe_cast.cuh"
 #include "block_scale.cuh"
+#include "adamw.cuh"
 #include "gemm_sm90.cuh"
 #include "gemm_mma.cuh"

@@ -159,7 +159,11 @@ impl ScalarSlots {
 
     /// `(first index, stride)` as the kernel takes them, after checking that the `count`
     /// slots lie inside the buffer at u32 indices.
-    fn kernel_indices(&self, what: impl std::fmt::Display, count: usize) -> Result<[u32; 2]> {
+    pub(crate) fn kernel_indices(
+        &self,
+        what: impl std::fmt::Display,
+        count: usize,
+    ) -> Result<[u32; 2]> {
         let (first, len) = (self.first.index(), self.first.buffer().len());
         if !slots_fit(first, self.stride, count, len) {
             return Err(Error::InvalidArgument(format!(

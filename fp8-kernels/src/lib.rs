@@ -21,6 +21,8 @@
 //!   fp32 scales written beside the data;
 //! * [`DelayedScaling`]: TransformerEngine's delayed-scaling state for many tensors on the
 //!   device, updated by one launch;
+//! * [`optim`]: AdamW on the device, capturable ([`AdamWState`]), and fused with the FP8
+//!   cast-transpose of the weights it updates (the optimizer writes the FP8 weights);
 //! * [`reference`](mod@reference): the bit-exact CPU model the GPU tests compare against.
 //!
 //! Everything that changes per step (scales, amax, noop flags) is read from device memory by
@@ -65,6 +67,7 @@ mod format;
 pub mod gemm;
 mod module;
 pub mod moe_cast;
+pub mod optim;
 #[cfg(test)]
 mod prop_util;
 mod quantize;
@@ -83,6 +86,7 @@ pub use moe_cast::{
     CastScaling, FusedCastOut, Gather, MAX_TOP_K, RowsInUse, gather_cast_transpose,
     swiglu_backward_cast_transpose, swiglu_cast_transpose,
 };
+pub use optim::{AdamW, AdamWState, AdamWTensor};
 pub use quantize::{ALIGN, FUSED_CURRENT_MAX, amax, dequantize, quantize, quantize_current};
 pub use scaling::{AmaxAlgo, DelayedScaling, IdentityGroup, MAX_HISTORY, ReductionGroup};
 pub use tensor::{DeviceScalar, Fp8Tensor, HpBuffer};

@@ -1,5 +1,5 @@
 //! Bit-exact CPU reference of the kernels' arithmetic: FP8 encode and decode, the quantize
-//! and dequantize formulas, amax, and a model of the delayed-scaling update.
+//! and dequantize formulas, amax, a model of the delayed-scaling update, and AdamW's update.
 //!
 //! Encoding matches `cvt.rn.satfinite.{e4m3,e5m2}x2.f32` (and CUDA's
 //! `__nv_cvt_float_to_fp8(x, __NV_SATFINITE, fmt)`):
@@ -153,6 +153,36 @@ pub fn delayed_update(
     }
     *scale = s;
     *scale_inv = 1.0 / s;
+}
+
+/// [`AdamWState::begin_step`](crate::AdamWState::begin_step) on the state
+/// `[steps, lr, beta1^steps, beta2^steps]`, as the kernel does it.
+pub fn adamw_begin(state: &mut [f32; 4], beta1: f32, beta2: f32) {
+    state[0] += 1.0;
+    state[2] *= beta1;
+    state[3] *= beta2;
+}
+
+/// One element of an AdamW update ([`optim`](crate::optim)) at `state`, bit for bit as the
+/// kernels do it: `grad * grad_scale` (pass 1.0 for no scale) updates `m`, `v` and `p`.
+pub fn adamw(
+    h: &crate::AdamW,
+    state: &[f32; 4],
+    grad: f32,
+    grad_scale: f32,
+    p: &mut f32,
+    m: &mut f32,
+    v: &mut f32,
+) {
+    let lr = state[1];
+    let decay = 1.0 - lr * h.weight_decay;
+    let step_size = lr / (1.0 - state[2]);
+    let bc2_sqrt = (1.0 - state[3]).sqrt();
+    let g = grad * grad_scale;
+    *m = h.beta1.mul_add(*m, (1.0 - h.beta1) * g);
+    *v = h.beta2.mul_add(*v, ((1.0 - h.beta2) * g) * g);
+    let denom = v.sqrt() / bc2_sqrt + h.eps;
+    *p = *p * decay - step_size * (*m / denom);
 }
 
 /// What cast-transpose writes for `wide` (`[rows, cols]` row-major, already widened to f32)

@@ -1,0 +1,207 @@
+// AdamW on the device (decoupled weight decay: PyTorch's torch.optim.AdamW without amsgrad),
+// capturable: the step count, the learning rate and the bias-correction powers live in a
+// small device state that adamw_begin advances once per optimizer step, so a captured step
+// replays with the right factors. Two updates:
+//
+// * fp8_adamw_<g>: elementwise over f32 master weights p with their moments m, v, from a
+//   gradient g (f32 or bf16), optionally writing a bf16 copy of the new weights;
+// * fp8_adamw_cast_transpose_<g>_<fmt>: the same update over a batch of equally shaped
+//   matrices (a MoE layer's expert weights), fused with their FP8 cast-transpose: a source of
+//   cast_transpose.cuh whose loads are p, g, m, v and whose values are the *updated* weights,
+//   rounded to bf16 first, so the FP8 bytes, scale_inv and amax are exactly what
+//   cast_transpose_batched writes from the bf16 copy (TransformerEngine's FP8 parameters: the
+//   optimizer writes the FP8 weights and no forward casts them).
+//
+// Every operation is an explicitly rounded intrinsic (no contraction left to the compiler),
+// so both kernels give the same bits and the host model (reference.rs) reproduces them.
+#pragma once
+#include "cast_transpose.cuh"
+
+namespace fp8k {
+
+// The device state: [0] completed steps (an f32 count, exact to 2^24), [1] the learning rate,
+// [2] beta1^step, [3] beta2^step.
+constexpr int ADAMW_STATE = 4;
+
+// The hyperparameters passed by value (the learning rate is the state's, so a schedule can
+// change it between replays).
+struct AdamWHyper {
+    float beta1, beta2, eps, weight_decay;
+};
+
+// The per-step factors, worked out identically by every thread from the state:
+//   m' = beta1 m + (1 - beta1) g
+//   v' = beta2 v + (1 - beta2) g g
+//   p' = p (1 - lr wd) - lr / (1 - beta1^t) * m' / (sqrt(v') / sqrt(1 - beta2^t) + eps)
+struct AdamWFactors {
+    float b1, omb1, b2, omb2, eps, decay, step_size, bc2_sqrt;
+    __device__ __forceinline__ AdamWFactors(const AdamWHyper &h, const float *state) {
+        const float lr = state[1];
+        b1 = h.beta1;
+        omb1 = __fsub_rn(1.0f, h.beta1);
+        b2 = h.beta2;
+        omb2 = __fsub_rn(1.0f, h.beta2);
+        eps = h.eps;
+        decay = __fsub_rn(1.0f, __fmul_rn(lr, h.weight_decay));
+        step_size = __fdiv_rn(lr, __fsub_rn(1.0f, state[2]));
+        bc2_sqrt = __fsqrt_rn(__fsub_rn(1.0f, state[3]));
+    }
+    // One element: g already scaled; p, m, v updated in place.
+    __device__ __forceinline__ void update(float g, float &p, float &m, float &v) const {
+        m = __fmaf_rn(b1, m, __fmul_rn(omb1, g));
+        v = __fmaf_rn(b2, v, __fmul_rn(__fmul_rn(omb2, g), g));
+        const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), bc2_sqrt), eps);
+        p = __fsub_rn(__fmul_rn(p, decay), __fmul_rn(step_size, __fdiv_rn(m, denom)));
+    }
+};
+
+// The gradient's multiplier (a clipping factor, say): *gscale, or 1 (exact) when null.
+__device__ __forceinline__ float grad_scale(const float *gscale) { return gscale == nullptr ? 1.0f : *gscale; }
+
+// Four gradient elements at g + i (16-byte aligned for f32, 8 for bf16).
+__device__ __forceinline__ float4 load_grad4(const float *g, unsigned long long i) {
+    return __ldg(reinterpret_cast<const float4 *>(g + i));
+}
+__device__ __forceinline__ float4 load_grad4(const __nv_bfloat16 *g, unsigned long long i) {
+    const uint2 u = __ldg(reinterpret_cast<const uint2 *>(g + i));
+    const __nv_bfloat162 lo = *reinterpret_cast<const __nv_bfloat162 *>(&u.x);
+    const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162 *>(&u.y);
+    return make_float4(__low2float(lo), __high2float(lo), __low2float(hi), __high2float(hi));
+}
+
+// Four elements at i: loads, updates and stores p, m, v; the new weights rounded to bf16 go
+// to w (and to copy + i when copy is not null).
+__device__ __forceinline__ void adamw4(const AdamWFactors &k, float gs, float *p, float *m, float *v,
+                                       __nv_bfloat16 *copy, unsigned long long i, float4 gv, float4 pv,
+                                       float4 mv, float4 vv, float *w) {
+    float gg[4] = {gv.x, gv.y, gv.z, gv.w}, pp[4] = {pv.x, pv.y, pv.z, pv.w};
+    float mm[4] = {mv.x, mv.y, mv.z, mv.w}, vv4[4] = {vv.x, vv.y, vv.z, vv.w};
+    __nv_bfloat16 b[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        k.update(__fmul_rn(gg[e], gs), pp[e], mm[e], vv4[e]);
+        b[e] = __float2bfloat16_rn(pp[e]);
+        w[e] = __bfloat162float(b[e]);
+    }
+    *reinterpret_cast<float4 *>(p + i) = make_float4(pp[0], pp[1], pp[2], pp[3]);
+    *reinterpret_cast<float4 *>(m + i) = make_float4(mm[0], mm[1], mm[2], mm[3]);
+    *reinterpret_cast<float4 *>(v + i) = make_float4(vv4[0], vv4[1], vv4[2], vv4[3]);
+    if (copy != nullptr) *reinterpret_cast<uint2 *>(copy + i) = *reinterpret_cast<const uint2 *>(b);
+}
+
+// One element at i (the scalar tails and edges); returns the new weight rounded to bf16.
+template <typename G>
+__device__ __forceinline__ float adamw1(const AdamWFactors &k, float gs, float *p, const G *g, float *m, float *v,
+                                        __nv_bfloat16 *copy, unsigned long long i) {
+    float pp = p[i], mm = m[i], vv = v[i];
+    k.update(__fmul_rn(to_f32(g[i]), gs), pp, mm, vv);
+    p[i] = pp;
+    m[i] = mm;
+    v[i] = vv;
+    const __nv_bfloat16 b = __float2bfloat16_rn(pp);
+    if (copy != nullptr) copy[i] = b;
+    return __bfloat162float(b);
+}
+
+// The fused update's source (see cast_transpose.cuh): a vector is 4 consecutive elements of
+// one row; its Raw holds their loaded p, g, m, v and where they are. unpack runs the update,
+// stores p, m, v (and the bf16 copy) and gives the bf16-rounded weights to the cast; at does
+// the same for one element. cast_transpose_src passes every element through exactly one of
+// them once (the fast path unpacks each loaded vector once, the edge path calls at once per
+// element), so each element is updated once. Not for the amax pass (current scaling), which
+// would unpack again.
+template <typename G> struct AdamWSource {
+    static constexpr int V = 4;
+    static constexpr int OUT = 1;
+    struct Raw {
+        float4 p, g, m, v;
+        unsigned long long i;
+    };
+    float *p;
+    const G *g;
+    float *m, *v;
+    __nv_bfloat16 *copy;
+    unsigned long long cols;
+    AdamWFactors k;
+    float gs;
+    __device__ __forceinline__ Raw load(unsigned long long r, unsigned long long c) const {
+        const unsigned long long i = r * cols + c;
+        return Raw{*reinterpret_cast<const float4 *>(p + i), load_grad4(g, i),
+                   *reinterpret_cast<const float4 *>(m + i), *reinterpret_cast<const float4 *>(v + i), i};
+    }
+    __device__ __forceinline__ void unpack(const Raw &raw, float *f) const {
+        adamw4(k, gs, p, m, v, copy, raw.i, raw.g, raw.p, raw.m, raw.v, f);
+    }
+    __device__ __forceinline__ void at(unsigned long long r, unsigned long long c, float *f) const {
+        f[0] = adamw1(k, gs, p, g, m, v, copy, r * cols + c);
+    }
+};
+
+// Resident CTAs per SM of the fused update (its launcher's; keep in step): a thread holds four
+// Raws (72 registers) across the previous tile's stores.
+constexpr unsigned ADAMW_CT_CTAS_PER_SM = 2;
+// Threads per block and blocks per SM of the elementwise update's persistent grid.
+constexpr unsigned ADAMW_THREADS = 256;
+
+} // namespace fp8k
+
+// Advances the state by one step (one thread).
+extern "C" __global__ void fp8_adamw_begin(float *state, float beta1, float beta2) {
+    cuda_graph::pdl_enter();
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        state[0] = __fadd_rn(state[0], 1.0f);
+        state[2] = __fmul_rn(state[2], beta1);
+        state[3] = __fmul_rn(state[3], beta2);
+    }
+}
+
+// The elementwise update of n elements. vec: every pointer is 16-byte aligned (8 for a bf16
+// gradient or copy), so the first n / 4 * 4 elements go 4 at a time; the rest one by one.
+#define FP8K_ADAMW(G_NAME, G_T)                                                                     \
+    extern "C" __global__ void __launch_bounds__(fp8k::ADAMW_THREADS)                              \
+        fp8_adamw_##G_NAME(float *p, const G_T *g, float *m, float *v, __nv_bfloat16 *copy,         \
+                           unsigned long long n, const float *state, fp8k::AdamWHyper h,            \
+                           const float *gscale, int vec) {                                          \
+        cuda_graph::pdl_enter();                                                                   \
+        const fp8k::AdamWFactors k(h, state);                                                      \
+        const float gs = fp8k::grad_scale(gscale);                                                 \
+        const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;              \
+        const unsigned long long t = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;    \
+        const unsigned long long n4 = vec ? n / 4 : 0;                                             \
+        float w[4];                                                                                \
+        for (unsigned long long q = t; q < n4; q += stride) {                                      \
+            const unsigned long long i = 4 * q;                                                    \
+            fp8k::adamw4(k, gs, p, m, v, copy, i, fp8k::load_grad4(g, i),                       \
+                         *reinterpret_cast<const float4 *>(p + i), *reinterpret_cast<const float4 *>(m + i), \
+                         *reinterpret_cast<const float4 *>(v + i), w);                              \
+        }                                                                                          \
+        for (unsigned long long i = 4 * n4 + t; i < n; i += stride) fp8k::adamw1(k, gs, p, g, m, v, copy, i); \
+    }
+
+FP8K_ADAMW(f32, float)
+FP8K_ADAMW(bf16, __nv_bfloat16)
+
+// The fused update and cast-transpose of matrix blockIdx.y of a batch (elements at
+// g * rows * cols); its scalar slots at idx + g * stride as in fp8_cast_transpose.
+#define FP8K_ADAMW_CT(G_NAME, G_T, FMT_NAME, FMT)                                                   \
+    extern "C" __global__ void __launch_bounds__(fp8k::CT_THREADS, fp8k::ADAMW_CT_CTAS_PER_SM)     \
+        fp8_adamw_cast_transpose_##G_NAME##_##FMT_NAME(                                            \
+            float *p, const G_T *g, float *m, float *v, __nv_bfloat16 *copy, uint8_t *y, uint8_t *yt, \
+            unsigned long long rows, unsigned long long cols, const float *state, fp8k::AdamWHyper h, \
+            const float *gscale, float *scale, float *scale_inv, float *amax, uint3 idx, uint3 stride) { \
+        cuda_graph::pdl_enter();                                                                   \
+        const unsigned gi = blockIdx.y;                                                            \
+        const unsigned long long off = (unsigned long long)gi * rows * cols;                       \
+        const fp8k::AdamWSource<G_T> src{p + off, g + off, m + off, v + off,                       \
+                                         copy == nullptr ? nullptr : copy + off, cols,              \
+                                         fp8k::AdamWFactors(h, state), fp8k::grad_scale(gscale)};   \
+        fp8k::cast_transpose_src<fp8k::AdamWSource<G_T>, FMT>(                                     \
+            src, y + off, yt + off, rows, nullptr, cols, fp8k::slot(scale, idx.x + gi * stride.x),  \
+            fp8k::slot(scale_inv, idx.y + gi * stride.y), fp8k::slot(amax, idx.z + gi * stride.z),  \
+            nullptr);                                                                              \
+    }
+
+FP8K_ADAMW_CT(f32, float, e4m3, __NV_E4M3)
+FP8K_ADAMW_CT(f32, float, e5m2, __NV_E5M2)
+FP8K_ADAMW_CT(bf16, __nv_bfloat16, e4m3, __NV_E4M3)
+FP8K_ADAMW_CT(bf16, __nv_bfloat16, e5m2, __NV_E5M2)
