@@ -1050,3 +1050,158 @@ fn bf16_weight_gradients_are_the_f32_ones_rounded() {
         }
     }
 }
+
+/// FP8 weights written by the optimizer ([`MoeLayer::with_fp8_weights_from_optimizer`] and
+/// [`MoeAdamW`]) against the weights cast in the step: three layers of the same parameters
+/// train for three steps on the same fresh data (forward, backward, scale update, AdamW
+/// step): A casts in the step (eager), B takes its FP8 weights from the optimizer (eager), C
+/// too under the graphed-callables runtime (full-layer graphs, whose forward then holds no
+/// cast). Every step's output and input gradient, the weight gradients, the scaling state
+/// and the master weights are the same bits in all three; the weights moved.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn fp8_weights_from_the_optimizer_equal_the_cast_in_the_step() {
+    use fp8_kernels::AdamW;
+    use fp8_moe::moe::optim::MoeAdamW;
+    use fp8_moe::scaling::ScalingSnapshot;
+    let ctx = Context::default_device().unwrap();
+    let mut rng = fresh_rng("fp8_weights_from_the_optimizer_equal_the_cast_in_the_step");
+    let hyper = AdamW {
+        lr: 1e-2,
+        ..AdamW::default()
+    };
+    for grad_dtype in [GradDtype::F32, GradDtype::Bf16] {
+        let cfg = MoeLayerConfig {
+            grad_dtype,
+            ..config(ExpertGemm::Grouped)
+        };
+        let (t, h) = (cfg.tokens, cfg.hidden);
+        let params = random_params(&mut rng, &cfg);
+        let stream = Stream::new(&ctx).unwrap();
+        let scalings: Vec<_> = (0..3).map(|_| fixed_scaling(&stream, &cfg)).collect();
+        let make = |i: usize, from_opt: bool| {
+            MoeLayer::new(&stream, cfg, &params, scalings[i].clone(), 0)
+                .unwrap()
+                .with_step_gradients(true)
+                .with_fp8_weights_from_optimizer(&stream, from_opt)
+                .unwrap()
+        };
+        let (mut a, mut b, c) = (make(0, false), make(1, true), make(2, true));
+        assert!(!a.fp8_weights_from_optimizer() && b.fp8_weights_from_optimizer());
+        let opts: Vec<MoeAdamW> = [&a, &b, &c]
+            .iter()
+            .map(|l| MoeAdamW::new(&stream, l, hyper).unwrap())
+            .collect();
+        let grads = |l: &MoeLayer| [l.fc1().1.share(), l.fc2().1.share()];
+        let grads_c = grads(&c);
+        let saved = [zeroed_saved(&stream, &a), zeroed_saved(&stream, &b)];
+        let up = |v: &[f32]| DeviceBuffer::from_host(&stream, &to_bf16(v)).unwrap();
+        let buf = || up(&vec![0.0; t * h]);
+        let (ya, dxa, yb, dxb) = (buf(), buf(), buf(), buf());
+        // C under the runtime; its warmup's effect on the scaling state is undone.
+        let sample = up(&rng.vec(t * h, 1.0));
+        let snapshot = ScalingSnapshot::new(&ctx, &scalings[2]).unwrap();
+        snapshot.save(&stream, &scalings[2]).unwrap();
+        let schedule = graphed_callables::Schedule::new(&[1, -1], vec![1]).unwrap();
+        let g = graphed_callables::GraphedCallables::build(
+            &stream,
+            vec![Box::new(c) as Box<dyn Callable<bf16>>],
+            &[vec![&sample]],
+            graphed_callables::GraphedOptions::new(schedule),
+        )
+        .unwrap();
+        snapshot.restore(&stream, &scalings[2]).unwrap();
+        assert_eq!(g.casts_weights(0), Some(false), "C's forward casts nothing");
+        let initial = opts[0].master_fc1().to_vec(&stream).unwrap();
+        let bits16 = |b: &DeviceBuffer<bf16>| -> Vec<u16> {
+            b.to_vec(&stream)
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect()
+        };
+        let bits32 = |b: &DeviceBuffer<f32>| -> Vec<u32> {
+            b.to_vec(&stream)
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect()
+        };
+        for step in 0..3 {
+            let what = format!("{grad_dtype:?} step {step}");
+            let x = up(&rng.vec(t * h, 1.0));
+            let dy = up(&rng.vec(t * h, 1.0));
+            eager_microbatch(&stream, &mut a, 0, &saved[0], (&x, &ya), (&dy, &dxa));
+            eager_microbatch(&stream, &mut b, 0, &saved[1], (&x, &yb), (&dy, &dxb));
+            let yc = bits16(&g.forward(0, 0, &[&x], &stream).unwrap()[0]);
+            let dxc = bits16(&g.backward(0, 0, &[&dy], &stream).unwrap()[0]);
+            let (ya, yb, dxa, dxb) = (bits16(&ya), bits16(&yb), bits16(&dxa), bits16(&dxb));
+            assert!(
+                ya.iter().any(|&v| v & 0x7fff != 0),
+                "{what}: output all zero"
+            );
+            assert_eq!(ya, yb, "{what}: output, B against A");
+            assert_eq!(ya, yc, "{what}: output, C against A");
+            assert_eq!(dxa, dxb, "{what}: input gradient, B against A");
+            assert_eq!(dxa, dxc, "{what}: input gradient, C against A");
+            for (i, (ga, (gb, gc))) in grads(&a)
+                .iter()
+                .zip(grads(&b).iter().zip(&grads_c))
+                .enumerate()
+            {
+                let want = grad_bits(&stream, ga);
+                assert_eq!(want, grad_bits(&stream, gb), "{what}: dW{}, B", i + 1);
+                assert_eq!(want, grad_bits(&stream, gc), "{what}: dW{}, C", i + 1);
+            }
+            for (s, opt) in scalings.iter().zip(&opts) {
+                s.update(&stream).unwrap();
+                opt.step(&stream, None).unwrap();
+            }
+            for (i, s) in scalings.iter().enumerate().skip(1) {
+                for (name, x, y) in [
+                    ("history", scalings[0].history_buffer(), s.history_buffer()),
+                    ("scale", scalings[0].scale_buffer(), s.scale_buffer()),
+                    (
+                        "scale_inv",
+                        scalings[0].scale_inv_buffer(),
+                        s.scale_inv_buffer(),
+                    ),
+                ] {
+                    assert_eq!(bits32(x), bits32(y), "{what}: {name} of layer {i}");
+                }
+            }
+            for (i, opt) in opts.iter().enumerate().skip(1) {
+                assert_eq!(
+                    bits32(opts[0].master_fc1()),
+                    bits32(opt.master_fc1()),
+                    "{what}: fc1 master of layer {i}"
+                );
+                assert_eq!(
+                    bits32(opts[0].master_fc2()),
+                    bits32(opt.master_fc2()),
+                    "{what}: fc2 master of layer {i}"
+                );
+            }
+        }
+        assert_eq!(opts[1].state().steps(&stream).unwrap(), 3);
+        let moved = opts[0].master_fc1().to_vec(&stream).unwrap();
+        assert!(
+            moved.iter().zip(&initial).filter(|(p, q)| p != q).count() * 2 > moved.len(),
+            "{grad_dtype:?}: the optimizer barely moved the weights"
+        );
+        // A's bf16 weights follow its masters; B's stay as built (its masters are the
+        // optimizer's).
+        let rounded: Vec<u16> = moved.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
+        assert_eq!(
+            bits16(a.fc1().0),
+            rounded,
+            "{grad_dtype:?}: A's bf16 weights"
+        );
+        let built: Vec<u16> = params
+            .w1
+            .iter()
+            .map(|&v| bf16::from_f32(v).to_bits())
+            .collect();
+        assert_eq!(bits16(b.fc1().0), built, "{grad_dtype:?}: B's bf16 weights");
+    }
+}

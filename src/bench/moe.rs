@@ -16,7 +16,12 @@
 //! `mma.sync` kernels (`GemmPath::Portable`) for comparison.
 //!
 //! The step is the layer's work only (weight casts once per step, router, dispatch, experts,
-//! combine and the backward); no scale update or optimizer. The weight gradients are the
+//! combine and the backward); no scale update or optimizer. Two more full-layer rows per shape
+//! take the FP8 weights from the optimizer instead ([`MoeLayer::with_fp8_weights_from_optimizer`],
+//! TransformerEngine's FP8 parameters: the step casts nothing), with f32 and bf16 weight
+//! gradients; beside them the optimizer step ([`MoeAdamW`]) in both modes, AdamW fused with
+//! the FP8 cast against AdamW writing the bf16 weights, and the sums of step and optimizer,
+//! so the cast's cost is never out of view. The weight gradients are the
 //! step's ([`MoeLayer::with_step_gradients`]: the step's one microbatch writes them, as
 //! PyTorch's first backward after `zero_grad()` does); a fifth row per shape runs the full
 //! layer adding them to f32 gradients that are never zeroed instead (the layer's default),
@@ -30,10 +35,11 @@ use std::sync::Arc;
 use cuda_graph::half::bf16;
 use cuda_graph::{Context, DeviceBuffer, Event, Stream};
 use fp8_kernels::gemm::{GemmOptions, GemmPath, GemmShape, Operand, gemm};
-use fp8_kernels::{AmaxAlgo, CastScaling, DelayedScaling, DeviceScalar, Fp8Format};
+use fp8_kernels::{AdamW, AmaxAlgo, CastScaling, DelayedScaling, DeviceScalar, Fp8Format};
 use fp8_moe::moe::layer::{
     ExpertGemm, Fp8Recipe, GradDtype, MoeLayer, MoeLayerConfig, MoeParams, formats,
 };
+use fp8_moe::moe::optim::MoeAdamW;
 use fp8_moe::moe::routing::{RouterConfig, ScoreFn};
 use graphed_callables::{Callable, GraphIndex, GraphedCallables, GraphedOptions, Schedule, Slot};
 
@@ -203,20 +209,26 @@ fn eager(ctx: &Arc<Context>, stream: &Stream, s: Shape) -> BenchResult<(f64, Vec
 }
 
 /// What a graphed run varies besides the GEMM mode and path: the step writes the weight
-/// gradients (or adds to them), their type, fast accumulation in the forward GEMMs.
+/// gradients (or adds to them), their type, fast accumulation in the forward GEMMs, the FP8
+/// weights written by the optimizer instead of cast in the step, and whether the optimizer
+/// step ([`MoeAdamW`]) is timed too.
 #[derive(Clone, Copy)]
 struct Variant {
     step_gradients: bool,
     grad_dtype: GradDtype,
     fast: bool,
+    fp8_from_optimizer: bool,
+    optimizer: bool,
 }
 
-/// Median times (ms) of a graphed step and of its forward and backward (events between them).
+/// Median times (ms) of a graphed step and of its forward and backward (events between them),
+/// and of the optimizer step when timed.
 #[derive(Clone, Copy)]
 struct Times {
     step: f64,
     forward: f64,
     backward: f64,
+    optimizer: Option<f64>,
 }
 
 /// Graphed step times and the output for input 0: one microbatch, forward then backward,
@@ -232,10 +244,18 @@ fn graphed(
         step_gradients,
         grad_dtype,
         fast,
+        fp8_from_optimizer,
+        optimizer,
     } = v;
     let layer = layer(stream, config(s, mode, grad_dtype), step_gradients)?
         .with_gemm_path(path)
-        .with_fast_forward_accumulation(fast);
+        .with_fast_forward_accumulation(fast)
+        .with_fp8_weights_from_optimizer(stream, fp8_from_optimizer)?;
+    let opt = if optimizer {
+        Some(MoeAdamW::new(stream, &layer, AdamW::default())?)
+    } else {
+        None
+    };
     let xs = inputs(stream, s)?;
     let dy = grad(stream, s)?;
     let schedule = Schedule::new(&[1, -1], vec![1])?;
@@ -279,11 +299,16 @@ fn graphed(
         }
     }
     let (forward, backward) = (median(&mut fwd), median(&mut bwd));
+    // Last: the optimizer steps move the weights.
+    let optimizer = opt
+        .map(|o| event_median_ms(stream, WARMUP, REPS, || Ok(o.step(stream, None)?)))
+        .transpose()?;
     Ok((
         Times {
             step,
             forward,
             backward,
+            optimizer,
         },
         y0,
     ))
@@ -365,6 +390,20 @@ pub fn run(tokens: Option<usize>, experts: Option<usize>) -> BenchResult<Vec<Row
             step_gradients: true,
             grad_dtype: GradDtype::F32,
             fast: true,
+            fp8_from_optimizer: false,
+            optimizer: false,
+        };
+        let f32_timed = Variant {
+            optimizer: true,
+            ..f32_step
+        };
+        let fp8_opt = Variant {
+            fp8_from_optimizer: true,
+            ..f32_timed
+        };
+        let fp8_opt_bf16 = Variant {
+            grad_dtype: GradDtype::Bf16,
+            ..fp8_opt
         };
         let f32_acc = Variant {
             step_gradients: false,
@@ -372,7 +411,7 @@ pub fn run(tokens: Option<usize>, experts: Option<usize>) -> BenchResult<Vec<Row
         };
         let bf16_step = Variant {
             grad_dtype: GradDtype::Bf16,
-            ..f32_step
+            ..f32_timed
         };
         let promoted = Variant {
             fast: false,
@@ -380,7 +419,15 @@ pub fn run(tokens: Option<usize>, experts: Option<usize>) -> BenchResult<Vec<Row
         };
         let (breaking, y_breaking) =
             graphed(&stream, s, ExpertGemm::PerExpert, GemmPath::Auto, f32_step)?;
-        let (full, y_full) = graphed(&stream, s, ExpertGemm::Grouped, GemmPath::Auto, f32_step)?;
+        let (full, y_full) = graphed(&stream, s, ExpertGemm::Grouped, GemmPath::Auto, f32_timed)?;
+        let (opt, y_opt) = graphed(&stream, s, ExpertGemm::Grouped, GemmPath::Auto, fp8_opt)?;
+        let (opt_bf16, y_opt_bf16) = graphed(
+            &stream,
+            s,
+            ExpertGemm::Grouped,
+            GemmPath::Auto,
+            fp8_opt_bf16,
+        )?;
         let (portable, y_portable) = graphed(
             &stream,
             s,
@@ -414,6 +461,14 @@ pub fn run(tokens: Option<usize>, experts: Option<usize>) -> BenchResult<Vec<Row
         }
         if y_acc != y_full || y_bf16 != y_full {
             return Err(format!("{s:?}: full-layer output depends on the gradient mode").into());
+        }
+        // The same scales (never updated here) and weights: the same FP8 bytes either way.
+        if y_opt != y_full || y_opt_bf16 != y_full {
+            return Err(format!(
+                "{s:?}: full-layer output with the FP8 weights from the optimizer differs from \
+                 the one with the cast in the step"
+            )
+            .into());
         }
         // The portable kernels promote their sums: compare with the promoted run.
         let err_portable = rel_err(&y_portable, &y_promoted);
@@ -497,6 +552,41 @@ pub fn run(tokens: Option<usize>, experts: Option<usize>) -> BenchResult<Vec<Row
             ),
             pass: s.target_ms.map(|t| bf16_ms <= t),
         });
+        // The FP8 weights from the optimizer: the step without the cast, and the optimizer
+        // step (AdamW fused with the cast) beside the one the cast-in-step mode needs (AdamW
+        // writing the bf16 weights), so the whole step's cost stays in view.
+        for (grads, t, cast_in_step) in [("f32", opt, full), ("bf16", opt_bf16, bf16)] {
+            let same_grads = cast_in_step.step;
+            let nan = f64::NAN;
+            let (opt_cast_ms, opt_plain_ms) = (
+                t.optimizer.unwrap_or(nan),
+                cast_in_step.optimizer.unwrap_or(nan),
+            );
+            rows.push(Row {
+                name: format!(
+                    "{what}: full-layer step, {grads} weight gradients, FP8 weights from the \
+                     optimizer"
+                ),
+                value: t.step,
+                unit: "ms",
+                yardstick: format!(
+                    "GEMMs at {:.0} TFLOP/s; {:.2}x the step casting its weights ({same_grads:.3} \
+                     ms); optimizer step {:.3} ms (AdamW + FP8 cast) against {opt_plain_ms:.3} \
+                     (AdamW + bf16 weights); step + optimizer {:.3} against {:.3} ms{}{}{}",
+                    rate(t.step),
+                    t.step / same_grads,
+                    opt_cast_ms,
+                    t.step + opt_cast_ms,
+                    same_grads + opt_plain_ms,
+                    torch(1),
+                    s.target_ms
+                        .map(|t| format!("; target <= {t:.2} ms"))
+                        .unwrap_or_default(),
+                    parts(t)
+                ),
+                pass: s.target_ms.map(|target| t.step <= target),
+            });
+        }
         // Variants of the full-layer step, each beside it.
         let promoted_note = format!(
             ", whose forward GEMMs accumulate fast (MoeLayer::with_fast_forward_accumulation; \

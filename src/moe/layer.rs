@@ -395,6 +395,43 @@ pub struct MoeLayer {
     join: Event,
     /// Fast accumulation in the forward GEMMs ([`MoeLayer::with_fast_forward_accumulation`]).
     fast_forward: bool,
+    /// The FP8 expert weights are written by the optimizer, not cast in the step
+    /// ([`MoeLayer::with_fp8_weights_from_optimizer`]).
+    optimizer_casts: bool,
+}
+
+/// One of the layer's expert weights as an optimizer sees it: handles sharing the layer's
+/// memory (valid after the layer moved into a runtime), its batch shape and where its FP8
+/// cast goes.
+#[derive(Debug)]
+pub(crate) struct ExpertWeight {
+    /// The bf16 weights `[E, rows, cols]`.
+    pub(crate) w: DeviceBuffer<bf16>,
+    /// Their gradient.
+    pub(crate) grad: WeightGrad,
+    /// `(E, rows, cols)`.
+    pub(crate) shape: (usize, usize, usize),
+    /// The FP8 copies, row-major and per expert transposed.
+    pub(crate) q: DeviceBuffer<u8>,
+    pub(crate) t: DeviceBuffer<u8>,
+    /// Each expert's scale, scale_inv and amax slots.
+    pub(crate) scale: ScalarSlots,
+    pub(crate) scale_inv: ScalarSlots,
+    pub(crate) amax: ScalarSlots,
+}
+
+impl ExpertWeight {
+    /// Where the cast of these weights writes.
+    pub(crate) fn cast_out(&self) -> BatchedCastOut<'_> {
+        BatchedCastOut {
+            data: &self.q,
+            data_t: &self.t,
+            format: Fp8Format::E4M3,
+            scale: self.scale.clone(),
+            scale_inv: self.scale_inv.clone(),
+            amax: self.amax.clone(),
+        }
+    }
 }
 
 fn zeroed<T: cuda_graph::DeviceRepr>(stream: &Stream, n: usize) -> Result<DeviceBuffer<T>> {
@@ -487,6 +524,7 @@ impl MoeLayer {
             fork: Event::for_sync(stream.context())?,
             join: Event::for_sync(stream.context())?,
             fast_forward: true,
+            optimizer_casts: false,
         };
         stream.synchronize()?;
         Ok(layer)
@@ -526,6 +564,88 @@ impl MoeLayer {
     pub fn with_fast_forward_accumulation(mut self, on: bool) -> MoeLayer {
         self.fast_forward = on;
         self
+    }
+
+    /// This layer with its FP8 expert weights written by the optimizer instead of cast in the
+    /// step (TransformerEngine's FP8 parameters): [`Callable::cast_weights`] enqueues nothing,
+    /// so no forward casts the weights and no forward graph holds a cast, and a
+    /// [`MoeAdamW`](super::optim::MoeAdamW) made for this layer ends each expert weight's
+    /// update with its FP8 cast, fused ([`AdamWState::update_cast_transpose_batched`]): the
+    /// same bytes, scales and amaxes the step's cast would write from the updated weights.
+    /// The current weights are cast once now, eagerly, with the scales the scaling state
+    /// holds (waits; not during a capture).
+    ///
+    /// The bf16 weights ([`fc1`](Self::fc1), [`fc2`](Self::fc2)) are then the ones the layer
+    /// was built with: the optimizer keeps the f32 master weights
+    /// ([`MoeAdamW::master_fc1`](super::optim::MoeAdamW::master_fc1)) and writes only FP8.
+    /// Something else that updates the bf16 weights must cast them itself (switch the mode
+    /// off with `false`, which casts nothing now).
+    ///
+    /// [`AdamWState::update_cast_transpose_batched`]: fp8_kernels::AdamWState::update_cast_transpose_batched
+    pub fn with_fp8_weights_from_optimizer(
+        mut self,
+        stream: &Stream,
+        on: bool,
+    ) -> Result<MoeLayer> {
+        if on {
+            for ew in self.expert_weights()? {
+                cast_transpose_batched(stream, &ew.w, ew.shape, &ew.cast_out(), None)?;
+            }
+            stream.synchronize()?;
+        }
+        self.optimizer_casts = on;
+        Ok(self)
+    }
+
+    /// Whether the optimizer writes the FP8 expert weights
+    /// ([`with_fp8_weights_from_optimizer`](Self::with_fp8_weights_from_optimizer)).
+    pub fn fp8_weights_from_optimizer(&self) -> bool {
+        self.optimizer_casts
+    }
+
+    /// fc1's and fc2's weights as an optimizer sees them (handles sharing the layer's
+    /// memory).
+    pub(crate) fn expert_weights(&self) -> Result<[ExpertWeight; 2]> {
+        let (e, h, f) = (self.cfg.experts, self.cfg.hidden, self.cfg.ffn);
+        let weight = |w: &DeviceBuffer<bf16>,
+                      grad: &WeightGrad,
+                      (q, t): (&DeviceBuffer<u8>, &DeviceBuffer<u8>),
+                      (rows, cols): (usize, usize),
+                      first: usize|
+         -> Result<ExpertWeight> {
+            let tensor = self.first_tensor + first;
+            Ok(ExpertWeight {
+                w: w.share(),
+                grad: grad.share(),
+                shape: (e, rows, cols),
+                q: q.share(),
+                t: t.share(),
+                scale: self.scaling.scale_slots(tensor)?,
+                scale_inv: ScalarSlots::new(DeviceScalar::at(&self.w_si, first - ACTIVATIONS)?, 1),
+                amax: self.scaling.amax_slots(tensor)?,
+            })
+        };
+        Ok([
+            weight(
+                &self.w1,
+                &self.dw1,
+                (&self.w1_q, &self.w1_t),
+                (2 * f, h),
+                w1_tensor(0),
+            )?,
+            weight(
+                &self.w2,
+                &self.dw2,
+                (&self.w2_q, &self.w2_t),
+                (h, f),
+                w2_tensor(e, 0),
+            )?,
+        ])
+    }
+
+    /// The router weight and its gradient as an optimizer sees them (shared handles).
+    pub(crate) fn router_params(&self) -> (DeviceBuffer<f32>, DeviceBuffer<f32>) {
+        (self.wr.share(), self.dwr.share())
     }
 
     /// Runs `side` on the layer's side stream and `main` on `stream` concurrently: both
@@ -1142,27 +1262,18 @@ impl Callable<bf16> for MoeLayer {
     /// cast-transpose per weight over all experts, each expert with its own scale, scale_inv
     /// and amax (consecutive tensors of the delayed-scaling state); skipped on the device when
     /// the slot's noop flag reads 1.0. The weight tensors are reported by the forward, for the
-    /// experts that got tokens.
+    /// experts that got tokens. Nothing when the optimizer writes the FP8 weights
+    /// ([`MoeLayer::with_fp8_weights_from_optimizer`]).
     fn cast_weights(&mut self, stream: &Stream, slot: &Slot<'_, bf16>) -> Result<()> {
+        if self.optimizer_casts {
+            return Ok(());
+        }
         let noop = slot
             .skip_weight_cast()
             .map(|f| DeviceScalar::at(f, 0))
             .transpose()?;
-        let (e, h, f) = (self.cfg.experts, self.cfg.hidden, self.cfg.ffn);
-        for (w, w_q, w_t, rows, cols, first) in [
-            (&self.w1, &self.w1_q, &self.w1_t, 2 * f, h, w1_tensor(0)),
-            (&self.w2, &self.w2_q, &self.w2_t, h, f, w2_tensor(e, 0)),
-        ] {
-            let t = self.first_tensor + first;
-            let out = BatchedCastOut {
-                data: w_q,
-                data_t: w_t,
-                format: Fp8Format::E4M3,
-                scale: self.scaling.scale_slots(t)?,
-                scale_inv: ScalarSlots::new(DeviceScalar::at(&self.w_si, first - ACTIVATIONS)?, 1),
-                amax: self.scaling.amax_slots(t)?,
-            };
-            cast_transpose_batched(stream, w, (e, rows, cols), &out, noop.as_ref())?;
+        for ew in self.expert_weights()? {
+            cast_transpose_batched(stream, &ew.w, ew.shape, &ew.cast_out(), noop.as_ref())?;
         }
         Ok(())
     }

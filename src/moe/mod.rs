@@ -4,6 +4,8 @@
 //!   backward, a [`Callable`](graphed_callables::Callable) of the graphed-callables runtime:
 //!   eager, breaking-layer graphs (router and combine graphed, experts eager on host-read
 //!   counts) or full-layer graphs (grouped GEMMs reading the counts on the device);
+//! * [`optim`]: [`MoeAdamW`](optim::MoeAdamW), AdamW for the layer on the device, writing
+//!   the FP8 expert weights itself when the layer asks for that (no cast in the step);
 //! * [`routing`]: the router (softmax or sigmoid scores, top-k, gates, aux and z losses), the
 //!   dispatch plan into the packed expert-major layout, the combine, and the backward of each,
 //!   deterministic and free of host synchronisation;
@@ -11,5 +13,6 @@
 //!   variant that rounds where the device does) the tests hold the device to.
 
 pub mod layer;
+pub mod optim;
 pub mod reference;
 pub mod routing;
