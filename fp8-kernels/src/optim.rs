@@ -7,8 +7,9 @@
 //! * [`AdamWState::update`]: elementwise over f32 master weights and their moments, from an
 //!   f32 or bf16 gradient, optionally writing a bf16 copy of the new weights;
 //! * [`AdamWState::update_cast_transpose_batched`]: the same over a batch of equally shaped
-//!   matrices (a MoE layer's expert weights), fused with their FP8 cast-transpose: the new
-//!   weights, rounded to bf16, are cast row-major and transposed with each matrix's scale,
+//!   matrices (a MoE layer's expert weights) with their FP8 cast-transpose (the update writes
+//!   the FP8 bytes instead of a copy, a second pass transposes them): the new weights,
+//!   rounded to bf16, are cast row-major and transposed with each matrix's scale,
 //!   their `1 / scale` and amax written, exactly as [`cast_transpose_batched`] of the bf16
 //!   copy would (TransformerEngine's FP8 parameters: the optimizer writes the FP8 weights, so
 //!   no forward casts them).
@@ -33,16 +34,17 @@
 use cuda_graph::half::bf16;
 use cuda_graph::{DeviceBuffer, Error, KernelArgs, LaunchConfig, Result, Stream};
 
-use crate::cast_transpose::{
-    BatchedCastOut, MAX_BATCH, THREADS, blocks_per_matrix, matrix_numel, tile_count,
-};
+use crate::cast_transpose::{BatchedCastOut, MAX_BATCH, blocks_per_matrix, matrix_numel};
 use crate::format::DType;
 use crate::module::kernel;
 use crate::quantize::ALIGN;
 use crate::tensor::{DeviceScalar, HpBuffer, check_align};
 
-/// Resident blocks per SM of the fused update (`ADAMW_CT_CTAS_PER_SM` in `kernels/adamw.cuh`).
-const FUSED_CTAS_PER_SM: u32 = 2;
+/// Tile edge (bytes), threads and resident blocks per SM of the FP8 transpose (`TT`,
+/// `TRANSPOSE_THREADS`, `TRANSPOSE_CTAS_PER_SM` in `kernels/adamw.cuh`).
+const TRANSPOSE_TILE: usize = 128;
+const TRANSPOSE_THREADS: u32 = 256;
+const TRANSPOSE_CTAS_PER_SM: u32 = 4;
 /// Threads per block of the elementwise update (`ADAMW_THREADS`).
 const ELEMENTWISE_THREADS: u32 = 256;
 /// Blocks per SM of the elementwise update's grid-stride grid.
@@ -292,8 +294,8 @@ impl AdamWState {
     }
 
     /// Enqueues the update of `count` matrices of `[rows, cols]` (matrix `g` at element
-    /// `g * rows * cols` of every buffer of `t`) fused with their FP8 cast-transpose into
-    /// `out`: the new weights rounded to bf16 are cast with matrix `g`'s scale into
+    /// `g * rows * cols` of every buffer of `t`) with their FP8 cast-transpose into `out`
+    /// (two launches: the update writing the row-major FP8 bytes, then their transpose): the new weights rounded to bf16 are cast with matrix `g`'s scale into
     /// `out.data` and `out.data_t` at byte `g * rows * cols`, `1 / scale` is written to its
     /// scale_inv slot and `max |w|` maxed into its amax slot; the bytes and scalars are
     /// exactly those of [`update`](Self::update) with a bf16 copy followed by
@@ -345,21 +347,21 @@ impl AdamWState {
             out.amax
                 .kernel_indices(format_args!("{what} amax"), count)?,
         ];
-        let tiles = tile_count(rows, cols, DType::F32)?;
         let name = format!(
-            "fp8_adamw_cast_transpose_{}_{}",
+            "fp8_adamw_cast_{}_{}",
             t.grad.dtype().name(),
             out.format.name()
         );
         let (k, sms) = kernel(stream.context(), &name)?;
         let (null, rows64, cols64) = (0u64, rows as u64, cols as u64);
+        // The 4-wide path needs every matrix 4-element aligned (the bases are 16-byte).
+        let vec = i32::from((rows * cols) % 4 == 0);
         let (hyper, gs) = (self.hyper.kernel_hyper(), scalar_ptr(grad_scale));
         let indices = slots.map(|s| s[0]);
         let strides = slots.map(|s| s[1]);
         let args = t
             .push_to(KernelArgs::new(), &null)
             .arg(out.data)
-            .arg(out.data_t)
             .arg(&rows64)
             .arg(&cols64)
             .arg(&self.state)
@@ -369,21 +371,53 @@ impl AdamWState {
             .arg(out.scale_inv.first().buffer())
             .arg(out.amax.first().buffer())
             .arg(&indices)
-            .arg(&strides);
-        let count = count as u32; // at most MAX_BATCH (checked)
+            .arg(&strides)
+            .arg(&vec);
+        let count32 = count as u32; // at most MAX_BATCH (checked)
+        let per_matrix = (rows * cols).div_ceil(4 * ELEMENTWISE_THREADS as usize);
         let cfg = LaunchConfig {
             grid: (
-                blocks_per_matrix(tiles, sms, FUSED_CTAS_PER_SM, count),
-                count,
+                blocks_per_matrix(
+                    u32::try_from(per_matrix).unwrap_or(u32::MAX),
+                    sms,
+                    ELEMENTWISE_BLOCKS_PER_SM,
+                    count32,
+                ),
+                count32,
                 1,
             ),
-            ..LaunchConfig::linear(1, THREADS)
+            ..LaunchConfig::linear(1, ELEMENTWISE_THREADS)
         };
-        // SAFETY: the kernel touches count * rows * cols elements of the weights, gradient,
-        // moments and copy and as many bytes of y and yt (all checked to hold exactly that
-        // many and to be 16-byte aligned, its widest access); its blocks bound-check every
-        // element of their tiles; the slots first + g * stride (g < count) lie inside their
+        // SAFETY: the blocks of matrix g touch its rows * cols elements (at g * rows * cols) of
+        // the weights, gradient, moments, copy and y, which hold count * rows * cols each
+        // (checked), 16-byte aligned (the 4-wide path runs only when every matrix starts
+        // 4-element aligned); the slots first + g * stride (g < count) lie inside their
         // buffers (checked); it reads the 4-element state and the scale's element.
+        unsafe { stream.launch_pdl(&k, &cfg, &args) }?;
+        let (k, _) = kernel(stream.context(), "fp8_transpose_batched")?;
+        let tiles = rows.div_ceil(TRANSPOSE_TILE) as u64 * cols.div_ceil(TRANSPOSE_TILE) as u64;
+        let args = KernelArgs::new()
+            .arg(out.data)
+            .arg(out.data_t)
+            .arg(&rows64)
+            .arg(&cols64);
+        let cfg = LaunchConfig {
+            grid: (
+                blocks_per_matrix(
+                    u32::try_from(tiles).unwrap_or(u32::MAX),
+                    sms,
+                    TRANSPOSE_CTAS_PER_SM,
+                    count32,
+                ),
+                count32,
+                1,
+            ),
+            ..LaunchConfig::linear(1, TRANSPOSE_THREADS)
+        };
+        // SAFETY: the blocks of matrix g read its rows * cols bytes of data and write as many
+        // of data_t (both count * rows * cols bytes, 16-byte aligned: checked), bound-checking
+        // every byte of a tile off the 16-byte path (which needs rows and cols multiples of
+        // 16, so every 16-byte piece is aligned).
         unsafe { stream.launch_pdl(&k, &cfg, &args) }
     }
 }

@@ -228,11 +228,17 @@ fn poisoned(stream: &Stream, n: usize) -> DeviceBuffer<u8> {
 #[ignore = "needs a CUDA device"]
 fn fused_update_and_cast_equal_the_update_then_the_cast() {
     let (_ctx, stream) = setup();
-    // Whole fast tiles with a partial edge row of tiles; an odd shape (all edge tiles).
-    for (case, &(count, rows, cols, bf)) in
-        [(3, 80, 96, false), (2, 33, 50, true), (4, 64, 128, true)]
-            .iter()
-            .enumerate()
+    // The transpose's 128 x 128 tiles: none whole (80 x 96); an odd shape, whose matrices
+    // start off 4-element alignment (33 x 50: the update one element at a time); whole tiles
+    // with edges in both dimensions (272 x 144); whole tiles only (256 x 256).
+    for (case, &(count, rows, cols, bf)) in [
+        (3, 80, 96, false),
+        (2, 33, 50, true),
+        (2, 272, 144, false),
+        (1, 256, 256, true),
+    ]
+    .iter()
+    .enumerate()
     {
         let what = format!("{count} x [{rows}, {cols}], bf16 grad {bf}");
         let n = count * rows * cols;
