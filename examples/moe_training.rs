@@ -5,15 +5,16 @@
 //! the graphed-callables runtime: two microbatches per step, both forwards then both
 //! backwards, one graph per pass, the grouped GEMMs reading each microbatch's per-expert
 //! token counts on the device. The activations and gradients are cast with current scaling
-//! (each tensor's own amax), the expert weights with fixed per-expert scales; the weight
+//! (each tensor's own amax), the expert weights with per-expert delayed scales; the weight
 //! gradients are the step's ([`MoeLayer::with_step_gradients`]).
 //!
 //! First the graphed step is checked against an eager run of an identical layer, bit for
 //! bit (outputs, input gradients, weight gradients). Then the layer learns a fixed
 //! regression (`target = 0.25 x`, loss `0.5 / T * sum (y - target)^2` over both
-//! microbatches) by gradient descent, the update done on the host for brevity (a training
-//! stack would run its optimizer on the device): every weight moves 1% of its tensor's norm
-//! against its gradient. The loss must fall; the example exits non-zero otherwise.
+//! microbatches) with AdamW on the device ([`MoeAdamW`]), which also writes the FP8 expert
+//! weights ([`MoeLayer::with_fp8_weights_from_optimizer`]: no forward casts them); each step
+//! ends with the scale update, then the optimizer step. The loss must fall; the example exits
+//! non-zero otherwise.
 //!
 //! `cargo run --release --example moe_training` (needs an NVIDIA GPU and driver).
 
@@ -21,10 +22,11 @@ use std::sync::Arc;
 
 use cuda_graph::half::bf16;
 use cuda_graph::{Context, DeviceBuffer, Stream};
-use fp8_kernels::{AmaxAlgo, CastScaling, DelayedScaling};
+use fp8_kernels::{AdamW, AmaxAlgo, CastScaling, DelayedScaling};
 use fp8_moe::moe::layer::{
     ExpertGemm, Fp8Recipe, GradDtype, MoeLayer, MoeLayerConfig, MoeParams, WeightGrad, formats,
 };
+use fp8_moe::moe::optim::MoeAdamW;
 use fp8_moe::moe::routing::{RouterConfig, ScoreFn};
 use fp8_moe::rng::Rng;
 use graphed_callables::{Callable, GraphIndex, GraphedCallables, GraphedOptions, Schedule, Slot};
@@ -50,16 +52,23 @@ const CFG: MoeLayerConfig = MoeLayerConfig {
 };
 const MICROBATCHES: usize = 2;
 const STEPS: usize = 12;
-/// Each weight tensor moves this fraction of its norm per step.
-const STEP_SIZE: f32 = 0.01;
+/// AdamW's hyperparameters for the regression.
+const ADAMW: AdamW = AdamW {
+    lr: 3e-3,
+    beta1: 0.9,
+    beta2: 0.99,
+    eps: 1e-8,
+    weight_decay: 0.0,
+};
 
 fn bf16s(v: &[f32]) -> Vec<bf16> {
     v.iter().map(|&x| bf16::from_f32(x)).collect()
 }
 
-/// A layer with `params`, its own scaling state: the expert weights' scales set from their
-/// amax (`448 / amax`, E4M3), the rest computed per tensor (current scaling).
-fn layer(stream: &Stream, params: &MoeParams) -> Result<MoeLayer, BoxError> {
+/// A layer with `params` and its own scaling state: the expert weights' scales set from their
+/// amax (`448 / amax`, E4M3; then delayed, from the amax the optimizer records), the rest
+/// computed per tensor (current scaling). Its FP8 weights come from the optimizer.
+fn layer(stream: &Stream, params: &MoeParams) -> Result<(MoeLayer, Arc<DelayedScaling>), BoxError> {
     let fmts = formats(CFG.recipe, CFG.experts);
     let scaling = Arc::new(DelayedScaling::new(
         stream,
@@ -77,53 +86,32 @@ fn layer(stream: &Stream, params: &MoeParams) -> Result<MoeLayer, BoxError> {
         scaling.scale(4 + x)?.write(stream, 448.0 / amax(w1))?;
         scaling.scale(4 + e + x)?.write(stream, 448.0 / amax(w2))?;
     }
-    Ok(MoeLayer::new(stream, CFG, params, scaling, 0)?.with_step_gradients(true))
+    let layer = MoeLayer::new(stream, CFG, params, scaling.clone(), 0)?
+        .with_step_gradients(true)
+        .with_fp8_weights_from_optimizer(stream, true)?;
+    Ok((layer, scaling))
 }
 
-/// The weights and their gradients of a layer, as shared handles (they outlive the box the
-/// runtime takes).
-struct Weights {
-    w1: (DeviceBuffer<bf16>, WeightGrad),
-    w2: (DeviceBuffer<bf16>, WeightGrad),
-    wr: (DeviceBuffer<f32>, DeviceBuffer<f32>),
-}
+/// The weight gradients of a layer, as shared handles (they outlive the box the runtime
+/// takes).
+struct Grads([WeightGrad; 3]);
 
-impl Weights {
-    fn of(l: &MoeLayer) -> Weights {
-        let share = |(w, g): (&DeviceBuffer<bf16>, &WeightGrad)| (w.share(), g.share());
-        let (wr, dwr) = l.router_weight();
-        Weights {
-            w1: share(l.fc1()),
-            w2: share(l.fc2()),
-            wr: (wr.share(), dwr.share()),
-        }
-    }
-
-    /// The three weight gradients, read back.
-    fn grads(&self, s: &Stream) -> Result<Vec<Vec<f32>>, BoxError> {
-        Ok(vec![
-            self.w1.1.to_f32_vec(s)?,
-            self.w2.1.to_f32_vec(s)?,
-            self.wr.1.to_vec(s)?,
+impl Grads {
+    fn of(l: &MoeLayer) -> Grads {
+        Grads([
+            l.fc1().1.share(),
+            l.fc2().1.share(),
+            WeightGrad::F32(l.router_weight().1.share()),
         ])
     }
 
-    /// One descent step: every tensor moves `STEP_SIZE` of its norm against its gradient.
-    fn descend(&self, s: &Stream) -> Result<(), BoxError> {
-        let step = |w: &mut [f32], g: &[f32]| {
-            let norm = |v: &[f32]| v.iter().map(|x| x * x).sum::<f32>().sqrt();
-            let lr = STEP_SIZE * norm(w) / norm(g).max(f32::MIN_POSITIVE);
-            w.iter_mut().zip(g).for_each(|(w, g)| *w -= lr * g);
-        };
-        for (w, g) in [&self.w1, &self.w2] {
-            let mut v: Vec<f32> = w.to_vec(s)?.iter().map(|x| x.to_f32()).collect();
-            step(&mut v, &g.to_f32_vec(s)?);
-            w.copy_from_host(s, &bf16s(&v))?;
-        }
-        let mut v = self.wr.0.to_vec(s)?;
-        step(&mut v, &self.wr.1.to_vec(s)?);
-        self.wr.0.copy_from_host(s, &v)?;
-        Ok(())
+    /// The three weight gradients, read back.
+    fn read(&self, s: &Stream) -> Result<Vec<Vec<f32>>, BoxError> {
+        Ok(self
+            .0
+            .iter()
+            .map(|g| g.to_f32_vec(s))
+            .collect::<cuda_graph::Result<_>>()?)
     }
 }
 
@@ -171,8 +159,11 @@ fn main() -> Result<(), BoxError> {
         .collect::<cuda_graph::Result<_>>()?;
 
     // The graphed layer: full-layer graphs under the schedule [1, 1, -1, -1].
-    let graphed_layer = layer(&stream, &params)?;
-    let weights = Weights::of(&graphed_layer);
+    let (graphed_layer, scaling) = layer(&stream, &params)?;
+    let grads = Grads::of(&graphed_layer);
+    // The optimizer keeps handles to the layer's weights: it works after the layer moved into
+    // the runtime.
+    let optimizer = MoeAdamW::new(&stream, &graphed_layer, ADAMW)?;
     let schedule = Schedule::new(&[1, 1, -1, -1], vec![1])?;
     let graphed = GraphedCallables::build(
         &stream,
@@ -198,8 +189,8 @@ fn main() -> Result<(), BoxError> {
     };
 
     // The same step eagerly, on an identical layer.
-    let mut eager = layer(&stream, &params)?;
-    let eager_weights = Weights::of(&eager);
+    let (mut eager, _) = layer(&stream, &params)?;
+    let eager_grads = Grads::of(&eager);
     let saved: Vec<Vec<DeviceBuffer<u8>>> = (0..MICROBATCHES)
         .map(|_| {
             eager
@@ -260,7 +251,7 @@ fn main() -> Result<(), BoxError> {
             .map(|x| x.to_bits())
             .eq(b.iter().map(|x| x.to_bits()))
     };
-    let (g, ge) = (weights.grads(&stream)?, eager_weights.grads(&stream)?);
+    let (g, ge) = (grads.read(&stream)?, eager_grads.read(&stream)?);
     if g.iter().zip(&ge).any(|(a, b)| !same_bits(a, b)) {
         return Err("the graphed step's weight gradients differ from eager".into());
     }
@@ -269,7 +260,8 @@ fn main() -> Result<(), BoxError> {
     // Training.
     let mut loss = first_loss;
     for step in 1..=STEPS {
-        weights.descend(&stream)?;
+        scaling.update(&stream)?;
+        optimizer.step(&stream, None)?;
         loss = graphed_step()?.0;
         if !loss.is_finite() {
             return Err(format!("step {step}: loss {loss}").into());
