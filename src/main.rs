@@ -108,7 +108,7 @@ struct BenchArgs {
 }
 
 /// The benchmarks `bench` runs.
-#[derive(Debug, Clone, Copy, Subcommand)]
+#[derive(Debug, Clone, Subcommand)]
 enum Bench {
     /// Launch, replay, capture and update costs.
     Graph,
@@ -128,12 +128,16 @@ enum Bench {
         /// Only the shapes with this many experts (8 or 256).
         #[arg(long, value_name = "E")]
         experts: Option<usize>,
+        /// Only these steps (repeat or separate with commas; all by default), e.g. to
+        /// profile one of them.
+        #[arg(long, value_name = "STEP", value_enum, value_delimiter = ',')]
+        only: Vec<bench::moe::Step>,
     },
 }
 
 impl Bench {
     /// The name on the command line, which also names the default JSON file.
-    fn name(self) -> &'static str {
+    fn name(&self) -> &'static str {
         match self {
             Bench::Graph => "graph",
             Bench::Fp8Cast => "fp8-cast",
@@ -174,7 +178,7 @@ fn main() -> ExitCode {
         Command::Info => info::run(&mut std::io::stdout().lock()),
         Command::Bench(BenchArgs { bench, json }) => {
             let json = json.unwrap_or_else(|| format!("bench-{}.json", bench.name()).into());
-            run_bench(bench, &json)
+            run_bench(&bench, &json)
         }
         Command::Soak(args) => run_soak(args),
     };
@@ -187,7 +191,7 @@ fn main() -> ExitCode {
     }
 }
 
-fn run_bench(bench: Bench, json_path: &std::path::Path) -> Result<(), info::CliError> {
+fn run_bench(bench: &Bench, json_path: &std::path::Path) -> Result<(), info::CliError> {
     let (title, rows) = match bench {
         Bench::Graph => (
             "bench graph: chain of 1000 x add 1.0 to 1024 floats (4 x 256)",
@@ -205,9 +209,13 @@ fn run_bench(bench: Bench, json_path: &std::path::Path) -> Result<(), info::CliE
             "bench graphed: eager vs graphed step time (FP8 MLP stack)",
             bench::graphed::run(),
         ),
-        Bench::Moe { tokens, experts } => (
+        Bench::Moe {
+            tokens,
+            experts,
+            only,
+        } => (
             "bench moe: MoE layer training step (forward + backward), eager vs graphs",
-            bench::moe::run(tokens, experts),
+            bench::moe::run(*tokens, *experts, only),
         ),
     };
     let rows = rows.map_err(|e| info::CliError::Other(e.to_string()))?;
@@ -289,6 +297,7 @@ mod tests {
             Bench::Moe {
                 tokens: None,
                 experts: None,
+                only: Vec::new(),
             },
         ] {
             let cli = Cli::try_parse_from(["fp8-moe", "bench", bench.name()]).unwrap();
@@ -309,9 +318,22 @@ mod tests {
             args.bench,
             Bench::Moe {
                 tokens: Some(4096),
-                experts: None
-            }
+                experts: None,
+                ref only,
+            } if only.is_empty()
         ));
         assert!(Cli::try_parse_from(["fp8-moe", "bench", "moe", "--experts", "x"]).is_err());
+        let cli =
+            Cli::try_parse_from(["fp8-moe", "bench", "moe", "--only", "fp8-weights-bf16,full"])
+                .unwrap();
+        let Command::Bench(args) = cli.command else {
+            panic!("not bench: {cli:?}")
+        };
+        let Bench::Moe { only, .. } = args.bench else {
+            panic!("not moe: {args:?}")
+        };
+        use bench::moe::Step;
+        assert_eq!(only, [Step::Fp8WeightsBf16, Step::Full]);
+        assert!(Cli::try_parse_from(["fp8-moe", "bench", "moe", "--only", "fastest"]).is_err());
     }
 }
