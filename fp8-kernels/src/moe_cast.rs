@@ -23,7 +23,8 @@
 //!   `[rows, 2F]` is `d gate = dh * up * silu'(gate)` (columns `0..F`) and
 //!   `d up = dh * silu(gate)` (columns `F..2F`), `silu'(v) = s (1 + v (1 - s))`, `s = sigmoid(v)`.
 //!
-//! The math is f32 (the device's `expf`), rounded once by the FP8 cast: `sat_rne(v * scale)`,
+//! The math is f32 (the sigmoid from the hardware's `exp2` and reciprocal approximations:
+//! `__expf`, `__fdividef`, a few ulp), rounded once by the FP8 cast: `sat_rne(v * scale)`,
 //! `out.scale_inv() = 1 / scale` written, nothing written when `noop` holds 1. The scale
 //! ([`CastScaling`]): delayed, read from `out.scale()`, with `max |v|` (unscaled, rows in use
 //! only) maxed into `out.amax()` (one launch); or current, `out.amax()` set to this tensor's
