@@ -612,7 +612,8 @@ __device__ __forceinline__ void wgrad_store(float *pc, unsigned hidden, unsigned
 //   score: softmax (score_fn 0) or sigmoid (1) of the logits;
 //   probs[t, e]  = the per-token distribution the aux loss uses: softmax, or the sigmoid
 //                  scores divided by their sum;
-//   topk[t, j]   = the j-th largest score (ties to the lower expert);
+//   topk[t, j]   = the expert of the j-th largest logit (ties to the lower expert): the
+//                  j-th largest score, without the ties f32 scores add;
 //   gates[t, j]  = softmax: score (divided by the sum of the k chosen scores if renormalize);
 //                  sigmoid: score / sum of the k chosen scores;
 //   lse[t]       = logsumexp of the logits (for the z-loss);
@@ -680,6 +681,15 @@ extern "C" __global__ void __launch_bounds__(MOE_BLOCK, 2)
             q += v;
         }
         q = warp_sum(q);
+        // Top-k ranked by the logits, which every score function is monotone in: the f32
+        // scores are not strictly (near-equal logits can round to one score, a tie the
+        // lower expert would win though its logit is smaller). Values are the scores.
+        int chosen[8];
+        float chosen_v[8];
+        warp_topk(l, experts, k, chosen, chosen_v);
+        __syncwarp(); // every lane's s[e]
+#pragma unroll
+        for (unsigned j = 0; j < 8; ++j) chosen_v[j] = chosen[j] >= 0 ? s[chosen[j]] : 0.0f;
         float *lr = logits + (size_t)t * experts, *pr = probs + (size_t)t * experts;
         for (unsigned e = lane; e < experts; e += 32) {
             const float p = score_fn == 0 ? s[e] : s[e] / q;
@@ -691,12 +701,6 @@ extern "C" __global__ void __launch_bounds__(MOE_BLOCK, 2)
         if (lane == 0) {
             lse[t] = ls;
             lse_sh[warp] = ls;
-        }
-        __syncwarp();
-        int chosen[8];
-        float chosen_v[8];
-        warp_topk(s, experts, k, chosen, chosen_v);
-        if (lane == 0) {
             float sum = 0.0f;
 #pragma unroll
             for (unsigned j = 0; j < 8; ++j)

@@ -500,9 +500,10 @@ pub fn route_logits(
         for (i, o) in order.iter_mut().enumerate() {
             *o = i;
         }
+        // Ranked by the logits (every score function is monotone in them; the scores, even
+        // in f64, can round near-equal logits to one value), ties to the lower expert.
         order.sort_by(|&a, &b| {
-            sr[b]
-                .partial_cmp(&sr[a])
+            l[b].partial_cmp(&l[a])
                 .unwrap_or(std::cmp::Ordering::Equal)
                 .then(a.cmp(&b))
         });
