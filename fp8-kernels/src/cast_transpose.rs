@@ -61,6 +61,23 @@ pub(crate) fn blocks_per_matrix(tiles: u32, sms: u32, ctas_per_sm: u32, count: u
     per.min(u64::from(tiles)).max(1) as u32
 }
 
+/// Validates a batch of `count` matrices of `[rows, cols]`: `1 <= count <= MAX_BATCH`, both
+/// dimensions at least 1, the total element count within usize (returned).
+pub(crate) fn batch_numel(what: &str, (count, rows, cols): (usize, usize, usize)) -> Result<usize> {
+    if !(1..=MAX_BATCH).contains(&count) {
+        return Err(Error::InvalidArgument(format!(
+            "{what}: count = {count} must be within 1..={MAX_BATCH}"
+        )));
+    }
+    matrix_numel(what, rows, cols)?
+        .checked_mul(count)
+        .ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "{what}: {count} x [{rows}, {cols}] overflows usize"
+            ))
+        })
+}
+
 /// Validates a matrix shape: both dimensions at least 1, element count within usize.
 pub(crate) fn matrix_numel(what: &str, rows: usize, cols: usize) -> Result<usize> {
     if rows == 0 || cols == 0 {
@@ -206,6 +223,21 @@ pub struct BatchedCastOut<'a> {
     pub amax: ScalarSlots,
 }
 
+impl BatchedCastOut<'_> {
+    /// The (scale, scale_inv, amax) slots' `[first index, stride]` as the kernels take them,
+    /// after checking that `count` slots of each lie inside their buffers.
+    pub(crate) fn kernel_slots(&self, what: &str, count: usize) -> Result<[[u32; 2]; 3]> {
+        Ok([
+            self.scale
+                .kernel_indices(format_args!("{what} scale"), count)?,
+            self.scale_inv
+                .kernel_indices(format_args!("{what} scale_inv"), count)?,
+            self.amax
+                .kernel_indices(format_args!("{what} amax"), count)?,
+        ])
+    }
+}
+
 /// [`cast_transpose`] of `count` matrices of `[rows, cols]` in one launch: matrix `g` is
 /// `input[g * rows * cols ..][.. rows * cols]`, cast with its own scale (`out.scale.get(g)`)
 /// into `out.data` and `out.data_t` at byte `g * rows * cols`, with its `1 / scale` written to
@@ -254,18 +286,7 @@ pub fn cast_transpose_batched<'a>(
 ) -> Result<()> {
     let input: HpBuffer<'a> = input.into();
     let what = "cast_transpose_batched";
-    if !(1..=MAX_BATCH).contains(&count) {
-        return Err(Error::InvalidArgument(format!(
-            "{what}: count = {count} must be within 1..={MAX_BATCH}"
-        )));
-    }
-    let n = matrix_numel(what, rows, cols)?
-        .checked_mul(count)
-        .ok_or_else(|| {
-            Error::InvalidArgument(format!(
-                "{what}: {count} x [{rows}, {cols}] overflows usize"
-            ))
-        })?;
+    let n = batch_numel(what, (count, rows, cols))?;
     for (name, len) in [
         ("input", input.len()),
         ("row-major output", out.data.len()),
@@ -284,14 +305,7 @@ pub fn cast_transpose_batched<'a>(
         out.data_t.as_raw(),
         ALIGN,
     )?;
-    let slots = [
-        out.scale
-            .kernel_indices(format_args!("{what} scale"), count)?,
-        out.scale_inv
-            .kernel_indices(format_args!("{what} scale_inv"), count)?,
-        out.amax
-            .kernel_indices(format_args!("{what} amax"), count)?,
-    ];
+    let slots = out.kernel_slots(what, count)?;
     let buffers = [&out.scale, &out.scale_inv, &out.amax].map(|s| s.first.buffer());
     launch(
         stream,

@@ -34,7 +34,7 @@
 use cuda_graph::half::bf16;
 use cuda_graph::{DeviceBuffer, Error, KernelArgs, LaunchConfig, Result, Stream};
 
-use crate::cast_transpose::{BatchedCastOut, MAX_BATCH, blocks_per_matrix, matrix_numel};
+use crate::cast_transpose::{BatchedCastOut, batch_numel, blocks_per_matrix};
 use crate::format::DType;
 use crate::module::kernel;
 use crate::quantize::ALIGN;
@@ -315,18 +315,7 @@ impl AdamWState {
         grad_scale: Option<&DeviceScalar>,
     ) -> Result<()> {
         let what = "AdamW update + cast_transpose_batched";
-        if !(1..=MAX_BATCH).contains(&count) {
-            return Err(Error::InvalidArgument(format!(
-                "{what}: count = {count} must be within 1..={MAX_BATCH}"
-            )));
-        }
-        let n = matrix_numel(what, rows, cols)?
-            .checked_mul(count)
-            .ok_or_else(|| {
-                Error::InvalidArgument(format!(
-                    "{what}: {count} x [{rows}, {cols}] overflows usize"
-                ))
-            })?;
+        let n = batch_numel(what, (count, rows, cols))?;
         t.check(what, Some(n))?;
         for (name, len, addr) in [
             ("row-major output", out.data.len(), out.data.as_raw()),
@@ -339,14 +328,7 @@ impl AdamWState {
             }
             check_align(format_args!("{what} {name}"), addr, ALIGN)?;
         }
-        let slots = [
-            out.scale
-                .kernel_indices(format_args!("{what} scale"), count)?,
-            out.scale_inv
-                .kernel_indices(format_args!("{what} scale_inv"), count)?,
-            out.amax
-                .kernel_indices(format_args!("{what} amax"), count)?,
-        ];
+        let slots = out.kernel_slots(what, count)?;
         let name = format!(
             "fp8_adamw_cast_{}_{}",
             t.grad.dtype().name(),
@@ -373,21 +355,13 @@ impl AdamWState {
             .arg(&indices)
             .arg(&strides)
             .arg(&vec);
-        let count32 = count as u32; // at most MAX_BATCH (checked)
         let per_matrix = (rows * cols).div_ceil(4 * ELEMENTWISE_THREADS as usize);
-        let cfg = LaunchConfig {
-            grid: (
-                blocks_per_matrix(
-                    u32::try_from(per_matrix).unwrap_or(u32::MAX),
-                    sms,
-                    ELEMENTWISE_BLOCKS_PER_SM,
-                    count32,
-                ),
-                count32,
-                1,
-            ),
-            ..LaunchConfig::linear(1, ELEMENTWISE_THREADS)
-        };
+        let cfg = batched_grid(
+            per_matrix,
+            (sms, ELEMENTWISE_BLOCKS_PER_SM),
+            count,
+            ELEMENTWISE_THREADS,
+        );
         // SAFETY: the blocks of matrix g touch its rows * cols elements (at g * rows * cols) of
         // the weights, gradient, moments, copy and y, which hold count * rows * cols each
         // (checked), 16-byte aligned (the 4-wide path runs only when every matrix starts
@@ -395,30 +369,40 @@ impl AdamWState {
         // buffers (checked); it reads the 4-element state and the scale's element.
         unsafe { stream.launch_pdl(&k, &cfg, &args) }?;
         let (k, _) = kernel(stream.context(), "fp8_transpose_batched")?;
-        let tiles = rows.div_ceil(TRANSPOSE_TILE) as u64 * cols.div_ceil(TRANSPOSE_TILE) as u64;
+        let tiles = rows.div_ceil(TRANSPOSE_TILE) * cols.div_ceil(TRANSPOSE_TILE);
         let args = KernelArgs::new()
             .arg(out.data)
             .arg(out.data_t)
             .arg(&rows64)
             .arg(&cols64);
-        let cfg = LaunchConfig {
-            grid: (
-                blocks_per_matrix(
-                    u32::try_from(tiles).unwrap_or(u32::MAX),
-                    sms,
-                    TRANSPOSE_CTAS_PER_SM,
-                    count32,
-                ),
-                count32,
-                1,
-            ),
-            ..LaunchConfig::linear(1, TRANSPOSE_THREADS)
-        };
+        let cfg = batched_grid(
+            tiles,
+            (sms, TRANSPOSE_CTAS_PER_SM),
+            count,
+            TRANSPOSE_THREADS,
+        );
         // SAFETY: the blocks of matrix g read its rows * cols bytes of data and write as many
         // of data_t (both count * rows * cols bytes, 16-byte aligned: checked), bound-checking
         // every byte of a tile off the 16-byte path (which needs rows and cols multiples of
         // 16, so every 16-byte piece is aligned).
         unsafe { stream.launch_pdl(&k, &cfg, &args) }
+    }
+}
+
+/// A grid of `count` matrices (`blockIdx.y`), each with the blocks [`blocks_per_matrix`]
+/// gives for `units` of work (at most `(sms, per_sm)` resident blocks shared by them), of
+/// `threads` threads. `count <= MAX_BATCH` (checked by the callers).
+fn batched_grid(
+    units: usize,
+    (sms, per_sm): (u32, u32),
+    count: usize,
+    threads: u32,
+) -> LaunchConfig {
+    let count = count as u32;
+    let units = u32::try_from(units).unwrap_or(u32::MAX);
+    LaunchConfig {
+        grid: (blocks_per_matrix(units, sms, per_sm, count), count, 1),
+        ..LaunchConfig::linear(1, threads)
     }
 }
 

@@ -120,6 +120,34 @@ impl Tensor {
     }
 }
 
+/// Two tensors' weights and moments, and two FP8 outputs (row-major, transposed), the same
+/// bits.
+fn assert_same(
+    stream: &Stream,
+    what: &str,
+    (a, b): (&Tensor, &Tensor),
+    fp8: [(&DeviceBuffer<u8>, &DeviceBuffer<u8>); 2],
+) {
+    for (name, x, y) in [
+        ("weights", &a.p, &b.p),
+        ("exp_avg", &a.m, &b.m),
+        ("exp_avg_sq", &a.v, &b.v),
+    ] {
+        let (x, y) = (x.to_vec(stream).unwrap(), y.to_vec(stream).unwrap());
+        assert!(
+            x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits()),
+            "{what}: {name} differ"
+        );
+    }
+    for (name, (x, y)) in ["FP8 row-major", "FP8 transposed"].iter().zip(fp8) {
+        assert_eq!(
+            x.to_vec(stream).unwrap(),
+            y.to_vec(stream).unwrap(),
+            "{what}: {name}"
+        );
+    }
+}
+
 fn bf16_bits(stream: &Stream, b: &DeviceBuffer<bf16>) -> Vec<u16> {
     b.to_vec(stream)
         .unwrap()
@@ -224,6 +252,29 @@ fn poisoned(stream: &Stream, n: usize) -> DeviceBuffer<u8> {
     DeviceBuffer::from_host(stream, &vec![0xaau8; n]).unwrap()
 }
 
+/// One side of a comparison: a tensor, its batch's scalars, poisoned FP8 outputs and an
+/// optimizer state.
+struct Side {
+    t: Tensor,
+    s: Scalars,
+    q: DeviceBuffer<u8>,
+    qt: DeviceBuffer<u8>,
+    state: AdamWState,
+}
+
+impl Side {
+    fn new(stream: &Stream, seed: u64, (count, rows, cols): (usize, usize, usize)) -> Side {
+        let n = count * rows * cols;
+        Side {
+            t: Tensor::new(stream, seed, n),
+            s: Scalars::new(stream, count),
+            q: poisoned(stream, n),
+            qt: poisoned(stream, n),
+            state: AdamWState::new(stream, HYPER).unwrap(),
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA device"]
 fn fused_update_and_cast_equal_the_update_then_the_cast() {
@@ -241,22 +292,11 @@ fn fused_update_and_cast_equal_the_update_then_the_cast() {
     .enumerate()
     {
         let what = format!("{count} x [{rows}, {cols}], bf16 grad {bf}");
-        let n = count * rows * cols;
-        let (a, b) = (
-            Tensor::new(&stream, 7 + case as u64, n),
-            Tensor::new(&stream, 7 + case as u64, n),
-        );
-        let (sa, sb) = (Scalars::new(&stream, count), Scalars::new(&stream, count));
-        let (qa, ta, qb, tb) = (
-            poisoned(&stream, n),
-            poisoned(&stream, n),
-            poisoned(&stream, n),
-            poisoned(&stream, n),
-        );
-        let (state_a, state_b) = (
-            AdamWState::new(&stream, HYPER).unwrap(),
-            AdamWState::new(&stream, HYPER).unwrap(),
-        );
+        let shape = (count, rows, cols);
+        let [sa, sb] = [0, 1].map(|_| Side::new(&stream, 7 + case as u64, shape));
+        let (a, qa, ta, state_a) = (&sa.t, &sa.q, &sa.qt, &sa.state);
+        let (b, qb, tb, state_b) = (&sb.t, &sb.q, &sb.qt, &sb.state);
+        let (sa, sb) = (&sa.s, &sb.s);
         let gs = DeviceScalar::new(&stream, 0.5).unwrap();
         for step in 0..3u64 {
             let g = a.fresh_grad(&stream, 1000 + step, bf);
@@ -265,14 +305,8 @@ fn fused_update_and_cast_equal_the_update_then_the_cast() {
             // A: the update with its bf16 copy, then the batched cast of the copy.
             state_a.begin_step(&stream).unwrap();
             state_a.update(&stream, &a.view(bf, true), scale).unwrap();
-            cast_transpose_batched(
-                &stream,
-                &a.copy,
-                (count, rows, cols),
-                &sa.out(&qa, &ta),
-                None,
-            )
-            .unwrap();
+            cast_transpose_batched(&stream, &a.copy, (count, rows, cols), &sa.out(qa, ta), None)
+                .unwrap();
             // B: fused (the copy only on odd steps).
             state_b.begin_step(&stream).unwrap();
             state_b
@@ -280,32 +314,12 @@ fn fused_update_and_cast_equal_the_update_then_the_cast() {
                     &stream,
                     &b.view(bf, step % 2 == 1),
                     (count, rows, cols),
-                    &sb.out(&qb, &tb),
+                    &sb.out(qb, tb),
                     scale,
                 )
                 .unwrap();
             let step_what = format!("{what}, step {step}");
-            for (name, x, y) in [
-                ("weights", &a.p, &b.p),
-                ("exp_avg", &a.m, &b.m),
-                ("exp_avg_sq", &a.v, &b.v),
-            ] {
-                let (x, y) = (x.to_vec(&stream).unwrap(), y.to_vec(&stream).unwrap());
-                assert!(
-                    x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits()),
-                    "{step_what}: {name} differ"
-                );
-            }
-            assert_eq!(
-                qa.to_vec(&stream).unwrap(),
-                qb.to_vec(&stream).unwrap(),
-                "{step_what}: FP8 row-major"
-            );
-            assert_eq!(
-                ta.to_vec(&stream).unwrap(),
-                tb.to_vec(&stream).unwrap(),
-                "{step_what}: FP8 transposed"
-            );
+            assert_same(&stream, &step_what, (a, b), [(qa, qb), (ta, tb)]);
             assert_eq!(
                 sa.bits(&stream),
                 sb.bits(&stream),
@@ -360,19 +374,10 @@ fn fused_update_and_cast_equal_the_update_then_the_cast() {
 fn captured_steps_replay_like_eager_ones() {
     let (ctx, stream) = setup();
     let (count, rows, cols) = (2, 64, 64);
-    let n = count * rows * cols;
-    let (a, b) = (Tensor::new(&stream, 5, n), Tensor::new(&stream, 5, n));
-    let (sa, sb) = (Scalars::new(&stream, count), Scalars::new(&stream, count));
-    let (qa, ta, qb, tb) = (
-        poisoned(&stream, n),
-        poisoned(&stream, n),
-        poisoned(&stream, n),
-        poisoned(&stream, n),
-    );
-    let (state_a, state_b) = (
-        AdamWState::new(&stream, HYPER).unwrap(),
-        AdamWState::new(&stream, HYPER).unwrap(),
-    );
+    let [sa, sb] = [0, 1].map(|_| Side::new(&stream, 5, (count, rows, cols)));
+    let (a, qa, ta, state_a) = (&sa.t, &sa.q, &sa.qt, &sa.state);
+    let (b, qb, tb, state_b) = (&sb.t, &sb.q, &sb.qt, &sb.state);
+    let (sa, sb) = (&sa.s, &sb.s);
     let step = |state: &AdamWState, t: &Tensor, s: &Scalars, q, tt| -> cuda_graph::Result<()> {
         state.begin_step(&stream)?;
         state.update_cast_transpose_batched(
@@ -383,7 +388,7 @@ fn captured_steps_replay_like_eager_ones() {
             None,
         )
     };
-    let graph = capture(&ctx, &stream, || step(&state_b, &b, &sb, &qb, &tb));
+    let graph = capture(&ctx, &stream, || step(state_b, b, sb, qb, tb));
     let exec = GraphExec::instantiate(&graph, InstantiateFlags::empty()).unwrap();
     for i in 0..3u64 {
         a.fresh_grad(&stream, 50 + i, false);
@@ -393,32 +398,13 @@ fn captured_steps_replay_like_eager_ones() {
             state_a.lr().unwrap().write(&stream, 1e-3).unwrap();
             state_b.lr().unwrap().write(&stream, 1e-3).unwrap();
         }
-        step(&state_a, &a, &sa, &qa, &ta).unwrap();
+        step(state_a, a, sa, qa, ta).unwrap();
         exec.launch(&stream).unwrap();
-        for (x, y) in [(&a.p, &b.p), (&a.m, &b.m), (&a.v, &b.v)] {
-            assert_eq!(
-                x.to_vec(&stream)
-                    .unwrap()
-                    .iter()
-                    .map(|v| v.to_bits())
-                    .collect::<Vec<_>>(),
-                y.to_vec(&stream)
-                    .unwrap()
-                    .iter()
-                    .map(|v| v.to_bits())
-                    .collect::<Vec<_>>(),
-                "replay {i}"
-            );
-        }
-        assert_eq!(
-            qa.to_vec(&stream).unwrap(),
-            qb.to_vec(&stream).unwrap(),
-            "replay {i}"
-        );
-        assert_eq!(
-            ta.to_vec(&stream).unwrap(),
-            tb.to_vec(&stream).unwrap(),
-            "replay {i}"
+        assert_same(
+            &stream,
+            &format!("replay {i}"),
+            (a, b),
+            [(qa, qb), (ta, tb)],
         );
         assert_eq!(
             bf16_bits(&stream, &a.copy),
@@ -445,6 +431,15 @@ fn bad_arguments_are_rejected_and_nothing_is_written() {
     );
     let s = Scalars::new(&stream, 2);
     let before = (t.p.to_vec(&stream).unwrap(), t.m.to_vec(&stream).unwrap());
+    let fused = |shape, data| {
+        state.update_cast_transpose_batched(
+            &stream,
+            &t.view(false, false),
+            shape,
+            &s.out(data, &qt),
+            None,
+        )
+    };
     let cases: Vec<(&str, cuda_graph::Result<()>)> = vec![
         (
             "short moment",
@@ -468,46 +463,10 @@ fn bad_arguments_are_rejected_and_nothing_is_written() {
                 None,
             ),
         ),
-        (
-            "shape not the buffers'",
-            state.update_cast_transpose_batched(
-                &stream,
-                &t.view(false, false),
-                (2, 8, 8),
-                &s.out(&q, &qt),
-                None,
-            ),
-        ),
-        (
-            "no matrices",
-            state.update_cast_transpose_batched(
-                &stream,
-                &t.view(false, false),
-                (0, 16, 16),
-                &s.out(&q, &qt),
-                None,
-            ),
-        ),
-        (
-            "short output",
-            state.update_cast_transpose_batched(
-                &stream,
-                &t.view(false, false),
-                (2, 8, 16),
-                &s.out(&q_short, &qt),
-                None,
-            ),
-        ),
-        (
-            "slots past their buffer",
-            state.update_cast_transpose_batched(
-                &stream,
-                &t.view(false, false),
-                (4, 8, 8),
-                &s.out(&q, &qt),
-                None,
-            ),
-        ),
+        ("shape not the buffers'", fused((2, 8, 8), &q)),
+        ("no matrices", fused((0, 16, 16), &q)),
+        ("short output", fused((2, 8, 16), &q_short)),
+        ("slots past their buffer", fused((4, 8, 8), &q)),
     ];
     for (what, res) in cases {
         let e = res.expect_err(what).to_string();
