@@ -540,8 +540,9 @@ fn a_captured_full_layer_equals_eager_bit_for_bit() {
         let saved: Vec<&DeviceBuffer<u8>> = s.saved.iter().collect();
         let slot = Slot::new(at, vec![&s.x], vec![&s.y], saved);
         let (layer, x, y, dy, dx) = (&mut s.layer, &s.x, &s.y, &s.dy, &s.dx);
+        // Thread-local: tests on parallel threads must stay free to allocate and synchronise.
         s.stream
-            .capture(CaptureMode::Global, |cs| {
+            .capture(CaptureMode::ThreadLocal, |cs| {
                 layer.forward(cs.stream(), &[x], &[y], &slot)?;
                 layer.backward(cs.stream(), &[dy], &[dx], &slot)
             })

@@ -328,7 +328,7 @@ fn grouped_gemm_in_a_graph_with_changing_counts() {
             let mut d = Out::new(&ctx, out, groups * m_max * n);
             let opts = GemmOptions::new().bias(bias.view()).path(path);
             let graph = stream
-                .capture(CaptureMode::Global, |s| {
+                .capture(CaptureMode::ThreadLocal, |s| {
                     grouped_gemm(
                         s.stream(),
                         GroupedShape {

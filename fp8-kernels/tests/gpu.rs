@@ -636,7 +636,7 @@ fn current_scaling_of_a_small_tensor_is_one_launch() {
         let (input, _) = upload(&stream, DType::Bf16, &xs);
         let out = poisoned_fp8(&stream, n, Fp8Format::E4M3);
         let graph = stream
-            .capture(CaptureMode::Global, |s| {
+            .capture(CaptureMode::ThreadLocal, |s| {
                 fp8_kernels::quantize_current(s.stream(), input.view(), &out, None)
             })
             .unwrap();

@@ -1084,7 +1084,7 @@ fn packed_gemms_in_a_graph_with_changing_offsets() {
         enqueue(&stream, &df, &dw).unwrap();
         stream.synchronize().unwrap();
         let graph = stream
-            .capture(CaptureMode::Global, |s| enqueue(s.stream(), &df, &dw))
+            .capture(CaptureMode::ThreadLocal, |s| enqueue(s.stream(), &df, &dw))
             .unwrap();
         assert_eq!(graph.nodes().unwrap().len(), 2, "two launches");
         let exec = GraphExec::instantiate(&graph, InstantiateFlags::empty()).unwrap();
