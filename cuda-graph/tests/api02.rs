@@ -117,7 +117,7 @@ fn graphs_keep_views_alive_after_every_handle_is_dropped() {
         gpu.stream.synchronize().unwrap();
         let graph = gpu
             .stream
-            .capture(CaptureMode::Global, |s| {
+            .capture(CaptureMode::ThreadLocal, |s| {
                 // SAFETY: set_f32 writes N floats of the N-element view.
                 unsafe {
                     s.stream()
@@ -183,7 +183,7 @@ fn capture_closures_return_values_and_carry_the_callers_errors() {
     let pool = cuda_graph::GraphPool::new(&gpu.ctx, 1 << 20).unwrap();
     let (graph, tmp) = gpu
         .stream
-        .capture_with(CaptureMode::Global, |s| {
+        .capture_with(CaptureMode::ThreadLocal, |s| {
             let tmp = pool.alloc::<f32>(N as usize)?;
             // SAFETY: set_f32 writes N floats of the N-element pool buffer.
             unsafe {
@@ -199,7 +199,9 @@ fn capture_closures_return_values_and_carry_the_callers_errors() {
 
     let err = gpu
         .stream
-        .capture(CaptureMode::Global, |_| Err(Error::external(MyError(42))))
+        .capture(CaptureMode::ThreadLocal, |_| {
+            Err(Error::external(MyError(42)))
+        })
         .unwrap_err();
     match &err {
         Error::External(e) => assert_eq!(e.downcast_ref::<MyError>().map(|m| m.0), Some(42)),
@@ -248,7 +250,7 @@ fn dropping_a_launched_exec_waits_for_its_own_launches_not_the_context() {
         .unwrap();
     let graph = gpu
         .stream
-        .capture(CaptureMode::Global, |s| {
+        .capture(CaptureMode::ThreadLocal, |s| {
             // SAFETY: add_f32 touches N floats of x.
             unsafe {
                 s.stream()

@@ -28,7 +28,7 @@ fn graphs_captured_in_order_share_pool_memory_and_replay_correctly() {
     // Graph A: tmp = 3; tmp += 1; out_a = 2 * tmp + out_a(=0 first)
     let mut tmp_a_addr = 0;
     let graph_a = stream
-        .capture(CaptureMode::Global, |s| {
+        .capture(CaptureMode::ThreadLocal, |s| {
             // Allocating from the pool makes no driver call: legal inside a capture.
             let tmp = pool.alloc::<f32>(n as usize)?;
             tmp_a_addr = tmp.as_raw();
@@ -53,7 +53,7 @@ fn graphs_captured_in_order_share_pool_memory_and_replay_correctly() {
 
     // Graph B, captured after A: its temporary gets A's range.
     let graph_b = stream
-        .capture(CaptureMode::Global, |s| {
+        .capture(CaptureMode::ThreadLocal, |s| {
             let tmp = pool.alloc::<f32>(n as usize)?;
             assert_eq!(tmp.as_raw(), tmp_a_addr, "B reuses A's freed range");
             // SAFETY: as above.
@@ -99,7 +99,7 @@ fn graph_memory_nodes_reserve_memory_that_trim_returns() {
     let dev = ctx.device();
     dev.graph_mem_trim().unwrap();
     let graph = stream
-        .capture(CaptureMode::Global, |s| {
+        .capture(CaptureMode::ThreadLocal, |s| {
             // Stream-ordered allocation and free inside a capture become graph memory nodes.
             let tmp = DeviceBuffer::<f32>::alloc_async(s.stream(), n as usize)?;
             // SAFETY: the kernels touch n elements of buffers that hold n.
