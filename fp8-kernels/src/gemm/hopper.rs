@@ -1765,7 +1765,7 @@ mod tests {
             assert!(err < bound(&c), "eager grouped: {err:.3e}");
             // Captured once, replayed with other counts (the same buffers).
             let graph = s
-                .capture(CaptureMode::Global, |scope| {
+                .capture(CaptureMode::ThreadLocal, |scope| {
                     launch_with(scope.stream(), &problem(&c, &dv), Some(bn))
                 })
                 .unwrap();
