@@ -46,6 +46,7 @@
 //! pass and are shared by the microbatches.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use cuda_graph::half::bf16;
 use cuda_graph::{DeviceBuffer, Error, Event, Result, Stream};
@@ -396,8 +397,9 @@ pub struct MoeLayer {
     /// Fast accumulation in the forward GEMMs ([`MoeLayer::with_fast_forward_accumulation`]).
     fast_forward: bool,
     /// The FP8 expert weights are written by the optimizer, not cast in the step
-    /// ([`MoeLayer::with_fp8_weights_from_optimizer`]).
-    optimizer_casts: bool,
+    /// ([`MoeLayer::with_fp8_weights_from_optimizer`]); shared with every
+    /// [`MoeAdamW`](super::optim::MoeAdamW) of the layer, which reads it at each step.
+    optimizer_casts: Arc<AtomicBool>,
 }
 
 /// One of the layer's expert weights as an optimizer sees it: handles sharing the layer's
@@ -524,7 +526,7 @@ impl MoeLayer {
             fork: Event::for_sync(stream.context())?,
             join: Event::for_sync(stream.context())?,
             fast_forward: true,
-            optimizer_casts: false,
+            optimizer_casts: Arc::new(AtomicBool::new(false)),
         };
         stream.synchronize()?;
         Ok(layer)
@@ -579,28 +581,31 @@ impl MoeLayer {
     /// was built with: the optimizer keeps the f32 master weights
     /// ([`MoeAdamW::master_fc1`](super::optim::MoeAdamW::master_fc1)) and writes only FP8.
     /// Something else that updates the bf16 weights must cast them itself (switch the mode
-    /// off with `false`, which casts nothing now).
+    /// off with `false`, which casts nothing now). Optimizers made for this layer earlier
+    /// follow the new mode from their next step.
     ///
     /// [`AdamWState::update_cast_transpose_batched`]: fp8_kernels::AdamWState::update_cast_transpose_batched
-    pub fn with_fp8_weights_from_optimizer(
-        mut self,
-        stream: &Stream,
-        on: bool,
-    ) -> Result<MoeLayer> {
+    pub fn with_fp8_weights_from_optimizer(self, stream: &Stream, on: bool) -> Result<MoeLayer> {
         if on {
             for ew in self.expert_weights()? {
                 cast_transpose_batched(stream, &ew.w, ew.shape, &ew.cast_out(), None)?;
             }
             stream.synchronize()?;
         }
-        self.optimizer_casts = on;
+        self.optimizer_casts.store(on, Ordering::Release);
         Ok(self)
     }
 
     /// Whether the optimizer writes the FP8 expert weights
     /// ([`with_fp8_weights_from_optimizer`](Self::with_fp8_weights_from_optimizer)).
     pub fn fp8_weights_from_optimizer(&self) -> bool {
-        self.optimizer_casts
+        self.optimizer_casts.load(Ordering::Acquire)
+    }
+
+    /// The mode flag itself, shared with the optimizers of this layer (the mode may change
+    /// after they were made).
+    pub(crate) fn optimizer_casts_flag(&self) -> Arc<AtomicBool> {
+        self.optimizer_casts.clone()
     }
 
     /// fc1's and fc2's weights as an optimizer sees them (handles sharing the layer's
@@ -1265,7 +1270,7 @@ impl Callable<bf16> for MoeLayer {
     /// experts that got tokens. Nothing when the optimizer writes the FP8 weights
     /// ([`MoeLayer::with_fp8_weights_from_optimizer`]).
     fn cast_weights(&mut self, stream: &Stream, slot: &Slot<'_, bf16>) -> Result<()> {
-        if self.optimizer_casts {
+        if self.fp8_weights_from_optimizer() {
             return Ok(());
         }
         let noop = slot

@@ -31,6 +31,9 @@
 //! # Ok(()) }
 //! ```
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use cuda_graph::{DeviceBuffer, Result, Stream};
 use fp8_kernels::{AdamW, AdamWState, AdamWTensor, DeviceScalar, HpBuffer};
 
@@ -95,13 +98,14 @@ pub struct MoeAdamW {
     router_moments: Master,
     experts: [ExpertWeight; 2],
     masters: [Master; 2],
-    casts: bool,
+    /// The layer's mode ([`MoeLayer::fp8_weights_from_optimizer`]), read at each step.
+    casts: Arc<AtomicBool>,
 }
 
 impl MoeAdamW {
-    /// An optimizer at step 0 for `layer` (its mode of
-    /// [`with_fp8_weights_from_optimizer`](MoeLayer::with_fp8_weights_from_optimizer) as it
-    /// is now): master weights from the layer's bf16 ones (exact), zero moments. Allocates
+    /// An optimizer at step 0 for `layer` (following its mode of
+    /// [`with_fp8_weights_from_optimizer`](MoeLayer::with_fp8_weights_from_optimizer) at
+    /// every step, also when it changes later): master weights from the layer's bf16 ones (exact), zero moments. Allocates
     /// `4 x 3` bytes per expert parameter and 8 per router parameter, uploads and waits (not
     /// during a capture). `hyper` is checked ([`AdamW::check`]).
     pub fn new(stream: &Stream, layer: &MoeLayer, hyper: AdamW) -> Result<MoeAdamW> {
@@ -122,7 +126,7 @@ impl MoeAdamW {
             router_moments,
             experts,
             masters,
-            casts: layer.fp8_weights_from_optimizer(),
+            casts: layer.optimizer_casts_flag(),
         })
     }
 
@@ -154,7 +158,7 @@ impl MoeAdamW {
             .tensor(HpBuffer::F32(&self.router.1), None);
         self.state.update(stream, &router, grad_scale)?;
         for (ew, master) in self.experts.iter().zip(&self.masters) {
-            if self.casts {
+            if self.casts.load(Ordering::Acquire) {
                 let t = master.tensor(grad_view(&ew.grad), None);
                 self.state.update_cast_transpose_batched(
                     stream,
