@@ -138,44 +138,35 @@ impl AdamWTensor<'_> {
     /// (8 is all a bf16 buffer needs, but every buffer from `alloc` has 256). Returns the
     /// length.
     fn check(&self, what: &str, n: Option<usize>) -> Result<usize> {
-        let len = self.param.len();
         if self.grad.dtype() == DType::F16 {
             return Err(Error::InvalidArgument(format!(
                 "{what}: the gradient must be f32 or bf16, not f16"
             )));
         }
-        let mut lens = vec![
-            ("gradient", self.grad.len()),
-            ("exp_avg", self.exp_avg.len()),
-            ("exp_avg_sq", self.exp_avg_sq.len()),
-        ];
-        if let Some(c) = self.bf16_copy {
-            lens.push(("bf16 copy", c.len()));
-        }
-        let want = n.unwrap_or(len);
+        let (len, want) = (self.param.len(), n.unwrap_or(self.param.len()));
         if len != want {
             return Err(Error::InvalidArgument(format!(
                 "{what}: the weights have {len} elements, the shape needs {want}"
             )));
         }
-        for (name, l) in lens {
+        let copy = self.bf16_copy.map(|c| (c.len(), c.as_raw()));
+        for (name, buf) in [
+            ("weights", Some((len, self.param.as_raw()))),
+            ("gradient", Some((self.grad.len(), self.grad.device_ptr()))),
+            ("exp_avg", Some((self.exp_avg.len(), self.exp_avg.as_raw()))),
+            (
+                "exp_avg_sq",
+                Some((self.exp_avg_sq.len(), self.exp_avg_sq.as_raw())),
+            ),
+            ("bf16 copy", copy),
+        ] {
+            let Some((l, addr)) = buf else { continue };
             if l != want {
                 return Err(Error::InvalidArgument(format!(
                     "{what}: {name} has {l} elements, the weights {want}"
                 )));
             }
-        }
-        let mut addrs = vec![
-            ("weights", self.param.as_raw()),
-            ("gradient", self.grad.device_ptr()),
-            ("exp_avg", self.exp_avg.as_raw()),
-            ("exp_avg_sq", self.exp_avg_sq.as_raw()),
-        ];
-        if let Some(c) = self.bf16_copy {
-            addrs.push(("bf16 copy", c.as_raw()));
-        }
-        for (name, a) in addrs {
-            check_align(format_args!("{what} {name}"), a, ALIGN)?;
+            check_align(format_args!("{what} {name}"), addr, ALIGN)?;
         }
         Ok(want)
     }
@@ -278,26 +269,23 @@ impl AdamWState {
             .arg(&hyper)
             .arg(&gs)
             .arg(&vec);
-        let blocks = (n.div_ceil(4 * ELEMENTWISE_THREADS as usize) as u64)
-            .min(u64::from(sms * ELEMENTWISE_BLOCKS_PER_SM))
-            .max(1) as u32;
+        let cfg = batched_grid(
+            n.div_ceil(4 * ELEMENTWISE_THREADS as usize),
+            (sms, ELEMENTWISE_BLOCKS_PER_SM),
+            1,
+            ELEMENTWISE_THREADS,
+        );
         // SAFETY: the kernel touches elements 0..n of the weights, gradient, moments and copy
         // (all checked to hold exactly n elements and to be 16-byte aligned, its widest
         // access), and reads the 4-element state and the scale's element.
-        unsafe {
-            stream.launch_pdl(
-                &k,
-                &LaunchConfig::linear(blocks, ELEMENTWISE_THREADS),
-                &args,
-            )
-        }
+        unsafe { stream.launch_pdl(&k, &cfg, &args) }
     }
 
     /// Enqueues the update of `count` matrices of `[rows, cols]` (matrix `g` at element
     /// `g * rows * cols` of every buffer of `t`) with their FP8 cast-transpose into `out`
-    /// (two launches: the update writing the row-major FP8 bytes, then their transpose): the new weights rounded to bf16 are cast with matrix `g`'s scale into
-    /// `out.data` and `out.data_t` at byte `g * rows * cols`, `1 / scale` is written to its
-    /// scale_inv slot and `max |w|` maxed into its amax slot; the bytes and scalars are
+    /// (two launches: the update writing the row-major FP8 bytes, then their transpose): the
+    /// new weights rounded to bf16 are cast with matrix `g`'s scale into `out.data` and
+    /// `out.data_t` at byte `g * rows * cols`, `1 / scale` is written to its scale_inv slot and `max |w|` maxed into its amax slot; the bytes and scalars are
     /// exactly those of [`update`](Self::update) with a bf16 copy followed by
     /// [`cast_transpose_batched`](crate::cast_transpose_batched) of that copy.
     ///

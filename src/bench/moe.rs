@@ -482,7 +482,7 @@ pub fn run(tokens: Option<usize>, experts: Option<usize>, only: &[Step]) -> Benc
         )?;
         check_outputs(
             s,
-            [&eager_run.as_ref().map(|e| e.1.clone())],
+            eager_run.as_ref().map(|e| &e.1[..]),
             &breaking,
             &full,
             [&opt, &opt_bf16, &acc, &bf16],
@@ -653,18 +653,22 @@ pub fn run(tokens: Option<usize>, experts: Option<usize>, only: &[Step]) -> Benc
 /// weights: the same FP8 bytes); within 1e-2 of eager (grouped GEMMs sum in another order);
 /// fast and promoted forward sums within 5e-2 of each other, the portable kernels (which
 /// promote) within 1e-2 of the promoted run.
+/// A step's output for input 0, if it ran.
+fn y(t: &Option<Timed>) -> Option<&[bf16]> {
+    t.as_ref().map(|t| &t.1[..])
+}
+
 fn check_outputs(
     s: Shape,
-    [eager]: [&Option<Vec<bf16>>; 1],
+    eager: Option<&[bf16]>,
     breaking: &Option<Timed>,
     full: &Option<Timed>,
     same_as_full: [&Option<Timed>; 4],
     promoted: &Option<Timed>,
     portable: &Option<Timed>,
 ) -> BenchResult<()> {
-    let y = |t: &Option<Timed>| t.as_ref().map(|t| t.1.clone());
     if let (Some(e), Some(b)) = (eager, y(breaking)) {
-        if &b != e {
+        if b != e {
             return Err(format!("{s:?}: breaking-layer output differs from eager").into());
         }
     }
@@ -677,7 +681,7 @@ fn check_outputs(
             .into());
         }
         if let Some(e) = eager {
-            let err = rel_err(&f, e);
+            let err = rel_err(f, e);
             if err > 1e-2 {
                 return Err(format!("{s:?}: full-layer output off eager by {err:e}").into());
             }
@@ -687,7 +691,7 @@ fn check_outputs(
         // outputs differ by about 1e-2 of their largest (1.2e-2 at T = 4096 on the H200);
         // each is within the layer's FP8 tolerance of the exact result (tests/moe_layer.rs).
         if let Some(p) = y(promoted) {
-            let err = rel_err(&f, &p);
+            let err = rel_err(f, p);
             if err > 5e-2 {
                 return Err(
                     format!("{s:?}: fast and promoted forward sums differ by {err:e}").into(),
@@ -696,7 +700,7 @@ fn check_outputs(
         }
     }
     if let (Some(p), Some(q)) = (y(promoted), y(portable)) {
-        let err = rel_err(&q, &p);
+        let err = rel_err(q, p);
         if err > 1e-2 {
             return Err(format!(
                 "{s:?}: full-layer (portable grouped GEMMs) off the promoted sm_90a run by \

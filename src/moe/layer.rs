@@ -56,7 +56,7 @@ use fp8_kernels::gemm::{
 };
 use fp8_kernels::{
     BatchedCastOut, CastScaling, DelayedScaling, DeviceScalar, Fp8Format, Fp8Tensor, FusedCastOut,
-    Gather, RowsInUse, ScalarSlots, cast_transpose_batched, gather_cast_transpose,
+    Gather, HpBuffer, RowsInUse, ScalarSlots, cast_transpose_batched, gather_cast_transpose,
     swiglu_backward_cast_transpose, swiglu_cast_transpose,
 };
 use graphed_callables::{Callable, SegmentKind, Slot};
@@ -215,6 +215,14 @@ impl WeightGrad {
             WeightGrad::F32(b) => b.to_vec(stream)?,
             WeightGrad::Bf16(b) => b.to_vec(stream)?.iter().map(|x| x.to_f32()).collect(),
         })
+    }
+
+    /// The buffer as the FP8 kernels' high-precision input (f32 or bf16).
+    pub fn view(&self) -> HpBuffer<'_> {
+        match self {
+            WeightGrad::F32(b) => HpBuffer::F32(b),
+            WeightGrad::Bf16(b) => HpBuffer::Bf16(b),
+        }
     }
 
     /// The f32 buffer ([`GradDtype::F32`]).

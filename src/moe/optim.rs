@@ -37,7 +37,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use cuda_graph::{DeviceBuffer, Result, Stream};
 use fp8_kernels::{AdamW, AdamWState, AdamWTensor, DeviceScalar, HpBuffer};
 
-use super::layer::{ExpertWeight, MoeLayer, WeightGrad};
+use super::layer::{ExpertWeight, MoeLayer};
 
 /// f32 master weights and their moments.
 #[derive(Debug)]
@@ -74,13 +74,6 @@ impl Master {
             exp_avg_sq: &self.v,
             bf16_copy: copy,
         }
-    }
-}
-
-fn grad_view(g: &WeightGrad) -> HpBuffer<'_> {
-    match g {
-        WeightGrad::F32(b) => HpBuffer::F32(b),
-        WeightGrad::Bf16(b) => HpBuffer::Bf16(b),
     }
 }
 
@@ -159,7 +152,7 @@ impl MoeAdamW {
         self.state.update(stream, &router, grad_scale)?;
         for (ew, master) in self.experts.iter().zip(&self.masters) {
             if self.casts.load(Ordering::Acquire) {
-                let t = master.tensor(grad_view(&ew.grad), None);
+                let t = master.tensor(ew.grad.view(), None);
                 self.state.update_cast_transpose_batched(
                     stream,
                     &t,
@@ -168,7 +161,7 @@ impl MoeAdamW {
                     grad_scale,
                 )?;
             } else {
-                let t = master.tensor(grad_view(&ew.grad), Some(&ew.w));
+                let t = master.tensor(ew.grad.view(), Some(&ew.w));
                 self.state.update(stream, &t, grad_scale)?;
             }
         }
