@@ -21,9 +21,8 @@
 
 namespace fp8k {
 
-// The device state: [0] completed steps (an f32 count, exact to 2^24), [1] the learning rate,
-// [2] beta1^step, [3] beta2^step.
-constexpr int ADAMW_STATE = 4;
+// The device state (4 floats): [0] completed steps (an f32 count, exact to 2^24), [1] the
+// learning rate, [2] beta1^step, [3] beta2^step.
 
 // The hyperparameters passed by value (the learning rate is the state's, so a schedule can
 // change it between replays).
@@ -73,9 +72,11 @@ __device__ __forceinline__ float4 load_grad4(const __nv_bfloat16 *g, unsigned lo
 
 // Four elements at i: loads, updates and stores p, m, v; the new weights rounded to bf16 go
 // to w (and to copy + i when copy is not null).
-__device__ __forceinline__ void adamw4(const AdamWFactors &k, float gs, float *p, float *m, float *v,
-                                       __nv_bfloat16 *copy, unsigned long long i, float4 gv, float4 pv,
-                                       float4 mv, float4 vv, float *w) {
+template <typename G>
+__device__ __forceinline__ void adamw4(const AdamWFactors &k, float gs, float *p, const G *g, float *m, float *v,
+                                       __nv_bfloat16 *copy, unsigned long long i, float *w) {
+    const float4 gv = load_grad4(g, i), pv = *reinterpret_cast<const float4 *>(p + i);
+    const float4 mv = *reinterpret_cast<const float4 *>(m + i), vv = *reinterpret_cast<const float4 *>(v + i);
     float gg[4] = {gv.x, gv.y, gv.z, gv.w}, pp[4] = {pv.x, pv.y, pv.z, pv.w};
     float mm[4] = {mv.x, mv.y, mv.z, mv.w}, vv4[4] = {vv.x, vv.y, vv.z, vv.w};
     __nv_bfloat16 b[4];
@@ -105,15 +106,17 @@ __device__ __forceinline__ float adamw1(const AdamWFactors &k, float gs, float *
     return __bfloat162float(b);
 }
 
-// The update of the n elements of one matrix with the FP8 cast of the new weights (rounded to
-// bf16 first) into y, row-major; amax of the rounded weights maxed into *amax, 1 / scale
-// into *scale_inv (block 0). The threads of gridDim.x blocks stride over the matrix.
-template <typename G, __nv_fp8_interpretation_t F>
-__device__ __forceinline__ void adamw_cast_rows(const AdamWFactors &k, float gs, float *p, const G *g, float *m,
-                                                float *v, __nv_bfloat16 *copy, uint8_t *y, unsigned long long n,
-                                                bool vec, const float *scale, float *scale_inv, float *amax) {
-    const float s = *scale;
-    if (blockIdx.x == 0 && threadIdx.x == 0 && scale_inv != nullptr) *scale_inv = 1.0f / s;
+// The update of the n elements of one matrix by the threads of gridDim.x blocks, 4 at a time
+// when vec (every pointer 16-byte aligned, 8 for bf16), the rest one by one. With CAST the new
+// weights (rounded to bf16) are also cast to FP8 into y, row-major, with *scale; their amax
+// maxed into *amax and 1 / scale written to *scale_inv (block 0). Without, y and the scalars
+// are not touched.
+template <typename G, bool CAST, __nv_fp8_interpretation_t F = __NV_E4M3>
+__device__ __forceinline__ void adamw_rows(const AdamWFactors &k, float gs, float *p, const G *g, float *m,
+                                           float *v, __nv_bfloat16 *copy, unsigned long long n, bool vec,
+                                           uint8_t *y, const float *scale, float *scale_inv, float *amax) {
+    const float s = CAST ? *scale : 1.0f;
+    if (CAST && blockIdx.x == 0 && threadIdx.x == 0 && scale_inv != nullptr) *scale_inv = 1.0f / s;
     const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
     const unsigned long long t = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
     const unsigned long long n4 = vec ? n / 4 : 0;
@@ -121,18 +124,21 @@ __device__ __forceinline__ void adamw_cast_rows(const AdamWFactors &k, float gs,
     for (unsigned long long q = t; q < n4; q += stride) {
         const unsigned long long i = 4 * q;
         float w[4];
-        adamw4(k, gs, p, m, v, copy, i, load_grad4(g, i), *reinterpret_cast<const float4 *>(p + i),
-               *reinterpret_cast<const float4 *>(m + i), *reinterpret_cast<const float4 *>(v + i), w);
+        adamw4(k, gs, p, g, m, v, copy, i, w);
+        if (CAST) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) mx = max(mx, abs_bits(w[e]));
-        *reinterpret_cast<unsigned *>(y + i) = cast4<F>(w, s);
+            for (int e = 0; e < 4; ++e) mx = max(mx, abs_bits(w[e]));
+            *reinterpret_cast<unsigned *>(y + i) = cast4<F>(w, s);
+        }
     }
     for (unsigned long long i = 4 * n4 + t; i < n; i += stride) {
         const float w = adamw1(k, gs, p, g, m, v, copy, i);
-        mx = max(mx, abs_bits(w));
-        y[i] = __nv_cvt_float_to_fp8(w * s, __NV_SATFINITE, F);
+        if (CAST) {
+            mx = max(mx, abs_bits(w));
+            y[i] = __nv_cvt_float_to_fp8(w * s, __NV_SATFINITE, F);
+        }
     }
-    if (amax != nullptr) block_amax_atomic(mx, amax);
+    if (CAST && amax != nullptr) block_amax_atomic(mx, amax);
 }
 
 // Transposes one [rows, cols] byte matrix x into y ([cols, rows]) by tiles of TT x TT bytes
@@ -201,7 +207,7 @@ __device__ __forceinline__ void transpose_bytes(const uint8_t *__restrict__ x, u
     }
 }
 
-// Blocks per SM of the elementwise updates' grids.
+// Threads per block of the elementwise updates.
 constexpr unsigned ADAMW_THREADS = 256;
 
 } // namespace fp8k
@@ -216,27 +222,16 @@ extern "C" __global__ void fp8_adamw_begin(float *state, float beta1, float beta
     }
 }
 
-// The elementwise update of n elements. vec: every pointer is 16-byte aligned (8 for a bf16
-// gradient or copy), so the first n / 4 * 4 elements go 4 at a time; the rest one by one.
+// The elementwise update of n elements (every pointer 16-byte aligned, 8 for a bf16 gradient
+// or copy: the launcher checks).
 #define FP8K_ADAMW(G_NAME, G_T)                                                                     \
     extern "C" __global__ void __launch_bounds__(fp8k::ADAMW_THREADS)                              \
         fp8_adamw_##G_NAME(float *p, const G_T *g, float *m, float *v, __nv_bfloat16 *copy,         \
                            unsigned long long n, const float *state, fp8k::AdamWHyper h,            \
-                           const float *gscale, int vec) {                                          \
+                           const float *gscale) {                                                   \
         cuda_graph::pdl_enter();                                                                   \
-        const fp8k::AdamWFactors k(h, state);                                                      \
-        const float gs = fp8k::grad_scale(gscale);                                                 \
-        const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;              \
-        const unsigned long long t = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;    \
-        const unsigned long long n4 = vec ? n / 4 : 0;                                             \
-        float w[4];                                                                                \
-        for (unsigned long long q = t; q < n4; q += stride) {                                      \
-            const unsigned long long i = 4 * q;                                                    \
-            fp8k::adamw4(k, gs, p, m, v, copy, i, fp8k::load_grad4(g, i),                       \
-                         *reinterpret_cast<const float4 *>(p + i), *reinterpret_cast<const float4 *>(m + i), \
-                         *reinterpret_cast<const float4 *>(v + i), w);                              \
-        }                                                                                          \
-        for (unsigned long long i = 4 * n4 + t; i < n; i += stride) fp8k::adamw1(k, gs, p, g, m, v, copy, i); \
+        fp8k::adamw_rows<G_T, false>(fp8k::AdamWFactors(h, state), fp8k::grad_scale(gscale), p, g, m, v, \
+                                     copy, n, true, nullptr, nullptr, nullptr, nullptr);           \
     }
 
 FP8K_ADAMW(f32, float)
@@ -254,11 +249,11 @@ FP8K_ADAMW(bf16, __nv_bfloat16)
         cuda_graph::pdl_enter();                                                                   \
         const unsigned gi = blockIdx.y;                                                            \
         const unsigned long long n = rows * cols, off = (unsigned long long)gi * n;                \
-        fp8k::adamw_cast_rows<G_T, FMT>(fp8k::AdamWFactors(h, state), fp8k::grad_scale(gscale), p + off, \
-                                        g + off, m + off, v + off, copy == nullptr ? nullptr : copy + off, \
-                                        y + off, n, vec != 0, fp8k::slot(scale, idx.x + gi * stride.x), \
-                                        fp8k::slot(scale_inv, idx.y + gi * stride.y),              \
-                                        fp8k::slot(amax, idx.z + gi * stride.z));                  \
+        fp8k::adamw_rows<G_T, true, FMT>(fp8k::AdamWFactors(h, state), fp8k::grad_scale(gscale), p + off, \
+                                         g + off, m + off, v + off, copy == nullptr ? nullptr : copy + off, \
+                                         n, vec != 0, y + off, fp8k::slot(scale, idx.x + gi * stride.x), \
+                                         fp8k::slot(scale_inv, idx.y + gi * stride.y),             \
+                                         fp8k::slot(amax, idx.z + gi * stride.z));                 \
     }
 
 FP8K_ADAMW_CAST(f32, float, e4m3, __NV_E4M3)

@@ -260,15 +260,14 @@ impl AdamWState {
         }
         let name = format!("fp8_adamw_{}", t.grad.dtype().name());
         let (k, sms) = kernel(stream.context(), &name)?;
-        let (null, n64, vec) = (0u64, n as u64, 1i32);
+        let (null, n64) = (0u64, n as u64);
         let (hyper, gs) = (self.hyper.kernel_hyper(), scalar_ptr(grad_scale));
         let args = t
             .push_to(KernelArgs::new(), &null)
             .arg(&n64)
             .arg(&self.state)
             .arg(&hyper)
-            .arg(&gs)
-            .arg(&vec);
+            .arg(&gs);
         let cfg = batched_grid(
             n.div_ceil(4 * ELEMENTWISE_THREADS as usize),
             (sms, ELEMENTWISE_BLOCKS_PER_SM),
