@@ -36,32 +36,25 @@ namespace sm90 {
 
 constexpr int BM = 128, BK = 128;
 constexpr int THREADS = 384;
-// Per tile width BN (128 or 192): A and B tile bytes, stage bytes, ring depth, shared memory.
+constexpr int TILE_A = BM * BK;  // bytes
+// Per tile width BN (128 or 192): B tile bytes, stage bytes, ring depth, shared memory.
 // With `Out` the output type: the staging of the store epilogue, and the ring depth that fits
 // beside it in the 227 KiB a CTA may have. The staging holds a consumer's 64 x BN outputs in
 // PARTS parts stored one after the other: one part, except f32 at BN 192, whose whole tile
 // (96 KiB for both consumers) would leave room for 3 stages; in two halves of 96 columns it
 // leaves 4; and BN 256 (fast accumulation, bf16 out only), two halves of 128 columns, 4 stages.
-// Stages: BN 128: 6 for bf16 out, 5 for f32; BN 192: 4 for both; BN 256: 4. The 64-row packed
-// kernels (M64: A tiles of 64 rows, and the per-group prefix sums after the barriers): 6 at
-// BN 128 and 192, 4 at 256. Keep in step with `smem_bytes` in src/gemm/hopper.rs.
+// Stages: BN 128: 6 for bf16 out, 5 for f32; BN 192: 4 for both; BN 256: 4. Keep in step with
+// `smem_bytes` in src/gemm/hopper.rs.
 constexpr int SMEM_LIMIT = 232448;
-// The most groups of the 64-row packed kernels (`M64`): their prefix sums live in shared memory.
-constexpr int M64_MAX_GROUPS = 512;
-// Shared memory of the 64-row kernels' per-group tile prefix sums (two of groups + 1 ints).
-constexpr int M64_PREFIX_BYTES = 2 * (M64_MAX_GROUPS + 1) * 4;
-template <int BN, typename Out, bool M64 = false> struct Cfg {
-    static constexpr int TILE_A = (M64 ? 64 : BM) * BK;
+template <int BN, typename Out> struct Cfg {
     static constexpr int TILE_B = BN * BK;
     static constexpr int STAGE_BYTES = TILE_A + TILE_B;
     static constexpr int PARTS = (BN == 192 && sizeof(Out) == 4) || BN == 256 ? 2 : 1;
     static constexpr int STAGING = 2 * 64 * (BN / PARTS) * int(sizeof(Out));
-    static constexpr int PREFIX = M64 ? M64_PREFIX_BYTES : 0;
-    static constexpr int FIT = (SMEM_LIMIT - 1024 - STAGING - 2 * 6 * 8 - PREFIX) / STAGE_BYTES;
-    // (M64: an even count, two rings.)
-    static constexpr int STAGES = (FIT < 6 ? FIT : 6) & (M64 ? ~1 : ~0);
-    static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + STAGING + 2 * STAGES * 8 + PREFIX + 1024;
-    static_assert(STAGES >= (M64 ? 4 : 3) && SMEM_BYTES <= SMEM_LIMIT, "shared memory");
+    static constexpr int FIT = (SMEM_LIMIT - 1024 - STAGING - 2 * 6 * 8) / STAGE_BYTES;
+    static constexpr int STAGES = FIT < 6 ? FIT : 6;
+    static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + STAGING + 2 * STAGES * 8 + 1024;
+    static_assert(STAGES >= 3 && SMEM_BYTES <= SMEM_LIMIT, "shared memory");
 };
 // Columns of one 128-byte swizzled store box (the swizzle's row width), and 64 rows of them.
 template <typename Out> struct StoreBox {
@@ -77,11 +70,8 @@ struct alignas(64) TmaDesc {
     unsigned long long v[16];
 };
 
-// A tile: group g, row tile mt (the 64-row packed kernels: the tile's first row), column tile
-// nt; `zero` (64-row packed kernels): a tile of padding rows only, whose products are zero.
 struct Tile {
     int g, mt, nt;
-    bool zero = false;
 };
 
 // The per-group m-tile count: rows below min(count, m), in tiles of BM.
@@ -149,86 +139,6 @@ __device__ __forceinline__ Tile packed_tile_at(int t, const int *offsets, int gr
     const int h = min(BAND, mts - band * BAND);
     const int mt = band * BAND + within % h;
     return Tile{packed_group(offsets, groups, m, mt * BM), mt, within / h};
-}
-
-// The 64-row packed kernels (M64): tiles of 64 rows x BN, one per consumer warpgroup (the two
-// consumers take a CTA's tiles in turn, "ping-pong"), over the 64-row slices of each group's
-// rows offsets[g] .. offsets[g + 1] (clamped like packed_offset, and to offsets[groups]).
-// `rows[g]` (clamped to [0, the group's rows]) of them hold data; the slices past
-// ceil(rows[g] / 64) hold padding only, whose A rows are zero: their tiles ("zero tiles") load
-// nothing and multiply nothing, the epilogue writes what zero products give. The tiles of
-// the data slices come first (group-major; within a group n-tile-major, so consecutive tiles
-// share B), the zero tiles after them, so the data tiles spread evenly over the CTAs.
-// `pre` (shared memory, 2 (groups + 1) ints): pre[g] = data slices of the groups before g,
-// pre[groups + 1 + g] the same count of zero slices.
-
-// Inclusive prefix sum over the warp's lanes.
-__device__ __forceinline__ int warp_incl_scan(int v) {
-    const int lane = int(threadIdx.x & 31u);
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int x = __shfl_up_sync(0xffffffffu, v, o);
-        if (lane >= o) v += x;
-    }
-    return v;
-}
-
-// Fills `pre` (one warp: the calling one).
-__device__ __forceinline__ void m64_prefix(int *pre, const int *offsets, const int *rows, int groups,
-                                           int m) {
-    const int lane = int(threadIdx.x & 31u);
-    const int total = packed_offset(offsets, groups, m);
-    int run_d = 0, run_z = 0;
-    for (int g0 = 0; g0 < groups; g0 += 32) {
-        const int g = g0 + lane;
-        int d = 0, z = 0;
-        if (g < groups) {
-            const int lo = min(packed_offset(offsets, g, m), total);
-            const int hi = min(max(packed_offset(offsets, g + 1, m), lo), total);
-            const int used = min(max(__ldg(rows + g), 0), hi - lo);
-            d = (used + 63) / 64;
-            z = (hi - lo + 63) / 64 - d;
-        }
-        const int id = warp_incl_scan(d), iz = warp_incl_scan(z);
-        if (g < groups) {
-            pre[g + 1] = run_d + id;
-            pre[groups + 2 + g] = run_z + iz;
-        }
-        run_d += __shfl_sync(0xffffffffu, id, 31);
-        run_z += __shfl_sync(0xffffffffu, iz, 31);
-    }
-    if (lane == 0) {
-        pre[0] = 0;
-        pre[groups + 1] = 0;
-    }
-}
-
-// Tile t of the 64-row packed problem (t below m64_total): mt is its first row.
-__device__ __forceinline__ Tile m64_tile_at(int t, const int *pre, const int *offsets, int groups,
-                                            int m, int ntiles) {
-    const int data = pre[groups] * ntiles;
-    const bool zero = t >= data;
-    const int *p = zero ? pre + groups + 1 : pre;
-    const int u = zero ? t - data : t;
-    // The last group whose tiles start at or before u: it has tiles (u lies below p[groups]).
-    int lo = 0, hi = groups - 1;
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) / 2;
-        if (p[mid] * ntiles <= u) {
-            lo = mid;
-        } else {
-            hi = mid - 1;
-        }
-    }
-    const int g = lo, count = p[g + 1] - p[g], within = u - p[g] * ntiles;
-    // Zero slices follow the group's data slices.
-    const int slice = within % count + (zero ? pre[g + 1] - pre[g] : 0);
-    const int first = min(packed_offset(offsets, g, m), packed_offset(offsets, groups, m));
-    return Tile{g, first + slice * 64, within / count, zero};
-}
-
-__device__ __forceinline__ int m64_total(const int *pre, int groups, int ntiles) {
-    return (pre[groups] + pre[2 * groups + 1]) * ntiles;
 }
 
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -475,20 +385,17 @@ struct BlockScales {
 };
 
 template <__nv_fp8_interpretation_t FA, __nv_fp8_interpretation_t FB, typename Out, int BN,
-          int MODE = GROUPED, bool FAST = false, bool BLOCK = false, bool M64 = false>
+          int MODE = GROUPED, bool FAST = false, bool BLOCK = false>
 __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const TmaDesc *td, Out *d,
                                      const void *bias, const float *sa, const float *sb,
                                      const int *counts, uint4 dims, uint4 flags,
-                                     const float *sbg = nullptr, const int *group_rows = nullptr) {
+                                     const float *sbg = nullptr) {
 #ifdef FP8K_SM90A
-    static_assert(!M64 || (MODE == PACKED && !BLOCK), "64-row tiles: the packed layout");
-    using C = Cfg<BN, Out, M64>;
+    using C = Cfg<BN, Out>;
     // 256 columns hold 128 accumulator registers per thread: room for no second (promotion)
     // accumulator beside them.
     static_assert(FAST || BN <= 192, "BN 256 needs fast accumulation");
     constexpr int STAGES = C::STAGES, STAGE_BYTES = C::STAGE_BYTES;
-    // Stages per consumer ring: one ring of all stages, or (M64) one ring per consumer.
-    constexpr int RING = M64 ? STAGES / 2 : STAGES;
     constexpr int NACC = BN / 2;  // accumulator registers per thread
     extern __shared__ uint8_t smem_raw[];
     const uint32_t raw = smem_u32(smem_raw);
@@ -500,9 +407,7 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
     auto full = [&](int s) { return bars + 8u * s; };
     auto empty = [&](int s) { return bars + 8u * (STAGES + s); };
     auto tile_a = [&](int s) { return base + s * STAGE_BYTES; };
-    auto tile_b = [&](int s) { return base + s * STAGE_BYTES + C::TILE_A; };
-    // M64: the per-group tile prefix sums, after the barriers.
-    int *const pre = reinterpret_cast<int *>(smem_raw + (bars + 16u * STAGES - raw));
+    auto tile_b = [&](int s) { return base + s * STAGE_BYTES + TILE_A; };
 
     const int m = int(dims.x), n = int(dims.y), k = int(dims.z), groups = int(dims.w);
     const int ntiles = (n + BN - 1) / BN;
@@ -517,9 +422,7 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
         }
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full(s), 1);
-            // One arrive per warp of the consumers that read the stage: both, or (M64) the one
-            // whose ring it is in.
-            mbar_init(empty(s), M64 ? 4 : 8);
+            mbar_init(empty(s), 8);  // one arrive per consumer warp
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
@@ -527,22 +430,16 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
     // Programmatic dependent launch: the set-up above overlaps the previous kernel's tail;
     // counts, scales, A, B and D are touched only after the wait.
     cuda_graph::pdl_enter();
-    if constexpr (M64) {
-        if (threadIdx.x < 32) m64_prefix(pre, counts, group_rows, groups, m);
-        __syncthreads();
-    }
-    const int total = M64             ? m64_total(pre, groups, ntiles)
-                      : MODE == PACKED  ? packed_mtiles(counts, groups, m) * ntiles
+    const int total = MODE == PACKED  ? packed_mtiles(counts, groups, m) * ntiles
                       : MODE == WGRAD ? groups * ((m + BM - 1) / BM) * ntiles
                                       : total_tiles(counts, groups, m, ntiles);
     auto tile = [&](int t) {
-        return M64             ? m64_tile_at(t, pre, counts, groups, m, ntiles)
-               : MODE == PACKED  ? packed_tile_at(t, counts, groups, m, ntiles)
+        return MODE == PACKED  ? packed_tile_at(t, counts, groups, m, ntiles)
                : MODE == WGRAD ? wgrad_tile_at(t, m, ntiles)
                                : tile_at(t, counts, groups, m, ntiles);
     };
-    // The k-blocks of a tile: all of K (none for an M64 zero tile), or (WGRAD) the group's
-    // reduction range, offsets clamped to [0, k] and taken in whole blocks.
+    // The k-blocks of a tile: all of K, or (WGRAD) the group's reduction range, offsets
+    // clamped to [0, k] and taken in whole blocks.
     struct KRange {
         int lo, hi;
     };
@@ -552,40 +449,13 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
             const int hi = max(lo, packed_offset(counts, tl.g + 1, k));
             return KRange{lo / BK, (hi + BK - 1) / BK};
         } else {
-            return KRange{0, tl.zero ? 0 : kblocks};
+            return KRange{0, kblocks};
         }
     };
-    // The first row of a tile.
-    auto tile_row = [&](const Tile &tl) { return M64 ? tl.mt : tl.mt * BM; };
 
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-        if (M64 && threadIdx.x == 0) {
-            // Two rings, one per consumer; the CTA's tiles in pairs (consumer 0's, consumer
-            // 1's), their k-blocks loaded in turns, so both consumers' tiles run at once.
-            int st[2] = {0, RING};
-            uint32_t ph[2] = {0, 0};
-            for (int t = blockIdx.x; t < total; t += 2 * int(gridDim.x)) {
-                const int u = t + int(gridDim.x);
-                const Tile pair[2] = {tile(t), u < total ? tile(u) : Tile{-1, 0, 0, true}};
-                const int nk[2] = {krange(pair[0]).hi, krange(pair[1]).hi};
-                for (int kb = 0; kb < max(nk[0], nk[1]); ++kb) {
-#pragma unroll
-                    for (int c = 0; c < 2; ++c) {
-                        if (kb >= nk[c]) continue;
-                        const int s = st[c];
-                        mbar_wait(empty(s), ph[c] ^ 1u);
-                        mbar_expect_tx(full(s), STAGE_BYTES);
-                        tma_load_3d(tile_a(s), ta, full(s), kb * BK, pair[c].mt, 0);
-                        tma_load_3d(tile_b(s), tb, full(s), kb * BK, pair[c].nt * BN, pair[c].g);
-                        if (++st[c] == (c + 1) * RING) {
-                            st[c] = c * RING;
-                            ph[c] ^= 1u;
-                        }
-                    }
-                }
-            }
-        } else if (threadIdx.x == 0) {
+        if (threadIdx.x == 0) {
             int stage = 0;
             uint32_t phase = 0;
             for (int t = blockIdx.x; t < total; t += gridDim.x) {
@@ -594,7 +464,7 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                 for (int kb = kr.lo; kb < kr.hi; ++kb) {
                     mbar_wait(empty(stage), phase ^ 1u);
                     mbar_expect_tx(full(stage), STAGE_BYTES);
-                    tma_load_3d(tile_a(stage), ta, full(stage), kb * BK, tile_row(tl),
+                    tma_load_3d(tile_a(stage), ta, full(stage), kb * BK, tl.mt * BM,
                                 MODE == GROUPED ? tl.g : 0);
                     tma_load_3d(tile_b(stage), tb, full(stage), kb * BK, tl.nt * BN,
                                 MODE == WGRAD ? 0 : tl.g);
@@ -607,8 +477,7 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
         }
     } else {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
-        // Which 64-row half of the tile (M64: which of the CTA's tiles, every other one).
-        const int cw = wg - 1;
+        const int cw = wg - 1;  // which 64-row half of the tile
         const int t128 = threadIdx.x - 128 * wg;
         const int warp = t128 / 32, lane = t128 % 32;
         static_assert(!BLOCK || ((BN == 128 || BN == 192) && !FAST && MODE == GROUPED),
@@ -623,31 +492,25 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
         const uint32_t stage_out = staging + cw * (C::STAGING / 2);
         uint8_t *const stage_ptr = smem_raw + (stage_out - raw);
         const bool issuer = t128 == 0;
-        // The consumer's ring: all stages, or (M64) its half.
-        const int ring0 = M64 ? cw * RING : 0;
-        int stage = ring0;
+        int stage = 0;
         uint32_t phase = 0;
-        // The consumer's tiles: the CTA's (M64: every other one of them).
-        const int first = int(blockIdx.x) + (M64 ? cw * int(gridDim.x) : 0);
-        const int stride = int(gridDim.x) * (M64 ? 2 : 1);
         // The next tile is worked out while the tensor cores run this tile's first k-block
         // (its binary search and divisions would otherwise stall both consumers, and the
         // tensor cores, at every tile start).
         auto tile_after = [&](int t) {
-            const int u = t + stride;
+            const int u = t + int(gridDim.x);
             return u < total ? tile(u) : Tile{-1, 0, 0};
         };
-        Tile tl = first < total ? tile(first) : Tile{-1, 0, 0}, next = tl;
-        for (int t = first; t < total; t += stride, tl = next) {
+        Tile tl = int(blockIdx.x) < total ? tile(int(blockIdx.x)) : Tile{-1, 0, 0}, next = tl;
+        for (int t = blockIdx.x; t < total; t += gridDim.x, tl = next) {
             const float alpha = sa_v * (sbg != nullptr ? __ldg(sbg + tl.g) : sb_v);
             float acc[NACC];
 #pragma unroll
             for (int i = 0; i < NACC; ++i) acc[i] = 0.0f;
             const KRange kr = krange(tl);
             if (kr.hi <= kr.lo) next = tile_after(t);
-            // An empty reduction (WGRAD, or an M64 zero tile) without a bias leaves an
-            // accumulated D as it was.
-            if (kr.hi <= kr.lo && accumulate && bias_kind == 0) continue;
+            // An empty reduction (WGRAD) leaves an accumulated D[g] as it was.
+            if (kr.hi <= kr.lo && accumulate) continue;
             if constexpr (FAST) {
                 // The stage whose wgmma group is still in flight (released one k-block later).
                 int held = -1;
@@ -656,7 +519,7 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                     wgmma_fence();
 #pragma unroll
                     for (int kk = 0; kk < BK / 32; ++kk) {
-                        const uint64_t da = sw128_desc(tile_a(stage) + (M64 ? 0 : cw * 64 * BK) + kk * 32);
+                        const uint64_t da = sw128_desc(tile_a(stage) + cw * 64 * BK + kk * 32);
                         const uint64_t db = sw128_desc(tile_b(stage) + kk * 32);
                         wgmma_fp8<FA, FB, BN>(acc, da, db, 1);
                     }
@@ -665,8 +528,8 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                     wgmma_wait1();
                     if (held >= 0 && lane == 0) mbar_arrive(empty(held));
                     held = stage;
-                    if (++stage == ring0 + RING) {
-                        stage = ring0;
+                    if (++stage == STAGES) {
+                        stage = 0;
                         phase ^= 1u;
                     }
                 }
@@ -690,7 +553,7 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                 wgmma_fence();
 #pragma unroll
                 for (int kk = 0; kk < BK / 32; ++kk) {
-                    const uint64_t da = sw128_desc(tile_a(stage) + (M64 ? 0 : cw * 64 * BK) + kk * 32);
+                    const uint64_t da = sw128_desc(tile_a(stage) + cw * 64 * BK + kk * 32);
                     const uint64_t db = sw128_desc(tile_b(stage) + kk * 32);
                     wgmma_fp8<FA, FB, BN>(part, da, db, kk > 0 ? 1 : 0);
                 }
@@ -710,8 +573,8 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
 #pragma unroll
                     for (int i = 0; i < NACC; ++i) acc[i] += part[i];
                 }
-                if (++stage == ring0 + RING) {
-                    stage = ring0;
+                if (++stage == STAGES) {
+                    stage = 0;
                     phase ^= 1u;
                 }
             }
@@ -749,7 +612,7 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                 const int rl = warp * 16 + lane / 4, c0 = 2 * (lane % 4);
                 uint8_t *const row_base = stage_ptr + rl * 128 + ((c0 * SZ) & 15);
                 const int y = ((c0 * SZ) >> 4) ^ (rl & 7);
-                const int row = tile_row(tl) + (M64 ? 0 : cw * 64);
+                const int row = tl.mt * BM + cw * 64;
                 const int g = MODE == PACKED ? 0 : tl.g;
                 auto store_tile = [&](auto bias_of) {
 #pragma unroll
@@ -806,7 +669,7 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
             const int rows = MODE == PACKED    ? packed_offset(counts, tl.g + 1, m)
                              : MODE == WGRAD || counts == nullptr ? m
                                                  : min(max(__ldg(counts + tl.g), 0), m);
-            const int row0 = tile_row(tl) + (M64 ? 0 : cw * 64) + warp * 16 + lane / 4;
+            const int row0 = tl.mt * BM + cw * 64 + warp * 16 + lane / 4;
             const int col0 = tl.nt * BN + 2 * (lane % 4);
             Out *dg = MODE == PACKED ? d : d + size_t(tl.g) * size_t(m) * size_t(n);
             // In chunks of EPI pairs: first every load the chunk needs (bias, and D when
@@ -950,26 +813,6 @@ __device__ __forceinline__ void gemm_ref(const uint8_t *a, const uint8_t *b, flo
         fp8k::sm90::gemm<__NV_E4M3, __NV_E4M3, __nv_bfloat16, W, fp8k::sm90::PACKED, true>(            \
             &ta, &tb, &td, d, bias, sa, sb, offsets, dims, flags, sbg);                                \
     }
-// The 64-row packed kernels (M64), bf16 out: promoted for every format pair and fast for
-// E4M3 x E4M3, 128 and 192 wide; `group_rows` holds the rows of each group that hold data.
-#define FP8K_GEMM_SM90_PACKED64(NAME, FA, FB, FASTV, W)                                              \
-    extern "C" __global__ void __launch_bounds__(fp8k::sm90::THREADS, 1)                             \
-        fp8_gemm_sm90_packed64_##NAME##_bf16_n##W(                                                   \
-            const __grid_constant__ fp8k::sm90::TmaDesc ta, const __grid_constant__ fp8k::sm90::TmaDesc tb, \
-            const __grid_constant__ fp8k::sm90::TmaDesc td, __nv_bfloat16 *d, const void *bias,          \
-            const float *sa, const float *sb, const float *sbg, const int *offsets,                   \
-            const int *group_rows, uint4 dims, uint4 flags) {                                         \
-        fp8k::sm90::gemm<FA, FB, __nv_bfloat16, W, fp8k::sm90::PACKED, FASTV, false, true>(           \
-            &ta, &tb, &td, d, bias, sa, sb, offsets, dims, flags, sbg, group_rows);                    \
-    }
-#define FP8K_GEMM_SM90_PACKED64_WIDTHS(NAME, FA, FB, FASTV)                                         \
-    FP8K_GEMM_SM90_PACKED64(NAME, FA, FB, FASTV, 128)                                                \
-    FP8K_GEMM_SM90_PACKED64(NAME, FA, FB, FASTV, 192)
-FP8K_GEMM_SM90_PACKED64_WIDTHS(e4m3_e4m3, __NV_E4M3, __NV_E4M3, false)
-FP8K_GEMM_SM90_PACKED64_WIDTHS(e4m3_e5m2, __NV_E4M3, __NV_E5M2, false)
-FP8K_GEMM_SM90_PACKED64_WIDTHS(e5m2_e4m3, __NV_E5M2, __NV_E4M3, false)
-FP8K_GEMM_SM90_PACKED64_WIDTHS(e5m2_e5m2, __NV_E5M2, __NV_E5M2, false)
-FP8K_GEMM_SM90_PACKED64_WIDTHS(fast_e4m3_e4m3, __NV_E4M3, __NV_E4M3, true)
 // The packed weight gradient: dims = (m, n, capacity, groups), no bias, per-tensor scales.
 // Every kernel's `td` is D's store tensor map (read with flags.w & 2 only; zeros otherwise).
 #define FP8K_GEMM_SM90_WGRAD(AN, FA, BN_, FB, ON, OT, W)                                               \

@@ -184,10 +184,6 @@ struct Fwd {
     path: GemmPath,
     /// The tile-width hint ([`GemmOptions::expected_rows`]).
     expected_rows: Option<usize>,
-    /// Pass the groups' data rows ([`GemmOptions::group_rows`]; `Rows::Counts` only).
-    group_rows: bool,
-    /// Allow fast accumulation ([`GemmOptions::fast_accumulation`]).
-    fast: bool,
     seed: u64,
 }
 
@@ -209,8 +205,6 @@ impl Fwd {
             per_group_scales: false,
             path: GemmPath::Portable,
             expected_rows: None,
-            group_rows: false,
-            fast: false,
             seed: (counts.len() * 7919 + n * 131 + k) as u64,
         }
     }
@@ -230,17 +224,6 @@ struct FwdHost {
 }
 
 impl FwdHost {
-    /// Each group's data rows: its count, or every row it owns.
-    fn group_rows(&self) -> Vec<i32> {
-        let all = packed_rows(&self.lay.offsets, self.lay.capacity);
-        (0..all.len())
-            .map(|g| {
-                let rows = self.lay.counts.as_ref().map_or(all[g].len(), |c| c[g]);
-                i32::try_from(rows).unwrap()
-            })
-            .collect()
-    }
-
     fn new(c: &Fwd) -> FwdHost {
         let lay = c.rows.layout();
         let groups = c.rows.groups();
@@ -351,8 +334,6 @@ struct FwdRun {
     sb_groups: DeviceBuffer<f32>,
     bias: Option<BiasBuf>,
     offsets: DeviceBuffer<i32>,
-    /// The groups' data rows (`Rows::Counts`; all rows otherwise).
-    group_rows: DeviceBuffer<i32>,
 }
 
 impl FwdRun {
@@ -367,7 +348,6 @@ impl FwdRun {
             sb_groups: DeviceBuffer::from_host(stream, &h.sb).unwrap(),
             bias,
             offsets: DeviceBuffer::from_host(stream, &h.lay.offsets).unwrap(),
-            group_rows: DeviceBuffer::from_host(stream, &h.group_rows()).unwrap(),
             host: h,
         }
     }
@@ -398,18 +378,12 @@ impl FwdRun {
             }
             .into()
         };
-        let mut opts = GemmOptions::new()
-            .accumulate(c.accumulate)
-            .path(c.path)
-            .fast_accumulation(c.fast);
+        let mut opts = GemmOptions::new().accumulate(c.accumulate).path(c.path);
         if let Some(bb) = &self.bias {
             opts = opts.bias(bb.view());
         }
         if let Some(rows) = c.expected_rows {
             opts = opts.expected_rows(rows);
-        }
-        if c.group_rows {
-            opts = opts.group_rows(&self.group_rows);
         }
         grouped_gemm_packed(stream, self.shape(c), a, b, d.view(), &self.offsets, opts)
     }
@@ -558,142 +532,6 @@ fn packed_forward_on_hopper() {
                 );
             }
         }
-    }
-}
-
-/// The sm_90a kernel's 64-row tiles ([`GemmOptions::group_rows`], bf16 D): groups whose data
-/// ends on either side of a 64-row slice (1, 63, 64, 65, 127, 128, 129 rows), empty groups
-/// first, last and between, no data at all, every format pair, fast accumulation, bias,
-/// accumulation, per-group scales, 256 groups, and the shapes of the MoE layer's GEMMs at
-/// T = 256 (about 64 rows per expert) where the chooser takes the 192- and the 128-wide
-/// 64-row tiles (the `packed_tiling_choice` unit test in gemm/hopper.rs pins those choices).
-/// Padding rows (zeros in A) must come out as zero rows give, bit for bit, also where their
-/// slice's products are skipped; rows no group owns stay untouched.
-#[test]
-#[ignore = "needs a CUDA device"]
-fn packed_forward_64_row_tiles() {
-    let (ctx, stream) = setup();
-    let base = |name, counts: &[usize], n, k| Fwd {
-        out: DType::Bf16,
-        path: GemmPath::Hopper,
-        group_rows: true,
-        ..Fwd::new(name, counts, n, k)
-    };
-    let edges = [1, 63, 64, 65, 0, 127, 128, 129, 200];
-    let mut cases = vec![
-        base("slice edges", &edges, 136, 80),
-        base("empty first and last", &[0, 300, 0, 129, 0], 72, 272),
-        base("every group empty", &[0, 0], 24, 32),
-        base("one row", &[1], 40, 16),
-    ];
-    for (fa, fb) in FORMATS {
-        for fast in [false, true] {
-            cases.push(Fwd {
-                fa,
-                fb,
-                fast,
-                ..base("formats", &edges, 72, 80)
-            });
-        }
-    }
-    for bias in [None, Some(DType::F32), Some(DType::Bf16)] {
-        for accumulate in [false, true] {
-            cases.push(Fwd {
-                fa: E5,
-                bias,
-                accumulate,
-                per_group_scales: true,
-                ..base("options", &edges, 136, 48)
-            });
-        }
-    }
-    cases.push(Fwd {
-        per_group_scales: true,
-        bias: Some(DType::Bf16),
-        ..base(
-            "256 groups",
-            &sparse_counts(&mut Rng::new(257), 256, 100),
-            24,
-            32,
-        )
-    });
-    // The MoE layer at T = 256 (E = 8, top-2): about 64 rows per expert, 1024 rows in use.
-    let moe = [70, 58, 66, 61, 75, 52, 64, 66];
-    for (n, fast) in [(2048, false), (2048, true), (4096, true)] {
-        cases.push(Fwd {
-            fast,
-            expected_rows: Some(1024),
-            per_group_scales: true,
-            ..base("MoE at T = 256", &moe, n, 128)
-        });
-    }
-    for c in cases {
-        check_fwd(&ctx, &stream, &c);
-    }
-}
-
-/// The 64-row tiles in a captured graph whose offsets, data rows and operands change between
-/// replays: the kernel reads the counts when it runs.
-#[test]
-#[ignore = "needs a CUDA device"]
-fn packed_64_row_tiles_in_a_graph_with_changing_counts() {
-    let (ctx, stream) = setup();
-    let (n, k, capacity) = (136usize, 80usize, 1152usize);
-    let layouts: [&[usize]; 4] = [
-        &[60, 0, 130, 1],
-        &[0, 256, 64, 65],
-        &[300, 1, 500, 0],
-        &[128, 128, 128, 128],
-    ];
-    let case = |counts: &[usize]| {
-        let padded: usize = counts.iter().map(|c| c.div_ceil(ALIGN_ROWS)).sum();
-        Fwd {
-            rows: Rows::Counts {
-                counts: counts.to_vec(),
-                slack: capacity / ALIGN_ROWS - padded,
-            },
-            out: DType::Bf16,
-            path: GemmPath::Hopper,
-            group_rows: true,
-            per_group_scales: true,
-            ..Fwd::new("graph, 64-row tiles", counts, n, k)
-        }
-    };
-    let first = case(layouts[0]);
-    let run = FwdRun::new(&stream, &first);
-    let mut d = Out::new(&ctx, DType::Bf16, capacity * n);
-    run.launch(&stream, &first, &d).unwrap();
-    stream.synchronize().unwrap();
-    let graph = stream
-        .capture(CaptureMode::ThreadLocal, |s| {
-            run.launch(s.stream(), &first, &d)
-        })
-        .unwrap();
-    let exec = GraphExec::instantiate(&graph, InstantiateFlags::empty()).unwrap();
-    for counts in layouts.iter().chain(layouts.iter().rev()) {
-        let c = case(counts);
-        let host = FwdHost::new(&c);
-        assert_eq!(host.lay.capacity, capacity);
-        run.a.copy_from_host(&stream, &host.a_h).unwrap();
-        run.b.copy_from_host(&stream, &host.b_h).unwrap();
-        run.offsets
-            .copy_from_host(&stream, &host.lay.offsets)
-            .unwrap();
-        run.group_rows
-            .copy_from_host(&stream, &host.group_rows())
-            .unwrap();
-        d.poison(&stream);
-        let before = d.bits(&stream);
-        exec.launch(&stream).unwrap();
-        stream.synchronize().unwrap();
-        host.verify(
-            &c,
-            &host.lay.offsets,
-            DType::Bf16,
-            &d.bits(&stream),
-            &before,
-            None,
-        );
     }
 }
 

@@ -815,12 +815,9 @@ impl MoeLayer {
     ) -> Result<()> {
         let (groups, capacity) = (self.cfg.experts, self.cfg.capacity());
         let Some(off) = host_offsets else {
-            // The per-expert counts let the kernel skip the 64-row slices of padding (zero
-            // rows, as the dispatch writes them).
             let opts = GemmOptions::new()
                 .path(self.grouped_path())
                 .expected_rows(self.cfg.routing_dims().expected_rows())
-                .group_rows(&routing.counts)
                 .fast_accumulation(fast);
             let shape = PackedShape {
                 groups,

@@ -64,68 +64,6 @@ fn smem_bytes(bn: usize, out_size: usize) -> usize {
     stages * stage + staging + 2 * stages * 8 + 1024
 }
 
-/// Rows per tile of the 64-row packed kernels (`M64` in the kernel).
-const M64_ROWS: usize = 64;
-/// The most groups of the 64-row packed kernels (`M64_MAX_GROUPS`: their per-group prefix
-/// sums live in shared memory).
-const M64_MAX_GROUPS: usize = 512;
-
-/// Dynamic shared memory of the 64-row packed kernels (bf16 D) at tile width `bn` (keep in
-/// step with `Cfg<BN, Out, true>`): an even number of stages of a 64-row A tile and B (two
-/// rings, one per consumer), the staging, the barriers, the prefix sums, the alignment slack.
-fn smem_bytes_m64(bn: usize) -> usize {
-    let stage = M64_ROWS * TILE + bn * TILE;
-    let staging = 2 * STORE_ROWS * bn * 2;
-    let prefix = 2 * (M64_MAX_GROUPS + 1) * 4;
-    let stages = ((SMEM_LIMIT - 1024 - staging - 2 * 6 * 8 - prefix) / stage).min(6) & !1;
-    stages * stage + staging + 2 * stages * 8 + prefix + 1024
-}
-
-/// How the sm_90a path tiles a packed GEMM: 128-row tiles of a width, or (with the groups'
-/// data rows known on the device, [`super::GemmOptions::group_rows`]) 64-row tiles of a
-/// width over the 64-row slices that hold data.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum PackedTiles {
-    Rows128(usize),
-    Rows64(usize),
-}
-
-/// The tiling of a packed GEMM over `rows` expected rows in use (each group's rows padded to
-/// 128) of `groups` groups, `n` columns, on `sms` SMs; `wide`: the 256-wide 128-row instance
-/// exists (fast accumulation); `rows64`: the 64-row kernels may run (data rows given, bf16 D,
-/// at most [`M64_MAX_GROUPS`] groups).
-///
-/// Each SM's time is its tiles' products, 128 x bn (or 64 x bn) each (the 64-row kernel's
-/// two consumers take the CTA's tiles in turns and share the tensor cores). Padding to 128
-/// rows leaves half a 64-row slice of padding per group on average, which the 64-row tiles
-/// skip: at small token counts (few rows per group) that halves the products and the finer
-/// tiles fill the SMs. They take 64 rows when that costs at most 0.8 of the 128-row choice
-/// (their finer tiles read more of A and B per product), at the width that costs least
-/// (128 on a tie: more tiles absorb the spread of the real counts).
-fn choose_packed_tiles(
-    groups: usize,
-    rows: usize,
-    n: usize,
-    sms: usize,
-    wide: bool,
-    rows64: bool,
-) -> PackedTiles {
-    let sms = sms.max(1);
-    let bn = choose_bn_for(1, rows, n, 2, sms, wide);
-    let cost128 = (rows.div_ceil(TILE) * n.div_ceil(bn)).div_ceil(sms) * TILE * bn;
-    if !rows64 {
-        return PackedTiles::Rows128(bn);
-    }
-    let slices = rows.div_ceil(M64_ROWS).saturating_sub(groups / 2).max(1);
-    let cost64 = |w: usize| (slices * n.div_ceil(w)).div_ceil(sms) * M64_ROWS * w;
-    let w = if cost64(192) < cost64(128) { 192 } else { 128 };
-    if cost64(w) * 10 <= cost128 * 8 {
-        PackedTiles::Rows64(w)
-    } else {
-        PackedTiles::Rows128(bn)
-    }
-}
-
 /// The tile width (128 or 192, and 256 where `wide`) for a problem: waves of tiles over the
 /// SMs times the width (a wave of 192-wide tiles takes 1.5x as long), with 192 credited 10%
 /// for its efficiency (its wgmma reads less shared memory per FLOP: 1234 against 1109
@@ -615,15 +553,6 @@ fn launch_blockwise_with(
 /// tile's rows past its first row's group are computed with that group, or left unwritten
 /// when accumulating) and `N` even.
 pub(crate) fn launch_packed(stream: &Stream, p: &PackedProblem<'_>) -> Result<()> {
-    launch_packed_with(stream, p, None)
-}
-
-/// [`launch_packed`] with the tiling forced (`Some`; the probes compare them) or chosen.
-fn launch_packed_with(
-    stream: &Stream,
-    p: &PackedProblem<'_>,
-    forced: Option<PackedTiles>,
-) -> Result<()> {
     let (groups, capacity, n, k) = (p.shape.groups, p.shape.capacity, p.shape.n, p.shape.k);
     check_packed_device(stream, "packed GEMM", n)?;
     let lim = i32::MAX as usize;
@@ -634,59 +563,20 @@ fn launch_packed_with(
         )));
     }
     let formats = (p.a.format, p.b.format);
-    // The tiling for the rows expected in use, the grid for the whole capacity.
+    // The tile width for the rows expected in use, the grid for the whole capacity.
     let rows = p.expected_rows.map_or(capacity, |r| r.clamp(1, capacity));
     let fast = fast_instance(p.fast, formats, p.d.name());
-    let sms = sm_count(stream)? as usize;
-    // The 64-row kernels: with the data rows, bf16 D, few enough groups, and every tile
-    // index (at most one more slice per group than the capacity holds) below 2^31.
-    let most64 = (capacity / M64_ROWS + groups).saturating_mul(n.div_ceil(128));
-    let rows64 = p.group_rows.is_some()
-        && matches!(p.d, GemmOut::Bf16(_))
-        && groups <= M64_MAX_GROUPS
-        && most64 <= lim;
-    let tiles = match forced {
-        Some(PackedTiles::Rows64(_)) if !rows64 => {
-            return Err(Error::InvalidArgument(
-                "sm90 packed GEMM: 64-row tiles need group_rows, a bf16 D and at most 512 \
-                 groups"
-                    .into(),
-            ));
-        }
-        Some(t) => t,
-        None => choose_packed_tiles(groups, rows, n, sms, fast, rows64),
-    };
-    let fast_part = if fast { "fast_" } else { "" };
-    let (bn, kern, cfg, a_rows) = match tiles {
-        PackedTiles::Rows128(bn) => {
-            let layout = format!("packed_{fast_part}");
-            let (bn, kern, cfg) =
-                select(stream, &layout, formats, &p.d, (1, capacity, n), Some(bn))?;
-            (bn, kern, cfg, TILE)
-        }
-        PackedTiles::Rows64(bn) => {
-            if bn != 128 && bn != 192 {
-                return Err(Error::InvalidArgument(format!("64-row tile width {bn}")));
-            }
-            let name = kernel_name(
-                &format!("packed64_{fast_part}"),
-                formats.0,
-                formats.1,
-                "bf16",
-                bn,
-            );
-            let (kern, _) = kernel(stream.context(), &name)?;
-            let smem = smem_bytes_m64(bn);
-            kern.set_max_dynamic_shared_memory(smem)?;
-            let grid = most64.min(sms).max(1) as u32;
-            let cfg = LaunchConfig {
-                shared_mem_bytes: smem as u32,
-                ..LaunchConfig::linear(grid, THREADS)
-            };
-            (bn, kern, cfg, M64_ROWS)
-        }
-    };
-    let ta = tensor_map(p.a.data, 1, capacity, k, a_rows)?;
+    let layout = if fast { "packed_fast_" } else { "packed_" };
+    let bn = choose_bn_for(
+        1,
+        rows,
+        n,
+        p.d.elem_size(),
+        sm_count(stream)? as usize,
+        fast,
+    );
+    let (bn, kern, cfg) = select(stream, layout, formats, &p.d, (1, capacity, n), Some(bn))?;
+    let ta = tensor_map(p.a.data, 1, capacity, k, TILE)?;
     let tb = tensor_map(p.b.data, groups, n, k, bn)?;
     let (epi, td) = epilogue(p.accumulate, &p.d, store_map(&p.d, 1, capacity, n)?);
     let dims = [capacity as u32, n as u32, k as u32, groups as u32];
@@ -706,24 +596,17 @@ fn launch_packed_with(
         Some(b) => args.arg(b),
         None => args.arg(&null),
     }
-    .arg(p.offsets);
-    let args = match (tiles, p.group_rows) {
-        (PackedTiles::Rows64(_), Some(r)) => args.arg(r),
-        _ => args,
-    }
+    .arg(p.offsets)
     .arg(&dims)
     .arg(&flags);
     // SAFETY: the tensor maps cover exactly A ([capacity, K]) and B ([groups, N, K]), so TMA
     // reads stay inside them (zeros past the edges); the kernel writes D ([capacity, N],
     // validated) only at rows below the clamped offsets[groups] rounded up to a tile, capped
     // at capacity (the store map is D's [capacity, N]; TMA stores skip what lies outside it),
-    // and columns below N; the group index comes from a binary search over the groups + 1
-    // offsets (validated length), or (64-row tiles) over prefix sums of the groups' slices,
-    // and stays in 0..groups, which bounds B's group coordinate and the per-group scales
-    // (groups values, validated); the 64-row kernels read group_rows (groups values,
-    // validated; only those kernels take it, after the offsets) and hold the prefix sums of
-    // at most M64_MAX_GROUPS groups (checked above); bias has N elements; scalar indices are
-    // inside their buffers.
+    // and columns below N; the group index comes from a binary search over the groups + 1 offsets (validated
+    // length) and stays in 0..groups, which bounds B's group coordinate and the per-group
+    // scales (groups values, validated); bias has N elements; scalar indices are inside their
+    // buffers.
     unsafe { stream.launch_pdl(&kern, &cfg, &args) }
 }
 
@@ -984,42 +867,6 @@ mod cpu_tests {
         assert_eq!(smem_bytes(192, 4), 4 * 40960 + 49152 + 64 + 1024);
         for (bn, es) in [(128, 2), (128, 4), (192, 2), (192, 4)] {
             assert!(smem_bytes(bn, es) <= SMEM_LIMIT);
-        }
-        // The 64-row kernels (bf16): two rings of 3 stages at 128, of 2 at 192.
-        let prefix = 2 * (M64_MAX_GROUPS + 1) * 4;
-        assert_eq!(smem_bytes_m64(128), 6 * 24576 + 32768 + 96 + prefix + 1024);
-        assert_eq!(smem_bytes_m64(192), 4 * 32768 + 49152 + 64 + prefix + 1024);
-        assert!(smem_bytes_m64(192) <= SMEM_LIMIT);
-    }
-
-    #[test]
-    fn packed_tiling_choice() {
-        use super::PackedTiles::{Rows64, Rows128};
-        // (groups, expected rows, n, fast) -> tiling on 132 SMs, with the data rows given.
-        for (g, rows, n, fast, want) in [
-            // The MoE layer at T = 256 (E = 8, top-2, H = F = 2048; 1024 rows expected, about
-            // 12 slices of data): fc1 forward (N = 2F) in 128-wide 64-row tiles, fc2 forward
-            // and both data gradients (N = 2048) in 192-wide ones.
-            (8, 1024, 4096, true, Rows64(128)),
-            (8, 1024, 2048, true, Rows64(192)),
-            (8, 1024, 2048, false, Rows64(192)),
-            // T = 4096 (8704 rows): 128-row tiles.
-            (8, 8704, 4096, true, Rows128(256)),
-            (8, 8704, 2048, false, Rows128(192)),
-            // Small problems (one wave either way): half the products.
-            (4, 512, 136, false, Rows64(128)),
-            (256, 32768, 24, false, Rows64(128)),
-        ] {
-            assert_eq!(
-                choose_packed_tiles(g, rows, n, 132, fast, true),
-                want,
-                "{g} groups, {rows} rows, N = {n}, fast {fast}"
-            );
-            // Without the data rows (or a bf16 D, or with too many groups): 128 rows.
-            assert!(matches!(
-                choose_packed_tiles(g, rows, n, 132, fast, false),
-                Rows128(_)
-            ));
         }
     }
 

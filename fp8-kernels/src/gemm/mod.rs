@@ -291,18 +291,6 @@ pub struct GemmOptions<'a> {
     /// (a dropless MoE layer's capacity allows for every expert's worst padding, twice the
     /// rows in use at small token counts). It never changes the result, only the speed.
     pub expected_rows: Option<usize>,
-    /// Packed GEMMs ([`grouped_gemm_packed`]) only: `groups` int32 on the device, read when the
-    /// kernel runs, the rows of each group that hold data (a dropless MoE layer's per-expert
-    /// token counts); the group's other rows, up to its next offset, are padding, whose rows
-    /// of A must be zeros (as the layer's dispatch writes them). The sm_90a kernel then
-    /// computes in 64-row tiles where that pays (many groups of few rows: small token counts),
-    /// skipping the products of every 64-row slice made only of padding and writing for it
-    /// what zero rows give (the bias, or 0; D plus the bias when accumulating). With zero
-    /// padding rows this never changes the result, only the speed; with other padding, the
-    /// padding rows of D are unspecified (nothing outside D is written either way). Counts
-    /// are clamped to `[0, the group's rows]`. Ignored by the other GEMMs and the portable
-    /// path.
-    pub group_rows: Option<&'a DeviceBuffer<i32>>,
     /// Allow fast accumulation (TransformerEngine's forward-GEMM default, cuBLASLt's
     /// `FAST_ACCUM`): on the sm_90a path, for E4M3 x E4M3 with a bf16 D, the tensor cores
     /// accumulate over all of K in their own accumulator instead of handing each 128-deep
@@ -357,12 +345,6 @@ impl<'a> GemmOptions<'a> {
     /// [`GemmOptions::expected_rows`]).
     pub fn expected_rows(mut self, rows: usize) -> GemmOptions<'a> {
         self.expected_rows = Some(rows);
-        self
-    }
-    /// With the rows of each packed group that hold data (a tuning hint; see
-    /// [`GemmOptions::group_rows`]).
-    pub fn group_rows(mut self, rows: &'a DeviceBuffer<i32>) -> GemmOptions<'a> {
-        self.group_rows = Some(rows);
         self
     }
     /// With fast accumulation allowed (or not; see [`GemmOptions::fast_accumulation`]).

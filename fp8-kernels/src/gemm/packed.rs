@@ -141,8 +141,6 @@ pub(crate) struct PackedProblem<'a> {
     pub accumulate: bool,
     /// The tile-width hint ([`GemmOptions::expected_rows`]).
     pub expected_rows: Option<usize>,
-    /// The rows of each group that hold data ([`GemmOptions::group_rows`]).
-    pub group_rows: Option<&'a DeviceBuffer<i32>>,
     /// Fast accumulation allowed ([`GemmOptions::fast_accumulation`]).
     pub fast: bool,
 }
@@ -171,8 +169,6 @@ pub(crate) struct PackedDesc {
     pub offsets: (usize, u64),
     /// Per-group scales of B, when given.
     pub b_scales: Option<(usize, u64)>,
-    /// The rows of each group that hold data, when given.
-    pub group_rows: Option<(usize, u64)>,
 }
 
 /// The plain numbers [`validate_wgrad`] looks at.
@@ -254,10 +250,6 @@ pub(crate) fn validate_packed(what: &str, p: &PackedDesc) -> Result<()> {
         check_len(what, "B scales", len, p.groups)?;
         check_addr(what, "B scales", addr, 4)?;
     }
-    if let Some((len, addr)) = p.group_rows {
-        check_len(what, "group rows", len, p.groups)?;
-        check_addr(what, "group rows", addr, 4)?;
-    }
     Ok(())
 }
 
@@ -322,9 +314,8 @@ pub(crate) fn validate_wgrad(what: &str, p: &WgradDesc) -> Result<()> {
 /// are on the device, so `Auto` can not check that and keeps the portable kernel; callers that
 /// own the layout, like the MoE layer, ask for `Hopper`). On that kernel
 /// [`GemmOptions::expected_rows`] picks the tile width for the rows the offsets are expected
-/// to use (the whole capacity without it), and [`GemmOptions::group_rows`] lets it skip the
-/// 64-row slices of padding. Enqueues one kernel, never synchronises or allocates
-/// (capturable).
+/// to use (the whole capacity without it). Enqueues one kernel, never synchronises or
+/// allocates (capturable).
 pub fn grouped_gemm_packed<'a>(
     stream: &Stream,
     shape: PackedShape,
@@ -353,7 +344,6 @@ pub fn grouped_gemm_packed<'a>(
             bias: opts.bias.map(|x| (x.len(), x.device_ptr())),
             offsets: (offsets.len(), offsets.as_raw()),
             b_scales,
-            group_rows: opts.group_rows.map(|r| (r.len(), r.as_raw())),
         },
     )?;
     let problem = PackedProblem {
@@ -365,7 +355,6 @@ pub fn grouped_gemm_packed<'a>(
         bias: opts.bias,
         accumulate: opts.accumulate,
         expected_rows: opts.expected_rows,
-        group_rows: opts.group_rows,
         fast: opts.fast_accumulation,
     };
     match opts.path {
@@ -454,7 +443,6 @@ mod tests {
             bias: Some((n, 0x4000)),
             offsets: (groups + 1, 0x5004),
             b_scales: Some((groups, 0x6004)),
-            group_rows: Some((groups, 0x7004)),
         }
     }
 
@@ -496,7 +484,6 @@ mod tests {
             let d = PackedDesc {
                 bias: None,
                 b_scales: None,
-                group_rows: None,
                 ..d
             };
             assert!(validate_packed("t", &d).is_ok(), "{d:?}");
@@ -597,22 +584,6 @@ mod tests {
                     ..base
                 },
                 "offsets at 0x5002",
-            ),
-            (
-                "group rows length = groups + 1",
-                PackedDesc {
-                    group_rows: Some((5, 0x7004)),
-                    ..base
-                },
-                "group rows has 5",
-            ),
-            (
-                "group rows misaligned",
-                PackedDesc {
-                    group_rows: Some((4, 0x7002)),
-                    ..base
-                },
-                "group rows at 0x7002",
             ),
             (
                 "B scales length",
@@ -826,9 +797,6 @@ mod prop {
         if let Some(s) = d.b_scales {
             buffer_rules(&mut v, "B scales", s, &[g], 4);
         }
-        if let Some(r) = d.group_rows {
-            buffer_rules(&mut v, "group rows", r, &[g], 4);
-        }
         v
     }
 
@@ -863,7 +831,6 @@ mod prop {
             addrs in [addr(), addr(), addr(), addr(), addr(), addr()],
             bias in any::<bool>(),
             b_scales in any::<bool>(),
-            rows in (any::<bool>(), len(), addr()),
         ) -> PackedDesc {
             PackedDesc {
                 groups,
@@ -876,7 +843,6 @@ mod prop {
                 bias: bias.then(|| (make_len(lens[3], Some(n)), addrs[3])),
                 offsets: (make_len(lens[4], groups.checked_add(1)), addrs[4]),
                 b_scales: b_scales.then(|| (make_len(lens[5], Some(groups)), addrs[5])),
-                group_rows: rows.0.then(|| (make_len(rows.1, Some(groups)), rows.2)),
             }
         }
     }
