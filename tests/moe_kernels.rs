@@ -289,6 +289,14 @@ fn router_and_plan_match_the_reference() {
         // vector loads elsewhere); T and E not multiples of its 64 x 64 tiles.
         case(90, 20, 40, 2, ScoreFn::Softmax, false),
         case(130, 40, 48, 4, ScoreFn::Sigmoid, true),
+        // The plan in one block (T * k <= 4096, E <= 256: every case above) and in three
+        // launches: more assignments, more experts.
+        case(2100, 16, 8, 2, ScoreFn::Softmax, false),
+        case(600, 16, 256, 8, ScoreFn::Sigmoid, true),
+        case(60, 16, 300, 4, ScoreFn::Softmax, false),
+        // The single-block plan's edges: 4096 assignments (its last pass full), 1 expert.
+        case(2048, 16, 16, 2, ScoreFn::Softmax, false),
+        case(33, 16, 1, 1, ScoreFn::Softmax, false),
     ];
     for (k, score) in [(1, ScoreFn::Softmax), (2, ScoreFn::Sigmoid)] {
         let mut c = case(200, 32, 8, k, score, false);

@@ -36,6 +36,10 @@
 #define MOE_MAX_EXPERTS 512
 // Threads of the plan scan's single block (`SCAN_BLOCK`).
 #define MOE_SCAN_BLOCK 1024
+// The single-block plan (moe_plan_small): at most this many passes of MOE_SCAN_BLOCK
+// assignments (`SMALL_PLAN_ASSIGNMENTS`) and this many experts (`SMALL_PLAN_EXPERTS`).
+#define MOE_SMALL_PASSES 4
+#define MOE_SMALL_EXPERTS 256
 // Experts per pass of the router forward (their Wr pieces held in registers per thread).
 #define MOE_ROUTER_EXPERTS 4
 // Experts per block of the router weight gradient (held in registers per thread).
@@ -941,23 +945,95 @@ extern "C" __global__ void __launch_bounds__(MOE_BLOCK)
         block_counts[(size_t)blockIdx.x * experts + e] = hist[e];
 }
 
-// Step 2 of 3, one block of MOE_SCAN_BLOCK threads: everything that needs all the tokens.
-// Warps 0 .. 15 and 16 .. 31 work side by side, then all of them:
-//   per expert, an exclusive scan of the block counts in block order (block_counts becomes
-//     each block's base within the expert), counts[e] = the total: warp w takes experts 8 w ..
-//     8 w + 7 (then + 128, ...), lane l the blocks l, l + 32, ..., a shuffle scan per 32
-//     blocks, the 8 experts' loads in flight together;
-//   the losses' column sums: warp 16 + w takes the columns c = w, w + 16, ... of
-//     loss_partial ([experts + 1][parts], moe_router_forward), lane l its rows l, l + 32, ...
-//     in order (8 loads in flight), then a fixed xor tree;
+// The losses' column sums of the plan (moe_plan_scan, moe_plan_small): warp `first` + w of
+// `warps` takes the columns c = w, w + warps, ... <= experts of loss_partial ([experts +
+// 1][parts]), lane l its rows l, l + 32, ... in order (8 loads in flight), then a fixed xor
+// tree: col[c] = the column's sum, the same whichever warp forms it.
+__device__ __forceinline__ void plan_loss_columns(const float *loss_partial, float *col,
+                                                  unsigned experts, unsigned parts,
+                                                  unsigned first, unsigned warps) {
+    const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    for (unsigned c = warp - first; c <= experts; c += warps) {
+        const float *p = loss_partial + (size_t)c * parts;
+        float acc = 0.0f;
+        unsigned r = lane;
+        for (; r + 7 * 32 < parts; r += 8 * 32) {
+            float v[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) v[u] = __ldg(p + r + u * 32);
+#pragma unroll
+            for (int u = 0; u < 8; ++u) acc += v[u];
+        }
+        for (; r < parts; r += 32) acc += __ldg(p + r);
+        acc = warp_sum(acc);
+        if (lane == 0) col[c] = acc;
+    }
+}
+
+// The rest of the plan once the counts (`cnt`) and the losses' column sums (`col`) are in
+// shared memory, by a block of MOE_SCAN_BLOCK threads (wtot: MOE_SCAN_BLOCK / 32 ints):
 //   offsets[0] = 0, offsets[e + 1] = offsets[e] + counts[e] rounded up to `align` (one thread
-//     per expert, a block-wide integer scan);
+//     per expert, a block-wide integer scan), also into `off`; counts[e] = cnt[e];
 //   token_of_row[r] = -1 for the rows no assignment takes: each expert's padding [offsets[e]
-//     + counts[e], offsets[e + 1]) and the rows from offsets[E] to `rows` (plan_assign writes
-//     all the others, so the whole buffer is written on every run);
+//     + counts[e], offsets[e + 1]) and the rows from offsets[E] to `rows` (the assignment
+//     writes all the others, so the whole buffer is written on every run);
 //   losses[0] = aux = aux_coef * E * sum_e f_e * P_e, f_e = counts[e] / (T * k), P_e = (1/T)
 //     sum_t probs[t, e]; losses[1] = z = z_coef * (1/T) * sum_t lse[t]^2 (warp 0:
 //     lane-strided terms, a fixed xor tree).
+// Ends with the block synchronised (`off` readable).
+__device__ __forceinline__ void plan_offsets_and_losses(const int *cnt, int *off, const float *col,
+                                                        int *wtot, int *counts, int *offsets,
+                                                        int *token_of_row, float *losses,
+                                                        unsigned experts, unsigned align,
+                                                        unsigned rows, unsigned tokens, unsigned k,
+                                                        float aux_coef, float z_coef) {
+    const unsigned tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
+    const int rv = tid < experts ? (int)(((unsigned)cnt[tid] + align - 1) / align * align) : 0;
+    if (tid < experts) counts[tid] = cnt[tid];
+    const int incl = warp_scan(rv);
+    if (lane == 31) wtot[warp] = incl;
+    __syncthreads();
+    if (warp == 0) {
+        const int w = wtot[lane];
+        wtot[lane] = warp_scan(w) - w; // the warps' exclusive prefix
+    }
+    __syncthreads();
+    const int excl = wtot[warp] + incl - rv;
+    if (tid < experts) {
+        off[tid] = excl;
+        offsets[tid] = excl;
+    }
+    if (tid + 1 == experts) {
+        off[experts] = excl + rv;
+        offsets[experts] = excl + rv;
+    }
+    __syncthreads();
+    for (unsigned e = warp; e < experts; e += MOE_SCAN_BLOCK / 32)
+        for (int r = off[e] + cnt[e] + (int)lane; r < off[e + 1]; r += 32) token_of_row[r] = -1;
+    for (unsigned r = (unsigned)off[experts] + tid; r < rows; r += MOE_SCAN_BLOCK)
+        token_of_row[r] = -1;
+    if (warp == 0) {
+        float aux = 0.0f;
+        for (unsigned e = lane; e < experts; e += 32) {
+            const float f = (float)cnt[e] / ((float)tokens * (float)k);
+            aux += f * (col[e] / (float)tokens);
+        }
+        aux = warp_sum(aux);
+        if (lane == 0) {
+            losses[0] = aux_coef * (float)experts * aux;
+            losses[1] = z_coef * col[experts] / (float)tokens;
+        }
+    }
+}
+
+// Step 2 of 3, one block of MOE_SCAN_BLOCK threads: everything that needs all the tokens.
+// Warps 0 .. 15 and 16 .. 31 work side by side, then all of them:
+//   per expert, an exclusive scan of the block counts in block order (block_counts becomes
+//     each block's base within the expert), the total its count: warp w takes experts 8 w ..
+//     8 w + 7 (then + 128, ...), lane l the blocks l, l + 32, ..., a shuffle scan per 32
+//     blocks, the 8 experts' loads in flight together;
+//   the losses' column sums (plan_loss_columns, warps 16 .. 31);
+//   then the counts, offsets, padding rows and losses (plan_offsets_and_losses).
 extern "C" __global__ void __launch_bounds__(MOE_SCAN_BLOCK)
     moe_plan_scan(int *block_counts, const float *loss_partial, int *counts, int *offsets,
                   int *token_of_row, float *losses, unsigned blocks, unsigned experts,
@@ -996,62 +1072,86 @@ extern "C" __global__ void __launch_bounds__(MOE_SCAN_BLOCK)
                 for (int j = 0; j < 8; ++j) {
                     if (e0 + j >= experts) break;
                     cnt[e0 + j] = carry[j];
-                    counts[e0 + j] = carry[j];
                 }
             }
         }
     } else {
-        for (unsigned c = warp - SIDE; c <= experts; c += SIDE) {
-            const float *p = loss_partial + (size_t)c * parts;
-            float acc = 0.0f;
-            unsigned r = lane;
-            for (; r + 7 * 32 < parts; r += 8 * 32) {
-                float v[8];
+        plan_loss_columns(loss_partial, col, experts, parts, SIDE, SIDE);
+    }
+    __syncthreads();
+    plan_offsets_and_losses(cnt, off, col, wtot, counts, offsets, token_of_row, losses, experts,
+                            align, rows, tokens, k, aux_coef, z_coef);
+}
+
+// The whole plan in one block of MOE_SCAN_BLOCK threads, for few assignments (at most
+// MOE_SMALL_PASSES * MOE_SCAN_BLOCK) and experts (at most MOE_SMALL_EXPERTS): moe_plan_count,
+// moe_plan_scan and moe_plan_assign in one launch, with the same results. The assignments go
+// in passes of MOE_SCAN_BLOCK, in order: per pass each warp counts its assignments per
+// expert (match masks: rank = earlier lanes with the same expert), thread e turns expert e's
+// 32 warp counts into exclusive prefixes on top of the earlier passes' count of e, and each
+// assignment's rank within its expert (token order) is kept in a register; then the counts,
+// the losses' column sums, the offsets (plan_offsets_and_losses), and row_of[i] = offsets[e]
+// + rank, token_of_row[row] = i (-1 in row_of for an expert out of range).
+extern "C" __global__ void __launch_bounds__(MOE_SCAN_BLOCK)
+    moe_plan_small(const int *topk, const float *loss_partial, int *counts, int *offsets,
+                   int *row_of, int *token_of_row, float *losses, unsigned assignments,
+                   unsigned experts, unsigned align, unsigned rows, unsigned parts,
+                   unsigned tokens, unsigned k, float aux_coef, float z_coef) {
+    cuda_graph::pdl_enter();
+    __shared__ int cnt[MOE_SMALL_EXPERTS];
+    __shared__ int off[MOE_SMALL_EXPERTS + 1];
+    __shared__ float col[MOE_SMALL_EXPERTS + 1];
+    __shared__ int wtot[MOE_SCAN_BLOCK / 32];
+    __shared__ int wc[MOE_SCAN_BLOCK / 32][MOE_SMALL_EXPERTS];
+    constexpr unsigned WARPS = MOE_SCAN_BLOCK / 32;
+    const unsigned tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
+    for (unsigned e = tid; e < experts; e += MOE_SCAN_BLOCK) cnt[e] = 0;
+    int ex[MOE_SMALL_PASSES], rank[MOE_SMALL_PASSES];
+    // Every pass's experts, loaded together.
 #pragma unroll
-                for (int u = 0; u < 8; ++u) v[u] = __ldg(p + r + u * 32);
+    for (int p = 0; p < MOE_SMALL_PASSES; ++p) {
+        const unsigned i = p * MOE_SCAN_BLOCK + tid;
+        ex[p] = i < assignments ? topk[i] : -1;
+        if (ex[p] >= 0 && (unsigned)ex[p] >= experts) ex[p] = -2; // out of range: not placed
+    }
 #pragma unroll
-                for (int u = 0; u < 8; ++u) acc += v[u];
+    for (int p = 0; p < MOE_SMALL_PASSES; ++p) {
+        if ((unsigned)p * MOE_SCAN_BLOCK >= assignments) break; // block-uniform
+        for (unsigned e = lane; e < experts; e += 32) wc[warp][e] = 0;
+        __syncwarp();
+        const int e = ex[p];
+        const unsigned peers = __match_any_sync(0xffffffffu, e);
+        rank[p] = __popc(peers & ((1u << lane) - 1u));
+        if (e >= 0 && rank[p] == 0) wc[warp][e] = __popc(peers);
+        __syncthreads();
+        for (unsigned q = tid; q < experts; q += MOE_SCAN_BLOCK) {
+            int run = cnt[q];
+            for (unsigned w = 0; w < WARPS; ++w) {
+                const int c = wc[w][q];
+                wc[w][q] = run;
+                run += c;
             }
-            for (; r < parts; r += 32) acc += __ldg(p + r);
-            acc = warp_sum(acc);
-            if (lane == 0) col[c] = acc;
+            cnt[q] = run;
         }
+        __syncthreads();
+        if (e >= 0) rank[p] += wc[warp][e];
+        __syncthreads(); // wc is cleared by the next pass
     }
+    plan_loss_columns(loss_partial, col, experts, parts, 0, WARPS);
     __syncthreads();
-    const int rv = tid < experts ? (int)(((unsigned)cnt[tid] + align - 1) / align * align) : 0;
-    const int incl = warp_scan(rv);
-    if (lane == 31) wtot[warp] = incl;
-    __syncthreads();
-    if (warp == 0) {
-        const int w = wtot[lane];
-        wtot[lane] = warp_scan(w) - w; // the warps' exclusive prefix
-    }
-    __syncthreads();
-    const int excl = wtot[warp] + incl - rv;
-    if (tid < experts) {
-        off[tid] = excl;
-        offsets[tid] = excl;
-    }
-    if (tid + 1 == experts) {
-        off[experts] = excl + rv;
-        offsets[experts] = excl + rv;
-    }
-    __syncthreads();
-    for (unsigned e = warp; e < experts; e += MOE_SCAN_BLOCK / 32)
-        for (int r = off[e] + cnt[e] + (int)lane; r < off[e + 1]; r += 32) token_of_row[r] = -1;
-    for (unsigned r = (unsigned)off[experts] + tid; r < rows; r += MOE_SCAN_BLOCK)
-        token_of_row[r] = -1;
-    if (warp == 0) {
-        float aux = 0.0f;
-        for (unsigned e = lane; e < experts; e += 32) {
-            const float f = (float)cnt[e] / ((float)tokens * (float)k);
-            aux += f * (col[e] / (float)tokens);
+    plan_offsets_and_losses(cnt, off, col, wtot, counts, offsets, token_of_row, losses, experts,
+                            align, rows, tokens, k, aux_coef, z_coef);
+#pragma unroll
+    for (int p = 0; p < MOE_SMALL_PASSES; ++p) {
+        const unsigned i = p * MOE_SCAN_BLOCK + tid;
+        if (i >= assignments) break;
+        if (ex[p] < 0) {
+            row_of[i] = -1;
+            continue;
         }
-        aux = warp_sum(aux);
-        if (lane == 0) {
-            losses[0] = aux_coef * (float)experts * aux;
-            losses[1] = z_coef * col[experts] / (float)tokens;
-        }
+        const int row = off[ex[p]] + rank[p];
+        row_of[i] = row;
+        token_of_row[row] = (int)i;
     }
 }
 

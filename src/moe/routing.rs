@@ -40,6 +40,12 @@ const BLOCK: u32 = 256;
 const WARPS: u32 = BLOCK / 32;
 /// Threads of the plan scan's single block (`MOE_SCAN_BLOCK`).
 const SCAN_BLOCK: u32 = 1024;
+/// The most assignments (`T * k`) of the single-block plan (`MOE_SMALL_PASSES` passes of
+/// `SCAN_BLOCK`): one launch instead of three, where the three cost more in latency than the
+/// work (T = 256, top-2: 9.6 us).
+const SMALL_PLAN_ASSIGNMENTS: usize = 4 * SCAN_BLOCK as usize;
+/// The most experts of the single-block plan (`MOE_SMALL_EXPERTS`).
+const SMALL_PLAN_EXPERTS: usize = 256;
 /// Tokens per chunk of the router weight gradient's first step.
 const WGRAD_CHUNK: usize = 128;
 /// The most tokens per block of the router forward and the input gradient, which read all of
@@ -384,6 +390,7 @@ struct Kernels {
     logits: Kernel,
     plan_count: Kernel,
     plan_scan: Kernel,
+    plan_small: Kernel,
     plan_assign: Kernel,
     combine: Kernel,
     combine_backward: Kernel,
@@ -484,6 +491,7 @@ impl Router {
             logits: module.kernel("moe_router_logits")?,
             plan_count: module.kernel("moe_plan_count")?,
             plan_scan: module.kernel("moe_plan_scan")?,
+            plan_small: module.kernel("moe_plan_small")?,
             plan_assign: module.kernel("moe_plan_assign")?,
             combine: module.kernel("moe_combine_forward")?,
             combine_backward: module.kernel("moe_combine_backward")?,
@@ -605,7 +613,8 @@ impl Router {
     }
 
     /// The dispatch plan from `b.topk` (count, scan, assign), with the losses and the padding
-    /// rows of `token_of_row` in the scan.
+    /// rows of `token_of_row` in the scan; one single-block launch of all three for few
+    /// assignments and experts.
     fn plan(&self, stream: &Stream, b: &RoutingBuffers) -> Result<()> {
         let Dims32 {
             t,
@@ -618,6 +627,39 @@ impl Router {
             router_blocks,
             ..
         } = self.n;
+        let d = self.dims;
+        if d.tokens * d.top_k <= SMALL_PLAN_ASSIGNMENTS && d.experts <= SMALL_PLAN_EXPERTS {
+            let args = KernelArgs::new()
+                .arg(&b.topk)
+                .arg(&b.loss_partial)
+                .arg(&b.counts)
+                .arg(&b.offsets)
+                .arg(&b.row_of)
+                .arg(&b.token_of_row)
+                .arg(&b.losses)
+                .arg(&assignments)
+                .arg(&e)
+                .arg(&align)
+                .arg(&rows)
+                .arg(&router_blocks)
+                .arg(&t)
+                .arg(&k)
+                .arg(&self.cfg.aux_coef)
+                .arg(&self.cfg.z_coef);
+            // SAFETY: one block reads topk (T * k <= 4 * 1024, its passes' bound) and
+            // loss_partial ((E + 1) * router_blocks), writes counts (E), offsets (E + 1),
+            // row_of (T * k), the two losses, and token_of_row at rows below offsets[E] <=
+            // capacity (each expert's assignments at offsets[e] + rank, rank < counts[e], the
+            // padding and the rows from offsets[E] up to the capacity); its static shared
+            // memory is sized for E <= 256 (checked above).
+            return unsafe {
+                stream.launch_pdl(
+                    &self.k.plan_small,
+                    &LaunchConfig::linear(1, SCAN_BLOCK),
+                    &args,
+                )
+            };
+        }
         let mut cfg = LaunchConfig::linear(blocks, BLOCK);
         cfg.shared_mem_bytes = e * 4;
         let args = KernelArgs::new()
