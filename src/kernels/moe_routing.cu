@@ -1087,7 +1087,7 @@ extern "C" __global__ void __launch_bounds__(MOE_SCAN_BLOCK)
 // MOE_SMALL_PASSES * MOE_SCAN_BLOCK) and experts (at most MOE_SMALL_EXPERTS): moe_plan_count,
 // moe_plan_scan and moe_plan_assign in one launch, with the same results. The assignments go
 // in passes of MOE_SCAN_BLOCK, in order: per pass each warp counts its assignments per
-// expert (match masks: rank = earlier lanes with the same expert), thread e turns expert e's
+// expert (match masks: rank = earlier lanes with the same expert), warp e turns expert e's
 // 32 warp counts into exclusive prefixes on top of the earlier passes' count of e, and each
 // assignment's rank within its expert (token order) is kept in a register; then the counts,
 // the losses' column sums, the offsets (plan_offsets_and_losses), and row_of[i] = offsets[e]
@@ -1124,14 +1124,14 @@ extern "C" __global__ void __launch_bounds__(MOE_SCAN_BLOCK)
         rank[p] = __popc(peers & ((1u << lane) - 1u));
         if (e >= 0 && rank[p] == 0) wc[warp][e] = __popc(peers);
         __syncthreads();
-        for (unsigned q = tid; q < experts; q += MOE_SCAN_BLOCK) {
-            int run = cnt[q];
-            for (unsigned w = 0; w < WARPS; ++w) {
-                const int c = wc[w][q];
-                wc[w][q] = run;
-                run += c;
-            }
-            cnt[q] = run;
+        // Warp q scans expert q's 32 warp counts, lane w the count of warp w.
+        static_assert(WARPS == 32, "a lane per warp");
+        for (unsigned q = warp; q < experts; q += WARPS) {
+            const int c = wc[lane][q];
+            const int incl = warp_scan(c), base = cnt[q];
+            __syncwarp();
+            wc[lane][q] = base + incl - c;
+            if (lane == 31) cnt[q] = base + incl;
         }
         __syncthreads();
         if (e >= 0) rank[p] += wc[warp][e];

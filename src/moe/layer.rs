@@ -1208,38 +1208,6 @@ impl MoeLayer {
         }
     }
 
-    /// The whole backward of the grouped mode, the data gradients first: part 0, the experts'
-    /// data gradients, then dx on the main stream followed by the experts' weight gradients,
-    /// with the router's weight gradient beside them. The parts' order would end the step
-    /// with the router's small kernels beside dx, after the weight-gradient GEMMs; this way
-    /// they overlap dx and the GEMMs' start, and the step ends with the GEMMs (the same
-    /// kernels on the same inputs: the same results).
-    fn grouped_backward(
-        &self,
-        stream: &Stream,
-        grad_outputs: &[&DeviceBuffer<bf16>],
-        grad_inputs: &[&DeviceBuffer<bf16>],
-        slot: &Slot<'_, bf16>,
-    ) -> Result<()> {
-        self.backward_part(0, stream, grad_outputs, grad_inputs, slot, true)?;
-        let (_, dx) = self.check_io("backward", grad_outputs, grad_inputs)?;
-        let s = self.saved(slot)?;
-        self.experts_backward(stream, &s, None)?;
-        let (x, accumulate) = (self.forward_input(slot)?, self.accumulate_grads(slot));
-        self.beside(
-            stream,
-            |side| {
-                self.router
-                    .weight_backward(side, x, &s.routing, &self.dwr, accumulate)
-            },
-            |main| {
-                self.router
-                    .input_backward(main, &self.dxp, &self.wr, &s.routing, dx)?;
-                self.experts_weight_backward(main, &s, None, accumulate)
-            },
-        )
-    }
-
     /// The error for a segment (or part) the layer does not have in its mode.
     fn not_a_segment(
         &self,
@@ -1349,9 +1317,6 @@ impl Callable<bf16> for MoeLayer {
         grad_inputs: &[&DeviceBuffer<bf16>],
         slot: &Slot<'_, bf16>,
     ) -> Result<()> {
-        if self.cfg.expert_gemm == ExpertGemm::Grouped {
-            return self.grouped_backward(stream, grad_outputs, grad_inputs, slot);
-        }
         (0..PARTS)
             .try_for_each(|p| self.backward_part(p, stream, grad_outputs, grad_inputs, slot, true))
     }

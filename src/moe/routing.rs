@@ -46,8 +46,13 @@ const SCAN_BLOCK: u32 = 1024;
 const SMALL_PLAN_ASSIGNMENTS: usize = 4 * SCAN_BLOCK as usize;
 /// The most experts of the single-block plan (`MOE_SMALL_EXPERTS`).
 const SMALL_PLAN_EXPERTS: usize = 256;
-/// Tokens per chunk of the router weight gradient's first step.
+/// The most tokens per chunk of the router weight gradient's first step.
 const WGRAD_CHUNK: usize = 128;
+/// The fewest tokens per chunk of the router weight gradient, and the chunk count it aims at
+/// below 128-token chunks: at small T, 128-token chunks leave most SMs idle while each block
+/// walks its tokens one after another (T = 256: 16 blocks, 7.5 us).
+const WGRAD_MIN_CHUNK: usize = 16;
+const WGRAD_CHUNKS_AIM: usize = 16;
 /// The most tokens per block of the router forward and the input gradient, which read all of
 /// `Wr` in every block and use each piece for all the block's tokens (`MOE_TOKENS`).
 const MAX_WR_TOKENS: usize = 8;
@@ -248,9 +253,17 @@ impl RoutingDims {
             .max(1)
     }
 
+    /// Tokens per chunk of the router weight gradient (its partial sums' order): T / 16
+    /// within 16 ..= 128.
+    fn wgrad_chunk(&self) -> usize {
+        self.tokens
+            .div_ceil(WGRAD_CHUNKS_AIM)
+            .clamp(WGRAD_MIN_CHUNK, WGRAD_CHUNK)
+    }
+
     /// Token chunks of the router weight gradient.
     fn wgrad_chunks(&self) -> usize {
-        self.tokens.div_ceil(WGRAD_CHUNK)
+        self.tokens.div_ceil(self.wgrad_chunk())
     }
 }
 
@@ -426,6 +439,8 @@ struct Dims32 {
     assignments: u32,
     /// Blocks of the plan kernels.
     blocks: u32,
+    /// Tokens per chunk of the router weight gradient.
+    chunk: u32,
     /// Token chunks of the router weight gradient.
     chunks: u32,
     /// Tokens per block of the router forward and the input gradient.
@@ -448,6 +463,7 @@ impl Dims32 {
             rows: u(d.capacity()),
             assignments: u(d.tokens * d.top_k),
             blocks: u(d.plan_blocks()),
+            chunk: u(d.wgrad_chunk()),
             chunks: u(d.wgrad_chunks()),
             wr_tokens: u(d.wr_tokens_per_block()),
             router_blocks: u(d.router_blocks()),
@@ -871,8 +887,8 @@ impl Router {
     }
 
     /// The router weight's gradient `dwr (+)= d_logits^T . x` (`[E, H]` f32; added to `dwr`
-    /// when `accumulate`), summed over tokens in a fixed order (chunks of 128 tokens, then
-    /// the chunks in order).
+    /// when `accumulate`), summed over tokens in a fixed order (chunks of 16 to 128 tokens
+    /// by T, then the chunks in order).
     pub fn weight_backward(
         &self,
         stream: &Stream,
@@ -887,7 +903,12 @@ impl Router {
         check_len(what, "x", x.len(), d.tokens * d.hidden)?;
         check_len(what, "dwr", dwr.len(), d.experts * d.hidden)?;
         let Dims32 {
-            t, h, e, chunks, ..
+            t,
+            h,
+            e,
+            chunk,
+            chunks,
+            ..
         } = self.n;
         let n32 = e * h;
         // Both kernels take the same arguments: (the kernel, its launch, tokens per chunk,
@@ -898,7 +919,6 @@ impl Router {
             let cfg = tiled_launch((h.div_ceil(ROUTER_TILE), e.div_ceil(ROUTER_TILE), tiled));
             (&self.k.wgrad_tiled, cfg, chunk, tiled)
         } else {
-            let chunk = WGRAD_CHUNK as u32;
             let cfg = LaunchConfig {
                 grid: (h.div_ceil(WGRAD_COLS), chunks, e.div_ceil(WGRAD_EXPERTS)),
                 shared_mem_bytes: chunk * WGRAD_EXPERTS * 4,
@@ -916,9 +936,10 @@ impl Router {
             .arg(&chunk);
         // SAFETY: each block reads d_logits and x at the tokens of its chunk (< T), experts < E
         // and columns < H, and writes wgrad_partial[c * E * H + e * H + h] for its chunk c <
-        // `chunks` <= ceil(T / WGRAD_CHUNK) (WGRAD_TILED_TOKENS >= WGRAD_CHUNK; that many * E
-        // * H allocated). moe_router_wgrad_partial (block (b, c, g): experts g * 8 + i, columns
-        // b * 256 + i) holds the chunk * 8 floats of dynamic shared memory it uses, and takes
+        // `chunks` = ceil(T / chunk) (the tiled kernel's chunks are longer:
+        // WGRAD_TILED_TOKENS >= WGRAD_CHUNK >= chunk; that many * E * H allocated).
+        // moe_router_wgrad_partial (block (b, c, g): experts g * 8 + i, columns b * 256 + i)
+        // holds the chunk * 8 floats of dynamic shared memory it uses, and takes
         // 16-byte accesses only when H % 8 == 0 and it finds x and wgrad_partial 16-byte
         // aligned; moe_router_wgrad_tiled (block (bx, by, c): a 64 x 64 tile) has static shared
         // memory and takes 16-byte loads only for whole 16-value pieces below E or H, when E %
