@@ -517,6 +517,7 @@ fn fused_casts_match_the_host() {
     let (out, out_t) = fp8_out(&gpu, rows, f, Fp8Format::E4M3, scale);
     swiglu_cast_transpose(s, &a, (rows, f), used_at, FusedCastOut::new(&out, &out_t)).unwrap();
     let (y, yt) = (out.data().to_vec(s).unwrap(), out_t.to_vec(s).unwrap());
+    let fwd_amax = out.amax().read(s).unwrap();
     check_packed(
         "swiglu",
         &y,
@@ -527,6 +528,7 @@ fn fused_casts_match_the_host() {
         |r, col| h_ref[r * f + col],
         |b, v| fp8_near(b, v * f64::from(scale), Fp8Format::E4M3),
     );
+    let (fwd_y, fwd_yt) = (y, yt);
     let amax_ref = h_ref[..used * f].iter().fold(0.0f64, |m, v| m.max(v.abs()));
     let amax = f64::from(out.amax().read(s).unwrap());
     assert!(
@@ -569,6 +571,67 @@ fn fused_casts_match_the_host() {
             .iter()
             .all(|&b| decode(b, Fp8Format::E5M2).is_finite())
     );
+    let (bwd_y, bwd_yt, bwd_amax) = (y, yt, out.amax().read(s).unwrap());
+
+    // With the plan's padding marks (RowsInUse::padding) the padding rows are read as zeros:
+    // garbage written into them changes nothing, bit for bit, amax included.
+    let (mut a_pad, mut dh_pad) = (a_host.clone(), dh_host.clone());
+    for r in (0..used).filter(|&r| assignment(r).is_none()) {
+        a_pad[r * 2 * f..(r + 1) * 2 * f].fill(bf16::from_f32(-3e4));
+        dh_pad[r * f..(r + 1) * f].fill(bf16::from_f32(f32::NAN));
+    }
+    assert!(
+        (0..used).any(|r| assignment(r).is_none()),
+        "the routing has padding rows"
+    );
+    a.copy_from_host(s, &a_pad).unwrap();
+    dh.copy_from_host(s, &dh_pad).unwrap();
+    let marked = used_at.padding(&run.b.token_of_row);
+    let (out, out_t) = fp8_out(&gpu, rows, f, Fp8Format::E4M3, scale);
+    swiglu_cast_transpose(s, &a, (rows, f), marked, FusedCastOut::new(&out, &out_t)).unwrap();
+    assert_eq!(
+        out.data().to_vec(s).unwrap(),
+        fwd_y,
+        "swiglu with padding marks"
+    );
+    assert_eq!(
+        out_t.to_vec(s).unwrap(),
+        fwd_yt,
+        "swiglu with padding marks (t)"
+    );
+    assert_eq!(
+        out.amax().read(s).unwrap(),
+        fwd_amax,
+        "swiglu amax with padding marks"
+    );
+    let (out, out_t) = fp8_out(&gpu, rows, 2 * f, Fp8Format::E5M2, scale);
+    let dst = FusedCastOut::new(&out, &out_t);
+    swiglu_backward_cast_transpose(s, &a, &dh, (rows, f), marked, dst).unwrap();
+    assert_eq!(
+        out.data().to_vec(s).unwrap(),
+        bwd_y,
+        "swiglu backward with padding marks"
+    );
+    assert_eq!(
+        out_t.to_vec(s).unwrap(),
+        bwd_yt,
+        "swiglu backward with padding marks (t)"
+    );
+    assert_eq!(
+        out.amax().read(s).unwrap(),
+        bwd_amax,
+        "swiglu backward amax with padding marks"
+    );
+    // Too few marks for the rows: refused.
+    let short = DeviceBuffer::from_host(s, &vec![0i32; rows - 1]).unwrap();
+    let err = swiglu_cast_transpose(
+        s,
+        &a,
+        (rows, f),
+        used_at.padding(&short),
+        FusedCastOut::new(&out, &out_t),
+    );
+    assert!(err.is_err(), "short padding marks accepted");
 }
 
 /// SwiGLU and its backward on tiles the routed shapes above do not reach: F = 80 (a fast and

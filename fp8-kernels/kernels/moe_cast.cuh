@@ -14,6 +14,9 @@
 //   (zero).
 // * SwiGLU: a is [rows, 2F] (gate columns 0..F, up columns F..2F); the output [rows, F] is
 //   silu(gate) * up, with silu(v) = v * sigmoid(v).
+// * The SwiGLU sources take `pad` (nullable, the dispatch's token_of_row): a row r with
+//   pad[r] < 0 is padding, read as zeros without loading it (at small token counts half the
+//   rows in use are padding).
 // * SwiGLU backward: from a and dh [rows, F], the output [rows, 2F] is
 //   d gate = dh * up * silu'(gate) (columns 0..F) and d up = dh * silu(gate) (columns F..2F),
 //   silu'(v) = sigmoid(v) * (1 + v * (1 - sigmoid(v))).
@@ -87,7 +90,10 @@ struct SwigluSource {
     };
     const __nv_bfloat16 *a; // [rows, 2 * ffn]
     unsigned long long ffn;
+    const int *pad; // nullable: rows with pad[r] < 0 read as zeros
+    __device__ __forceinline__ bool padding(unsigned long long r) const { return pad != nullptr && pad[r] < 0; }
     __device__ __forceinline__ Raw load(unsigned long long r, unsigned long long c) const {
+        if (padding(r)) return Raw{make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
         const __nv_bfloat16 *row = a + r * 2 * ffn;
         return Raw{__ldg(reinterpret_cast<const uint4 *>(row + c)),
                    __ldg(reinterpret_cast<const uint4 *>(row + ffn + c))};
@@ -101,6 +107,10 @@ struct SwigluSource {
         for (int i = 0; i < V; ++i) f[i] = swiglu(g[i], u[i]);
     }
     __device__ __forceinline__ void at(unsigned long long r, unsigned long long c, float *f) const {
+        if (padding(r)) {
+            f[0] = swiglu(0.0f, 0.0f);
+            return;
+        }
         const __nv_bfloat16 *row = a + r * 2 * ffn;
         f[0] = swiglu(to_f32(row[c]), to_f32(row[ffn + c]));
     }
@@ -115,12 +125,18 @@ struct SwigluBackwardSource {
     const __nv_bfloat16 *a;  // [rows, 2 * ffn]
     const __nv_bfloat16 *dh; // [rows, ffn]
     unsigned long long ffn;
+    const int *pad; // nullable: rows with pad[r] < 0 read as zeros
+    __device__ __forceinline__ bool padding(unsigned long long r) const { return pad != nullptr && pad[r] < 0; }
     // d gate (upper = false) or d up (upper = true) of one column.
     __device__ __forceinline__ static float grad(float g, float u, float d, bool upper) {
         const float s = sigmoid_f32(g);
         return upper ? d * (g * s) : d * u * (s * (1.0f + g * (1.0f - s)));
     }
     __device__ __forceinline__ Raw load(unsigned long long r, unsigned long long c) const {
+        if (padding(r)) {
+            const uint4 z = make_uint4(0, 0, 0, 0);
+            return Raw{z, z, z};
+        }
         const __nv_bfloat16 *row = a + r * 2 * ffn;
         return Raw{__ldg(reinterpret_cast<const uint4 *>(row + c)),
                    __ldg(reinterpret_cast<const uint4 *>(row + ffn + c)),
@@ -138,6 +154,11 @@ struct SwigluBackwardSource {
         }
     }
     __device__ __forceinline__ void at(unsigned long long r, unsigned long long c, float *f) const {
+        if (padding(r)) {
+            f[0] = grad(0.0f, 0.0f, 0.0f, false);
+            f[1] = grad(0.0f, 0.0f, 0.0f, true);
+            return;
+        }
         const __nv_bfloat16 *row = a + r * 2 * ffn;
         const float g = to_f32(row[c]), u = to_f32(row[ffn + c]), d = to_f32(dh[r * ffn + c]);
         f[0] = grad(g, u, d, false);
@@ -155,14 +176,14 @@ struct SwigluBackwardSource {
 // launcher sizes the grid for.
 #define FP8K_MOE_SRC_GATHER(IN_T)                                                                  \
     const fp8k::GatherSource<IN_T> src{x, cols, token_of_row, assignments, k, row_scale}
-#define FP8K_MOE_SRC_SWIGLU const fp8k::SwigluSource src{a, ffn}
-#define FP8K_MOE_SRC_SWIGLU_BWD const fp8k::SwigluBackwardSource src{a, dh, ffn}
+#define FP8K_MOE_SRC_SWIGLU const fp8k::SwigluSource src{a, ffn, pad}
+#define FP8K_MOE_SRC_SWIGLU_BWD const fp8k::SwigluBackwardSource src{a, dh, ffn, pad}
 
 #define FP8K_MOE_GATHER_PARAMS(IN_T)                                                               \
     const IN_T *x, const int *token_of_row, const float *row_scale, unsigned long long assignments, \
         unsigned k
-#define FP8K_MOE_SWIGLU_PARAMS const __nv_bfloat16 *a
-#define FP8K_MOE_SWIGLU_BWD_PARAMS const __nv_bfloat16 *a, const __nv_bfloat16 *dh
+#define FP8K_MOE_SWIGLU_PARAMS const __nv_bfloat16 *a, const int *pad
+#define FP8K_MOE_SWIGLU_BWD_PARAMS const __nv_bfloat16 *a, const __nv_bfloat16 *dh, const int *pad
 
 // One family: NAME, its source parameters and construction, and its columns.
 #define FP8K_MOE_CAST(NAME, PARAMS, SRC, COLS, CTAS, FMT_NAME, FMT)                                \

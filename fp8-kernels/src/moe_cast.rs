@@ -54,11 +54,13 @@ const SWIGLU_BWD_CTAS_PER_SM: u32 = 2;
 pub const MAX_TOP_K: usize = 8;
 
 /// The number of rows in use of a packed buffer: the int32 at `index` of `buf`, read on the
-/// device when the kernel runs (negative counts as 0, more than the buffer's rows as all).
+/// device when the kernel runs (negative counts as 0, more than the buffer's rows as all);
+/// optionally ([`padding`](Self::padding)) which of them are padding.
 #[derive(Debug, Clone, Copy)]
 pub struct RowsInUse<'a> {
     buf: &'a DeviceBuffer<i32>,
     index: u32,
+    padding: Option<&'a DeviceBuffer<i32>>,
 }
 
 impl<'a> RowsInUse<'a> {
@@ -72,7 +74,22 @@ impl<'a> RowsInUse<'a> {
         }
         let index = u32::try_from(index)
             .map_err(|_| Error::InvalidArgument(format!("RowsInUse: index {index} above u32")))?;
-        Ok(RowsInUse { buf, index })
+        Ok(RowsInUse {
+            buf,
+            index,
+            padding: None,
+        })
+    }
+
+    /// These rows, with `token_of_row` (one int32 per row of the packed buffer, on the device:
+    /// the dispatch plan's) marking padding: a row whose entry is negative is read as zeros.
+    /// The SwiGLU casts then skip loading those rows (a dropless layer's padding is zeros
+    /// anyway: the result is the same, with less read; at 256 tokens, top-2 of 8 experts,
+    /// half the rows in use are padding). The gathers read `token_of_row` themselves and
+    /// ignore this. The casts check that it holds a row for every row of their buffer.
+    pub fn padding(mut self, token_of_row: &'a DeviceBuffer<i32>) -> RowsInUse<'a> {
+        self.padding = Some(token_of_row);
+        self
     }
 
     /// The last int32 of `buf` (the end of the last expert's rows in an offsets buffer of
@@ -141,10 +158,12 @@ enum Source<'a> {
     },
     Swiglu {
         a: &'a DeviceBuffer<bf16>,
+        pad: Option<&'a DeviceBuffer<i32>>,
     },
     SwigluBackward {
         a: &'a DeviceBuffer<bf16>,
         dh: &'a DeviceBuffer<bf16>,
+        pad: Option<&'a DeviceBuffer<i32>>,
     },
 }
 
@@ -166,9 +185,37 @@ impl Source<'_> {
                 };
                 args.arg(assignments).arg(k)
             }
-            Source::Swiglu { a } => args.arg(*a),
-            Source::SwigluBackward { a, dh } => args.arg(*a).arg(*dh),
+            Source::Swiglu { a, pad } => push_pad(args.arg(*a), *pad, null),
+            Source::SwigluBackward { a, dh, pad } => push_pad(args.arg(*a).arg(*dh), *pad, null),
         }
+    }
+}
+
+/// Pushes a SwiGLU source's padding marks (`null`, which holds 0, when absent).
+fn push_pad<'k>(
+    args: KernelArgs<'k>,
+    pad: Option<&'k DeviceBuffer<i32>>,
+    null: &'k u64,
+) -> KernelArgs<'k> {
+    match pad {
+        Some(p) => args.arg(p),
+        None => args.arg(null),
+    }
+}
+
+/// The padding marks of `used`, checked to cover `rows` rows.
+fn checked_padding<'a>(
+    what: &str,
+    used: RowsInUse<'a>,
+    rows: usize,
+) -> Result<Option<&'a DeviceBuffer<i32>>> {
+    match used.padding {
+        Some(p) if p.len() < rows => Err(Error::InvalidArgument(format!(
+            "{what}: the padding marks (token_of_row) have {} entries, the {rows} rows need \
+             one each",
+            p.len()
+        ))),
+        p => Ok(p),
     }
 }
 
@@ -355,11 +402,13 @@ fn check_swiglu_input(what: &str, a: &DeviceBuffer<bf16>, rows: usize, ffn: usiz
 
 /// `out = cast(silu(gate) * up)` of the packed fc1 output `a` (`[rows, 2 * ffn]` bf16, gate
 /// columns first), row-major into `dst.out` (`[rows, ffn]`) and transposed into `dst.out_t`
-/// (`[ffn, rows]`), for the rows in use. See the [module documentation](self).
+/// (`[ffn, rows]`), for the rows in use; rows `used` marks as padding
+/// ([`RowsInUse::padding`]) are read as zeros. See the [module documentation](self).
 ///
 /// Requirements (checked; nothing is written on an error): `rows >= 1`; `ffn` a positive
 /// multiple of 16; `a` of `rows * 2 * ffn` elements; `dst.out.shape() == [rows, ffn]`,
-/// `dst.out_t` of `rows * ffn` bytes; all 16-byte aligned.
+/// `dst.out_t` of `rows * ffn` bytes; all 16-byte aligned; padding marks, when given, at
+/// least `rows` of them.
 pub fn swiglu_cast_transpose(
     stream: &Stream,
     a: &DeviceBuffer<bf16>,
@@ -370,12 +419,14 @@ pub fn swiglu_cast_transpose(
     let what = "swiglu_cast_transpose";
     check_swiglu_input(what, a, rows, ffn)?;
     check_outputs(what, rows, ffn, dst.out, dst.out_t)?;
+    let pad = checked_padding(what, used, rows)?;
     let tiles = tile_count(rows, ffn, DType::Bf16)?;
-    // The kernels read rows * 2 * ffn elements of a (checked).
+    // The kernels read rows * 2 * ffn elements of a and, with padding marks, one int32 per
+    // row (both checked).
     launch_fused(
         stream,
         "fp8_swiglu_cast_transpose_bf16",
-        Source::Swiglu { a },
+        Source::Swiglu { a, pad },
         (rows as u64, ffn as u64),
         used,
         (tiles, SWIGLU_CTAS_PER_SM),
@@ -385,8 +436,9 @@ pub fn swiglu_cast_transpose(
 
 /// The SwiGLU backward fused with its casts: from `a` (`[rows, 2 * ffn]` bf16) and `dh`
 /// (`[rows, ffn]` bf16), `out = cast([d gate, d up])` row-major into `dst.out` (`[rows, 2 *
-/// ffn]`) and transposed into `dst.out_t` (`[2 * ffn, rows]`), for the rows in use. See the
-/// [module documentation](self).
+/// ffn]`) and transposed into `dst.out_t` (`[2 * ffn, rows]`), for the rows in use; rows
+/// `used` marks as padding ([`RowsInUse::padding`]) are read as zeros (`a` and `dh`). See
+/// the [module documentation](self).
 ///
 /// Requirements (checked; nothing is written on an error): as [`swiglu_cast_transpose`],
 /// plus `dh` of `rows * ffn` elements, 16-byte aligned, and `dst.out.shape() == [rows, 2 *
@@ -410,13 +462,15 @@ pub fn swiglu_backward_cast_transpose(
     }
     check_align(format_args!("{what} dh"), dh.as_raw(), ALIGN)?;
     check_outputs(what, rows, 2 * ffn, dst.out, dst.out_t)?;
+    let pad = checked_padding(what, used, rows)?;
     // Tiles over the ffn source columns: each gives d gate and d up of its columns.
     let tiles = tile_count(rows, ffn, DType::Bf16)?;
-    // The kernels read rows * 2 * ffn elements of a and rows * ffn of dh (checked).
+    // The kernels read rows * 2 * ffn elements of a, rows * ffn of dh and, with padding
+    // marks, one int32 per row (all checked).
     launch_fused(
         stream,
         "fp8_swiglu_backward_cast_transpose_bf16",
-        Source::SwigluBackward { a, dh },
+        Source::SwigluBackward { a, dh, pad },
         (rows as u64, ffn as u64),
         used,
         (tiles, SWIGLU_BWD_CTAS_PER_SM),

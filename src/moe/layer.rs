@@ -948,7 +948,8 @@ impl MoeLayer {
             (&s.a, self.fast_forward),
         )?;
         let h_fp8 = self.tensor(&self.hq, &[c, f], HID, &s.si[1])?;
-        let used = RowsInUse::last(&s.routing.offsets)?;
+        // The padding rows (zeros) are not read.
+        let used = RowsInUse::last(&s.routing.offsets)?.padding(&s.routing.token_of_row);
         swiglu_cast_transpose(stream, &s.a, (c, f), used, self.cast(&h_fp8, s.h_t))?;
         self.experts_gemm(
             stream,
@@ -1018,7 +1019,7 @@ impl MoeLayer {
             (&self.dh, false),
         )?;
         let da_fp8 = self.tensor(&self.daq, &[c, 2 * f], DA, &s.si[3])?;
-        let used = RowsInUse::last(&s.routing.offsets)?;
+        let used = RowsInUse::last(&s.routing.offsets)?.padding(&s.routing.token_of_row);
         swiglu_backward_cast_transpose(
             stream,
             &s.a,
