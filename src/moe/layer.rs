@@ -49,7 +49,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use cuda_graph::half::bf16;
-use cuda_graph::{DeviceBuffer, Error, Event, Result, Stream};
+use cuda_graph::{DeviceBuffer, Error, Result, Stream};
 use fp8_kernels::gemm::{
     GemmOptions, GemmOut, GemmPath, GemmShape, GroupedOperand, Operand, PackedShape, WgradShape,
     gemm, grouped_gemm_packed, grouped_gemm_wgrad,
@@ -396,12 +396,6 @@ pub struct MoeLayer {
     /// bf16 intermediates within a backward: fc2's dgrad `[C, F]`, fc1's dgrad `[C, H]`.
     dh: DeviceBuffer<bf16>,
     dxp: DeviceBuffer<bf16>,
-    /// The stream work runs on beside the caller's within one part ([`MoeLayer::beside`]),
-    /// and the events that fork it from the caller's stream and join it back (recorded
-    /// again at every fork and join: no event is made per call).
-    side: Stream,
-    fork: Event,
-    join: Event,
     /// Fast accumulation in the forward GEMMs ([`MoeLayer::with_fast_forward_accumulation`]).
     fast_forward: bool,
     /// The FP8 expert weights are written by the optimizer, not cast in the step
@@ -530,9 +524,6 @@ impl MoeLayer {
             daq: zeroed(stream, c * 2 * f)?,
             dh: zeroed(stream, c * f)?,
             dxp: zeroed(stream, c * h)?,
-            side: Stream::new(stream.context())?,
-            fork: Event::for_sync(stream.context())?,
-            join: Event::for_sync(stream.context())?,
             fast_forward: true,
             optimizer_casts: Arc::new(AtomicBool::new(false)),
         };
@@ -659,24 +650,6 @@ impl MoeLayer {
     /// The router weight and its gradient as an optimizer sees them (shared handles).
     pub(crate) fn router_params(&self) -> (DeviceBuffer<f32>, DeviceBuffer<f32>) {
         (self.wr.share(), self.dwr.share())
-    }
-
-    /// Runs `side` on the layer's side stream and `main` on `stream` concurrently: both
-    /// after everything enqueued on `stream` so far, and everything enqueued on `stream`
-    /// afterwards after both. Inside a capture it is a fork and a join in the graph; eagerly
-    /// the two streams run at once. `side` must not touch what `main` does.
-    fn beside(
-        &self,
-        stream: &Stream,
-        side: impl FnOnce(&Stream) -> Result<()>,
-        main: impl FnOnce(&Stream) -> Result<()>,
-    ) -> Result<()> {
-        self.fork.record(stream)?;
-        self.side.wait_event(&self.fork)?;
-        side(&self.side)?;
-        main(stream)?;
-        self.join.record(&self.side)?;
-        stream.wait_event(&self.join)
     }
 
     /// Whether the weight-gradient pass of `slot` adds to the gradients (otherwise it writes
@@ -982,15 +955,13 @@ impl MoeLayer {
             row_scale: Some(&s.routing.gates),
         };
         let used = RowsInUse::last(&s.routing.offsets)?;
-        // The gates' and logits' gradients (read by part 3 only) beside dY's cast (which
-        // scales by the forward's gates).
-        self.beside(
-            stream,
-            |side| self.router.combine_backward(side, dy, &s.y, &s.routing),
-            |main| {
-                gather_cast_transpose(main, dy, (t, h), gather, used, self.cast(&dy_fp8, s.dy_t))
-            },
-        )
+        // dY's cast (which scales by the forward's gates), then the gates' and logits'
+        // gradients (read by part 3 only). One stream: run beside the cast on a second one,
+        // the gradients held SMs that the next GEMM's persistent CTAs then started late on
+        // (T = 256, f32 weight gradients: 0.276-0.280 ms a step against 0.267-0.268 in one
+        // stream; docs/perf-notes.md).
+        gather_cast_transpose(stream, dy, (t, h), gather, used, self.cast(&dy_fp8, s.dy_t))?;
+        self.router.combine_backward(stream, dy, &s.y, &s.routing)
     }
 
     /// Backward part 2: the experts' data gradients (fc2 dgrad, SwiGLU backward + casts,
@@ -1109,21 +1080,15 @@ impl MoeLayer {
         s: &Saved<'_>,
         weights: Option<bool>,
     ) -> Result<()> {
-        let dx_of = |main: &Stream| {
-            self.router
-                .input_backward(main, &self.dxp, &self.wr, &s.routing, dx)
-        };
+        self.router
+            .input_backward(stream, &self.dxp, &self.wr, &s.routing, dx)?;
         match weights {
-            // The router weight's gradient beside dx (both read the logits' gradient).
-            Some(accumulate) => self.beside(
-                stream,
-                |side| {
-                    self.router
-                        .weight_backward(side, x, &s.routing, &self.dwr, accumulate)
-                },
-                dx_of,
-            ),
-            None => dx_of(stream),
+            // The router weight's gradient after dx (both read the logits' gradient; one
+            // stream, as in part 1).
+            Some(accumulate) => self
+                .router
+                .weight_backward(stream, x, &s.routing, &self.dwr, accumulate),
+            None => Ok(()),
         }
     }
 
