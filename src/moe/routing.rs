@@ -628,19 +628,28 @@ impl Router {
         self.plan(stream, b)
     }
 
+    /// The arguments the plan's scan and its single-block form end with: E, the row
+    /// alignment, the capacity, the losses' partial rows, T, k, the two loss coefficients.
+    fn plan_scalars<'a>(&'a self, args: KernelArgs<'a>) -> KernelArgs<'a> {
+        let n = &self.n;
+        args.arg(&n.e)
+            .arg(&n.align)
+            .arg(&n.rows)
+            .arg(&n.router_blocks)
+            .arg(&n.t)
+            .arg(&n.k)
+            .arg(&self.cfg.aux_coef)
+            .arg(&self.cfg.z_coef)
+    }
+
     /// The dispatch plan from `b.topk` (count, scan, assign), with the losses and the padding
     /// rows of `token_of_row` in the scan; one single-block launch of all three for few
     /// assignments and experts.
     fn plan(&self, stream: &Stream, b: &RoutingBuffers) -> Result<()> {
         let Dims32 {
-            t,
             e,
-            k,
             assignments,
             blocks,
-            align,
-            rows,
-            router_blocks,
             ..
         } = self.n;
         let d = self.dims;
@@ -653,15 +662,8 @@ impl Router {
                 .arg(&b.row_of)
                 .arg(&b.token_of_row)
                 .arg(&b.losses)
-                .arg(&assignments)
-                .arg(&e)
-                .arg(&align)
-                .arg(&rows)
-                .arg(&router_blocks)
-                .arg(&t)
-                .arg(&k)
-                .arg(&self.cfg.aux_coef)
-                .arg(&self.cfg.z_coef);
+                .arg(&assignments);
+            let args = self.plan_scalars(args);
             // SAFETY: one block reads topk (T * k <= 4 * 1024, its passes' bound) and
             // loss_partial ((E + 1) * router_blocks), writes counts (E), offsets (E + 1),
             // row_of (T * k), the two losses, and token_of_row at rows below offsets[E] <=
@@ -693,15 +695,8 @@ impl Router {
             .arg(&b.offsets)
             .arg(&b.token_of_row)
             .arg(&b.losses)
-            .arg(&blocks)
-            .arg(&e)
-            .arg(&align)
-            .arg(&rows)
-            .arg(&router_blocks)
-            .arg(&t)
-            .arg(&k)
-            .arg(&self.cfg.aux_coef)
-            .arg(&self.cfg.z_coef);
+            .arg(&blocks);
+        let args = self.plan_scalars(args);
         // SAFETY: one block rewrites block_counts (blocks * E), reads loss_partial ((E + 1) *
         // router_blocks), writes counts (E), offsets (E + 1), the two losses, and
         // token_of_row at rows in [offsets[e] + counts[e], offsets[e + 1]) and [offsets[E],
