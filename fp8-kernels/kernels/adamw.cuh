@@ -21,16 +21,15 @@
 
 namespace fp8k {
 
-// The device state (4 floats): [0] completed steps (an f32 count, exact to 2^24), [1] the
-// learning rate, [2] beta1^step, [3] beta2^step.
-
 // The hyperparameters passed by value (the learning rate is the state's, so a schedule can
 // change it between replays).
 struct AdamWHyper {
     float beta1, beta2, eps, weight_decay;
 };
 
-// The per-step factors, worked out identically by every thread from the state:
+// The per-step factors, worked out identically by every thread from the device state (4
+// floats: [0] completed steps, an f32 count exact to 2^24, [1] the learning rate,
+// [2] beta1^step, [3] beta2^step):
 //   m' = beta1 m + (1 - beta1) g
 //   v' = beta2 v + (1 - beta2) g g
 //   p' = p (1 - lr wd) - lr / (1 - beta1^t) * m' / (sqrt(v') / sqrt(1 - beta2^t) + eps)

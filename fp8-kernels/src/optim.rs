@@ -284,8 +284,9 @@ impl AdamWState {
     /// `g * rows * cols` of every buffer of `t`) with their FP8 cast-transpose into `out`
     /// (two launches: the update writing the row-major FP8 bytes, then their transpose): the
     /// new weights rounded to bf16 are cast with matrix `g`'s scale into `out.data` and
-    /// `out.data_t` at byte `g * rows * cols`, `1 / scale` is written to its scale_inv slot and `max |w|` maxed into its amax slot; the bytes and scalars are
-    /// exactly those of [`update`](Self::update) with a bf16 copy followed by
+    /// `out.data_t` at byte `g * rows * cols`, `1 / scale` is written to its scale_inv slot
+    /// and `max |w|` maxed into its amax slot; the bytes and scalars are exactly those of
+    /// [`update`](Self::update) with a bf16 copy followed by
     /// [`cast_transpose_batched`](crate::cast_transpose_batched) of that copy.
     ///
     /// Requirements (checked before any launch; nothing is written on an error): as

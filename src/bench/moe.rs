@@ -647,17 +647,17 @@ pub fn run(tokens: Option<usize>, experts: Option<usize>, only: &[Step]) -> Benc
     Ok(rows)
 }
 
+/// A step's output for input 0, if it ran.
+fn y(t: &Option<Timed>) -> Option<&[bf16]> {
+    t.as_ref().map(|t| &t.1[..])
+}
+
 /// The checks between the steps that ran: breaking-layer equals eager bit for bit (the same
 /// kernels); the full-layer output is the same with either gradient type, accumulated
 /// gradients and FP8 weights from the optimizer (the same scales, never updated here, and
 /// weights: the same FP8 bytes); within 1e-2 of eager (grouped GEMMs sum in another order);
 /// fast and promoted forward sums within 5e-2 of each other, the portable kernels (which
 /// promote) within 1e-2 of the promoted run.
-/// A step's output for input 0, if it ran.
-fn y(t: &Option<Timed>) -> Option<&[bf16]> {
-    t.as_ref().map(|t| &t.1[..])
-}
-
 fn check_outputs(
     s: Shape,
     eager: Option<&[bf16]>,

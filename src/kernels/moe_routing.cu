@@ -980,7 +980,8 @@ __device__ __forceinline__ void plan_loss_columns(const float *loss_partial, flo
 //   losses[0] = aux = aux_coef * E * sum_e f_e * P_e, f_e = counts[e] / (T * k), P_e = (1/T)
 //     sum_t probs[t, e]; losses[1] = z = z_coef * (1/T) * sum_t lse[t]^2 (warp 0:
 //     lane-strided terms, a fixed xor tree).
-// Ends with the block synchronised (`off` readable).
+// `off` is readable by every thread on return (a barrier follows its writes); nothing after
+// that barrier is waited for.
 __device__ __forceinline__ void plan_offsets_and_losses(const int *cnt, int *off, const float *col,
                                                         int *wtot, int *counts, int *offsets,
                                                         int *token_of_row, float *losses,

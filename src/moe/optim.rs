@@ -98,9 +98,9 @@ pub struct MoeAdamW {
 impl MoeAdamW {
     /// An optimizer at step 0 for `layer` (following its mode of
     /// [`with_fp8_weights_from_optimizer`](MoeLayer::with_fp8_weights_from_optimizer) at
-    /// every step, also when it changes later): master weights from the layer's bf16 ones (exact), zero moments. Allocates
-    /// `4 x 3` bytes per expert parameter and 8 per router parameter, uploads and waits (not
-    /// during a capture). `hyper` is checked ([`AdamW::check`]).
+    /// every step, also when it changes later): master weights from the layer's bf16 ones
+    /// (exact), zero moments. Allocates `4 x 3` bytes per expert parameter and 8 per router
+    /// parameter, uploads and waits (not during a capture). `hyper` is checked ([`AdamW::check`]).
     pub fn new(stream: &Stream, layer: &MoeLayer, hyper: AdamW) -> Result<MoeAdamW> {
         let state = AdamWState::new(stream, hyper)?;
         let experts = layer.expert_weights()?;

@@ -48,10 +48,11 @@ const SMALL_PLAN_ASSIGNMENTS: usize = 4 * SCAN_BLOCK as usize;
 const SMALL_PLAN_EXPERTS: usize = 256;
 /// The most tokens per chunk of the router weight gradient's first step.
 const WGRAD_CHUNK: usize = 128;
-/// The fewest tokens per chunk of the router weight gradient, and the chunk count it aims at
-/// below 128-token chunks: at small T, 128-token chunks leave most SMs idle while each block
-/// walks its tokens one after another (T = 256: 16 blocks, 7.5 us).
+/// The fewest tokens per chunk of the router weight gradient.
 const WGRAD_MIN_CHUNK: usize = 16;
+/// The chunk count the router weight gradient aims at below 128-token chunks: at small T,
+/// 128-token chunks leave most SMs idle while each block walks its tokens one after another
+/// (T = 256: 16 blocks, 7.5 us).
 const WGRAD_CHUNKS_AIM: usize = 16;
 /// The most tokens per block of the router forward and the input gradient, which read all of
 /// `Wr` in every block and use each piece for all the block's tokens (`MOE_TOKENS`).
@@ -251,6 +252,12 @@ impl RoutingDims {
             .min(MAX_ROW_TOKENS)
             .min(self.tokens / ROW_TOKENS_STEP)
             .max(1)
+    }
+
+    /// Whether the dispatch plan runs as one single-block launch (`moe_plan_small`): few
+    /// assignments and experts.
+    fn single_block_plan(&self) -> bool {
+        self.tokens * self.top_k <= SMALL_PLAN_ASSIGNMENTS && self.experts <= SMALL_PLAN_EXPERTS
     }
 
     /// Tokens per chunk of the router weight gradient (its partial sums' order): T / 16
@@ -652,8 +659,7 @@ impl Router {
             blocks,
             ..
         } = self.n;
-        let d = self.dims;
-        if d.tokens * d.top_k <= SMALL_PLAN_ASSIGNMENTS && d.experts <= SMALL_PLAN_EXPERTS {
+        if self.dims.single_block_plan() {
             let args = KernelArgs::new()
                 .arg(&b.topk)
                 .arg(&b.loss_partial)
@@ -971,6 +977,36 @@ mod tests {
             experts,
             top_k,
             align,
+        }
+    }
+
+    #[test]
+    fn plan_form_and_wgrad_chunks_follow_the_shape() {
+        // One launch up to 4096 assignments and 256 experts (the kernel's passes and shared
+        // arrays), three past either.
+        for (t, e, k, one) in [
+            (256, 8, 2, true),
+            (2048, 16, 2, true),
+            (600, 256, 4, true),
+            (2100, 8, 2, false),
+            (600, 256, 8, false),
+            (60, 300, 4, false),
+        ] {
+            assert_eq!(
+                dims(t, e, k, 128).single_block_plan(),
+                one,
+                "T {t} E {e} k {k}"
+            );
+        }
+        // Router weight-gradient chunks: T / 16 tokens within 16..=128, covering every token.
+        for (t, chunk, chunks) in [(256, 16, 16), (1024, 64, 16), (4096, 128, 32), (10, 16, 1)] {
+            let d = dims(t, 8, 2, 128);
+            assert_eq!(
+                (d.wgrad_chunk(), d.wgrad_chunks()),
+                (chunk, chunks),
+                "T {t}"
+            );
+            assert!(d.wgrad_chunk() * d.wgrad_chunks() >= t);
         }
     }
 
