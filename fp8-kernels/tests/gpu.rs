@@ -643,3 +643,49 @@ fn current_scaling_of_a_small_tensor_is_one_launch() {
         assert_eq!(graph.nodes().unwrap().len(), launches, "n = {n}");
     }
 }
+
+/// `prefetch_l2` is a hint: in a graph that prefetches the input (whole, an unaligned middle
+/// piece, one element, nothing) and then quantizes it, every replay after the input is
+/// rewritten gives the bytes of the new input (no stale line is served), bit for bit against
+/// the reference; a range outside the buffer is refused before anything is enqueued.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn l2_prefetch_changes_no_result() {
+    use fp8_kernels::prefetch::{l2_cache_bytes, prefetch_l2};
+    let (ctx, stream) = setup();
+    assert!(
+        l2_cache_bytes(&stream).unwrap() > 0,
+        "the device reports its L2 size"
+    );
+    let n = 3_000_017;
+    let fmt = Fp8Format::E4M3;
+    let x = DeviceBuffer::<f32>::alloc(&ctx, n).unwrap();
+    for bad in [0..n + 1, n + 5..n + 9] {
+        let err = prefetch_l2(&stream, &x, bad.clone())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("not inside a buffer"), "{bad:?}: {err}");
+    }
+    let q = poisoned_fp8(&stream, n, fmt);
+    let graph = capture(&ctx, &stream, || {
+        prefetch_l2(&stream, &x, 0..n)?;
+        prefetch_l2(&stream, &x, 3..n - 7)?;
+        prefetch_l2(&stream, &x, 11..12)?;
+        prefetch_l2(&stream, &x, 5..5)?;
+        fp8_kernels::quantize(&stream, HpBuffer::F32(&x), &q, None)
+    });
+    let exec = GraphExec::instantiate(&graph, InstantiateFlags::empty()).unwrap();
+    for seed in [7u64, 8, 9] {
+        let xs = random_data(seed, n, true);
+        x.copy_from_host(&stream, &xs).unwrap();
+        q.data().memset_bytes(&stream, 0xff).unwrap();
+        q.scale().write(&stream, 2.0).unwrap();
+        exec.launch(&stream).unwrap();
+        let got = q.data().to_vec(&stream).unwrap();
+        check_bytes(&format!("replay {seed}"), &got, &xs, 2.0, fmt);
+    }
+    // Eagerly too, on a buffer of another element size.
+    let y = DeviceBuffer::<u8>::alloc(&ctx, 1 << 20).unwrap();
+    prefetch_l2(&stream, &y, 1..(1 << 20) - 1).unwrap();
+    stream.synchronize().unwrap();
+}
