@@ -9,4 +9,3 @@
 #include "adamw.cuh"
 #include "gemm_sm90.cuh"
 #include "gemm_mma.cuh"
-#include "prefetch.cuh"

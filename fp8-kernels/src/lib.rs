@@ -23,7 +23,6 @@
 //!   device, updated by one launch;
 //! * [`optim`]: AdamW on the device, capturable ([`AdamWState`]), and fused with the FP8
 //!   cast-transpose of the weights it updates (the optimizer writes the FP8 weights);
-//! * [`prefetch`]: L2 prefetch of device memory ahead of the kernel that streams it;
 //! * [`reference`](mod@reference): the bit-exact CPU model the GPU tests compare against.
 //!
 //! Everything that changes per step (scales, amax, noop flags) is read from device memory by
@@ -69,7 +68,6 @@ pub mod gemm;
 mod module;
 pub mod moe_cast;
 pub mod optim;
-pub mod prefetch;
 #[cfg(test)]
 mod prop_util;
 mod quantize;

@@ -402,9 +402,6 @@ pub struct MoeLayer {
     /// ([`MoeLayer::with_fp8_weights_from_optimizer`]); shared with every
     /// [`MoeAdamW`](super::optim::MoeAdamW) of the layer, which reads it at each step.
     optimizer_casts: Arc<AtomicBool>,
-    /// Bytes of each FP8 expert weight copy prefetched into L2 ahead of the GEMM that
-    /// streams it (0: none; [`MoeLayer::with_l2_prefetch`]).
-    l2_prefetch: usize,
 }
 
 /// One of the layer's expert weights as an optimizer sees it: handles sharing the layer's
@@ -445,22 +442,6 @@ fn zeroed<T: cuda_graph::DeviceRepr>(stream: &Stream, n: usize) -> Result<Device
     let b = DeviceBuffer::alloc(stream.context(), n)?;
     b.memset_bytes(stream, 0)?;
     Ok(b)
-}
-
-/// The L2 prefetch of the expert weights a layer gets by default
-/// ([`MoeLayer::with_l2_prefetch`]): with few routed rows (the packed FP8 activations, `rows`
-/// bytes, at most an eighth of the `l2` bytes of L2) the kernels before each expert GEMM are
-/// latency-bound and leave DRAM idle, so the GEMM's weights are prefetched, up to 3/5 of L2
-/// (more is evicted again by the rest of the weights the GEMM streams before it is read);
-/// with many rows those kernels stream activations themselves and nothing is prefetched.
-pub fn default_l2_prefetch(l2: usize, rows: usize) -> usize {
-    if let Some(pct) = std::env::var("FP8_MOE_L2_PREFETCH_PCT")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-    {
-        return l2 / 100 * pct;
-    }
-    if rows <= l2 / 8 { l2 / 5 * 3 } else { 0 }
 }
 
 fn to_bf16(v: &[f32]) -> Vec<bf16> {
@@ -518,8 +499,6 @@ impl MoeLayer {
         let router = Router::new(stream, cfg.routing_dims(), cfg.router)?;
         fp8_kernels::module(stream.context())?;
         let w_si = DeviceBuffer::from_host(stream, &vec![1f32; 2 * e])?;
-        let l2_prefetch =
-            default_l2_prefetch(fp8_kernels::prefetch::l2_cache_bytes(stream)?, c * h);
         let layer = MoeLayer {
             cfg,
             router,
@@ -547,7 +526,6 @@ impl MoeLayer {
             dxp: zeroed(stream, c * h)?,
             fast_forward: true,
             optimizer_casts: Arc::new(AtomicBool::new(false)),
-            l2_prefetch,
         };
         stream.synchronize()?;
         Ok(layer)
@@ -578,26 +556,6 @@ impl MoeLayer {
     pub fn with_step_gradients(mut self, on: bool) -> MoeLayer {
         self.step_gradients = on;
         self
-    }
-
-    /// This layer prefetching up to `bytes` of each FP8 expert weight copy into L2 ahead of
-    /// the GEMM that streams it (0 turns it off): fc1's weights before the router, fc2's
-    /// before the SwiGLU, fc2's transposed copy at the start of the backward and fc1's
-    /// before the SwiGLU backward, each while latency-bound kernels leave DRAM idle. A
-    /// cache hint: results are the same with any value. The default
-    /// ([`default_l2_prefetch`]) prefetches at small token counts only.
-    pub fn with_l2_prefetch(mut self, bytes: usize) -> MoeLayer {
-        self.l2_prefetch = bytes;
-        self
-    }
-
-    /// Enqueues the L2 prefetch of the first [`with_l2_prefetch`](Self::with_l2_prefetch)
-    /// bytes of `w`.
-    fn prefetch(&self, stream: &Stream, w: &DeviceBuffer<u8>) -> Result<()> {
-        match self.l2_prefetch.min(w.len()) {
-            0 => Ok(()),
-            n => fp8_kernels::prefetch::prefetch_l2(stream, w, 0..n),
-        }
     }
 
     /// This layer with fast accumulation in its forward GEMMs (fc1 and fc2:
@@ -933,7 +891,6 @@ impl MoeLayer {
     /// Forward part 1: router, plan, permute fused with x's cast.
     fn route(&self, stream: &Stream, x: &DeviceBuffer<bf16>, s: &Saved<'_>) -> Result<()> {
         let (t, h) = (self.cfg.tokens, self.cfg.hidden);
-        self.prefetch(stream, &self.w1_q)?;
         self.router.forward(stream, x, &self.wr, &s.routing)?;
         let x_fp8 = self.tensor(&self.xq, &[self.cfg.capacity(), h], X, &s.si[0])?;
         let gather = Gather {
@@ -964,7 +921,6 @@ impl MoeLayer {
             (&s.a, self.fast_forward),
         )?;
         let h_fp8 = self.tensor(&self.hq, &[c, f], HID, &s.si[1])?;
-        self.prefetch(stream, &self.w2_q)?;
         // The padding rows (zeros) are not read.
         let used = RowsInUse::last(&s.routing.offsets)?.padding(&s.routing.token_of_row);
         swiglu_cast_transpose(stream, &s.a, (c, f), used, self.cast(&h_fp8, s.h_t))?;
@@ -992,7 +948,6 @@ impl MoeLayer {
         s: &Saved<'_>,
     ) -> Result<()> {
         let (t, h) = (self.cfg.tokens, self.cfg.hidden);
-        self.prefetch(stream, &self.w2_t)?;
         let dy_fp8 = self.tensor(&self.dyq, &[self.cfg.capacity(), h], DY, &s.si[2])?;
         let gather = Gather {
             token_of_row: &s.routing.token_of_row,
@@ -1034,7 +989,6 @@ impl MoeLayer {
             (&self.w2_t, &self.w2_scales()?),
             (&self.dh, false),
         )?;
-        self.prefetch(stream, &self.w1_t)?;
         let da_fp8 = self.tensor(&self.daq, &[c, 2 * f], DA, &s.si[3])?;
         let used = RowsInUse::last(&s.routing.offsets)?.padding(&s.routing.token_of_row);
         swiglu_backward_cast_transpose(
