@@ -564,7 +564,8 @@ impl Router {
 
     /// The router and the plan: logits, scores, top-k, gates, counts, offsets, `row_of`,
     /// `token_of_row` and the two losses into `b`, from `x` (`[T, H]` bf16) and `wr` (`[E,
-    /// H]` f32). Four kernels; capturable.
+    /// H]` f32). Two to five launches (the tiled logits at many experts, the forward, then the
+    /// plan in one launch or three); capturable.
     pub fn forward(
         &self,
         stream: &Stream,
