@@ -117,7 +117,7 @@ fn wgrad_bn(
     capacity: usize,
     groups: usize,
 ) -> Option<usize> {
-    let narrow = out_size == 4 && capacity <= WGRAD_F32_NARROW_ROWS * groups.max(1);
+    let narrow = out_size == 4 && capacity <= WGRAD_F32_NARROW_ROWS.saturating_mul(groups.max(1));
     forced.or(narrow.then_some(128))
 }
 
