@@ -459,56 +459,35 @@ __device__ __forceinline__ void combine_rows(const __nv_bfloat16 *y, const int (
     }
 }
 
-// TT consecutive floats of shared memory (the d_logits of one expert for a block's TT
-// tokens, expert-major): one or two 16-byte loads for TT = 4 or 8 (the row is 16-byte aligned
-// there), an 8-byte one for TT = 2.
-template <int TT> __device__ __forceinline__ void load_dl(const float *p, float (&d)[TT]) {
-    if constexpr (TT % 4 == 0) {
-#pragma unroll
-        for (int u = 0; u < TT / 4; ++u) {
-            const float4 v = reinterpret_cast<const float4 *>(p)[u];
-            d[4 * u] = v.x, d[4 * u + 1] = v.y, d[4 * u + 2] = v.z, d[4 * u + 3] = v.w;
-        }
-    } else if constexpr (TT == 2) {
-        const float2 v = *reinterpret_cast<const float2 *>(p);
-        d[0] = v.x, d[1] = v.y;
-    } else {
-#pragma unroll
-        for (int i = 0; i < TT; ++i) d[i] = p[i];
-    }
-}
-
 // The input gradient, a block's rows (see moe_unpermute_backward): per pass of W columns,
-// the experts' rows j outer and the TT tokens inner (the tokens' loads in flight together,
-// each element's terms in j order; a missing row loads nothing), then the router's part with
-// each Wr piece loaded once for all the tokens. `dl` holds the tokens' d_logits expert-major,
-// DS floats per expert (DS >= TT, a multiple of 4 or TT itself; 0 for tokens past nt). (Not
-// all of a token's rows at once as in the combine: at TT = 8 the 64 sums of 8 tokens x 8
-// columns and 8 loads fill 128 registers.) The per-element order does not depend on TT, DS
-// or W.
-template <int TT, int DS, int W>
+// the experts' rows j outer and the MOE_TOKENS tokens inner (the tokens' loads in flight
+// together, each element's terms in j order; a missing row loads nothing), then the router's
+// part with each Wr piece loaded once for all the tokens. (Not all of a token's rows at once
+// as in the combine: the 64 sums of 8 tokens x 8 columns and 8 loads fill 128 registers.)
+template <int W>
 __device__ __forceinline__ void unpermute_rows(const __nv_bfloat16 *dxp,
                                                const int (*rs)[MOE_TOP_K], const float *dl,
                                                const float *wr, __nv_bfloat16 *dx, unsigned t0,
                                                unsigned nt, unsigned hidden, unsigned experts,
                                                unsigned k) {
-    static_assert(DS >= TT && (DS % 4 == 0 || DS == TT), "aligned d_logits rows");
+    const float4 *dl4 = reinterpret_cast<const float4 *>(dl);
+    static_assert(MOE_TOKENS == 8, "d_logits of one expert: two float4");
     for (unsigned h = threadIdx.x * W; h < hidden; h += MOE_BLOCK * W) {
-        float acc[TT][W];
+        float acc[MOE_TOKENS][W];
 #pragma unroll
-        for (int i = 0; i < TT; ++i)
+        for (int i = 0; i < MOE_TOKENS; ++i)
 #pragma unroll
             for (int v = 0; v < W; ++v) acc[i][v] = 0.0f;
         for (unsigned j = 0; j < k; ++j) {
-            int row[TT];
-            Bf16s<W> raw[TT];
+            int row[MOE_TOKENS];
+            Bf16s<W> raw[MOE_TOKENS];
 #pragma unroll
-            for (int i = 0; i < TT; ++i) {
+            for (int i = 0; i < MOE_TOKENS; ++i) {
                 row[i] = (unsigned)i < nt ? rs[i][j] : -1;
                 if (row[i] >= 0) raw[i].load(dxp + (size_t)row[i] * hidden + h);
             }
 #pragma unroll
-            for (int i = 0; i < TT; ++i) {
+            for (int i = 0; i < MOE_TOKENS; ++i) {
                 if (row[i] < 0) continue;
                 float f[W];
                 raw[i].to_f32(f);
@@ -520,15 +499,15 @@ __device__ __forceinline__ void unpermute_rows(const __nv_bfloat16 *dxp,
         for (unsigned e = 0; e < experts; ++e) {
             float w[W];
             load_f32<W>(wr + (size_t)e * hidden + h, w);
-            float d[TT];
-            load_dl<TT>(dl + (size_t)e * DS, d);
+            const float4 da = dl4[2 * e], db = dl4[2 * e + 1];
+            const float d[MOE_TOKENS] = {da.x, da.y, da.z, da.w, db.x, db.y, db.z, db.w};
 #pragma unroll
-            for (int i = 0; i < TT; ++i)
+            for (int i = 0; i < MOE_TOKENS; ++i)
 #pragma unroll
                 for (int v = 0; v < W; ++v) acc[i][v] = fmaf(d[i], w[v], acc[i][v]);
         }
 #pragma unroll
-        for (int i = 0; i < TT; ++i)
+        for (int i = 0; i < MOE_TOKENS; ++i)
             if ((unsigned)i < nt) store_bf16<W>(dx + (size_t)(t0 + i) * hidden + h, acc[i]);
     }
 }
@@ -1244,31 +1223,34 @@ extern "C" __global__ void __launch_bounds__(MOE_BLOCK, 4)
     });
 }
 
-// The gates' and logits' gradients of one block's tokens t0 .. t0 + nt - 1 (nt <= tpb, the
-// tokens per block; the body of moe_combine_backward and of moe_gates_input_backward):
+// The combine's backward into the router: the gates' gradient and then the logits'. One
+// block per `tpb` tokens t0 + i (tpb as for the combine), dynamic shared memory (3 * tpb + 1)
+// * experts floats.
 //   d_gates[t, j] = sum_h dy[t, h] * y[row_of[t, j], h] (0 for a negative row): gate_dots's
 //                   per-thread sums, warp_sum_n over each warp, the warps' sums in warp order;
-//   d_logits of token t0 + i = token_backward (one warp per token) from the saved logits,
-//                   top-k, gates and counts, and the block's d_gates, into dl + i * dl_stride.
+//   d_logits[t, :] = token_backward (one warp per token) from the saved logits, top-k, gates
+//                   and counts, and the block's d_gates.
 // Everything the second part reads is loaded into shared memory with the rows at the start
-// (one round trip). sb: (3 * tpb + 1) * experts floats; rs (the rows, -1 where out of range)
-// is left for the caller; `rows_ready()` runs once rs is filled (with the block synced).
-// Ends with every warp's d_logits written (the caller syncs).
-template <typename F>
-__device__ __forceinline__ void gates_backward_block(
-    const __nv_bfloat16 *dy, const __nv_bfloat16 *y, const int *row_of, const float *logits,
-    const int *topk, const float *gates, const int *counts, float *d_gates, float *dl,
-    size_t dl_stride, float *sb, int (*rs)[MOE_TOP_K], unsigned t0, unsigned nt, unsigned tpb,
-    unsigned tokens, unsigned hidden, unsigned experts, unsigned k, unsigned rows,
-    unsigned score_fn, unsigned renormalize, float aux_coef, float z_coef, F rows_ready) {
-    __shared__ int tk[MOE_ROW_TOKENS][MOE_TOP_K]; // [i][j]
+// (one round trip).
+extern "C" __global__ void __launch_bounds__(MOE_BLOCK, 2)
+    moe_combine_backward(const __nv_bfloat16 *dy, const __nv_bfloat16 *y, const int *row_of,
+                         const float *logits, const int *topk, const float *gates,
+                         const int *counts, float *d_gates, float *d_logits, unsigned tokens,
+                         unsigned hidden, unsigned experts, unsigned k, unsigned rows,
+                         unsigned tpb, unsigned score_fn, unsigned renormalize, float aux_coef,
+                         float z_coef) {
+    cuda_graph::pdl_enter();
+    // [tpb][experts] logits, [tpb][experts] scores, [tpb][experts] their gradients, then
+    // [experts] the aux loss's gradient on each score.
+    extern __shared__ float sb[];
+    __shared__ int rs[MOE_ROW_TOKENS][MOE_TOP_K], tk[MOE_ROW_TOKENS][MOE_TOP_K]; // [i][j]
     __shared__ float gt[MOE_ROW_TOKENS][MOE_TOP_K], dg[MOE_ROW_TOKENS][MOE_TOP_K];
     __shared__ float part[MOE_WARPS][MOE_SLOTS];
     static_assert(MOE_ROW_TOKENS <= MOE_WARPS, "a warp finishes each token");
     const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
-    const unsigned na = nt * k;
-    // [tpb][experts] logits, [tpb][experts] scores, [tpb][experts] their gradients, then
-    // [experts] the aux loss's gradient on each score.
+    const unsigned t0 = blockIdx.x * tpb;
+    if (t0 >= tokens) return;
+    const unsigned nt = min(tpb, tokens - t0), na = nt * k; // block-uniform
     float *lg = sb, *sc = sb + (size_t)tpb * experts, *dsc = sb + (size_t)2 * tpb * experts;
     float *ce = sb + (size_t)3 * tpb * experts;
     for (unsigned q = threadIdx.x; q < nt * experts; q += MOE_BLOCK)
@@ -1286,7 +1268,6 @@ __device__ __forceinline__ void gates_backward_block(
         gt[i][j] = gates[a];
     }
     __syncthreads();
-    rows_ready();
     float acc[MOE_SLOTS];
     const bool vec = hidden % 8 == 0 && aligned16(dy) && aligned16(y);
     with_row_layout(k, vec, [&](auto ks, auto w) {
@@ -1308,86 +1289,9 @@ __device__ __forceinline__ void gates_backward_block(
     if (warp < nt) {
         const size_t o = (size_t)warp * experts;
         token_backward(lg + o, ce, tk[warp], gt[warp], dg[warp], sc + o, dsc + o,
-                       dl + warp * dl_stride, tokens, experts, k, score_fn, renormalize, z_coef);
+                       d_logits + (size_t)(t0 + warp) * experts, tokens, experts, k, score_fn,
+                       renormalize, z_coef);
     }
-}
-
-// The combine's backward into the router: the gates' gradient and then the logits'
-// (gates_backward_block, d_logits straight to their rows). One block per `tpb` tokens t0 + i
-// (tpb as for the combine), dynamic shared memory (3 * tpb + 1) * experts floats.
-extern "C" __global__ void __launch_bounds__(MOE_BLOCK, 2)
-    moe_combine_backward(const __nv_bfloat16 *dy, const __nv_bfloat16 *y, const int *row_of,
-                         const float *logits, const int *topk, const float *gates,
-                         const int *counts, float *d_gates, float *d_logits, unsigned tokens,
-                         unsigned hidden, unsigned experts, unsigned k, unsigned rows,
-                         unsigned tpb, unsigned score_fn, unsigned renormalize, float aux_coef,
-                         float z_coef) {
-    cuda_graph::pdl_enter();
-    extern __shared__ float sb[];
-    __shared__ int rs[MOE_ROW_TOKENS][MOE_TOP_K];
-    const unsigned t0 = blockIdx.x * tpb;
-    if (t0 >= tokens) return;
-    const unsigned nt = min(tpb, tokens - t0); // block-uniform
-    gates_backward_block(dy, y, row_of, logits, topk, gates, counts, d_gates,
-                         d_logits + (size_t)t0 * experts, experts, sb, rs, t0, nt, tpb, tokens,
-                         hidden, experts, k, rows, score_fn, renormalize, aux_coef, z_coef,
-                         [] {});
-}
-
-// moe_combine_backward and moe_unpermute_backward in one launch, with the same results bit
-// for bit: block c takes the tokens t0 + i = c * tpb + i (tpb <= RowSlots<KS>::TT, the last
-// block may have fewer), finds their gates' and logits' gradients (gates_backward_block, the
-// logits' into shared memory), writes d_gates and d_logits, then their input gradient
-// (unpermute_rows from the d_logits in shared memory). The block's rows of dxp are prefetched
-// into L2 at the start (the weight gradients that usually run before evict them). Dynamic
-// shared memory (3 * tpb + 1) * experts + (tpb + MOE_ROW_TOKENS) * experts floats: the
-// combine's backward's, the d_logits token-major, then expert-major MOE_ROW_TOKENS apart.
-extern "C" __global__ void __launch_bounds__(MOE_BLOCK, 2)
-    moe_gates_input_backward(const __nv_bfloat16 *dy, const __nv_bfloat16 *y,
-                             const __nv_bfloat16 *dxp, const int *row_of, const float *logits,
-                             const int *topk, const float *gates, const int *counts,
-                             const float *wr, float *d_gates, float *d_logits,
-                             __nv_bfloat16 *dx, unsigned tokens, unsigned hidden,
-                             unsigned experts, unsigned k, unsigned rows, unsigned tpb,
-                             unsigned score_fn, unsigned renormalize, float aux_coef,
-                             float z_coef) {
-    cuda_graph::pdl_enter();
-    extern __shared__ __align__(16) float sb[];
-    __shared__ int rs[MOE_ROW_TOKENS][MOE_TOP_K];
-    const unsigned t0 = blockIdx.x * tpb;
-    if (t0 >= tokens) return;
-    const unsigned nt = min(tpb, tokens - t0); // block-uniform
-    // The expert-major d_logits start 16-byte aligned: (4 * tpb + 1) * experts rounded up.
-    float *dlt = sb + (size_t)(3 * tpb + 1) * experts;
-    float *dle = sb + ((size_t)(4 * tpb + 1) * experts + 3) / 4 * 4;
-    gates_backward_block(dy, y, row_of, logits, topk, gates, counts, d_gates, dlt, experts, sb,
-                         rs, t0, nt, tpb, tokens, hidden, experts, k, rows, score_fn,
-                         renormalize, aux_coef, z_coef, [&] {
-                             // L2 prefetch of the rows the unpermute reads, a 128-byte line
-                             // per thread per pass.
-                             for (unsigned q = 0; q < nt * k; ++q) {
-                                 const int r = rs[q / k][q % k];
-                                 if (r < 0) continue;
-                                 const __nv_bfloat16 *p = dxp + (size_t)r * hidden;
-                                 for (unsigned h = threadIdx.x * 64; h < hidden;
-                                      h += MOE_BLOCK * 64)
-                                     asm volatile("prefetch.global.L2 [%0];" ::"l"(p + h));
-                             }
-                         });
-    __syncthreads();
-    for (unsigned q = threadIdx.x; q < nt * experts; q += MOE_BLOCK)
-        d_logits[(size_t)t0 * experts + q] = dlt[q];
-    for (unsigned q = threadIdx.x; q < MOE_ROW_TOKENS * experts; q += MOE_BLOCK) {
-        const unsigned e = q / MOE_ROW_TOKENS, i = q % MOE_ROW_TOKENS;
-        dle[q] = i < nt ? dlt[(size_t)i * experts + e] : 0.0f;
-    }
-    __syncthreads();
-    const bool vec = hidden % 8 == 0 && aligned16(dxp) && aligned16(wr) && aligned16(dx);
-    with_row_layout(k, vec, [&](auto ks, auto w) {
-        constexpr int TT = RowSlots<decltype(ks)::value>::TT;
-        unpermute_rows<TT, MOE_ROW_TOKENS, decltype(w)::value>(dxp, rs, dle, wr, dx, t0, nt,
-                                                              hidden, experts, k);
-    });
 }
 
 // The input gradient: dx[t, h] = sum_j dxp[row_of[t, j], h] (j order) + sum_e d_logits[t, e] *
@@ -1418,9 +1322,9 @@ extern "C" __global__ void __launch_bounds__(MOE_BLOCK, 2)
     __syncthreads();
     const bool vec = hidden % 8 == 0 && aligned16(dxp) && aligned16(wr) && aligned16(dx);
     if (vec)
-        unpermute_rows<MOE_TOKENS, MOE_TOKENS, 8>(dxp, rs, dl, wr, dx, t0, nt, hidden, experts, k);
+        unpermute_rows<8>(dxp, rs, dl, wr, dx, t0, nt, hidden, experts, k);
     else
-        unpermute_rows<MOE_TOKENS, MOE_TOKENS, 1>(dxp, rs, dl, wr, dx, t0, nt, hidden, experts, k);
+        unpermute_rows<1>(dxp, rs, dl, wr, dx, t0, nt, hidden, experts, k);
 }
 
 // The router weight's gradient, step 1 of 2: partial[c, e, h] = sum over the tokens t of

@@ -8,11 +8,11 @@
 //! E4M3 cast of fc2's input ([`swiglu_cast_transpose`]) -> fc2 (`[E, H, F]`) -> combine (the
 //! gate-weighted sum of each token's `k` expert rows, bf16 out).
 //!
-//! The backward, all of it: the combine's backward fused with the cast of dY to the
-//! gradient format (E5M2 in the HYBRID recipe, E4M3 in the E4M3 one), fc2's dgrad and wgrad,
-//! the SwiGLU backward fused with its casts, fc1's dgrad and wgrad, then in one kernel the
-//! gates' gradient, from it the router logits' (through the scores, top-k, renormalisation,
-//! aux and z losses) and `dx`, and last the router weight's gradient. Weight gradients accumulate (in f32, or in
+//! The backward, all of it: the gates' gradient and from it the router logits' (through the
+//! scores, top-k, renormalisation, aux and z losses), the combine's backward fused with the
+//! cast of dY to the gradient format (E5M2 in the HYBRID recipe, E4M3 in the E4M3 one),
+//! fc2's dgrad and wgrad, the SwiGLU backward fused with its casts, fc1's dgrad and wgrad,
+//! then `dx` and the router weight's gradient. Weight gradients accumulate (in f32, or in
 //! bf16 with [`GradDtype::Bf16`]), or, with [`MoeLayer::with_step_gradients`], hold one step's
 //! sum (microbatch 0 writes them).
 //!
@@ -23,7 +23,7 @@
 //!   the grouped weight-gradient kernel restricted to that expert. Under graphed callables:
 //!   breaking-layer capture (Megatron's `moe_router` / `moe_preprocess` scopes): forward
 //!   `[Graphed: router + permute] [Eager: experts] [Graphed: combine]`, backward
-//!   `[Graphed: dY cast] [Eager: experts] [Graphed: gates' and router gradients, dx]`.
+//!   `[Graphed: gates' and router gradients + dY cast] [Eager: experts] [Graphed: dx]`.
 //! * [`ExpertGemm::Grouped`]: grouped GEMMs reading the offsets on the device; nothing on
 //!   the host between the kernels, so each pass is one graph (full-layer capture).
 //!
@@ -939,10 +939,14 @@ impl MoeLayer {
         )
     }
 
-    /// Backward part 1: dY's cast into the packed layout (scaled by the forward's gates).
-    /// The gates' and logits' gradients wait for part 3, where one kernel finds them and dx
-    /// (two latency-bound kernels for the price of one).
-    fn dy_cast(&self, dy: &DeviceBuffer<bf16>, stream: &Stream, s: &Saved<'_>) -> Result<()> {
+    /// Backward part 1: the gates' and the router logits' gradients and dY's cast into the
+    /// packed layout.
+    fn combine_backward(
+        &self,
+        stream: &Stream,
+        dy: &DeviceBuffer<bf16>,
+        s: &Saved<'_>,
+    ) -> Result<()> {
         let (t, h) = (self.cfg.tokens, self.cfg.hidden);
         let dy_fp8 = self.tensor(&self.dyq, &[self.cfg.capacity(), h], DY, &s.si[2])?;
         let gather = Gather {
@@ -951,7 +955,13 @@ impl MoeLayer {
             row_scale: Some(&s.routing.gates),
         };
         let used = RowsInUse::last(&s.routing.offsets)?;
-        gather_cast_transpose(stream, dy, (t, h), gather, used, self.cast(&dy_fp8, s.dy_t))
+        // dY's cast (which scales by the forward's gates), then the gates' and logits'
+        // gradients (read by part 3 only). One stream: run beside the cast on a second one,
+        // the gradients held SMs that the next GEMM's persistent CTAs then started late on
+        // (T = 256, f32 weight gradients: 0.276-0.280 ms a step against 0.267-0.268 in one
+        // stream; docs/perf-notes.md).
+        gather_cast_transpose(stream, dy, (t, h), gather, used, self.cast(&dy_fp8, s.dy_t))?;
+        self.router.combine_backward(stream, dy, &s.y, &s.routing)
     }
 
     /// Backward part 2: the experts' data gradients (fc2 dgrad, SwiGLU backward + casts,
@@ -1060,25 +1070,21 @@ impl MoeLayer {
         )
     }
 
-    /// Backward part 3: the gates' and logits' gradients and dx in one kernel, then (with
-    /// `weights = Some(accumulate)`) the router weight's gradient.
+    /// Backward part 3: dx (and, with `weights = Some(accumulate)`, the router weight's
+    /// gradient) from the logits' gradient of part 1.
     fn router_backward(
         &self,
         stream: &Stream,
-        (x, dy, dx): (
-            &DeviceBuffer<bf16>,
-            &DeviceBuffer<bf16>,
-            &DeviceBuffer<bf16>,
-        ),
+        x: &DeviceBuffer<bf16>,
+        dx: &DeviceBuffer<bf16>,
         s: &Saved<'_>,
         weights: Option<bool>,
     ) -> Result<()> {
         self.router
-            .gates_and_input_backward(stream, dy, &s.y, &self.dxp, &self.wr, &s.routing, dx)?;
+            .input_backward(stream, &self.dxp, &self.wr, &s.routing, dx)?;
         match weights {
-            // The router weight's gradient after dx (it reads the logits' gradient; one
-            // stream: small kernels beside the next persistent GEMM hold SMs its CTAs then
-            // start late on, docs/perf-notes.md).
+            // The router weight's gradient after dx (both read the logits' gradient; one
+            // stream, as in part 1).
             Some(accumulate) => self
                 .router
                 .weight_backward(stream, x, &s.routing, &self.dwr, accumulate),
@@ -1139,8 +1145,8 @@ impl MoeLayer {
         }
     }
 
-    /// Part `part` of the backward: 0 dY's cast, 1 the experts, 2 the gates' and logits'
-    /// gradients and dx; with `weights`, parts 1 and 2 also compute their weight gradients
+    /// Part `part` of the backward: 0 the gates' and logits' gradients and dY's cast, 1 the
+    /// experts, 2 dx; with `weights`, parts 1 and 2 also compute their weight gradients
     /// (without, [`Callable::backward_weight`] does it later).
     fn backward_part(
         &self,
@@ -1157,12 +1163,12 @@ impl MoeLayer {
         match part {
             0 => {
                 slot.record_tensors([self.first_tensor + DY, self.first_tensor + DA]);
-                self.dy_cast(dy, stream, &s)
+                self.combine_backward(stream, dy, &s)
             }
             1 => self.experts_backward(stream, &s, weights.then(|| self.accumulate_grads(slot))),
             2 => {
                 let w = weights.then(|| self.accumulate_grads(slot));
-                self.router_backward(stream, (self.forward_input(slot)?, dy, dx), &s, w)
+                self.router_backward(stream, self.forward_input(slot)?, dx, &s, w)
             }
             _ => Err(self.not_a_segment(slot, "backward", part, "a part")),
         }
@@ -1269,7 +1275,7 @@ impl Callable<bf16> for MoeLayer {
         (0..PARTS).try_for_each(|p| self.forward_part(p, stream, inputs, outputs, slot))
     }
 
-    /// The whole pass eagerly: dY cast, experts, router backward.
+    /// The whole pass eagerly: gates' gradient + dY cast, experts, router backward.
     fn backward(
         &mut self,
         stream: &Stream,
@@ -1282,8 +1288,8 @@ impl Callable<bf16> for MoeLayer {
     }
 
     /// The data-gradient half (split weight gradients; full-layer mode only: the runtime
-    /// needs a single-segment backward for them): dY's cast, the experts' dgrads, the gates'
-    /// and router gradients and dx. The weight gradients' inputs stay in the saved
+    /// needs a single-segment backward for them): gates' gradient, dY's cast, the experts'
+    /// dgrads, the router backward and dx. The weight gradients' inputs stay in the saved
     /// buffers.
     fn backward_input(
         &mut self,
@@ -1330,8 +1336,8 @@ impl Callable<bf16> for MoeLayer {
         }
     }
 
-    /// Like [`forward_segments`](Callable::forward_segments): dY cast, experts, router
-    /// backward (gates' and logits' gradients, dx).
+    /// Like [`forward_segments`](Callable::forward_segments): gates' gradient + dY cast,
+    /// experts, router backward.
     fn backward_segments(&self) -> Vec<SegmentKind> {
         self.forward_segments()
     }
@@ -1370,9 +1376,8 @@ impl Callable<bf16> for MoeLayer {
         }
     }
 
-    /// Like [`forward_segment`](Callable::forward_segment): segment 0 (dY's cast, or the
-    /// whole backward) and 2 (router backward: gates' and logits' gradients, dx, router
-    /// weight gradient).
+    /// Like [`forward_segment`](Callable::forward_segment): segment 0 (gates' gradient + dY
+    /// cast, or the whole backward) and 2 (router backward).
     fn backward_segment(
         &mut self,
         segment: usize,

@@ -13,8 +13,7 @@
 //! [`Router::combine`] weighs each token's `k` expert rows by the gates. The backward:
 //! [`Router::combine_backward`] (the gates' gradient, then the logits' through the scores,
 //! top-k, renormalisation, aux and z losses), [`Router::input_backward`] (the input gradient:
-//! the experts' rows summed back to tokens plus the router's part), both in one launch
-//! ([`Router::gates_and_input_backward`], what the layer uses), and
+//! the experts' rows summed back to tokens plus the router's part) and
 //! [`Router::weight_backward`] (the router weight's gradient).
 //!
 //! Nothing here reads the routing back to the host or synchronises: all of it can be
@@ -78,13 +77,6 @@ const ROUTER_TILE: u32 = 64;
 /// Threads per block of the tiled router kernels (`RL_THREADS`).
 const ROUTER_TILE_THREADS: u32 = 128;
 
-/// Dynamic shared memory of `moe_gates_input_backward` in floats for `tpb` tokens per block
-/// and `e` experts: the combine's backward's `(3 * tpb + 1) * e`, the d_logits token-major
-/// (`tpb * e`), rounded up to 4, then expert-major `MAX_ROW_TOKENS` apart.
-fn gates_input_shared_floats(tpb: u32, e: u32) -> u32 {
-    ((4 * tpb + 1) * e).next_multiple_of(4) + MAX_ROW_TOKENS as u32 * e
-}
-
 /// The launch of a tiled router kernel over `grid` tiles (static shared memory).
 fn tiled_launch(grid: (u32, u32, u32)) -> LaunchConfig {
     LaunchConfig {
@@ -104,17 +96,9 @@ const MAX_ROW_TOKENS: usize = 4;
 /// The combine kernels take one more token per block for every 256 tokens: at least 256
 /// blocks (two per SM) before blocks grow.
 const ROW_TOKENS_STEP: usize = 256;
-// The combine's backward takes (3 * tokens + 1) * E floats of dynamic shared memory, the
-// fused gates' and input gradient that rounded up to 4 plus (tokens + MAX_ROW_TOKENS) * E
-// more (gates_input_shared_floats): within the 48 KiB a launch gets without opting in, beside
-// their static arrays (768 bytes).
+// The combine's backward takes (3 * tokens + 1) * E floats of dynamic shared memory: within
+// the 48 KiB a launch gets without opting in, beside its static arrays (768 bytes).
 const _: () = assert!((3 * MAX_ROW_TOKENS + 1) * MAX_EXPERTS * 4 + 768 <= 48 * 1024);
-const _: () = assert!(
-    ((4 * MAX_ROW_TOKENS + 1) * MAX_EXPERTS).next_multiple_of(4) * 4
-        + MAX_ROW_TOKENS * MAX_EXPERTS * 4
-        + 768
-        <= 48 * 1024
-);
 /// Columns per block of the router weight gradient's first step (`MOE_WGRAD_COLS`).
 const WGRAD_COLS: u32 = 256;
 /// Experts per block of the router weight gradient's first step (`MOE_WGRAD_EXPERTS`).
@@ -267,17 +251,6 @@ impl RoutingDims {
         (ROW_SLOTS / self.top_k.next_power_of_two())
             .min(MAX_ROW_TOKENS)
             .min(self.tokens / ROW_TOKENS_STEP)
-            .max(1)
-    }
-
-    /// Tokens per block of the fused gates' and input gradient (`moe_gates_input_backward`):
-    /// the combine's register layout (`ROW_SLOTS` rows with `k` rounded up to a power of two,
-    /// at most `MAX_ROW_TOKENS`), and, as in the input gradient (every block reads all of
-    /// `Wr`), one per `WR_TOKENS_STEP` tokens; at least 1.
-    fn gates_input_tokens_per_block(&self) -> usize {
-        (ROW_SLOTS / self.top_k.next_power_of_two())
-            .min(MAX_ROW_TOKENS)
-            .min(self.tokens.div_ceil(WR_TOKENS_STEP))
             .max(1)
     }
 
@@ -442,7 +415,6 @@ struct Kernels {
     combine: Kernel,
     combine_backward: Kernel,
     input_backward: Kernel,
-    gates_input_backward: Kernel,
     wgrad_partial: Kernel,
     wgrad_tiled: Kernel,
     wgrad_reduce: Kernel,
@@ -484,8 +456,6 @@ struct Dims32 {
     router_blocks: u32,
     /// Tokens per block of the combine and its backward.
     row_tokens: u32,
-    /// Tokens per block of the fused gates' and input gradient.
-    gates_input_tokens: u32,
 }
 
 impl Dims32 {
@@ -505,7 +475,6 @@ impl Dims32 {
             wr_tokens: u(d.wr_tokens_per_block()),
             router_blocks: u(d.router_blocks()),
             row_tokens: u(d.row_tokens_per_block()),
-            gates_input_tokens: u(d.gates_input_tokens_per_block()),
         }
     }
 }
@@ -550,7 +519,6 @@ impl Router {
             combine: module.kernel("moe_combine_forward")?,
             combine_backward: module.kernel("moe_combine_backward")?,
             input_backward: module.kernel("moe_unpermute_backward")?,
-            gates_input_backward: module.kernel("moe_gates_input_backward")?,
             wgrad_partial: module.kernel("moe_router_wgrad_partial")?,
             wgrad_tiled: module.kernel("moe_router_wgrad_tiled")?,
             wgrad_reduce: module.kernel("moe_router_wgrad_reduce")?,
@@ -920,79 +888,6 @@ impl Router {
         unsafe { stream.launch_pdl(&self.k.input_backward, &cfg, &args) }
     }
 
-    /// [`combine_backward`](Self::combine_backward) then
-    /// [`input_backward`](Self::input_backward) in one launch, with the same results bit for
-    /// bit: `b.d_gates`, `b.d_logits` and `dx` from the layer's output gradient `dy` (`[T,
-    /// H]`), the experts' output `y` and input gradient `dxp` (both `[capacity, H]`) and the
-    /// router weight `wr` (`[E, H]`). Each block finds its tokens' logits' gradient and uses
-    /// it for their input gradient at once, so the two latency-bound kernels cost about one
-    /// (and the combine's backward no longer has to run before the experts' backward).
-    #[allow(clippy::too_many_arguments)]
-    pub fn gates_and_input_backward(
-        &self,
-        stream: &Stream,
-        dy: &DeviceBuffer<bf16>,
-        y: &DeviceBuffer<bf16>,
-        dxp: &DeviceBuffer<bf16>,
-        wr: &DeviceBuffer<f32>,
-        b: &RoutingBuffers,
-        dx: &DeviceBuffer<bf16>,
-    ) -> Result<()> {
-        let what = "Router::gates_and_input_backward";
-        self.check_buffers(what, b)?;
-        let d = self.dims;
-        check_len(what, "dy", dy.len(), d.tokens * d.hidden)?;
-        check_len(what, "y", y.len(), d.capacity() * d.hidden)?;
-        check_len(what, "dxp", dxp.len(), d.capacity() * d.hidden)?;
-        check_len(what, "wr", wr.len(), d.experts * d.hidden)?;
-        check_len(what, "dx", dx.len(), d.tokens * d.hidden)?;
-        let Dims32 {
-            t,
-            h,
-            e,
-            k,
-            rows,
-            gates_input_tokens: tpb,
-            ..
-        } = self.n;
-        let (score, renorm) = self.score_args();
-        let mut cfg = LaunchConfig::linear(t.div_ceil(tpb), BLOCK);
-        cfg.shared_mem_bytes = gates_input_shared_floats(tpb, e) * 4;
-        let args = KernelArgs::new()
-            .arg(dy)
-            .arg(y)
-            .arg(dxp)
-            .arg(&b.row_of)
-            .arg(&b.logits)
-            .arg(&b.topk)
-            .arg(&b.gates)
-            .arg(&b.counts)
-            .arg(wr)
-            .arg(&b.d_gates)
-            .arg(&b.d_logits)
-            .arg(dx)
-            .arg(&t)
-            .arg(&h)
-            .arg(&e)
-            .arg(&k)
-            .arg(&rows)
-            .arg(&tpb)
-            .arg(&score)
-            .arg(&renorm)
-            .arg(&self.cfg.aux_coef)
-            .arg(&self.cfg.z_coef);
-        // SAFETY: block c handles the tokens t = c * tpb + i < T (tpb * k rounded up to a
-        // power of two <= 8 and tpb <= 4, the kernel's MOE_SLOTS and MOE_ROW_TOKENS): reads
-        // dy's rows t (T * H), y's and dxp's rows row_of[t * k + j] when inside [0, rows)
-        // (capacity * H each; the L2 prefetches are of those rows too), logits' rows t (T *
-        // E), topk, gates and row_of at t * k + j (T * k), counts (E) and all of wr (E * H);
-        // writes d_gates at t * k + j, d_logits' rows t and dx's rows t; all lengths checked;
-        // the shared memory holds the floats gates_input_shared_floats counts; the 16-byte
-        // vector accesses are taken only when H % 8 == 0 and the kernel finds the rows'
-        // buffers 16-byte aligned.
-        unsafe { stream.launch_pdl(&self.k.gates_input_backward, &cfg, &args) }
-    }
-
     /// The router weight's gradient `dwr (+)= d_logits^T . x` (`[E, H]` f32; added to `dwr`
     /// when `accumulate`), summed over tokens in a fixed order (chunks of 16 to 128 tokens
     /// by T, then the chunks in order).
@@ -1156,12 +1051,6 @@ mod tests {
                 let r = d.row_tokens_per_block();
                 assert!((1..=MAX_ROW_TOKENS).contains(&r), "{d:?}");
                 assert!(r * k.next_power_of_two() <= ROW_SLOTS, "{d:?}");
-                let g = d.gates_input_tokens_per_block();
-                assert!((1..=MAX_ROW_TOKENS).contains(&g), "{d:?}");
-                assert!(g * k.next_power_of_two() <= ROW_SLOTS, "{d:?}");
-                // Its shared memory: within the 48 KiB beside 768 static bytes.
-                let f = gates_input_shared_floats(g as u32, e as u32) as usize;
-                assert!(f * 4 + 768 <= 48 * 1024, "{d:?}");
             }
         }
         // The H200 shapes: T = 256 spreads over more blocks, T = 4096 shares more per block.
@@ -1176,8 +1065,6 @@ mod tests {
         );
         assert_eq!(small.row_tokens_per_block(), 1);
         assert_eq!(large.row_tokens_per_block(), 4);
-        assert_eq!(small.gates_input_tokens_per_block(), 2);
-        assert_eq!(large.gates_input_tokens_per_block(), 4);
     }
 
     #[test]
