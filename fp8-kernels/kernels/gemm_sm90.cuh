@@ -43,17 +43,25 @@ constexpr int TILE_A = BM * BK;  // bytes
 // PARTS parts stored one after the other: one part, except f32 at BN 192, whose whole tile
 // (96 KiB for both consumers) would leave room for 3 stages; in two halves of 96 columns it
 // leaves 4; and BN 256 (fast accumulation, bf16 out only), two halves of 128 columns, 4 stages.
-// Stages: BN 128: 6 for bf16 out, 5 for f32; BN 192: 4 for both; BN 256: 4. Keep in step with
-// `smem_bytes` in src/gemm/hopper.rs.
+// Stages: BN 128: 6 for bf16 out, 5 for f32; BN 192: 4 for both; BN 256: 4. After the
+// barriers, the packed layouts' group offsets (OFFSETS_CACHED ints, see gemm). Keep in step
+// with `smem_bytes` in src/gemm/hopper.rs.
 constexpr int SMEM_LIMIT = 232448;
+// The packed layouts (PACKED, WGRAD) with fewer groups than this copy their groups + 1 offsets
+// into shared memory at the start, so that every tile lookup (a binary search over them)
+// reads shared memory: from global memory each step of the search was a dependent load, and
+// the CTA's first TMA load waited for the chain.
+constexpr int OFFSETS_CACHED = 64;
 template <int BN, typename Out> struct Cfg {
     static constexpr int TILE_B = BN * BK;
     static constexpr int STAGE_BYTES = TILE_A + TILE_B;
     static constexpr int PARTS = (BN == 192 && sizeof(Out) == 4) || BN == 256 ? 2 : 1;
     static constexpr int STAGING = 2 * 64 * (BN / PARTS) * int(sizeof(Out));
-    static constexpr int FIT = (SMEM_LIMIT - 1024 - STAGING - 2 * 6 * 8) / STAGE_BYTES;
+    static constexpr int FIT =
+        (SMEM_LIMIT - 1024 - STAGING - 2 * 6 * 8 - 4 * OFFSETS_CACHED) / STAGE_BYTES;
     static constexpr int STAGES = FIT < 6 ? FIT : 6;
-    static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + STAGING + 2 * STAGES * 8 + 1024;
+    static constexpr int SMEM_BYTES =
+        STAGES * STAGE_BYTES + STAGING + 2 * STAGES * 8 + 4 * OFFSETS_CACHED + 1024;
     static_assert(STAGES >= 3 && SMEM_BYTES <= SMEM_LIMIT, "shared memory");
 };
 // Columns of one 128-byte swizzled store box (the swizzle's row width), and 64 rows of them.
@@ -105,9 +113,10 @@ __device__ __forceinline__ int total_tiles(const int *counts, int groups, int m,
 
 // The packed layout (dropless MoE): m = the capacity, group g's rows are offsets[g] ..
 // offsets[g + 1] (multiples of BM, so a tile belongs to one group), read on the device.
-// Offsets are clamped to [0, m].
+// Offsets are clamped to [0, m]. `offsets` is the device array or its copy in shared memory
+// (a generic load reads either).
 __device__ __forceinline__ int packed_offset(const int *offsets, int g, int m) {
-    return min(max(__ldg(offsets + g), 0), m);
+    return min(max(offsets[g], 0), m);
 }
 
 // The m-tiles in use: up to offsets[groups].
@@ -404,6 +413,7 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
     const uint32_t base = opaque_u32((raw + 1023u) & ~1023u);
     const uint32_t staging = base + STAGES * STAGE_BYTES;
     const uint32_t bars = staging + C::STAGING;
+    int *const offsets_smem = reinterpret_cast<int *>(smem_raw + (bars + 16u * STAGES - raw));
     auto full = [&](int s) { return bars + 8u * s; };
     auto empty = [&](int s) { return bars + 8u * (STAGES + s); };
     auto tile_a = [&](int s) { return base + s * STAGE_BYTES; };
@@ -430,11 +440,21 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
     // Programmatic dependent launch: the set-up above overlaps the previous kernel's tail;
     // counts, scales, A, B and D are touched only after the wait.
     cuda_graph::pdl_enter();
-    const int total = MODE == PACKED  ? packed_mtiles(counts, groups, m) * ntiles
+    // The packed layouts' offsets: in shared memory for fewer than OFFSETS_CACHED groups (one
+    // round trip here instead of one per step of every lookup's search).
+    const int *offsets = counts;
+    if constexpr (MODE == PACKED || MODE == WGRAD) {
+        if (groups < OFFSETS_CACHED) {
+            for (int i = threadIdx.x; i <= groups; i += blockDim.x) offsets_smem[i] = __ldg(counts + i);
+            __syncthreads();
+            offsets = offsets_smem;
+        }
+    }
+    const int total = MODE == PACKED  ? packed_mtiles(offsets, groups, m) * ntiles
                       : MODE == WGRAD ? groups * ((m + BM - 1) / BM) * ntiles
                                       : total_tiles(counts, groups, m, ntiles);
     auto tile = [&](int t) {
-        return MODE == PACKED  ? packed_tile_at(t, counts, groups, m, ntiles)
+        return MODE == PACKED  ? packed_tile_at(t, offsets, groups, m, ntiles)
                : MODE == WGRAD ? wgrad_tile_at(t, m, ntiles)
                                : tile_at(t, counts, groups, m, ntiles);
     };
@@ -445,8 +465,8 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
     };
     auto krange = [&](const Tile &tl) {
         if constexpr (MODE == WGRAD) {
-            const int lo = packed_offset(counts, tl.g, k);
-            const int hi = max(lo, packed_offset(counts, tl.g + 1, k));
+            const int lo = packed_offset(offsets, tl.g, k);
+            const int hi = max(lo, packed_offset(offsets, tl.g + 1, k));
             return KRange{lo / BK, (hi + BK - 1) / BK};
         } else {
             return KRange{0, kblocks};
@@ -666,7 +686,7 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
             }
             // Register epilogue: rows below the group's count, columns below n.
             // Packed: row indices are absolute, the bound is the group's end.
-            const int rows = MODE == PACKED    ? packed_offset(counts, tl.g + 1, m)
+            const int rows = MODE == PACKED    ? packed_offset(offsets, tl.g + 1, m)
                              : MODE == WGRAD || counts == nullptr ? m
                                                  : min(max(__ldg(counts + tl.g), 0), m);
             const int row0 = tl.mt * BM + cw * 64 + warp * 16 + lane / 4;

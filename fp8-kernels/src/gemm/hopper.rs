@@ -45,13 +45,18 @@ const THREADS: u32 = 384;
 /// The most dynamic shared memory a CTA may have on sm_90 (227 KiB).
 const SMEM_LIMIT: usize = 232_448;
 
+/// The packed layouts with fewer groups than this keep their offsets in shared memory
+/// (`OFFSETS_CACHED` in the kernel).
+const OFFSETS_CACHED: usize = 64;
+
 /// Rows of one TMA store box of the epilogue (a consumer warpgroup's half of the tile).
 const STORE_ROWS: usize = 64;
 
 /// Dynamic shared memory of tile width `bn` and output elements of `out_size` bytes (keep in
 /// step with `Cfg<BN, Out>` in the kernel): the ring of A and B tiles, as deep as fits (at most
 /// 6 stages) beside the epilogue's staging (two consumers' 64 x `bn` outputs, or half of them
-/// for f32 at 192, which the kernel stores in two parts), the barriers, 1 KiB alignment slack.
+/// for f32 at 192, which the kernel stores in two parts), the barriers, the packed layouts'
+/// cached group offsets ([`OFFSETS_CACHED`] ints), 1 KiB alignment slack.
 fn smem_bytes(bn: usize, out_size: usize) -> usize {
     let stage = TILE * TILE + bn * TILE;
     let parts = if (bn == 192 && out_size == 4) || bn == 256 {
@@ -60,8 +65,8 @@ fn smem_bytes(bn: usize, out_size: usize) -> usize {
         1
     };
     let staging = 2 * STORE_ROWS * (bn / parts) * out_size;
-    let stages = ((SMEM_LIMIT - 1024 - staging - 2 * 6 * 8) / stage).min(6);
-    stages * stage + staging + 2 * stages * 8 + 1024
+    let stages = ((SMEM_LIMIT - 1024 - staging - 2 * 6 * 8 - 4 * OFFSETS_CACHED) / stage).min(6);
+    stages * stage + staging + 2 * stages * 8 + 4 * OFFSETS_CACHED + 1024
 }
 
 /// The tile width (128 or 192, and 256 where `wide`) for a problem: waves of tiles over the
@@ -896,13 +901,14 @@ mod cpu_tests {
             );
         }
         // Ring stages beside the staging (2 x 64 x bn outputs), as the kernel's Cfg computes.
-        assert_eq!(smem_bytes(128, 2), 6 * 32768 + 32768 + 96 + 1024);
+        // The cached offsets (256 bytes) cost no stage anywhere.
+        assert_eq!(smem_bytes(128, 2), 6 * 32768 + 32768 + 96 + 256 + 1024);
         // 256 wide (fast accumulation, bf16): the staging in two parts, 4 stages of 48 KiB.
-        assert_eq!(smem_bytes(256, 2), 4 * 49152 + 32768 + 64 + 1024);
+        assert_eq!(smem_bytes(256, 2), 4 * 49152 + 32768 + 64 + 256 + 1024);
         assert!(smem_bytes(256, 2) <= SMEM_LIMIT);
-        assert_eq!(smem_bytes(128, 4), 5 * 32768 + 65536 + 80 + 1024);
-        assert_eq!(smem_bytes(192, 2), 4 * 40960 + 49152 + 64 + 1024);
-        assert_eq!(smem_bytes(192, 4), 4 * 40960 + 49152 + 64 + 1024);
+        assert_eq!(smem_bytes(128, 4), 5 * 32768 + 65536 + 80 + 256 + 1024);
+        assert_eq!(smem_bytes(192, 2), 4 * 40960 + 49152 + 64 + 256 + 1024);
+        assert_eq!(smem_bytes(192, 4), 4 * 40960 + 49152 + 64 + 256 + 1024);
         for (bn, es) in [(128, 2), (128, 4), (192, 2), (192, 4)] {
             assert!(smem_bytes(bn, es) <= SMEM_LIMIT);
         }
