@@ -40,8 +40,6 @@
 // assignments (`SMALL_PLAN_ASSIGNMENTS`) and this many experts (`SMALL_PLAN_EXPERTS`).
 #define MOE_SMALL_PASSES 4
 #define MOE_SMALL_EXPERTS 256
-// Experts per pass of the router forward (their Wr pieces held in registers per thread).
-#define MOE_ROUTER_EXPERTS 4
 // Experts per block of the router weight gradient (held in registers per thread).
 #define MOE_WGRAD_EXPERTS 8
 // Columns per block of the router weight gradient: 32 lanes x 8 (`WGRAD_COLS`).
@@ -260,24 +258,26 @@ __device__ __forceinline__ void warp_topk(const float *s, unsigned experts, unsi
 // r[i] of lane l = the warp's part of logit (t0 + i, g0 + (l >> 3)). Warp w takes the columns
 // w * 32 * W + MOE_BLOCK * W * n (lane l the W from l * W on), in n order; per column group a
 // thread sums its W products in h order, then warp_sum_n adds the lanes. Each thread loads its
-// Wr columns of the 4 experts once for all nt tokens (registers), and the nt x pieces all in
-// flight together. (4 experts a pass, not 8: 8 x pieces and 4 experts' Wr fit 128 registers;
-// the next group's x loads hit L1.)
-template <int W>
+// Wr columns of the NE experts once for all nt <= NT tokens (registers), and the nt x pieces
+// all in flight together. NE x NT = 32: 4 experts a pass for up to 8 tokens (8 x pieces and 4
+// experts' Wr fit 128 registers; the next group's x loads hit L1), 8 for up to 4 (one pass
+// fewer at E = 8: one round trip for Wr fewer in the small-T blocks).
+template <int W, int NE, int NT>
 __device__ __forceinline__ void router_dots(const __nv_bfloat16 *xb, const float *wr,
                                             unsigned hidden, unsigned experts, unsigned g0,
-                                            unsigned nt, float (&r)[MOE_TOKENS]) {
+                                            unsigned nt, float (&r)[NT]) {
+    static_assert(NE * NT == 32 && NT <= MOE_TOKENS, "a pass's sums per thread");
     const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
 #pragma unroll
-    for (int i = 0; i < MOE_TOKENS; ++i) r[i] = 0.0f;
+    for (int i = 0; i < NT; ++i) r[i] = 0.0f;
     // h0 is the warp's first column of the pass: the bound is warp-uniform, as the shuffles
     // of warp_sum_n need the whole warp.
     for (unsigned h0 = warp * 32 * W; h0 < hidden; h0 += MOE_BLOCK * W) {
         const unsigned h = h0 + lane * W;
         const bool in = h < hidden; // W = 8: hidden % 8 == 0, so all 8 columns are
-        float w[MOE_ROUTER_EXPERTS][W];
+        float w[NE][W];
 #pragma unroll
-        for (int j = 0; j < MOE_ROUTER_EXPERTS; ++j) {
+        for (int j = 0; j < NE; ++j) {
             if (in && g0 + j < experts) {
                 load_f32<W>(wr + (size_t)(g0 + j) * hidden + h, w[j]);
             } else {
@@ -285,12 +285,12 @@ __device__ __forceinline__ void router_dots(const __nv_bfloat16 *xb, const float
                 for (int v = 0; v < W; ++v) w[j][v] = 0.0f;
             }
         }
-        Bf16s<W> xr[MOE_TOKENS];
+        Bf16s<W> xr[NT];
 #pragma unroll
-        for (int i = 0; i < MOE_TOKENS; ++i)
+        for (int i = 0; i < NT; ++i)
             if (in && (unsigned)i < nt) xr[i].load(xb + (size_t)i * hidden + h);
 #pragma unroll
-        for (int i = 0; i < MOE_TOKENS; ++i) {
+        for (int i = 0; i < NT; ++i) {
             if ((unsigned)i >= nt) break; // block-uniform
             float xf[W];
             if (in) {
@@ -299,9 +299,9 @@ __device__ __forceinline__ void router_dots(const __nv_bfloat16 *xb, const float
 #pragma unroll
                 for (int v = 0; v < W; ++v) xf[v] = 0.0f;
             }
-            float a[MOE_ROUTER_EXPERTS];
+            float a[NE];
 #pragma unroll
-            for (int j = 0; j < MOE_ROUTER_EXPERTS; ++j) {
+            for (int j = 0; j < NE; ++j) {
                 a[j] = 0.0f;
 #pragma unroll
                 for (int v = 0; v < W; ++v) a[j] = fmaf(xf[v], w[j][v], a[j]);
@@ -608,9 +608,9 @@ __device__ __forceinline__ void wgrad_store(float *pc, unsigned hidden, unsigned
 
 // Router forward, one block of MOE_BLOCK threads per `tpb` (<= MOE_TOKENS) tokens t0 + i
 // (the last block may have fewer), dynamic shared memory 2 * MOE_TOKENS * experts floats.
-//   logits[t, e] = sum_h x[t, h] * wr[e, h]   (experts 4 at a time: router_dots gives each
-//                  warp's part for all the block's tokens, the 8 warps' parts are added in
-//                  warp order), or, when `precomputed`, read from `logits` (moe_router_logits
+//   logits[t, e] = sum_h x[t, h] * wr[e, h]   (experts 8 or 4 at a time: router_dots gives
+//                  each warp's part for all the block's tokens, the 8 warps' parts are added
+//                  in warp order), or, when `precomputed`, read from `logits` (moe_router_logits
 //                  wrote them: many experts)
 // then warp i finishes token t0 + i:
 //   score: softmax (score_fn 0) or sigmoid (1) of the logits;
@@ -633,7 +633,7 @@ extern "C" __global__ void __launch_bounds__(MOE_BLOCK, 2)
                        unsigned renormalize, unsigned tpb, unsigned precomputed) {
     cuda_graph::pdl_enter();
     extern __shared__ float sh[]; // l: [MOE_TOKENS][experts] logits (then probs), s: scores
-    __shared__ float part[MOE_WARPS][MOE_TOKENS][MOE_ROUTER_EXPERTS];
+    __shared__ float part[MOE_WARPS][32]; // [warp][i * NE + j] of a pass
     __shared__ float lse_sh[MOE_TOKENS];
     static_assert(MOE_TOKENS <= MOE_WARPS, "a warp finishes each token");
     const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
@@ -648,30 +648,41 @@ extern "C" __global__ void __launch_bounds__(MOE_BLOCK, 2)
         for (unsigned i = threadIdx.x; i < nt * experts; i += MOE_BLOCK) sh[i] = lb[i];
         __syncthreads();
     }
-    for (unsigned g0 = 0; !precomputed && g0 < experts; g0 += MOE_ROUTER_EXPERTS) {
-        float r[MOE_TOKENS];
-        if (vec)
-            router_dots<8>(xb, wr, hidden, experts, g0, nt, r);
-        else
-            router_dots<1>(xb, wr, hidden, experts, g0, nt, r);
-        // Lanes 8 m .. 8 m + 7 hold the same sums (expert g0 + m); the first writes them.
-        if ((lane & 7) == 0) {
+    // The dot products, NE experts a pass (router_dots: 8 when the block has at most 4
+    // tokens, else 4), the 8 warps' parts added in warp order.
+    const auto passes = [&](auto ne) {
+        constexpr int NE = decltype(ne)::value, NT = 32 / NE;
+        for (unsigned g0 = 0; g0 < experts; g0 += NE) {
+            float r[NT];
+            if (vec)
+                router_dots<8, NE, NT>(xb, wr, hidden, experts, g0, nt, r);
+            else
+                router_dots<1, NE, NT>(xb, wr, hidden, experts, g0, nt, r);
+            // Lanes (32 / NE) m .. (32 / NE) (m + 1) - 1 hold the same sums (expert g0 + m);
+            // the first writes them.
+            if ((lane & (32 / NE - 1)) == 0) {
 #pragma unroll
-            for (int i = 0; i < MOE_TOKENS; ++i)
-                if ((unsigned)i < nt) part[warp][i][lane >> 3] = r[i];
-        }
-        __syncthreads();
-        if (threadIdx.x < nt * MOE_ROUTER_EXPERTS) {
-            const unsigned i = threadIdx.x / MOE_ROUTER_EXPERTS;
-            const unsigned j = threadIdx.x % MOE_ROUTER_EXPERTS;
-            if (g0 + j < experts) {
-                float v = part[0][i][j];
-#pragma unroll
-                for (int w = 1; w < MOE_WARPS; ++w) v += part[w][i][j];
-                sh[(size_t)i * experts + g0 + j] = v;
+                for (int i = 0; i < NT; ++i)
+                    if ((unsigned)i < nt) part[warp][i * NE + lane / (32 / NE)] = r[i];
             }
+            __syncthreads();
+            if (threadIdx.x < nt * NE) {
+                const unsigned i = threadIdx.x / NE, j = threadIdx.x % NE;
+                if (g0 + j < experts) {
+                    float v = part[0][threadIdx.x];
+#pragma unroll
+                    for (int w = 1; w < MOE_WARPS; ++w) v += part[w][threadIdx.x];
+                    sh[(size_t)i * experts + g0 + j] = v;
+                }
+            }
+            __syncthreads(); // part is written again by the next group
         }
-        __syncthreads(); // part is written again by the next group
+    };
+    if (!precomputed) {
+        if (nt <= 4)
+            passes(Const<8>{});
+        else
+            passes(Const<4>{});
     }
     if (warp < nt) {
         const unsigned t = t0 + warp;
