@@ -198,15 +198,6 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const TmaDesc *map, ui
                  : "memory");
 }
 
-// The same box brought into L2 only (no shared memory, no barrier): a hint, dropped when the
-// box lies outside the tensor.
-__device__ __forceinline__ void tma_prefetch_3d(const TmaDesc *map, int c0, int c1, int c2) {
-    asm volatile("cp.async.bulk.prefetch.tensor.3d.L2.global.tile [%0, {%1, %2, %3}];" ::"l"(
-                     reinterpret_cast<uint64_t>(map)),
-                 "r"(c0), "r"(c1), "r"(c2)
-                 : "memory");
-}
-
 // 3-D tiled TMA store of the shared box at `src` to (c0, c1, c2) of `map` (out-of-bounds
 // elements are not written), in the thread's current bulk group.
 __device__ __forceinline__ void tma_store_3d(const TmaDesc *map, uint32_t src, int c0, int c1, int c2) {
@@ -490,20 +481,13 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
             for (int t = blockIdx.x; t < total; t += gridDim.x) {
                 const Tile tl = tile(t);
                 const KRange kr = krange(tl);
-                const int bg = MODE == WGRAD ? 0 : tl.g;
                 for (int kb = kr.lo; kb < kr.hi; ++kb) {
-                    // B (the weights, outside WGRAD) streams through once per tile: the box a
-                    // ring ahead of this one goes to L2 now, about as long before its load as
-                    // the ring takes to turn over (the DRAM latency), so that the few stages
-                    // in flight wait on L2 rather than DRAM. The first ring's worth is loaded
-                    // at once and prefetches the second.
-                    if (MODE != WGRAD && kb + STAGES < kr.hi)
-                        tma_prefetch_3d(tb, (kb + STAGES) * BK, tl.nt * BN, bg);
                     mbar_wait(empty(stage), phase ^ 1u);
                     mbar_expect_tx(full(stage), STAGE_BYTES);
                     tma_load_3d(tile_a(stage), ta, full(stage), kb * BK, tl.mt * BM,
                                 MODE == GROUPED ? tl.g : 0);
-                    tma_load_3d(tile_b(stage), tb, full(stage), kb * BK, tl.nt * BN, bg);
+                    tma_load_3d(tile_b(stage), tb, full(stage), kb * BK, tl.nt * BN,
+                                MODE == WGRAD ? 0 : tl.g);
                     if (++stage == STAGES) {
                         stage = 0;
                         phase ^= 1u;
