@@ -44,13 +44,14 @@ constexpr int TILE_A = BM * BK;  // bytes
 // (96 KiB for both consumers) would leave room for 3 stages; in two halves of 96 columns it
 // leaves 4; and BN 256 (fast accumulation, bf16 out only), two halves of 128 columns, 4 stages.
 // Stages: BN 128: 6 for bf16 out, 5 for f32; BN 192: 4 for both; BN 256: 4. After the
-// barriers, the packed layouts' group offsets (OFFSETS_CACHED ints, see gemm). Keep in step
+// barriers, the packed layout's group offsets (OFFSETS_CACHED ints, see gemm). Keep in step
 // with `smem_bytes` in src/gemm/hopper.rs.
 constexpr int SMEM_LIMIT = 232448;
-// The packed layouts (PACKED, WGRAD) with fewer groups than this copy their groups + 1 offsets
-// into shared memory at the start, so that every tile lookup (a binary search over them)
-// reads shared memory: from global memory each step of the search was a dependent load, and
-// the CTA's first TMA load waited for the chain.
+// The packed layout (PACKED) with fewer groups than this copies its groups + 1 offsets into
+// shared memory at the start, so that every tile lookup (a binary search over them) reads
+// shared memory: from global memory each step of the search was a dependent load, and the
+// CTA's first TMA load waited for the chain. (Not WGRAD, whose tiles need no search: there it
+// measured 3-4 us slower in the T = 256 MoE step with f32 gradients.)
 constexpr int OFFSETS_CACHED = 64;
 template <int BN, typename Out> struct Cfg {
     static constexpr int TILE_B = BN * BK;
@@ -440,10 +441,10 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
     // Programmatic dependent launch: the set-up above overlaps the previous kernel's tail;
     // counts, scales, A, B and D are touched only after the wait.
     cuda_graph::pdl_enter();
-    // The packed layouts' offsets: in shared memory for fewer than OFFSETS_CACHED groups (one
+    // The packed layout's offsets: in shared memory for fewer than OFFSETS_CACHED groups (one
     // round trip here instead of one per step of every lookup's search).
     const int *offsets = counts;
-    if constexpr (MODE == PACKED || MODE == WGRAD) {
+    if constexpr (MODE == PACKED) {
         if (groups < OFFSETS_CACHED) {
             for (int i = threadIdx.x; i <= groups; i += blockDim.x) offsets_smem[i] = __ldg(counts + i);
             __syncthreads();

@@ -45,8 +45,9 @@ const THREADS: u32 = 384;
 /// The most dynamic shared memory a CTA may have on sm_90 (227 KiB).
 const SMEM_LIMIT: usize = 232_448;
 
-/// The packed layouts with fewer groups than this keep their offsets in shared memory
-/// (`OFFSETS_CACHED` in the kernel).
+/// The packed layout (forward and data-gradient GEMMs) with fewer groups than this keeps its
+/// offsets in shared memory (`OFFSETS_CACHED` in the kernel; the space is reserved in every
+/// configuration).
 const OFFSETS_CACHED: usize = 64;
 
 /// Rows of one TMA store box of the epilogue (a consumer warpgroup's half of the tile).
@@ -55,7 +56,7 @@ const STORE_ROWS: usize = 64;
 /// Dynamic shared memory of tile width `bn` and output elements of `out_size` bytes (keep in
 /// step with `Cfg<BN, Out>` in the kernel): the ring of A and B tiles, as deep as fits (at most
 /// 6 stages) beside the epilogue's staging (two consumers' 64 x `bn` outputs, or half of them
-/// for f32 at 192, which the kernel stores in two parts), the barriers, the packed layouts'
+/// for f32 at 192, which the kernel stores in two parts), the barriers, the packed layout's
 /// cached group offsets ([`OFFSETS_CACHED`] ints), 1 KiB alignment slack.
 fn smem_bytes(bn: usize, out_size: usize) -> usize {
     let stage = TILE * TILE + bn * TILE;
