@@ -258,10 +258,10 @@ __device__ __forceinline__ void warp_topk(const float *s, unsigned experts, unsi
 // r[i] of lane l = the warp's part of logit (t0 + i, g0 + l / (32 / NE)). Warp w takes the
 // columns w * 32 * W + MOE_BLOCK * W * n (lane l the W from l * W on), in n order; per column
 // group a thread sums its W products in h order, then warp_sum_n adds the lanes. Each thread
-// loads its Wr columns of the NE experts once for all nt <= NT tokens (registers), and the nt x pieces
-// all in flight together. NE x NT = 32: 4 experts a pass for up to 8 tokens (8 x pieces and 4
-// experts' Wr fit 128 registers; the next group's x loads hit L1), 8 for up to 4 (one pass
-// fewer at E = 8: one round trip for Wr fewer in the small-T blocks).
+// loads its Wr columns of the NE experts once for all nt <= NT tokens (registers), and the
+// nt x pieces all in flight together. NE x NT = 32: 4 experts a pass for up to 8 tokens (8 x
+// pieces and 4 experts' Wr fit 128 registers; the next group's x loads hit L1), 8 for up to
+// 4 (one pass fewer at E = 8: one round trip for Wr fewer in the small-T blocks).
 template <int W, int NE, int NT>
 __device__ __forceinline__ void router_dots(const __nv_bfloat16 *xb, const float *wr,
                                             unsigned hidden, unsigned experts, unsigned g0,
