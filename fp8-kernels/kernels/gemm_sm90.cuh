@@ -83,6 +83,17 @@ struct Tile {
     int g, mt, nt;
 };
 
+// The fused SwiGLU epilogue's second output (SWIGLU in gemm): D is fc1's [m, 2F] (gate
+// columns 0..F, up columns F..2F) and h = cast(silu(gate) * up), F = n / 2 columns, the
+// E4M3 input of fc2, written as the MoE cast of the SwiGLU (moe_cast.cuh) writes it.
+struct SwigluOut {
+    uint8_t *y;         // [m, F] row-major
+    uint8_t *yt;        // [F, m] (the weight gradient's operand)
+    const float *scale; // the delayed-scaling scale of the cast
+    float *scale_inv;   // 1 / scale, written by CTA 0 (nullable)
+    float *amax;        // max |h| maxed in as float bits (nullable)
+};
+
 // The per-group m-tile count: rows below min(count, m), in tiles of BM.
 __device__ __forceinline__ int group_mtiles(const int *counts, int g, int m) {
     int rows = m;
@@ -394,12 +405,18 @@ struct BlockScales {
     }
 };
 
+// SWIGLU (PACKED, bf16 D, BN 128 or 256, the store epilogue, not accumulating; n / 2 a
+// multiple of BN / 2): tile nt computes gate columns nt * BN / 2 .. + BN / 2 (its first
+// half, B rows from the first half of each group's weight) and the up columns F = n / 2
+// further (its second half), so each thread holds both inputs of its SwiGLU outputs. The
+// epilogue stores the two halves to their columns of D, then h = cast(silu(gate) * up) of
+// the bf16-rounded values (bit for bit what the SwiGLU cast computes reading D) into `sw`.
 template <__nv_fp8_interpretation_t FA, __nv_fp8_interpretation_t FB, typename Out, int BN,
-          int MODE = GROUPED, bool FAST = false, bool BLOCK = false>
+          int MODE = GROUPED, bool FAST = false, bool BLOCK = false, bool SWIGLU = false>
 __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const TmaDesc *td, Out *d,
                                      const void *bias, const float *sa, const float *sb,
                                      const int *counts, uint4 dims, uint4 flags,
-                                     const float *sbg = nullptr) {
+                                     const float *sbg = nullptr, const SwigluOut *sw = nullptr) {
 #ifdef FP8K_SM90A
     using C = Cfg<BN, Out>;
     // 256 columns hold 128 accumulator registers per thread: room for no second (promotion)
@@ -487,8 +504,16 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                     mbar_expect_tx(full(stage), STAGE_BYTES);
                     tma_load_3d(tile_a(stage), ta, full(stage), kb * BK, tl.mt * BM,
                                 MODE == GROUPED ? tl.g : 0);
-                    tma_load_3d(tile_b(stage), tb, full(stage), kb * BK, tl.nt * BN,
-                                MODE == WGRAD ? 0 : tl.g);
+                    if constexpr (SWIGLU) {
+                        // Two boxes of BN / 2 rows (the map's box): gate rows, then up rows.
+                        const int f0 = tl.nt * (BN / 2);
+                        tma_load_3d(tile_b(stage), tb, full(stage), kb * BK, f0, tl.g);
+                        tma_load_3d(tile_b(stage) + (BN / 2) * BK, tb, full(stage), kb * BK,
+                                    n / 2 + f0, tl.g);
+                    } else {
+                        tma_load_3d(tile_b(stage), tb, full(stage), kb * BK, tl.nt * BN,
+                                    MODE == WGRAD ? 0 : tl.g);
+                    }
                     if (++stage == STAGES) {
                         stage = 0;
                         phase ^= 1u;
@@ -513,6 +538,26 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
         const uint32_t stage_out = staging + cw * (C::STAGING / 2);
         uint8_t *const stage_ptr = smem_raw + (stage_out - raw);
         const bool issuer = t128 == 0;
+        static_assert(!SWIGLU || (MODE == PACKED && !BLOCK && (BN == 128 || BN == 256) &&
+                                  sizeof(Out) == 2),
+                      "fused SwiGLU");
+        // The D column of tile nt's column tc (SWIGLU: gate half, then up half).
+        auto dcol = [&](int nt, int tc) {
+            if constexpr (SWIGLU) {
+                return (tc >= BN / 2 ? n / 2 : 0) + nt * (BN / 2) + tc % (BN / 2);
+            } else {
+                return nt * BN + tc;
+            }
+        };
+        // SWIGLU: the cast's scale, and this thread's max |h| over its tiles.
+        float sw_scale = 1.0f;
+        unsigned sw_amax = 0;
+        if constexpr (SWIGLU) {
+            sw_scale = *sw->scale;
+            if (blockIdx.x == 0 && threadIdx.x == 128 && sw->scale_inv != nullptr) {
+                *sw->scale_inv = 1.0f / sw_scale;
+            }
+        }
         int stage = 0;
         uint32_t phase = 0;
         // The next tile is worked out while the tensor cores run this tile's first k-block
@@ -658,7 +703,7 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                         if (issuer) {
 #pragma unroll
                             for (int q = 0; q < PART_BOXES; ++q) {
-                                const int col = tl.nt * BN + (part * PART_BOXES + q) * COLS;
+                                const int col = dcol(tl.nt, (part * PART_BOXES + q) * COLS);
                                 if (col >= n) continue;
                                 const uint32_t box = stage_out + q * StoreBox<Out>::BYTES;
                                 if (accumulate) {
@@ -670,6 +715,38 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                             bulk_commit();
                         }
                     }
+                    if constexpr (SWIGLU) {
+                        // h of gate pair p (tile columns c0 + 8 p) and up pair p + PAIRS / 2,
+                        // from D's values as stored (bf16-rounded), in rows row + rl and
+                        // row + rl + 8: two bytes a row into y, one byte a value into yt.
+                        const int ffn = n / 2;
+                        const size_t r0 = size_t(row + rl), r1 = r0 + 8;
+                        auto bf16r = [](float v) { return __bfloat162float(__float2bfloat16_rn(v)); };
+#pragma unroll
+                        for (int p = 0; p < PAIRS / 2; ++p) {
+                            const int q = p + PAIRS / 2;
+                            const float2 bg = bias_of(p), bu = bias_of(q);
+                            float h[4];
+#pragma unroll
+                            for (int i = 0; i < 4; ++i) {
+                                const float g = bf16r(alpha_t * acc[4 * p + i] + ((i & 1) ? bg.y : bg.x));
+                                const float u = bf16r(alpha_t * acc[4 * q + i] + ((i & 1) ? bu.y : bu.x));
+                                h[i] = swiglu_f32(g, u);
+                                sw_amax = max(sw_amax, abs_bits(h[i]));
+                            }
+                            const unsigned short v0 = __nv_cvt_float2_to_fp8x2(
+                                make_float2(h[0] * sw_scale, h[1] * sw_scale), __NV_SATFINITE, __NV_E4M3);
+                            const unsigned short v1 = __nv_cvt_float2_to_fp8x2(
+                                make_float2(h[2] * sw_scale, h[3] * sw_scale), __NV_SATFINITE, __NV_E4M3);
+                            const size_t f = size_t(tl.nt * (BN / 2) + c0 + 8 * p);
+                            *reinterpret_cast<unsigned short *>(sw->y + r0 * ffn + f) = v0;
+                            *reinterpret_cast<unsigned short *>(sw->y + r1 * ffn + f) = v1;
+                            sw->yt[f * m + r0] = uint8_t(v0);
+                            sw->yt[(f + 1) * m + r0] = uint8_t(v0 >> 8);
+                            sw->yt[f * m + r1] = uint8_t(v1);
+                            sw->yt[(f + 1) * m + r1] = uint8_t(v1 >> 8);
+                        }
+                    }
                 };
                 if (bias_kind == 0) {
                     store_tile([](int) { return make_float2(0.0f, 0.0f); });
@@ -677,7 +754,7 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                     float2 bias_v[PAIRS];
 #pragma unroll
                     for (int p = 0; p < PAIRS; ++p) {
-                        const int gc = tl.nt * BN + c0 + 8 * p;  // even, like n: gc + 1 < n too
+                        const int gc = dcol(tl.nt, c0 + 8 * p);  // even, like n: gc + 1 < n too
                         bias_v[p] = make_float2(0.0f, 0.0f);
                         if (gc < n) bias_v[p] = make_float2(bias_at(bias, bias_kind, gc), bias_at(bias, bias_kind, gc + 1));
                     }
@@ -691,7 +768,7 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                              : MODE == WGRAD || counts == nullptr ? m
                                                  : min(max(__ldg(counts + tl.g), 0), m);
             const int row0 = tl.mt * BM + cw * 64 + warp * 16 + lane / 4;
-            const int col0 = tl.nt * BN + 2 * (lane % 4);
+            const int col0 = 2 * (lane % 4);  // in the tile
             Out *dg = MODE == PACKED ? d : d + size_t(tl.g) * size_t(m) * size_t(n);
             // In chunks of EPI pairs: first every load the chunk needs (bias, and D when
             // accumulating), independent of each other, then the stores. Loads interleaved
@@ -706,7 +783,7 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
 #pragma unroll
                 for (int q = 0; q < EPI; ++q) {
                     const int j = j0 + q;
-                    const int r = row0 + 8 * (j & 1), c = col0 + 8 * (j >> 1);
+                    const int r = row0 + 8 * (j & 1), c = dcol(tl.nt, col0 + 8 * (j >> 1));
                     bv[q] = make_float2(0.0f, 0.0f);
                     old[q] = make_float2(0.0f, 0.0f);
                     if (r < rows && c < n) {
@@ -717,7 +794,7 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
 #pragma unroll
                 for (int q = 0; q < EPI; ++q) {
                     const int j = j0 + q;
-                    const int r = row0 + 8 * (j & 1), c = col0 + 8 * (j >> 1);
+                    const int r = row0 + 8 * (j & 1), c = dcol(tl.nt, col0 + 8 * (j >> 1));
                     if (r < rows && c < n) {
                         // (alpha * acc + bias) + old: the rounding order of the unsplit form.
                         float a = alpha_t * acc[2 * j] + bv[q].x, b = alpha_t * acc[2 * j + 1] + bv[q].y;
@@ -732,6 +809,13 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
         }
         // The staging must outlive the stores that read it, and D be written, before exit.
         if (store_epilogue && issuer) bulk_wait();
+        if constexpr (SWIGLU) {
+            // One atomicMax a warp: max is order-free, so amax is the same every run.
+            sw_amax = __reduce_max_sync(0xffffffffu, canonical_amax(sw_amax));
+            if (lane == 0 && sw_amax != 0u && sw->amax != nullptr) {
+                atomicMax(reinterpret_cast<unsigned *>(sw->amax), sw_amax);
+            }
+        }
     }
 #else
     __trap();
@@ -872,6 +956,25 @@ FP8K_GEMM_SM90_OUTS(e5m2, __NV_E5M2, e5m2, __NV_E5M2)
 FP8K_GEMM_SM90_FAST(128)
 FP8K_GEMM_SM90_FAST(192)
 FP8K_GEMM_SM90_FAST(256)
+// The packed fc1 GEMM with the fused SwiGLU epilogue (SWIGLU; E4M3 x E4M3, bf16 D, h in
+// E4M3): fast accumulation at 128 and 256 columns, the promoted sum at 128. The scalar
+// slots of h arrive as (buffer, index) pairs: hidx = (scale, scale_inv, amax).
+#define FP8K_GEMM_SM90_SWIGLU(LAYOUT, FASTV, W)                                                        \
+    extern "C" __global__ void __launch_bounds__(fp8k::sm90::THREADS, 1)                             \
+        fp8_gemm_sm90_packed_swiglu_##LAYOUT##e4m3_e4m3_bf16_n##W(                                     \
+            const __grid_constant__ fp8k::sm90::TmaDesc ta, const __grid_constant__ fp8k::sm90::TmaDesc tb, \
+            const __grid_constant__ fp8k::sm90::TmaDesc td, __nv_bfloat16 *d, const void *bias,          \
+            const float *sa, const float *sb, const float *sbg, const int *offsets, uint4 dims,        \
+            uint4 flags, uint8_t *hy, uint8_t *hyt, float *hscale, float *hscale_inv, float *hamax,     \
+            uint4 hidx) {                                                                              \
+        const fp8k::sm90::SwigluOut sw{hy, hyt, fp8k::slot(hscale, hidx.x),                          \
+                                       fp8k::slot(hscale_inv, hidx.y), fp8k::slot(hamax, hidx.z)};    \
+        fp8k::sm90::gemm<__NV_E4M3, __NV_E4M3, __nv_bfloat16, W, fp8k::sm90::PACKED, FASTV, false,     \
+                         true>(&ta, &tb, &td, d, bias, sa, sb, offsets, dims, flags, sbg, &sw);        \
+    }
+FP8K_GEMM_SM90_SWIGLU(fast_, true, 128)
+FP8K_GEMM_SM90_SWIGLU(fast_, true, 256)
+FP8K_GEMM_SM90_SWIGLU(, false, 128)
 // Split-K's sum into D (see split_reduce).
 extern "C" __global__ void __launch_bounds__(256)
     fp8_gemm_split_reduce_bf16(const float *partial, __nv_bfloat16 *d, const void *bias, uint4 dims,

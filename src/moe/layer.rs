@@ -52,7 +52,7 @@ use cuda_graph::half::bf16;
 use cuda_graph::{DeviceBuffer, Error, Result, Stream};
 use fp8_kernels::gemm::{
     GemmOptions, GemmOut, GemmPath, GemmShape, GroupedOperand, Operand, PackedShape, WgradShape,
-    gemm, grouped_gemm_packed, grouped_gemm_wgrad,
+    gemm, grouped_gemm_packed, grouped_gemm_packed_swiglu, grouped_gemm_wgrad,
 };
 use fp8_kernels::{
     BatchedCastOut, CastScaling, DelayedScaling, DeviceScalar, Fp8Format, Fp8Tensor, FusedCastOut,
@@ -788,10 +788,7 @@ impl MoeLayer {
     ) -> Result<()> {
         let (groups, capacity) = (self.cfg.experts, self.cfg.capacity());
         let Some(off) = host_offsets else {
-            let opts = GemmOptions::new()
-                .path(self.grouped_path())
-                .expected_rows(self.cfg.routing_dims().expected_rows())
-                .fast_accumulation(fast);
+            let opts = self.packed_options(fast);
             let shape = PackedShape {
                 groups,
                 capacity,
@@ -825,6 +822,14 @@ impl MoeLayer {
             )?;
         }
         Ok(())
+    }
+
+    /// The options of the grouped kernels over the packed rows (`fast`: fast accumulation).
+    fn packed_options(&self, fast: bool) -> GemmOptions<'static> {
+        GemmOptions::new()
+            .path(self.grouped_path())
+            .expected_rows(self.cfg.routing_dims().expected_rows())
+            .fast_accumulation(fast)
     }
 
     /// A weight gradient of every expert: `D[e] (+)= A[:, rows of e] . B[:, rows of e]^T`
@@ -907,23 +912,47 @@ impl MoeLayer {
         let (c, h, f) = (self.cfg.capacity(), self.cfg.hidden, self.cfg.ffn);
         let host = self.host_offsets(stream, &s.routing)?;
         let e4 = Fp8Format::E4M3;
-        self.experts_gemm(
-            stream,
-            &s.routing,
-            host.as_deref(),
-            (2 * f, h),
-            Operand {
-                data: &self.xq,
-                format: e4,
-                scale_inv: &s.si[0],
-            },
-            (&self.w1_q, &self.w1_scales()?),
-            (&s.a, self.fast_forward),
-        )?;
+        let x = Operand {
+            data: &self.xq,
+            format: e4,
+            scale_inv: &s.si[0],
+        };
         let h_fp8 = self.tensor(&self.hq, &[c, f], HID, &s.si[1])?;
-        // The padding rows (zeros) are not read.
-        let used = RowsInUse::last(&s.routing.offsets)?.padding(&s.routing.token_of_row);
-        swiglu_cast_transpose(stream, &s.a, (c, f), used, self.cast(&h_fp8, s.h_t))?;
+        if host.is_none() {
+            // fc1 with the SwiGLU cast in its epilogue (one kernel on the sm_90a path; the
+            // same bits as the two kernels of the per-expert branch below).
+            let shape = PackedShape {
+                groups: self.cfg.experts,
+                capacity: c,
+                n: 2 * f,
+                k: h,
+            };
+            let w1_scales = self.w1_scales()?;
+            let w1 = GroupedOperand::per_group(&self.w1_q, e4, &w1_scales);
+            grouped_gemm_packed_swiglu(
+                stream,
+                shape,
+                x,
+                w1,
+                &s.a,
+                &s.routing.offsets,
+                self.packed_options(self.fast_forward),
+                self.cast(&h_fp8, s.h_t),
+            )?;
+        } else {
+            self.experts_gemm(
+                stream,
+                &s.routing,
+                host.as_deref(),
+                (2 * f, h),
+                x,
+                (&self.w1_q, &self.w1_scales()?),
+                (&s.a, self.fast_forward),
+            )?;
+            // The padding rows (zeros) are not read.
+            let used = RowsInUse::last(&s.routing.offsets)?.padding(&s.routing.token_of_row);
+            swiglu_cast_transpose(stream, &s.a, (c, f), used, self.cast(&h_fp8, s.h_t))?;
+        }
         self.experts_gemm(
             stream,
             &s.routing,

@@ -33,9 +33,11 @@ use cuda_graph::{Context, DeviceBuffer, Error, KernelArgs, LaunchConfig, Result,
 
 use super::packed::{GroupScales, PackedProblem, WgradProblem};
 use super::{Bias, BlockOperand, GemmOut, GemmProblem};
+use crate::cast_transpose::slot_indices;
 use crate::format::Fp8Format;
 use crate::module::kernel;
 use crate::quantize::idx;
+use crate::tensor::Fp8Tensor;
 
 /// Tile edge in M and K (keep in step with `BM`, `BK` in the kernel).
 const TILE: usize = 128;
@@ -581,8 +583,60 @@ fn launch_blockwise_with(
 /// tile's rows past its first row's group are computed with that group, or left unwritten
 /// when accumulating) and `N` even.
 pub(crate) fn launch_packed(stream: &Stream, p: &PackedProblem<'_>) -> Result<()> {
+    check_packed_device(stream, "packed GEMM", p.shape.n)?;
+    check_packed_limits(p)?;
+    enqueue_packed(stream, p, packed_bn(stream, p)?, None)
+}
+
+/// The packed GEMM of fc1 with the SwiGLU cast of D fused into its epilogue
+/// ([`super::grouped_gemm_packed_swiglu`]), `h` = (the row-major output `[capacity, n / 2]`
+/// with its scalars, the transposed bytes), both checked by the caller. `Ok(false)`, with
+/// nothing enqueued, where the fused kernel does not take the problem: another device,
+/// operands other than E4M3 x E4M3, an E5M2 `h`, accumulation, a D the store epilogue can not
+/// write, or a tile width whose halves do not divide `n / 2` (F a multiple of 64 for the
+/// 128-wide tile, of 128 for the 256-wide one). The caller then runs the two kernels.
+pub(crate) fn launch_packed_swiglu(
+    stream: &Stream,
+    p: &PackedProblem<'_>,
+    h: (&Fp8Tensor, &DeviceBuffer<u8>),
+) -> Result<bool> {
+    let (capacity, n) = (p.shape.capacity, p.shape.n);
+    let e4 = Fp8Format::E4M3;
+    let fits = available(stream.context())?
+        && !p.accumulate
+        && (p.a.format, p.b.format) == (e4, e4)
+        && h.0.format() == e4
+        && matches!(p.d, GemmOut::Bf16(_))
+        && n % 2 == 0
+        && store_map(&p.d, 1, capacity, n)?.is_some();
+    if !fits {
+        return Ok(false);
+    }
+    check_packed_limits(p)?;
+    let fast = fast_instance(p.fast, (e4, e4), p.d.name());
+    let Some(bn) = swiglu_bn(packed_bn(stream, p)?, fast, n / 2) else {
+        return Ok(false);
+    };
+    enqueue_packed(stream, p, bn, Some(h)).map(|()| true)
+}
+
+/// The fused SwiGLU kernel's tile width for the width `bn` the plain packed GEMM would take:
+/// its gate and up halves must be whole 64-column store boxes that tile F = `ffn` (the kernel
+/// has 256 with fast accumulation, 128 with both sums), so 256 stays where F allows it and
+/// 192 becomes 128; `None` where F is not a multiple of 64.
+pub(crate) fn swiglu_bn(bn: usize, fast: bool, ffn: usize) -> Option<usize> {
+    if fast && bn == 256 && ffn % 128 == 0 {
+        Some(256)
+    } else if ffn % 64 == 0 {
+        Some(128)
+    } else {
+        None
+    }
+}
+
+/// The packed kernels' 32-bit index limits.
+fn check_packed_limits(p: &PackedProblem<'_>) -> Result<()> {
     let (groups, capacity, n, k) = (p.shape.groups, p.shape.capacity, p.shape.n, p.shape.k);
-    check_packed_device(stream, "packed GEMM", n)?;
     let lim = i32::MAX as usize;
     if capacity > lim || n > lim || k > lim || groups.saturating_mul(n) > lim {
         return Err(Error::InvalidArgument(format!(
@@ -590,24 +644,51 @@ pub(crate) fn launch_packed(stream: &Stream, p: &PackedProblem<'_>) -> Result<()
              exceed 2^31"
         )));
     }
-    let formats = (p.a.format, p.b.format);
-    // The tile width for the rows expected in use, the grid for the whole capacity.
+    Ok(())
+}
+
+/// The packed GEMM's tile width: for the rows expected in use (the grid is sized for the
+/// whole capacity).
+fn packed_bn(stream: &Stream, p: &PackedProblem<'_>) -> Result<usize> {
+    let capacity = p.shape.capacity;
     let rows = p.expected_rows.map_or(capacity, |r| r.clamp(1, capacity));
-    let fast = fast_instance(p.fast, formats, p.d.name());
-    let layout = if fast { "packed_fast_" } else { "packed_" };
-    let bn = choose_bn_for(
+    let fast = fast_instance(p.fast, (p.a.format, p.b.format), p.d.name());
+    let sms = sm_count(stream)? as usize;
+    Ok(choose_bn_for(
         1,
         rows,
-        n,
+        p.shape.n,
         p.d.elem_size(),
-        sm_count(stream)? as usize,
+        sms,
         fast,
-    );
+    ))
+}
+
+/// Enqueues the packed kernel of tile width `bn`; with `swiglu`, the fused SwiGLU instance
+/// (whose store epilogue [`launch_packed_swiglu`] checked), writing h into it.
+fn enqueue_packed(
+    stream: &Stream,
+    p: &PackedProblem<'_>,
+    bn: usize,
+    swiglu: Option<(&Fp8Tensor, &DeviceBuffer<u8>)>,
+) -> Result<()> {
+    let (groups, capacity, n, k) = (p.shape.groups, p.shape.capacity, p.shape.n, p.shape.k);
+    let formats = (p.a.format, p.b.format);
+    let fast = fast_instance(p.fast, formats, p.d.name());
+    let layout = match (swiglu.is_some(), fast) {
+        (false, false) => "packed_",
+        (false, true) => "packed_fast_",
+        (true, false) => "packed_swiglu_",
+        (true, true) => "packed_swiglu_fast_",
+    };
     let (bn, kern, cfg) = select(stream, layout, formats, &p.d, (1, capacity, n), Some(bn))?;
     let ta = tensor_map(p.a.data, 1, capacity, k, TILE)?;
-    let tb = tensor_map(p.b.data, groups, n, k, bn)?;
+    // The fused kernel loads each B tile as two boxes: gate rows, then up rows.
+    let b_rows = if swiglu.is_some() { bn / 2 } else { bn };
+    let tb = tensor_map(p.b.data, groups, n, k, b_rows)?;
     let (epi, td) = epilogue(p.accumulate, &p.d, store_map(&p.d, 1, capacity, n)?);
     let dims = [capacity as u32, n as u32, k as u32, groups as u32];
+    let h_idx = swiglu.map(|(out, _)| slot_indices(out, None)).transpose()?;
     let null = 0u64;
     let (args, bias_kind) = push_head(KernelArgs::new(), [&ta, &tb, &td], &p.d, &p.bias, &null);
     let (sb_idx, sb, sbg) = match p.b.scale_inv {
@@ -627,6 +708,16 @@ pub(crate) fn launch_packed(stream: &Stream, p: &PackedProblem<'_>) -> Result<()
     .arg(p.offsets)
     .arg(&dims)
     .arg(&flags);
+    let args = match (swiglu, &h_idx) {
+        (Some((out, out_t)), Some(h_idx)) => args
+            .arg(out.data())
+            .arg(out_t)
+            .arg(out.scale().buffer())
+            .arg(out.scale_inv().buffer())
+            .arg(out.amax().buffer())
+            .arg(h_idx),
+        _ => args,
+    };
     // SAFETY: the tensor maps cover exactly A ([capacity, K]) and B ([groups, N, K]), so TMA
     // reads stay inside them (zeros past the edges); the kernel writes D ([capacity, N],
     // validated) only at rows below the clamped offsets[groups] rounded up to a tile, capped
@@ -634,7 +725,9 @@ pub(crate) fn launch_packed(stream: &Stream, p: &PackedProblem<'_>) -> Result<()
     // and columns below N; the group index comes from a binary search over the groups + 1 offsets (validated
     // length) and stays in 0..groups, which bounds B's group coordinate and the per-group
     // scales (groups values, validated); bias has N elements; scalar indices are inside their
-    // buffers.
+    // buffers. The fused SwiGLU kernel also writes h at the same rows (below capacity) and
+    // columns below N / 2, into out.data() ([capacity, N / 2]) and out_t ([N / 2, capacity]),
+    // whose sizes the caller checked, and the three scalar slots (indices checked above).
     unsafe { stream.launch_pdl(&kern, &cfg, &args) }
 }
 
@@ -799,6 +892,34 @@ mod cpu_tests {
             kernel_name("block_", e4, e4, "f32", 192),
             "fp8_gemm_sm90_block_e4m3_e4m3_f32_n192"
         );
+        // FP8K_GEMM_SM90_SWIGLU.
+        assert_eq!(
+            kernel_name("packed_swiglu_fast_", e4, e4, "bf16", 256),
+            "fp8_gemm_sm90_packed_swiglu_fast_e4m3_e4m3_bf16_n256"
+        );
+        assert_eq!(
+            kernel_name("packed_swiglu_", e4, e4, "bf16", 128),
+            "fp8_gemm_sm90_packed_swiglu_e4m3_e4m3_bf16_n128"
+        );
+    }
+
+    #[test]
+    fn fused_swiglu_tile_width() {
+        // (the plain GEMM's width, fast accumulation, F) -> the fused kernel's width: 256
+        // stays where fast and F allow, the others take 128 where 64-column halves tile F.
+        for (bn, fast, ffn, want) in [
+            (256, true, 2048, Some(256)),
+            (256, true, 256, Some(256)),
+            (256, true, 192, Some(128)),
+            (192, true, 2048, Some(128)),
+            (128, true, 2048, Some(128)),
+            (192, false, 2048, Some(128)),
+            (128, false, 64, Some(128)),
+            (256, true, 80, None),
+            (128, false, 96, None),
+        ] {
+            assert_eq!(swiglu_bn(bn, fast, ffn), want, "{bn} {fast} {ffn}");
+        }
     }
 
     #[test]

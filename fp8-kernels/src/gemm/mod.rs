@@ -62,7 +62,7 @@ pub mod reference;
 
 pub use packed::{
     ALIGN_ROWS, GroupScales, GroupedOperand, PackedShape, WgradShape, grouped_gemm_packed,
-    grouped_gemm_wgrad,
+    grouped_gemm_packed_swiglu, grouped_gemm_wgrad,
 };
 
 use cuda_graph::half::bf16;

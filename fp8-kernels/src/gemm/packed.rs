@@ -36,13 +36,16 @@
 //!   more than once;
 //! * wgrad: always exactly `D[g]` over `[lo_g, hi_g)`, whatever the order of the entries.
 
+use cuda_graph::half::bf16;
 use cuda_graph::{DeviceBuffer, Result, Stream};
 
 use super::{
     ALIGN, Bias, GemmOptions, GemmOut, GemmPath, K_ALIGN, MAX_GRID_X, MAX_GRID_YZ, Operand,
     check_addr, check_len, invalid, mul, portable,
 };
+use crate::cast_transpose::check_outputs;
 use crate::format::Fp8Format;
+use crate::moe_cast::{CastScaling, FusedCastOut, RowsInUse, swiglu_cast_transpose};
 use crate::tensor::DeviceScalar;
 
 /// Group offsets of the packed layout are multiples of this many rows (the Hopper kernel's
@@ -325,8 +328,88 @@ pub fn grouped_gemm_packed<'a>(
     offsets: &'a DeviceBuffer<i32>,
     opts: GemmOptions<'a>,
 ) -> Result<()> {
-    let what = "grouped_gemm_packed";
-    let (b, d) = (b.into(), d.into());
+    let problem = packed_problem(
+        "grouped_gemm_packed",
+        shape,
+        a,
+        b.into(),
+        d.into(),
+        offsets,
+        &opts,
+    )?;
+    match opts.path {
+        // The sm90 kernel on request only: it needs aligned offsets, which Auto can not check
+        // (they are on the device), and Auto promises the rules of the module docs.
+        GemmPath::Hopper => super::hopper::launch_packed(stream, &problem),
+        GemmPath::Auto | GemmPath::Portable => portable::launch_packed(stream, &problem),
+    }
+}
+
+/// The packed GEMM of a SwiGLU expert's fc1 with the E4M3 cast of fc2's input:
+/// [`grouped_gemm_packed`] into `d` (`[capacity, 2F]` bf16: gate columns `0..F`, up columns
+/// `F..2F`, `F = shape.n / 2`), then `h = cast(silu(gate) * up)` of D's bf16 values into
+/// `h.out` (`[capacity, F]`) and transposed into `h.out_t` (`[F, capacity]`) for the rows
+/// below `offsets[groups]`: exactly what [`grouped_gemm_packed`] followed by
+/// [`swiglu_cast_transpose`] (with [`RowsInUse::last`] of `offsets`) writes, bit for bit,
+/// scale_inv and amax included.
+///
+/// On [`GemmPath::Hopper`] with delayed scaling and no noop flag, E4M3 operands and `h`, and
+/// F a multiple of 64, it is one kernel: each tile computes matching gate and up columns
+/// and its epilogue writes h beside D (the SwiGLU kernel's read of D, 2F bf16 values a row,
+/// and its launch are saved). Otherwise it runs those two kernels.
+///
+/// Rules (checked; nothing is written on an error): those of [`grouped_gemm_packed`] and
+/// of [`swiglu_cast_transpose`] for `[capacity, F]`: `shape.n` even, F a positive multiple
+/// of 16, `h.out` of shape `[capacity, F]`, `h.out_t` of `capacity * F` bytes, 16-byte
+/// aligned. Enqueues without synchronising or allocating (capturable).
+#[allow(clippy::too_many_arguments)] // the GEMM's operands and the cast's output
+pub fn grouped_gemm_packed_swiglu<'a>(
+    stream: &Stream,
+    shape: PackedShape,
+    a: Operand<'a>,
+    b: impl Into<GroupedOperand<'a>>,
+    d: &'a DeviceBuffer<bf16>,
+    offsets: &'a DeviceBuffer<i32>,
+    opts: GemmOptions<'a>,
+    h: FusedCastOut<'a>,
+) -> Result<()> {
+    let what = "grouped_gemm_packed_swiglu";
+    let ffn = shape.n / 2;
+    if shape.n % 2 != 0 || ffn % 16 != 0 {
+        return Err(invalid(
+            what,
+            format!(
+                "N = {} must be 2F with F a positive multiple of 16 (gate and up columns)",
+                shape.n
+            ),
+        ));
+    }
+    let b = b.into();
+    let problem = packed_problem(what, shape, a, b, d.into(), offsets, &opts)?;
+    check_outputs(what, shape.capacity, ffn, h.out, h.out_t)?;
+    let used = RowsInUse::last(offsets)?;
+    let plain = h.scaling != CastScaling::Delayed || h.noop.is_some();
+    if opts.path == GemmPath::Hopper
+        && !plain
+        && super::hopper::launch_packed_swiglu(stream, &problem, (h.out, h.out_t))?
+    {
+        return Ok(());
+    }
+    grouped_gemm_packed(stream, shape, a, b, d, offsets, opts)?;
+    swiglu_cast_transpose(stream, d, (shape.capacity, ffn), used, h)
+}
+
+/// Validates a packed GEMM's arguments (`what` names the entry point in errors) into the
+/// problem the launchers take.
+fn packed_problem<'a>(
+    what: &str,
+    shape: PackedShape,
+    a: Operand<'a>,
+    b: GroupedOperand<'a>,
+    d: GemmOut<'a>,
+    offsets: &'a DeviceBuffer<i32>,
+    opts: &GemmOptions<'a>,
+) -> Result<PackedProblem<'a>> {
     let b_scales = match b.scale_inv {
         GroupScales::Tensor(_) => None,
         GroupScales::PerGroup(s) => Some((s.len(), s.as_raw())),
@@ -346,7 +429,7 @@ pub fn grouped_gemm_packed<'a>(
             b_scales,
         },
     )?;
-    let problem = PackedProblem {
+    Ok(PackedProblem {
         shape,
         a,
         b,
@@ -356,13 +439,7 @@ pub fn grouped_gemm_packed<'a>(
         accumulate: opts.accumulate,
         expected_rows: opts.expected_rows,
         fast: opts.fast_accumulation,
-    };
-    match opts.path {
-        // The sm90 kernel on request only: it needs aligned offsets, which Auto can not check
-        // (they are on the device), and Auto promises the rules of the module docs.
-        GemmPath::Hopper => super::hopper::launch_packed(stream, &problem),
-        GemmPath::Auto | GemmPath::Portable => portable::launch_packed(stream, &problem),
-    }
+    })
 }
 
 /// Packed grouped weight gradient (dW of every expert): for every group `g`,
