@@ -25,7 +25,9 @@
 //!   `[Graphed: router + permute] [Eager: experts] [Graphed: combine]`, backward
 //!   `[Graphed: gates' and router gradients + dY cast] [Eager: experts] [Graphed: dx]`.
 //! * [`ExpertGemm::Grouped`]: grouped GEMMs reading the offsets on the device; nothing on
-//!   the host between the kernels, so each pass is one graph (full-layer capture).
+//!   the host between the kernels, so each pass is one graph (full-layer capture). fc1 and
+//!   the SwiGLU cast are one call ([`grouped_gemm_packed_swiglu`]): on the sm_90a path the
+//!   cast runs in fc1's epilogue, one kernel instead of two, with the same bits.
 //!
 //! # FP8 state
 //! [`tensors`]`(E) = 4 + 2E` tensors of a shared [`DelayedScaling`], from the layer's

@@ -4,6 +4,8 @@
 //!
 //! * [`grouped_gemm_packed`]: forward and data gradient, `D[r,:] = A[r,:] . B[g]^T` for the
 //!   rows `r` of group `g`;
+//! * [`grouped_gemm_packed_swiglu`]: the forward of a SwiGLU expert's fc1 with the E4M3
+//!   cast of `silu(gate) * up` fused into the sm_90a kernel's epilogue;
 //! * [`grouped_gemm_wgrad`]: weight gradient, `D[g] = A[:, rows of g] . B[:, rows of g]^T`, a
 //!   reduction over each group's rows.
 //!
