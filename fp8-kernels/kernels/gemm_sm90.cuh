@@ -83,15 +83,21 @@ struct Tile {
     int g, mt, nt;
 };
 
-// The fused SwiGLU epilogue's second output (SWIGLU in gemm): D is fc1's [m, 2F] (gate
-// columns 0..F, up columns F..2F) and h = cast(silu(gate) * up), F = n / 2 columns, the
-// E4M3 input of fc2, written as the MoE cast of the SwiGLU (moe_cast.cuh) writes it.
+// The epilogues fused into the packed GEMM (FUSE in gemm), each writing the FP8 cast (row-major
+// and transposed, as the MoE casts of moe_cast.cuh write it) of an elementwise function of
+// D beside D:
+// * FUSE_SWIGLU: D is fc1's [m, 2F] (gate columns 0..F, up columns F..2F), the cast
+//   h = silu(gate) * up, F = n / 2 columns (fc2's input);
+// * FUSE_SWIGLU_BWD: D is fc2's data gradient dh [m, F], and the cast the SwiGLU backward
+//   [d gate, d up] ([m, 2F]) from dh and the forward's fc1 output `a` ([m, 2F], bf16).
+enum Fuse : int { FUSE_NONE = 0, FUSE_SWIGLU = 1, FUSE_SWIGLU_BWD = 2 };
 struct SwigluOut {
-    uint8_t *y;         // [m, F] row-major
-    uint8_t *yt;        // [F, m] (the weight gradient's operand)
-    const float *scale; // the delayed-scaling scale of the cast
-    float *scale_inv;   // 1 / scale, written by CTA 0 (nullable)
-    float *amax;        // max |h| maxed in as float bits (nullable)
+    uint8_t *y;               // [m, cols] row-major (cols = F forward, 2F backward)
+    uint8_t *yt;              // [cols, m] (the weight gradient's operand)
+    const float *scale;       // the delayed-scaling scale of the cast
+    float *scale_inv;         // 1 / scale, written by CTA 0 (nullable)
+    float *amax;              // max |value| maxed in as float bits (nullable)
+    const __nv_bfloat16 *a;   // FUSE_SWIGLU_BWD: fc1's output [m, 2F]
 };
 
 // The per-group m-tile count: rows below min(count, m), in tiles of BM.
@@ -411,14 +417,20 @@ struct BlockScales {
 // further (its second half), so each thread holds both inputs of its SwiGLU outputs. The
 // epilogue stores the two halves to their columns of D, then h = cast(silu(gate) * up) of
 // the bf16-rounded values (bit for bit what the SwiGLU cast computes reading D) into `sw`.
+// FUSE_SWIGLU_BWD (PACKED, bf16 D, BN 128 or 192, the store epilogue, not accumulating):
+// each CTA prefetches its tile's gate and up columns of `a` into L2 as the tile starts (one
+// bulk prefetch a consumer thread), and the epilogue reads them beside dh's bf16-rounded
+// values: the SwiGLU backward cast reading D, bit for bit. OF: the casts' FP8 format.
 template <__nv_fp8_interpretation_t FA, __nv_fp8_interpretation_t FB, typename Out, int BN,
-          int MODE = GROUPED, bool FAST = false, bool BLOCK = false, bool SWIGLU = false>
+          int MODE = GROUPED, bool FAST = false, bool BLOCK = false, int FUSE = FUSE_NONE,
+          __nv_fp8_interpretation_t OF = __NV_E4M3>
 __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const TmaDesc *td, Out *d,
                                      const void *bias, const float *sa, const float *sb,
                                      const int *counts, uint4 dims, uint4 flags,
                                      const float *sbg = nullptr, const SwigluOut *sw = nullptr) {
 #ifdef FP8K_SM90A
     using C = Cfg<BN, Out>;
+    constexpr bool SWIGLU = FUSE == FUSE_SWIGLU, SWIGLU_BWD = FUSE == FUSE_SWIGLU_BWD;
     // 256 columns hold 128 accumulator registers per thread: room for no second (promotion)
     // accumulator beside them.
     static_assert(FAST || BN <= 192, "BN 256 needs fast accumulation");
@@ -541,6 +553,9 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
         static_assert(!SWIGLU || (MODE == PACKED && !BLOCK && (BN == 128 || BN == 256) &&
                                   sizeof(Out) == 2),
                       "fused SwiGLU");
+        static_assert(!SWIGLU_BWD || (MODE == PACKED && !BLOCK && !FAST && (BN == 128 || BN == 192) &&
+                                      sizeof(Out) == 2),
+                      "fused SwiGLU backward");
         // The D column of tile nt's column tc (SWIGLU: gate half, then up half).
         auto dcol = [&](int nt, int tc) {
             if constexpr (SWIGLU) {
@@ -549,10 +564,10 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                 return nt * BN + tc;
             }
         };
-        // SWIGLU: the cast's scale, and this thread's max |h| over its tiles.
+        // The fused cast's scale, and this thread's max |value| over its tiles.
         float sw_scale = 1.0f;
         unsigned sw_amax = 0;
-        if constexpr (SWIGLU) {
+        if constexpr (FUSE != FUSE_NONE) {
             sw_scale = *sw->scale;
             if (blockIdx.x == 0 && threadIdx.x == 128 && sw->scale_inv != nullptr) {
                 *sw->scale_inv = 1.0f / sw_scale;
@@ -574,6 +589,15 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
 #pragma unroll
             for (int i = 0; i < NACC; ++i) acc[i] = 0.0f;
             const KRange kr = krange(tl);
+            if constexpr (SWIGLU_BWD) {
+                // This tile's gate and up columns of `a` (64 rows a consumer, a row's two
+                // halves by two threads) into L2 while the main loop runs.
+                const int pc = min(BN, n - tl.nt * BN);
+                const size_t pr = size_t(tl.mt * BM + cw * 64 + t128 / 2);
+                const __nv_bfloat16 *src = sw->a + pr * 2 * n + (t128 & 1) * n + tl.nt * BN;
+                asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(pc * 2)
+                             : "memory");
+            }
             if (kr.hi <= kr.lo) next = tile_after(t);
             // An empty reduction (WGRAD) leaves an accumulated D[g] as it was.
             if (kr.hi <= kr.lo && accumulate) continue;
@@ -735,9 +759,9 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                                 sw_amax = max(sw_amax, abs_bits(h[i]));
                             }
                             const unsigned short v0 = __nv_cvt_float2_to_fp8x2(
-                                make_float2(h[0] * sw_scale, h[1] * sw_scale), __NV_SATFINITE, __NV_E4M3);
+                                make_float2(h[0] * sw_scale, h[1] * sw_scale), __NV_SATFINITE, OF);
                             const unsigned short v1 = __nv_cvt_float2_to_fp8x2(
-                                make_float2(h[2] * sw_scale, h[3] * sw_scale), __NV_SATFINITE, __NV_E4M3);
+                                make_float2(h[2] * sw_scale, h[3] * sw_scale), __NV_SATFINITE, OF);
                             const size_t f = size_t(tl.nt * (BN / 2) + c0 + 8 * p);
                             *reinterpret_cast<unsigned short *>(sw->y + r0 * ffn + f) = v0;
                             *reinterpret_cast<unsigned short *>(sw->y + r1 * ffn + f) = v1;
@@ -745,6 +769,68 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                             sw->yt[(f + 1) * m + r0] = uint8_t(v0 >> 8);
                             sw->yt[f * m + r1] = uint8_t(v1);
                             sw->yt[(f + 1) * m + r1] = uint8_t(v1 >> 8);
+                        }
+                    }
+                    if constexpr (SWIGLU_BWD) {
+                        // d gate and d up of column pair p (D columns c, c + 1 < F = n) in rows
+                        // row + rl and row + rl + 8, from dh as stored (bf16-rounded) and a's
+                        // gate (column c) and up (F + c) values, read CH pairs at a time (the
+                        // loads first, from L2 after the prefetch); d gate to y's column c,
+                        // d up to F + c, and their bytes into yt.
+                        const int ffn = n;
+                        const size_t r0 = size_t(row + rl), r1 = r0 + 8;
+                        const __nv_bfloat16 *a0 = sw->a + r0 * 2 * ffn, *a1 = sw->a + r1 * 2 * ffn;
+                        auto bf16r = [](float v) { return __bfloat162float(__float2bfloat16_rn(v)); };
+                        constexpr int CH = 8;
+                        static_assert(PAIRS % CH == 0, "epilogue chunks");
+#pragma unroll
+                        for (int p0 = 0; p0 < PAIRS; p0 += CH) {
+                            float2 gv[CH][2], uv[CH][2];
+#pragma unroll
+                            for (int q = 0; q < CH; ++q) {
+                                const int c = dcol(tl.nt, c0 + 8 * (p0 + q));
+                                const bool in = c < ffn;
+                                gv[q][0] = in ? load2<__nv_bfloat16>(a0 + c) : make_float2(0.0f, 0.0f);
+                                uv[q][0] = in ? load2<__nv_bfloat16>(a0 + ffn + c) : make_float2(0.0f, 0.0f);
+                                gv[q][1] = in ? load2<__nv_bfloat16>(a1 + c) : make_float2(0.0f, 0.0f);
+                                uv[q][1] = in ? load2<__nv_bfloat16>(a1 + ffn + c) : make_float2(0.0f, 0.0f);
+                            }
+#pragma unroll
+                            for (int q = 0; q < CH; ++q) {
+                                const int p = p0 + q;
+                                const int c = dcol(tl.nt, c0 + 8 * p);
+                                if (c >= ffn) continue;
+                                const float2 bv = bias_of(p);
+                                float dg[4], du[4];
+#pragma unroll
+                                for (int i = 0; i < 4; ++i) {
+                                    const float dv = bf16r(alpha_t * acc[4 * p + i] + ((i & 1) ? bv.y : bv.x));
+                                    const float2 g2 = gv[q][i >> 1], u2 = uv[q][i >> 1];
+                                    const float g = (i & 1) ? g2.y : g2.x, u = (i & 1) ? u2.y : u2.x;
+                                    dg[i] = swiglu_grad_f32(g, u, dv, false);
+                                    du[i] = swiglu_grad_f32(g, u, dv, true);
+                                    sw_amax = max(sw_amax, max(abs_bits(dg[i]), abs_bits(du[i])));
+                                }
+                                auto cvt = [&](float x, float y) {
+                                    return (unsigned short)__nv_cvt_float2_to_fp8x2(
+                                        make_float2(x * sw_scale, y * sw_scale), __NV_SATFINITE, OF);
+                                };
+                                const unsigned short g0 = cvt(dg[0], dg[1]), g1 = cvt(dg[2], dg[3]);
+                                const unsigned short u0 = cvt(du[0], du[1]), u1 = cvt(du[2], du[3]);
+                                const size_t cols = size_t(2 * ffn), cg = size_t(c), cu = size_t(ffn + c);
+                                *reinterpret_cast<unsigned short *>(sw->y + r0 * cols + cg) = g0;
+                                *reinterpret_cast<unsigned short *>(sw->y + r1 * cols + cg) = g1;
+                                *reinterpret_cast<unsigned short *>(sw->y + r0 * cols + cu) = u0;
+                                *reinterpret_cast<unsigned short *>(sw->y + r1 * cols + cu) = u1;
+                                sw->yt[cg * m + r0] = uint8_t(g0);
+                                sw->yt[(cg + 1) * m + r0] = uint8_t(g0 >> 8);
+                                sw->yt[cg * m + r1] = uint8_t(g1);
+                                sw->yt[(cg + 1) * m + r1] = uint8_t(g1 >> 8);
+                                sw->yt[cu * m + r0] = uint8_t(u0);
+                                sw->yt[(cu + 1) * m + r0] = uint8_t(u0 >> 8);
+                                sw->yt[cu * m + r1] = uint8_t(u1);
+                                sw->yt[(cu + 1) * m + r1] = uint8_t(u1 >> 8);
+                            }
                         }
                     }
                 };
@@ -809,7 +895,7 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
         }
         // The staging must outlive the stores that read it, and D be written, before exit.
         if (store_epilogue && issuer) bulk_wait();
-        if constexpr (SWIGLU) {
+        if constexpr (FUSE != FUSE_NONE) {
             // One atomicMax a warp: max is order-free, so amax is the same every run.
             sw_amax = __reduce_max_sync(0xffffffffu, canonical_amax(sw_amax));
             if (lane == 0 && sw_amax != 0u && sw->amax != nullptr) {
@@ -968,13 +1054,36 @@ FP8K_GEMM_SM90_FAST(256)
             uint4 flags, uint8_t *hy, uint8_t *hyt, float *hscale, float *hscale_inv, float *hamax,     \
             uint4 hidx) {                                                                              \
         const fp8k::sm90::SwigluOut sw{hy, hyt, fp8k::slot(hscale, hidx.x),                          \
-                                       fp8k::slot(hscale_inv, hidx.y), fp8k::slot(hamax, hidx.z)};    \
+                                       fp8k::slot(hscale_inv, hidx.y), fp8k::slot(hamax, hidx.z),     \
+                                       nullptr};                                                      \
         fp8k::sm90::gemm<__NV_E4M3, __NV_E4M3, __nv_bfloat16, W, fp8k::sm90::PACKED, FASTV, false,     \
-                         true>(&ta, &tb, &td, d, bias, sa, sb, offsets, dims, flags, sbg, &sw);        \
+                         fp8k::sm90::FUSE_SWIGLU>(&ta, &tb, &td, d, bias, sa, sb, offsets, dims, flags, \
+                                                  sbg, &sw);                                           \
     }
 FP8K_GEMM_SM90_SWIGLU(fast_, true, 128)
 FP8K_GEMM_SM90_SWIGLU(fast_, true, 256)
 FP8K_GEMM_SM90_SWIGLU(, false, 128)
+// The packed data gradient of fc2 with the SwiGLU backward's cast fused (FUSE_SWIGLU_BWD):
+// A (dY) in the gradient format AN, which is also the cast's; B (W2^T) E4M3; promoted sums.
+// `a`: fc1's output.
+#define FP8K_GEMM_SM90_SWIGLU_BWD(AN, FA, W)                                                           \
+    extern "C" __global__ void __launch_bounds__(fp8k::sm90::THREADS, 1)                             \
+        fp8_gemm_sm90_packed_swiglu_bwd_##AN##_e4m3_bf16_n##W(                                         \
+            const __grid_constant__ fp8k::sm90::TmaDesc ta, const __grid_constant__ fp8k::sm90::TmaDesc tb, \
+            const __grid_constant__ fp8k::sm90::TmaDesc td, __nv_bfloat16 *d, const void *bias,          \
+            const float *sa, const float *sb, const float *sbg, const int *offsets, uint4 dims,        \
+            uint4 flags, uint8_t *hy, uint8_t *hyt, float *hscale, float *hscale_inv, float *hamax,     \
+            uint4 hidx, const __nv_bfloat16 *a) {                                                      \
+        const fp8k::sm90::SwigluOut sw{hy, hyt, fp8k::slot(hscale, hidx.x),                          \
+                                       fp8k::slot(hscale_inv, hidx.y), fp8k::slot(hamax, hidx.z), a}; \
+        fp8k::sm90::gemm<FA, __NV_E4M3, __nv_bfloat16, W, fp8k::sm90::PACKED, false, false,             \
+                         fp8k::sm90::FUSE_SWIGLU_BWD, FA>(&ta, &tb, &td, d, bias, sa, sb, offsets, dims, \
+                                                         flags, sbg, &sw);                              \
+    }
+FP8K_GEMM_SM90_SWIGLU_BWD(e4m3, __NV_E4M3, 128)
+FP8K_GEMM_SM90_SWIGLU_BWD(e4m3, __NV_E4M3, 192)
+FP8K_GEMM_SM90_SWIGLU_BWD(e5m2, __NV_E5M2, 128)
+FP8K_GEMM_SM90_SWIGLU_BWD(e5m2, __NV_E5M2, 192)
 // Split-K's sum into D (see split_reduce).
 extern "C" __global__ void __launch_bounds__(256)
     fp8_gemm_split_reduce_bf16(const float *partial, __nv_bfloat16 *d, const void *bias, uint4 dims,

@@ -25,6 +25,7 @@
 
 use std::sync::Arc;
 
+use cuda_graph::half::bf16;
 use cuda_graph::sys::{
     CUresult, CUtensorMap, CUtensorMapDataType, CUtensorMapFloatOOBfill, CUtensorMapInterleave,
     CUtensorMapL2promotion, CUtensorMapSwizzle,
@@ -585,7 +586,19 @@ fn launch_blockwise_with(
 pub(crate) fn launch_packed(stream: &Stream, p: &PackedProblem<'_>) -> Result<()> {
     check_packed_device(stream, "packed GEMM", p.shape.n)?;
     check_packed_limits(p)?;
-    enqueue_packed(stream, p, packed_bn(stream, p)?, None)
+    enqueue_packed(stream, p, packed_bn(stream, p)?, Fuse::None)
+}
+
+/// An epilogue fused into the packed GEMM: where its FP8 cast goes (the row-major output
+/// with its scalars, the transposed bytes; checked by the caller).
+#[derive(Clone, Copy)]
+pub(crate) enum Fuse<'a> {
+    None,
+    /// fc1's SwiGLU cast ([`launch_packed_swiglu`]).
+    Swiglu(&'a Fp8Tensor, &'a DeviceBuffer<u8>),
+    /// The SwiGLU backward's cast from fc2's data gradient and fc1's output `a`
+    /// ([`launch_packed_swiglu_backward`]).
+    SwigluBackward(&'a Fp8Tensor, &'a DeviceBuffer<u8>, &'a DeviceBuffer<bf16>),
 }
 
 /// The packed GEMM of fc1 with the SwiGLU cast of D fused into its epilogue
@@ -617,7 +630,37 @@ pub(crate) fn launch_packed_swiglu(
     let Some(bn) = swiglu_bn(packed_bn(stream, p)?, fast, n / 2) else {
         return Ok(false);
     };
-    enqueue_packed(stream, p, bn, Some(h)).map(|()| true)
+    enqueue_packed(stream, p, bn, Fuse::Swiglu(h.0, h.1)).map(|()| true)
+}
+
+/// fc2's packed data gradient `dh` (D, `[capacity, F]` bf16) with the SwiGLU backward's cast
+/// fused into its epilogue ([`super::grouped_gemm_packed_swiglu_backward`]): from dh and
+/// `a` (fc1's output `[capacity, 2F]`), `[d gate, d up]` cast into `out` (`[capacity, 2F]`)
+/// and `out_t` (`[2F, capacity]`), all checked by the caller. `Ok(false)`, with nothing
+/// enqueued, where the fused kernel does not take the problem: another device, B other than
+/// E4M3, a cast format other than A's, fast accumulation (the fused kernel promotes its
+/// sums), accumulation, or a D the store epilogue can not write.
+pub(crate) fn launch_packed_swiglu_backward(
+    stream: &Stream,
+    p: &PackedProblem<'_>,
+    (out, out_t): (&Fp8Tensor, &DeviceBuffer<u8>),
+    a: &DeviceBuffer<bf16>,
+) -> Result<bool> {
+    let (capacity, n) = (p.shape.capacity, p.shape.n);
+    let fits = available(stream.context())?
+        && !p.accumulate
+        && p.b.format == Fp8Format::E4M3
+        && out.format() == p.a.format
+        && !fast_instance(p.fast, (p.a.format, p.b.format), p.d.name())
+        && matches!(p.d, GemmOut::Bf16(_))
+        && store_map(&p.d, 1, capacity, n)?.is_some();
+    if !fits {
+        return Ok(false);
+    }
+    check_packed_limits(p)?;
+    // The promoted kernels' widths (128 or 192), as the plain data gradient would take.
+    let bn = packed_bn(stream, p)?;
+    enqueue_packed(stream, p, bn, Fuse::SwigluBackward(out, out_t, a)).map(|()| true)
 }
 
 /// The fused SwiGLU kernel's tile width for the width `bn` the plain packed GEMM would take:
@@ -664,31 +707,31 @@ fn packed_bn(stream: &Stream, p: &PackedProblem<'_>) -> Result<usize> {
     ))
 }
 
-/// Enqueues the packed kernel of tile width `bn`; with `swiglu`, the fused SwiGLU instance
-/// (whose store epilogue [`launch_packed_swiglu`] checked), writing h into it.
-fn enqueue_packed(
-    stream: &Stream,
-    p: &PackedProblem<'_>,
-    bn: usize,
-    swiglu: Option<(&Fp8Tensor, &DeviceBuffer<u8>)>,
-) -> Result<()> {
+/// Enqueues the packed kernel of tile width `bn`, or with `fuse` the fused instance (whose
+/// store epilogue the launcher checked), writing its cast.
+fn enqueue_packed(stream: &Stream, p: &PackedProblem<'_>, bn: usize, fuse: Fuse<'_>) -> Result<()> {
     let (groups, capacity, n, k) = (p.shape.groups, p.shape.capacity, p.shape.n, p.shape.k);
     let formats = (p.a.format, p.b.format);
     let fast = fast_instance(p.fast, formats, p.d.name());
-    let layout = match (swiglu.is_some(), fast) {
-        (false, false) => "packed_",
-        (false, true) => "packed_fast_",
-        (true, false) => "packed_swiglu_",
-        (true, true) => "packed_swiglu_fast_",
+    let (layout, cast) = match (fuse, fast) {
+        (Fuse::None, false) => ("packed_", None),
+        (Fuse::None, true) => ("packed_fast_", None),
+        (Fuse::Swiglu(o, t), false) => ("packed_swiglu_", Some((o, t))),
+        (Fuse::Swiglu(o, t), true) => ("packed_swiglu_fast_", Some((o, t))),
+        (Fuse::SwigluBackward(o, t, _), _) => ("packed_swiglu_bwd_", Some((o, t))),
     };
     let (bn, kern, cfg) = select(stream, layout, formats, &p.d, (1, capacity, n), Some(bn))?;
     let ta = tensor_map(p.a.data, 1, capacity, k, TILE)?;
-    // The fused kernel loads each B tile as two boxes: gate rows, then up rows.
-    let b_rows = if swiglu.is_some() { bn / 2 } else { bn };
+    // The fused SwiGLU loads each B tile as two boxes: gate rows, then up rows.
+    let b_rows = if matches!(fuse, Fuse::Swiglu(..)) {
+        bn / 2
+    } else {
+        bn
+    };
     let tb = tensor_map(p.b.data, groups, n, k, b_rows)?;
     let (epi, td) = epilogue(p.accumulate, &p.d, store_map(&p.d, 1, capacity, n)?);
     let dims = [capacity as u32, n as u32, k as u32, groups as u32];
-    let h_idx = swiglu.map(|(out, _)| slot_indices(out, None)).transpose()?;
+    let h_idx = cast.map(|(out, _)| slot_indices(out, None)).transpose()?;
     let null = 0u64;
     let (args, bias_kind) = push_head(KernelArgs::new(), [&ta, &tb, &td], &p.d, &p.bias, &null);
     let (sb_idx, sb, sbg) = match p.b.scale_inv {
@@ -708,7 +751,7 @@ fn enqueue_packed(
     .arg(p.offsets)
     .arg(&dims)
     .arg(&flags);
-    let args = match (swiglu, &h_idx) {
+    let args = match (cast, &h_idx) {
         (Some((out, out_t)), Some(h_idx)) => args
             .arg(out.data())
             .arg(out_t)
@@ -716,6 +759,10 @@ fn enqueue_packed(
             .arg(out.scale_inv().buffer())
             .arg(out.amax().buffer())
             .arg(h_idx),
+        _ => args,
+    };
+    let args = match fuse {
+        Fuse::SwigluBackward(_, _, a) => args.arg(a),
         _ => args,
     };
     // SAFETY: the tensor maps cover exactly A ([capacity, K]) and B ([groups, N, K]), so TMA
@@ -728,6 +775,9 @@ fn enqueue_packed(
     // buffers. The fused SwiGLU kernel also writes h at the same rows (below capacity) and
     // columns below N / 2, into out.data() ([capacity, N / 2]) and out_t ([N / 2, capacity]),
     // whose sizes the caller checked, and the three scalar slots (indices checked above).
+    // The fused SwiGLU backward reads a ([capacity, 2F], checked by the caller) at the rows
+    // it writes, columns below 2F (its prefetches cover the same bytes), and writes its cast
+    // ([capacity, 2F] and [2F, capacity], checked) at those rows and columns.
     unsafe { stream.launch_pdl(&kern, &cfg, &args) }
 }
 
@@ -900,6 +950,11 @@ mod cpu_tests {
         assert_eq!(
             kernel_name("packed_swiglu_", e4, e4, "bf16", 128),
             "fp8_gemm_sm90_packed_swiglu_e4m3_e4m3_bf16_n128"
+        );
+        // FP8K_GEMM_SM90_SWIGLU_BWD.
+        assert_eq!(
+            kernel_name("packed_swiglu_bwd_", e5, e4, "bf16", 192),
+            "fp8_gemm_sm90_packed_swiglu_bwd_e5m2_e4m3_bf16_n192"
         );
     }
 
