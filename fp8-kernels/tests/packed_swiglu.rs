@@ -400,7 +400,7 @@ fn fused_swiglu_refuses_bad_arguments_and_writes_nothing() {
     let offsets = DeviceBuffer::from_host(&stream, &[0i32, 128, 256]).unwrap();
     let sa = DeviceScalar::new(&stream, 1.0).unwrap();
     let sbg = DeviceBuffer::from_host(&stream, &[1.0f32, 1.0]).unwrap();
-    let (d, h, h_t) = outputs(&stream, capacity, f, 1.0);
+    let (d, h, h_t) = outputs(&stream, (capacity, 2 * f, f), E4, 1.0);
     let before = read(&stream, &d, &h, &h_t);
     let small = Fp8Tensor::new(&stream, &[capacity, f / 2], E4).unwrap();
     let odd = PackedShape {
