@@ -181,6 +181,21 @@ fn encode_3d(
         strides,
         box_dims,
         promotion,
+        CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+    )
+}
+
+/// A fused cast's map (`BOX64` in the kernel): `[rows, cols]` bytes, boxes of 64 rows x 64
+/// bytes in the 64-byte swizzle.
+fn cast_map(buf: &DeviceBuffer<u8>, rows: usize, cols: usize) -> Result<[u64; 16]> {
+    encode_3d_strided(
+        buf.as_raw(),
+        CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+        [cols, rows, 1],
+        [cols, rows * cols],
+        [64, 64],
+        CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_NONE,
+        CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_64B,
     )
 }
 
@@ -193,6 +208,7 @@ fn encode_3d_strided(
     [stride_rows, stride_groups]: [usize; 2],
     [box_cols, box_rows]: [usize; 2],
     promotion: CUtensorMapL2promotion,
+    swizzle: CUtensorMapSwizzle,
 ) -> Result<[u64; 16]> {
     let drv = cuda_graph::sys::driver()?;
     let encode = drv.cuTensorMapEncodeTiled()?;
@@ -215,7 +231,7 @@ fn encode_3d_strided(
             bx.as_ptr(),
             el.as_ptr(),
             CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            swizzle,
             promotion,
             CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
         )
@@ -397,6 +413,7 @@ fn launch_split_k(
             [k, ks],
             [TILE, box_rows],
             l2,
+            CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
         )
     };
     let (Ok(ta), Ok(tb)) = (view(p.a.data, m, TILE), view(p.b.data, n, bn)) else {
@@ -639,7 +656,8 @@ pub(crate) fn launch_packed_swiglu(
 /// and `out_t` (`[2F, capacity]`), all checked by the caller. `Ok(false)`, with nothing
 /// enqueued, where the fused kernel does not take the problem: another device, B other than
 /// E4M3, a cast format other than A's, fast accumulation (the fused kernel promotes its
-/// sums), accumulation, or a D the store epilogue can not write.
+/// sums), F not a multiple of 64 (the cast's boxes), accumulation, or a D the store epilogue
+/// can not write.
 pub(crate) fn launch_packed_swiglu_backward(
     stream: &Stream,
     p: &PackedProblem<'_>,
@@ -652,15 +670,15 @@ pub(crate) fn launch_packed_swiglu_backward(
         && p.b.format == Fp8Format::E4M3
         && out.format() == p.a.format
         && !fast_instance(p.fast, (p.a.format, p.b.format), p.d.name())
+        && n % 64 == 0
         && matches!(p.d, GemmOut::Bf16(_))
         && store_map(&p.d, 1, capacity, n)?.is_some();
     if !fits {
         return Ok(false);
     }
     check_packed_limits(p)?;
-    // The promoted kernels' widths (128 or 192), as the plain data gradient would take.
-    let bn = packed_bn(stream, p)?;
-    enqueue_packed(stream, p, bn, Fuse::SwigluBackward(out, out_t, a)).map(|()| true)
+    // 128 columns (the instance there is; at 192 its registers spilled).
+    enqueue_packed(stream, p, 128, Fuse::SwigluBackward(out, out_t, a)).map(|()| true)
 }
 
 /// The fused SwiGLU kernel's tile width for the width `bn` the plain packed GEMM would take:
@@ -732,6 +750,19 @@ fn enqueue_packed(stream: &Stream, p: &PackedProblem<'_>, bn: usize, fuse: Fuse<
     let (epi, td) = epilogue(p.accumulate, &p.d, store_map(&p.d, 1, capacity, n)?);
     let dims = [capacity as u32, n as u32, k as u32, groups as u32];
     let h_idx = cast.map(|(out, _)| slot_indices(out, None)).transpose()?;
+    // The cast's maps: forward h [capacity, n / 2], backward [capacity, 2n]; and transposed.
+    let cast_cols = match fuse {
+        Fuse::Swiglu(..) => n / 2,
+        _ => 2 * n,
+    };
+    let cast_maps = cast
+        .map(|(out, out_t)| -> Result<_> {
+            Ok((
+                cast_map(out.data(), capacity, cast_cols)?,
+                cast_map(out_t, cast_cols, capacity)?,
+            ))
+        })
+        .transpose()?;
     let null = 0u64;
     let (args, bias_kind) = push_head(KernelArgs::new(), [&ta, &tb, &td], &p.d, &p.bias, &null);
     let (sb_idx, sb, sbg) = match p.b.scale_inv {
@@ -751,8 +782,10 @@ fn enqueue_packed(stream: &Stream, p: &PackedProblem<'_>, bn: usize, fuse: Fuse<
     .arg(p.offsets)
     .arg(&dims)
     .arg(&flags);
-    let args = match (cast, &h_idx) {
-        (Some((out, out_t)), Some(h_idx)) => args
+    let args = match (cast, &h_idx, &cast_maps) {
+        (Some((out, out_t)), Some(h_idx), Some((ty, tyt))) => args
+            .arg(ty)
+            .arg(tyt)
             .arg(out.data())
             .arg(out_t)
             .arg(out.scale().buffer())
@@ -774,7 +807,8 @@ fn enqueue_packed(stream: &Stream, p: &PackedProblem<'_>, bn: usize, fuse: Fuse<
     // scales (groups values, validated); bias has N elements; scalar indices are inside their
     // buffers. The fused SwiGLU kernel also writes h at the same rows (below capacity) and
     // columns below N / 2, into out.data() ([capacity, N / 2]) and out_t ([N / 2, capacity]),
-    // whose sizes the caller checked, and the three scalar slots (indices checked above).
+    // whose sizes the caller checked (through maps of exactly those extents, built above),
+    // and the three scalar slots (indices checked above).
     // The fused SwiGLU backward reads a ([capacity, 2F], checked by the caller) at the rows
     // it writes, columns below 2F (its prefetches cover the same bytes), and writes its cast
     // ([capacity, 2F] and [2F, capacity], checked) at those rows and columns.
@@ -953,8 +987,8 @@ mod cpu_tests {
         );
         // FP8K_GEMM_SM90_SWIGLU_BWD.
         assert_eq!(
-            kernel_name("packed_swiglu_bwd_", e5, e4, "bf16", 192),
-            "fp8_gemm_sm90_packed_swiglu_bwd_e5m2_e4m3_bf16_n192"
+            kernel_name("packed_swiglu_bwd_", e5, e4, "bf16", 128),
+            "fp8_gemm_sm90_packed_swiglu_bwd_e5m2_e4m3_bf16_n128"
         );
     }
 

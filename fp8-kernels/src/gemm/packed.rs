@@ -416,7 +416,7 @@ pub fn grouped_gemm_packed_swiglu<'a>(
 /// bit, scale_inv and amax included.
 ///
 /// On [`GemmPath::Hopper`] with delayed scaling and no noop flag, B in E4M3, the cast in A's
-/// format and no fast accumulation, it is one kernel: each tile prefetches its rows of
+/// format, F a multiple of 64 and no fast accumulation, it is one kernel: each tile prefetches its rows of
 /// `fc1_out` into L2 as it starts and its epilogue writes the cast beside dh (the SwiGLU
 /// backward kernel's reads of dh and `fc1_out` and its launch are saved). Otherwise it runs
 /// those two kernels.
