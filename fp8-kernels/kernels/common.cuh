@@ -103,13 +103,6 @@ __device__ __forceinline__ float sigmoid_f32(float v) { return __fdividef(1.0f, 
 // silu(g) * up, silu(v) = v * sigmoid(v): the SwiGLU of the MoE casts (moe_cast.cuh) and of
 // the fc1 GEMM's fused epilogue (gemm_sm90.cuh), one formula so the two agree bit for bit.
 __device__ __forceinline__ float swiglu_f32(float g, float u) { return g * sigmoid_f32(g) * u; }
-// Its gradients from dh = d: d gate (upper = false) = d * up * silu'(gate), d up (upper =
-// true) = d * silu(gate), silu'(v) = sigmoid(v) * (1 + v * (1 - sigmoid(v))); shared the same
-// way.
-__device__ __forceinline__ float swiglu_grad_f32(float g, float u, float d, bool upper) {
-    const float s = sigmoid_f32(g);
-    return upper ? d * (g * s) : d * u * (s * (1.0f + g * (1.0f - s)));
-}
 
 // Whether a noop flag (nullable device float) asks the kernel to do nothing.
 __device__ __forceinline__ bool is_noop(const float *noop) { return noop != nullptr && *noop == 1.0f; }

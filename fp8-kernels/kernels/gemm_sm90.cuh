@@ -83,23 +83,15 @@ struct Tile {
     int g, mt, nt;
 };
 
-// The epilogues fused into the packed GEMM (FUSE in gemm), each writing the FP8 cast (row-major
-// and transposed, as the MoE casts of moe_cast.cuh write it) of an elementwise function of
-// D beside D:
-// * FUSE_SWIGLU: D is fc1's [m, 2F] (gate columns 0..F, up columns F..2F), the cast
-//   h = silu(gate) * up, F = n / 2 columns (fc2's input);
-// * FUSE_SWIGLU_BWD: D is fc2's data gradient dh [m, F], and the cast the SwiGLU backward
-//   [d gate, d up] ([m, 2F]) from dh and the forward's fc1 output `a` ([m, 2F], bf16).
-enum Fuse : int { FUSE_NONE = 0, FUSE_SWIGLU = 1, FUSE_SWIGLU_BWD = 2 };
+// The fused SwiGLU epilogue's second output (SWIGLU in gemm): D is fc1's [m, 2F] (gate
+// columns 0..F, up columns F..2F) and h = cast(silu(gate) * up), F = n / 2 columns, the
+// E4M3 input of fc2, written as the MoE cast of the SwiGLU (moe_cast.cuh) writes it.
 struct SwigluOut {
-    const TmaDesc *ty;        // the cast [m, cols] (cols = F forward, 2F backward), boxes of
-                              // 64 rows x 64 bytes, 64-byte swizzle (box64)
-    const TmaDesc *tyt;       // its transpose [cols, m] (the weight gradient's operand), the same
-                              // boxes
-    const float *scale;       // the delayed-scaling scale of the cast
-    float *scale_inv;         // 1 / scale, written by CTA 0 (nullable)
-    float *amax;              // max |value| maxed in as float bits (nullable)
-    const __nv_bfloat16 *a;   // FUSE_SWIGLU_BWD: fc1's output [m, 2F]
+    const TmaDesc *ty;  // h [m, F], boxes of 64 rows x 64 bytes, 64-byte swizzle (box64)
+    const TmaDesc *tyt; // h^T [F, m] (the weight gradient's operand), the same boxes
+    const float *scale; // the delayed-scaling scale of the cast
+    float *scale_inv;   // 1 / scale, written by CTA 0 (nullable)
+    float *amax;        // max |h| maxed in as float bits (nullable)
 };
 
 // The per-group m-tile count: rows below min(count, m), in tiles of BM.
@@ -436,26 +428,19 @@ struct BlockScales {
 // half, B rows from the first half of each group's weight) and the up columns F = n / 2
 // further (its second half), so each thread holds both inputs of its SwiGLU outputs. The
 // epilogue stores the two halves to their columns of D, then h = cast(silu(gate) * up) of
-// the bf16-rounded values (bit for bit what the SwiGLU cast computes reading D) into `sw`.
-// FUSE_SWIGLU_BWD (PACKED, bf16 D, BN 128, the store epilogue, not accumulating; n a
-// multiple of 64): each CTA prefetches its tile's gate and up columns of `a` into L2 as the
-// tile starts (one bulk prefetch a consumer thread), and the epilogue reads them beside dh's
-// bf16-rounded values: the SwiGLU backward cast reading D, bit for bit. OF: the casts' FP8
-// format. Both write their casts through the consumer's staging (after D's boxes have been
-// read from it) with TMA stores of 64 x 64-byte boxes: written from registers, a warp's
-// stores of 2-byte pairs and single bytes scattered over 8 to 32 sectors each, and the
-// fused kernels ran slower than the GEMM and the cast kernel apart (T = 256: 41.9 against
-// 28.5 + 5.8 us, 44.5 against 15.7 + 8.0).
+// the bf16-rounded values (bit for bit what the SwiGLU cast computes reading D) into `sw`,
+// through the consumer's staging (after D's boxes have been read from it) with TMA stores of
+// 64 x 64-byte boxes. (Written from registers, a warp's 2-byte and 1-byte stores scattered
+// over 8 and 4 sectors each, the fused kernel took 41.9 us at T = 256 against 28.5 + 5.8 for
+// the GEMM and the SwiGLU cast apart.)
 template <__nv_fp8_interpretation_t FA, __nv_fp8_interpretation_t FB, typename Out, int BN,
-          int MODE = GROUPED, bool FAST = false, bool BLOCK = false, int FUSE = FUSE_NONE,
-          __nv_fp8_interpretation_t OF = __NV_E4M3>
+          int MODE = GROUPED, bool FAST = false, bool BLOCK = false, bool SWIGLU = false>
 __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const TmaDesc *td, Out *d,
                                      const void *bias, const float *sa, const float *sb,
                                      const int *counts, uint4 dims, uint4 flags,
                                      const float *sbg = nullptr, const SwigluOut *sw = nullptr) {
 #ifdef FP8K_SM90A
     using C = Cfg<BN, Out>;
-    constexpr bool SWIGLU = FUSE == FUSE_SWIGLU, SWIGLU_BWD = FUSE == FUSE_SWIGLU_BWD;
     // 256 columns hold 128 accumulator registers per thread: room for no second (promotion)
     // accumulator beside them.
     static_assert(FAST || BN <= 192, "BN 256 needs fast accumulation");
@@ -485,7 +470,7 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
         if (flags.w & 2u) {
             asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(td)) : "memory");
         }
-        if constexpr (FUSE != FUSE_NONE) {
+        if constexpr (SWIGLU) {
             asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(sw->ty)) : "memory");
             asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(sw->tyt)) : "memory");
         }
@@ -582,9 +567,6 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
         static_assert(!SWIGLU || (MODE == PACKED && !BLOCK && (BN == 128 || BN == 256) &&
                                   sizeof(Out) == 2),
                       "fused SwiGLU");
-        static_assert(!SWIGLU_BWD || (MODE == PACKED && !BLOCK && !FAST && BN == 128 &&
-                                      sizeof(Out) == 2),
-                      "fused SwiGLU backward");
         // The D column of tile nt's column tc (SWIGLU: gate half, then up half).
         auto dcol = [&](int nt, int tc) {
             if constexpr (SWIGLU) {
@@ -593,15 +575,11 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                 return nt * BN + tc;
             }
         };
-        // The fused cast's scale, and this thread's max |value| over its tiles.
+        // SWIGLU: the cast's scale (waited for at the first epilogue), and this thread's max
+        // |h| over its tiles.
         float sw_scale = 1.0f;
         unsigned sw_amax = 0;
-        if constexpr (FUSE != FUSE_NONE) {
-            sw_scale = *sw->scale;
-            if (blockIdx.x == 0 && threadIdx.x == 128 && sw->scale_inv != nullptr) {
-                *sw->scale_inv = 1.0f / sw_scale;
-            }
-        }
+        if constexpr (SWIGLU) sw_scale = *sw->scale;
         int stage = 0;
         uint32_t phase = 0;
         // The next tile is worked out while the tensor cores run this tile's first k-block
@@ -618,15 +596,6 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
 #pragma unroll
             for (int i = 0; i < NACC; ++i) acc[i] = 0.0f;
             const KRange kr = krange(tl);
-            if constexpr (SWIGLU_BWD) {
-                // This tile's gate and up columns of `a` (64 rows a consumer, a row's two
-                // halves by two threads) into L2 while the main loop runs.
-                const int pc = min(BN, n - tl.nt * BN);
-                const size_t pr = size_t(tl.mt * BM + cw * 64 + t128 / 2);
-                const __nv_bfloat16 *src = sw->a + pr * 2 * n + (t128 & 1) * n + tl.nt * BN;
-                asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(pc * 2)
-                             : "memory");
-            }
             if (kr.hi <= kr.lo) next = tile_after(t);
             // An empty reduction (WGRAD) leaves an accumulated D[g] as it was.
             if (kr.hi <= kr.lo && accumulate) continue;
@@ -792,9 +761,9 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                                 sw_amax = max(sw_amax, abs_bits(h[i]));
                             }
                             const unsigned short v0 = __nv_cvt_float2_to_fp8x2(
-                                make_float2(h[0] * sw_scale, h[1] * sw_scale), __NV_SATFINITE, OF);
+                                make_float2(h[0] * sw_scale, h[1] * sw_scale), __NV_SATFINITE, __NV_E4M3);
                             const unsigned short v1 = __nv_cvt_float2_to_fp8x2(
-                                make_float2(h[2] * sw_scale, h[3] * sw_scale), __NV_SATFINITE, OF);
+                                make_float2(h[2] * sw_scale, h[3] * sw_scale), __NV_SATFINITE, __NV_E4M3);
                             // Column c0 + 8 p of the h tile: box p / 8 (c0 + 8 (p % 8) < 64).
                             const int bo = (p / 8) * BOX64, cc = c0 + 8 * (p % 8);
                             put_pair(ys + bo, rl, cc, v0);
@@ -813,99 +782,6 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                             }
                             bulk_commit();
                         }
-                    }
-                    if constexpr (SWIGLU_BWD) {
-                        // d gate and d up of column pair p (D columns c, c + 1 < F = n) in rows
-                        // rl and rl + 8, from dh as stored (bf16-rounded) and a's gate (column
-                        // c) and up (F + c) values, read CH pairs at a time (the loads first,
-                        // from L2 after the prefetch). Two rounds through the staging (64 x BN
-                        // bf16 = 2 x BN / 64 boxes of 64 x 64 bytes): the row-major boxes of
-                        // d gate (y's column c) and d up (F + c), then the transposed ones; the
-                        // packed bytes wait in registers for the second round.
-                        constexpr int NBOX = BN / 64;
-                        const int ffn = n;
-                        const size_t r0 = size_t(row + rl), r1 = r0 + 8;
-                        const __nv_bfloat16 *a0 = sw->a + r0 * 2 * ffn, *a1 = sw->a + r1 * 2 * ffn;
-                        auto bf16r = [](float v) { return __bfloat162float(__float2bfloat16_rn(v)); };
-                        auto cvt = [&](float x, float y) {
-                            return (unsigned)(unsigned short)__nv_cvt_float2_to_fp8x2(
-                                make_float2(x * sw_scale, y * sw_scale), __NV_SATFINITE, OF);
-                        };
-                        // (row rl's pair) | (row rl + 8's pair) << 16, for d gate and d up.
-                        unsigned vg[PAIRS], vu[PAIRS];
-                        if (issuer) bulk_wait_read();
-                        named_sync(1 + cw, 128);
-                        constexpr int CH = 8;
-                        static_assert(PAIRS % CH == 0, "epilogue chunks");
-#pragma unroll
-                        for (int p0 = 0; p0 < PAIRS; p0 += CH) {
-                            float2 gv[CH][2], uv[CH][2];
-#pragma unroll
-                            for (int q = 0; q < CH; ++q) {
-                                const int c = dcol(tl.nt, c0 + 8 * (p0 + q));
-                                const bool in = c < ffn;
-                                gv[q][0] = in ? load2<__nv_bfloat16>(a0 + c) : make_float2(0.0f, 0.0f);
-                                uv[q][0] = in ? load2<__nv_bfloat16>(a0 + ffn + c) : make_float2(0.0f, 0.0f);
-                                gv[q][1] = in ? load2<__nv_bfloat16>(a1 + c) : make_float2(0.0f, 0.0f);
-                                uv[q][1] = in ? load2<__nv_bfloat16>(a1 + ffn + c) : make_float2(0.0f, 0.0f);
-                            }
-#pragma unroll
-                            for (int q = 0; q < CH; ++q) {
-                                const int p = p0 + q;
-                                const bool in = dcol(tl.nt, c0 + 8 * p) < ffn;
-                                const float2 bv = bias_of(p);
-                                float dg[4], du[4];
-#pragma unroll
-                                for (int i = 0; i < 4; ++i) {
-                                    const float dv = bf16r(alpha_t * acc[4 * p + i] + ((i & 1) ? bv.y : bv.x));
-                                    const float2 g2 = gv[q][i >> 1], u2 = uv[q][i >> 1];
-                                    const float g = (i & 1) ? g2.y : g2.x, u = (i & 1) ? u2.y : u2.x;
-                                    dg[i] = swiglu_grad_f32(g, u, dv, false);
-                                    du[i] = swiglu_grad_f32(g, u, dv, true);
-                                    // Columns past F (a partial last tile) are never stored.
-                                    if (in) sw_amax = max(sw_amax, max(abs_bits(dg[i]), abs_bits(du[i])));
-                                }
-                                vg[p] = cvt(dg[0], dg[1]) | cvt(dg[2], dg[3]) << 16;
-                                vu[p] = cvt(du[0], du[1]) | cvt(du[2], du[3]) << 16;
-                                const int bo = (p / 8) * BOX64, cc = c0 + 8 * (p % 8);
-                                put_pair(stage_ptr + bo, rl, cc, vg[p] & 0xffffu);
-                                put_pair(stage_ptr + bo, rl + 8, cc, vg[p] >> 16);
-                                put_pair(stage_ptr + NBOX * BOX64 + bo, rl, cc, vu[p] & 0xffffu);
-                                put_pair(stage_ptr + NBOX * BOX64 + bo, rl + 8, cc, vu[p] >> 16);
-                            }
-                        }
-                        // The boxes of columns at or past F (a partial last tile) are skipped.
-                        auto issue = [&](bool transposed) {
-                            fence_async_shared();
-                            named_sync(1 + cw, 128);
-                            if (!issuer) return;
-#pragma unroll
-                            for (int j = 0; j < NBOX; ++j) {
-                                const int col = tl.nt * BN + 64 * j;
-                                if (col >= ffn) continue;
-                                const uint32_t bg = stage_out + j * BOX64, bu = bg + NBOX * BOX64;
-                                if (transposed) {
-                                    tma_store_3d(sw->tyt, bg, row, col, 0);
-                                    tma_store_3d(sw->tyt, bu, row, ffn + col, 0);
-                                } else {
-                                    tma_store_3d(sw->ty, bg, col, row, 0);
-                                    tma_store_3d(sw->ty, bu, ffn + col, row, 0);
-                                }
-                            }
-                            bulk_commit();
-                        };
-                        issue(false);
-                        if (issuer) bulk_wait_read();
-                        named_sync(1 + cw, 128);
-#pragma unroll
-                        for (int p = 0; p < PAIRS; ++p) {
-                            const int bo = (p / 8) * BOX64, cc = c0 + 8 * (p % 8);
-                            put_pair_t(stage_ptr + bo, cc, rl, vg[p] & 0xffffu);
-                            put_pair_t(stage_ptr + bo, cc, rl + 8, vg[p] >> 16);
-                            put_pair_t(stage_ptr + NBOX * BOX64 + bo, cc, rl, vu[p] & 0xffffu);
-                            put_pair_t(stage_ptr + NBOX * BOX64 + bo, cc, rl + 8, vu[p] >> 16);
-                        }
-                        issue(true);
                     }
                 };
                 if (bias_kind == 0) {
@@ -969,11 +845,14 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
         }
         // The staging must outlive the stores that read it, and D be written, before exit.
         if (store_epilogue && issuer) bulk_wait();
-        if constexpr (FUSE != FUSE_NONE) {
+        if constexpr (SWIGLU) {
             // One atomicMax a warp: max is order-free, so amax is the same every run.
             sw_amax = __reduce_max_sync(0xffffffffu, canonical_amax(sw_amax));
             if (lane == 0 && sw_amax != 0u && sw->amax != nullptr) {
                 atomicMax(reinterpret_cast<unsigned *>(sw->amax), sw_amax);
+            }
+            if (blockIdx.x == 0 && threadIdx.x == 128 && sw->scale_inv != nullptr) {
+                *sw->scale_inv = 1.0f / sw_scale;
             }
         }
     }
@@ -1132,37 +1011,13 @@ FP8K_GEMM_SM90_FAST(256)
             float *hscale, float *hscale_inv,                                                          \
             float *hamax, uint4 hidx) {                                                                \
         const fp8k::sm90::SwigluOut sw{&ty, &tyt, fp8k::slot(hscale, hidx.x),                        \
-                                       fp8k::slot(hscale_inv, hidx.y), fp8k::slot(hamax, hidx.z),     \
-                                       nullptr};                                                      \
+                                       fp8k::slot(hscale_inv, hidx.y), fp8k::slot(hamax, hidx.z)};    \
         fp8k::sm90::gemm<__NV_E4M3, __NV_E4M3, __nv_bfloat16, W, fp8k::sm90::PACKED, FASTV, false,     \
-                         fp8k::sm90::FUSE_SWIGLU>(&ta, &tb, &td, d, bias, sa, sb, offsets, dims, flags, \
-                                                  sbg, &sw);                                           \
+                         true>(&ta, &tb, &td, d, bias, sa, sb, offsets, dims, flags, sbg, &sw);        \
     }
 FP8K_GEMM_SM90_SWIGLU(fast_, true, 128)
 FP8K_GEMM_SM90_SWIGLU(fast_, true, 256)
 FP8K_GEMM_SM90_SWIGLU(, false, 128)
-// The packed data gradient of fc2 with the SwiGLU backward's cast fused (FUSE_SWIGLU_BWD):
-// A (dY) in the gradient format AN, which is also the cast's; B (W2^T) E4M3; promoted sums.
-// `a`: fc1's output.
-#define FP8K_GEMM_SM90_SWIGLU_BWD(AN, FA, W)                                                           \
-    extern "C" __global__ void __launch_bounds__(fp8k::sm90::THREADS, 1)                             \
-        fp8_gemm_sm90_packed_swiglu_bwd_##AN##_e4m3_bf16_n##W(                                         \
-            const __grid_constant__ fp8k::sm90::TmaDesc ta, const __grid_constant__ fp8k::sm90::TmaDesc tb, \
-            const __grid_constant__ fp8k::sm90::TmaDesc td, __nv_bfloat16 *d, const void *bias,          \
-            const float *sa, const float *sb, const float *sbg, const int *offsets, uint4 dims,        \
-            uint4 flags, const __grid_constant__ fp8k::sm90::TmaDesc ty,                                \
-            const __grid_constant__ fp8k::sm90::TmaDesc tyt, const uint8_t *hy, const uint8_t *hyt,     \
-            float *hscale, float *hscale_inv,                                                          \
-            float *hamax, uint4 hidx, const __nv_bfloat16 *a) {                                        \
-        const fp8k::sm90::SwigluOut sw{&ty, &tyt, fp8k::slot(hscale, hidx.x),                        \
-                                       fp8k::slot(hscale_inv, hidx.y), fp8k::slot(hamax, hidx.z), a}; \
-        fp8k::sm90::gemm<FA, __NV_E4M3, __nv_bfloat16, W, fp8k::sm90::PACKED, false, false,             \
-                         fp8k::sm90::FUSE_SWIGLU_BWD, FA>(&ta, &tb, &td, d, bias, sa, sb, offsets, dims, \
-                                                         flags, sbg, &sw);                              \
-    }
-// 128 columns only: at 192 the packed bytes of the second round (48 registers) spilled.
-FP8K_GEMM_SM90_SWIGLU_BWD(e4m3, __NV_E4M3, 128)
-FP8K_GEMM_SM90_SWIGLU_BWD(e5m2, __NV_E5M2, 128)
 // Split-K's sum into D (see split_reduce).
 extern "C" __global__ void __launch_bounds__(256)
     fp8_gemm_split_reduce_bf16(const float *partial, __nv_bfloat16 *d, const void *bias, uint4 dims,

@@ -123,7 +123,8 @@ struct SwigluBackwardSource {
     __device__ __forceinline__ bool padding(unsigned long long r) const { return pad != nullptr && pad[r] < 0; }
     // d gate (upper = false) or d up (upper = true) of one column.
     __device__ __forceinline__ static float grad(float g, float u, float d, bool upper) {
-        return swiglu_grad_f32(g, u, d, upper);
+        const float s = sigmoid_f32(g);
+        return upper ? d * (g * s) : d * u * (s * (1.0f + g * (1.0f - s)));
     }
     __device__ __forceinline__ Raw load(unsigned long long r, unsigned long long c) const {
         if (padding(r)) {

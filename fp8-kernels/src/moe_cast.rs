@@ -381,12 +381,7 @@ pub fn gather_cast_transpose<'a>(
 
 /// Checks `a` (`[rows, 2 * ffn]` bf16) and `ffn` for the SwiGLU casts: `rows >= 1`,
 /// `ffn` a positive multiple of 16, `a` 16-byte aligned.
-pub(crate) fn check_swiglu_input(
-    what: &str,
-    a: &DeviceBuffer<bf16>,
-    rows: usize,
-    ffn: usize,
-) -> Result<()> {
+fn check_swiglu_input(what: &str, a: &DeviceBuffer<bf16>, rows: usize, ffn: usize) -> Result<()> {
     if ffn == 0 || ffn % 16 != 0 {
         return Err(Error::InvalidArgument(format!(
             "{what}: ffn = {ffn} must be a positive multiple of 16"

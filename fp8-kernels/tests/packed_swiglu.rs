@@ -1,14 +1,12 @@
-//! The packed GEMMs with a SwiGLU cast fused into their epilogues against the two kernels
-//! each stands for, over the rows below `offsets[groups]`: fc1's
-//! ([`grouped_gemm_packed_swiglu`] against [`grouped_gemm_packed`] then
-//! [`swiglu_cast_transpose`]) and fc2's data gradient
-//! ([`grouped_gemm_packed_swiglu_backward`] against [`grouped_gemm_packed`] then
-//! [`swiglu_backward_cast_transpose`]), on fresh random data (the seed is printed): D, the
-//! row-major and the transposed FP8 output, amax and scale_inv bit for bit, every output
-//! poisoned first (so what neither writes must stay poison in both). Each function is
-//! captured into a graph and the graph's kernel nodes counted: one where the fused sm_90a
-//! kernel takes the problem (`GemmPath::Hopper`, delayed scaling; forward: F a multiple of
-//! 64; backward: no fast accumulation), the separate kernels otherwise. How close D and the SwiGLU are to fp64 is the business of `grouped_packed.rs`
+//! The packed fc1 GEMM with the SwiGLU cast fused into its epilogue
+//! ([`grouped_gemm_packed_swiglu`]) against the two kernels it stands for
+//! ([`grouped_gemm_packed`] then [`swiglu_cast_transpose`] over the rows below
+//! `offsets[groups]`), on fresh random data (the seed is printed): D, the row-major and the
+//! transposed FP8 output, amax and scale_inv bit for bit, every output poisoned first (so
+//! what neither writes must stay poison in both). The function is captured into a graph
+//! and the graph's kernel nodes counted: one where the fused sm_90a kernel takes the problem
+//! (`GemmPath::Hopper`, E4M3, delayed scaling, F a multiple of 64), the separate kernels
+//! otherwise. How close D and the SwiGLU are to fp64 is the business of `grouped_packed.rs`
 //! and the root package's `moe_kernels.rs`, which test those two kernels; equality with them
 //! carries it over. GPU tests are `#[ignore]`d; run them with `cargo test -p fp8-kernels
 //! --test packed_swiglu -- --include-ignored` on an H100/H200.
@@ -19,12 +17,12 @@ use cuda_graph::half::bf16;
 use cuda_graph::{Context, DeviceBuffer, GraphExec, InstantiateFlags, NodeKind, Stream};
 use fp8_kernels::gemm::{
     ALIGN_ROWS, GemmOptions, GemmPath, GroupedOperand, Operand, PackedShape, grouped_gemm_packed,
-    grouped_gemm_packed_swiglu, grouped_gemm_packed_swiglu_backward,
+    grouped_gemm_packed_swiglu,
 };
 use fp8_kernels::reference as r;
 use fp8_kernels::{
     CastScaling, DType, DeviceScalar, Fp8Format, Fp8Tensor, FusedCastOut, RowsInUse,
-    swiglu_backward_cast_transpose, swiglu_cast_transpose,
+    swiglu_cast_transpose,
 };
 
 mod common;
@@ -47,9 +45,6 @@ struct Case {
     fast: bool,
     bias: bool,
     scaling: CastScaling,
-    /// `None`: fc1 and the SwiGLU cast; `Some(format)`: fc2's data gradient and the SwiGLU
-    /// backward's cast, dY and the cast in `format`.
-    backward: Option<Fp8Format>,
 }
 
 impl Case {
@@ -63,28 +58,12 @@ impl Case {
             fast: true,
             bias: false,
             scaling: CastScaling::Delayed,
-            backward: None,
-        }
-    }
-
-    /// This case as a backward one, with promoted sums (the layer's data gradients).
-    fn backward(self, format: Fp8Format) -> Case {
-        Case {
-            backward: Some(format),
-            fast: false,
-            ..self
         }
     }
 
     /// Whether the fused kernel takes the case on an sm_90a device (see the module docs).
     fn fused(&self) -> bool {
-        self.scaling == CastScaling::Delayed
-            && match self.backward {
-                None => self.ffn % 64 == 0,
-                // E4M3 x E4M3 with fast accumulation takes the fast GEMM, which the fused
-                // backward (promoted sums) would not match.
-                Some(g) => !(self.fast && g == E4) && self.ffn % 64 == 0,
-            }
+        self.scaling == CastScaling::Delayed && self.ffn % 64 == 0
     }
 }
 
@@ -98,22 +77,24 @@ struct Outputs {
     scale_inv: u32,
 }
 
-/// Poisoned outputs: a `[capacity, n]` D and a `[capacity, cols]` cast in `format` with scale
-/// `scale`.
+/// Poisoned outputs for a `[capacity, 2F]` D and `[capacity, F]` h with cast scale `scale`.
 fn outputs(
     stream: &Stream,
-    (capacity, n, cols): (usize, usize, usize),
-    format: Fp8Format,
+    capacity: usize,
+    ffn: usize,
     scale: f32,
 ) -> (DeviceBuffer<bf16>, Fp8Tensor, DeviceBuffer<u8>) {
-    let d =
-        DeviceBuffer::from_host(stream, &vec![bf16::from_bits(POISON_BF16); capacity * n]).unwrap();
-    let h = Fp8Tensor::new(stream, &[capacity, cols], format).unwrap();
+    let d = DeviceBuffer::from_host(
+        stream,
+        &vec![bf16::from_bits(POISON_BF16); capacity * 2 * ffn],
+    )
+    .unwrap();
+    let h = Fp8Tensor::new(stream, &[capacity, ffn], E4).unwrap();
     h.data().memset_bytes(stream, POISON_U8).unwrap();
     h.scale().write(stream, scale).unwrap();
     h.scale_inv().write(stream, f32::NAN).unwrap();
     h.amax().write(stream, 0.0).unwrap();
-    let h_t = DeviceBuffer::<u8>::alloc(stream.context(), capacity * cols).unwrap();
+    let h_t = DeviceBuffer::<u8>::alloc(stream.context(), capacity * ffn).unwrap();
     h_t.memset_bytes(stream, POISON_U8).unwrap();
     (d, h, h_t)
 }
@@ -134,18 +115,11 @@ fn read(stream: &Stream, d: &DeviceBuffer<bf16>, h: &Fp8Tensor, h_t: &DeviceBuff
 
 fn check(ctx: &std::sync::Arc<Context>, stream: &Stream, c: &Case, seed: u64) {
     let what = format!(
-        "{} (F = {}, K = {}, fast {}, bias {}, {:?}, backward {:?})",
-        c.name, c.ffn, c.k, c.fast, c.bias, c.scaling, c.backward
+        "{} (F = {}, K = {}, fast {}, bias {}, {:?})",
+        c.name, c.ffn, c.k, c.fast, c.bias, c.scaling
     );
     let mut rng = Rng::new(seed);
     let (groups, f, k) = (c.counts.len(), c.ffn, c.k);
-    // Forward: D = fc1's [C, 2F], the cast [C, F]; backward: D = dh [C, F], the cast [C, 2F].
-    let (n, cols) = if c.backward.is_some() {
-        (f, 2 * f)
-    } else {
-        (2 * f, f)
-    };
-    let fa = c.backward.unwrap_or(E4);
     let mut offsets = vec![0i32];
     for &n in &c.counts {
         let last = *offsets.last().unwrap() as usize;
@@ -162,39 +136,27 @@ fn check(ctx: &std::sync::Arc<Context>, stream: &Stream, c: &Case, seed: u64) {
             let row = &mut a[(r0 + i) * k..(r0 + i + 1) * k];
             if i < c.counts[g] {
                 row.iter_mut()
-                    .for_each(|b| *b = r::encode(2.0 * rng.unit(), fa));
+                    .for_each(|b| *b = r::encode(2.0 * rng.unit(), E4));
             } else {
                 row.fill(0);
             }
         }
     }
-    let b: Vec<u8> = (0..groups * n * k)
+    let b: Vec<u8> = (0..groups * 2 * f * k)
         .map(|_| r::encode(2.0 * rng.unit(), E4))
         .collect();
-    // fc1's output for the backward: random rows in use (padding rows too: both paths read
-    // them alike), NaN past them (read by neither).
-    let fc1_out: Vec<bf16> = (0..capacity * 2 * f)
-        .map(|i| {
-            if i < used * 2 * f {
-                bf16::from_f32(3.0 * rng.unit())
-            } else {
-                bf16::from_bits(POISON_BF16)
-            }
-        })
-        .collect();
-    let fc1_out = DeviceBuffer::from_host(stream, &fc1_out).unwrap();
     let a = DeviceBuffer::from_host(stream, &a).unwrap();
     let b = DeviceBuffer::from_host(stream, &b).unwrap();
     let offsets = DeviceBuffer::from_host(stream, &offsets).unwrap();
     let sa = DeviceScalar::new(stream, 1.0 / (k as f32).sqrt()).unwrap();
     let sbg: Vec<f32> = (0..groups).map(|_| 0.5 + rng.unit().abs()).collect();
     let sbg = DeviceBuffer::from_host(stream, &sbg).unwrap();
-    let bias_vals: Vec<f32> = (0..n).map(|_| rng.unit()).collect();
+    let bias_vals: Vec<f32> = (0..2 * f).map(|_| rng.unit()).collect();
     let (bias, _) = BiasBuf::new(stream, DType::Bf16, &bias_vals);
     let shape = PackedShape {
         groups,
         capacity,
-        n,
+        n: 2 * f,
         k,
     };
     let opts = || {
@@ -205,46 +167,25 @@ fn check(ctx: &std::sync::Arc<Context>, stream: &Stream, c: &Case, seed: u64) {
     };
     let x = || Operand {
         data: &a,
-        format: fa,
+        format: E4,
         scale_inv: &sa,
     };
     let w = || GroupedOperand::per_group(&b, E4, &sbg);
     let scale = 48.0;
 
-    let format = c.backward.unwrap_or(E4);
-
     // The two kernels.
-    let (d0, h0, h0_t) = outputs(stream, (capacity, n, cols), format, scale);
+    let (d0, h0, h0_t) = outputs(stream, capacity, f, scale);
     grouped_gemm_packed(stream, shape, x(), w(), &d0, &offsets, opts()).unwrap();
     let used_rows = RowsInUse::last(&offsets).unwrap();
     let dst = FusedCastOut::new(&h0, &h0_t).scaling(c.scaling);
-    match c.backward {
-        None => swiglu_cast_transpose(stream, &d0, (capacity, f), used_rows, dst),
-        Some(_) => {
-            swiglu_backward_cast_transpose(stream, &fc1_out, &d0, (capacity, f), used_rows, dst)
-        }
-    }
-    .unwrap();
+    swiglu_cast_transpose(stream, &d0, (capacity, f), used_rows, dst).unwrap();
     let want = read(stream, &d0, &h0, &h0_t);
 
     // The fused entry point, captured (its kernel nodes counted) and replayed.
-    let (d1, h1, h1_t) = outputs(stream, (capacity, n, cols), format, scale);
+    let (d1, h1, h1_t) = outputs(stream, capacity, f, scale);
     let graph = capture(ctx, stream, || {
         let dst = FusedCastOut::new(&h1, &h1_t).scaling(c.scaling);
-        match c.backward {
-            None => grouped_gemm_packed_swiglu(stream, shape, x(), w(), &d1, &offsets, opts(), dst),
-            Some(_) => grouped_gemm_packed_swiglu_backward(
-                stream,
-                shape,
-                x(),
-                w(),
-                &d1,
-                &fc1_out,
-                &offsets,
-                opts(),
-                dst,
-            ),
-        }
+        grouped_gemm_packed_swiglu(stream, shape, x(), w(), &d1, &offsets, opts(), dst)
     });
     let kernels = graph
         .nodes()
@@ -266,7 +207,7 @@ fn check(ctx: &std::sync::Arc<Context>, stream: &Stream, c: &Case, seed: u64) {
 
     // Something was computed (the test can fail): rows in use written, amax positive.
     assert!(
-        want.d[..used * n].iter().all(|&x| x != POISON_BF16) || used == 0,
+        want.d[..used * 2 * f].iter().all(|&x| x != POISON_BF16) || used == 0,
         "{what}: D written"
     );
     assert!(
@@ -274,7 +215,7 @@ fn check(ctx: &std::sync::Arc<Context>, stream: &Stream, c: &Case, seed: u64) {
         "{what}: amax of real rows"
     );
     assert!(
-        want.h[used * cols..].iter().all(|&x| x == POISON_U8),
+        want.h[used * f..].iter().all(|&x| x == POISON_U8),
         "{what}: rows past the ones in use untouched"
     );
     for (name, same) in [
@@ -348,44 +289,6 @@ fn fused_swiglu_equals_the_two_kernels() {
             ..Case::new("many tiles", &[1000, 800, 1200, 900], 512, 512)
         });
     }
-    // The backward: both gradient formats, F = 192 (its last 128-wide tile half past F),
-    // fast accumulation asked for (E5M2: ignored; E4M3: the fast GEMM, not fused), F = 80
-    // and current scaling (not fused).
-    let e5 = Fp8Format::E5M2;
-    for g in [e5, E4] {
-        cases.push(Case::new("layer-like", &layer, 2048, 2048).backward(g));
-        cases.push(Case::new("F = 192", &[300, 20, 140], 192, 384).backward(g));
-        cases.push(
-            Case::new(
-                "skewed, empty first and last",
-                &[0, 700, 3, 0, 129, 0],
-                128,
-                256,
-            )
-            .backward(g),
-        );
-        cases.push(Case::new("every group empty", &[0, 0, 0], 128, 128).backward(g));
-        cases.push(Case::new("F = 80", &[90, 0, 200], 80, 128).backward(g));
-        cases.push(
-            Case {
-                bias: true,
-                ..Case::new("bias", &[150, 0, 260, 1], 128, 256)
-            }
-            .backward(g),
-        );
-        cases.push(Case {
-            fast: true,
-            ..Case::new("fast asked", &[150, 0, 260, 1], 128, 256).backward(g)
-        });
-        cases.push(Case::new("many tiles", &[1000, 800, 1200, 900], 2048, 512).backward(g));
-        cases.push(
-            Case {
-                scaling: CastScaling::Current,
-                ..Case::new("current scaling", &[90, 0, 200], 128, 128)
-            }
-            .backward(g),
-        );
-    }
     for (i, c) in cases.iter().enumerate() {
         check(&ctx, &stream, c, base.wrapping_add(i as u64));
     }
@@ -401,7 +304,7 @@ fn fused_swiglu_refuses_bad_arguments_and_writes_nothing() {
     let offsets = DeviceBuffer::from_host(&stream, &[0i32, 128, 256]).unwrap();
     let sa = DeviceScalar::new(&stream, 1.0).unwrap();
     let sbg = DeviceBuffer::from_host(&stream, &[1.0f32, 1.0]).unwrap();
-    let (d, h, h_t) = outputs(&stream, (capacity, 2 * f, f), E4, 1.0);
+    let (d, h, h_t) = outputs(&stream, capacity, f, 1.0);
     let before = read(&stream, &d, &h, &h_t);
     let small = Fp8Tensor::new(&stream, &[capacity, f / 2], E4).unwrap();
     let odd = PackedShape {
@@ -452,51 +355,6 @@ fn fused_swiglu_refuses_bad_arguments_and_writes_nothing() {
             "{name}: {err}"
         );
     }
-    // The backward: D = dh [capacity, F], the cast [capacity, 2F], fc1's output [capacity, 2F].
-    let bwd = PackedShape { n: f, ..ok };
-    let dh = DeviceBuffer::from_host(&stream, &vec![bf16::from_bits(POISON_BF16); capacity * f])
-        .unwrap();
-    let fc1_out = DeviceBuffer::from_host(&stream, &vec![bf16::ZERO; capacity * 2 * f]).unwrap();
-    let wt = || GroupedOperand::per_group(&b, E4, &sbg);
-    let dh_before = dh.to_vec(&stream).unwrap();
-    let short = fc1_out.slice(..capacity * f).unwrap();
-    let cases: Vec<(&str, &DeviceBuffer<bf16>, FusedCastOut<'_>, &str)> = vec![
-        (
-            "fc1's output of the wrong size",
-            &short,
-            FusedCastOut::new(&h, &h_t),
-            "a has",
-        ),
-        (
-            "the cast of the wrong shape",
-            &fc1_out,
-            FusedCastOut::new(&h, &h_t),
-            "shape",
-        ),
-    ];
-    for (name, a_in, dst, fragment) in cases {
-        let err = grouped_gemm_packed_swiglu_backward(
-            &stream,
-            bwd,
-            x,
-            wt(),
-            &dh,
-            a_in,
-            &offsets,
-            opts,
-            dst,
-        )
-        .expect_err(name)
-        .to_string();
-        assert!(
-            err.contains("grouped_gemm_packed_swiglu_backward") && err.contains(fragment),
-            "{name}: {err}"
-        );
-    }
-    assert!(
-        dh.to_vec(&stream).unwrap() == dh_before,
-        "a refused backward wrote dh"
-    );
     assert!(
         read(&stream, &d, &h, &h_t) == before,
         "a refused call wrote something"

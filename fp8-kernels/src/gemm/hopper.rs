@@ -25,7 +25,6 @@
 
 use std::sync::Arc;
 
-use cuda_graph::half::bf16;
 use cuda_graph::sys::{
     CUresult, CUtensorMap, CUtensorMapDataType, CUtensorMapFloatOOBfill, CUtensorMapInterleave,
     CUtensorMapL2promotion, CUtensorMapSwizzle,
@@ -603,19 +602,7 @@ fn launch_blockwise_with(
 pub(crate) fn launch_packed(stream: &Stream, p: &PackedProblem<'_>) -> Result<()> {
     check_packed_device(stream, "packed GEMM", p.shape.n)?;
     check_packed_limits(p)?;
-    enqueue_packed(stream, p, packed_bn(stream, p)?, Fuse::None)
-}
-
-/// An epilogue fused into the packed GEMM: where its FP8 cast goes (the row-major output
-/// with its scalars, the transposed bytes; checked by the caller).
-#[derive(Clone, Copy)]
-pub(crate) enum Fuse<'a> {
-    None,
-    /// fc1's SwiGLU cast ([`launch_packed_swiglu`]).
-    Swiglu(&'a Fp8Tensor, &'a DeviceBuffer<u8>),
-    /// The SwiGLU backward's cast from fc2's data gradient and fc1's output `a`
-    /// ([`launch_packed_swiglu_backward`]).
-    SwigluBackward(&'a Fp8Tensor, &'a DeviceBuffer<u8>, &'a DeviceBuffer<bf16>),
+    enqueue_packed(stream, p, packed_bn(stream, p)?, None)
 }
 
 /// The packed GEMM of fc1 with the SwiGLU cast of D fused into its epilogue
@@ -647,38 +634,7 @@ pub(crate) fn launch_packed_swiglu(
     let Some(bn) = swiglu_bn(packed_bn(stream, p)?, fast, n / 2) else {
         return Ok(false);
     };
-    enqueue_packed(stream, p, bn, Fuse::Swiglu(h.0, h.1)).map(|()| true)
-}
-
-/// fc2's packed data gradient `dh` (D, `[capacity, F]` bf16) with the SwiGLU backward's cast
-/// fused into its epilogue ([`super::grouped_gemm_packed_swiglu_backward`]): from dh and
-/// `a` (fc1's output `[capacity, 2F]`), `[d gate, d up]` cast into `out` (`[capacity, 2F]`)
-/// and `out_t` (`[2F, capacity]`), all checked by the caller. `Ok(false)`, with nothing
-/// enqueued, where the fused kernel does not take the problem: another device, B other than
-/// E4M3, a cast format other than A's, fast accumulation (the fused kernel promotes its
-/// sums), F not a multiple of 64 (the cast's boxes), accumulation, or a D the store epilogue
-/// can not write.
-pub(crate) fn launch_packed_swiglu_backward(
-    stream: &Stream,
-    p: &PackedProblem<'_>,
-    (out, out_t): (&Fp8Tensor, &DeviceBuffer<u8>),
-    a: &DeviceBuffer<bf16>,
-) -> Result<bool> {
-    let (capacity, n) = (p.shape.capacity, p.shape.n);
-    let fits = available(stream.context())?
-        && !p.accumulate
-        && p.b.format == Fp8Format::E4M3
-        && out.format() == p.a.format
-        && !fast_instance(p.fast, (p.a.format, p.b.format), p.d.name())
-        && n % 64 == 0
-        && matches!(p.d, GemmOut::Bf16(_))
-        && store_map(&p.d, 1, capacity, n)?.is_some();
-    if !fits {
-        return Ok(false);
-    }
-    check_packed_limits(p)?;
-    // 128 columns (the instance there is; at 192 its registers spilled).
-    enqueue_packed(stream, p, 128, Fuse::SwigluBackward(out, out_t, a)).map(|()| true)
+    enqueue_packed(stream, p, bn, Some(h)).map(|()| true)
 }
 
 /// The fused SwiGLU kernel's tile width for the width `bn` the plain packed GEMM would take:
@@ -725,41 +681,37 @@ fn packed_bn(stream: &Stream, p: &PackedProblem<'_>) -> Result<usize> {
     ))
 }
 
-/// Enqueues the packed kernel of tile width `bn`, or with `fuse` the fused instance (whose
-/// store epilogue the launcher checked), writing its cast.
-fn enqueue_packed(stream: &Stream, p: &PackedProblem<'_>, bn: usize, fuse: Fuse<'_>) -> Result<()> {
+/// Enqueues the packed kernel of tile width `bn`; with `swiglu` (h and h^T), the fused
+/// SwiGLU instance (whose store epilogue [`launch_packed_swiglu`] checked), writing h.
+fn enqueue_packed(
+    stream: &Stream,
+    p: &PackedProblem<'_>,
+    bn: usize,
+    swiglu: Option<(&Fp8Tensor, &DeviceBuffer<u8>)>,
+) -> Result<()> {
     let (groups, capacity, n, k) = (p.shape.groups, p.shape.capacity, p.shape.n, p.shape.k);
     let formats = (p.a.format, p.b.format);
     let fast = fast_instance(p.fast, formats, p.d.name());
-    let (layout, cast) = match (fuse, fast) {
-        (Fuse::None, false) => ("packed_", None),
-        (Fuse::None, true) => ("packed_fast_", None),
-        (Fuse::Swiglu(o, t), false) => ("packed_swiglu_", Some((o, t))),
-        (Fuse::Swiglu(o, t), true) => ("packed_swiglu_fast_", Some((o, t))),
-        (Fuse::SwigluBackward(o, t, _), _) => ("packed_swiglu_bwd_", Some((o, t))),
+    let layout = match (swiglu.is_some(), fast) {
+        (false, false) => "packed_",
+        (false, true) => "packed_fast_",
+        (true, false) => "packed_swiglu_",
+        (true, true) => "packed_swiglu_fast_",
     };
     let (bn, kern, cfg) = select(stream, layout, formats, &p.d, (1, capacity, n), Some(bn))?;
     let ta = tensor_map(p.a.data, 1, capacity, k, TILE)?;
-    // The fused SwiGLU loads each B tile as two boxes: gate rows, then up rows.
-    let b_rows = if matches!(fuse, Fuse::Swiglu(..)) {
-        bn / 2
-    } else {
-        bn
-    };
+    // The fused kernel loads each B tile as two boxes: gate rows, then up rows.
+    let b_rows = if swiglu.is_some() { bn / 2 } else { bn };
     let tb = tensor_map(p.b.data, groups, n, k, b_rows)?;
     let (epi, td) = epilogue(p.accumulate, &p.d, store_map(&p.d, 1, capacity, n)?);
     let dims = [capacity as u32, n as u32, k as u32, groups as u32];
-    let h_idx = cast.map(|(out, _)| slot_indices(out, None)).transpose()?;
-    // The cast's maps: forward h [capacity, n / 2], backward [capacity, 2n]; and transposed.
-    let cast_cols = match fuse {
-        Fuse::Swiglu(..) => n / 2,
-        _ => 2 * n,
-    };
-    let cast_maps = cast
+    let h_idx = swiglu.map(|(out, _)| slot_indices(out, None)).transpose()?;
+    // h's maps: [capacity, n / 2] and its transpose.
+    let h_maps = swiglu
         .map(|(out, out_t)| -> Result<_> {
             Ok((
-                cast_map(out.data(), capacity, cast_cols)?,
-                cast_map(out_t, cast_cols, capacity)?,
+                cast_map(out.data(), capacity, n / 2)?,
+                cast_map(out_t, n / 2, capacity)?,
             ))
         })
         .transpose()?;
@@ -782,7 +734,7 @@ fn enqueue_packed(stream: &Stream, p: &PackedProblem<'_>, bn: usize, fuse: Fuse<
     .arg(p.offsets)
     .arg(&dims)
     .arg(&flags);
-    let args = match (cast, &h_idx, &cast_maps) {
+    let args = match (swiglu, &h_idx, &h_maps) {
         (Some((out, out_t)), Some(h_idx), Some((ty, tyt))) => args
             .arg(ty)
             .arg(tyt)
@@ -792,10 +744,6 @@ fn enqueue_packed(stream: &Stream, p: &PackedProblem<'_>, bn: usize, fuse: Fuse<
             .arg(out.scale_inv().buffer())
             .arg(out.amax().buffer())
             .arg(h_idx),
-        _ => args,
-    };
-    let args = match fuse {
-        Fuse::SwigluBackward(_, _, a) => args.arg(a),
         _ => args,
     };
     // SAFETY: the tensor maps cover exactly A ([capacity, K]) and B ([groups, N, K]), so TMA
@@ -809,9 +757,6 @@ fn enqueue_packed(stream: &Stream, p: &PackedProblem<'_>, bn: usize, fuse: Fuse<
     // columns below N / 2, into out.data() ([capacity, N / 2]) and out_t ([N / 2, capacity]),
     // whose sizes the caller checked (through maps of exactly those extents, built above),
     // and the three scalar slots (indices checked above).
-    // The fused SwiGLU backward reads a ([capacity, 2F], checked by the caller) at the rows
-    // it writes, columns below 2F (its prefetches cover the same bytes), and writes its cast
-    // ([capacity, 2F] and [2F, capacity], checked) at those rows and columns.
     unsafe { stream.launch_pdl(&kern, &cfg, &args) }
 }
 
@@ -984,11 +929,6 @@ mod cpu_tests {
         assert_eq!(
             kernel_name("packed_swiglu_", e4, e4, "bf16", 128),
             "fp8_gemm_sm90_packed_swiglu_e4m3_e4m3_bf16_n128"
-        );
-        // FP8K_GEMM_SM90_SWIGLU_BWD.
-        assert_eq!(
-            kernel_name("packed_swiglu_bwd_", e5, e4, "bf16", 128),
-            "fp8_gemm_sm90_packed_swiglu_bwd_e5m2_e4m3_bf16_n128"
         );
     }
 

@@ -18,9 +18,7 @@
 //!   `[capacity, K]` holding every group's rows back to back from device offsets
 //!   (`groups + 1` int32, multiples of [`ALIGN_ROWS`]), B `[G, N, K]`, D `[capacity, N]`;
 //!   forward and data gradient; [`grouped_gemm_packed_swiglu`] is the SwiGLU expert's fc1
-//!   with the FP8 cast of fc2's input fused into its epilogue, and
-//!   [`grouped_gemm_packed_swiglu_backward`] its fc2 data gradient with the SwiGLU
-//!   backward's cast;
+//!   with the FP8 cast of fc2's input fused into its epilogue;
 //! * [`grouped_gemm_wgrad`]: the packed layout's weight gradient, A `[M, capacity]` and B
 //!   `[N, capacity]` (the transposes of the packed dY and X, so the reduction runs along
 //!   the packed rows, each group over its own offsets range), D `[G, M, N]`;
@@ -65,7 +63,7 @@ pub mod reference;
 
 pub use packed::{
     ALIGN_ROWS, GroupScales, GroupedOperand, PackedShape, WgradShape, grouped_gemm_packed,
-    grouped_gemm_packed_swiglu, grouped_gemm_packed_swiglu_backward, grouped_gemm_wgrad,
+    grouped_gemm_packed_swiglu, grouped_gemm_wgrad,
 };
 
 use cuda_graph::half::bf16;

@@ -6,8 +6,6 @@
 //!   rows `r` of group `g`;
 //! * [`grouped_gemm_packed_swiglu`]: the forward of a SwiGLU expert's fc1 with the E4M3
 //!   cast of `silu(gate) * up` fused into the sm_90a kernel's epilogue;
-//! * [`grouped_gemm_packed_swiglu_backward`]: the data gradient of its fc2 with the cast of
-//!   the SwiGLU backward fused the same way;
 //! * [`grouped_gemm_wgrad`]: weight gradient, `D[g] = A[:, rows of g] . B[:, rows of g]^T`, a
 //!   reduction over each group's rows.
 //!
@@ -49,10 +47,7 @@ use super::{
 };
 use crate::cast_transpose::check_outputs;
 use crate::format::Fp8Format;
-use crate::moe_cast::{
-    CastScaling, FusedCastOut, RowsInUse, check_swiglu_input, swiglu_backward_cast_transpose,
-    swiglu_cast_transpose,
-};
+use crate::moe_cast::{CastScaling, FusedCastOut, RowsInUse, swiglu_cast_transpose};
 use crate::tensor::DeviceScalar;
 
 /// Group offsets of the packed layout are multiples of this many rows (the Hopper kernel's
@@ -404,61 +399,6 @@ pub fn grouped_gemm_packed_swiglu<'a>(
     }
     grouped_gemm_packed(stream, shape, a, b, d, offsets, opts)?;
     swiglu_cast_transpose(stream, d, (shape.capacity, ffn), used, h)
-}
-
-/// The packed data gradient of a SwiGLU expert's fc2 with the SwiGLU backward's cast:
-/// [`grouped_gemm_packed`] into `dh` (D, `[capacity, F]` bf16, `F = shape.n`; A the packed
-/// dY, B the per-group `W2^T`), then from dh and `fc1_out` (the forward's fc1 output
-/// `[capacity, 2F]`, gate columns first) the gradients `[d gate, d up]` cast into `dst.out`
-/// (`[capacity, 2F]`) and transposed into `dst.out_t` (`[2F, capacity]`) for the rows below
-/// `offsets[groups]`: exactly what [`grouped_gemm_packed`] followed by
-/// [`swiglu_backward_cast_transpose`] (with [`RowsInUse::last`] of `offsets`) writes, bit for
-/// bit, scale_inv and amax included.
-///
-/// On [`GemmPath::Hopper`] with delayed scaling and no noop flag, B in E4M3, the cast in A's
-/// format, F a multiple of 64 and no fast accumulation, it is one kernel: each tile prefetches its rows of
-/// `fc1_out` into L2 as it starts and its epilogue writes the cast beside dh (the SwiGLU
-/// backward kernel's reads of dh and `fc1_out` and its launch are saved). Otherwise it runs
-/// those two kernels.
-///
-/// Rules (checked; nothing is written on an error): those of [`grouped_gemm_packed`] and of
-/// [`swiglu_backward_cast_transpose`] for `[capacity, F]`: F a positive multiple of 16,
-/// `fc1_out` of `capacity * 2F` elements, `dst.out` of shape `[capacity, 2F]`, `dst.out_t` of
-/// `capacity * 2F` bytes, all 16-byte aligned. Enqueues without synchronising or allocating
-/// (capturable).
-#[allow(clippy::too_many_arguments)] // the GEMM's operands, fc1's output and the cast's output
-pub fn grouped_gemm_packed_swiglu_backward<'a>(
-    stream: &Stream,
-    shape: PackedShape,
-    dy: Operand<'a>,
-    w2_t: impl Into<GroupedOperand<'a>>,
-    dh: &'a DeviceBuffer<bf16>,
-    fc1_out: &'a DeviceBuffer<bf16>,
-    offsets: &'a DeviceBuffer<i32>,
-    opts: GemmOptions<'a>,
-    dst: FusedCastOut<'a>,
-) -> Result<()> {
-    let what = "grouped_gemm_packed_swiglu_backward";
-    let ffn = shape.n;
-    check_swiglu_input(what, fc1_out, shape.capacity, ffn)?;
-    let b = w2_t.into();
-    let problem = packed_problem(what, shape, dy, b, dh.into(), offsets, &opts)?;
-    check_outputs(what, shape.capacity, 2 * ffn, dst.out, dst.out_t)?;
-    let used = RowsInUse::last(offsets)?;
-    let plain = dst.scaling != CastScaling::Delayed || dst.noop.is_some();
-    if opts.path == GemmPath::Hopper
-        && !plain
-        && super::hopper::launch_packed_swiglu_backward(
-            stream,
-            &problem,
-            (dst.out, dst.out_t),
-            fc1_out,
-        )?
-    {
-        return Ok(());
-    }
-    grouped_gemm_packed(stream, shape, dy, b, dh, offsets, opts)?;
-    swiglu_backward_cast_transpose(stream, fc1_out, dh, (shape.capacity, ffn), used, dst)
 }
 
 /// Validates a packed GEMM's arguments (`what` names the entry point in errors) into the
