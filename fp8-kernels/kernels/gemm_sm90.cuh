@@ -744,6 +744,7 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                         // D's last part) as HB / 64 row-major boxes of y, then as many boxes
                         // of yt, each 64 x 64 bytes (box64), stored by the copy engine.
                         constexpr int HB = BN / 2, HBOX = HB / 64;
+                        static_assert(2 * HBOX * BOX64 <= C::STAGING / 2, "h fits the staging");
                         if (issuer) bulk_wait_read();
                         named_sync(1 + cw, 128);
                         uint8_t *const ys = stage_ptr, *const yts = stage_ptr + HBOX * BOX64;
