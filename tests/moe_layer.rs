@@ -602,11 +602,14 @@ fn schedule_bits(
     data: &[(Vec<bf16>, Vec<bf16>)],
     graphed: bool,
     split: bool,
-) -> Vec<Vec<u16>> {
+    beside: Option<usize>,
+) -> (Vec<Vec<u16>>, usize) {
     const ORDER: [i64; 4] = [1, 1, -1, -1];
     let stream = Stream::new(ctx).unwrap();
     let scaling = fixed_scaling(&stream, &cfg);
-    let mut layer = MoeLayer::new(&stream, cfg, params, scaling, 0).unwrap();
+    let mut layer = MoeLayer::new(&stream, cfg, params, scaling, 0)
+        .unwrap()
+        .with_weight_grads_beside(beside);
     // Views of the gradients, valid after the layer moves into the runtime.
     let grads = [layer.fc1().1.share(), layer.fc2().1.share()];
     let dwr = layer.router_weight().1.share();
@@ -620,6 +623,8 @@ fn schedule_bits(
             .collect()
     };
     let mut out = Vec::new();
+    // The nodes of microbatch 0's backward graph with more than one dependent (graphed).
+    let mut forks = 0;
     let at = |mb| GraphIndex {
         chunk: 0,
         microbatch: mb,
@@ -651,6 +656,20 @@ fn schedule_bits(
         };
         assert_eq!(roots(0), 2, "the casts beside the router");
         assert_eq!(roots(1), 1, "no casts on microbatch 1");
+        let bwd = g
+            .backward_graph(g.schedule().layout().index(0, 0, 0).unwrap())
+            .unwrap();
+        for node in bwd.nodes().unwrap() {
+            let next: std::collections::HashSet<_> = bwd
+                .dependents(node.id)
+                .unwrap()
+                .into_iter()
+                .map(|d| d.0)
+                .collect();
+            if next.len() > 1 {
+                forks += 1;
+            }
+        }
         // Warmup ran backwards (the aux and z losses add router gradients even with zero
         // output gradients): start from zero like the eager run.
         for b in &grads {
@@ -723,7 +742,7 @@ fn schedule_bits(
                 .collect(),
         );
     }
-    out
+    (out, forks)
 }
 
 #[test]
@@ -745,8 +764,8 @@ fn graph_modes_equal_eager_bit_for_bit() {
         let data: Vec<(Vec<bf16>, Vec<bf16>)> = (0..4)
             .map(|_| (to_bf16(&rng.vec(t * h, 1.0)), to_bf16(&rng.vec(t * h, 1.0))))
             .collect();
-        let eager = schedule_bits(&ctx, cfg, &params, &data, false, false);
-        let graphed = schedule_bits(&ctx, cfg, &params, &data, true, false);
+        let (eager, _) = schedule_bits(&ctx, cfg, &params, &data, false, false, None);
+        let (graphed, forks) = schedule_bits(&ctx, cfg, &params, &data, true, false, None);
         assert_eq!(eager.len(), graphed.len());
         for (i, (a, g)) in eager.iter().zip(&graphed).enumerate() {
             assert!(
@@ -755,12 +774,34 @@ fn graph_modes_equal_eager_bit_for_bit() {
             );
         }
         if mode == ExpertGemm::Grouped {
-            let split = schedule_bits(&ctx, cfg, &params, &data, true, true);
+            let (split, _) = schedule_bits(&ctx, cfg, &params, &data, true, true, None);
             for (i, (a, g)) in eager.iter().zip(&split).enumerate() {
                 assert!(
                     a == g,
                     "{grad_dtype:?} split weight gradients: result {i} differs from eager"
                 );
+            }
+            // The weight gradients beside the data gradients (MoeLayer::with_weight_grads_beside),
+            // eager and graphed, on a few SMs and on all but one: the same bits. The backward
+            // graph forks at least twice more (dW2 at the start of the experts' backward, dW1
+            // after dA's cast).
+            for sms in [8, 1000] {
+                let (eager_beside, _) =
+                    schedule_bits(&ctx, cfg, &params, &data, false, false, Some(sms));
+                let (beside, beside_forks) =
+                    schedule_bits(&ctx, cfg, &params, &data, true, false, Some(sms));
+                assert!(
+                    beside_forks >= forks + 2,
+                    "{grad_dtype:?} beside on {sms} SMs: {beside_forks} forks, {forks} without"
+                );
+                for (i, ((a, e), g)) in eager.iter().zip(&eager_beside).zip(&beside).enumerate() {
+                    assert!(
+                        a == e && a == g,
+                        "{grad_dtype:?} weight gradients beside on {sms} SMs: result {i} differs \
+                         from eager (eager beside: {})",
+                        a == e
+                    );
+                }
             }
         }
     }

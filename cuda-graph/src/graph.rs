@@ -692,6 +692,17 @@ impl Graph {
         Ok(params.func)
     }
 
+    /// The grid a kernel node of this graph launches (blocks in x, y, z), from
+    /// [`cuGraphKernelNodeGetParams`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html):
+    /// e.g. to see how many CTAs a captured persistent kernel was given.
+    /// Errors: [`Error::Driver`].
+    pub fn kernel_grid(&self, node: &KernelNode) -> Result<(u32, u32, u32)> {
+        let mut params = CUDA_KERNEL_NODE_PARAMS_v2::default();
+        // SAFETY: a kernel node of this live graph, valid out-pointer; only the grid is read.
+        unsafe { cu!(cuGraphKernelNodeGetParams(node.id().0, &mut params)) }?;
+        Ok((params.gridDimX, params.gridDimY, params.gridDimZ))
+    }
+
     /// The kind of a node of this graph.
     ///
     /// Wraps [`cuGraphNodeGetType`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).

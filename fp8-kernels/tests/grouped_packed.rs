@@ -184,6 +184,8 @@ struct Fwd {
     path: GemmPath,
     /// The tile-width hint ([`GemmOptions::expected_rows`]).
     expected_rows: Option<usize>,
+    /// The SM cap ([`GemmOptions::max_sms`]).
+    max_sms: Option<usize>,
     seed: u64,
 }
 
@@ -205,6 +207,7 @@ impl Fwd {
             per_group_scales: false,
             path: GemmPath::Portable,
             expected_rows: None,
+            max_sms: None,
             seed: (counts.len() * 7919 + n * 131 + k) as u64,
         }
     }
@@ -384,6 +387,9 @@ impl FwdRun {
         }
         if let Some(rows) = c.expected_rows {
             opts = opts.expected_rows(rows);
+        }
+        if let Some(sms) = c.max_sms {
+            opts = opts.max_sms(sms);
         }
         grouped_gemm_packed(stream, self.shape(c), a, b, d.view(), &self.offsets, opts)
     }
@@ -685,6 +691,8 @@ struct Wg {
     out: DType,
     accumulate: bool,
     path: GemmPath,
+    /// The SM cap ([`GemmOptions::max_sms`]).
+    max_sms: Option<usize>,
     seed: u64,
 }
 
@@ -704,6 +712,7 @@ impl Wg {
             out: DType::F32,
             accumulate: false,
             path: GemmPath::Portable,
+            max_sms: None,
             seed: (counts.len() * 6007 + m * 131 + n) as u64,
         }
     }
@@ -833,7 +842,10 @@ impl WgRun {
             },
             d.view(),
             &self.offsets,
-            GemmOptions::new().accumulate(c.accumulate).path(c.path),
+            GemmOptions {
+                max_sms: c.max_sms,
+                ..GemmOptions::new().accumulate(c.accumulate).path(c.path)
+            },
         )
     }
 }
@@ -1370,5 +1382,130 @@ fn packed_throughput() {
     assert!(
         finite(&y) && finite(&dw),
         "output left poisoned or not finite"
+    );
+}
+
+/// [`GemmOptions::max_sms`]: the packed GEMM and the weight gradient on 1, 3 and 7 SMs
+/// (each CTA then walks many tiles; 7 also leaves a CTA fewer tiles than its neighbours)
+/// hold the fp64 reference like the full grid; a captured launch has exactly the capped
+/// grid (the uncapped one: a CTA per SM, or per tile); `max_sms(0)` is refused with nothing
+/// written. The portable kernels (one CTA a tile) ignore the cap; on a device other than
+/// compute capability 9.0 they run these cases.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn max_sms_caps_the_persistent_grid() {
+    let (ctx, stream) = setup();
+    let hopper = ctx.device().compute_capability().unwrap() == (9, 0);
+    let path = if hopper {
+        GemmPath::Hopper
+    } else {
+        GemmPath::Portable
+    };
+    for sms in [1, 3, 7] {
+        for out in [DType::F32, DType::Bf16] {
+            check_fwd(
+                &ctx,
+                &stream,
+                &Fwd {
+                    out,
+                    path,
+                    max_sms: Some(sms),
+                    ..Fwd::new("max_sms", &[300, 0, 129, 64], 392, 256)
+                },
+            );
+            check_wg(
+                &ctx,
+                &stream,
+                &Wg {
+                    out,
+                    path,
+                    max_sms: Some(sms),
+                    ..Wg::new("max_sms", &[200, 130, 0, 100], 264, 136)
+                },
+            );
+        }
+    }
+    // The captured grids.
+    let c = Fwd {
+        path,
+        ..Fwd::new("grid", &[300, 0, 129, 64], 392, 256)
+    };
+    let run = FwdRun::new(&stream, &c);
+    let d = Out::new(&ctx, c.out, run.host.lay.capacity * c.n);
+    let grid = |max_sms: Option<usize>| {
+        let graph = common::capture(&ctx, &stream, || {
+            run.launch(
+                &stream,
+                &Fwd {
+                    max_sms,
+                    ..c.clone()
+                },
+                &d,
+            )
+        });
+        let kernels: Vec<_> = graph
+            .nodes()
+            .unwrap()
+            .into_iter()
+            .filter(|n| n.kind == cuda_graph::NodeKind::Kernel)
+            .map(|n| cuda_graph::KernelNode::try_from(n).unwrap())
+            .collect();
+        assert_eq!(kernels.len(), 1, "one kernel node");
+        graph.kernel_grid(&kernels[0]).unwrap()
+    };
+    if hopper {
+        let all = ctx.device().multiprocessor_count().unwrap() as u32;
+        let tiles = (run.host.lay.capacity.div_ceil(128) * c.n.div_ceil(128)) as u32;
+        assert_eq!(grid(Some(3)), (3, 1, 1), "3 SMs");
+        assert_eq!(
+            grid(Some(100_000)).0,
+            grid(None).0,
+            "a cap above the device's"
+        );
+        assert!(
+            grid(None).0 <= all.min(tiles) && grid(None).0 > 3,
+            "{:?}",
+            grid(None)
+        );
+    } else {
+        assert_eq!(
+            grid(Some(3)),
+            grid(None),
+            "the portable kernel ignores the cap"
+        );
+    }
+    // max_sms = 0: refused, D untouched.
+    let (d, _, before) = prepared_d(&ctx, &stream, c.out, run.host.lay.capacity * c.n, None);
+    let err = run
+        .launch(
+            &stream,
+            &Fwd {
+                max_sms: Some(0),
+                ..c.clone()
+            },
+            &d,
+        )
+        .expect_err("max_sms = 0");
+    assert!(
+        matches!(&err, Error::InvalidArgument(m) if m.contains("max_sms")),
+        "{err}"
+    );
+    stream.synchronize().unwrap();
+    assert!(d.bits(&stream) == before, "a refused GEMM wrote D");
+    let wc = Wg {
+        max_sms: Some(0),
+        path,
+        ..Wg::new("zero", &[200, 130], 72, 80)
+    };
+    let wrun = WgRun::new(&stream, &wc);
+    let (d, _, before) = prepared_d(&ctx, &stream, wc.out, 2 * 72 * 80, None);
+    assert!(matches!(
+        wrun.launch(&stream, &wc, &d),
+        Err(Error::InvalidArgument(_))
+    ));
+    stream.synchronize().unwrap();
+    assert!(
+        d.bits(&stream) == before,
+        "a refused weight gradient wrote D"
     );
 }

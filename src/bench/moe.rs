@@ -250,7 +250,12 @@ fn graphed(
     let layer = layer(stream, config(s, mode, grad_dtype), step_gradients)?
         .with_gemm_path(path)
         .with_fast_forward_accumulation(fast)
-        .with_fp8_weights_from_optimizer(stream, fp8_from_optimizer)?;
+        .with_fp8_weights_from_optimizer(stream, fp8_from_optimizer)?
+        .with_weight_grads_beside(
+            std::env::var("FP8MOE_WGRAD_SMS")
+                .ok()
+                .and_then(|v| v.parse().ok()),
+        );
     let opt = if optimizer {
         Some(MoeAdamW::new(stream, &layer, AdamW::default())?)
     } else {

@@ -52,7 +52,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use cuda_graph::half::bf16;
-use cuda_graph::{DeviceBuffer, Error, Result, Stream};
+use cuda_graph::{DeviceBuffer, Error, Event, Result, Stream};
 use fp8_kernels::gemm::{
     GemmOptions, GemmOut, GemmPath, GemmShape, GroupedOperand, Operand, PackedShape, WgradShape,
     gemm, grouped_gemm_packed, grouped_gemm_packed_swiglu, grouped_gemm_wgrad,
@@ -401,6 +401,16 @@ pub struct MoeLayer {
     dxp: DeviceBuffer<bf16>,
     /// Fast accumulation in the forward GEMMs ([`MoeLayer::with_fast_forward_accumulation`]).
     fast_forward: bool,
+    /// The SMs the experts' weight gradients take beside their data gradients
+    /// ([`MoeLayer::with_weight_grads_beside`]); `None`: after them, on the caller's stream.
+    wgrad_sms: Option<usize>,
+    /// The stream the weight gradients run on beside the data gradients, and the events
+    /// that fork it from the caller's stream, hand it fc1's output gradient and join it
+    /// back (recorded again at each use: no event is made per call).
+    side: Stream,
+    fork: Event,
+    da_ready: Event,
+    join: Event,
     /// The FP8 expert weights are written by the optimizer, not cast in the step
     /// ([`MoeLayer::with_fp8_weights_from_optimizer`]); shared with every
     /// [`MoeAdamW`](super::optim::MoeAdamW) of the layer, which reads it at each step.
@@ -528,6 +538,11 @@ impl MoeLayer {
             dh: zeroed(stream, c * f)?,
             dxp: zeroed(stream, c * h)?,
             fast_forward: true,
+            wgrad_sms: None,
+            side: Stream::new(stream.context())?,
+            fork: Event::for_sync(stream.context())?,
+            da_ready: Event::for_sync(stream.context())?,
+            join: Event::for_sync(stream.context())?,
             optimizer_casts: Arc::new(AtomicBool::new(false)),
         };
         stream.synchronize()?;
@@ -567,6 +582,20 @@ impl MoeLayer {
     /// f32 per 128-deep block, as TransformerEngine's do.
     pub fn with_fast_forward_accumulation(mut self, on: bool) -> MoeLayer {
         self.fast_forward = on;
+        self
+    }
+
+    /// This layer with the experts' weight-gradient GEMMs (dW2, then dW1) in the backward on
+    /// a side stream beside the data-gradient chain (fc2's dgrad, the SwiGLU backward, fc1's
+    /// dgrad, dx and the router's gradients), on `sms` of the device's SMs while the data
+    /// gradients' GEMMs take the others ([`GemmOptions::max_sms`]); `None` runs them after
+    /// the data gradients on the caller's stream, each GEMM on every SM. Grouped experts
+    /// only (the per-expert mode ignores it), and only where the backward computes the
+    /// weight gradients (not in a split [`Callable::backward_weight`]). The results are the
+    /// same bits either way; only the speed changes. `sms` is clamped to leave at least one
+    /// SM to each side.
+    pub fn with_weight_grads_beside(mut self, sms: Option<usize>) -> MoeLayer {
+        self.wgrad_sms = sms;
         self
     }
 
@@ -787,11 +816,12 @@ impl MoeLayer {
         (n, k): (usize, usize),
         a: Operand<'_>,
         (b, b_scales): (&DeviceBuffer<u8>, &DeviceBuffer<f32>),
-        (d, fast): (&DeviceBuffer<bf16>, bool),
+        (d, fast, max_sms): (&DeviceBuffer<bf16>, bool, Option<usize>),
     ) -> Result<()> {
         let (groups, capacity) = (self.cfg.experts, self.cfg.capacity());
         let Some(off) = host_offsets else {
-            let opts = self.packed_options(fast);
+            let mut opts = self.packed_options(fast);
+            opts.max_sms = max_sms;
             let shape = PackedShape {
                 groups,
                 capacity,
@@ -861,13 +891,14 @@ impl MoeLayer {
         (m, n): (usize, usize),
         a: Operand<'_>,
         b: Operand<'_>,
-        d: &WeightGrad,
-        accumulate: bool,
+        (d, accumulate): (&WeightGrad, bool),
+        max_sms: Option<usize>,
     ) -> Result<()> {
         let capacity = self.cfg.capacity();
-        let opts = GemmOptions::new()
+        let mut opts = GemmOptions::new()
             .path(self.grouped_path())
             .accumulate(accumulate);
+        opts.max_sms = max_sms;
         let Some(off) = host_offsets else {
             let shape = WgradShape {
                 groups: self.cfg.experts,
@@ -963,7 +994,7 @@ impl MoeLayer {
                 (2 * f, h),
                 x,
                 (&self.w1_q, &self.w1_scales()?),
-                (&s.a, self.fast_forward),
+                (&s.a, self.fast_forward, None),
             )?;
             // The padding rows (zeros) are not read.
             let used = RowsInUse::last(&s.routing.offsets)?.padding(&s.routing.token_of_row);
@@ -980,7 +1011,7 @@ impl MoeLayer {
                 scale_inv: &s.si[1],
             },
             (&self.w2_q, &self.w2_scales()?),
-            (&s.y, self.fast_forward),
+            (&s.y, self.fast_forward, None),
         )
     }
 
@@ -1009,8 +1040,28 @@ impl MoeLayer {
         self.router.combine_backward(stream, dy, &s.y, &s.routing)
     }
 
+    /// The SMs of the weight gradients and of the data gradients' GEMMs when the backward
+    /// with weight gradients (`weights`) runs them beside each other
+    /// ([`with_weight_grads_beside`](Self::with_weight_grads_beside)); `None` otherwise.
+    fn beside_split(&self, stream: &Stream, weights: bool) -> Result<Option<(usize, usize)>> {
+        let Some(w) = self.wgrad_sms.filter(|_| weights) else {
+            return Ok(None);
+        };
+        if self.cfg.expert_gemm != ExpertGemm::Grouped {
+            return Ok(None);
+        }
+        let sms = usize::try_from(stream.context().device().multiprocessor_count()?).unwrap_or(0);
+        if sms < 2 {
+            return Ok(None);
+        }
+        let w = w.clamp(1, sms - 1);
+        Ok(Some((w, sms - w)))
+    }
+
     /// Backward part 2: the experts' data gradients (fc2 dgrad, SwiGLU backward + casts,
-    /// fc1 dgrad) and, with `weights = Some(accumulate)`, their weight gradients.
+    /// fc1 dgrad) and, with `weights = Some(accumulate)`, their weight gradients: after
+    /// them, or beside them on the side stream ([`beside_split`](Self::beside_split)), left
+    /// for [`router_backward`](Self::router_backward) to join.
     fn experts_backward(
         &self,
         stream: &Stream,
@@ -1020,6 +1071,14 @@ impl MoeLayer {
         let (c, h, f) = (self.cfg.capacity(), self.cfg.hidden, self.cfg.ffn);
         let host = self.host_offsets(stream, &s.routing)?;
         let g = grad_format(self.cfg.recipe);
+        let split = self.beside_split(stream, weights.is_some())?;
+        let (wgrad_sms, dgrad_sms) = (split.map(|x| x.0), split.map(|x| x.1));
+        if let (Some(accumulate), Some(_)) = (weights, split) {
+            // dW2 needs dY^T (part 1) and h^T (the forward): it starts with fc2's dgrad.
+            self.fork.record(stream)?;
+            self.side.wait_event(&self.fork)?;
+            self.fc2_wgrad(&self.side, s, None, accumulate, wgrad_sms)?;
+        }
         // dh = dY . W2 (B = W2^T per expert, [F, H]).
         self.experts_gemm(
             stream,
@@ -1032,7 +1091,7 @@ impl MoeLayer {
                 scale_inv: &s.si[2],
             },
             (&self.w2_t, &self.w2_scales()?),
-            (&self.dh, false),
+            (&self.dh, false, dgrad_sms),
         )?;
         let da_fp8 = self.tensor(&self.daq, &[c, 2 * f], DA, &s.si[3])?;
         let used = RowsInUse::last(&s.routing.offsets)?.padding(&s.routing.token_of_row);
@@ -1044,6 +1103,12 @@ impl MoeLayer {
             used,
             self.cast(&da_fp8, s.da_t),
         )?;
+        if let (Some(accumulate), Some(_)) = (weights, split) {
+            // dW1 needs dA^T, just written.
+            self.da_ready.record(stream)?;
+            self.side.wait_event(&self.da_ready)?;
+            self.fc1_wgrad(&self.side, s, None, accumulate, wgrad_sms)?;
+        }
         // dXp = dA . W1 (B = W1^T per expert, [H, 2F]).
         self.experts_gemm(
             stream,
@@ -1056,13 +1121,13 @@ impl MoeLayer {
                 scale_inv: &s.si[3],
             },
             (&self.w1_t, &self.w1_scales()?),
-            (&self.dxp, false),
+            (&self.dxp, false, dgrad_sms),
         )?;
-        match weights {
-            Some(accumulate) => {
+        match (weights, split) {
+            (Some(accumulate), None) => {
                 self.experts_weight_backward(stream, s, host.as_deref(), accumulate)
             }
-            None => Ok(()),
+            _ => Ok(()),
         }
     }
 
@@ -1075,8 +1140,20 @@ impl MoeLayer {
         host: Option<&[i32]>,
         accumulate: bool,
     ) -> Result<()> {
+        self.fc2_wgrad(stream, s, host, accumulate, None)?;
+        self.fc1_wgrad(stream, s, host, accumulate, None)
+    }
+
+    /// `dW2[e] (+)= dY_e^T . h_e`, the GEMMs on at most `max_sms` SMs.
+    fn fc2_wgrad(
+        &self,
+        stream: &Stream,
+        s: &Saved<'_>,
+        host: Option<&[i32]>,
+        accumulate: bool,
+        max_sms: Option<usize>,
+    ) -> Result<()> {
         let (h, f) = (self.cfg.hidden, self.cfg.ffn);
-        let (e4, g) = (Fp8Format::E4M3, grad_format(self.cfg.recipe));
         self.experts_wgrad(
             stream,
             &s.routing,
@@ -1084,17 +1161,29 @@ impl MoeLayer {
             (h, f),
             Operand {
                 data: s.dy_t,
-                format: g,
+                format: grad_format(self.cfg.recipe),
                 scale_inv: &s.si[2],
             },
             Operand {
                 data: s.h_t,
-                format: e4,
+                format: Fp8Format::E4M3,
                 scale_inv: &s.si[1],
             },
-            &self.dw2,
-            accumulate,
-        )?;
+            (&self.dw2, accumulate),
+            max_sms,
+        )
+    }
+
+    /// `dW1[e] (+)= dA_e^T . X_e`, the GEMMs on at most `max_sms` SMs.
+    fn fc1_wgrad(
+        &self,
+        stream: &Stream,
+        s: &Saved<'_>,
+        host: Option<&[i32]>,
+        accumulate: bool,
+        max_sms: Option<usize>,
+    ) -> Result<()> {
+        let (h, f) = (self.cfg.hidden, self.cfg.ffn);
         self.experts_wgrad(
             stream,
             &s.routing,
@@ -1102,21 +1191,22 @@ impl MoeLayer {
             (2 * f, h),
             Operand {
                 data: s.da_t,
-                format: g,
+                format: grad_format(self.cfg.recipe),
                 scale_inv: &s.si[3],
             },
             Operand {
                 data: s.x_t,
-                format: e4,
+                format: Fp8Format::E4M3,
                 scale_inv: &s.si[0],
             },
-            &self.dw1,
-            accumulate,
+            (&self.dw1, accumulate),
+            max_sms,
         )
     }
 
     /// Backward part 3: dx (and, with `weights = Some(accumulate)`, the router weight's
-    /// gradient) from the logits' gradient of part 1.
+    /// gradient) from the logits' gradient of part 1; then, where part 2 ran the experts'
+    /// weight gradients beside, the join of their stream.
     fn router_backward(
         &self,
         stream: &Stream,
@@ -1127,14 +1217,17 @@ impl MoeLayer {
     ) -> Result<()> {
         self.router
             .input_backward(stream, &self.dxp, &self.wr, &s.routing, dx)?;
-        match weights {
+        if let Some(accumulate) = weights {
             // The router weight's gradient after dx (both read the logits' gradient; one
             // stream, as in part 1).
-            Some(accumulate) => self
-                .router
-                .weight_backward(stream, x, &s.routing, &self.dwr, accumulate),
-            None => Ok(()),
+            self.router
+                .weight_backward(stream, x, &s.routing, &self.dwr, accumulate)?;
         }
+        if self.beside_split(stream, weights.is_some())?.is_some() {
+            self.join.record(&self.side)?;
+            stream.wait_event(&self.join)?;
+        }
+        Ok(())
     }
 
     /// In a warmup pass, reports the weight tensors of the experts that got tokens (reads

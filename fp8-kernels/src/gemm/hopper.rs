@@ -32,7 +32,7 @@ use cuda_graph::sys::{
 use cuda_graph::{Context, DeviceBuffer, Error, KernelArgs, LaunchConfig, Result, Stream};
 
 use super::packed::{GroupScales, PackedProblem, WgradProblem};
-use super::{Bias, BlockOperand, GemmOut, GemmProblem};
+use super::{Bias, BlockOperand, GemmOptions, GemmOut, GemmProblem};
 use crate::cast_transpose::slot_indices;
 use crate::format::Fp8Format;
 use crate::module::kernel;
@@ -315,6 +315,13 @@ fn sm_count(stream: &Stream) -> Result<u32> {
     Ok(kernel(stream.context(), "fp8_gemm_ref_e4m3_e4m3")?.1)
 }
 
+/// The SMs a persistent grid may take: the device's, capped at `max_sms`
+/// ([`GemmOptions::max_sms`](super::GemmOptions::max_sms), at least 1).
+fn grid_sms(stream: &Stream, max_sms: Option<usize>) -> Result<usize> {
+    let sms = sm_count(stream)? as usize;
+    Ok(max_sms.map_or(sms, |cap| cap.clamp(1, sms.max(1))))
+}
+
 /// The kernel of a layout (`""` grouped blocks, `"packed_"`, `"wgrad_"`), operand formats,
 /// output type (`GemmOut::name`) and tile width.
 fn kernel_name(layout: &str, a: Fp8Format, b: Fp8Format, out: &str, bn: usize) -> String {
@@ -344,7 +351,7 @@ fn check_packed_device(stream: &Stream, what: &str, n: usize) -> Result<()> {
 pub(crate) fn launch(stream: &Stream, p: &GemmProblem<'_>) -> Result<()> {
     if let Some(ws) = p.workspace.filter(|_| p.groups <= 1 && p.counts.is_none()) {
         check(p)?;
-        let splits = split_k(p.m, p.n, p.k, sm_count(stream)? as usize, ws.len());
+        let splits = split_k(p.m, p.n, p.k, grid_sms(stream, p.max_sms)?, ws.len());
         if splits > 1 {
             return launch_split_k(stream, p, ws, splits);
         }
@@ -398,7 +405,15 @@ fn launch_split_k(
     let partial = partial.slice(..splits * m * n)?;
     let formats = (p.a.format, p.b.format);
     let out = GemmOut::F32(&partial);
-    let (bn, kern, cfg) = select(stream, "", formats, &out, (splits, m, n), Some(128))?;
+    let (bn, kern, cfg) = select(
+        stream,
+        "",
+        formats,
+        &out,
+        (splits, m, n),
+        Some(128),
+        p.max_sms,
+    )?;
     let u8map = CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8;
     let l2 = CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
     // A [m, K] and B [n, K] as [splits][rows][ks]: row stride K, slice stride ks (bytes). The
@@ -487,7 +502,15 @@ fn launch_epilogue(
     } else {
         ""
     };
-    let (bn, k, cfg) = select(stream, layout, formats, &p.d, (groups, p.m, p.n), bn)?;
+    let (bn, k, cfg) = select(
+        stream,
+        layout,
+        formats,
+        &p.d,
+        (groups, p.m, p.n),
+        bn,
+        p.max_sms,
+    )?;
     let ta = tensor_map(p.a.data, groups, p.m, p.k, TILE)?;
     let tb = tensor_map(p.b.data, groups, p.n, p.k, bn)?;
     // With row counts the kernel stores through the map only the tiles whose rows all lie
@@ -522,16 +545,15 @@ fn launch_epilogue(
 /// kernel: E4M3 operands, 128-wide tiles, each k-block's products scaled by its row's and
 /// column block's scale_inv as they are added to the f32 sum. An [`Error::InvalidArgument`]
 /// (nothing enqueued) for other formats, shapes or alignments it does not take.
+/// `opts` gives the bias, accumulation and SM cap.
 pub(crate) fn launch_blockwise(
     stream: &Stream,
     shape: (usize, usize, usize),
-    a: &BlockOperand<'_>,
-    b: &BlockOperand<'_>,
+    operands: (&BlockOperand<'_>, &BlockOperand<'_>),
     d: &GemmOut<'_>,
-    bias: &Option<Bias<'_>>,
-    accumulate: bool,
+    opts: &GemmOptions<'_>,
 ) -> Result<()> {
-    launch_blockwise_with(stream, shape, (a, b), d, bias, accumulate, None)
+    launch_blockwise_with(stream, shape, operands, d, opts, None)
 }
 
 /// [`launch_blockwise`] with the tile width forced (128 or 192) or chosen (`None`, as for
@@ -541,10 +563,10 @@ fn launch_blockwise_with(
     (m, n, k): (usize, usize, usize),
     (a, b): (&BlockOperand<'_>, &BlockOperand<'_>),
     d: &GemmOut<'_>,
-    bias: &Option<Bias<'_>>,
-    accumulate: bool,
+    opts: &GemmOptions<'_>,
     forced: Option<usize>,
 ) -> Result<()> {
+    let (bias, accumulate) = (&opts.bias, opts.accumulate);
     if (a.format, b.format) != (Fp8Format::E4M3, Fp8Format::E4M3) {
         return Err(Error::InvalidArgument(format!(
             "sm90 block-scaled GEMM: {} x {} operands (E4M3 x E4M3 only)",
@@ -569,7 +591,15 @@ fn launch_blockwise_with(
         ));
     }
     let formats = (a.format, b.format);
-    let (bn, kern, cfg) = select(stream, "block_", formats, d, (1, m, n), forced)?;
+    let (bn, kern, cfg) = select(
+        stream,
+        "block_",
+        formats,
+        d,
+        (1, m, n),
+        forced,
+        opts.max_sms,
+    )?;
     let ta = tensor_map(a.data, 1, m, k, TILE)?;
     let tb = tensor_map(b.data, 1, n, k, bn)?;
     let (epi, td) = epilogue(accumulate, d, store_map(d, 1, m, n)?);
@@ -669,7 +699,7 @@ fn packed_bn(stream: &Stream, p: &PackedProblem<'_>) -> Result<usize> {
     let capacity = p.shape.capacity;
     let rows = p.expected_rows.map_or(capacity, |r| r.clamp(1, capacity));
     let fast = fast_instance(p.fast, (p.a.format, p.b.format), p.d.name());
-    let sms = sm_count(stream)? as usize;
+    let sms = grid_sms(stream, p.max_sms)?;
     Ok(choose_bn_for(
         1,
         rows,
@@ -697,7 +727,15 @@ fn enqueue_packed(
         (true, false) => "packed_swiglu_",
         (true, true) => "packed_swiglu_fast_",
     };
-    let (bn, kern, cfg) = select(stream, layout, formats, &p.d, (1, capacity, n), Some(bn))?;
+    let (bn, kern, cfg) = select(
+        stream,
+        layout,
+        formats,
+        &p.d,
+        (1, capacity, n),
+        Some(bn),
+        p.max_sms,
+    )?;
     let ta = tensor_map(p.a.data, 1, capacity, k, TILE)?;
     // The fused kernel loads each B tile as two boxes: gate rows, then up rows.
     let b_rows = if swiglu.is_some() { bn / 2 } else { bn };
@@ -792,7 +830,15 @@ fn launch_wgrad_with(
     }
     let formats = (p.a.format, p.b.format);
     let bn = wgrad_bn(bn, p.d.elem_size(), capacity, groups);
-    let (bn, kern, cfg) = select(stream, "wgrad_", formats, &p.d, (groups, m, n), bn)?;
+    let (bn, kern, cfg) = select(
+        stream,
+        "wgrad_",
+        formats,
+        &p.d,
+        (groups, m, n),
+        bn,
+        p.max_sms,
+    )?;
     let ta = tensor_map(p.a.data, 1, m, capacity, TILE)?;
     let tb = tensor_map(p.b.data, 1, n, capacity, bn)?;
     let store = store
@@ -825,7 +871,8 @@ fn launch_wgrad_with(
 /// [`Error::InvalidArgument`] otherwise; or chosen
 /// for `groups x m x n` outputs), the kernel of `layout`
 /// (as [`kernel_name`] takes it) for the operand formats and D's type with its dynamic shared
-/// memory allowed, and the persistent launch over the tiles: one CTA per SM at most.
+/// memory allowed, and the persistent launch over the tiles: one CTA per SM at most, on at
+/// most `max_sms` SMs.
 fn select(
     stream: &Stream,
     layout: &str,
@@ -833,20 +880,21 @@ fn select(
     d: &GemmOut<'_>,
     (groups, m, n): (usize, usize, usize),
     forced: Option<usize>,
+    max_sms: Option<usize>,
 ) -> Result<(usize, cuda_graph::Kernel, LaunchConfig)> {
     // 256 columns: the fast-accumulation kernels only.
     let fast = layout.contains("fast_");
     if let Some(bn) = forced.filter(|&bn| !(bn == 128 || bn == 192 || (fast && bn == 256))) {
         return Err(Error::InvalidArgument(format!("tile width {bn}")));
     }
-    let sms = sm_count(stream)?;
+    let sms = grid_sms(stream, max_sms)?;
     let es = d.elem_size();
-    let bn = forced.unwrap_or_else(|| choose_bn_for(groups, m, n, es, sms as usize, fast));
+    let bn = forced.unwrap_or_else(|| choose_bn_for(groups, m, n, es, sms, fast));
     let (k, _) = kernel(stream.context(), &kernel_name(layout, fa, fb, d.name(), bn))?;
     let smem = smem_bytes(bn, es);
     k.set_max_dynamic_shared_memory(smem)?;
     let tiles = groups.max(1) * m.div_ceil(TILE) * n.div_ceil(bn);
-    let grid = (tiles.min(sms as usize)).max(1) as u32;
+    let grid = tiles.min(sms).max(1) as u32;
     let cfg = LaunchConfig {
         shared_mem_bytes: smem as u32,
         ..LaunchConfig::linear(grid, THREADS)
@@ -1364,6 +1412,7 @@ mod tests {
             accumulate: c.accumulate,
             fast: c.fast,
             workspace: None,
+            max_sms: None,
         }
     }
 
@@ -1564,8 +1613,15 @@ mod tests {
                     } else {
                         GemmOut::Bf16(&dv.d16)
                     };
-                    launch_blockwise_with(&s, (m, n, k), (&a, &b), &out, &None, false, Some(bn))
-                        .unwrap();
+                    launch_blockwise_with(
+                        &s,
+                        (m, n, k),
+                        (&a, &b),
+                        &out,
+                        &GemmOptions::new(),
+                        Some(bn),
+                    )
+                    .unwrap();
                     s.synchronize().unwrap();
                     let got = read_d(&s, &c, &dv);
                     let (mut err, mut mag) = (0f64, 0f64);
@@ -1582,8 +1638,14 @@ mod tests {
                     );
                 }
                 let out = GemmOut::Bf16(&dv.d16);
-                let refused =
-                    launch_blockwise_with(&s, (m, n, k), (&a, &b), &out, &None, false, Some(256));
+                let refused = launch_blockwise_with(
+                    &s,
+                    (m, n, k),
+                    (&a, &b),
+                    &out,
+                    &GemmOptions::new(),
+                    Some(256),
+                );
                 assert!(
                     matches!(refused, Err(Error::InvalidArgument(_))),
                     "{refused:?}"
@@ -1926,6 +1988,7 @@ mod tests {
                 d: GemmOut::F32(&d),
                 offsets: &offsets,
                 accumulate: false,
+                max_sms: None,
             };
             let ms = time(&mut || launch_wgrad(&s, &p).unwrap());
             let tf = 2.0 * (groups * per * m * n) as f64 / (ms * 1e-3) / 1e12;

@@ -197,6 +197,8 @@ pub(crate) struct GemmProblem<'a> {
     pub fast: bool,
     /// Split-K scratch ([`GemmOptions::workspace`]; plain GEMMs only).
     pub workspace: Option<&'a DeviceBuffer<u8>>,
+    /// The SM cap ([`GemmOptions::max_sms`]).
+    pub max_sms: Option<usize>,
 }
 
 impl GemmOut<'_> {
@@ -308,6 +310,14 @@ pub struct GemmOptions<'a> {
     /// one limits the splits to what fits, none at all computes the GEMM unsplit. It must
     /// not be used by other work between the GEMM's launch and its completion.
     pub workspace: Option<&'a DeviceBuffer<u8>>,
+    /// The most SMs the sm_90a kernels' persistent grid occupies (cuBLASLt's
+    /// `SM_COUNT_TARGET`; at least 1, capped at the device's count; `None`: every SM). For
+    /// work that runs beside the GEMM on another stream, such as a weight gradient beside a
+    /// data gradient: a persistent GEMM sized for every SM holds them all (one CTA an SM)
+    /// until its last tile, so concurrent kernels wait for it. The tile width and split-K
+    /// choices are made for this many SMs. The result does not change, only the speed. The
+    /// portable kernels, which launch one CTA a tile, ignore it.
+    pub max_sms: Option<usize>,
 }
 
 /// The most K splits a plain GEMM takes on the sm_90a path ([`GemmOptions::workspace`]).
@@ -358,6 +368,19 @@ impl<'a> GemmOptions<'a> {
         self.workspace = Some(workspace);
         self
     }
+    /// On at most `sms` SMs (see [`GemmOptions::max_sms`]).
+    pub fn max_sms(mut self, sms: usize) -> GemmOptions<'a> {
+        self.max_sms = Some(sms);
+        self
+    }
+}
+
+/// [`GemmOptions::max_sms`] of 0 is refused.
+pub(crate) fn check_max_sms(what: &str, max_sms: Option<usize>) -> Result<()> {
+    if max_sms == Some(0) {
+        return Err(invalid(what, "max_sms = 0 (at least one SM)".into()));
+    }
+    Ok(())
 }
 
 /// A block-scaled FP8 operand: K-major data and one f32 `scale_inv` per block, as
@@ -610,6 +633,7 @@ fn dense_problem<'a>(
         what,
         &desc(m, n, k, 1, a.data, b.data, &d, opts.bias.as_ref(), None),
     )?;
+    check_max_sms(what, opts.max_sms)?;
     Ok(GemmProblem {
         m,
         n,
@@ -623,6 +647,7 @@ fn dense_problem<'a>(
         accumulate: opts.accumulate,
         fast: opts.fast_accumulation,
         workspace: opts.workspace,
+        max_sms: opts.max_sms,
     })
 }
 
@@ -667,6 +692,7 @@ pub fn grouped_gemm<'a>(
             Some(counts),
         ),
     )?;
+    check_max_sms(what, opts.max_sms)?;
     let p = GemmProblem {
         m: m_max,
         n,
@@ -680,6 +706,7 @@ pub fn grouped_gemm<'a>(
         accumulate: opts.accumulate,
         fast: opts.fast_accumulation,
         workspace: None,
+        max_sms: opts.max_sms,
     };
     dispatch(stream, &p, opts.path)
 }
@@ -715,6 +742,7 @@ pub fn gemm_blockwise<'a>(
         what,
         &desc(m, n, k, 1, a.data, b.data, &d, opts.bias.as_ref(), None),
     )?;
+    check_max_sms(what, opts.max_sms)?;
     let kb = k.div_ceil(128);
     check_len(what, "A scales", a.scales_inv.len(), mul(what, &[m, kb])?)?;
     check_len(
@@ -728,7 +756,7 @@ pub fn gemm_blockwise<'a>(
             return Ok(false);
         }
         let shape = (m, n, k);
-        match hopper::launch_blockwise(stream, shape, &a, &b, &d, &opts.bias, opts.accumulate) {
+        match hopper::launch_blockwise(stream, shape, (&a, &b), &d, &opts) {
             Ok(()) => Ok(true),
             // Not its formats, shape or alignment; it checks before enqueueing anything.
             Err(Error::InvalidArgument(_)) => Ok(false),

@@ -43,7 +43,7 @@ use cuda_graph::{DeviceBuffer, Result, Stream};
 
 use super::{
     ALIGN, Bias, GemmOptions, GemmOut, GemmPath, K_ALIGN, MAX_GRID_X, MAX_GRID_YZ, Operand,
-    check_addr, check_len, invalid, mul, portable,
+    check_addr, check_len, check_max_sms, invalid, mul, portable,
 };
 use crate::cast_transpose::check_outputs;
 use crate::format::Fp8Format;
@@ -148,6 +148,8 @@ pub(crate) struct PackedProblem<'a> {
     pub expected_rows: Option<usize>,
     /// Fast accumulation allowed ([`GemmOptions::fast_accumulation`]).
     pub fast: bool,
+    /// The SM cap ([`GemmOptions::max_sms`]).
+    pub max_sms: Option<usize>,
 }
 
 /// A validated packed weight-gradient problem.
@@ -158,6 +160,8 @@ pub(crate) struct WgradProblem<'a> {
     pub d: GemmOut<'a>,
     pub offsets: &'a DeviceBuffer<i32>,
     pub accumulate: bool,
+    /// The SM cap ([`GemmOptions::max_sms`]).
+    pub max_sms: Option<usize>,
 }
 
 /// The plain numbers [`validate_packed`] looks at: `(length, address)` of each buffer.
@@ -431,6 +435,7 @@ fn packed_problem<'a>(
             b_scales,
         },
     )?;
+    check_max_sms(what, opts.max_sms)?;
     Ok(PackedProblem {
         shape,
         a,
@@ -441,6 +446,7 @@ fn packed_problem<'a>(
         accumulate: opts.accumulate,
         expected_rows: opts.expected_rows,
         fast: opts.fast_accumulation,
+        max_sms: opts.max_sms,
     })
 }
 
@@ -489,6 +495,7 @@ pub fn grouped_gemm_wgrad<'a>(
             bias: opts.bias.is_some(),
         },
     )?;
+    check_max_sms(what, opts.max_sms)?;
     let problem = WgradProblem {
         shape,
         a,
@@ -496,6 +503,7 @@ pub fn grouped_gemm_wgrad<'a>(
         d,
         offsets,
         accumulate: opts.accumulate,
+        max_sms: opts.max_sms,
     };
     match opts.path {
         // As for the packed forward: the sm90 kernel on request (it needs aligned offsets).
