@@ -238,6 +238,10 @@ __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy
 __device__ __forceinline__ void named_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
+// Arrives at named barrier `id` without waiting (a bar.sync of the other `threads` waits).
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
 
 // The fused casts' staging: boxes of 64 rows x 64 bytes in the 64-byte swizzle of TMA (the
 // 16-byte chunk q of row r at chunk q ^ ((r / 2) % 4)), so that a warp's stores of 8 rows x 4
@@ -582,6 +586,20 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
         if constexpr (SWIGLU) sw_scale = *sw->scale;
         int stage = 0;
         uint32_t phase = 0;
+        // Ping-pong (WGRAD): on a tile of at most STAGES k-blocks the consumers take turns at
+        // the tensor cores: consumer 1's products after consumer 0's (named barrier 3),
+        // consumer 0's next tile's after consumer 1's (barrier 4), so that each one's epilogue
+        // runs under the other's products instead of both epilogues at once with the tensor
+        // cores idle (the weight gradient at small T: one k-block a tile, the epilogue most
+        // of the tile's time). Both consumers decide it per tile from the same k-range. With
+        // more k-blocks than stages they run side by side as before: consumer 0 alone can not
+        // take all of a tile's k-blocks before consumer 1 releases a stage.
+        constexpr bool PINGPONG = MODE == WGRAD;
+        constexpr int ORDER_01 = 3, ORDER_10 = 4;
+        auto ordered = [&](const KRange &r) {
+            return PINGPONG && r.hi > r.lo && r.hi - r.lo <= STAGES;
+        };
+        bool prev_ordered = false;  // consumer 0: its previous tile took turns
         // The next tile is worked out while the tensor cores run this tile's first k-block
         // (its binary search and divisions would otherwise stall both consumers, and the
         // tensor cores, at every tile start).
@@ -596,9 +614,22 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
 #pragma unroll
             for (int i = 0; i < NACC; ++i) acc[i] = 0.0f;
             const KRange kr = krange(tl);
+            const bool turns = ordered(kr);
             if (kr.hi <= kr.lo) next = tile_after(t);
             // An empty reduction (WGRAD) leaves an accumulated D[g] as it was.
-            if (kr.hi <= kr.lo && accumulate) continue;
+            if (kr.hi <= kr.lo && accumulate) {
+                prev_ordered = false;
+                continue;
+            }
+            if (turns) {
+                // Consumer 1 after consumer 0's products of this tile; consumer 0 after
+                // consumer 1's of the previous tile, where that one took turns too.
+                if (cw == 1) {
+                    named_sync(ORDER_01, 256);
+                } else if (prev_ordered) {
+                    named_sync(ORDER_10, 256);
+                }
+            }
             if constexpr (FAST) {
                 // The stage whose wgmma group is still in flight (released one k-block later).
                 int held = -1;
@@ -666,6 +697,16 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                     phase ^= 1u;
                 }
             }
+            if (turns) {
+                // Hand the tensor cores over: consumer 1 arrives for consumer 0's next tile
+                // only where that one takes turns (each arrival has its one waiter).
+                if (cw == 0) {
+                    named_arrive(ORDER_01, 256);
+                } else if (next.g >= 0 && ordered(krange(next))) {
+                    named_arrive(ORDER_10, 256);
+                }
+            }
+            prev_ordered = turns;
             // (An empty reduction writes +0: alpha * 0 would be NaN for an infinite alpha.)
             const float alpha_t = kr.hi > kr.lo ? alpha : 0.0f;
             // Grouped blocks with counts: the store epilogue writes whole tiles, so only a tile
