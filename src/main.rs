@@ -132,6 +132,10 @@ enum Bench {
         /// profile one of them.
         #[arg(long, value_name = "STEP", value_enum, value_delimiter = ',')]
         only: Vec<bench::moe::Step>,
+        /// Run the full-layer steps' expert weight gradients beside their data gradients on
+        /// this many SMs (`MoeLayer::with_weight_grads_beside`; off by default).
+        #[arg(long, value_name = "SMS")]
+        weight_grads_beside: Option<usize>,
     },
 }
 
@@ -213,9 +217,10 @@ fn run_bench(bench: &Bench, json_path: &std::path::Path) -> Result<(), info::Cli
             tokens,
             experts,
             only,
+            weight_grads_beside,
         } => (
             "bench moe: MoE layer training step (forward + backward), eager vs graphs",
-            bench::moe::run(*tokens, *experts, only),
+            bench::moe::run(*tokens, *experts, only, *weight_grads_beside),
         ),
     };
     let rows = rows.map_err(|e| info::CliError::Other(e.to_string()))?;
@@ -298,6 +303,7 @@ mod tests {
                 tokens: None,
                 experts: None,
                 only: Vec::new(),
+                weight_grads_beside: None,
             },
         ] {
             let cli = Cli::try_parse_from(["fp8-moe", "bench", bench.name()]).unwrap();
@@ -320,7 +326,20 @@ mod tests {
                 tokens: Some(4096),
                 experts: None,
                 ref only,
+                weight_grads_beside: None,
             } if only.is_empty()
+        ));
+        let cli = Cli::try_parse_from(["fp8-moe", "bench", "moe", "--weight-grads-beside", "66"])
+            .unwrap();
+        let Command::Bench(args) = cli.command else {
+            panic!("not bench: {cli:?}")
+        };
+        assert!(matches!(
+            args.bench,
+            Bench::Moe {
+                weight_grads_beside: Some(66),
+                ..
+            }
         ));
         assert!(Cli::try_parse_from(["fp8-moe", "bench", "moe", "--experts", "x"]).is_err());
         let cli =

@@ -219,6 +219,8 @@ struct Variant {
     fast: bool,
     fp8_from_optimizer: bool,
     optimizer: bool,
+    /// [`MoeLayer::with_weight_grads_beside`].
+    beside: Option<usize>,
 }
 
 /// Median times (ms) of a graphed step and of its forward and backward (events between them),
@@ -246,16 +248,13 @@ fn graphed(
         fast,
         fp8_from_optimizer,
         optimizer,
+        beside,
     } = v;
     let layer = layer(stream, config(s, mode, grad_dtype), step_gradients)?
         .with_gemm_path(path)
         .with_fast_forward_accumulation(fast)
         .with_fp8_weights_from_optimizer(stream, fp8_from_optimizer)?
-        .with_weight_grads_beside(
-            std::env::var("FP8MOE_WGRAD_SMS")
-                .ok()
-                .and_then(|v| v.parse().ok()),
-        );
+        .with_weight_grads_beside(beside);
     let opt = if optimizer {
         Some(MoeAdamW::new(stream, &layer, AdamW::default())?)
     } else {
@@ -394,8 +393,15 @@ type Timed = (Times, Vec<bf16>);
 
 /// Runs the benchmark on device 0, on the shapes with `tokens` tokens and `experts` experts
 /// (every shape where `None`) and the steps `only` (every step when empty); an error if no
-/// shape is left. The checks between steps' outputs run where both steps ran.
-pub fn run(tokens: Option<usize>, experts: Option<usize>, only: &[Step]) -> BenchResult<Vec<Row>> {
+/// shape is left. The checks between steps' outputs run where both steps ran. The full-layer
+/// steps run their expert weight gradients beside the data gradients on
+/// `weight_grads_beside` SMs where given ([`MoeLayer::with_weight_grads_beside`]).
+pub fn run(
+    tokens: Option<usize>,
+    experts: Option<usize>,
+    only: &[Step],
+    weight_grads_beside: Option<usize>,
+) -> BenchResult<Vec<Row>> {
     let shapes: Vec<Shape> = SHAPES
         .into_iter()
         .filter(|s| tokens.is_none_or(|t| t == s.tokens) && experts.is_none_or(|e| e == s.experts))
@@ -424,6 +430,7 @@ pub fn run(tokens: Option<usize>, experts: Option<usize>, only: &[Step]) -> Benc
             fast: true,
             fp8_from_optimizer: false,
             optimizer: false,
+            beside: weight_grads_beside,
         };
         let f32_timed = Variant {
             optimizer: true,
@@ -509,9 +516,12 @@ pub fn run(tokens: Option<usize>, experts: Option<usize>, only: &[Step]) -> Benc
                 .map(|t| format!("; target <= {t:.2} ms"))
                 .unwrap_or_default()
         };
+        let beside = weight_grads_beside
+            .map(|n| format!("; weight gradients beside on {n} SMs"))
+            .unwrap_or_default();
         let parts = |t: &Times| {
             format!(
-                "; forward {:.3} + backward {:.3} ms (events between them)",
+                "; forward {:.3} + backward {:.3} ms (events between them){beside}",
                 t.forward, t.backward
             )
         };
