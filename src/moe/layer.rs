@@ -451,6 +451,13 @@ impl ExpertWeight {
     }
 }
 
+/// One of an expert's two linears (fc1: H -> 2F, fc2: F -> H).
+#[derive(Debug, Clone, Copy)]
+enum Fc {
+    One,
+    Two,
+}
+
 fn zeroed<T: cuda_graph::DeviceRepr>(stream: &Stream, n: usize) -> Result<DeviceBuffer<T>> {
     let b = DeviceBuffer::alloc(stream.context(), n)?;
     b.memset_bytes(stream, 0)?;
@@ -1077,7 +1084,7 @@ impl MoeLayer {
             // dW2 needs dY^T (part 1) and h^T (the forward): it starts with fc2's dgrad.
             self.fork.record(stream)?;
             self.side.wait_event(&self.fork)?;
-            self.fc2_wgrad(&self.side, s, None, accumulate, wgrad_sms)?;
+            self.fc_wgrad(Fc::Two, &self.side, s, None, accumulate, wgrad_sms)?;
         }
         // dh = dY . W2 (B = W2^T per expert, [F, H]).
         self.experts_gemm(
@@ -1107,7 +1114,7 @@ impl MoeLayer {
             // dW1 needs dA^T, just written.
             self.da_ready.record(stream)?;
             self.side.wait_event(&self.da_ready)?;
-            self.fc1_wgrad(&self.side, s, None, accumulate, wgrad_sms)?;
+            self.fc_wgrad(Fc::One, &self.side, s, None, accumulate, wgrad_sms)?;
         }
         // dXp = dA . W1 (B = W1^T per expert, [H, 2F]).
         self.experts_gemm(
@@ -1140,13 +1147,15 @@ impl MoeLayer {
         host: Option<&[i32]>,
         accumulate: bool,
     ) -> Result<()> {
-        self.fc2_wgrad(stream, s, host, accumulate, None)?;
-        self.fc1_wgrad(stream, s, host, accumulate, None)
+        self.fc_wgrad(Fc::Two, stream, s, host, accumulate, None)?;
+        self.fc_wgrad(Fc::One, stream, s, host, accumulate, None)
     }
 
-    /// `dW2[e] (+)= dY_e^T . h_e`, the GEMMs on at most `max_sms` SMs.
-    fn fc2_wgrad(
+    /// The weight gradient of one expert linear, the GEMMs on at most `max_sms` SMs:
+    /// `dW2[e] (+)= dY_e^T . h_e` or `dW1[e] (+)= dA_e^T . X_e`.
+    fn fc_wgrad(
         &self,
+        fc: Fc,
         stream: &Stream,
         s: &Saved<'_>,
         host: Option<&[i32]>,
@@ -1154,52 +1163,26 @@ impl MoeLayer {
         max_sms: Option<usize>,
     ) -> Result<()> {
         let (h, f) = (self.cfg.hidden, self.cfg.ffn);
+        let ((m, n), (a, a_si), (b, b_si), d) = match fc {
+            Fc::Two => ((h, f), (s.dy_t, &s.si[2]), (s.h_t, &s.si[1]), &self.dw2),
+            Fc::One => ((2 * f, h), (s.da_t, &s.si[3]), (s.x_t, &s.si[0]), &self.dw1),
+        };
         self.experts_wgrad(
             stream,
             &s.routing,
             host,
-            (h, f),
+            (m, n),
             Operand {
-                data: s.dy_t,
+                data: a,
                 format: grad_format(self.cfg.recipe),
-                scale_inv: &s.si[2],
+                scale_inv: a_si,
             },
             Operand {
-                data: s.h_t,
+                data: b,
                 format: Fp8Format::E4M3,
-                scale_inv: &s.si[1],
+                scale_inv: b_si,
             },
-            (&self.dw2, accumulate),
-            max_sms,
-        )
-    }
-
-    /// `dW1[e] (+)= dA_e^T . X_e`, the GEMMs on at most `max_sms` SMs.
-    fn fc1_wgrad(
-        &self,
-        stream: &Stream,
-        s: &Saved<'_>,
-        host: Option<&[i32]>,
-        accumulate: bool,
-        max_sms: Option<usize>,
-    ) -> Result<()> {
-        let (h, f) = (self.cfg.hidden, self.cfg.ffn);
-        self.experts_wgrad(
-            stream,
-            &s.routing,
-            host,
-            (2 * f, h),
-            Operand {
-                data: s.da_t,
-                format: grad_format(self.cfg.recipe),
-                scale_inv: &s.si[3],
-            },
-            Operand {
-                data: s.x_t,
-                format: Fp8Format::E4M3,
-                scale_inv: &s.si[0],
-            },
-            (&self.dw1, accumulate),
+            (d, accumulate),
             max_sms,
         )
     }
