@@ -133,7 +133,8 @@ enum Bench {
         #[arg(long, value_name = "STEP", value_enum, value_delimiter = ',')]
         only: Vec<bench::moe::Step>,
         /// Run the full-layer steps' expert weight gradients beside their data gradients on
-        /// this many SMs (`MoeLayer::with_weight_grads_beside`; off by default).
+        /// this many SMs, or after them with 0 (`MoeLayer::with_weight_grads_beside`; the
+        /// layer's default when not given).
         #[arg(long, value_name = "SMS")]
         weight_grads_beside: Option<usize>,
     },

@@ -253,8 +253,13 @@ fn graphed(
     let layer = layer(stream, config(s, mode, grad_dtype), step_gradients)?
         .with_gemm_path(path)
         .with_fast_forward_accumulation(fast)
-        .with_fp8_weights_from_optimizer(stream, fp8_from_optimizer)?
-        .with_weight_grads_beside(beside);
+        .with_fp8_weights_from_optimizer(stream, fp8_from_optimizer)?;
+    // The layer's default unless given; 0: after the data gradients.
+    let layer = match beside {
+        Some(0) => layer.with_weight_grads_beside(None),
+        Some(n) => layer.with_weight_grads_beside(Some(n)),
+        None => layer,
+    };
     let opt = if optimizer {
         Some(MoeAdamW::new(stream, &layer, AdamW::default())?)
     } else {
@@ -395,7 +400,8 @@ type Timed = (Times, Vec<bf16>);
 /// (every shape where `None`) and the steps `only` (every step when empty); an error if no
 /// shape is left. The checks between steps' outputs run where both steps ran. The full-layer
 /// steps run their expert weight gradients beside the data gradients on
-/// `weight_grads_beside` SMs where given ([`MoeLayer::with_weight_grads_beside`]).
+/// `weight_grads_beside` SMs where given, after them with `Some(0)`, as the layer's default
+/// otherwise ([`MoeLayer::with_weight_grads_beside`]).
 pub fn run(
     tokens: Option<usize>,
     experts: Option<usize>,
@@ -516,9 +522,11 @@ pub fn run(
                 .map(|t| format!("; target <= {t:.2} ms"))
                 .unwrap_or_default()
         };
-        let beside = weight_grads_beside
-            .map(|n| format!("; weight gradients beside on {n} SMs"))
-            .unwrap_or_default();
+        let beside = match weight_grads_beside {
+            Some(0) => "; weight gradients after the data gradients".to_string(),
+            Some(n) => format!("; weight gradients beside on {n} SMs"),
+            None => String::new(),
+        };
         let parts = |t: &Times| {
             format!(
                 "; forward {:.3} + backward {:.3} ms (events between them){beside}",

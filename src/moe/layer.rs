@@ -451,6 +451,24 @@ impl ExpertWeight {
     }
 }
 
+/// Expected rows an expert from which f32 weight gradients run beside the data gradients by
+/// default ([`MoeLayer::with_weight_grads_beside`]).
+const BESIDE_ROWS: usize = 512;
+
+/// The default of [`MoeLayer::with_weight_grads_beside`] on a device of `sms` SMs: half of
+/// them for f32 weight gradients of grouped experts with at least [`BESIDE_ROWS`] expected
+/// rows each, else none. On an H200 at T = 4096 (E = 8, 1024 rows an expert) the f32 step
+/// took 0.850-0.851 ms beside on 66 SMs against 0.862-0.867 after (56 SMs: 0.896-0.903, 76:
+/// 0.874-0.876); with bf16 gradients (a weight gradient half as long), at T = 256 and at
+/// E = 256 (128 rows an expert) it was slower (docs/perf-notes.md).
+fn default_wgrad_sms(cfg: &MoeLayerConfig, sms: usize) -> Option<usize> {
+    let rows = cfg.routing_dims().expected_rows() / cfg.experts.max(1);
+    let beside = cfg.grad_dtype == GradDtype::F32
+        && cfg.expert_gemm == ExpertGemm::Grouped
+        && rows >= BESIDE_ROWS;
+    Some(sms / 2).filter(|&w| beside && w > 0)
+}
+
 /// One of an expert's two linears (fc1: H -> 2F, fc2: F -> H).
 #[derive(Debug, Clone, Copy)]
 enum Fc {
@@ -545,7 +563,10 @@ impl MoeLayer {
             dh: zeroed(stream, c * f)?,
             dxp: zeroed(stream, c * h)?,
             fast_forward: true,
-            wgrad_sms: None,
+            wgrad_sms: default_wgrad_sms(
+                &cfg,
+                usize::try_from(stream.context().device().multiprocessor_count()?).unwrap_or(0),
+            ),
             side: Stream::new(stream.context())?,
             fork: Event::for_sync(stream.context())?,
             da_ready: Event::for_sync(stream.context())?,
@@ -600,7 +621,8 @@ impl MoeLayer {
     /// only (the per-expert mode ignores it), and only where the backward computes the
     /// weight gradients (not in a split [`Callable::backward_weight`]). The results are the
     /// same bits either way; only the speed changes. `sms` is clamped to leave at least one
-    /// SM to each side.
+    /// SM to each side. Default: half the SMs for f32 weight gradients where each expert
+    /// expects at least 512 rows (the shapes where it was measured faster), `None` otherwise.
     pub fn with_weight_grads_beside(mut self, sms: Option<usize>) -> MoeLayer {
         self.wgrad_sms = sms;
         self
@@ -1556,6 +1578,38 @@ mod tests {
             expert_gemm: ExpertGemm::Grouped,
             scaling: CastScaling::Delayed,
             grad_dtype: GradDtype::F32,
+        }
+    }
+
+    #[test]
+    fn weight_grads_beside_by_default_only_for_f32_at_large_t() {
+        let big = MoeLayerConfig {
+            tokens: 4096,
+            ..cfg()
+        };
+        assert_eq!(default_wgrad_sms(&big, 132), Some(66));
+        assert_eq!(default_wgrad_sms(&big, 1), None);
+        for other in [
+            cfg(),
+            MoeLayerConfig {
+                grad_dtype: GradDtype::Bf16,
+                ..big
+            },
+            MoeLayerConfig {
+                expert_gemm: ExpertGemm::PerExpert,
+                ..big
+            },
+            MoeLayerConfig {
+                experts: 256,
+                ffn: 256,
+                router: RouterConfig {
+                    top_k: 8,
+                    ..big.router
+                },
+                ..big
+            },
+        ] {
+            assert_eq!(default_wgrad_sms(&other, 132), None, "{other:?}");
         }
     }
 
