@@ -823,6 +823,16 @@ mod tests {
     }
 
     #[test]
+    fn max_sms_of_zero_is_refused() {
+        let err = check_max_sms("gemm", Some(0)).unwrap_err().to_string();
+        assert!(err.contains("gemm") && err.contains("max_sms = 0"), "{err}");
+        assert!(check_max_sms("gemm", Some(1)).is_ok());
+        assert!(check_max_sms("gemm", Some(usize::MAX)).is_ok());
+        assert!(check_max_sms("gemm", None).is_ok());
+        assert_eq!(GemmOptions::new().max_sms(7).max_sms, Some(7));
+    }
+
+    #[test]
     fn valid_problems_pass() {
         for (m, n, k, g) in [
             (1, 8, 16, 1),
