@@ -404,13 +404,12 @@ pub struct MoeLayer {
     /// The SMs the experts' weight gradients take beside their data gradients
     /// ([`MoeLayer::with_weight_grads_beside`]); `None`: after them, on the caller's stream.
     wgrad_sms: Option<usize>,
-    /// The stream the weight gradients run on beside the data gradients, and the events
-    /// that fork it from the caller's stream, hand it fc1's output gradient and join it
-    /// back (recorded again at each use: no event is made per call).
+    /// The stream the weight gradients run on beside the data gradients, and the event that
+    /// hands work over between it and the caller's ([`MoeLayer::hand_over`]).
     side: Stream,
-    fork: Event,
-    da_ready: Event,
-    join: Event,
+    handoff: Event,
+    /// The device's SM count (the fusion and beside rules).
+    sms: usize,
     /// The FP8 expert weights are written by the optimizer, not cast in the step
     /// ([`MoeLayer::with_fp8_weights_from_optimizer`]); shared with every
     /// [`MoeAdamW`](super::optim::MoeAdamW) of the layer, which reads it at each step.
@@ -537,6 +536,7 @@ impl MoeLayer {
         let router = Router::new(stream, cfg.routing_dims(), cfg.router)?;
         fp8_kernels::module(stream.context())?;
         let w_si = DeviceBuffer::from_host(stream, &vec![1f32; 2 * e])?;
+        let sms = usize::try_from(stream.context().device().multiprocessor_count()?).unwrap_or(0);
         let layer = MoeLayer {
             cfg,
             router,
@@ -563,14 +563,10 @@ impl MoeLayer {
             dh: zeroed(stream, c * f)?,
             dxp: zeroed(stream, c * h)?,
             fast_forward: true,
-            wgrad_sms: default_wgrad_sms(
-                &cfg,
-                usize::try_from(stream.context().device().multiprocessor_count()?).unwrap_or(0),
-            ),
+            wgrad_sms: default_wgrad_sms(&cfg, sms),
             side: Stream::new(stream.context())?,
-            fork: Event::for_sync(stream.context())?,
-            da_ready: Event::for_sync(stream.context())?,
-            join: Event::for_sync(stream.context())?,
+            handoff: Event::for_sync(stream.context())?,
+            sms,
             optimizer_casts: Arc::new(AtomicBool::new(false)),
         };
         stream.synchronize()?;
@@ -892,11 +888,10 @@ impl MoeLayer {
     /// stores come after D's, on the tile's critical path) and saves the SwiGLU kernel: on an
     /// H200, T = 4096 (1088 tiles) the forward 0.281-0.284 ms against 0.293-0.301 with the two
     /// kernels; T = 256 (128 tiles, one each) fc1 alone 38.2 us fused against 28.5 + 5.8.
-    fn fuse_swiglu(&self, stream: &Stream) -> Result<bool> {
+    fn fuse_swiglu(&self) -> bool {
         let rows = self.cfg.routing_dims().expected_rows();
         let tiles = rows.div_ceil(ALIGN_ROWS) * (2 * self.cfg.ffn).div_ceil(256);
-        let sms = stream.context().device().multiprocessor_count()?;
-        Ok(tiles > usize::try_from(sms).unwrap_or(0))
+        tiles > self.sms
     }
 
     /// The options of the grouped kernels over the packed rows (`fast`: fast accumulation).
@@ -994,7 +989,7 @@ impl MoeLayer {
             scale_inv: &s.si[0],
         };
         let h_fp8 = self.tensor(&self.hq, &[c, f], HID, &s.si[1])?;
-        if host.is_none() && self.fuse_swiglu(stream)? {
+        if host.is_none() && self.fuse_swiglu() {
             // fc1 with the SwiGLU cast in its epilogue (one kernel on the sm_90a path; the
             // same bits as the two kernels below).
             let shape = PackedShape {
@@ -1072,19 +1067,21 @@ impl MoeLayer {
     /// The SMs of the weight gradients and of the data gradients' GEMMs when the backward
     /// with weight gradients (`weights`) runs them beside each other
     /// ([`with_weight_grads_beside`](Self::with_weight_grads_beside)); `None` otherwise.
-    fn beside_split(&self, stream: &Stream, weights: bool) -> Result<Option<(usize, usize)>> {
-        let Some(w) = self.wgrad_sms.filter(|_| weights) else {
-            return Ok(None);
-        };
-        if self.cfg.expert_gemm != ExpertGemm::Grouped {
-            return Ok(None);
+    fn beside_split(&self, weights: bool) -> Option<(usize, usize)> {
+        let w = self.wgrad_sms.filter(|_| weights)?;
+        if self.cfg.expert_gemm != ExpertGemm::Grouped || self.sms < 2 {
+            return None;
         }
-        let sms = usize::try_from(stream.context().device().multiprocessor_count()?).unwrap_or(0);
-        if sms < 2 {
-            return Ok(None);
-        }
-        let w = w.clamp(1, sms - 1);
-        Ok(Some((w, sms - w)))
+        let w = w.clamp(1, self.sms - 1);
+        Some((w, self.sms - w))
+    }
+
+    /// Makes later work on `to` wait for the work enqueued so far on `from`, through the
+    /// layer's one hand-over event: a wait takes the event's latest record when it is
+    /// enqueued (or captured), so recording it again for the next hand-over is safe.
+    fn hand_over(&self, from: &Stream, to: &Stream) -> Result<()> {
+        self.handoff.record(from)?;
+        to.wait_event(&self.handoff)
     }
 
     /// Backward part 2: the experts' data gradients (fc2 dgrad, SwiGLU backward + casts,
@@ -1100,12 +1097,11 @@ impl MoeLayer {
         let (c, h, f) = (self.cfg.capacity(), self.cfg.hidden, self.cfg.ffn);
         let host = self.host_offsets(stream, &s.routing)?;
         let g = grad_format(self.cfg.recipe);
-        let split = self.beside_split(stream, weights.is_some())?;
+        let split = self.beside_split(weights.is_some());
         let (wgrad_sms, dgrad_sms) = (split.map(|x| x.0), split.map(|x| x.1));
         if let (Some(accumulate), Some(_)) = (weights, split) {
             // dW2 needs dY^T (part 1) and h^T (the forward): it starts with fc2's dgrad.
-            self.fork.record(stream)?;
-            self.side.wait_event(&self.fork)?;
+            self.hand_over(stream, &self.side)?;
             self.fc_wgrad(Fc::Two, &self.side, s, None, accumulate, wgrad_sms)?;
         }
         // dh = dY . W2 (B = W2^T per expert, [F, H]).
@@ -1134,8 +1130,7 @@ impl MoeLayer {
         )?;
         if let (Some(accumulate), Some(_)) = (weights, split) {
             // dW1 needs dA^T, just written.
-            self.da_ready.record(stream)?;
-            self.side.wait_event(&self.da_ready)?;
+            self.hand_over(stream, &self.side)?;
             self.fc_wgrad(Fc::One, &self.side, s, None, accumulate, wgrad_sms)?;
         }
         // dXp = dA . W1 (B = W1^T per expert, [H, 2F]).
@@ -1228,9 +1223,8 @@ impl MoeLayer {
             self.router
                 .weight_backward(stream, x, &s.routing, &self.dwr, accumulate)?;
         }
-        if self.beside_split(stream, weights.is_some())?.is_some() {
-            self.join.record(&self.side)?;
-            stream.wait_event(&self.join)?;
+        if self.beside_split(weights.is_some()).is_some() {
+            self.hand_over(&self.side, stream)?;
         }
         Ok(())
     }
