@@ -137,6 +137,11 @@ enum Bench {
         /// layer's default when not given).
         #[arg(long, value_name = "SMS")]
         weight_grads_beside: Option<usize>,
+        /// Run the full-layer steps' dx and router weight gradient beside the expert weight
+        /// gradients on this many SMs, or after them with 0
+        /// (`MoeLayer::with_router_grads_beside`; the layer's default when not given).
+        #[arg(long, value_name = "SMS")]
+        router_grads_beside: Option<usize>,
     },
 }
 
@@ -219,9 +224,18 @@ fn run_bench(bench: &Bench, json_path: &std::path::Path) -> Result<(), info::Cli
             experts,
             only,
             weight_grads_beside,
+            router_grads_beside,
         } => (
             "bench moe: MoE layer training step (forward + backward), eager vs graphs",
-            bench::moe::run(*tokens, *experts, only, *weight_grads_beside),
+            bench::moe::run(
+                *tokens,
+                *experts,
+                only,
+                bench::moe::Beside {
+                    weight_grads: *weight_grads_beside,
+                    router_grads: *router_grads_beside,
+                },
+            ),
         ),
     };
     let rows = rows.map_err(|e| info::CliError::Other(e.to_string()))?;
@@ -305,6 +319,7 @@ mod tests {
                 experts: None,
                 only: Vec::new(),
                 weight_grads_beside: None,
+                router_grads_beside: None,
             },
         ] {
             let cli = Cli::try_parse_from(["fp8-moe", "bench", bench.name()]).unwrap();
@@ -328,10 +343,19 @@ mod tests {
                 experts: None,
                 ref only,
                 weight_grads_beside: None,
+                router_grads_beside: None,
             } if only.is_empty()
         ));
-        let cli = Cli::try_parse_from(["fp8-moe", "bench", "moe", "--weight-grads-beside", "66"])
-            .unwrap();
+        let cli = Cli::try_parse_from([
+            "fp8-moe",
+            "bench",
+            "moe",
+            "--weight-grads-beside",
+            "66",
+            "--router-grads-beside",
+            "0",
+        ])
+        .unwrap();
         let Command::Bench(args) = cli.command else {
             panic!("not bench: {cli:?}")
         };
@@ -339,6 +363,7 @@ mod tests {
             args.bench,
             Bench::Moe {
                 weight_grads_beside: Some(66),
+                router_grads_beside: Some(0),
                 ..
             }
         ));

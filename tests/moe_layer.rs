@@ -595,6 +595,15 @@ fn fixed_scaling(stream: &Stream, cfg: &MoeLayerConfig) -> Arc<DelayedScaling> {
 
 /// What one run of a two-step, two-microbatch schedule produced: every forward output and
 /// input gradient (bits, in schedule order), then the three weight gradients.
+/// The SMs of the layer's work placed beside other work: the experts' weight gradients beside
+/// the data gradients, dx and the router's weight gradient beside the experts' weight
+/// gradients (`None`: after them).
+#[derive(Clone, Copy, Default)]
+struct Beside {
+    weights: Option<usize>,
+    router: Option<usize>,
+}
+
 fn schedule_bits(
     ctx: &Arc<Context>,
     cfg: MoeLayerConfig,
@@ -602,14 +611,15 @@ fn schedule_bits(
     data: &[(Vec<bf16>, Vec<bf16>)],
     graphed: bool,
     split: bool,
-    beside: Option<usize>,
+    beside: Beside,
 ) -> (Vec<Vec<u16>>, usize) {
     const ORDER: [i64; 4] = [1, 1, -1, -1];
     let stream = Stream::new(ctx).unwrap();
     let scaling = fixed_scaling(&stream, &cfg);
     let mut layer = MoeLayer::new(&stream, cfg, params, scaling, 0)
         .unwrap()
-        .with_weight_grads_beside(beside);
+        .with_weight_grads_beside(beside.weights)
+        .with_router_grads_beside(beside.router);
     // Views of the gradients, valid after the layer moves into the runtime.
     let grads = [layer.fc1().1.share(), layer.fc2().1.share()];
     let dwr = layer.router_weight().1.share();
@@ -764,8 +774,9 @@ fn graph_modes_equal_eager_bit_for_bit() {
         let data: Vec<(Vec<bf16>, Vec<bf16>)> = (0..4)
             .map(|_| (to_bf16(&rng.vec(t * h, 1.0)), to_bf16(&rng.vec(t * h, 1.0))))
             .collect();
-        let (eager, _) = schedule_bits(&ctx, cfg, &params, &data, false, false, None);
-        let (graphed, forks) = schedule_bits(&ctx, cfg, &params, &data, true, false, None);
+        let serial = Beside::default();
+        let (eager, _) = schedule_bits(&ctx, cfg, &params, &data, false, false, serial);
+        let (graphed, forks) = schedule_bits(&ctx, cfg, &params, &data, true, false, serial);
         assert_eq!(eager.len(), graphed.len());
         for (i, (a, g)) in eager.iter().zip(&graphed).enumerate() {
             assert!(
@@ -774,7 +785,7 @@ fn graph_modes_equal_eager_bit_for_bit() {
             );
         }
         if mode == ExpertGemm::Grouped {
-            let (split, _) = schedule_bits(&ctx, cfg, &params, &data, true, true, None);
+            let (split, _) = schedule_bits(&ctx, cfg, &params, &data, true, true, serial);
             for (i, (a, g)) in eager.iter().zip(&split).enumerate() {
                 assert!(
                     a == g,
@@ -785,22 +796,51 @@ fn graph_modes_equal_eager_bit_for_bit() {
             // eager and graphed, on a few SMs and on all but one: the same bits. The backward
             // graph forks at least twice more (dW2 at the start of the experts' backward, dW1
             // after dA's cast).
+            // Likewise dx and the router weight's gradient beside the experts' weight
+            // gradients (MoeLayer::with_router_grads_beside; the graph forks as often as
+            // with the router weight's gradient beside dx alone, at fc1's dgrad instead of
+            // after dW1).
             for sms in [8, 1000] {
-                let (eager_beside, _) =
-                    schedule_bits(&ctx, cfg, &params, &data, false, false, Some(sms));
-                let (beside, beside_forks) =
-                    schedule_bits(&ctx, cfg, &params, &data, true, false, Some(sms));
-                assert!(
-                    beside_forks >= forks + 2,
-                    "{grad_dtype:?} beside on {sms} SMs: {beside_forks} forks, {forks} without"
-                );
-                for (i, ((a, e), g)) in eager.iter().zip(&eager_beside).zip(&beside).enumerate() {
+                for (what, beside, more) in [
+                    (
+                        "weight gradients",
+                        Beside {
+                            weights: Some(sms),
+                            router: None,
+                        },
+                        Some(2),
+                    ),
+                    (
+                        "router gradients",
+                        Beside {
+                            weights: None,
+                            router: Some(sms),
+                        },
+                        None,
+                    ),
+                ] {
+                    let (eager_beside, _) =
+                        schedule_bits(&ctx, cfg, &params, &data, false, false, beside);
+                    let (graphed_beside, beside_forks) =
+                        schedule_bits(&ctx, cfg, &params, &data, true, false, beside);
                     assert!(
-                        a == e && a == g,
-                        "{grad_dtype:?} weight gradients beside on {sms} SMs: result {i} differs \
-                         from eager (eager beside: {})",
-                        a == e
+                        more.is_none_or(|more| beside_forks >= forks + more),
+                        "{grad_dtype:?} {what} beside on {sms} SMs: {beside_forks} forks, \
+                         {forks} without"
                     );
+                    for (i, ((a, e), g)) in eager
+                        .iter()
+                        .zip(&eager_beside)
+                        .zip(&graphed_beside)
+                        .enumerate()
+                    {
+                        assert!(
+                            a == e && a == g,
+                            "{grad_dtype:?} {what} beside on {sms} SMs: result {i} differs \
+                             from eager (eager beside: {})",
+                            a == e
+                        );
+                    }
                 }
             }
         }

@@ -219,8 +219,48 @@ struct Variant {
     fast: bool,
     fp8_from_optimizer: bool,
     optimizer: bool,
-    /// [`MoeLayer::with_weight_grads_beside`].
-    beside: Option<usize>,
+    /// Where the backward's weight and router gradients run.
+    beside: Beside,
+}
+
+/// The SMs the full-layer steps' expert weight gradients ([`MoeLayer::with_weight_grads_beside`])
+/// and router gradients ([`MoeLayer::with_router_grads_beside`]) take beside other work: each
+/// the layer's default where `None`, off (after the work they would run beside) with `Some(0)`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Beside {
+    /// Beside the data gradients.
+    pub weight_grads: Option<usize>,
+    /// Beside the expert weight gradients.
+    pub router_grads: Option<usize>,
+}
+
+impl Beside {
+    /// `layer` with these settings.
+    fn apply(self, layer: MoeLayer) -> MoeLayer {
+        let layer = match self.weight_grads {
+            Some(n) => layer.with_weight_grads_beside(Some(n).filter(|&n| n > 0)),
+            None => layer,
+        };
+        match self.router_grads {
+            Some(n) => layer.with_router_grads_beside(Some(n).filter(|&n| n > 0)),
+            None => layer,
+        }
+    }
+
+    /// The settings as the rows' notes say them (nothing for the defaults).
+    fn note(self) -> String {
+        let one = |what: &str, after: &str, sms: Option<usize>| match sms {
+            Some(0) => format!("; {what} after {after}"),
+            Some(n) => format!("; {what} beside {after} on {n} SMs"),
+            None => String::new(),
+        };
+        one("weight gradients", "the data gradients", self.weight_grads)
+            + &one(
+                "router gradients",
+                "the weight gradients",
+                self.router_grads,
+            )
+    }
 }
 
 /// Median times (ms) of a graphed step and of its forward and backward (events between them),
@@ -254,12 +294,7 @@ fn graphed(
         .with_gemm_path(path)
         .with_fast_forward_accumulation(fast)
         .with_fp8_weights_from_optimizer(stream, fp8_from_optimizer)?;
-    // The layer's default unless given; 0: after the data gradients.
-    let layer = match beside {
-        Some(0) => layer.with_weight_grads_beside(None),
-        Some(n) => layer.with_weight_grads_beside(Some(n)),
-        None => layer,
-    };
+    let layer = beside.apply(layer);
     let opt = if optimizer {
         Some(MoeAdamW::new(stream, &layer, AdamW::default())?)
     } else {
@@ -399,14 +434,12 @@ type Timed = (Times, Vec<bf16>);
 /// Runs the benchmark on device 0, on the shapes with `tokens` tokens and `experts` experts
 /// (every shape where `None`) and the steps `only` (every step when empty); an error if no
 /// shape is left. The checks between steps' outputs run where both steps ran. The full-layer
-/// steps run their expert weight gradients beside the data gradients on
-/// `weight_grads_beside` SMs where given, after them with `Some(0)`, as the layer's default
-/// otherwise ([`MoeLayer::with_weight_grads_beside`]).
+/// steps place their weight and router gradients as `beside` says.
 pub fn run(
     tokens: Option<usize>,
     experts: Option<usize>,
     only: &[Step],
-    weight_grads_beside: Option<usize>,
+    beside: Beside,
 ) -> BenchResult<Vec<Row>> {
     let shapes: Vec<Shape> = SHAPES
         .into_iter()
@@ -436,7 +469,7 @@ pub fn run(
             fast: true,
             fp8_from_optimizer: false,
             optimizer: false,
-            beside: weight_grads_beside,
+            beside,
         };
         let f32_timed = Variant {
             optimizer: true,
@@ -522,11 +555,7 @@ pub fn run(
                 .map(|t| format!("; target <= {t:.2} ms"))
                 .unwrap_or_default()
         };
-        let beside = match weight_grads_beside {
-            Some(0) => "; weight gradients after the data gradients".to_string(),
-            Some(n) => format!("; weight gradients beside on {n} SMs"),
-            None => String::new(),
-        };
+        let beside = beside.note();
         let parts = |t: &Times| {
             format!(
                 "; forward {:.3} + backward {:.3} ms (events between them){beside}",

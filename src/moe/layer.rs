@@ -408,6 +408,13 @@ pub struct MoeLayer {
     /// hands work over between it and the caller's ([`MoeLayer::hand_over`]).
     side: Stream,
     handoff: Event,
+    /// The SMs dx and the router weight's gradient take beside the experts' weight gradients
+    /// ([`MoeLayer::with_router_grads_beside`]); `None`: the router weight's gradient beside
+    /// dx after them.
+    router_sms: Option<usize>,
+    /// The stream the router's gradients run on (beside dx, or beside the experts' weight
+    /// gradients).
+    router_side: Stream,
     /// The device's SM count (the fusion and beside rules).
     sms: usize,
     /// The FP8 expert weights are written by the optimizer, not cast in the step
@@ -466,6 +473,30 @@ fn default_wgrad_sms(cfg: &MoeLayerConfig, sms: usize) -> Option<usize> {
         && cfg.expert_gemm == ExpertGemm::Grouped
         && rows >= BESIDE_ROWS;
     Some(sms / 2).filter(|&w| beside && w > 0)
+}
+
+/// The SMs dx and the router weight's gradient take by default beside the experts' weight
+/// gradients ([`MoeLayer::with_router_grads_beside`]).
+const ROUTER_BESIDE_SMS: usize = 8;
+
+/// The most `T * (E + k)` (the router backward's multiply-adds per hidden column: `E` for
+/// its weight gradient, `E + k` for dx) with which dx and the router weight's gradient run
+/// beside the experts' weight gradients by default: on a few SMs they must end before the
+/// weight gradients do.
+const ROUTER_BESIDE_WORK: usize = 4096;
+
+/// The default of [`MoeLayer::with_router_grads_beside`] on a device of `sms` SMs:
+/// [`ROUTER_BESIDE_SMS`] for grouped experts whose router backward is small (`T * (E + k)` at
+/// most [`ROUTER_BESIDE_WORK`]) and whose weight gradients run after the data gradients (not
+/// [beside](MoeLayer::with_weight_grads_beside) them), else none. On an H200 at T = 256 (E =
+/// 8, top-2) the backward took 0.126 ms with 4 or 8 SMs against 0.132 (bf16 weight
+/// gradients), 0.180 against 0.181 (f32); at T = 4096 on 16 SMs it was slower (0.538 against
+/// 0.529, bf16; docs/perf-notes.md).
+fn default_router_sms(cfg: &MoeLayerConfig, sms: usize) -> Option<usize> {
+    let work = cfg.tokens * (cfg.experts + cfg.router.top_k);
+    let small = cfg.expert_gemm == ExpertGemm::Grouped && work <= ROUTER_BESIDE_WORK;
+    let wgrad_after = default_wgrad_sms(cfg, sms).is_none();
+    Some(ROUTER_BESIDE_SMS).filter(|&r| small && wgrad_after && sms > 2 * r)
 }
 
 /// One of an expert's two linears (fc1: H -> 2F, fc2: F -> H).
@@ -566,6 +597,8 @@ impl MoeLayer {
             wgrad_sms: default_wgrad_sms(&cfg, sms),
             side: Stream::new(stream.context())?,
             handoff: Event::for_sync(stream.context())?,
+            router_sms: default_router_sms(&cfg, sms),
+            router_side: Stream::new(stream.context())?,
             sms,
             optimizer_casts: Arc::new(AtomicBool::new(false)),
         };
@@ -621,6 +654,22 @@ impl MoeLayer {
     /// expects at least 512 rows (the shapes where it was measured faster), `None` otherwise.
     pub fn with_weight_grads_beside(mut self, sms: Option<usize>) -> MoeLayer {
         self.wgrad_sms = sms;
+        self
+    }
+
+    /// This layer with dx and the router weight's gradient in the backward on `sms` SMs beside
+    /// the experts' weight-gradient GEMMs (dW2, dW1), which take the other SMs
+    /// ([`GemmOptions::max_sms`]); `None` runs them after the weight gradients, the router
+    /// weight's gradient beside dx. These router kernels are small and bound by their
+    /// latency, so on a few SMs they can end before the weight gradients, which then lose
+    /// only those SMs. Grouped experts whose weight gradients run after the data gradients
+    /// (not [beside](Self::with_weight_grads_beside) them), in a backward that computes the
+    /// weight gradients (not a split [`Callable::backward_weight`]); ignored elsewhere. The
+    /// results are the same bits either way; only the speed changes. `sms` is clamped to leave
+    /// at least one SM to the weight gradients. Default: 8 SMs where `T * (E + k) <= 4096`
+    /// (T = 256 at 8 experts top-2, where it was measured faster), `None` otherwise.
+    pub fn with_router_grads_beside(mut self, sms: Option<usize>) -> MoeLayer {
+        self.router_sms = sms;
         self
     }
 
@@ -1076,6 +1125,21 @@ impl MoeLayer {
         Some((w, self.sms - w))
     }
 
+    /// The SMs of the router's gradients and of the experts' weight gradients when the
+    /// backward with weight gradients (`weights`) runs them beside each other
+    /// ([`with_router_grads_beside`](Self::with_router_grads_beside)); `None` otherwise.
+    fn router_split(&self, weights: bool) -> Option<(usize, usize)> {
+        let r = self.router_sms.filter(|_| weights)?;
+        if self.cfg.expert_gemm != ExpertGemm::Grouped
+            || self.beside_split(weights).is_some()
+            || self.sms < 2
+        {
+            return None;
+        }
+        let r = r.clamp(1, self.sms - 1);
+        Some((r, self.sms - r))
+    }
+
     /// Makes later work on `to` wait for the work enqueued so far on `from`, through the
     /// layer's one hand-over event: a wait takes the event's latest record when it is
     /// enqueued (or captured), so recording it again for the next hand-over is safe.
@@ -1087,7 +1151,8 @@ impl MoeLayer {
     /// Backward part 2: the experts' data gradients (fc2 dgrad, SwiGLU backward + casts,
     /// fc1 dgrad) and, with `weights = Some(accumulate)`, their weight gradients: after
     /// them, or beside them on the side stream ([`beside_split`](Self::beside_split)), left
-    /// for [`router_backward`](Self::router_backward) to join.
+    /// for [`router_backward`](Self::router_backward) to join; or, with the router's
+    /// gradients beside them ([`router_split`](Self::router_split)), left to part 3.
     fn experts_backward(
         &self,
         stream: &Stream,
@@ -1148,7 +1213,8 @@ impl MoeLayer {
             (&self.dxp, false, dgrad_sms),
         )?;
         match (weights, split) {
-            (Some(accumulate), None) => {
+            // With the router's gradients beside them, part 3 runs them.
+            (Some(accumulate), None) if self.router_split(true).is_none() => {
                 self.experts_weight_backward(stream, s, host.as_deref(), accumulate)
             }
             _ => Ok(()),
@@ -1205,8 +1271,10 @@ impl MoeLayer {
     }
 
     /// Backward part 3: dx (and, with `weights = Some(accumulate)`, the router weight's
-    /// gradient) from the logits' gradient of part 1; then, where part 2 ran the experts'
-    /// weight gradients beside, the join of their stream.
+    /// gradient beside it on the router's stream) from the logits' gradient of part 1, or,
+    /// with the router's gradients beside the experts' weight gradients
+    /// ([`router_split`](Self::router_split)), both on the router's stream beside those; then,
+    /// where part 2 ran the experts' weight gradients beside, the join of their stream.
     fn router_backward(
         &self,
         stream: &Stream,
@@ -1215,15 +1283,31 @@ impl MoeLayer {
         s: &Saved<'_>,
         weights: Option<bool>,
     ) -> Result<()> {
-        self.router
-            .input_backward(stream, &self.dxp, &self.wr, &s.routing, dx)?;
-        if let Some(accumulate) = weights {
-            // The router weight's gradient after dx (both read the logits' gradient; one
-            // stream, as in part 1).
+        let Some(accumulate) = weights else {
+            return self
+                .router
+                .input_backward(stream, &self.dxp, &self.wr, &s.routing, dx);
+        };
+        // Both router gradients only read the logits' gradient (and dx fc1's dgrad, before
+        // this part), so they run beside each other and beside the experts' weight
+        // gradients.
+        self.hand_over(stream, &self.router_side)?;
+        let r = &self.router_side;
+        if let Some((_, wgrad_sms)) = self.router_split(true) {
             self.router
-                .weight_backward(stream, x, &s.routing, &self.dwr, accumulate)?;
+                .input_backward(r, &self.dxp, &self.wr, &s.routing, dx)?;
+            self.router
+                .weight_backward(r, x, &s.routing, &self.dwr, accumulate)?;
+            self.fc_wgrad(Fc::Two, stream, s, None, accumulate, Some(wgrad_sms))?;
+            self.fc_wgrad(Fc::One, stream, s, None, accumulate, Some(wgrad_sms))?;
+        } else {
+            self.router
+                .weight_backward(r, x, &s.routing, &self.dwr, accumulate)?;
+            self.router
+                .input_backward(stream, &self.dxp, &self.wr, &s.routing, dx)?;
         }
-        if self.beside_split(weights.is_some()).is_some() {
+        self.hand_over(r, stream)?;
+        if self.beside_split(true).is_some() {
             self.hand_over(&self.side, stream)?;
         }
         Ok(())
@@ -1572,6 +1656,40 @@ mod tests {
             expert_gemm: ExpertGemm::Grouped,
             scaling: CastScaling::Delayed,
             grad_dtype: GradDtype::F32,
+        }
+    }
+
+    #[test]
+    fn router_grads_beside_by_default_only_for_a_small_router() {
+        assert_eq!(default_router_sms(&cfg(), 132), Some(ROUTER_BESIDE_SMS));
+        // No room beside them on a small device.
+        assert_eq!(default_router_sms(&cfg(), 16), None);
+        let big = MoeLayerConfig {
+            tokens: 4096,
+            ..cfg()
+        };
+        for other in [
+            // f32 weight gradients beside the data gradients; bf16 ones after them.
+            big,
+            MoeLayerConfig {
+                grad_dtype: GradDtype::Bf16,
+                ..big
+            },
+            MoeLayerConfig {
+                expert_gemm: ExpertGemm::PerExpert,
+                ..cfg()
+            },
+            MoeLayerConfig {
+                experts: 256,
+                ffn: 256,
+                router: RouterConfig {
+                    top_k: 8,
+                    ..cfg().router
+                },
+                ..cfg()
+            },
+        ] {
+            assert_eq!(default_router_sms(&other, 132), None, "{other:?}");
         }
     }
 
