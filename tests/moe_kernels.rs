@@ -787,6 +787,24 @@ fn combine_and_the_backward_match_the_reference() {
             1e-7,
         );
 
+        // Beside the kernel before it (the combine, which writes nothing it reads): the same
+        // bits.
+        poison_f32(&gpu, &b.d_gates);
+        poison_f32(&gpu, &b.d_logits);
+        r.combine(s, &y, b, &out).unwrap();
+        r.combine_backward_beside_previous(s, &dy, &y, b).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&b.d_gates.to_vec(s).unwrap()),
+            bits(&d_gates),
+            "{label} d_gates beside the previous kernel"
+        );
+        assert_eq!(
+            bits(&b.d_logits.to_vec(s).unwrap()),
+            bits(&d_logits),
+            "{label} d_logits beside the previous kernel"
+        );
+
         // The input gradient.
         let dxp_host = to_bf16(&rng.vec(rows * h, 1.0));
         let dxp = DeviceBuffer::from_host(s, &dxp_host).unwrap();

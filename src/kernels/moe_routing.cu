@@ -1243,14 +1243,12 @@ extern "C" __global__ void __launch_bounds__(MOE_BLOCK, 4)
 //                   and counts, and the block's d_gates.
 // Everything the second part reads is loaded into shared memory with the rows at the start
 // (one round trip).
-extern "C" __global__ void __launch_bounds__(MOE_BLOCK, 2)
-    moe_combine_backward(const __nv_bfloat16 *dy, const __nv_bfloat16 *y, const int *row_of,
-                         const float *logits, const int *topk, const float *gates,
-                         const int *counts, float *d_gates, float *d_logits, unsigned tokens,
-                         unsigned hidden, unsigned experts, unsigned k, unsigned rows,
-                         unsigned tpb, unsigned score_fn, unsigned renormalize, float aux_coef,
-                         float z_coef) {
-    cuda_graph::pdl_enter();
+__device__ __forceinline__ void
+combine_backward_block(const __nv_bfloat16 *dy, const __nv_bfloat16 *y, const int *row_of,
+                       const float *logits, const int *topk, const float *gates,
+                       const int *counts, float *d_gates, float *d_logits, unsigned tokens,
+                       unsigned hidden, unsigned experts, unsigned k, unsigned rows, unsigned tpb,
+                       unsigned score_fn, unsigned renormalize, float aux_coef, float z_coef) {
     // [tpb][experts] logits, [tpb][experts] scores, [tpb][experts] their gradients, then
     // [experts] the aux loss's gradient on each score.
     extern __shared__ float sb[];
@@ -1303,6 +1301,28 @@ extern "C" __global__ void __launch_bounds__(MOE_BLOCK, 2)
                        d_logits + (size_t)(t0 + warp) * experts, tokens, experts, k, score_fn,
                        renormalize, z_coef);
     }
+}
+
+// `beside_previous` (block-uniform): the kernel before this one on the stream writes none of
+// what this one reads or writes, so it runs beside that kernel: it lets its own successor be
+// scheduled and starts at once, and waits for the predecessor only before it exits, so that
+// its completion still implies the predecessor's (what the successor's wait relies on).
+extern "C" __global__ void __launch_bounds__(MOE_BLOCK, 2)
+    moe_combine_backward(const __nv_bfloat16 *dy, const __nv_bfloat16 *y, const int *row_of,
+                         const float *logits, const int *topk, const float *gates,
+                         const int *counts, float *d_gates, float *d_logits, unsigned tokens,
+                         unsigned hidden, unsigned experts, unsigned k, unsigned rows,
+                         unsigned tpb, unsigned score_fn, unsigned renormalize, float aux_coef,
+                         float z_coef, unsigned beside_previous) {
+    if (beside_previous) {
+        cuda_graph::pdl_launch_dependents();
+    } else {
+        cuda_graph::pdl_enter();
+    }
+    combine_backward_block(dy, y, row_of, logits, topk, gates, counts, d_gates, d_logits, tokens,
+                           hidden, experts, k, rows, tpb, score_fn, renormalize, aux_coef,
+                           z_coef);
+    if (beside_previous) cuda_graph::pdl_wait();
 }
 
 // The input gradient: dx[t, h] = sum_j dxp[row_of[t, j], h] (j order) + sum_e d_logits[t, e] *

@@ -1105,12 +1105,14 @@ impl MoeLayer {
         };
         let used = RowsInUse::last(&s.routing.offsets)?;
         // dY's cast (which scales by the forward's gates), then the gates' and logits'
-        // gradients (read by part 3 only). One stream: run beside the cast on a second one,
-        // the gradients held SMs that the next GEMM's persistent CTAs then started late on
-        // (T = 256, f32 weight gradients: 0.276-0.280 ms a step against 0.267-0.268 in one
-        // stream; docs/perf-notes.md).
+        // gradients (read by part 3 only) beside it: they read and write nothing the cast
+        // does, so they start while it runs and wait for it only at their end. One stream:
+        // run beside the cast on a second one, the gradients held SMs that the next GEMM's
+        // persistent CTAs then started late on (T = 256, f32 weight gradients: 0.276-0.280
+        // ms a step against 0.267-0.268 in one stream; docs/perf-notes.md).
         gather_cast_transpose(stream, dy, (t, h), gather, used, self.cast(&dy_fp8, s.dy_t))?;
-        self.router.combine_backward(stream, dy, &s.y, &s.routing)
+        self.router
+            .combine_backward_beside_previous(stream, dy, &s.y, &s.routing)
     }
 
     /// The SMs of the weight gradients and of the data gradients' GEMMs when the backward

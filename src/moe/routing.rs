@@ -793,6 +793,32 @@ impl Router {
         y: &DeviceBuffer<bf16>,
         b: &RoutingBuffers,
     ) -> Result<()> {
+        self.combine_backward_placed(stream, dy, y, b, false)
+    }
+
+    /// [`combine_backward`](Self::combine_backward) beside the kernel enqueued just before it
+    /// on `stream`, which must write none of what it reads (`dy`, `y`, `b`'s routing) or
+    /// writes (`b.d_gates`, `b.d_logits`): with programmatic dependent launch it starts while
+    /// that kernel runs and waits for it only before it exits, so later work still follows
+    /// both. The same results.
+    pub fn combine_backward_beside_previous(
+        &self,
+        stream: &Stream,
+        dy: &DeviceBuffer<bf16>,
+        y: &DeviceBuffer<bf16>,
+        b: &RoutingBuffers,
+    ) -> Result<()> {
+        self.combine_backward_placed(stream, dy, y, b, true)
+    }
+
+    fn combine_backward_placed(
+        &self,
+        stream: &Stream,
+        dy: &DeviceBuffer<bf16>,
+        y: &DeviceBuffer<bf16>,
+        b: &RoutingBuffers,
+        beside_previous: bool,
+    ) -> Result<()> {
         let what = "Router::combine_backward";
         self.check_buffers(what, b)?;
         let d = self.dims;
@@ -808,6 +834,7 @@ impl Router {
             ..
         } = self.n;
         let (score, renorm) = self.score_args();
+        let beside = u32::from(beside_previous);
         let mut cfg = LaunchConfig::linear(t.div_ceil(row_tokens), BLOCK);
         cfg.shared_mem_bytes = (3 * row_tokens + 1) * e * 4;
         let args = KernelArgs::new()
@@ -829,7 +856,8 @@ impl Router {
             .arg(&score)
             .arg(&renorm)
             .arg(&self.cfg.aux_coef)
-            .arg(&self.cfg.z_coef);
+            .arg(&self.cfg.z_coef)
+            .arg(&beside);
         // SAFETY: block c handles the tokens t = c * row_tokens + i < T (row_tokens as in
         // `combine`): reads dy's rows t (T * H), y's rows row_of[t * k + j] when inside [0,
         // rows) (capacity * H), logits' rows t (T * E), topk, gates and row_of at t * k + j (T *
