@@ -864,7 +864,9 @@ impl Router {
         // k) and counts (E); writes d_gates at t * k + j and d_logits' rows t; all lengths
         // checked; the shared memory holds the (3 * row_tokens + 1) * E floats it uses; the
         // 16-byte vector loads are taken only when H % 8 == 0 and the kernel finds dy and y
-        // 16-byte aligned.
+        // 16-byte aligned. With `beside_previous` it touches these before the previous kernel
+        // ends, which the caller vouches writes none of them (and it waits for that kernel
+        // before exiting).
         unsafe { stream.launch_pdl(&self.k.combine_backward, &cfg, &args) }
     }
 
