@@ -1127,13 +1127,13 @@ impl MoeLayer {
         Some((w, self.sms - w))
     }
 
-    /// The SMs of the router's gradients and of the experts' weight gradients when the
-    /// backward with weight gradients (`weights`) runs them beside each other
+    /// The SMs of the router's gradients and of the experts' weight gradients when a
+    /// backward with weight gradients runs them beside each other
     /// ([`with_router_grads_beside`](Self::with_router_grads_beside)); `None` otherwise.
-    fn router_split(&self, weights: bool) -> Option<(usize, usize)> {
-        let r = self.router_sms.filter(|_| weights)?;
+    fn router_split(&self) -> Option<(usize, usize)> {
+        let r = self.router_sms?;
         if self.cfg.expert_gemm != ExpertGemm::Grouped
-            || self.beside_split(weights).is_some()
+            || self.beside_split(true).is_some()
             || self.sms < 2
         {
             return None;
@@ -1216,7 +1216,7 @@ impl MoeLayer {
         )?;
         match (weights, split) {
             // With the router's gradients beside them, part 3 runs them.
-            (Some(accumulate), None) if self.router_split(true).is_none() => {
+            (Some(accumulate), None) if self.router_split().is_none() => {
                 self.experts_weight_backward(stream, s, host.as_deref(), accumulate)
             }
             _ => Ok(()),
@@ -1290,12 +1290,12 @@ impl MoeLayer {
                 .router
                 .input_backward(stream, &self.dxp, &self.wr, &s.routing, dx);
         };
-        // Both router gradients only read the logits' gradient (and dx fc1's dgrad, before
-        // this part), so they run beside each other and beside the experts' weight
-        // gradients.
+        // The router's two gradients read the logits' gradient (and dx fc1's dgrad, both
+        // written before this part) and nothing the other or the experts' weight gradients
+        // write, so they run beside each other and beside those.
         self.hand_over(stream, &self.router_side)?;
         let r = &self.router_side;
-        if let Some((_, wgrad_sms)) = self.router_split(true) {
+        if let Some((_, wgrad_sms)) = self.router_split() {
             self.router
                 .input_backward(r, &self.dxp, &self.wr, &s.routing, dx)?;
             self.router
