@@ -1303,10 +1303,9 @@ combine_backward_block(const __nv_bfloat16 *dy, const __nv_bfloat16 *y, const in
     }
 }
 
-// `beside_previous` (block-uniform): the kernel before this one on the stream writes none of
-// what this one reads or writes, so it runs beside that kernel: it lets its own successor be
-// scheduled and starts at once, and waits for the predecessor only before it exits, so that
-// its completion still implies the predecessor's (what the successor's wait relies on).
+// `beside_previous` (block-uniform): the kernel before this one on the stream touches none of
+// what this one reads or writes, so it runs beside that kernel (cuda_graph::pdl_enter_beside
+// and pdl_exit_beside).
 extern "C" __global__ void __launch_bounds__(MOE_BLOCK, 2)
     moe_combine_backward(const __nv_bfloat16 *dy, const __nv_bfloat16 *y, const int *row_of,
                          const float *logits, const int *topk, const float *gates,
@@ -1315,14 +1314,14 @@ extern "C" __global__ void __launch_bounds__(MOE_BLOCK, 2)
                          unsigned tpb, unsigned score_fn, unsigned renormalize, float aux_coef,
                          float z_coef, unsigned beside_previous) {
     if (beside_previous) {
-        cuda_graph::pdl_launch_dependents();
+        cuda_graph::pdl_enter_beside();
     } else {
         cuda_graph::pdl_enter();
     }
     combine_backward_block(dy, y, row_of, logits, topk, gates, counts, d_gates, d_logits, tokens,
                            hidden, experts, k, rows, tpb, score_fn, renormalize, aux_coef,
                            z_coef);
-    if (beside_previous) cuda_graph::pdl_wait();
+    if (beside_previous) cuda_graph::pdl_exit_beside();
 }
 
 // The input gradient: dx[t, h] = sum_j dxp[row_of[t, j], h] (j order) + sum_e d_logits[t, e] *

@@ -487,16 +487,16 @@ const ROUTER_BESIDE_WORK: usize = 4096;
 
 /// The default of [`MoeLayer::with_router_grads_beside`] on a device of `sms` SMs:
 /// [`ROUTER_BESIDE_SMS`] for grouped experts whose router backward is small (`T * (E + k)` at
-/// most [`ROUTER_BESIDE_WORK`]) and whose weight gradients run after the data gradients (not
-/// [beside](MoeLayer::with_weight_grads_beside) them), else none. On an H200 at T = 256 (E =
+/// most [`ROUTER_BESIDE_WORK`]) on a device with room for it, else none (weight gradients
+/// [beside](MoeLayer::with_weight_grads_beside) the data gradients take precedence:
+/// [`MoeLayer::router_split`]). On an H200 at T = 256 (E =
 /// 8, top-2) the backward took 0.126 ms with 4 or 8 SMs against 0.132 (bf16 weight
 /// gradients), 0.180 against 0.181 (f32); at T = 4096 on 16 SMs it was slower (0.538 against
 /// 0.529, bf16; docs/perf-notes.md).
 fn default_router_sms(cfg: &MoeLayerConfig, sms: usize) -> Option<usize> {
     let work = cfg.tokens * (cfg.experts + cfg.router.top_k);
     let small = cfg.expert_gemm == ExpertGemm::Grouped && work <= ROUTER_BESIDE_WORK;
-    let wgrad_after = default_wgrad_sms(cfg, sms).is_none();
-    Some(ROUTER_BESIDE_SMS).filter(|&r| small && wgrad_after && sms > 2 * r)
+    Some(ROUTER_BESIDE_SMS).filter(|&r| small && sms > 2 * r)
 }
 
 /// One of an expert's two linears (fc1: H -> 2F, fc2: F -> H).
@@ -1119,7 +1119,14 @@ impl MoeLayer {
     /// with weight gradients (`weights`) runs them beside each other
     /// ([`with_weight_grads_beside`](Self::with_weight_grads_beside)); `None` otherwise.
     fn beside_split(&self, weights: bool) -> Option<(usize, usize)> {
-        let w = self.wgrad_sms.filter(|_| weights)?;
+        self.split_sms(self.wgrad_sms.filter(|_| weights))
+    }
+
+    /// `sms` SMs (clamped to leave at least one) for work beside a GEMM and the rest for the
+    /// GEMM; `None` without `sms`, for per-expert GEMMs (no persistent grid to cap) or on a
+    /// device of one SM.
+    fn split_sms(&self, sms: Option<usize>) -> Option<(usize, usize)> {
+        let w = sms?;
         if self.cfg.expert_gemm != ExpertGemm::Grouped || self.sms < 2 {
             return None;
         }
@@ -1130,16 +1137,12 @@ impl MoeLayer {
     /// The SMs of the router's gradients and of the experts' weight gradients when a
     /// backward with weight gradients runs them beside each other
     /// ([`with_router_grads_beside`](Self::with_router_grads_beside)); `None` otherwise.
+    /// Weight gradients beside the data gradients take precedence.
     fn router_split(&self) -> Option<(usize, usize)> {
-        let r = self.router_sms?;
-        if self.cfg.expert_gemm != ExpertGemm::Grouped
-            || self.beside_split(true).is_some()
-            || self.sms < 2
-        {
+        if self.beside_split(true).is_some() {
             return None;
         }
-        let r = r.clamp(1, self.sms - 1);
-        Some((r, self.sms - r))
+        self.split_sms(self.router_sms)
     }
 
     /// Makes later work on `to` wait for the work enqueued so far on `from`, through the
@@ -1671,7 +1674,6 @@ mod tests {
             ..cfg()
         };
         for other in [
-            // f32 weight gradients beside the data gradients; bf16 ones after them.
             big,
             MoeLayerConfig {
                 grad_dtype: GradDtype::Bf16,

@@ -11,7 +11,15 @@
 // launched only after every block of this grid has called it or exited, so all of this
 // grid's blocks are resident first.
 //
-// Both are no-ops when the kernel was launched without the attribute, and compile to nothing
+// A kernel whose launcher vouches that the kernel before it on the stream writes nothing this
+// one reads or writes (and reads nothing it writes) may instead run beside that kernel:
+// `pdl_enter_beside()` at entry, `pdl_exit_beside()` as its last act on every path. It then
+// starts once the predecessor's blocks are resident (work before the predecessor is complete
+// when the predecessor waits before letting it be scheduled, as `pdl_enter` does), and its
+// completion still implies the predecessor's, which its own successor's `pdl_wait()` relies
+// on.
+//
+// All of these are no-ops when the kernel was launched without the attribute, and compile to nothing
 // below sm_90. The header is on nvcc's include path of every `cuda-build` compile.
 #pragma once
 
@@ -34,5 +42,13 @@ __device__ __forceinline__ void pdl_enter() {
     pdl_wait();
     pdl_launch_dependents();
 }
+
+// Entry of a kernel that runs beside its predecessor (see above): let the successor be
+// scheduled, wait for nothing.
+__device__ __forceinline__ void pdl_enter_beside() { pdl_launch_dependents(); }
+
+// Exit of a kernel that runs beside its predecessor: wait for it, so that this grid completes
+// after it.
+__device__ __forceinline__ void pdl_exit_beside() { pdl_wait(); }
 
 }  // namespace cuda_graph
