@@ -597,11 +597,13 @@ fn fixed_scaling(stream: &Stream, cfg: &MoeLayerConfig) -> Arc<DelayedScaling> {
 /// input gradient (bits, in schedule order), then the three weight gradients.
 /// The SMs of the layer's work placed beside other work: the experts' weight gradients beside
 /// the data gradients, dx and the router's weight gradient beside the experts' weight
-/// gradients (`None`: after them).
+/// gradients (`None`: after them); and the router, plan and permute as separate kernels
+/// instead of one launch (`MoeLayer::with_one_launch_routing(false)`).
 #[derive(Clone, Copy, Default)]
 struct Beside {
     weights: Option<usize>,
     router: Option<usize>,
+    separate_routing: bool,
 }
 
 fn schedule_bits(
@@ -619,7 +621,8 @@ fn schedule_bits(
     let mut layer = MoeLayer::new(&stream, cfg, params, scaling, 0)
         .unwrap()
         .with_weight_grads_beside(beside.weights)
-        .with_router_grads_beside(beside.router);
+        .with_router_grads_beside(beside.router)
+        .with_one_launch_routing(!beside.separate_routing);
     // Views of the gradients, valid after the layer moves into the runtime.
     let grads = [layer.fc1().1.share(), layer.fc2().1.share()];
     let dwr = layer.router_weight().1.share();
@@ -774,8 +777,14 @@ fn graph_modes_equal_eager_bit_for_bit() {
         let data: Vec<(Vec<bf16>, Vec<bf16>)> = (0..4)
             .map(|_| (to_bf16(&rng.vec(t * h, 1.0)), to_bf16(&rng.vec(t * h, 1.0))))
             .collect();
+        // The baseline runs the router, plan and permute as separate kernels; every other run
+        // in one launch (T = 96, E = 4: where the layer takes it by default).
+        let separate = Beside {
+            separate_routing: true,
+            ..Beside::default()
+        };
         let serial = Beside::default();
-        let (eager, _) = schedule_bits(&ctx, cfg, &params, &data, false, false, serial);
+        let (eager, _) = schedule_bits(&ctx, cfg, &params, &data, false, false, separate);
         let (graphed, forks) = schedule_bits(&ctx, cfg, &params, &data, true, false, serial);
         assert_eq!(eager.len(), graphed.len());
         for (i, (a, g)) in eager.iter().zip(&graphed).enumerate() {
@@ -806,15 +815,15 @@ fn graph_modes_equal_eager_bit_for_bit() {
                         "weight gradients",
                         Beside {
                             weights: Some(sms),
-                            router: None,
+                            ..Beside::default()
                         },
                         Some(2),
                     ),
                     (
                         "router gradients",
                         Beside {
-                            weights: None,
                             router: Some(sms),
+                            ..Beside::default()
                         },
                         None,
                     ),

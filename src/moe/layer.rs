@@ -64,7 +64,7 @@ use fp8_kernels::{
 };
 use graphed_callables::{Callable, SegmentKind, Slot};
 
-use super::routing::{ALIGN_ROWS, Router, RouterConfig, RoutingBuffers, RoutingDims};
+use super::routing::{ALIGN_ROWS, GridSync, Router, RouterConfig, RoutingBuffers, RoutingDims};
 
 /// The activation and gradient tensors of a layer (x, h, dY, dA), before the weights.
 const ACTIVATIONS: usize = 4;
@@ -417,6 +417,12 @@ pub struct MoeLayer {
     router_side: Stream,
     /// The device's SM count (the fusion and beside rules).
     sms: usize,
+    /// The grid barrier of the one-launch router and gather ([`Router::forward_gather`]):
+    /// the layer's forwards run one at a time, as they share `xq`.
+    route_sync: GridSync,
+    /// Whether the router, plan and permute may run in one launch
+    /// ([`MoeLayer::with_one_launch_routing`]).
+    one_launch_routing: bool,
     /// The FP8 expert weights are written by the optimizer, not cast in the step
     /// ([`MoeLayer::with_fp8_weights_from_optimizer`]); shared with every
     /// [`MoeAdamW`](super::optim::MoeAdamW) of the layer, which reads it at each step.
@@ -600,6 +606,8 @@ impl MoeLayer {
             router_sms: default_router_sms(&cfg, sms),
             router_side: Stream::new(stream.context())?,
             sms,
+            route_sync: GridSync::new(stream)?,
+            one_launch_routing: true,
             optimizer_casts: Arc::new(AtomicBool::new(false)),
         };
         stream.synchronize()?;
@@ -630,6 +638,16 @@ impl MoeLayer {
     /// [`GraphIndex`]: graphed_callables::GraphIndex
     pub fn with_step_gradients(mut self, on: bool) -> MoeLayer {
         self.step_gradients = on;
+        self
+    }
+
+    /// This layer with its router, dispatch plan and permute (x gathered into the packed
+    /// rows and cast to FP8) in one launch where [`Router::gathers_in_one_launch`] allows
+    /// (`true`, the default: few tokens, fewer than 32 experts, delayed scaling), or always
+    /// as separate kernels (`false`). The same bits either way; at T = 256 with 8 experts
+    /// the one launch saves two kernel boundaries of the forward.
+    pub fn with_one_launch_routing(mut self, on: bool) -> MoeLayer {
+        self.one_launch_routing = on;
         self
     }
 
@@ -1013,18 +1031,35 @@ impl MoeLayer {
         }
     }
 
-    /// Forward part 1: router, plan, permute fused with x's cast.
+    /// Forward part 1: router, plan, permute fused with x's cast (one launch at small T:
+    /// [`Router::forward_gather`]).
     fn route(&self, stream: &Stream, x: &DeviceBuffer<bf16>, s: &Saved<'_>) -> Result<()> {
-        let (t, h) = (self.cfg.tokens, self.cfg.hidden);
+        let x_fp8 = self.tensor(
+            &self.xq,
+            &[self.cfg.capacity(), self.cfg.hidden],
+            X,
+            &s.si[0],
+        )?;
+        let dst = self.cast(&x_fp8, s.x_t);
+        if self.one_launch_routing {
+            return self.router.forward_gather(
+                stream,
+                x,
+                &self.wr,
+                &s.routing,
+                &self.route_sync,
+                dst,
+            );
+        }
         self.router.forward(stream, x, &self.wr, &s.routing)?;
-        let x_fp8 = self.tensor(&self.xq, &[self.cfg.capacity(), h], X, &s.si[0])?;
         let gather = Gather {
             token_of_row: &s.routing.token_of_row,
             top_k: self.cfg.router.top_k,
             row_scale: None,
         };
         let used = RowsInUse::last(&s.routing.offsets)?;
-        gather_cast_transpose(stream, x, (t, h), gather, used, self.cast(&x_fp8, s.x_t))
+        let dims = (self.cfg.tokens, self.cfg.hidden);
+        gather_cast_transpose(stream, x, dims, gather, used, dst)
     }
 
     /// Forward part 2: fc1, SwiGLU + cast, fc2.
