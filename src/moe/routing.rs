@@ -746,7 +746,7 @@ impl Router {
             ("the FP8 output", dst.out.data().as_raw()),
             ("the transposed output", dst.out_t.as_raw()),
         ] {
-            if ptr % fp8_kernels::ALIGN as u64 != 0 {
+            if ptr % fp8_kernels::ALIGN != 0 {
                 return Err(Error::InvalidArgument(format!(
                     "{what}: {name} must be {}-byte aligned",
                     fp8_kernels::ALIGN
