@@ -1000,7 +1000,7 @@ fn fused_casts_with_current_scaling() {
 /// (H = 20: the cast's edge tiles), k = 1, 2, 8, E = 1 and 31, all tokens to one expert,
 /// 2048 assignments (its most) and 128 router blocks; then one graph of it replayed on new
 /// inputs, each replay equal to the separate kernels run eagerly on the same input (the grid
-/// barrier's words reused launch after launch).
+/// barrier's words reused launch after launch), and 20,000 replays back to back.
 #[test]
 #[ignore = "needs a CUDA device"]
 fn route_gather_in_one_launch_matches_the_separate_kernels() {
@@ -1107,4 +1107,13 @@ fn route_gather_in_one_launch_matches_the_separate_kernels() {
         routings.push(got.0[3].clone());
     }
     assert_ne!(routings[0], routings[1], "the two inputs route differently");
+    // Many launches back to back on one barrier, then the last one's results.
+    let want = separate(&x1);
+    poison_routing(&gpu, &b);
+    out.amax().write(s, 0.0).unwrap();
+    for _ in 0..20_000 {
+        exec.launch(s).unwrap();
+    }
+    let got = (routed_bits(&read_routing(&gpu, &b)), packed(&out, &out_t));
+    assert!(got == want, "after 20,000 replays");
 }

@@ -984,7 +984,8 @@ extern "C" __global__ void __launch_bounds__(MOE_BLOCK)
 // `warps` takes the columns c = w, w + warps, ... <= experts of loss_partial ([experts +
 // 1][parts]), lane l its rows l, l + 32, ... in order (8 loads in flight), then a fixed xor
 // tree: col[c] = the column's sum, the same whichever warp forms it. L2 loads (`__ldcg`, not
-// the read-only path): moe_route_gather reads partial sums its other blocks wrote.
+// the read-only path): moe_route_gather reads partial sums its other blocks wrote. Every load
+// of a column is issued before its sums.
 __device__ __forceinline__ void plan_loss_columns(const float *loss_partial, float *col,
                                                   unsigned experts, unsigned parts,
                                                   unsigned first, unsigned warps) {
@@ -1000,7 +1001,13 @@ __device__ __forceinline__ void plan_loss_columns(const float *loss_partial, flo
 #pragma unroll
             for (int u = 0; u < 8; ++u) acc += v[u];
         }
-        for (; r < parts; r += 32) acc += __ldcg(p + r);
+        // The rest (under 8 a lane): loaded together, added in the same order.
+        float v[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) v[u] = r + u * 32 < parts ? __ldcg(p + r + u * 32) : 0.0f;
+#pragma unroll
+        for (int u = 0; u < 8; ++u)
+            if (r + u * 32 < parts) acc += v[u];
         acc = warp_sum(acc);
         if (lane == 0) col[c] = acc;
     }
@@ -1250,7 +1257,7 @@ extern "C" __global__ void __launch_bounds__(MOE_BLOCK)
 namespace {
 
 // A barrier over the whole grid (every block must be resident: the launcher keeps the grid
-// within one block per SM). bar[0] counts the arrivals, bar[1] is the generation; both zero
+// within two blocks per SM, which moe_route_gather's resources allow). bar[0] counts the arrivals, bar[1] is the generation; both zero
 // before the first launch, and each launch leaves bar[0] at zero and bar[1] one higher, so
 // launches on one pair must not overlap. Thread 0 reads the generation before it arrives (it
 // can only change once every block has), the last to arrive resets the count and then moves
@@ -1279,8 +1286,9 @@ __device__ __forceinline__ void grid_barrier(unsigned *bar) {
 // Router, plan and x's gathered FP8 cast in one launch (few tokens: the launcher's rules in
 // routing.rs), with the results of moe_router_forward, moe_plan_small and the E4M3 delayed-
 // scaling gather cast (fp8_moe_gather_cast_transpose_bf16_e4m3) bit for bit, and no launch
-// boundary between them. Grid: one block of MOE_BLOCK threads per SM at most (all resident
-// for the grid barrier); dynamic shared memory 2 * MOE_TOKENS * experts floats, then `rows`
+// boundary between them. Grid: two blocks of MOE_BLOCK threads per SM at most (all resident
+// for the grid barrier: the launch bounds keep two per SM within the registers, and the
+// shared memory of two fits); dynamic shared memory 2 * MOE_TOKENS * experts floats, then `rows`
 // ints, then MOE_WARPS * experts ints.
 //   1. Blocks c < router_blocks: the router forward of tokens c * tpb .. (router_forward_block;
 //      loss sums in column c of router_blocks).
@@ -1288,13 +1296,13 @@ __device__ __forceinline__ void grid_barrier(unsigned *bar) {
 //      MOE_GATHER_PASSES * MOE_BLOCK assignments, E <= MOE_SMALL_EXPERTS): per pass each
 //      warp's match masks and per-warp counts, each expert's warp counts turned into
 //      exclusive prefixes by one thread in warp order (token order within each expert), the
-//      offsets (plan_offsets), and token_of_row in shared memory. Block 0 also writes the
-//      plan's outputs: row_of, token_of_row, counts, offsets, the padding rows and the losses
-//      (plan_publish, the loss columns through L2).
+//      offsets (plan_offsets), and token_of_row in shared memory. Block 0 also writes row_of
+//      and the rows of token_of_row the assignments take, the last block the counts,
+//      offsets, padding rows and losses (plan_publish, the loss columns through L2).
 //   3. Every block casts its share of the packed tiles of x (cast_transpose_src over the
 //      shared token_of_row, rows in use = off[E]): xq [rows, hidden] and xt [hidden, rows] in
 //      E4M3 at *scale, amax maxed into *amax, scale_inv by block 0.
-extern "C" __global__ void __launch_bounds__(MOE_BLOCK, 1)
+extern "C" __global__ void __launch_bounds__(MOE_BLOCK, 2)
     moe_route_gather(const __nv_bfloat16 *x, const float *wr, float *logits, float *probs,
                      int *topk, float *gates, float *lse, float *loss_partial, int *counts,
                      int *offsets, int *row_of, int *token_of_row, float *losses, uint8_t *xq,
@@ -1369,7 +1377,9 @@ extern "C" __global__ void __launch_bounds__(MOE_BLOCK, 1)
             if (row >= 0) token_of_row[row] = (int)i;
         }
     }
-    if (blockIdx.x == 0) { // block-uniform
+    // The last block publishes the rest (beside block 0's rows): every block then has the
+    // same share of the cast left.
+    if (blockIdx.x == gridDim.x - 1) { // block-uniform
         plan_loss_columns(loss_partial, col, experts, router_blocks, 0, MOE_WARPS);
         __syncthreads();
         plan_publish<MOE_BLOCK>(cnt, off, col, counts, offsets, token_of_row, losses, experts,

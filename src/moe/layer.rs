@@ -643,12 +643,23 @@ impl MoeLayer {
 
     /// This layer with its router, dispatch plan and permute (x gathered into the packed
     /// rows and cast to FP8) in one launch where [`Router::gathers_in_one_launch`] allows
-    /// (`true`, the default: few tokens, fewer than 32 experts, delayed scaling), or always
-    /// as separate kernels (`false`). The same bits either way; at T = 256 with 8 experts
-    /// the one launch saves two kernel boundaries of the forward.
+    /// and the step does not cast the expert weights (`true`, the default: FP8 weights from
+    /// the optimizer, few tokens, fewer than 32 experts, delayed scaling), or always as
+    /// separate kernels (`false`). The same bits either way; the one launch saves two kernel
+    /// boundaries of the forward.
     pub fn with_one_launch_routing(mut self, on: bool) -> MoeLayer {
         self.one_launch_routing = on;
         self
+    }
+
+    /// Whether the forward now runs its router, plan and permute in one launch
+    /// ([`with_one_launch_routing`](Self::with_one_launch_routing)).
+    pub fn routes_in_one_launch(&self) -> bool {
+        self.one_launch_routing
+            && self.fp8_weights_from_optimizer()
+            && self
+                .router
+                .gathers_in_one_launch_as(Fp8Format::E4M3, self.cfg.scaling)
     }
 
     /// This layer with fast accumulation in its forward GEMMs (fc1 and fc2:
@@ -1041,7 +1052,10 @@ impl MoeLayer {
             &s.si[0],
         )?;
         let dst = self.cast(&x_fp8, s.x_t);
-        if self.one_launch_routing {
+        // A step that casts its expert weights has the runtime capture those casts beside the
+        // router (overlaps_weight_cast): one launch would first wait for every one of its
+        // blocks to be resident, that is for the casts (8 us slower at T = 256).
+        if self.routes_in_one_launch() {
             return self.router.forward_gather(
                 stream,
                 x,

@@ -56,6 +56,9 @@ const GATHER_ROUTE_ASSIGNMENTS: usize = 8 * BLOCK as usize;
 /// `moe_route_gather`'s dynamic shared memory stays within what a launch gets without
 /// opting in.
 const GATHER_ROUTE_SHARED: usize = 48 * 1024;
+/// `moe_route_gather`'s blocks per SM (its launch bounds' minimum): the cast's tiles, one
+/// round of them at T = 256, spread over twice the blocks one per SM would give.
+const GATHER_ROUTE_BLOCKS_PER_SM: usize = 2;
 /// The most tokens per chunk of the router weight gradient's first step.
 const WGRAD_CHUNK: usize = 128;
 /// The fewest tokens per chunk of the router weight gradient.
@@ -273,12 +276,12 @@ impl RoutingDims {
     }
 
     /// Whether the router, the plan and x's gather fit one launch on `sms` SMs
-    /// (`moe_route_gather`): every router block resident at once (at most one per SM: the
-    /// kernel waits for all of them between the router and the plan), the plan small enough
+    /// (`moe_route_gather`, two blocks per SM, all resident at once: the kernel waits for all
+    /// of them between the router and the plan): a block for each router block, the plan small enough
     /// for every block to compute it, the router's own dot products (fewer than
     /// [`TILED_ROUTER_EXPERTS`] experts), and its shared memory within 48 KiB.
     fn gather_route(&self, sms: usize) -> bool {
-        self.router_blocks() <= sms
+        self.router_blocks() <= GATHER_ROUTE_BLOCKS_PER_SM * sms
             && self.tokens * self.top_k <= GATHER_ROUTE_ASSIGNMENTS
             && self.experts < TILED_ROUTER_EXPERTS
             && self.gather_route_shared() <= GATHER_ROUTE_SHARED
@@ -689,14 +692,18 @@ impl Router {
     }
 
     /// Whether [`forward_gather`](Self::forward_gather) takes its one-launch form for `dst`:
-    /// few enough tokens (every router block resident on this device at once: at most one per
-    /// SM, T * k <= 2048), fewer than 32 experts, and `dst` E4M3 with delayed scaling and no
-    /// noop flag.
+    /// few enough tokens (T * k <= 2048, and a block for each of the router's on two blocks
+    /// per SM), fewer than 32 experts, and `dst` E4M3 with delayed scaling and no noop flag.
     pub fn gathers_in_one_launch(&self, dst: &FusedCastOut<'_>) -> bool {
+        dst.noop.is_none() && self.gathers_in_one_launch_as(dst.out.format(), dst.scaling)
+    }
+
+    /// [`gathers_in_one_launch`](Self::gathers_in_one_launch) for an output of `format` with
+    /// `scaling` and no noop flag.
+    pub fn gathers_in_one_launch_as(&self, format: Fp8Format, scaling: CastScaling) -> bool {
         self.dims.gather_route(self.sms)
-            && dst.scaling == CastScaling::Delayed
-            && dst.noop.is_none()
-            && dst.out.format() == Fp8Format::E4M3
+            && scaling == CastScaling::Delayed
+            && format == Fp8Format::E4M3
     }
 
     /// [`forward`](Self::forward), then x gathered into the packed layout and cast to FP8
@@ -704,9 +711,10 @@ impl Router {
     /// row-major, `dst.out_t` `[H, capacity]`), with the same results bit for bit whichever
     /// form runs. Where [`gathers_in_one_launch`](Self::gathers_in_one_launch), one kernel does
     /// all of it (`moe_route_gather`: the router's blocks, a wait for all of them on `sync`,
-    /// the plan in every block, then the cast's tiles), saving two launch boundaries: at
-    /// T = 256 with 8 experts the three kernels cost about 18 us serialised. `sync` must not
-    /// be in use by another launch at the same time. Capturable.
+    /// the plan in every block, then the cast's tiles), saving two launch boundaries. Its
+    /// blocks (two per SM) wait for each other, so a kernel that holds SMs beside it (on
+    /// another stream) delays it until those SMs free up. `sync` must not be in use by
+    /// another launch at the same time. Capturable.
     pub fn forward_gather(
         &self,
         stream: &Stream,
@@ -755,7 +763,8 @@ impl Router {
         }
         let n = &self.n;
         let (score, renorm) = self.score_args();
-        let mut cfg = LaunchConfig::linear(self.sms as u32, BLOCK);
+        let grid = (GATHER_ROUTE_BLOCKS_PER_SM * self.sms) as u32;
+        let mut cfg = LaunchConfig::linear(grid, BLOCK);
         cfg.shared_mem_bytes = d.gather_route_shared() as u32;
         let out = dst.out;
         let (scale, scale_inv, amax) = (
@@ -795,9 +804,11 @@ impl Router {
             .arg(&n.rows)
             .arg(&self.cfg.aux_coef)
             .arg(&self.cfg.z_coef);
-        // SAFETY: the grid is the SM count, at least router_blocks (gathers_in_one_launch), one
-        // block of BLOCK threads per SM at most, so every block is resident for the barrier
-        // (sync's two words, not shared with a concurrent launch: the caller's contract).
+        // SAFETY: the grid is two blocks per SM, at least router_blocks (gathers_in_one_launch);
+        // the kernel's launch bounds and shared memory (at most 21 KiB static and 48 KiB
+        // dynamic) let two blocks of BLOCK threads share an SM, so every block becomes
+        // resident for the barrier once earlier kernels leave (sync's two words, not shared
+        // with a concurrent launch: the caller's contract).
         // Blocks c < router_blocks do moe_router_forward's work (see `forward`: rows t < T of
         // x, logits, probs, lse, topk, gates at t * k + j, all of wr, loss_partial column c of
         // (E + 1) * router_blocks); every block reads topk (T * k) and loss_partial; block 0
