@@ -10,10 +10,6 @@ use std::path::{Path, PathBuf};
 fn main() {
     let nvcc = cuda_build::nvcc();
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
-    // Dependents' build scripts get the headers' directory as DEP_FP8KERNELS_INCLUDE (their
-    // kernels include the device functions with FP8K_DEVICE_ONLY defined).
-    let manifest = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets it"));
-    println!("cargo:include={}", manifest.join("kernels").display());
     println!("cargo:rerun-if-changed=kernels");
     for entry in std::fs::read_dir("kernels").expect("fp8-kernels/kernels exists") {
         let path = entry.expect("readable kernels directory").path();

@@ -142,10 +142,6 @@ enum Bench {
         /// (`MoeLayer::with_router_grads_beside`; the layer's default when not given).
         #[arg(long, value_name = "SMS")]
         router_grads_beside: Option<usize>,
-        /// Run the router, the plan and the permute as separate kernels where the layer would
-        /// run them in one launch (`MoeLayer::with_one_launch_routing(false)`).
-        #[arg(long)]
-        separate_routing: bool,
     },
 }
 
@@ -229,17 +225,15 @@ fn run_bench(bench: &Bench, json_path: &std::path::Path) -> Result<(), info::Cli
             only,
             weight_grads_beside,
             router_grads_beside,
-            separate_routing,
         } => (
             "bench moe: MoE layer training step (forward + backward), eager vs graphs",
             bench::moe::run(
                 *tokens,
                 *experts,
                 only,
-                bench::moe::Placement {
+                bench::moe::Beside {
                     weight_grads: *weight_grads_beside,
                     router_grads: *router_grads_beside,
-                    separate_routing: *separate_routing,
                 },
             ),
         ),
@@ -326,7 +320,6 @@ mod tests {
                 only: Vec::new(),
                 weight_grads_beside: None,
                 router_grads_beside: None,
-                separate_routing: false,
             },
         ] {
             let cli = Cli::try_parse_from(["fp8-moe", "bench", bench.name()]).unwrap();
@@ -351,7 +344,6 @@ mod tests {
                 ref only,
                 weight_grads_beside: None,
                 router_grads_beside: None,
-                separate_routing: false,
             } if only.is_empty()
         ));
         let cli = Cli::try_parse_from([
@@ -362,7 +354,6 @@ mod tests {
             "66",
             "--router-grads-beside",
             "0",
-            "--separate-routing",
         ])
         .unwrap();
         let Command::Bench(args) = cli.command else {
@@ -373,7 +364,6 @@ mod tests {
             Bench::Moe {
                 weight_grads_beside: Some(66),
                 router_grads_beside: Some(0),
-                separate_routing: true,
                 ..
             }
         ));

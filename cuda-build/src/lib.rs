@@ -24,18 +24,7 @@ pub const GENCODE: &[&str] = &[
 /// Compiles every `*.cu` directly in each directory to `$OUT_DIR/<stem>.fatbin`, and tells
 /// cargo to rerun when they change. Exits the build with one clear message on failure.
 pub fn compile_dirs(dirs: &[&str]) {
-    compile_dirs_with(dirs, &[]);
-}
-
-/// [`compile_dirs`] with extra include directories (`-I`), each watched for changes.
-pub fn compile_dirs_with(dirs: &[&str], includes: &[PathBuf]) {
     let nvcc = nvcc();
-    let mut extra = Vec::new();
-    for inc in includes {
-        println!("cargo:rerun-if-changed={}", inc.display());
-        extra.push(format!("-I{}", inc.display()));
-    }
-    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
     let out = PathBuf::from(std::env::var("OUT_DIR").unwrap_or_else(|_| fail("OUT_DIR unset")));
     for dir in dirs {
         println!("cargo:rerun-if-changed={dir}");
@@ -43,7 +32,7 @@ pub fn compile_dirs_with(dirs: &[&str], includes: &[PathBuf]) {
             println!("cargo:rerun-if-changed={}", src.display());
             let stem = src.file_stem().map(|s| s.to_string_lossy().into_owned());
             let stem = stem.unwrap_or_else(|| fail("a .cu file without a name"));
-            compile(&nvcc, &src, &out.join(format!("{stem}.fatbin")), &extra);
+            compile(&nvcc, &src, &out.join(format!("{stem}.fatbin")), &[]);
         }
     }
 }

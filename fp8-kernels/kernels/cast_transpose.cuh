@@ -379,13 +379,9 @@ __device__ __forceinline__ void amax_src(const Src &src, unsigned long long rows
             fp8k::slot(amax, idx.z + g * stride.z), fp8k::slot(noop, idx.w));                      \
     }
 
-// FP8K_DEVICE_ONLY: another crate's kernels include this header for its device functions
-// (the root package's fused routing kernel), without this family's entry points.
-#ifndef FP8K_DEVICE_ONLY
 FP8K_CAST_TRANSPOSE(f32, float, e4m3, __NV_E4M3)
 FP8K_CAST_TRANSPOSE(f32, float, e5m2, __NV_E5M2)
 FP8K_CAST_TRANSPOSE(f16, __half, e4m3, __NV_E4M3)
 FP8K_CAST_TRANSPOSE(f16, __half, e5m2, __NV_E5M2)
 FP8K_CAST_TRANSPOSE(bf16, __nv_bfloat16, e4m3, __NV_E4M3)
 FP8K_CAST_TRANSPOSE(bf16, __nv_bfloat16, e5m2, __NV_E5M2)
-#endif

@@ -220,7 +220,6 @@ struct SwigluBackwardSource {
     FP8K_MOE_AMAX(fp8_moe_gather_cast_transpose_##IN_NAME, FP8K_MOE_GATHER_PARAMS(IN_T),            \
                   FP8K_MOE_SRC_GATHER(IN_T), cols, fp8k::CT_CTAS_PER_SM)
 
-#ifndef FP8K_DEVICE_ONLY // see cast_transpose.cuh
 FP8K_MOE_GATHER_ALL(bf16, __nv_bfloat16)
 FP8K_MOE_GATHER_ALL(f32, float)
 FP8K_MOE_CAST(fp8_swiglu_cast_transpose_bf16, FP8K_MOE_SWIGLU_PARAMS, FP8K_MOE_SRC_SWIGLU, ffn,
@@ -235,4 +234,3 @@ FP8K_MOE_CAST(fp8_swiglu_backward_cast_transpose_bf16, FP8K_MOE_SWIGLU_BWD_PARAM
               FP8K_MOE_SRC_SWIGLU_BWD, ffn, fp8k::SWIGLU_BWD_CTAS_PER_SM, e5m2, __NV_E5M2)
 FP8K_MOE_AMAX(fp8_swiglu_backward_cast_transpose_bf16, FP8K_MOE_SWIGLU_BWD_PARAMS,
               FP8K_MOE_SRC_SWIGLU_BWD, ffn, fp8k::SWIGLU_BWD_CTAS_PER_SM)
-#endif

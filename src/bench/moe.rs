@@ -220,29 +220,23 @@ struct Variant {
     fp8_from_optimizer: bool,
     optimizer: bool,
     /// Where the backward's weight and router gradients run.
-    beside: Placement,
+    beside: Beside,
 }
 
-/// Where the full-layer steps' kernels run: the SMs their expert weight gradients
-/// ([`MoeLayer::with_weight_grads_beside`]) and router gradients
-/// ([`MoeLayer::with_router_grads_beside`]) take beside other work (each the layer's default
-/// where `None`, off, after the work they would run beside, with `Some(0)`), and whether the
-/// router, plan and permute run as separate kernels ([`MoeLayer::with_one_launch_routing`]
-/// off; the layer's default otherwise).
+/// The SMs the full-layer steps' expert weight gradients ([`MoeLayer::with_weight_grads_beside`])
+/// and router gradients ([`MoeLayer::with_router_grads_beside`]) take beside other work: each
+/// the layer's default where `None`, off (after the work they would run beside) with `Some(0)`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Placement {
+pub struct Beside {
     /// Beside the data gradients.
     pub weight_grads: Option<usize>,
     /// Beside the expert weight gradients.
     pub router_grads: Option<usize>,
-    /// The router, plan and permute as separate kernels.
-    pub separate_routing: bool,
 }
 
-impl Placement {
+impl Beside {
     /// `layer` with these settings.
     fn apply(self, layer: MoeLayer) -> MoeLayer {
-        let layer = layer.with_one_launch_routing(!self.separate_routing);
         let layer = match self.weight_grads {
             Some(n) => layer.with_weight_grads_beside(Some(n).filter(|&n| n > 0)),
             None => layer,
@@ -266,11 +260,6 @@ impl Placement {
                 "the weight gradients",
                 self.router_grads,
             )
-            + if self.separate_routing {
-                "; router, plan and permute as separate kernels"
-            } else {
-                ""
-            }
     }
 }
 
@@ -450,7 +439,7 @@ pub fn run(
     tokens: Option<usize>,
     experts: Option<usize>,
     only: &[Step],
-    beside: Placement,
+    beside: Beside,
 ) -> BenchResult<Vec<Row>> {
     let shapes: Vec<Shape> = SHAPES
         .into_iter()

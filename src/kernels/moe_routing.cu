@@ -20,9 +20,6 @@
 // in flight.
 #include <cuda_bf16.h>
 #include <cuda_graph/pdl.cuh>
-// fp8-kernels' gather cast (its device functions only), for moe_route_gather.
-#define FP8K_DEVICE_ONLY
-#include <moe_cast.cuh>
 
 #define MOE_BLOCK 256
 #define MOE_WARPS (MOE_BLOCK / 32)
@@ -37,9 +34,6 @@
 #define MOE_TOP_K 8
 // The most experts (`MAX_EXPERTS`).
 #define MOE_MAX_EXPERTS 512
-// moe_route_gather's plan: at most this many passes of MOE_BLOCK assignments
-// (`GATHER_ROUTE_ASSIGNMENTS` in routing.rs).
-#define MOE_GATHER_PASSES 8
 // Threads of the plan scan's single block (`SCAN_BLOCK`).
 #define MOE_SCAN_BLOCK 1024
 // The single-block plan (moe_plan_small): at most this many passes of MOE_SCAN_BLOCK
@@ -632,22 +626,19 @@ __device__ __forceinline__ void wgrad_store(float *pc, unsigned hidden, unsigned
 // loss_partial[experts * blocks + block] = the sum of lse[t]^2.
 // (At least 2 blocks per SM in the launch bounds: 128 registers hold a thread's Wr pieces of
 // 4 experts and the x pieces of 8 tokens.)
-namespace {
-
-// The router forward's work of block `block` (its tokens t0 = block * tpb < tokens on), its
-// loss sums in column `block` of `parts`; sh: the dynamic shared memory, 2 * MOE_TOKENS *
-// experts floats.
-__device__ __forceinline__ void router_forward_block(
-    const __nv_bfloat16 *x, const float *wr, float *logits, float *probs, int *topk, float *gates,
-    float *lse, float *loss_partial, unsigned tokens, unsigned hidden, unsigned experts,
-    unsigned k, unsigned score_fn, unsigned renormalize, unsigned tpb, unsigned precomputed,
-    unsigned block, unsigned parts, float *sh) {
-    // sh: l: [MOE_TOKENS][experts] logits (then probs), s: scores
+extern "C" __global__ void __launch_bounds__(MOE_BLOCK, 2)
+    moe_router_forward(const __nv_bfloat16 *x, const float *wr, float *logits, float *probs,
+                       int *topk, float *gates, float *lse, float *loss_partial, unsigned tokens,
+                       unsigned hidden, unsigned experts, unsigned k, unsigned score_fn,
+                       unsigned renormalize, unsigned tpb, unsigned precomputed) {
+    cuda_graph::pdl_enter();
+    extern __shared__ float sh[]; // l: [MOE_TOKENS][experts] logits (then probs), s: scores
     __shared__ float part[MOE_WARPS][32]; // [warp][i * NE + j] of a pass
     __shared__ float lse_sh[MOE_TOKENS];
     static_assert(MOE_TOKENS <= MOE_WARPS, "a warp finishes each token");
     const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
-    const unsigned t0 = block * tpb;
+    const unsigned t0 = blockIdx.x * tpb;
+    if (t0 >= tokens) return;
     const unsigned nt = min(tpb, tokens - t0); // block-uniform
     const __nv_bfloat16 *xb = x + (size_t)t0 * hidden;
     const bool vec = hidden % 8 == 0 && aligned16(x) && aligned16(wr);
@@ -743,23 +734,8 @@ __device__ __forceinline__ void router_forward_block(
         float v = 0.0f;
         for (unsigned i = 0; i < nt; ++i)
             v += c < experts ? sh[(size_t)i * experts + c] : lse_sh[i] * lse_sh[i];
-        loss_partial[(size_t)c * parts + block] = v;
+        loss_partial[(size_t)c * gridDim.x + blockIdx.x] = v;
     }
-}
-
-} // namespace
-
-extern "C" __global__ void __launch_bounds__(MOE_BLOCK, 2)
-    moe_router_forward(const __nv_bfloat16 *x, const float *wr, float *logits, float *probs,
-                       int *topk, float *gates, float *lse, float *loss_partial, unsigned tokens,
-                       unsigned hidden, unsigned experts, unsigned k, unsigned score_fn,
-                       unsigned renormalize, unsigned tpb, unsigned precomputed) {
-    cuda_graph::pdl_enter();
-    extern __shared__ float sh[];
-    if (blockIdx.x * tpb >= tokens) return;
-    router_forward_block(x, wr, logits, probs, topk, gates, lse, loss_partial, tokens, hidden,
-                         experts, k, score_fn, renormalize, tpb, precomputed, blockIdx.x,
-                         gridDim.x, sh);
 }
 
 // Tiled GEMMs on the CUDA cores for the router at many experts (the launcher's choice,
@@ -983,9 +959,8 @@ extern "C" __global__ void __launch_bounds__(MOE_BLOCK)
 // The losses' column sums of the plan (moe_plan_scan, moe_plan_small): warp `first` + w of
 // `warps` takes the columns c = w, w + warps, ... <= experts of loss_partial ([experts +
 // 1][parts]), lane l its rows l, l + 32, ... in order (8 loads in flight), then a fixed xor
-// tree: col[c] = the column's sum, the same whichever warp forms it. L2 loads (`__ldcg`, not
-// the read-only path): moe_route_gather reads partial sums its other blocks wrote. Every load
-// of a column is issued before its sums.
+// tree: col[c] = the column's sum, the same whichever warp forms it. Every load of a column is
+// issued before its sums.
 __device__ __forceinline__ void plan_loss_columns(const float *loss_partial, float *col,
                                                   unsigned experts, unsigned parts,
                                                   unsigned first, unsigned warps) {
@@ -997,14 +972,14 @@ __device__ __forceinline__ void plan_loss_columns(const float *loss_partial, flo
         for (; r + 7 * 32 < parts; r += 8 * 32) {
             float v[8];
 #pragma unroll
-            for (int u = 0; u < 8; ++u) v[u] = __ldcg(p + r + u * 32);
+            for (int u = 0; u < 8; ++u) v[u] = __ldg(p + r + u * 32);
 #pragma unroll
             for (int u = 0; u < 8; ++u) acc += v[u];
         }
         // The rest (under 8 a lane): loaded together, added in the same order.
         float v[8];
 #pragma unroll
-        for (int u = 0; u < 8; ++u) v[u] = r + u * 32 < parts ? __ldcg(p + r + u * 32) : 0.0f;
+        for (int u = 0; u < 8; ++u) v[u] = r + u * 32 < parts ? __ldg(p + r + u * 32) : 0.0f;
 #pragma unroll
         for (int u = 0; u < 8; ++u)
             if (r + u * 32 < parts) acc += v[u];
@@ -1013,54 +988,49 @@ __device__ __forceinline__ void plan_loss_columns(const float *loss_partial, flo
     }
 }
 
-// The packed offsets from the counts (`cnt`) in shared memory, by a block of THREADS threads
-// (wtot: THREADS / 32 ints, experts <= THREADS): off[0] = 0, off[e + 1] = off[e] + cnt[e]
-// rounded up to `align` (a block-wide integer scan). `off` is readable by every thread on
-// return (a barrier follows its writes).
-template <unsigned THREADS>
-__device__ __forceinline__ void plan_offsets(const int *cnt, int *off, int *wtot,
-                                             unsigned experts, unsigned align) {
+// The rest of the plan once the counts (`cnt`) and the losses' column sums (`col`) are in
+// shared memory, by a block of MOE_SCAN_BLOCK threads (wtot: MOE_SCAN_BLOCK / 32 ints):
+//   offsets[0] = 0, offsets[e + 1] = offsets[e] + counts[e] rounded up to `align` (one thread
+//     per expert, a block-wide integer scan), also into `off`; counts[e] = cnt[e];
+//   token_of_row[r] = -1 for the rows no assignment takes: each expert's padding [offsets[e]
+//     + counts[e], offsets[e + 1]) and the rows from offsets[E] to `rows` (the assignment
+//     writes all the others, so the whole buffer is written on every run);
+//   losses[0] = aux = aux_coef * E * sum_e f_e * P_e, f_e = counts[e] / (T * k), P_e = (1/T)
+//     sum_t probs[t, e]; losses[1] = z = z_coef * (1/T) * sum_t lse[t]^2 (warp 0:
+//     lane-strided terms, a fixed xor tree).
+// `off` is readable by every thread on return (a barrier follows its writes); nothing after
+// that barrier is waited for.
+__device__ __forceinline__ void plan_offsets_and_losses(const int *cnt, int *off, const float *col,
+                                                        int *wtot, int *counts, int *offsets,
+                                                        int *token_of_row, float *losses,
+                                                        unsigned experts, unsigned align,
+                                                        unsigned rows, unsigned tokens, unsigned k,
+                                                        float aux_coef, float z_coef) {
     const unsigned tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
     const int rv = tid < experts ? (int)(((unsigned)cnt[tid] + align - 1) / align * align) : 0;
+    if (tid < experts) counts[tid] = cnt[tid];
     const int incl = warp_scan(rv);
     if (lane == 31) wtot[warp] = incl;
     __syncthreads();
     if (warp == 0) {
-        const int w = lane < THREADS / 32 ? wtot[lane] : 0;
-        const int ex = warp_scan(w) - w; // the warps' exclusive prefix
-        if (lane < THREADS / 32) wtot[lane] = ex;
+        const int w = wtot[lane];
+        wtot[lane] = warp_scan(w) - w; // the warps' exclusive prefix
     }
     __syncthreads();
     const int excl = wtot[warp] + incl - rv;
-    if (tid < experts) off[tid] = excl;
-    if (tid + 1 == experts) off[experts] = excl + rv;
-    __syncthreads();
-}
-
-// The plan's outputs from the counts, offsets (plan_offsets) and the losses' column sums
-// (`col`), by a block of THREADS threads:
-//   counts[e] = cnt[e], offsets = off;
-//   token_of_row[r] = -1 for the rows no assignment takes: each expert's padding [off[e]
-//     + cnt[e], off[e + 1]) and the rows from off[E] to `rows` (the assignment writes all
-//     the others, so the whole buffer is written on every run);
-//   losses[0] = aux = aux_coef * E * sum_e f_e * P_e, f_e = counts[e] / (T * k), P_e = (1/T)
-//     sum_t probs[t, e]; losses[1] = z = z_coef * (1/T) * sum_t lse[t]^2 (warp 0:
-//     lane-strided terms, a fixed xor tree).
-// Nothing after it is waited for.
-template <unsigned THREADS>
-__device__ __forceinline__ void plan_publish(const int *cnt, const int *off, const float *col,
-                                             int *counts, int *offsets, int *token_of_row,
-                                             float *losses, unsigned experts, unsigned rows,
-                                             unsigned tokens, unsigned k, float aux_coef,
-                                             float z_coef) {
-    const unsigned tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
-    for (unsigned e = tid; e <= experts; e += THREADS) {
-        if (e < experts) counts[e] = cnt[e];
-        offsets[e] = off[e];
+    if (tid < experts) {
+        off[tid] = excl;
+        offsets[tid] = excl;
     }
-    for (unsigned e = warp; e < experts; e += THREADS / 32)
+    if (tid + 1 == experts) {
+        off[experts] = excl + rv;
+        offsets[experts] = excl + rv;
+    }
+    __syncthreads();
+    for (unsigned e = warp; e < experts; e += MOE_SCAN_BLOCK / 32)
         for (int r = off[e] + cnt[e] + (int)lane; r < off[e + 1]; r += 32) token_of_row[r] = -1;
-    for (unsigned r = (unsigned)off[experts] + tid; r < rows; r += THREADS) token_of_row[r] = -1;
+    for (unsigned r = (unsigned)off[experts] + tid; r < rows; r += MOE_SCAN_BLOCK)
+        token_of_row[r] = -1;
     if (warp == 0) {
         float aux = 0.0f;
         for (unsigned e = lane; e < experts; e += 32) {
@@ -1073,20 +1043,6 @@ __device__ __forceinline__ void plan_publish(const int *cnt, const int *off, con
             losses[1] = z_coef * col[experts] / (float)tokens;
         }
     }
-}
-
-// The rest of the plan once the counts (`cnt`) and the losses' column sums (`col`) are in
-// shared memory, by a block of MOE_SCAN_BLOCK threads (wtot: MOE_SCAN_BLOCK / 32 ints):
-// plan_offsets into `off`, then plan_publish. `off` is readable by every thread on return.
-__device__ __forceinline__ void plan_offsets_and_losses(const int *cnt, int *off, const float *col,
-                                                        int *wtot, int *counts, int *offsets,
-                                                        int *token_of_row, float *losses,
-                                                        unsigned experts, unsigned align,
-                                                        unsigned rows, unsigned tokens, unsigned k,
-                                                        float aux_coef, float z_coef) {
-    plan_offsets<MOE_SCAN_BLOCK>(cnt, off, wtot, experts, align);
-    plan_publish<MOE_SCAN_BLOCK>(cnt, off, col, counts, offsets, token_of_row, losses, experts,
-                                 rows, tokens, k, aux_coef, z_coef);
 }
 
 // Step 2 of 3, one block of MOE_SCAN_BLOCK threads: everything that needs all the tokens.
@@ -1252,144 +1208,6 @@ extern "C" __global__ void __launch_bounds__(MOE_BLOCK)
     const int row = base[e] + before + (int)rank;
     row_of[i] = row;
     token_of_row[row] = (int)i;
-}
-
-namespace {
-
-// A barrier over the whole grid (every block must be resident: the launcher keeps the grid
-// within two blocks per SM, which moe_route_gather's resources allow). bar[0] counts the arrivals, bar[1] is the generation; both zero
-// before the first launch, and each launch leaves bar[0] at zero and bar[1] one higher, so
-// launches on one pair must not overlap. Thread 0 reads the generation before it arrives (it
-// can only change once every block has), the last to arrive resets the count and then moves
-// the generation on; the fences make each block's writes before the barrier visible to every
-// block after it (release before the arrival, acquire after the wait).
-__device__ __forceinline__ void grid_barrier(unsigned *bar) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        volatile unsigned *gen = bar + 1;
-        const unsigned g = *gen;
-        __threadfence();
-        if (atomicAdd(bar, 1u) == gridDim.x - 1) {
-            atomicExch(bar, 0u);
-            __threadfence();
-            atomicAdd(bar + 1, 1u);
-        } else {
-            while (*gen == g) __nanosleep(32);
-        }
-        __threadfence();
-    }
-    __syncthreads();
-}
-
-} // namespace
-
-// Router, plan and x's gathered FP8 cast in one launch (few tokens: the launcher's rules in
-// routing.rs), with the results of moe_router_forward, moe_plan_small and the E4M3 delayed-
-// scaling gather cast (fp8_moe_gather_cast_transpose_bf16_e4m3) bit for bit, and no launch
-// boundary between them. Grid: two blocks of MOE_BLOCK threads per SM at most (all resident
-// for the grid barrier: the launch bounds keep two per SM within the registers, and the
-// shared memory of two fits); dynamic shared memory 2 * MOE_TOKENS * experts floats, then `rows`
-// ints, then MOE_WARPS * experts ints.
-//   1. Blocks c < router_blocks: the router forward of tokens c * tpb .. (router_forward_block;
-//      loss sums in column c of router_blocks).
-//   2. Grid barrier; then every block computes the whole plan from topk (at most
-//      MOE_GATHER_PASSES * MOE_BLOCK assignments, E <= MOE_SMALL_EXPERTS): per pass each
-//      warp's match masks and per-warp counts, each expert's warp counts turned into
-//      exclusive prefixes by one thread in warp order (token order within each expert), the
-//      offsets (plan_offsets), and token_of_row in shared memory. Block 0 also writes row_of
-//      and the rows of token_of_row the assignments take, the last block the counts,
-//      offsets, padding rows and losses (plan_publish, the loss columns through L2).
-//   3. Every block casts its share of the packed tiles of x (cast_transpose_src over the
-//      shared token_of_row, rows in use = off[E]): xq [rows, hidden] and xt [hidden, rows] in
-//      E4M3 at *scale, amax maxed into *amax, scale_inv by block 0.
-extern "C" __global__ void __launch_bounds__(MOE_BLOCK, 2)
-    moe_route_gather(const __nv_bfloat16 *x, const float *wr, float *logits, float *probs,
-                     int *topk, float *gates, float *lse, float *loss_partial, int *counts,
-                     int *offsets, int *row_of, int *token_of_row, float *losses, uint8_t *xq,
-                     uint8_t *xt, float *scale, float *scale_inv, float *amax, unsigned *bar,
-                     unsigned tokens, unsigned hidden, unsigned experts, unsigned k,
-                     unsigned score_fn, unsigned renormalize, unsigned tpb,
-                     unsigned router_blocks, unsigned align, unsigned rows, float aux_coef,
-                     float z_coef) {
-    cuda_graph::pdl_enter();
-    extern __shared__ float sh[];
-    int *tor = reinterpret_cast<int *>(sh + 2 * MOE_TOKENS * experts); // [rows]
-    int *wc = tor + rows;                                               // [MOE_WARPS][experts]
-    __shared__ int cnt[MOE_SMALL_EXPERTS];
-    __shared__ int off[MOE_SMALL_EXPERTS + 1];
-    __shared__ float col[MOE_SMALL_EXPERTS + 1];
-    __shared__ int wtot[MOE_WARPS];
-    const unsigned tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
-    if (blockIdx.x < router_blocks)
-        router_forward_block(x, wr, logits, probs, topk, gates, lse, loss_partial, tokens, hidden,
-                             experts, k, score_fn, renormalize, tpb, 0, blockIdx.x, router_blocks,
-                             sh);
-    grid_barrier(bar);
-
-    const unsigned assignments = tokens * k;
-    for (unsigned e = tid; e < experts; e += MOE_BLOCK) cnt[e] = 0;
-    int ex[MOE_GATHER_PASSES], rank[MOE_GATHER_PASSES];
-    // Every pass's experts, loaded together (through L2: other blocks wrote them).
-#pragma unroll
-    for (int p = 0; p < MOE_GATHER_PASSES; ++p) {
-        const unsigned i = p * MOE_BLOCK + tid;
-        ex[p] = i < assignments ? __ldcg(topk + i) : -1;
-        if (ex[p] >= 0 && (unsigned)ex[p] >= experts) ex[p] = -2; // out of range: not placed
-        rank[p] = 0;
-    }
-#pragma unroll
-    for (int p = 0; p < MOE_GATHER_PASSES; ++p) {
-        if ((unsigned)p * MOE_BLOCK >= assignments) break; // block-uniform
-        int *w_row = wc + warp * experts;
-        for (unsigned e = lane; e < experts; e += 32) w_row[e] = 0;
-        __syncwarp();
-        const int e = ex[p];
-        const unsigned peers = __match_any_sync(0xffffffffu, e);
-        rank[p] = __popc(peers & ((1u << lane) - 1u));
-        if (e >= 0 && rank[p] == 0) w_row[e] = __popc(peers);
-        __syncthreads();
-        for (unsigned q = tid; q < experts; q += MOE_BLOCK) {
-            int run = cnt[q];
-#pragma unroll
-            for (unsigned w = 0; w < MOE_WARPS; ++w) {
-                const int c = wc[w * experts + q];
-                wc[w * experts + q] = run;
-                run += c;
-            }
-            cnt[q] = run;
-        }
-        __syncthreads();
-        if (e >= 0) rank[p] += w_row[e];
-        __syncthreads(); // wc is cleared by the next pass
-    }
-    plan_offsets<MOE_BLOCK>(cnt, off, wtot, experts, align);
-    const unsigned used = (unsigned)off[experts];
-    for (unsigned r = tid; r < used; r += MOE_BLOCK) tor[r] = -1;
-    __syncthreads();
-#pragma unroll
-    for (int p = 0; p < MOE_GATHER_PASSES; ++p) {
-        const unsigned i = p * MOE_BLOCK + tid;
-        if (i >= assignments) break;
-        const int row = ex[p] >= 0 ? off[ex[p]] + rank[p] : -1;
-        if (row >= 0) tor[row] = (int)i;
-        if (blockIdx.x == 0) {
-            row_of[i] = row;
-            if (row >= 0) token_of_row[row] = (int)i;
-        }
-    }
-    // The last block publishes the rest (beside block 0's rows): every block then has the
-    // same share of the cast left.
-    if (blockIdx.x == gridDim.x - 1) { // block-uniform
-        plan_loss_columns(loss_partial, col, experts, router_blocks, 0, MOE_WARPS);
-        __syncthreads();
-        plan_publish<MOE_BLOCK>(cnt, off, col, counts, offsets, token_of_row, losses, experts,
-                                rows, tokens, k, aux_coef, z_coef);
-    }
-    __syncthreads(); // tor complete
-
-    const fp8k::GatherSource<__nv_bfloat16> src{x, hidden, tor, assignments, k, nullptr};
-    fp8k::cast_transpose_src<decltype(src), __NV_E4M3, false>(
-        src, xq, xt, rows, &off[experts], hidden, scale, scale_inv, amax, nullptr);
 }
 
 // Combine: out[t, :] = sum_j gates[t, j] * y[row_of[t, j], :] in j order (f32), rounded to

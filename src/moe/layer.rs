@@ -64,7 +64,7 @@ use fp8_kernels::{
 };
 use graphed_callables::{Callable, SegmentKind, Slot};
 
-use super::routing::{ALIGN_ROWS, GridSync, Router, RouterConfig, RoutingBuffers, RoutingDims};
+use super::routing::{ALIGN_ROWS, Router, RouterConfig, RoutingBuffers, RoutingDims};
 
 /// The activation and gradient tensors of a layer (x, h, dY, dA), before the weights.
 const ACTIVATIONS: usize = 4;
@@ -417,12 +417,6 @@ pub struct MoeLayer {
     router_side: Stream,
     /// The device's SM count (the fusion and beside rules).
     sms: usize,
-    /// The grid barrier of the one-launch router and gather ([`Router::forward_gather`]):
-    /// the layer's forwards run one at a time, as they share `xq`.
-    route_sync: GridSync,
-    /// Whether the router, plan and permute may run in one launch
-    /// ([`MoeLayer::with_one_launch_routing`]).
-    one_launch_routing: bool,
     /// The FP8 expert weights are written by the optimizer, not cast in the step
     /// ([`MoeLayer::with_fp8_weights_from_optimizer`]); shared with every
     /// [`MoeAdamW`](super::optim::MoeAdamW) of the layer, which reads it at each step.
@@ -606,8 +600,6 @@ impl MoeLayer {
             router_sms: default_router_sms(&cfg, sms),
             router_side: Stream::new(stream.context())?,
             sms,
-            route_sync: GridSync::new(stream)?,
-            one_launch_routing: true,
             optimizer_casts: Arc::new(AtomicBool::new(false)),
         };
         stream.synchronize()?;
@@ -639,27 +631,6 @@ impl MoeLayer {
     pub fn with_step_gradients(mut self, on: bool) -> MoeLayer {
         self.step_gradients = on;
         self
-    }
-
-    /// This layer with its router, dispatch plan and permute (x gathered into the packed
-    /// rows and cast to FP8) in one launch where [`Router::gathers_in_one_launch`] allows
-    /// and the step does not cast the expert weights (`true`, the default: FP8 weights from
-    /// the optimizer, few tokens, fewer than 32 experts, delayed scaling), or always as
-    /// separate kernels (`false`). The same bits either way; the one launch saves two kernel
-    /// boundaries of the forward.
-    pub fn with_one_launch_routing(mut self, on: bool) -> MoeLayer {
-        self.one_launch_routing = on;
-        self
-    }
-
-    /// Whether the forward now runs its router, plan and permute in one launch
-    /// ([`with_one_launch_routing`](Self::with_one_launch_routing)).
-    pub fn routes_in_one_launch(&self) -> bool {
-        self.one_launch_routing
-            && self.fp8_weights_from_optimizer()
-            && self
-                .router
-                .gathers_in_one_launch_as(Fp8Format::E4M3, self.cfg.scaling)
     }
 
     /// This layer with fast accumulation in its forward GEMMs (fc1 and fc2:
@@ -1042,38 +1013,18 @@ impl MoeLayer {
         }
     }
 
-    /// Forward part 1: router, plan, permute fused with x's cast (one launch at small T:
-    /// [`Router::forward_gather`]).
+    /// Forward part 1: router, plan, permute fused with x's cast.
     fn route(&self, stream: &Stream, x: &DeviceBuffer<bf16>, s: &Saved<'_>) -> Result<()> {
-        let x_fp8 = self.tensor(
-            &self.xq,
-            &[self.cfg.capacity(), self.cfg.hidden],
-            X,
-            &s.si[0],
-        )?;
-        let dst = self.cast(&x_fp8, s.x_t);
-        // A step that casts its expert weights has the runtime capture those casts beside the
-        // router (overlaps_weight_cast): one launch would first wait for every one of its
-        // blocks to be resident, that is for the casts (8 us slower at T = 256).
-        if self.routes_in_one_launch() {
-            return self.router.forward_gather(
-                stream,
-                x,
-                &self.wr,
-                &s.routing,
-                &self.route_sync,
-                dst,
-            );
-        }
+        let (t, h) = (self.cfg.tokens, self.cfg.hidden);
         self.router.forward(stream, x, &self.wr, &s.routing)?;
+        let x_fp8 = self.tensor(&self.xq, &[self.cfg.capacity(), h], X, &s.si[0])?;
         let gather = Gather {
             token_of_row: &s.routing.token_of_row,
             top_k: self.cfg.router.top_k,
             row_scale: None,
         };
         let used = RowsInUse::last(&s.routing.offsets)?;
-        let dims = (self.cfg.tokens, self.cfg.hidden);
-        gather_cast_transpose(stream, x, dims, gather, used, dst)
+        gather_cast_transpose(stream, x, (t, h), gather, used, self.cast(&x_fp8, s.x_t))
     }
 
     /// Forward part 2: fc1, SwiGLU + cast, fc2.

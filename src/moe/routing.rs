@@ -9,9 +9,7 @@
 //! every one a multiple of `align`), `row_of[t * k + j]` (the packed row of token `t`'s `j`-th
 //! expert) and `token_of_row[r]` (the inverse; -1 for padding rows), token order kept within
 //! each expert; then the load-balancing and z losses. The experts' activations are moved into
-//! the packed layout by [`fp8_kernels::gather_cast_transpose`] with `token_of_row`;
-//! [`Router::forward_gather`] runs the router, the plan and that cast of `x` together, in one
-//! launch for few tokens ([`Router::gathers_in_one_launch`]).
+//! the packed layout by [`fp8_kernels::gather_cast_transpose`] with `token_of_row`.
 //! [`Router::combine`] weighs each token's `k` expert rows by the gates. The backward:
 //! [`Router::combine_backward`] (the gates' gradient, then the logits' through the scores,
 //! top-k, renormalisation, aux and z losses), [`Router::input_backward`] (the input gradient:
@@ -32,7 +30,6 @@ use std::sync::Arc;
 
 use cuda_graph::half::bf16;
 use cuda_graph::{DeviceBuffer, Error, Kernel, KernelArgs, LaunchConfig, Module, Result, Stream};
-use fp8_kernels::{CastScaling, Fp8Format, FusedCastOut, Gather, RowsInUse, gather_cast_transpose};
 
 /// The kernels, built from `src/kernels/moe_routing.cu`.
 static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/moe_routing.fatbin"));
@@ -49,16 +46,6 @@ const SCAN_BLOCK: u32 = 1024;
 const SMALL_PLAN_ASSIGNMENTS: usize = 4 * SCAN_BLOCK as usize;
 /// The most experts of the single-block plan (`MOE_SMALL_EXPERTS`).
 const SMALL_PLAN_EXPERTS: usize = 256;
-/// The most assignments (`T * k`) of the one-launch router, plan and gather
-/// (`moe_route_gather`, `MOE_GATHER_PASSES` passes of `BLOCK`): each of its blocks computes
-/// the whole plan.
-const GATHER_ROUTE_ASSIGNMENTS: usize = 8 * BLOCK as usize;
-/// `moe_route_gather`'s dynamic shared memory stays within what a launch gets without
-/// opting in.
-const GATHER_ROUTE_SHARED: usize = 48 * 1024;
-/// `moe_route_gather`'s blocks per SM (its launch bounds' minimum): the cast's tiles, one
-/// round of them at T = 256, spread over twice the blocks one per SM would give.
-const GATHER_ROUTE_BLOCKS_PER_SM: usize = 2;
 /// The most tokens per chunk of the router weight gradient's first step.
 const WGRAD_CHUNK: usize = 128;
 /// The fewest tokens per chunk of the router weight gradient.
@@ -269,24 +256,6 @@ impl RoutingDims {
 
     /// Whether the dispatch plan runs as one single-block launch (`moe_plan_small`): few
     /// assignments and experts.
-    /// `moe_route_gather`'s dynamic shared memory: the router's 2 * MAX_WR_TOKENS * E
-    /// floats, `token_of_row` (capacity ints) and the per-warp counts (WARPS * E ints).
-    fn gather_route_shared(&self) -> usize {
-        (2 * MAX_WR_TOKENS * self.experts + self.capacity() + WARPS as usize * self.experts) * 4
-    }
-
-    /// Whether the router, the plan and x's gather fit one launch on `sms` SMs
-    /// (`moe_route_gather`, two blocks per SM, all resident at once: the kernel waits for all
-    /// of them between the router and the plan): a block for each router block, the plan small enough
-    /// for every block to compute it, the router's own dot products (fewer than
-    /// [`TILED_ROUTER_EXPERTS`] experts), and its shared memory within 48 KiB.
-    fn gather_route(&self, sms: usize) -> bool {
-        self.router_blocks() <= GATHER_ROUTE_BLOCKS_PER_SM * sms
-            && self.tokens * self.top_k <= GATHER_ROUTE_ASSIGNMENTS
-            && self.experts < TILED_ROUTER_EXPERTS
-            && self.gather_route_shared() <= GATHER_ROUTE_SHARED
-    }
-
     fn single_block_plan(&self) -> bool {
         self.tokens * self.top_k <= SMALL_PLAN_ASSIGNMENTS && self.experts <= SMALL_PLAN_EXPERTS
     }
@@ -449,7 +418,6 @@ struct Kernels {
     wgrad_partial: Kernel,
     wgrad_tiled: Kernel,
     wgrad_reduce: Kernel,
-    route_gather: Kernel,
     _module: Module,
 }
 
@@ -462,26 +430,6 @@ pub struct Router {
     /// The dims as the kernels take them.
     n: Dims32,
     k: Arc<Kernels>,
-    /// The device's SMs (the one-launch gather's grid).
-    sms: usize,
-}
-
-/// The grid-wide barrier of [`Router::forward_gather`]'s one-launch form: two device words,
-/// zero when made; each launch leaves the count at zero and the generation one higher, ready
-/// for the next. Launches that share one must not run at the same time (one stream, or
-/// ordered by events): a layer holds its own, as it holds its own FP8 copy of `x`.
-#[derive(Debug)]
-pub struct GridSync {
-    words: DeviceBuffer<u32>,
-}
-
-impl GridSync {
-    /// A barrier's words, zeroed on `stream` (the fill is ordered before any launch on it).
-    pub fn new(stream: &Stream) -> Result<GridSync> {
-        let words = DeviceBuffer::<u32>::alloc(stream.context(), 2)?;
-        words.memset_bytes(stream, 0)?;
-        Ok(GridSync { words })
-    }
 }
 
 /// A router's dims as u32 kernel arguments (checked to fit i32 by [`RoutingDims::check`]).
@@ -574,16 +522,13 @@ impl Router {
             wgrad_partial: module.kernel("moe_router_wgrad_partial")?,
             wgrad_tiled: module.kernel("moe_router_wgrad_tiled")?,
             wgrad_reduce: module.kernel("moe_router_wgrad_reduce")?,
-            route_gather: module.kernel("moe_route_gather")?,
             _module: module,
         };
-        let sms = stream.context().device().multiprocessor_count()?;
         Ok(Router {
             dims,
             cfg,
             n: Dims32::of(dims),
             k: Arc::new(k),
-            sms: usize::try_from(sms).unwrap_or(0),
         })
     }
 
@@ -689,136 +634,6 @@ impl Router {
         // kernel finds x and wr 16-byte aligned.
         unsafe { stream.launch_pdl(&self.k.forward, &cfg, &args) }?;
         self.plan(stream, b)
-    }
-
-    /// Whether [`forward_gather`](Self::forward_gather) takes its one-launch form for `dst`:
-    /// few enough tokens (T * k <= 2048, and a block for each of the router's on two blocks
-    /// per SM), fewer than 32 experts, and `dst` E4M3 with delayed scaling and no noop flag.
-    pub fn gathers_in_one_launch(&self, dst: &FusedCastOut<'_>) -> bool {
-        dst.noop.is_none() && self.gathers_in_one_launch_as(dst.out.format(), dst.scaling)
-    }
-
-    /// [`gathers_in_one_launch`](Self::gathers_in_one_launch) for an output of `format` with
-    /// `scaling` and no noop flag.
-    pub fn gathers_in_one_launch_as(&self, format: Fp8Format, scaling: CastScaling) -> bool {
-        self.dims.gather_route(self.sms)
-            && scaling == CastScaling::Delayed
-            && format == Fp8Format::E4M3
-    }
-
-    /// [`forward`](Self::forward), then x gathered into the packed layout and cast to FP8
-    /// ([`gather_cast_transpose`] of `x` over `token_of_row`: `dst.out` `[capacity, H]`
-    /// row-major, `dst.out_t` `[H, capacity]`), with the same results bit for bit whichever
-    /// form runs. Where [`gathers_in_one_launch`](Self::gathers_in_one_launch), one kernel does
-    /// all of it (`moe_route_gather`: the router's blocks, a wait for all of them on `sync`,
-    /// the plan in every block, then the cast's tiles), saving two launch boundaries. Its
-    /// blocks (two per SM) wait for each other, so a kernel that holds SMs beside it (on
-    /// another stream) delays it until those SMs free up. `sync` must not be in use by
-    /// another launch at the same time. Capturable.
-    pub fn forward_gather(
-        &self,
-        stream: &Stream,
-        x: &DeviceBuffer<bf16>,
-        wr: &DeviceBuffer<f32>,
-        b: &RoutingBuffers,
-        sync: &GridSync,
-        dst: FusedCastOut<'_>,
-    ) -> Result<()> {
-        let what = "Router::forward_gather";
-        let d = self.dims;
-        if !self.gathers_in_one_launch(&dst) {
-            self.forward(stream, x, wr, b)?;
-            let gather = Gather {
-                token_of_row: &b.token_of_row,
-                top_k: d.top_k,
-                row_scale: None,
-            };
-            let used = RowsInUse::last(&b.offsets)?;
-            return gather_cast_transpose(stream, x, (d.tokens, d.hidden), gather, used, dst);
-        }
-        self.check_buffers(what, b)?;
-        check_len(what, "x", x.len(), d.tokens * d.hidden)?;
-        check_len(what, "wr", wr.len(), d.experts * d.hidden)?;
-        let (c, h) = (d.capacity(), d.hidden);
-        if dst.out.shape() != [c, h] || dst.out_t.len() != c * h {
-            return Err(Error::InvalidArgument(format!(
-                "{what}: the FP8 output is {:?} with a transposed copy of {} bytes, the packed \
-                 x needs [{c}, {h}] and {} bytes",
-                dst.out.shape(),
-                dst.out_t.len(),
-                c * h
-            )));
-        }
-        for (name, ptr) in [
-            ("x", x.as_raw()),
-            ("the FP8 output", dst.out.data().as_raw()),
-            ("the transposed output", dst.out_t.as_raw()),
-        ] {
-            if ptr % fp8_kernels::ALIGN != 0 {
-                return Err(Error::InvalidArgument(format!(
-                    "{what}: {name} must be {}-byte aligned",
-                    fp8_kernels::ALIGN
-                )));
-            }
-        }
-        let n = &self.n;
-        let (score, renorm) = self.score_args();
-        let grid = (GATHER_ROUTE_BLOCKS_PER_SM * self.sms) as u32;
-        let mut cfg = LaunchConfig::linear(grid, BLOCK);
-        cfg.shared_mem_bytes = d.gather_route_shared() as u32;
-        let out = dst.out;
-        let (scale, scale_inv, amax) = (
-            out.scale().device_ptr(),
-            out.scale_inv().device_ptr(),
-            out.amax().device_ptr(),
-        );
-        let args = KernelArgs::new()
-            .arg(x)
-            .arg(wr)
-            .arg(&b.logits)
-            .arg(&b.probs)
-            .arg(&b.topk)
-            .arg(&b.gates)
-            .arg(&b.lse)
-            .arg(&b.loss_partial)
-            .arg(&b.counts)
-            .arg(&b.offsets)
-            .arg(&b.row_of)
-            .arg(&b.token_of_row)
-            .arg(&b.losses)
-            .arg(out.data())
-            .arg(dst.out_t)
-            .arg(&scale)
-            .arg(&scale_inv)
-            .arg(&amax)
-            .arg(&sync.words)
-            .arg(&n.t)
-            .arg(&n.h)
-            .arg(&n.e)
-            .arg(&n.k)
-            .arg(&score)
-            .arg(&renorm)
-            .arg(&n.wr_tokens)
-            .arg(&n.router_blocks)
-            .arg(&n.align)
-            .arg(&n.rows)
-            .arg(&self.cfg.aux_coef)
-            .arg(&self.cfg.z_coef);
-        // SAFETY: the grid is two blocks per SM, at least router_blocks (gathers_in_one_launch);
-        // the kernel's launch bounds and shared memory (at most 21 KiB static and 48 KiB
-        // dynamic) let two blocks of BLOCK threads share an SM, so every block becomes
-        // resident for the barrier once earlier kernels leave (sync's two words, not shared
-        // with a concurrent launch: the caller's contract).
-        // Blocks c < router_blocks do moe_router_forward's work (see `forward`: rows t < T of
-        // x, logits, probs, lse, topk, gates at t * k + j, all of wr, loss_partial column c of
-        // (E + 1) * router_blocks); every block reads topk (T * k) and loss_partial; block 0
-        // writes row_of (T * k), token_of_row below the capacity, counts (E), offsets (E + 1)
-        // and the two losses (moe_plan_small's writes); the cast reads x's rows t < T and
-        // writes rows below offsets[E] <= capacity of the [capacity, H] output and its
-        // [H, capacity] transpose (both checked above, 16-byte aligned), and the three scalar
-        // slots (DeviceScalar pointers inside their buffers). The dynamic shared memory is
-        // the gather_route_shared bytes the kernel indexes (<= 48 KiB).
-        unsafe { stream.launch_pdl(&self.k.route_gather, &cfg, &args) }
     }
 
     /// The arguments the plan's scan and its single-block form end with: E, the row
