@@ -1532,7 +1532,11 @@ fn wgrad_beside_the_previous_kernel() {
     } else {
         GemmPath::Portable
     };
-    for (out, accumulate) in [(DType::Bf16, false), (DType::F32, true), (DType::F32, false)] {
+    for (out, accumulate) in [
+        (DType::Bf16, false),
+        (DType::F32, true),
+        (DType::F32, false),
+    ] {
         let first = Wg {
             out,
             accumulate,
@@ -1556,7 +1560,13 @@ fn wgrad_beside_the_previous_kernel() {
             .iter()
             .map(|c| {
                 let len = c.rows.groups() * c.m * c.n;
-                prepared_d(&ctx, &stream, c.out, len, c.accumulate.then_some(c.seed + 1))
+                prepared_d(
+                    &ctx,
+                    &stream,
+                    c.out,
+                    len,
+                    c.accumulate.then_some(c.seed + 1),
+                )
             })
             .collect();
         let verify = |prepared: &[(Out, Option<Vec<f32>>, Vec<u32>)]| {
