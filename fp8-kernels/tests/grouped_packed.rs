@@ -1391,6 +1391,18 @@ fn packed_throughput() {
     );
 }
 
+/// Whether the device is compute capability 9.0, and the path the sm_90a-only tests take:
+/// `Hopper` there, `Portable` elsewhere.
+fn sm90_or_portable(ctx: &Arc<Context>) -> (bool, GemmPath) {
+    let hopper = ctx.device().compute_capability().unwrap() == (9, 0);
+    let path = if hopper {
+        GemmPath::Hopper
+    } else {
+        GemmPath::Portable
+    };
+    (hopper, path)
+}
+
 /// [`GemmOptions::max_sms`]: the packed GEMM and the weight gradient on 1, 3 and 7 SMs
 /// (each CTA then walks many tiles; 7 also leaves a CTA fewer tiles than its neighbours)
 /// hold the fp64 reference like the full grid; a captured launch has exactly the capped
@@ -1401,12 +1413,7 @@ fn packed_throughput() {
 #[ignore = "needs a CUDA device"]
 fn max_sms_caps_the_persistent_grid() {
     let (ctx, stream) = setup();
-    let hopper = ctx.device().compute_capability().unwrap() == (9, 0);
-    let path = if hopper {
-        GemmPath::Hopper
-    } else {
-        GemmPath::Portable
-    };
+    let (hopper, path) = sm90_or_portable(&ctx);
     for sms in [1, 3, 7] {
         for out in [DType::F32, DType::Bf16] {
             check_fwd(
@@ -1526,12 +1533,7 @@ fn max_sms_caps_the_persistent_grid() {
 #[ignore = "needs a CUDA device"]
 fn wgrad_beside_the_previous_kernel() {
     let (ctx, stream) = setup();
-    let hopper = ctx.device().compute_capability().unwrap() == (9, 0);
-    let path = if hopper {
-        GemmPath::Hopper
-    } else {
-        GemmPath::Portable
-    };
+    let (_, path) = sm90_or_portable(&ctx);
     for (out, accumulate) in [
         (DType::Bf16, false),
         (DType::F32, true),
