@@ -376,8 +376,7 @@ __device__ __forceinline__ Tile wgrad_tile_at(int t, int m, int ntiles) {
 }
 
 // dims = (m, n, k, groups); flags = (sa index, sb index, bias kind 0/1 bf16/2 f32, epilogue):
-// flags.w bit 0 accumulates into D, bit 2 (the weight gradient) runs beside the previous
-// kernel (GemmOptions::beside_previous), bit 1 takes the store epilogue through `td`, a tensor
+// flags.w bit 0 accumulates into D, bit 1 takes the store epilogue through `td`, a tensor
 // map of D as [groups, rows, n] (PACKED: [1, m, n]) with boxes of 64 rows x
 // StoreBox<Out>::COLS columns, 128-byte swizzle (both bits: reduce-add of the boxes); the host
 // sets bit 1 with bit 0 only for an f32 D. GROUPED with counts stores through `td` only tiles
@@ -487,13 +486,8 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
     }
     __syncthreads();
     // Programmatic dependent launch: the set-up above overlaps the previous kernel's tail;
-    // counts, scales, A, B and D are touched only after the wait. flags.w bit 2 (the weight
-    // gradient only): beside the previous kernel, no wait here; the kernel's wrapper waits
-    // before it exits (cuda_graph::pdl_exit_beside).
-    if (flags.w & 4u)
-        cuda_graph::pdl_enter_beside();
-    else
-        cuda_graph::pdl_enter();
+    // counts, scales, A, B and D are touched only after the wait.
+    cuda_graph::pdl_enter();
     // The packed layout's offsets: in shared memory for fewer than OFFSETS_CACHED groups (one
     // round trip here instead of one per step of every lookup's search).
     const int *offsets = counts;
@@ -1017,7 +1011,6 @@ __device__ __forceinline__ void gemm_ref(const uint8_t *a, const uint8_t *b, flo
             const __grid_constant__ fp8k::sm90::TmaDesc td, OT *d, const float *sa, const float *sb, const int *offsets, uint4 dims, uint4 flags) {  \
         fp8k::sm90::gemm<FA, FB, OT, W, fp8k::sm90::WGRAD>(&ta, &tb, &td, d, nullptr, sa, sb, offsets, dims, \
                                                            flags);                               \
-        if (flags.w & 4u) cuda_graph::pdl_exit_beside();                                         \
     }
 // The instances of one format pair: bf16 and f32 outputs at both tile widths for every
 // layout.

@@ -693,8 +693,6 @@ struct Wg {
     path: GemmPath,
     /// The SM cap ([`GemmOptions::max_sms`]).
     max_sms: Option<usize>,
-    /// Beside the kernel before it ([`GemmOptions::beside_previous`]).
-    beside_previous: bool,
     seed: u64,
 }
 
@@ -715,7 +713,6 @@ impl Wg {
             accumulate: false,
             path: GemmPath::Portable,
             max_sms: None,
-            beside_previous: false,
             seed: (counts.len() * 6007 + m * 131 + n) as u64,
         }
     }
@@ -847,10 +844,7 @@ impl WgRun {
             &self.offsets,
             GemmOptions {
                 max_sms: c.max_sms,
-                ..GemmOptions::new()
-                    .accumulate(c.accumulate)
-                    .path(c.path)
-                    .beside_previous(c.beside_previous)
+                ..GemmOptions::new().accumulate(c.accumulate).path(c.path)
             },
         )
     }
@@ -1391,18 +1385,6 @@ fn packed_throughput() {
     );
 }
 
-/// Whether the device is compute capability 9.0, and the path the sm_90a-only tests take:
-/// `Hopper` there, `Portable` elsewhere.
-fn sm90_or_portable(ctx: &Arc<Context>) -> (bool, GemmPath) {
-    let hopper = ctx.device().compute_capability().unwrap() == (9, 0);
-    let path = if hopper {
-        GemmPath::Hopper
-    } else {
-        GemmPath::Portable
-    };
-    (hopper, path)
-}
-
 /// [`GemmOptions::max_sms`]: the packed GEMM and the weight gradient on 1, 3 and 7 SMs
 /// (each CTA then walks many tiles; 7 also leaves a CTA fewer tiles than its neighbours)
 /// hold the fp64 reference like the full grid; a captured launch has exactly the capped
@@ -1413,7 +1395,12 @@ fn sm90_or_portable(ctx: &Arc<Context>) -> (bool, GemmPath) {
 #[ignore = "needs a CUDA device"]
 fn max_sms_caps_the_persistent_grid() {
     let (ctx, stream) = setup();
-    let (hopper, path) = sm90_or_portable(&ctx);
+    let hopper = ctx.device().compute_capability().unwrap() == (9, 0);
+    let path = if hopper {
+        GemmPath::Hopper
+    } else {
+        GemmPath::Portable
+    };
     for sms in [1, 3, 7] {
         for out in [DType::F32, DType::Bf16] {
             check_fwd(
@@ -1521,93 +1508,4 @@ fn max_sms_caps_the_persistent_grid() {
         d.bits(&stream) == before,
         "a refused weight gradient wrote D"
     );
-}
-
-/// [`GemmOptions::beside_previous`]: weight gradients launched back to back, each after the
-/// first beside the one before it (its CTAs start while that one's last tiles run), eagerly
-/// and captured in one graph replayed twice (outputs poisoned before each replay): every one
-/// holds the fp64 reference. The first is wide (many tiles a CTA), so that the second
-/// overlaps its tail; both outputs, overwrite and accumulate (eager only: a replay would add
-/// again), on the sm_90a path (elsewhere the portable kernels, which ignore the option).
-#[test]
-#[ignore = "needs a CUDA device"]
-fn wgrad_beside_the_previous_kernel() {
-    let (ctx, stream) = setup();
-    let (_, path) = sm90_or_portable(&ctx);
-    for (out, accumulate) in [
-        (DType::Bf16, false),
-        (DType::F32, true),
-        (DType::F32, false),
-    ] {
-        let first = Wg {
-            out,
-            accumulate,
-            path,
-            ..Wg::new("first", &[1024, 256, 768, 0, 512], 512, 1024)
-        };
-        let beside = |name, counts: &[usize], m, n| Wg {
-            out,
-            accumulate,
-            path,
-            beside_previous: true,
-            ..Wg::new(name, counts, m, n)
-        };
-        let cases = [
-            first,
-            beside("second", &[200, 130, 256, 100], 264, 392),
-            beside("third", &[0, 700, 0, 3, 0], 136, 40),
-        ];
-        let runs: Vec<WgRun> = cases.iter().map(|c| WgRun::new(&stream, c)).collect();
-        let mut prepared: Vec<_> = cases
-            .iter()
-            .map(|c| {
-                let len = c.rows.groups() * c.m * c.n;
-                prepared_d(
-                    &ctx,
-                    &stream,
-                    c.out,
-                    len,
-                    c.accumulate.then_some(c.seed + 1),
-                )
-            })
-            .collect();
-        let verify = |prepared: &[(Out, Option<Vec<f32>>, Vec<u32>)]| {
-            for ((c, run), (d, prev, before)) in cases.iter().zip(&runs).zip(prepared) {
-                run.host.verify(
-                    c,
-                    &run.host.lay.offsets,
-                    c.out,
-                    &d.bits(&stream),
-                    before,
-                    prev.as_deref(),
-                );
-            }
-        };
-        for ((c, run), (d, _, _)) in cases.iter().zip(&runs).zip(&prepared) {
-            run.launch(&stream, c, d)
-                .unwrap_or_else(|e| panic!("{} {c:?}: {e}", c.name));
-        }
-        stream.synchronize().unwrap();
-        verify(&prepared);
-        if accumulate {
-            continue; // a replay would add again
-        }
-        let graph = stream
-            .capture(CaptureMode::ThreadLocal, |cs| {
-                for ((c, run), (d, _, _)) in cases.iter().zip(&runs).zip(&prepared) {
-                    run.launch(cs.stream(), c, d)?;
-                }
-                Ok(())
-            })
-            .unwrap();
-        let exec = GraphExec::instantiate(&graph, InstantiateFlags::empty()).unwrap();
-        for _ in 0..2 {
-            for (d, _, _) in &mut prepared {
-                d.poison(&stream);
-            }
-            exec.launch(&stream).unwrap();
-            stream.synchronize().unwrap();
-            verify(&prepared);
-        }
-    }
 }

@@ -953,10 +953,8 @@ impl MoeLayer {
 
     /// A weight gradient of every expert: `D[e] (+)= A[:, rows of e] . B[:, rows of e]^T`
     /// (added with `accumulate`, else written: an expert without rows gets zeros), A
-    /// `[m, C]`, B `[n, C]` (the transposed packed copies), D `[E, m, n]` f32, on at most
-    /// `max_sms` SMs, the grouped launch beside the kernel before it with `beside_previous`
-    /// ([`GemmOptions::beside_previous`]). Per expert: the grouped kernel on one expert's two
-    /// offsets, for the experts with rows.
+    /// `[m, C]`, B `[n, C]` (the transposed packed copies), D `[E, m, n]` f32. Per expert:
+    /// the grouped kernel on one expert's two offsets, for the experts with rows.
     #[allow(clippy::too_many_arguments)] // the GEMM's operands
     fn experts_wgrad(
         &self,
@@ -967,16 +965,13 @@ impl MoeLayer {
         a: Operand<'_>,
         b: Operand<'_>,
         (d, accumulate): (&WeightGrad, bool),
-        (max_sms, beside_previous): (Option<usize>, bool),
+        max_sms: Option<usize>,
     ) -> Result<()> {
         let capacity = self.cfg.capacity();
         let mut opts = GemmOptions::new()
             .path(self.grouped_path())
             .accumulate(accumulate);
         opts.max_sms = max_sms;
-        // One launch on the device offsets: beside the kernel before it where the caller
-        // says so (the per-expert launches below keep their order).
-        opts.beside_previous = beside_previous && host_offsets.is_none();
         let Some(off) = host_offsets else {
             let shape = WgradShape {
                 groups: self.cfg.experts,
@@ -1177,7 +1172,7 @@ impl MoeLayer {
         if let (Some(accumulate), Some(_)) = (weights, split) {
             // dW2 needs dY^T (part 1) and h^T (the forward): it starts with fc2's dgrad.
             self.hand_over(stream, &self.side)?;
-            self.fc_wgrad(Fc::Two, &self.side, s, None, accumulate, (wgrad_sms, false))?;
+            self.fc_wgrad(Fc::Two, &self.side, s, None, accumulate, wgrad_sms)?;
         }
         // dh = dY . W2 (B = W2^T per expert, [F, H]).
         self.experts_gemm(
@@ -1206,7 +1201,7 @@ impl MoeLayer {
         if let (Some(accumulate), Some(_)) = (weights, split) {
             // dW1 needs dA^T, just written.
             self.hand_over(stream, &self.side)?;
-            self.fc_wgrad(Fc::One, &self.side, s, None, accumulate, (wgrad_sms, false))?;
+            self.fc_wgrad(Fc::One, &self.side, s, None, accumulate, wgrad_sms)?;
         }
         // dXp = dA . W1 (B = W1^T per expert, [H, 2F]).
         self.experts_gemm(
@@ -1240,13 +1235,11 @@ impl MoeLayer {
         host: Option<&[i32]>,
         accumulate: bool,
     ) -> Result<()> {
-        self.fc_wgrad(Fc::Two, stream, s, host, accumulate, (None, false))?;
-        // dW1 reads and writes nothing dW2 does: it fills the SMs dW2's tail leaves.
-        self.fc_wgrad(Fc::One, stream, s, host, accumulate, (None, true))
+        self.fc_wgrad(Fc::Two, stream, s, host, accumulate, None)?;
+        self.fc_wgrad(Fc::One, stream, s, host, accumulate, None)
     }
 
-    /// The weight gradient of one expert linear, the GEMMs on at most `max_sms` SMs (beside
-    /// the kernel before them with `beside_previous`, [`GemmOptions::beside_previous`]):
+    /// The weight gradient of one expert linear, the GEMMs on at most `max_sms` SMs:
     /// `dW2[e] (+)= dY_e^T . h_e` or `dW1[e] (+)= dA_e^T . X_e`.
     fn fc_wgrad(
         &self,
@@ -1255,7 +1248,7 @@ impl MoeLayer {
         s: &Saved<'_>,
         host: Option<&[i32]>,
         accumulate: bool,
-        place: (Option<usize>, bool),
+        max_sms: Option<usize>,
     ) -> Result<()> {
         let (h, f) = (self.cfg.hidden, self.cfg.ffn);
         let ((m, n), (a, a_si), (b, b_si), d) = match fc {
@@ -1278,7 +1271,7 @@ impl MoeLayer {
                 scale_inv: b_si,
             },
             (d, accumulate),
-            place,
+            max_sms,
         )
     }
 
@@ -1310,9 +1303,8 @@ impl MoeLayer {
                 .input_backward(r, &self.dxp, &self.wr, &s.routing, dx)?;
             self.router
                 .weight_backward(r, x, &s.routing, &self.dwr, accumulate)?;
-            let place = Some(wgrad_sms);
-            self.fc_wgrad(Fc::Two, stream, s, None, accumulate, (place, false))?;
-            self.fc_wgrad(Fc::One, stream, s, None, accumulate, (place, true))?;
+            self.fc_wgrad(Fc::Two, stream, s, None, accumulate, Some(wgrad_sms))?;
+            self.fc_wgrad(Fc::One, stream, s, None, accumulate, Some(wgrad_sms))?;
         } else {
             self.router
                 .weight_backward(r, x, &s.routing, &self.dwr, accumulate)?;

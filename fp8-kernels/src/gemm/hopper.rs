@@ -846,8 +846,6 @@ fn launch_wgrad_with(
         .transpose()?
         .flatten();
     let (epi, td) = epilogue(p.accumulate, &p.d, store);
-    // Bit 2: beside the previous kernel (GemmOptions::beside_previous).
-    let epi = epi | if p.beside_previous { 4 } else { 0 };
     let dims = [m as u32, n as u32, capacity as u32, groups as u32];
     let flags = [idx(p.a.scale_inv)?, idx(p.b.scale_inv)?, 0, epi];
     let args = KernelArgs::new().arg(&ta).arg(&tb).arg(&td);
@@ -865,8 +863,7 @@ fn launch_wgrad_with(
     // validated, and the store map's extent) only at rows below m and columns below N of
     // group g's block, g < groups;
     // offsets has groups + 1 int32s (validated), clamped to [0, capacity] before use; scalar
-    // indices are inside their buffers. Beside the previous kernel (bit 2) changes only when
-    // the kernel waits for it, not what it touches.
+    // indices are inside their buffers.
     unsafe { stream.launch_pdl(&kern, &cfg, &args) }
 }
 
@@ -1992,7 +1989,6 @@ mod tests {
                 offsets: &offsets,
                 accumulate: false,
                 max_sms: None,
-                beside_previous: false,
             };
             let ms = time(&mut || launch_wgrad(&s, &p).unwrap());
             let tf = 2.0 * (groups * per * m * n) as f64 / (ms * 1e-3) / 1e12;

@@ -318,19 +318,6 @@ pub struct GemmOptions<'a> {
     /// choices are made for this many SMs. The result does not change, only the speed. The
     /// portable kernels, which launch one CTA a tile, ignore it.
     pub max_sms: Option<usize>,
-    /// Weight-gradient GEMMs ([`grouped_gemm_wgrad`]) on the sm_90a path only (the others
-    /// ignore it): the GEMM may run beside the kernel before it on its stream instead of
-    /// after it. With programmatic dependent launch its CTAs then start their work as soon
-    /// as they are resident, while that kernel's last CTAs still run (two weight gradients
-    /// back to back: the second fills the SMs the first's tail leaves idle), and wait for it
-    /// only before they exit, so the GEMM's completion still implies that kernel's. Kernels
-    /// before that one are complete when it lets this one be scheduled (a kernel of this
-    /// crate waits for its own predecessor first). The caller vouches that the kernel
-    /// before writes nothing this GEMM reads or writes and reads nothing it writes;
-    /// otherwise the results are undefined (wrong values; the memory touched is the same).
-    /// Where the previous work is not a kernel launched with programmatic dependent launch
-    /// (a copy, an event, another graph), it changes nothing. Default `false`.
-    pub beside_previous: bool,
 }
 
 /// The most K splits a plain GEMM takes on the sm_90a path ([`GemmOptions::workspace`]).
@@ -384,11 +371,6 @@ impl<'a> GemmOptions<'a> {
     /// On at most `sms` SMs (see [`GemmOptions::max_sms`]).
     pub fn max_sms(mut self, sms: usize) -> GemmOptions<'a> {
         self.max_sms = Some(sms);
-        self
-    }
-    /// Beside the kernel before it (see [`GemmOptions::beside_previous`]).
-    pub fn beside_previous(mut self, on: bool) -> GemmOptions<'a> {
-        self.beside_previous = on;
         self
     }
 }

@@ -162,8 +162,6 @@ pub(crate) struct WgradProblem<'a> {
     pub accumulate: bool,
     /// The SM cap ([`GemmOptions::max_sms`]).
     pub max_sms: Option<usize>,
-    /// [`GemmOptions::beside_previous`].
-    pub beside_previous: bool,
 }
 
 /// The plain numbers [`validate_packed`] looks at: `(length, address)` of each buffer.
@@ -506,7 +504,6 @@ pub fn grouped_gemm_wgrad<'a>(
         offsets,
         accumulate: opts.accumulate,
         max_sms: opts.max_sms,
-        beside_previous: opts.beside_previous,
     };
     match opts.path {
         // As for the packed forward: the sm90 kernel on request (it needs aligned offsets).
