@@ -958,9 +958,9 @@ extern "C" __global__ void __launch_bounds__(MOE_BLOCK)
 
 // The losses' column sums of the plan (moe_plan_scan, moe_plan_small): warp `first` + w of
 // `warps` takes the columns c = w, w + warps, ... <= experts of loss_partial ([experts +
-// 1][parts]), lane l its rows l, l + 32, ... in order (8 loads in flight), then a fixed xor
-// tree: col[c] = the column's sum, the same whichever warp forms it. Every load of a column is
-// issued before its sums.
+// 1][parts]), lane l its rows l, l + 32, ... in order (8 loads in flight, the last group's
+// predicated), then a fixed xor tree: col[c] = the column's sum, the same whichever warp
+// forms it.
 __device__ __forceinline__ void plan_loss_columns(const float *loss_partial, float *col,
                                                   unsigned experts, unsigned parts,
                                                   unsigned first, unsigned warps) {
@@ -968,21 +968,14 @@ __device__ __forceinline__ void plan_loss_columns(const float *loss_partial, flo
     for (unsigned c = warp - first; c <= experts; c += warps) {
         const float *p = loss_partial + (size_t)c * parts;
         float acc = 0.0f;
-        unsigned r = lane;
-        for (; r + 7 * 32 < parts; r += 8 * 32) {
+        for (unsigned r = lane; r < parts; r += 8 * 32) {
             float v[8];
 #pragma unroll
-            for (int u = 0; u < 8; ++u) v[u] = __ldg(p + r + u * 32);
+            for (int u = 0; u < 8; ++u) v[u] = r + u * 32 < parts ? __ldg(p + r + u * 32) : 0.0f;
 #pragma unroll
-            for (int u = 0; u < 8; ++u) acc += v[u];
+            for (int u = 0; u < 8; ++u)
+                if (r + u * 32 < parts) acc += v[u];
         }
-        // The rest (under 8 a lane): loaded together, added in the same order.
-        float v[8];
-#pragma unroll
-        for (int u = 0; u < 8; ++u) v[u] = r + u * 32 < parts ? __ldg(p + r + u * 32) : 0.0f;
-#pragma unroll
-        for (int u = 0; u < 8; ++u)
-            if (r + u * 32 < parts) acc += v[u];
         acc = warp_sum(acc);
         if (lane == 0) col[c] = acc;
     }
