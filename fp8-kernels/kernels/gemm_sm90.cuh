@@ -201,31 +201,75 @@ __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
                  : "memory");
 }
 
+// An L2 eviction priority for a bulk copy (a `createpolicy` cache policy); `on` false issues
+// the copy without one.
+struct L2Hint {
+    bool on;
+    uint64_t policy;
+};
+constexpr L2Hint NO_HINT{false, 0};
+// Lines first out of L2: a stream written once and not read again by this kernel.
+__device__ __forceinline__ L2Hint l2_evict_first() {
+    uint64_t p;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+    return L2Hint{true, p};
+}
+// Lines kept in L2 over others: operands many tiles read again.
+__device__ __forceinline__ L2Hint l2_evict_last() {
+    uint64_t p;
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
+    return L2Hint{true, p};
+}
+
 // 3-D tiled TMA load of the box at (c0, c1, c2) into shared memory, completing on `bar`.
 __device__ __forceinline__ void tma_load_3d(uint32_t dst, const TmaDesc *map, uint32_t bar, int c0,
-                                            int c1, int c2) {
-    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-                 " [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(dst),
-                 "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
-                 : "memory");
+                                            int c1, int c2, L2Hint hint = NO_HINT) {
+    const uint64_t m = reinterpret_cast<uint64_t>(map);
+    if (hint.on) {
+        asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                     ".L2::cache_hint [%0], [%1, {%3, %4, %5}], [%2], %6;" ::"r"(dst),
+                     "l"(m), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "l"(hint.policy)
+                     : "memory");
+    } else {
+        asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                     " [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(dst),
+                     "l"(m), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+                     : "memory");
+    }
 }
 
 // 3-D tiled TMA store of the shared box at `src` to (c0, c1, c2) of `map` (out-of-bounds
 // elements are not written), in the thread's current bulk group.
-__device__ __forceinline__ void tma_store_3d(const TmaDesc *map, uint32_t src, int c0, int c1, int c2) {
-    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(
-                     reinterpret_cast<uint64_t>(map)),
-                 "r"(src), "r"(c0), "r"(c1), "r"(c2)
-                 : "memory");
+__device__ __forceinline__ void tma_store_3d(const TmaDesc *map, uint32_t src, int c0, int c1, int c2,
+                                             L2Hint hint = NO_HINT) {
+    const uint64_t m = reinterpret_cast<uint64_t>(map);
+    if (hint.on) {
+        asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group.L2::cache_hint"
+                     " [%0, {%2, %3, %4}], [%1], %5;" ::"l"(m),
+                     "r"(src), "r"(c0), "r"(c1), "r"(c2), "l"(hint.policy)
+                     : "memory");
+    } else {
+        asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(m),
+                     "r"(src), "r"(c0), "r"(c1), "r"(c2)
+                     : "memory");
+    }
 }
 
 // The same box added into `map` (D += box) by the copy engine in L2: f32 only (bf16 would round
 // twice).
-__device__ __forceinline__ void tma_reduce_add_3d(const TmaDesc *map, uint32_t src, int c0, int c1, int c2) {
-    asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(
-                     reinterpret_cast<uint64_t>(map)),
-                 "r"(src), "r"(c0), "r"(c1), "r"(c2)
-                 : "memory");
+__device__ __forceinline__ void tma_reduce_add_3d(const TmaDesc *map, uint32_t src, int c0, int c1, int c2,
+                                                  L2Hint hint = NO_HINT) {
+    const uint64_t m = reinterpret_cast<uint64_t>(map);
+    if (hint.on) {
+        asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group.L2::cache_hint"
+                     " [%0, {%2, %3, %4}], [%1], %5;" ::"l"(m),
+                     "r"(src), "r"(c0), "r"(c1), "r"(c2), "l"(hint.policy)
+                     : "memory");
+    } else {
+        asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(m),
+                     "r"(src), "r"(c0), "r"(c1), "r"(c2)
+                     : "memory");
+    }
 }
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 // Until the thread's bulk groups have read their shared sources (the staging is free again).
@@ -380,7 +424,9 @@ __device__ __forceinline__ Tile wgrad_tile_at(int t, int m, int ntiles) {
 // map of D as [groups, rows, n] (PACKED: [1, m, n]) with boxes of 64 rows x
 // StoreBox<Out>::COLS columns, 128-byte swizzle (both bits: reduce-add of the boxes); the host
 // sets bit 1 with bit 0 only for an f32 D. GROUPED with counts stores through `td` only tiles
-// whose every row lies below the group's count (the others from registers).
+// whose every row lies below the group's count (the others from registers). Bit 2 gives
+// the bulk copies L2 eviction hints (PACKED: B leaves first; WGRAD: A and B stay, D leaves
+// first).
 // `sbg`, when not null, holds one scale_inv per group of B (instead of sb[flags.y]).
 // FAST: fast accumulation (TransformerEngine's fprop default, cuBLASLt's FAST_ACCUM): the
 // tensor cores accumulate over the whole reduction in their own accumulator, one k-block's
@@ -526,6 +572,14 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
         if (threadIdx.x == 0) {
             int stage = 0;
             uint32_t phase = 0;
+            // L2 hints (flags.w bit 2): the weight gradient's operands (each box read by many
+            // tiles) stay in L2 over its output stream (see the epilogue's `out_hint`); the
+            // packed layout's weights (B, each box read by about one tile) leave first.
+            const bool hints = (flags.w & 4u) != 0;
+            const L2Hint a_hint = MODE == WGRAD && hints ? l2_evict_last() : NO_HINT;
+            const L2Hint b_hint = MODE == WGRAD ? a_hint
+                                  : MODE == PACKED && hints ? l2_evict_first()
+                                                            : NO_HINT;
             for (int t = blockIdx.x; t < total; t += gridDim.x) {
                 const Tile tl = tile(t);
                 const KRange kr = krange(tl);
@@ -533,16 +587,16 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                     mbar_wait(empty(stage), phase ^ 1u);
                     mbar_expect_tx(full(stage), STAGE_BYTES);
                     tma_load_3d(tile_a(stage), ta, full(stage), kb * BK, tl.mt * BM,
-                                MODE == GROUPED ? tl.g : 0);
+                                MODE == GROUPED ? tl.g : 0, a_hint);
                     if constexpr (SWIGLU) {
                         // Two boxes of BN / 2 rows (the map's box): gate rows, then up rows.
                         const int f0 = tl.nt * (BN / 2);
-                        tma_load_3d(tile_b(stage), tb, full(stage), kb * BK, f0, tl.g);
+                        tma_load_3d(tile_b(stage), tb, full(stage), kb * BK, f0, tl.g, b_hint);
                         tma_load_3d(tile_b(stage) + (BN / 2) * BK, tb, full(stage), kb * BK,
-                                    n / 2 + f0, tl.g);
+                                    n / 2 + f0, tl.g, b_hint);
                     } else {
                         tma_load_3d(tile_b(stage), tb, full(stage), kb * BK, tl.nt * BN,
-                                    MODE == WGRAD ? 0 : tl.g);
+                                    MODE == WGRAD ? 0 : tl.g, b_hint);
                     }
                     if (++stage == STAGES) {
                         stage = 0;
@@ -568,6 +622,11 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
         const uint32_t stage_out = staging + cw * (C::STAGING / 2);
         uint8_t *const stage_ptr = smem_raw + (stage_out - raw);
         const bool issuer = t128 == 0;
+        // L2 hints (flags.w bit 2): the weight gradient's D, written once and most of its
+        // traffic at a k-block or two a tile, leaves L2 before its operands (the host's
+        // WGRAD_STREAM_ROWS has the figures).
+        const L2Hint out_hint =
+            MODE == WGRAD && issuer && (flags.w & 4u) != 0 ? l2_evict_first() : NO_HINT;
         static_assert(!SWIGLU || (MODE == PACKED && !BLOCK && (BN == 128 || BN == 256) &&
                                   sizeof(Out) == 2),
                       "fused SwiGLU");
@@ -773,9 +832,9 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                                 if (col >= n) continue;
                                 const uint32_t box = stage_out + q * StoreBox<Out>::BYTES;
                                 if (accumulate) {
-                                    tma_reduce_add_3d(td, box, col, row, g);
+                                    tma_reduce_add_3d(td, box, col, row, g, out_hint);
                                 } else {
-                                    tma_store_3d(td, box, col, row, g);
+                                    tma_store_3d(td, box, col, row, g, out_hint);
                                 }
                             }
                             bulk_commit();

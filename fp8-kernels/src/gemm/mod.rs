@@ -292,7 +292,9 @@ pub struct GemmOptions<'a> {
     /// in use (`offsets[groups]`), which the device reads only when the kernel runs. The
     /// sm_90a kernel picks its tile width for this many rows instead of the whole capacity
     /// (a dropless MoE layer's capacity allows for every expert's worst padding, twice the
-    /// rows in use at small token counts). It never changes the result, only the speed.
+    /// rows in use at small token counts), and at most one 128-row tile a group on average
+    /// it lets the weights leave L2 first (each weight tile is then read about once). It never
+    /// changes the result, only the speed.
     pub expected_rows: Option<usize>,
     /// Allow fast accumulation (TransformerEngine's forward-GEMM default, cuBLASLt's
     /// `FAST_ACCUM`): on the sm_90a path, for E4M3 x E4M3 with a bf16 D, the tensor cores
