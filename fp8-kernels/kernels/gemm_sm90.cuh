@@ -239,37 +239,26 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const TmaDesc *map, ui
 }
 
 // 3-D tiled TMA store of the shared box at `src` to (c0, c1, c2) of `map` (out-of-bounds
-// elements are not written), in the thread's current bulk group.
+// elements are not written), in the thread's current bulk group; with `add`, the box is added
+// into `map` (D += box) by the copy engine in L2 instead: f32 only (bf16 would round twice).
 __device__ __forceinline__ void tma_store_3d(const TmaDesc *map, uint32_t src, int c0, int c1, int c2,
-                                             L2Hint hint = NO_HINT) {
+                                             bool add = false, L2Hint hint = NO_HINT) {
     const uint64_t m = reinterpret_cast<uint64_t>(map);
-    if (hint.on) {
-        asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group.L2::cache_hint"
-                     " [%0, {%2, %3, %4}], [%1], %5;" ::"l"(m),
-                     "r"(src), "r"(c0), "r"(c1), "r"(c2), "l"(hint.policy)
-                     : "memory");
+    // (The policy is operand %5, named in the instruction only with the hint.)
+#define FP8K_TMA_STORE(OP, HINT, ...)                                                               \
+    asm volatile(OP ".bulk_group" HINT " [%0, {%2, %3, %4}], [%1]" __VA_ARGS__ ";" ::"l"(m), "r"(src), \
+                 "r"(c0), "r"(c1), "r"(c2), "l"(hint.policy)                                       \
+                 : "memory")
+    if (add && hint.on) {
+        FP8K_TMA_STORE("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile", ".L2::cache_hint", ", %5");
+    } else if (add) {
+        FP8K_TMA_STORE("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile", "");
+    } else if (hint.on) {
+        FP8K_TMA_STORE("cp.async.bulk.tensor.3d.global.shared::cta", ".L2::cache_hint", ", %5");
     } else {
-        asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(m),
-                     "r"(src), "r"(c0), "r"(c1), "r"(c2)
-                     : "memory");
+        FP8K_TMA_STORE("cp.async.bulk.tensor.3d.global.shared::cta", "");
     }
-}
-
-// The same box added into `map` (D += box) by the copy engine in L2: f32 only (bf16 would round
-// twice).
-__device__ __forceinline__ void tma_reduce_add_3d(const TmaDesc *map, uint32_t src, int c0, int c1, int c2,
-                                                  L2Hint hint = NO_HINT) {
-    const uint64_t m = reinterpret_cast<uint64_t>(map);
-    if (hint.on) {
-        asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group.L2::cache_hint"
-                     " [%0, {%2, %3, %4}], [%1], %5;" ::"l"(m),
-                     "r"(src), "r"(c0), "r"(c1), "r"(c2), "l"(hint.policy)
-                     : "memory");
-    } else {
-        asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(m),
-                     "r"(src), "r"(c0), "r"(c1), "r"(c2)
-                     : "memory");
-    }
+#undef FP8K_TMA_STORE
 }
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 // Until the thread's bulk groups have read their shared sources (the staging is free again).
@@ -831,11 +820,7 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                                 const int col = dcol(tl.nt, (part * PART_BOXES + q) * COLS);
                                 if (col >= n) continue;
                                 const uint32_t box = stage_out + q * StoreBox<Out>::BYTES;
-                                if (accumulate) {
-                                    tma_reduce_add_3d(td, box, col, row, g, out_hint);
-                                } else {
-                                    tma_store_3d(td, box, col, row, g, out_hint);
-                                }
+                                tma_store_3d(td, box, col, row, g, accumulate, out_hint);
                             }
                             bulk_commit();
                         }
