@@ -8,7 +8,8 @@
 //! (two quantized operands: ~5% for E4M3), and the layer stacks two GEMMs with a cast
 //! between (x, W1; then h, W2): ~7% expected for the forward (0.065 seen on the H200), twice
 //! that where E5M2 enters. The checks are norm-wise relative errors `|got - ref| / |ref|`
-//! against the unquantized f64 reference: 0.10 for the forward, 0.20 for the gradients. The
+//! against the unquantized f64 reference: 0.10 for the forward, 0.20 for the gradients (0.15
+//! and 0.35 where every token goes to one expert: `BOUNDS_ONE_EXPERT` says why). The
 //! scales are set to `448 / amax` (E4M3) or `57344 / amax` (E5M2) of the reference's tensors,
 //! so no value lands in the subnormals; a wrong GEMM, a wrong row, a wrong scale or a missed
 //! expert gives errors of order 1. Then the same against the reference that rounds where the
@@ -358,32 +359,76 @@ fn bf16_vec(b: &DeviceBuffer<bf16>, s: &Stream) -> Vec<f64> {
 /// outputs: the quantization errors of the one expert's weights then repeat in every row
 /// instead of averaging over independent rows, and the norm-wise error of the 96 x 64 output
 /// behaves like that of a few rows. Its spread over fresh seeds is wider than the 0.065 of
-/// the random cases: 0.105 seen once on the H200 (against 0.10). The rounded-reference check
-/// below (0.03) is unchanged: the device's arithmetic is held as tightly as in every case.
-const FWD_BOUND_ONE_EXPERT: f64 = 0.15;
+/// the random cases: 0.105 seen once on the H200 (against 0.10). The weight gradients are
+/// sums over those same rows (dW1 = dH1^T x, dW2 = dY^T h) with E5M2 gradients, whose steps
+/// are twice E4M3's: 0.248 seen once for dW1 (seed 0x18edcd8699d283e5, the grouped top-1
+/// case, whose dW1 was 0.0056 off the rounded reference), against 0.20; the gradients'
+/// bound is raised in proportion. The rounded-reference checks below (0.03 and 0.06) are
+/// unchanged: the device's arithmetic is held as tightly as in every case.
+const BOUNDS_ONE_EXPERT: Bounds = Bounds {
+    forward: 0.15,
+    gradients: 0.35,
+};
+
+/// Norm-wise relative-error bounds against the unquantized reference.
+#[derive(Clone, Copy)]
+struct Bounds {
+    forward: f64,
+    gradients: f64,
+}
+
+/// The bounds of the random cases (see the module docs).
+const BOUNDS: Bounds = Bounds {
+    forward: 0.10,
+    gradients: 0.20,
+};
 
 /// Runs one forward and backward of `s` and checks everything against both references: the
-/// forward against the unquantized one to `fwd_bound` (0.10, or 0.15 for the one-expert
-/// cases: see [`FWD_BOUND_ONE_EXPERT`]).
-fn check_layer(label: &str, s: &mut Setup, fwd_bound: f64) {
+/// unquantized one to `bounds` ([`BOUNDS`], or [`BOUNDS_ONE_EXPERT`] for the one-expert
+/// cases), the rounded one to 0.03 and 0.06.
+fn check_layer(label: &str, s: &mut Setup, bounds: Bounds) {
     run(s);
     let st = &s.stream;
     let (fwd, grads) = &s.reference;
     let out = bf16_vec(&s.y, st);
-    let e_out = rel_err(&out, &fwd.out);
-    assert!(e_out < fwd_bound, "{label}: forward rel err {e_out}");
     let dx = bf16_vec(&s.dx, st);
-    let e_dx = rel_err(&dx, &grads.dx);
-    assert!(e_dx < 0.20, "{label}: dx rel err {e_dx}");
     let (_, dwr) = s.layer.router_weight();
-    let e_dwr = rel_err(&f64s(&dwr.to_vec(st).unwrap()), &grads.dwr);
-    assert!(e_dwr < 0.20, "{label}: dwr rel err {e_dwr}");
+    let dwr = f64s(&dwr.to_vec(st).unwrap());
     let (_, dw1) = s.layer.fc1();
-    let e_dw1 = rel_err(&f64s(&dw1.to_f32_vec(st).unwrap()), &grads.dw1);
-    assert!(e_dw1 < 0.20, "{label}: dw1 rel err {e_dw1}");
+    let dw1 = f64s(&dw1.to_f32_vec(st).unwrap());
     let (_, dw2) = s.layer.fc2();
-    let e_dw2 = rel_err(&f64s(&dw2.to_f32_vec(st).unwrap()), &grads.dw2);
-    assert!(e_dw2 < 0.20, "{label}: dw2 rel err {e_dw2}");
+    let dw2 = f64s(&dw2.to_f32_vec(st).unwrap());
+    // Every error is worked out and printed before any is asserted, so that a failure shows
+    // both references' view of the same run.
+    let (e_out, e_dx) = (rel_err(&out, &fwd.out), rel_err(&dx, &grads.dx));
+    let (e_dwr, e_dw1) = (rel_err(&dwr, &grads.dwr), rel_err(&dw1, &grads.dw1));
+    let e_dw2 = rel_err(&dw2, &grads.dw2);
+    println!(
+        "{label}: rel err out {e_out:.4}, dx {e_dx:.4}, dwr {e_dwr:.4}, dw1 {e_dw1:.4}, dw2 {e_dw2:.4}"
+    );
+    // Against the reference that rounds where the device does, what is left is f32
+    // against f64 sums and the few elements where that moves a bf16 or FP8 rounding
+    // (a one-ulp bf16 difference in `a` crosses an FP8 boundary of h for a few percent
+    // of h's elements): bounds 0.03 forward, 0.06 gradients.
+    let (mf, mg) = &s.modeled;
+    let modeled = [
+        ("out", rel_err(&out, &mf.out), 0.03),
+        ("dx", rel_err(&dx, &mg.dx), 0.06),
+        ("dwr", rel_err(&dwr, &mg.dwr), 0.06),
+        ("dw1", rel_err(&dw1, &mg.dw1), 0.06),
+        ("dw2", rel_err(&dw2, &mg.dw2), 0.06),
+    ];
+    println!("{label}: against the rounded reference {modeled:?}");
+    for (what, err, bound) in modeled {
+        assert!(
+            err < bound,
+            "{label}: {what} off the rounded reference by {err}"
+        );
+    }
+    assert!(e_out < bounds.forward, "{label}: forward rel err {e_out}");
+    for (what, err) in [("dx", e_dx), ("dwr", e_dwr), ("dw1", e_dw1), ("dw2", e_dw2)] {
+        assert!(err < bounds.gradients, "{label}: {what} rel err {err}");
+    }
     let routing = s.layer.routing_of(&s.saved[0]).unwrap();
     let losses = f64s(&routing.losses.to_vec(st).unwrap());
     let (aux, z) = (fwd.routing.aux_loss, fwd.routing.z_loss);
@@ -397,40 +442,6 @@ fn check_layer(label: &str, s: &mut Setup, fwd_bound: f64) {
         "{label}: z {} vs {z}",
         losses[1]
     );
-    println!(
-        "{label}: rel err out {e_out:.4}, dx {e_dx:.4}, dwr {e_dwr:.4}, dw1 {e_dw1:.4}, dw2 {e_dw2:.4}"
-    );
-    // Against the reference that rounds where the device does, what is left is f32
-    // against f64 sums and the few elements where that moves a bf16 or FP8 rounding
-    // (a one-ulp bf16 difference in `a` crosses an FP8 boundary of h for a few percent
-    // of h's elements): bounds 0.03 forward, 0.06 gradients.
-    let (mf, mg) = &s.modeled;
-    let modeled = [
-        ("out", rel_err(&out, &mf.out), 0.03),
-        ("dx", rel_err(&dx, &mg.dx), 0.06),
-        (
-            "dwr",
-            rel_err(&f64s(&dwr.to_vec(st).unwrap()), &mg.dwr),
-            0.06,
-        ),
-        (
-            "dw1",
-            rel_err(&f64s(&dw1.to_f32_vec(st).unwrap()), &mg.dw1),
-            0.06,
-        ),
-        (
-            "dw2",
-            rel_err(&f64s(&dw2.to_f32_vec(st).unwrap()), &mg.dw2),
-            0.06,
-        ),
-    ];
-    println!("{label}: against the rounded reference {modeled:?}");
-    for (what, err, bound) in modeled {
-        assert!(
-            err < bound,
-            "{label}: {what} off the rounded reference by {err}"
-        );
-    }
 }
 
 #[test]
@@ -482,12 +493,12 @@ fn layer_matches_the_f64_reference_in_both_modes() {
         ];
         for (what, cfg, one) in cases {
             let mut s = setup(&ctx, &mut rng, cfg, one, GemmPath::Auto);
-            let bound = if one.is_some() {
-                FWD_BOUND_ONE_EXPERT
+            let bounds = if one.is_some() {
+                BOUNDS_ONE_EXPERT
             } else {
-                0.10
+                BOUNDS
             };
-            check_layer(&format!("{mode:?} {what}"), &mut s, bound);
+            check_layer(&format!("{mode:?} {what}"), &mut s, bounds);
         }
     }
     // Auto runs the grouped GEMMs on the sm_90a kernels on Hopper: the portable kernels too.
@@ -499,7 +510,7 @@ fn layer_matches_the_f64_reference_in_both_modes() {
         ),
     ] {
         let mut s = setup(&ctx, &mut rng, cfg, None, GemmPath::Portable);
-        check_layer(what, &mut s, 0.10);
+        check_layer(what, &mut s, BOUNDS);
     }
     assert_eq!(tensors(8), 20);
 }

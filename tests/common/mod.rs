@@ -8,12 +8,23 @@ use cuda_graph::half::bf16;
 use fp8_moe::rng::Rng;
 
 /// A generator seeded from the clock (fresh data every run), its seed printed so a failure
-/// can be replayed with `Rng::new(seed, 0)`.
+/// can be replayed: `FP8_MOE_TEST_SEED=<seed>` (decimal or 0x-prefixed hex) seeds every
+/// test of the run with it instead.
 pub fn fresh_rng(what: &str) -> Rng {
-    let seed = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(1);
+    let fixed = std::env::var("FP8_MOE_TEST_SEED").ok().map(|v| {
+        let v = v.trim();
+        match v.strip_prefix("0x") {
+            Some(hex) => u64::from_str_radix(hex, 16),
+            None => v.parse(),
+        }
+        .unwrap_or_else(|e| panic!("FP8_MOE_TEST_SEED={v}: {e}"))
+    });
+    let seed = fixed.unwrap_or_else(|| {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1)
+    });
     println!("{what}: seed {seed:#x}");
     Rng::new(seed, 0)
 }
