@@ -363,7 +363,8 @@ fn bf16_vec(b: &DeviceBuffer<bf16>, s: &Stream) -> Vec<f64> {
 /// sums over those same rows (dW1 = dH1^T x, dW2 = dY^T h) with E5M2 gradients, whose steps
 /// are twice E4M3's: 0.248 seen once for dW1 (seed 0x18edcd8699d283e5, the grouped top-1
 /// case, whose dW1 was 0.0056 off the rounded reference), against 0.20; the gradients'
-/// bound is raised in proportion. The rounded-reference checks below (0.03 and 0.06) are
+/// bound keeps the forward's margin over the worst seen (0.15 over 0.105, 1.43x): 0.35.
+/// The rounded-reference checks below (0.03 and 0.06) are
 /// unchanged: the device's arithmetic is held as tightly as in every case.
 const BOUNDS_ONE_EXPERT: Bounds = Bounds {
     forward: 0.15,
