@@ -403,11 +403,19 @@ const SKINNY_ROWS: usize = 128;
 const SKINNY_COLS: usize = 128;
 
 /// The skinny kernel's plan for a plain `m x n x k` GEMM on `sms` SMs: `(mn, splits)`, `mn`
-/// its row width (64 for m <= 64, else 128) and `splits` the cluster size along K (1, 2, 4
-/// or 8): the most whose CTAs, `ceil(n / 128) * splits`, fit on the SMs, with at least 2
-/// k-blocks each. `None` (the regular tiles) for m over [`SKINNY_ROWS`] or 0, N not a
-/// multiple of 4 (the kernel stores four columns at a time), or column tiles that already
-/// fill more than half the SMs (no split).
+/// its row width (64 for m <= 64, else 128) and `splits` the cluster size along K (2, 4 or
+/// 8): the most whose CTAs, `ceil(n / 128) * splits`, take at most 7/8 of the SMs, with at
+/// least 2 k-blocks each. `None` (the regular tiles) for m over [`SKINNY_ROWS`] or 0, N not a
+/// multiple of 4 (the kernel stores four columns at a time), or no such split.
+///
+/// On an H200 (132 SMs; TFLOP/s, back-to-back launches, promoted / fast sums): 64 x 4096 x
+/// 7168 in clusters of 1 / 2 / 4 / 8: 210 / 324 / 256 / 208 (229 / 346 / 274 / 215), the
+/// regular 128-wide tiles 128 (193); 128 x 7168 x 2048: 328 / 416 / 284 / 148 (354 / 419 /
+/// 288 / 150), regular 358 (465); 16 x 4096 x 7168 and 32 x 7168 x 2048 best in clusters of 2
+/// as well. 128 CTAs in clusters of 4 were slower than 64 in clusters of 2: clusters of CTAs
+/// with ~200 KiB of shared memory each must fit in one GPC, and at nearly every SM not all of
+/// them start in the first wave; hence the 7/8. One CTA a column tile (no split) was slower
+/// than the regular tiles, which the plan then leaves the problem to.
 fn skinny_plan(m: usize, n: usize, k: usize, sms: usize) -> Option<(usize, usize)> {
     if m == 0 || m > SKINNY_ROWS || n == 0 || n % 4 != 0 {
         return None;
@@ -416,7 +424,7 @@ fn skinny_plan(m: usize, n: usize, k: usize, sms: usize) -> Option<(usize, usize
     let kb = k.div_ceil(TILE);
     let splits = [8, 4, 2]
         .into_iter()
-        .find(|&s| tiles * s <= sms && kb >= 2 * s)?;
+        .find(|&s| tiles * s * 8 <= sms * 7 && kb >= 2 * s)?;
     Some((if m <= 64 { 64 } else { 128 }, splits))
 }
 
@@ -1166,14 +1174,16 @@ mod cpu_tests {
     fn skinny_plan_choice() {
         // (m, n, k) -> plan on 132 SMs.
         for ((m, n, k), want) in [
-            // 32 column tiles: clusters of 4 fill 128 SMs; 64 rows at most: 64 wide.
-            ((64, 4096, 7168), Some((64, 4))),
-            ((1, 4096, 7168), Some((64, 4))),
-            // 56 column tiles: clusters of 2; 65..=128 rows: 128 wide.
+            // 32 column tiles: clusters of 2 (4 would take 128 SMs, over 7/8 of 132); 64 rows
+            // at most: 64 wide.
+            ((64, 4096, 7168), Some((64, 2))),
+            ((1, 4096, 7168), Some((64, 2))),
+            // 56 column tiles: clusters of 2 (112 SMs); 65..=128 rows: 128 wide.
             ((128, 7168, 2048), Some((128, 2))),
             ((65, 7168, 2048), Some((128, 2))),
-            // 16 column tiles: 8; too few k-blocks for 8 (2 each at least) take 4, then 2.
-            ((16, 2048, 4096), Some((64, 8))),
+            // 8 column tiles: 8; 16: 4; too few k-blocks for 4 (2 each at least) take 2.
+            ((16, 1024, 4096), Some((64, 8))),
+            ((16, 2048, 4096), Some((64, 4))),
             ((16, 2048, 1024), Some((64, 4))),
             ((16, 2048, 512), Some((64, 2))),
             // No split: too few k-blocks, or column tiles over half the SMs.
@@ -1943,6 +1953,7 @@ mod tests {
             (16, 256, 8192),
             (64, 7168, 1024),
             (128, 7168, 512),
+            (64, 2048, 2048),
         ] {
             cases.push(Case::plain(m, n, k));
         }
