@@ -186,14 +186,7 @@ fn ours_and_cublaslt(
     what: &str,
     run_ours: impl Fn() -> cuda_graph::Result<()>,
 ) -> BenchResult<(f64, f64, f64)> {
-    let run_lt = || {
-        plan.run(
-            stream.as_raw(),
-            p.a.as_raw(),
-            p.b.as_raw(),
-            p.d_ref.as_raw(),
-        )
-    };
+    let run_lt = || run_cublaslt(stream, p, plan);
     run_ours()?;
     run_lt()?;
     let err = rel_err(&p.d.to_vec(stream)?, &p.d_ref.to_vec(stream)?);
@@ -204,6 +197,16 @@ fn ours_and_cublaslt(
     let theirs = event_median_ms(stream, WARMUP, REPS, run_lt)?;
     let GemmShape { m, n, k } = p.shape;
     Ok((tflops(m, n, k, ours), tflops(m, n, k, theirs), err))
+}
+
+/// cuBLASLt's GEMM of `p` into `p.d_ref` on `stream`.
+fn run_cublaslt(stream: &Stream, p: &Dense, plan: &Plan<'_>) -> BenchResult<()> {
+    plan.run(
+        stream.as_raw(),
+        p.a.as_raw(),
+        p.b.as_raw(),
+        p.d_ref.as_raw(),
+    )
 }
 
 /// GEMMs per timed sample of the back-to-back rows.
@@ -219,14 +222,7 @@ fn back_to_back(
     plan: &Plan<'_>,
     run_ours: impl Fn() -> cuda_graph::Result<()>,
 ) -> BenchResult<[f64; 4]> {
-    let run_lt = || {
-        plan.run(
-            stream.as_raw(),
-            p.a.as_raw(),
-            p.b.as_raw(),
-            p.d_ref.as_raw(),
-        )
-    };
+    let run_lt = || run_cublaslt(stream, p, plan);
     let ours = timed_medians(stream, WARMUP, REPS, || {
         (0..BACK_TO_BACK).try_for_each(|_| run_ours().map_err(Into::into))
     })?;

@@ -16,6 +16,10 @@
 //! read zeros past the tensor (TMA out-of-bounds fill) and store only rows below the group's
 //! count and columns below N.
 //!
+//! Skinny problems (a plain GEMM of at most 128 rows whose column tiles leave SMs idle) run
+//! `kernels/gemm_skinny.cuh` instead: swap-AB, K split over a thread-block cluster, the
+//! partial sums added through distributed shared memory ([`skinny_plan`]).
+//!
 //! Epilogue: a problem that writes whole tiles of D (the packed layouts, or grouped blocks
 //! without row counts; D 16-byte aligned with rows a multiple of 16 bytes; overwriting, or
 //! accumulating into f32) goes through shared memory and TMA stores (reduce-adds in L2 when
@@ -377,8 +381,10 @@ fn check_packed_device(stream: &Stream, what: &str, n: usize) -> Result<()> {
 }
 
 /// Enqueues the (validated) problem on `stream`: no synchronisation, no allocation, so it can
-/// be captured. Row counts, when given, are read by the kernel at run time. A plain GEMM
-/// with a workspace whose tiles leave SMs idle splits K ([`split_k`]).
+/// be captured. Row counts, when given, are read by the kernel at run time. A plain GEMM of
+/// at most 128 rows whose column tiles leave SMs idle takes the skinny kernel
+/// ([`skinny_plan`]); another plain GEMM with a workspace whose tiles leave SMs idle splits K
+/// over it ([`split_k`]).
 pub(crate) fn launch(stream: &Stream, p: &GemmProblem<'_>) -> Result<()> {
     let plain = p.groups <= 1 && p.counts.is_none();
     if plain {
@@ -1932,6 +1938,20 @@ mod tests {
         }
     }
 
+    /// Cases of at most 128 rows with a bias and accumulation: an f32 bias into f32, overwritten and
+    /// accumulated, and a bf16 bias accumulated into bf16.
+    fn bias_and_accumulate_cases() -> [Case; 3] {
+        let mut c = Case::plain(100, 264, 2048);
+        c.f32_out = true;
+        c.bias = BiasKind::F32;
+        let overwrite = c.clone();
+        c.accumulate = true;
+        let mut b = Case::plain(48, 520, 2048);
+        b.bias = BiasKind::Bf16;
+        b.accumulate = true;
+        [overwrite, c, b]
+    }
+
     /// The skinny kernel (swap-AB, K split over a cluster, partials summed in distributed
     /// shared memory) against the fp64 reference: both row widths, every cluster size, every
     /// format pair, both outputs, a bias of each type, accumulation, fast accumulation, K with
@@ -1968,16 +1988,7 @@ mod tests {
             c.f32_out = i % 2 == 0;
             cases.push(c);
         }
-        let mut c = Case::plain(100, 264, 2048);
-        c.f32_out = true;
-        c.bias = BiasKind::F32;
-        cases.push(c.clone());
-        c.accumulate = true;
-        cases.push(c);
-        let mut c = Case::plain(48, 520, 2048);
-        c.bias = BiasKind::Bf16;
-        c.accumulate = true;
-        cases.push(c);
+        cases.extend(bias_and_accumulate_cases());
         for (m, n) in [(64, 4096), (120, 1032)] {
             let mut c = Case::plain(m, n, 4096);
             c.fast = true;
@@ -2049,16 +2060,7 @@ mod tests {
         let sms = sm_count(&s).unwrap() as usize;
         let mut seed = 400;
         let mut cases = vec![Case::plain(64, 384, 3584), Case::plain(16, 256, 4096)];
-        let mut c = Case::plain(100, 264, 2048);
-        c.f32_out = true;
-        c.bias = BiasKind::F32;
-        cases.push(c.clone());
-        c.accumulate = true;
-        cases.push(c);
-        let mut c = Case::plain(48, 520, 2048);
-        c.bias = BiasKind::Bf16;
-        c.accumulate = true;
-        cases.push(c);
+        cases.extend(bias_and_accumulate_cases());
         for c in cases {
             let bytes =
                 super::super::split_k_workspace_bytes(super::super::GemmShape::new(c.m, c.n, c.k));
