@@ -2,7 +2,9 @@
 # Installs, when missing, what building this workspace needs, into the ignored .toolchain/:
 #   - the CUDA 13.0 compiler and headers, from NVIDIA's pip wheels (pinned to 13.0.x and
 #     installed together: a later `pip install --target` would replace the folder);
-#   - libclang for bindgen, from the `libclang` wheel.
+#   - libclang for bindgen, from the `libclang` wheel;
+#   - cuobjdump and nvdisasm (13.2: no 13.0 wheels exist; they read 13.0 cubins) into
+#     .toolchain/sass, for fp8-kernels' SASS check (tests/sass.rs), unless CUDA_HOME has them.
 # With CUDA_HOME (or CUDA_PATH) set, that toolkit is used instead of the wheels; with
 # LIBCLANG_PATH set, that libclang. Idempotent: a second run only checks and returns.
 #
@@ -26,6 +28,7 @@ tc="$root/.toolchain"
 cuda_stamp="$tc/cuda/.installed-13.0"
 clang_stamp="$tc/libclang/.installed-18.1.1"
 cuda12_stamp="$tc/cuda12/.installed-12.4"
+sass_stamp="$tc/sass/.installed-13.2"
 cuda_wheels=(
   "nvidia-cuda-nvcc==13.0.*" "nvidia-nvvm==13.0.*" "nvidia-cuda-crt==13.0.*"
   "nvidia-cuda-runtime==13.0.*" "nvidia-cuda-cccl==13.0.*"
@@ -75,6 +78,15 @@ if [ -z "${LIBCLANG_PATH:-}" ] && [ ! -f "$clang_stamp" ]; then
   say "installing libclang into .toolchain/libclang"
   mkdir -p "$tc"
   pip_into "$tc/libclang" "$clang_stamp" "libclang==18.1.1"
+fi
+
+if { [ -z "$cuda_home" ] || [ ! -x "$cuda_home/bin/cuobjdump" ] || [ ! -x "$cuda_home/bin/nvdisasm" ]; } &&
+  [ ! -f "$sass_stamp" ]; then
+  say "installing cuobjdump and nvdisasm into .toolchain/sass"
+  mkdir -p "$tc"
+  pip_into "$tc/sass" "$sass_stamp" "nvidia-cuda-cuobjdump==13.2.*" "nvidia-cuda-nvdisasm==13.2.*"
+  [ -x "$tc/sass/nvidia/cu13/bin/cuobjdump" ] && [ -x "$tc/sass/nvidia/cu13/bin/nvdisasm" ] ||
+    die "the wheels installed no nvidia/cu13/bin/cuobjdump and nvdisasm"
 fi
 
 # install_cuda12_headers: the CUDA 12.4 headers into .toolchain/cuda12 (under 1 MB); prints
