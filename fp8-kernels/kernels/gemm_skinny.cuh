@@ -36,38 +36,6 @@ template <int MN> struct SkinnyCfg {
     static_assert(STAGES >= 4 && SMEM_BYTES <= SMEM_LIMIT, "shared memory");
 };
 
-#ifdef FP8K_SM90A
-__device__ __forceinline__ uint32_t cluster_ctarank() {
-    uint32_t r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-__device__ __forceinline__ uint32_t cluster_nctarank() {
-    uint32_t r;
-    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
-    return r;
-}
-// Every thread of every CTA of the cluster: writes before it (shared memory included) are
-// visible to reads after it anywhere in the cluster.
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n"
-                 "barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-// The address of this CTA's shared `addr` in the shared memory of cluster CTA `rank`.
-__device__ __forceinline__ uint32_t cluster_map(uint32_t addr, uint32_t rank) {
-    uint32_t r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
-    return r;
-}
-__device__ __forceinline__ float4 ld_cluster_f4(uint32_t addr) {
-    float4 v;
-    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-                 : "r"(addr)
-                 : "memory");
-    return v;
-}
-#endif
 
 // dims = (m, n, k, 0) with m <= MN, n a multiple of 4; flags = (sa index, sb index, bias kind
 // 0/1 bf16/2 f32, bit 0 of w: accumulate into D). Grid: (n / 128 rounded up) x S CTAs in

@@ -276,6 +276,52 @@ __device__ __forceinline__ void named_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ uint32_t cluster_nctarank() {
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
+    return r;
+}
+// Every thread of every CTA of the cluster: writes before it (shared memory included) are
+// visible to reads after it anywhere in the cluster.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n"
+                 "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// The address of this CTA's shared `addr` in the shared memory of cluster CTA `rank`.
+__device__ __forceinline__ uint32_t cluster_map(uint32_t addr, uint32_t rank) {
+    uint32_t r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
+    return r;
+}
+__device__ __forceinline__ float4 ld_cluster_f4(uint32_t addr) {
+    float4 v;
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(addr)
+                 : "memory");
+    return v;
+}
+// Arrives on mbarrier `bar` (this CTA's shared address) of cluster CTA `rank`.
+__device__ __forceinline__ void mbar_arrive_in(uint32_t bar, uint32_t rank) {
+    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(cluster_map(bar, rank)) : "memory");
+}
+
+// tma_load_3d, multicast: the box lands at `dst` in every CTA of the cluster named in `mask`,
+// each completing on its own `bar` (the same offsets).
+__device__ __forceinline__ void tma_load_3d_mcast(uint32_t dst, const TmaDesc *map, uint32_t bar, int c0,
+                                                  int c1, int c2, uint16_t mask) {
+    const uint64_t m = reinterpret_cast<uint64_t>(map);
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                 ".multicast::cluster [%0], [%1, {%3, %4, %5}], [%2], %6;" ::"r"(dst),
+                 "l"(m), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "h"(mask)
+                 : "memory");
+}
+
 // The fused casts' staging: boxes of 64 rows x 64 bytes in the 64-byte swizzle of TMA (the
 // 16-byte chunk q of row r at chunk q ^ ((r / 2) % 4)), so that a warp's stores of 8 rows x 4
 // column pairs, or of their transposes, hit distinct banks.
@@ -483,8 +529,14 @@ struct BlockScales {
 // 64 x 64-byte boxes. (Written from registers, a warp's 2-byte and 1-byte stores scattered
 // over 8 and 4 sectors each, the fused kernel took 41.9 us at T = 256 against 28.5 + 5.8 for
 // the GEMM and the SwiGLU cast apart.)
+// MCAST (GROUPED without counts, not BLOCK or SWIGLU; experiment): clusters of 2 CTAs along
+// x whose tiles t and t + 1 (same column tile: the host makes every band's m-tile count even)
+// share B: each CTA loads half of B's box rows and multicasts it to both; a stage is free
+// again when both CTAs' consumers have released it (16 arrivals, half of them remote). `tb`
+// then maps B with boxes of BN / 2 rows.
 template <__nv_fp8_interpretation_t FA, __nv_fp8_interpretation_t FB, typename Out, int BN,
-          int MODE = GROUPED, bool FAST = false, bool BLOCK = false, bool SWIGLU = false>
+          int MODE = GROUPED, bool FAST = false, bool BLOCK = false, bool SWIGLU = false,
+          bool MCAST = false>
 __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const TmaDesc *td, Out *d,
                                      const void *bias, const float *sa, const float *sb,
                                      const int *counts, uint4 dims, uint4 flags,
@@ -513,6 +565,13 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
     const int ntiles = (n + BN - 1) / BN;
     const int kblocks = (k + BK - 1) / BK;
     const int wg = threadIdx.x / 128;
+    static_assert(!MCAST || (MODE == GROUPED && !BLOCK && !SWIGLU), "multicast");
+    const uint32_t crank = MCAST ? (blockIdx.x & 1u) : 0u;
+    // A consumer warp's release of stage s: to its own CTA, and (MCAST) to the peer's.
+    auto release = [&](uint32_t bar) {
+        mbar_arrive(bar);
+        if constexpr (MCAST) mbar_arrive_in(bar, crank ^ 1u);
+    };
 
     if (threadIdx.x == 0) {
         asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(ta)) : "memory");
@@ -526,11 +585,16 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
         }
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full(s), 1);
-            mbar_init(empty(s), 8);  // one arrive per consumer warp
+            mbar_init(empty(s), MCAST ? 16 : 8);  // one arrive per consumer warp (of both CTAs)
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
-    __syncthreads();
+    // (MCAST: the peer's barriers are initialised before anything signals them.)
+    if constexpr (MCAST) {
+        cluster_sync();
+    } else {
+        __syncthreads();
+    }
     // Programmatic dependent launch: the set-up above overlaps the previous kernel's tail;
     // counts, scales, A, B and D are touched only after the wait.
     cuda_graph::pdl_enter();
@@ -594,6 +658,9 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                         tma_load_3d(tile_b(stage), tb, full(stage), kb * BK, f0, tl.g, b_hint);
                         tma_load_3d(tile_b(stage) + (BN / 2) * BK, tb, full(stage), kb * BK,
                                     n / 2 + f0, tl.g, b_hint);
+                    } else if constexpr (MCAST) {
+                        tma_load_3d_mcast(tile_b(stage) + crank * (BN / 2) * BK, tb, full(stage),
+                                          kb * BK, tl.nt * BN + int(crank) * (BN / 2), tl.g, 3);
                     } else {
                         tma_load_3d(tile_b(stage), tb, full(stage), kb * BK, tl.nt * BN,
                                     MODE == WGRAD ? 0 : tl.g, b_hint);
@@ -707,7 +774,7 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                     wgmma_commit();
                     if (kb == kr.lo) next = tile_after(t);
                     wgmma_wait1();
-                    if (held >= 0 && lane == 0) mbar_arrive(empty(held));
+                    if (held >= 0 && lane == 0) release(empty(held));
                     held = stage;
                     if (++stage == STAGES) {
                         stage = 0;
@@ -715,7 +782,7 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                     }
                 }
                 wgmma_wait0();
-                if (held >= 0 && lane == 0) mbar_arrive(empty(held));
+                if (held >= 0 && lane == 0) release(empty(held));
             }
             // Block scaling: this thread's two rows (rl and rl + 8 of its consumer's 64); the
             // scales of k-block kb + 1 are loaded while kb's products are computed.
@@ -741,7 +808,7 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                 wgmma_commit();
                 if (kb == kr.lo) next = tile_after(t);
                 wgmma_wait0();
-                if (lane == 0) mbar_arrive(empty(stage));
+                if (lane == 0) release(empty(stage));
                 if constexpr (BLOCK) {
                     // acc[4p], acc[4p + 1] are row rl's, acc[4p + 2], acc[4p + 3] row rl + 8's,
                     // all in columns 8p .. 8p + 7 of the tile.
@@ -956,6 +1023,11 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
             }
         }
     }
+    // MCAST: no CTA leaves while its peer may still multicast into it or release its stages.
+    if constexpr (MCAST) {
+        __syncwarp();
+        cluster_sync();
+    }
 #else
     __trap();
 #endif
@@ -1095,6 +1167,21 @@ FP8K_GEMM_SM90_OUTS(e5m2, __NV_E5M2, e5m2, __NV_E5M2)
 FP8K_GEMM_SM90_FAST(128)
 FP8K_GEMM_SM90_FAST(192)
 FP8K_GEMM_SM90_FAST(256)
+// Experiment: B multicast over clusters of 2 (MCAST), E4M3 x E4M3 into bf16, promoted and fast.
+#define FP8K_GEMM_SM90_MCAST(LAYOUT, FASTV, W)                                                         \
+    extern "C" __global__ void __launch_bounds__(fp8k::sm90::THREADS, 1)                             \
+        fp8_gemm_sm90_mcast_##LAYOUT##e4m3_e4m3_bf16_n##W(                                             \
+            const __grid_constant__ fp8k::sm90::TmaDesc ta, const __grid_constant__ fp8k::sm90::TmaDesc tb, \
+            const __grid_constant__ fp8k::sm90::TmaDesc td, __nv_bfloat16 *d, const void *bias,          \
+            const float *sa, const float *sb, const int *counts, uint4 dims, uint4 flags) {            \
+        fp8k::sm90::gemm<__NV_E4M3, __NV_E4M3, __nv_bfloat16, W, fp8k::sm90::GROUPED, FASTV, false,    \
+                         false, true>(&ta, &tb, &td, d, bias, sa, sb, counts, dims, flags);            \
+    }
+FP8K_GEMM_SM90_MCAST(, false, 128)
+FP8K_GEMM_SM90_MCAST(, false, 192)
+FP8K_GEMM_SM90_MCAST(fast_, true, 128)
+FP8K_GEMM_SM90_MCAST(fast_, true, 192)
+FP8K_GEMM_SM90_MCAST(fast_, true, 256)
 // The packed fc1 GEMM with the fused SwiGLU epilogue (SWIGLU; E4M3 x E4M3, bf16 D, h in
 // E4M3): fast accumulation at 128 and 256 columns, the promoted sum at 128. ty and tyt map
 // the cast's outputs; hy and hyt are those outputs' buffers, unused by the kernel but

@@ -642,7 +642,7 @@ fn launch_epilogue(
     } else {
         ""
     };
-    let (bn, k, cfg) = select(
+    let (bn, mut k, mut cfg) = select(
         stream,
         layout,
         formats,
@@ -651,8 +651,25 @@ fn launch_epilogue(
         bn,
         p.max_sms,
     )?;
+    // Experiment (branch exp-mcast): FP8K_MCAST=1 runs plain E4M3 x E4M3 -> bf16 GEMMs with
+    // an even m-tile count on the B-multicast kernels (clusters of 2 along m).
+    let mcast = std::env::var_os("FP8K_MCAST").is_some_and(|v| v == "1")
+        && groups == 1
+        && p.counts.is_none()
+        && formats == (Fp8Format::E4M3, Fp8Format::E4M3)
+        && p.d.name() == "bf16"
+        && (bn != 256 || layout == "fast_")
+        && p.m.div_ceil(TILE) % 2 == 0
+        && cfg.grid.0 >= 2;
+    if mcast {
+        let name = format!("fp8_gemm_sm90_mcast_{layout}e4m3_e4m3_bf16_n{bn}");
+        k = kernel(stream.context(), &name)?.0;
+        k.set_max_dynamic_shared_memory(cfg.shared_mem_bytes as usize)?;
+        cfg.grid.0 &= !1;
+        cfg = cfg.with(LaunchAttribute::ClusterDimension(2, 1, 1));
+    }
     let ta = tensor_map(p.a.data, groups, p.m, p.k, TILE)?;
-    let tb = tensor_map(p.b.data, groups, p.n, p.k, bn)?;
+    let tb = tensor_map(p.b.data, groups, p.n, p.k, if mcast { bn / 2 } else { bn })?;
     // With row counts the kernel stores through the map only the tiles whose rows all lie
     // below their group's count; a group's last, partial tile goes from registers.
     let store = store
