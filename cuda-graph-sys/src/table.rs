@@ -369,6 +369,7 @@ driver_entries! {
     cuFuncGetModule: PFN_cuFuncGetModule_v11000,
     cuFuncGetParamInfo: PFN_cuFuncGetParamInfo_v12040,
     cuOccupancyMaxActiveBlocksPerMultiprocessor: PFN_cuOccupancyMaxActiveBlocksPerMultiprocessor_v6050,
+    cuOccupancyMaxActiveClusters: PFN_cuOccupancyMaxActiveClusters_v11070,
     cuTensorMapEncodeTiled: PFN_cuTensorMapEncodeTiled_v12000,
     // Launch
     cuLaunchKernel: PFN_cuLaunchKernel_v4000,

@@ -8,6 +8,7 @@ use cuda_graph_sys::{CUfunction, CUfunction_attribute, CUjit_option, CUmodule, C
 
 use crate::context::Context;
 use crate::error::{Error, Result};
+use crate::launch::LaunchConfig;
 use crate::resources::Resource;
 
 /// A loaded module. Kernels taken from it, and graphs whose nodes launch them, keep it loaded.
@@ -315,6 +316,40 @@ impl Kernel {
                 bytes
             ))
         }
+    }
+
+    /// How many clusters of `config`'s cluster dimension (a
+    /// [`LaunchAttribute::ClusterDimension`](crate::LaunchAttribute::ClusterDimension) among its
+    /// attributes; one block a cluster without) can be resident on the device at once with
+    /// `config`'s block size and dynamic shared memory: the size of one wave. The blocks of a
+    /// cluster share a GPC, so this can be less than the SM count over the cluster size.
+    /// Set the shared-memory limit ([`set_max_dynamic_shared_memory`](Self::set_max_dynamic_shared_memory))
+    /// first when `config` asks for more than 48 KiB.
+    ///
+    /// Wraps [`cuOccupancyMaxActiveClusters`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__OCCUPANCY.html).
+    /// Errors: [`Error::Driver`] when the driver refuses the configuration (a cluster larger
+    /// than the device allows, shared memory past the kernel's limit) or lacks the entry
+    /// point (drivers before 11.8).
+    pub fn max_active_clusters(&self, config: &LaunchConfig) -> Result<u32> {
+        let mut attrs: Vec<_> = config.attributes.iter().map(|a| a.to_raw()).collect();
+        let (g, b) = (config.grid, config.block);
+        let raw = cuda_graph_sys::CUlaunchConfig {
+            gridDimX: g.0,
+            gridDimY: g.1,
+            gridDimZ: g.2,
+            blockDimX: b.0,
+            blockDimY: b.1,
+            blockDimZ: b.2,
+            sharedMemBytes: config.shared_mem_bytes,
+            hStream: std::ptr::null_mut(),
+            attrs: attrs.as_mut_ptr(),
+            numAttrs: attrs.len() as u32,
+        };
+        let mut clusters = 0i32;
+        // SAFETY: live function; `raw` and its attribute array outlive the call, which only
+        // reads them and writes `clusters`.
+        unsafe { cu!(cuOccupancyMaxActiveClusters(&mut clusters, self.raw, &raw)) }?;
+        Ok(clusters.max(0) as u32)
     }
 
     /// Checks an argument list's sizes against the kernel's parameters.

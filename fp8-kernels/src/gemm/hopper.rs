@@ -2544,4 +2544,126 @@ mod tests {
             }
         }
     }
+
+    /// Host microseconds per call of `f` (median over 7 batches of 100 calls).
+    fn host_us(f: &mut dyn FnMut()) -> f64 {
+        let mut v: Vec<f64> = (0..7)
+            .map(|_| {
+                let t = Instant::now();
+                for _ in 0..100 {
+                    f();
+                }
+                t.elapsed().as_secs_f64() * 1e4
+            })
+            .collect();
+        v.sort_by(f64::total_cmp);
+        v[3]
+    }
+
+    /// Where a skinny GEMM's single-call time goes: the host's pieces of the launch, the
+    /// device time between events with the host's enqueue exposed (as `bench gemm` times one
+    /// call) and hidden behind a long kernel, and the resident clusters per cluster size.
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn latency_probe() {
+        let (_ctx, s) = setup();
+        let sms = sm_count(&s).unwrap() as usize;
+        // A blocker: a 2048^3 GEMM (~30 us), long enough to hide any host enqueue.
+        let cb = Case::plain(2048, 2048, 2048);
+        let mut rng = Rng(5);
+        let hb0 = HostData::new(
+            &cb,
+            rng.fp8(2048 * 2048, cb.fa),
+            rng.fp8(2048 * 2048, cb.fb),
+            Vec::new(),
+            Vec::new(),
+        );
+        let mut dvb = upload(&s, &cb, &hb0);
+        reset_d(&s, &cb, &hb0, &mut dvb);
+        let pb = problem(&cb, &dvb);
+        for (m, n, k) in [(64, 4096, 7168), (128, 7168, 2048)] {
+            let c = Case::plain(m, n, k);
+            let (a, b) = (rng.fp8(m * k, c.fa), rng.fp8(n * k, c.fb));
+            let mut h = HostData::new(&c, a, b, Vec::new(), Vec::new());
+            h.bias = vec![0.0; n];
+            let mut dv = upload(&s, &c, &h);
+            reset_d(&s, &c, &h, &mut dv);
+            let p = problem(&c, &dv);
+            let plan = skinny_plan(m, n, k, sms);
+            println!("{m}x{n}x{k}: plan {plan:?}");
+            let (mn, _) = plan.unwrap_or((64, 2));
+            let name = format!("fp8_gemm_sm90_skinny_e4m3_e4m3_bf16_m{mn}");
+            let (kern, _) = kernel(s.context(), &name).unwrap();
+            let smem = skinny_smem_bytes(mn);
+            let t_kernel = host_us(&mut || drop(kernel(s.context(), &name).unwrap()));
+            let t_sms = host_us(&mut || {
+                std::hint::black_box(sm_count(&s).unwrap());
+            });
+            let t_attr = host_us(&mut || kern.set_max_dynamic_shared_memory(smem).unwrap());
+            let t_map = host_us(&mut || {
+                std::hint::black_box(tensor_map(p.b.data, 1, n, k, 128).unwrap());
+            });
+            let t_check = host_us(&mut || check(&p).unwrap());
+            s.synchronize().unwrap();
+            let t_launch = host_us(&mut || {
+                launch(&s, &p).unwrap();
+            });
+            s.synchronize().unwrap();
+            println!(
+                "  host us: kernel lookup {t_kernel:.2}, sm_count {t_sms:.2}, smem attribute \
+                 {t_attr:.2}, tensor map {t_map:.2}, check {t_check:.2}, whole launch {t_launch:.2}"
+            );
+            let (e0, e1) = (
+                Event::new(s.context()).unwrap(),
+                Event::new(s.context()).unwrap(),
+            );
+            let mut exposed = Vec::new();
+            let mut hidden = Vec::new();
+            for _ in 0..3 {
+                launch(&s, &p).unwrap();
+            }
+            for _ in 0..25 {
+                s.synchronize().unwrap();
+                e0.record(&s).unwrap();
+                launch(&s, &p).unwrap();
+                e1.record(&s).unwrap();
+                e1.synchronize().unwrap();
+                exposed.push(f64::from(Event::elapsed_ms(&e0, &e1).unwrap()) * 1e3);
+                launch_with(&s, &pb, Some(128)).unwrap();
+                e0.record(&s).unwrap();
+                launch(&s, &p).unwrap();
+                e1.record(&s).unwrap();
+                e1.synchronize().unwrap();
+                hidden.push(f64::from(Event::elapsed_ms(&e0, &e1).unwrap()) * 1e3);
+            }
+            exposed.sort_by(f64::total_cmp);
+            hidden.sort_by(f64::total_cmp);
+            let fl = 2.0 * (m * n * k) as f64 * 1e-6;
+            println!(
+                "  one call between events: host enqueue exposed {:.2} us ({:.0} TFLOP/s), hidden \
+                 {:.2} us ({:.0} TFLOP/s)",
+                exposed[12],
+                fl / exposed[12],
+                hidden[12],
+                fl / hidden[12]
+            );
+            for cl in [1u32, 2, 4, 8] {
+                for mnn in [64usize, 128] {
+                    let nm = format!("fp8_gemm_sm90_skinny_e4m3_e4m3_bf16_m{mnn}");
+                    let (kk, _) = kernel(s.context(), &nm).unwrap();
+                    let sm = skinny_smem_bytes(mnn);
+                    kk.set_max_dynamic_shared_memory(sm).unwrap();
+                    let cfg = LaunchConfig {
+                        shared_mem_bytes: sm as u32,
+                        ..LaunchConfig::linear(cl * 32, THREADS)
+                    }
+                    .with(LaunchAttribute::ClusterDimension(cl, 1, 1));
+                    println!(
+                        "  skinny m{mnn}: at most {:?} clusters of {cl} resident",
+                        kk.max_active_clusters(&cfg)
+                    );
+                }
+            }
+        }
+    }
 }
