@@ -7,7 +7,7 @@
 // weights), its "N" side the MN rows of A (MN = 64 or 128, zeros past m from the TMA's
 // out-of-bounds fill), so a consumer warpgroup computes D^T[64 columns of D, MN rows of D].
 // A CTA (a producer warpgroup and two consumers) covers 128 columns of D over one slice of K;
-// the CTAs of a thread-block cluster (cluster dimension S = 1, 2, 4 or 8) take the S slices
+// the CTAs of a thread-block cluster (cluster dimension S, 1 to 8) take the S slices
 // of K of the same columns. Each CTA writes its f32 partial tile to its shared memory; after a
 // cluster barrier, CTA r sums rows r * MN / S .. (r + 1) * MN / S of the S partials, read
 // through distributed shared memory in rank order (deterministic: no atomics, no workspace, no
@@ -15,8 +15,10 @@
 // barrier keeps every CTA's shared memory alive until the others have read it.
 //
 // Shared memory: STAGES x (B 128 x 128 bytes + A MN x 128 bytes), 128-byte swizzled by TMA,
-// 1024-byte aligned; the partial tile [MN][PSTRIDE] f32 (rows of D, columns padded to 132 so
-// that a warp's column-major writes hit distinct banks); full[STAGES], empty[STAGES].
+// 1024-byte aligned, as deep as fits (the bytes in flight are what a weight-bound kernel
+// needs); after the main loop the partial tile [MN][PSTRIDE] f32 takes the ring's space (rows
+// of D, columns padded to 132 so that a warp's column-major writes hit distinct banks);
+// full[STAGES], empty[STAGES].
 #pragma once
 #include "gemm_sm90.cuh"
 
@@ -29,11 +31,14 @@ template <int MN> struct SkinnyCfg {
     static constexpr int TILE_X = MN * BK;   // MN rows of A
     static constexpr int STAGE_BYTES = TILE_W + TILE_X;
     static constexpr int PSTRIDE = 128 + 4;
+    // The partial tile takes the ring's space once the main loop is done with it.
     static constexpr int PARTIAL = MN * PSTRIDE * 4;
-    static constexpr int FIT = (SMEM_LIMIT - 1024 - PARTIAL - 2 * 8 * 8) / STAGE_BYTES;
-    static constexpr int STAGES = FIT < 8 ? FIT : 8;
-    static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + PARTIAL + 2 * STAGES * 8 + 1024;
-    static_assert(STAGES >= 4 && SMEM_BYTES <= SMEM_LIMIT, "shared memory");
+    static constexpr int MAX_STAGES = 12;
+    static constexpr int FIT = (SMEM_LIMIT - 1024 - 2 * MAX_STAGES * 8) / STAGE_BYTES;
+    static constexpr int STAGES = FIT < MAX_STAGES ? FIT : MAX_STAGES;
+    static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 2 * STAGES * 8 + 1024;
+    static_assert(STAGES >= 4 && SMEM_BYTES <= SMEM_LIMIT && PARTIAL <= STAGES * STAGE_BYTES,
+                  "shared memory");
 };
 
 
@@ -53,8 +58,8 @@ __device__ __forceinline__ void gemm_skinny(const TmaDesc *ta, const TmaDesc *tb
     extern __shared__ uint8_t smem_raw[];
     const uint32_t raw = smem_u32(smem_raw);
     const uint32_t base = opaque_u32((raw + 1023u) & ~1023u);
-    const uint32_t partial = base + STAGES * C::STAGE_BYTES;
-    const uint32_t bars = partial + C::PARTIAL;
+    const uint32_t partial = base;  // (the ring's space, after the main loop)
+    const uint32_t bars = base + STAGES * C::STAGE_BYTES;
     auto full = [&](int s) { return bars + 8u * s; };
     auto empty = [&](int s) { return bars + 8u * (STAGES + s); };
     auto tile_w = [&](int s) { return base + s * C::STAGE_BYTES; };
@@ -158,6 +163,9 @@ __device__ __forceinline__ void gemm_skinny(const TmaDesc *ta, const TmaDesc *tb
                 }
             }
         }
+        // Both consumers' products done (the partial tile overwrites the ring, whose last
+        // stages the other consumer's wgmma may still read; every load was consumed).
+        named_sync(1, 256);
         // The partial tile, transposed to rows of D: acc[4p + {0, 1}] is column c0 (and c0 + 8
         // for acc[4p + {2, 3}]) of D, rows 8p + 2 (lane % 4) + {0, 1}.
         float *const pp = reinterpret_cast<float *>(smem_raw + (partial - raw));
@@ -174,7 +182,8 @@ __device__ __forceinline__ void gemm_skinny(const TmaDesc *ta, const TmaDesc *tb
         __syncwarp();
         cluster_sync();
         // This CTA's rows of the tile: the sum over the cluster's partials in rank order.
-        const int rows = MN / int(splits), row0 = int(rank) * rows;
+        const int row0 = int(rank) * MN / int(splits);
+        const int rows = int(rank + 1) * MN / int(splits) - row0;
         const float alpha = sa[flags.x] * sb[flags.y];
         const int bias_kind = bias == nullptr ? 0 : int(flags.z);
         const bool accumulate = (flags.w & 1u) != 0;

@@ -365,6 +365,14 @@ __device__ __forceinline__ void wgmma_wait1() { asm volatile("wgmma.wait_group.s
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])                                                                                \
                  : "l"(da), "l"(db), "r"(scale_d))
 
+#define FP8K_WGMMA_N96(TYPES)                                                                      \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %50, 0;\n"                                         \
+                 "wgmma.mma_async.sync.aligned.m64n96k32.f32." TYPES " "                                  \
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, "                                                                          \
+                 "%48, %49, p, 1, 1;\n}\n"                                                             \
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])                                                                                \
+                 : "l"(da), "l"(db), "r"(scale_d))
+
 #define FP8K_WGMMA_N128(TYPES)                                                                     \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                         \
                  "wgmma.mma_async.sync.aligned.m64n128k32.f32." TYPES " "                                 \
@@ -401,17 +409,19 @@ __device__ __forceinline__ void wgmma_wait1() { asm volatile("wgmma.wait_group.s
     }
 
 // One m64nBNk32 wgmma: d (+)= A[64 x 32] . B[BN x 32]^T from shared memory descriptors
-// (BN 64: the skinny GEMM's, gemm_skinny.cuh).
+// (BN 64: the skinny GEMM's, gemm_skinny.cuh; 64 and 96: halves of the promoted tiles).
 template <__nv_fp8_interpretation_t FA, __nv_fp8_interpretation_t FB, int BN>
 __device__ __forceinline__ void wgmma_fp8(float (&d)[BN / 2], uint64_t da, uint64_t db, int scale_d) {
     if constexpr (BN == 64) {
         FP8K_WGMMA_TYPES(FP8K_WGMMA_N64)
+    } else if constexpr (BN == 96) {
+        FP8K_WGMMA_TYPES(FP8K_WGMMA_N96)
     } else if constexpr (BN == 128) {
         FP8K_WGMMA_TYPES(FP8K_WGMMA_N128)
     } else if constexpr (BN == 192) {
         FP8K_WGMMA_TYPES(FP8K_WGMMA_N192)
     } else {
-        static_assert(BN == 256, "BN is 64, 128, 192 or 256");
+        static_assert(BN == 256, "BN is 64, 96, 128, 192 or 256");
         FP8K_WGMMA_TYPES(FP8K_WGMMA_N256)
     }
 }
@@ -536,7 +546,7 @@ struct BlockScales {
 // then maps B with boxes of BN / 2 rows.
 template <__nv_fp8_interpretation_t FA, __nv_fp8_interpretation_t FB, typename Out, int BN,
           int MODE = GROUPED, bool FAST = false, bool BLOCK = false, bool SWIGLU = false,
-          bool MCAST = false>
+          bool MCAST = false, bool SPLITP = false>
 __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const TmaDesc *td, Out *d,
                                      const void *bias, const float *sa, const float *sb,
                                      const int *counts, uint4 dims, uint4 flags,
@@ -791,7 +801,61 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
             if constexpr (BLOCK) {
                 if (kr.lo < kr.hi) bs_next.load(sa, sb, brow, m, tl.nt, n, kbt, kr.lo);
             }
-            for (int kb = kr.lo; !FAST && kb < kr.hi; ++kb) {
+            // SPLITP (promoted sums; experiment): each k-block's products in two halves of
+            // the tile's columns (n BN / 2 wgmmas, two commit groups), the first half promoted
+            // while the second's products are on the tensor cores. Same registers as one
+            // whole-width part (two halves of NACC / 2).
+            if constexpr (!FAST && SPLITP) {
+                constexpr int H = BN / 2, NH = NACC / 2;
+                for (int kb = kr.lo; kb < kr.hi; ++kb) {
+                    if constexpr (BLOCK) {
+                        bs = bs_next;
+                        if (kb + 1 < kr.hi) bs_next.load(sa, sb, brow, m, tl.nt, n, kbt, kb + 1);
+                    }
+                    mbar_wait(full(stage), phase);
+                    float p0[NH], p1[NH];
+                    wgmma_fence();
+#pragma unroll
+                    for (int kk = 0; kk < BK / 32; ++kk) {
+                        const uint64_t da = sw128_desc(tile_a(stage) + cw * 64 * BK + kk * 32);
+                        wgmma_fp8<FA, FB, H>(p0, da, sw128_desc(tile_b(stage) + kk * 32), kk > 0 ? 1 : 0);
+                    }
+                    wgmma_commit();
+#pragma unroll
+                    for (int kk = 0; kk < BK / 32; ++kk) {
+                        const uint64_t da = sw128_desc(tile_a(stage) + cw * 64 * BK + kk * 32);
+                        wgmma_fp8<FA, FB, H>(p1, da, sw128_desc(tile_b(stage) + H * BK + kk * 32),
+                                             kk > 0 ? 1 : 0);
+                    }
+                    wgmma_commit();
+                    if (kb == kr.lo) next = tile_after(t);
+                    const auto f = bs.products();
+                    wgmma_wait1();
+#pragma unroll
+                    for (int i = 0; i < NH; ++i) {
+                        if constexpr (BLOCK) {
+                            acc[i] = fmaf(p0[i], f.at(i / 4, (i & 2) != 0), acc[i]);
+                        } else {
+                            acc[i] += p0[i];
+                        }
+                    }
+                    wgmma_wait0();
+                    if (lane == 0) release(empty(stage));
+#pragma unroll
+                    for (int i = 0; i < NH; ++i) {
+                        if constexpr (BLOCK) {
+                            acc[NH + i] = fmaf(p1[i], f.at((NH + i) / 4, (i & 2) != 0), acc[NH + i]);
+                        } else {
+                            acc[NH + i] += p1[i];
+                        }
+                    }
+                    if (++stage == STAGES) {
+                        stage = 0;
+                        phase ^= 1u;
+                    }
+                }
+            }
+            for (int kb = kr.lo; !FAST && !SPLITP && kb < kr.hi; ++kb) {
                 if constexpr (BLOCK) {
                     bs = bs_next;
                     if (kb + 1 < kr.hi) bs_next.load(sa, sb, brow, m, tl.nt, n, kbt, kb + 1);
@@ -1167,6 +1231,26 @@ FP8K_GEMM_SM90_OUTS(e5m2, __NV_E5M2, e5m2, __NV_E5M2)
 FP8K_GEMM_SM90_FAST(128)
 FP8K_GEMM_SM90_FAST(192)
 FP8K_GEMM_SM90_FAST(256)
+// Experiment: split promotion (SPLITP), E4M3 x E4M3 into bf16, per-tensor and block-scaled.
+#define FP8K_GEMM_SM90_SPLITP(W)                                                                       \
+    extern "C" __global__ void __launch_bounds__(fp8k::sm90::THREADS, 1)                             \
+        fp8_gemm_sm90_split_e4m3_e4m3_bf16_n##W(                                                       \
+            const __grid_constant__ fp8k::sm90::TmaDesc ta, const __grid_constant__ fp8k::sm90::TmaDesc tb, \
+            const __grid_constant__ fp8k::sm90::TmaDesc td, __nv_bfloat16 *d, const void *bias,          \
+            const float *sa, const float *sb, const int *counts, uint4 dims, uint4 flags) {            \
+        fp8k::sm90::gemm<__NV_E4M3, __NV_E4M3, __nv_bfloat16, W, fp8k::sm90::GROUPED, false, false,    \
+                         false, false, true>(&ta, &tb, &td, d, bias, sa, sb, counts, dims, flags);     \
+    }                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(fp8k::sm90::THREADS, 1)                             \
+        fp8_gemm_sm90_block_split_e4m3_e4m3_bf16_n##W(                                                 \
+            const __grid_constant__ fp8k::sm90::TmaDesc ta, const __grid_constant__ fp8k::sm90::TmaDesc tb, \
+            const __grid_constant__ fp8k::sm90::TmaDesc td, __nv_bfloat16 *d, const void *bias,          \
+            const float *sa, const float *sb, const int *counts, uint4 dims, uint4 flags) {            \
+        fp8k::sm90::gemm<__NV_E4M3, __NV_E4M3, __nv_bfloat16, W, fp8k::sm90::GROUPED, false, true,     \
+                         false, false, true>(&ta, &tb, &td, d, bias, sa, sb, counts, dims, flags);     \
+    }
+FP8K_GEMM_SM90_SPLITP(128)
+FP8K_GEMM_SM90_SPLITP(192)
 // Experiment: B multicast over clusters of 2 (MCAST), E4M3 x E4M3 into bf16, promoted and fast.
 #define FP8K_GEMM_SM90_MCAST(LAYOUT, FASTV, W)                                                         \
     extern "C" __global__ void __launch_bounds__(fp8k::sm90::THREADS, 1)                             \

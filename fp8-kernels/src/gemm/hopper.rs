@@ -435,14 +435,14 @@ fn skinny_plan(m: usize, n: usize, k: usize, sms: usize) -> Option<(usize, usize
 }
 
 /// Dynamic shared memory of the skinny kernel of row width `mn` (keep in step with
-/// `SkinnyCfg` in the kernel): the ring of B (128 rows) and A (`mn` rows) k-blocks, as deep
-/// as fits (at most 8) beside the partial tile (`mn` rows of 132 f32), the barriers, 1 KiB
-/// alignment slack.
+/// `SkinnyCfg` in the kernel): the ring of B (128 rows) and A (`mn` rows) k-blocks, as deep as
+/// fits (at most 12; the partial tile, `mn` rows of 132 f32, takes the ring's space after the
+/// main loop), the barriers, 1 KiB alignment slack.
 fn skinny_smem_bytes(mn: usize) -> usize {
+    const MAX_STAGES: usize = 12;
     let stage = SKINNY_COLS * TILE + mn * TILE;
-    let partial = mn * (SKINNY_COLS + 4) * 4;
-    let stages = ((SMEM_LIMIT - 1024 - partial - 2 * 8 * 8) / stage).min(8);
-    stages * stage + partial + 2 * stages * 8 + 1024
+    let stages = ((SMEM_LIMIT - 1024 - 2 * MAX_STAGES * 8) / stage).min(MAX_STAGES);
+    stages * stage + 2 * stages * 8 + 1024
 }
 
 /// A plain GEMM of at most 128 rows on the skinny kernel, as [`skinny_plan`] says: clusters of
@@ -1058,7 +1058,17 @@ fn select(
     let sms = grid_sms(stream, max_sms)?;
     let es = d.elem_size();
     let bn = forced.unwrap_or_else(|| choose_bn_for(groups, m, n, es, sms, fast));
-    let (k, _) = kernel(stream.context(), &kernel_name(layout, fa, fb, d.name(), bn))?;
+    // Experiment: FP8K_SPLIT=1 takes the split-promotion instances where they exist.
+    let split = std::env::var_os("FP8K_SPLIT").is_some_and(|v| v == "1")
+        && (layout.is_empty() || layout == "block_")
+        && (fa, fb) == (Fp8Format::E4M3, Fp8Format::E4M3)
+        && d.name() == "bf16";
+    let layout = if split {
+        format!("{layout}split_")
+    } else {
+        layout.to_owned()
+    };
+    let (k, _) = kernel(stream.context(), &kernel_name(&layout, fa, fb, d.name(), bn))?;
     let smem = smem_bytes(bn, es);
     k.set_max_dynamic_shared_memory(smem)?;
     let tiles = groups.max(1) * m.div_ceil(TILE) * n.div_ceil(bn);
@@ -1225,7 +1235,8 @@ mod cpu_tests {
             let stage = (128 + mn) * 128;
             assert!(bytes <= SMEM_LIMIT && bytes >= 4 * stage, "m{mn}: {bytes}");
         }
-        assert_eq!(skinny_smem_bytes(64), 8 * 24576 + 64 * 132 * 4 + 128 + 1024);
+        assert_eq!(skinny_smem_bytes(64), 9 * 24576 + 9 * 16 + 1024);
+        assert_eq!(skinny_smem_bytes(128), 7 * 32768 + 7 * 16 + 1024);
     }
 
     #[test]
@@ -2489,7 +2500,7 @@ mod tests {
             }
             // The skinny kernel at every cluster size, both sums.
             if let Some((mn, _)) = skinny_plan(m, n, k, sm_count(&s).unwrap() as usize) {
-                for splits in [1, 2, 4, 8] {
+                for splits in [1, 2, 3, 4, 6, 8] {
                     for (q, what) in [(&p, "promoted"), (&pf, "fast")] {
                         let ms = mean_ms(&s, &mut || launch_skinny(&s, q, (mn, splits)).unwrap());
                         let tflops = 2.0 * (m * n * k) as f64 / (ms * 1e-3) / 1e12;
@@ -2647,7 +2658,49 @@ mod tests {
                 hidden[12],
                 fl / hidden[12]
             );
-            for cl in [1u32, 2, 4, 8] {
+            // The launch alone, arguments built once: cluster and PDL attributes on and off.
+            {
+                let ta = tensor_map(p.a.data, 1, m, k, mn).unwrap();
+                let tb = tensor_map(p.b.data, 1, n, k, SKINNY_COLS).unwrap();
+                let dims = [m as u32, n as u32, k as u32, 0];
+                let flags = [0u32, 0, 0, 0];
+                let null = 0u64;
+                let GemmOut::Bf16(dd) = &p.d else { panic!() };
+                let args = KernelArgs::new()
+                    .arg(&ta)
+                    .arg(&tb)
+                    .arg(*dd)
+                    .arg(&null)
+                    .arg(p.a.scale_inv.buffer())
+                    .arg(p.b.scale_inv.buffer())
+                    .arg(&dims)
+                    .arg(&flags);
+                let grid = n.div_ceil(SKINNY_COLS) as u32 * 2;
+                let plain = LaunchConfig {
+                    shared_mem_bytes: smem as u32,
+                    ..LaunchConfig::linear(grid, THREADS)
+                };
+                let cl = plain.clone().with(LaunchAttribute::ClusterDimension(2, 1, 1));
+                for (what, cfg, pdl) in [
+                    ("cluster + PDL", &cl, true),
+                    ("cluster", &cl, false),
+                    ("PDL", &plain, true),
+                    ("no attributes", &plain, false),
+                ] {
+                    s.synchronize().unwrap();
+                    // SAFETY: the skinny kernel's arguments as launch_skinny passes them.
+                    let us = host_us(&mut || unsafe {
+                        if pdl {
+                            s.launch_pdl(&kern, cfg, &args).unwrap()
+                        } else {
+                            s.launch(&kern, cfg, &args).unwrap()
+                        }
+                    });
+                    s.synchronize().unwrap();
+                    println!("  host us, launch only, {what}: {us:.2}");
+                }
+            }
+            for cl in [1u32, 2, 3, 4, 6, 8] {
                 for mnn in [64usize, 128] {
                     let nm = format!("fp8_gemm_sm90_skinny_e4m3_e4m3_bf16_m{mnn}");
                     let (kk, _) = kernel(s.context(), &nm).unwrap();
