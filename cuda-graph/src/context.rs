@@ -19,6 +19,8 @@ pub struct Context {
     device: Device,
     /// Whether launches may use programmatic dependent launch ([`Context::supports_pdl`]).
     pdl: OnceLock<bool>,
+    /// The device's SM count, asked once ([`Context::multiprocessor_count`]).
+    sms: OnceLock<u32>,
 }
 
 // SAFETY: the only field that is not `Send` by itself is the raw `CUcontext`. The driver API
@@ -47,6 +49,7 @@ impl Context {
             raw,
             device,
             pdl: OnceLock::new(),
+            sms: OnceLock::new(),
         });
         ctx.bind()?;
         Ok(ctx)
@@ -149,6 +152,18 @@ impl Context {
                     .supports(crate::driver::Feature::ProgrammaticDependentLaunch)
                     .unwrap_or(false)
         })
+    }
+
+    /// The device's multiprocessor (SM) count, asked from the driver once per context and
+    /// then read from memory: launchers that size grids from it call it per launch.
+    ///
+    /// Errors: those of [`Device::multiprocessor_count`] on the first call.
+    pub fn multiprocessor_count(&self) -> Result<u32> {
+        if let Some(&sms) = self.sms.get() {
+            return Ok(sms);
+        }
+        let sms = u32::try_from(self.device.multiprocessor_count()?).unwrap_or(0);
+        Ok(*self.sms.get_or_init(|| sms))
     }
 
     /// The raw handle; valid while this value lives.

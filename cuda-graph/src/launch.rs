@@ -4,7 +4,7 @@ use std::ffi::c_void;
 use std::marker::PhantomData;
 use std::sync::Arc;
 
-use cuda_graph_sys::{CUlaunchAttribute, CUlaunchAttributeID, CUlaunchConfig};
+use cuda_graph_sys::{CUlaunchAttribute, CUlaunchAttributeID, CUlaunchConfig, CUstream};
 
 use crate::error::Result;
 use crate::memory::{Allocation, DeviceBuffer, DeviceRepr};
@@ -82,6 +82,24 @@ impl LaunchConfig {
     pub fn with(mut self, attribute: LaunchAttribute) -> LaunchConfig {
         self.attributes.push(attribute);
         self
+    }
+
+    /// The driver's form on `stream` with the raw attributes `attrs` (which the result points
+    /// at: keep them alive while it is used).
+    pub(crate) fn raw(&self, stream: CUstream, attrs: &mut [CUlaunchAttribute]) -> CUlaunchConfig {
+        let (g, b) = (self.grid, self.block);
+        CUlaunchConfig {
+            gridDimX: g.0,
+            gridDimY: g.1,
+            gridDimZ: g.2,
+            blockDimX: b.0,
+            blockDimY: b.1,
+            blockDimZ: b.2,
+            sharedMemBytes: self.shared_mem_bytes,
+            hStream: stream,
+            attrs: attrs.as_mut_ptr(),
+            numAttrs: attrs.len() as u32,
+        }
     }
 }
 
@@ -287,18 +305,7 @@ impl Stream {
             heap.extend(all.map(|a| a.to_raw()));
             &mut heap
         };
-        let raw = CUlaunchConfig {
-            gridDimX: g.0,
-            gridDimY: g.1,
-            gridDimZ: g.2,
-            blockDimX: b.0,
-            blockDimY: b.1,
-            blockDimZ: b.2,
-            sharedMemBytes: config.shared_mem_bytes,
-            hStream: self.as_raw(),
-            attrs: attrs.as_mut_ptr(),
-            numAttrs: attrs.len() as u32,
-        };
+        let raw = config.raw(self.as_raw(), attrs);
         // SAFETY: as above; the attribute array outlives the call.
         unsafe {
             cu!(cuLaunchKernelEx(

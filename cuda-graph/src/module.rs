@@ -332,19 +332,7 @@ impl Kernel {
     /// point (drivers before 11.8).
     pub fn max_active_clusters(&self, config: &LaunchConfig) -> Result<u32> {
         let mut attrs: Vec<_> = config.attributes.iter().map(|a| a.to_raw()).collect();
-        let (g, b) = (config.grid, config.block);
-        let raw = cuda_graph_sys::CUlaunchConfig {
-            gridDimX: g.0,
-            gridDimY: g.1,
-            gridDimZ: g.2,
-            blockDimX: b.0,
-            blockDimY: b.1,
-            blockDimZ: b.2,
-            sharedMemBytes: config.shared_mem_bytes,
-            hStream: std::ptr::null_mut(),
-            attrs: attrs.as_mut_ptr(),
-            numAttrs: attrs.len() as u32,
-        };
+        let raw = config.raw(std::ptr::null_mut(), &mut attrs);
         let mut clusters = 0i32;
         // SAFETY: live function; `raw` and its attribute array outlive the call, which only
         // reads them and writes `clusters`.

@@ -41,6 +41,39 @@ template <int MN> struct SkinnyCfg {
                   "shared memory");
 };
 
+#ifdef FP8K_SM90A
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ uint32_t cluster_nctarank() {
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
+    return r;
+}
+// Every thread of every CTA of the cluster: writes before it (shared memory included) are
+// visible to reads after it anywhere in the cluster.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n"
+                 "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// The address of this CTA's shared `addr` in the shared memory of cluster CTA `rank`.
+__device__ __forceinline__ uint32_t cluster_map(uint32_t addr, uint32_t rank) {
+    uint32_t r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
+    return r;
+}
+__device__ __forceinline__ float4 ld_cluster_f4(uint32_t addr) {
+    float4 v;
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(addr)
+                 : "memory");
+    return v;
+}
+#endif
+
 
 // dims = (m, n, k, 0) with m <= MN, n a multiple of 4; flags = (sa index, sb index, bias kind
 // 0/1 bf16/2 f32, bit 0 of w: accumulate into D). Grid: (n / 128 rounded up) x S CTAs in
@@ -116,52 +149,21 @@ __device__ __forceinline__ void gemm_skinny(const TmaDesc *ta, const TmaDesc *tb
         float acc[NACC];
 #pragma unroll
         for (int i = 0; i < NACC; ++i) acc[i] = 0.0f;
-        int stage = 0;
-        uint32_t phase = 0;
         // The wgmma's A side: this consumer's 64 rows of B; its B side: the MN rows of A.
+        RingPos<STAGES> ring;
+        auto ops = [&](int st) { return make_uint2(tile_w(st) + cw * 64 * BK, tile_x(st)); };
+        auto nothing = [] {};
+        auto release = [&](int st) {
+            if (lane == 0) mbar_arrive(empty(st));
+        };
         if constexpr (FAST) {
-            int held = -1;
-            for (int kb = kb_lo; kb < kb_hi; ++kb) {
-                mbar_wait(full(stage), phase);
-                wgmma_fence();
-#pragma unroll
-                for (int kk = 0; kk < BK / 32; ++kk) {
-                    const uint64_t dw = sw128_desc(tile_w(stage) + cw * 64 * BK + kk * 32);
-                    const uint64_t dx = sw128_desc(tile_x(stage) + kk * 32);
-                    wgmma_fp8<FB, FA, MN>(acc, dw, dx, 1);
-                }
-                wgmma_commit();
-                wgmma_wait1();
-                if (held >= 0 && lane == 0) mbar_arrive(empty(held));
-                held = stage;
-                if (++stage == STAGES) {
-                    stage = 0;
-                    phase ^= 1u;
-                }
-            }
-            wgmma_wait0();
-            if (held >= 0 && lane == 0) mbar_arrive(empty(held));
+            consume_fast<FB, FA, MN>(acc, kb_lo, kb_hi, ring, full, ops, nothing, release);
         } else {
-            for (int kb = kb_lo; kb < kb_hi; ++kb) {
-                mbar_wait(full(stage), phase);
-                float part[NACC];
-                wgmma_fence();
+            consume_promoted<FB, FA, MN>(kb_lo, kb_hi, ring, full, ops, nothing, release,
+                                         [](int) {}, [&](const float(&part)[NACC]) {
 #pragma unroll
-                for (int kk = 0; kk < BK / 32; ++kk) {
-                    const uint64_t dw = sw128_desc(tile_w(stage) + cw * 64 * BK + kk * 32);
-                    const uint64_t dx = sw128_desc(tile_x(stage) + kk * 32);
-                    wgmma_fp8<FB, FA, MN>(part, dw, dx, kk > 0 ? 1 : 0);
-                }
-                wgmma_commit();
-                wgmma_wait0();
-                if (lane == 0) mbar_arrive(empty(stage));
-#pragma unroll
-                for (int i = 0; i < NACC; ++i) acc[i] += part[i];
-                if (++stage == STAGES) {
-                    stage = 0;
-                    phase ^= 1u;
-                }
-            }
+                                             for (int i = 0; i < NACC; ++i) acc[i] += part[i];
+                                         });
         }
         // Both consumers' products done (the partial tile overwrites the ring, whose last
         // stages the other consumer's wgmma may still read; every load was consumed).

@@ -276,52 +276,6 @@ __device__ __forceinline__ void named_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
-__device__ __forceinline__ uint32_t cluster_ctarank() {
-    uint32_t r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-__device__ __forceinline__ uint32_t cluster_nctarank() {
-    uint32_t r;
-    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
-    return r;
-}
-// Every thread of every CTA of the cluster: writes before it (shared memory included) are
-// visible to reads after it anywhere in the cluster.
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n"
-                 "barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-// The address of this CTA's shared `addr` in the shared memory of cluster CTA `rank`.
-__device__ __forceinline__ uint32_t cluster_map(uint32_t addr, uint32_t rank) {
-    uint32_t r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
-    return r;
-}
-__device__ __forceinline__ float4 ld_cluster_f4(uint32_t addr) {
-    float4 v;
-    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-                 : "r"(addr)
-                 : "memory");
-    return v;
-}
-// Arrives on mbarrier `bar` (this CTA's shared address) of cluster CTA `rank`.
-__device__ __forceinline__ void mbar_arrive_in(uint32_t bar, uint32_t rank) {
-    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(cluster_map(bar, rank)) : "memory");
-}
-
-// tma_load_3d, multicast: the box lands at `dst` in every CTA of the cluster named in `mask`,
-// each completing on its own `bar` (the same offsets).
-__device__ __forceinline__ void tma_load_3d_mcast(uint32_t dst, const TmaDesc *map, uint32_t bar, int c0,
-                                                  int c1, int c2, uint16_t mask) {
-    const uint64_t m = reinterpret_cast<uint64_t>(map);
-    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-                 ".multicast::cluster [%0], [%1, {%3, %4, %5}], [%2], %6;" ::"r"(dst),
-                 "l"(m), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "h"(mask)
-                 : "memory");
-}
-
 // The fused casts' staging: boxes of 64 rows x 64 bytes in the 64-byte swizzle of TMA (the
 // 16-byte chunk q of row r at chunk q ^ ((r / 2) % 4)), so that a warp's stores of 8 rows x 4
 // column pairs, or of their transposes, hit distinct banks.
@@ -365,14 +319,6 @@ __device__ __forceinline__ void wgmma_wait1() { asm volatile("wgmma.wait_group.s
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])                                                                                \
                  : "l"(da), "l"(db), "r"(scale_d))
 
-#define FP8K_WGMMA_N96(TYPES)                                                                      \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %50, 0;\n"                                         \
-                 "wgmma.mma_async.sync.aligned.m64n96k32.f32." TYPES " "                                  \
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, "                                                                          \
-                 "%48, %49, p, 1, 1;\n}\n"                                                             \
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])                                                                                \
-                 : "l"(da), "l"(db), "r"(scale_d))
-
 #define FP8K_WGMMA_N128(TYPES)                                                                     \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                         \
                  "wgmma.mma_async.sync.aligned.m64n128k32.f32." TYPES " "                                 \
@@ -409,20 +355,91 @@ __device__ __forceinline__ void wgmma_wait1() { asm volatile("wgmma.wait_group.s
     }
 
 // One m64nBNk32 wgmma: d (+)= A[64 x 32] . B[BN x 32]^T from shared memory descriptors
-// (BN 64: the skinny GEMM's, gemm_skinny.cuh; 64 and 96: halves of the promoted tiles).
+// (BN 64: the skinny GEMM's, gemm_skinny.cuh).
 template <__nv_fp8_interpretation_t FA, __nv_fp8_interpretation_t FB, int BN>
 __device__ __forceinline__ void wgmma_fp8(float (&d)[BN / 2], uint64_t da, uint64_t db, int scale_d) {
     if constexpr (BN == 64) {
         FP8K_WGMMA_TYPES(FP8K_WGMMA_N64)
-    } else if constexpr (BN == 96) {
-        FP8K_WGMMA_TYPES(FP8K_WGMMA_N96)
     } else if constexpr (BN == 128) {
         FP8K_WGMMA_TYPES(FP8K_WGMMA_N128)
     } else if constexpr (BN == 192) {
         FP8K_WGMMA_TYPES(FP8K_WGMMA_N192)
     } else {
-        static_assert(BN == 256, "BN is 64, 96, 128, 192 or 256");
+        static_assert(BN == 256, "BN is 64, 128, 192 or 256");
         FP8K_WGMMA_TYPES(FP8K_WGMMA_N256)
+    }
+}
+
+// A consumer's place in the ring of stages: the stage it reads next and the phase of that
+// stage's full barrier.
+template <int STAGES> struct RingPos {
+    int stage = 0;
+    uint32_t phase = 0;
+    __device__ __forceinline__ void advance() {
+        if (++stage == STAGES) {
+            stage = 0;
+            phase ^= 1u;
+        }
+    }
+};
+
+// One k-block (BK deep) of a consumer's products as one wgmma group: d (+)= the 64 x BK slice
+// of the wgmma's A side at shared address `a` times the N x BK slice of its B side at `b` (both
+// K-major in TMA's 128-byte swizzle). `add`: d accumulates; otherwise the first k32 step
+// overwrites it.
+template <__nv_fp8_interpretation_t FA, __nv_fp8_interpretation_t FB, int N>
+__device__ __forceinline__ void mma_kblock(float (&d)[N / 2], uint32_t a, uint32_t b, bool add) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BK / 32; ++kk) {
+        wgmma_fp8<FA, FB, N>(d, sw128_desc(a + kk * 32), sw128_desc(b + kk * 32), add || kk > 0 ? 1 : 0);
+    }
+    wgmma_commit();
+}
+
+// A consumer's k-blocks [lo, hi) from the ring, summed by the tensor cores (fast accumulation):
+// each k-block's group stays in flight while the next one is issued, and its stage is
+// released when it retires. `full(stage)` is the stage's full barrier, `ops(stage)` the
+// (A, B) addresses of this consumer's operands in it, `issued()` runs once after the first
+// k-block is issued (work to hide under it), `release(stage)` frees a stage.
+template <__nv_fp8_interpretation_t FA, __nv_fp8_interpretation_t FB, int N, int STAGES,
+          class Full, class Ops, class Issued, class Release>
+__device__ __forceinline__ void consume_fast(float (&acc)[N / 2], int lo, int hi, RingPos<STAGES> &ring,
+                                             Full full, Ops ops, Issued issued, Release release) {
+    int held = -1;  // the stage whose group is still in flight
+    for (int kb = lo; kb < hi; ++kb) {
+        mbar_wait(full(ring.stage), ring.phase);
+        const uint2 ab = ops(ring.stage);
+        mma_kblock<FA, FB, N>(acc, ab.x, ab.y, true);
+        if (kb == lo) issued();
+        wgmma_wait1();
+        if (held >= 0) release(held);
+        held = ring.stage;
+        ring.advance();
+    }
+    wgmma_wait0();
+    if (held >= 0) release(held);
+}
+
+// consume_fast with each k-block's products promoted into the f32 sum by `promote(part)`
+// (part: the k-block's N / 2 products per thread) after its group retires; `before(kb)` runs
+// at the start of k-block kb (loads to hide under it).
+template <__nv_fp8_interpretation_t FA, __nv_fp8_interpretation_t FB, int N, int STAGES,
+          class Full, class Ops, class Issued, class Release, class Before, class Promote>
+__device__ __forceinline__ void consume_promoted(int lo, int hi, RingPos<STAGES> &ring, Full full, Ops ops,
+                                                 Issued issued, Release release, Before before,
+                                                 Promote promote) {
+    for (int kb = lo; kb < hi; ++kb) {
+        before(kb);
+        mbar_wait(full(ring.stage), ring.phase);
+        float part[N / 2];
+        const uint2 ab = ops(ring.stage);
+        mma_kblock<FA, FB, N>(part, ab.x, ab.y, false);
+        if (kb == lo) issued();
+        wgmma_wait0();
+        release(ring.stage);
+        promote(part);
+        ring.advance();
     }
 }
 
@@ -539,14 +556,8 @@ struct BlockScales {
 // 64 x 64-byte boxes. (Written from registers, a warp's 2-byte and 1-byte stores scattered
 // over 8 and 4 sectors each, the fused kernel took 41.9 us at T = 256 against 28.5 + 5.8 for
 // the GEMM and the SwiGLU cast apart.)
-// MCAST (GROUPED without counts, not BLOCK or SWIGLU; experiment): clusters of 2 CTAs along
-// x whose tiles t and t + 1 (same column tile: the host makes every band's m-tile count even)
-// share B: each CTA loads half of B's box rows and multicasts it to both; a stage is free
-// again when both CTAs' consumers have released it (16 arrivals, half of them remote). `tb`
-// then maps B with boxes of BN / 2 rows.
 template <__nv_fp8_interpretation_t FA, __nv_fp8_interpretation_t FB, typename Out, int BN,
-          int MODE = GROUPED, bool FAST = false, bool BLOCK = false, bool SWIGLU = false,
-          bool MCAST = false, bool SPLITP = false>
+          int MODE = GROUPED, bool FAST = false, bool BLOCK = false, bool SWIGLU = false>
 __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const TmaDesc *td, Out *d,
                                      const void *bias, const float *sa, const float *sb,
                                      const int *counts, uint4 dims, uint4 flags,
@@ -575,13 +586,6 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
     const int ntiles = (n + BN - 1) / BN;
     const int kblocks = (k + BK - 1) / BK;
     const int wg = threadIdx.x / 128;
-    static_assert(!MCAST || (MODE == GROUPED && !BLOCK && !SWIGLU), "multicast");
-    const uint32_t crank = MCAST ? (blockIdx.x & 1u) : 0u;
-    // A consumer warp's release of stage s: to its own CTA, and (MCAST) to the peer's.
-    auto release = [&](uint32_t bar) {
-        mbar_arrive(bar);
-        if constexpr (MCAST) mbar_arrive_in(bar, crank ^ 1u);
-    };
 
     if (threadIdx.x == 0) {
         asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(ta)) : "memory");
@@ -595,16 +599,11 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
         }
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full(s), 1);
-            mbar_init(empty(s), MCAST ? 16 : 8);  // one arrive per consumer warp (of both CTAs)
+            mbar_init(empty(s), 8);  // one arrive per consumer warp
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
-    // (MCAST: the peer's barriers are initialised before anything signals them.)
-    if constexpr (MCAST) {
-        cluster_sync();
-    } else {
-        __syncthreads();
-    }
+    __syncthreads();
     // Programmatic dependent launch: the set-up above overlaps the previous kernel's tail;
     // counts, scales, A, B and D are touched only after the wait.
     cuda_graph::pdl_enter();
@@ -668,9 +667,6 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                         tma_load_3d(tile_b(stage), tb, full(stage), kb * BK, f0, tl.g, b_hint);
                         tma_load_3d(tile_b(stage) + (BN / 2) * BK, tb, full(stage), kb * BK,
                                     n / 2 + f0, tl.g, b_hint);
-                    } else if constexpr (MCAST) {
-                        tma_load_3d_mcast(tile_b(stage) + crank * (BN / 2) * BK, tb, full(stage),
-                                          kb * BK, tl.nt * BN + int(crank) * (BN / 2), tl.g, 3);
                     } else {
                         tma_load_3d(tile_b(stage), tb, full(stage), kb * BK, tl.nt * BN,
                                     MODE == WGRAD ? 0 : tl.g, b_hint);
@@ -720,8 +716,7 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
         float sw_scale = 1.0f;
         unsigned sw_amax = 0;
         if constexpr (SWIGLU) sw_scale = *sw->scale;
-        int stage = 0;
-        uint32_t phase = 0;
+        RingPos<STAGES> ring;
         // Ping-pong (the f32 weight gradient at 128 columns, the instance `wgrad_bn` takes for
         // few rows a group): on a tile of at most STAGES k-blocks the consumers take turns at
         // the tensor cores: consumer 1's products after consumer 0's (named barrier 3),
@@ -769,126 +764,45 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                     named_sync(ORDER_10, 256);
                 }
             }
-            if constexpr (FAST) {
-                // The stage whose wgmma group is still in flight (released one k-block later).
-                int held = -1;
-                for (int kb = kr.lo; kb < kr.hi; ++kb) {
-                    mbar_wait(full(stage), phase);
-                    wgmma_fence();
-#pragma unroll
-                    for (int kk = 0; kk < BK / 32; ++kk) {
-                        const uint64_t da = sw128_desc(tile_a(stage) + cw * 64 * BK + kk * 32);
-                        const uint64_t db = sw128_desc(tile_b(stage) + kk * 32);
-                        wgmma_fp8<FA, FB, BN>(acc, da, db, 1);
-                    }
-                    wgmma_commit();
-                    if (kb == kr.lo) next = tile_after(t);
-                    wgmma_wait1();
-                    if (held >= 0 && lane == 0) release(empty(held));
-                    held = stage;
-                    if (++stage == STAGES) {
-                        stage = 0;
-                        phase ^= 1u;
-                    }
-                }
-                wgmma_wait0();
-                if (held >= 0 && lane == 0) release(empty(held));
-            }
+            auto ops = [&](int st) {
+                return make_uint2(tile_a(st) + cw * 64 * BK, tile_b(st));
+            };
+            auto issued = [&] { next = tile_after(t); };
+            auto release = [&](int st) {
+                if (lane == 0) mbar_arrive(empty(st));
+            };
             // Block scaling: this thread's two rows (rl and rl + 8 of its consumer's 64); the
             // scales of k-block kb + 1 are loaded while kb's products are computed.
             const int brow = tl.mt * BM + cw * 64 + warp * 16 + lane / 4;
             BlockScales<BLOCK ? BN : 128> bs{}, bs_next{};  // (unused without BLOCK)
-            if constexpr (BLOCK) {
-                if (kr.lo < kr.hi) bs_next.load(sa, sb, brow, m, tl.nt, n, kbt, kr.lo);
-            }
-            // SPLITP (promoted sums; experiment): each k-block's products in two halves of
-            // the tile's columns (n BN / 2 wgmmas, two commit groups), the first half promoted
-            // while the second's products are on the tensor cores. Same registers as one
-            // whole-width part (two halves of NACC / 2).
-            if constexpr (!FAST && SPLITP) {
-                constexpr int H = BN / 2, NH = NACC / 2;
-                for (int kb = kr.lo; kb < kr.hi; ++kb) {
+            if constexpr (FAST) {
+                consume_fast<FA, FB, BN>(acc, kr.lo, kr.hi, ring, full, ops, issued, release);
+            } else {
+                if constexpr (BLOCK) {
+                    if (kr.lo < kr.hi) bs_next.load(sa, sb, brow, m, tl.nt, n, kbt, kr.lo);
+                }
+                auto before = [&](int kb) {
                     if constexpr (BLOCK) {
                         bs = bs_next;
                         if (kb + 1 < kr.hi) bs_next.load(sa, sb, brow, m, tl.nt, n, kbt, kb + 1);
                     }
-                    mbar_wait(full(stage), phase);
-                    float p0[NH], p1[NH];
-                    wgmma_fence();
+                };
+                auto promote = [&](const float(&part)[NACC]) {
+                    if constexpr (BLOCK) {
+                        // acc[4p], acc[4p + 1] are row rl's, acc[4p + 2], acc[4p + 3] row rl +
+                        // 8's, all in columns 8p .. 8p + 7 of the tile.
+                        const auto f = bs.products();
 #pragma unroll
-                    for (int kk = 0; kk < BK / 32; ++kk) {
-                        const uint64_t da = sw128_desc(tile_a(stage) + cw * 64 * BK + kk * 32);
-                        wgmma_fp8<FA, FB, H>(p0, da, sw128_desc(tile_b(stage) + kk * 32), kk > 0 ? 1 : 0);
-                    }
-                    wgmma_commit();
-#pragma unroll
-                    for (int kk = 0; kk < BK / 32; ++kk) {
-                        const uint64_t da = sw128_desc(tile_a(stage) + cw * 64 * BK + kk * 32);
-                        wgmma_fp8<FA, FB, H>(p1, da, sw128_desc(tile_b(stage) + H * BK + kk * 32),
-                                             kk > 0 ? 1 : 0);
-                    }
-                    wgmma_commit();
-                    if (kb == kr.lo) next = tile_after(t);
-                    const auto f = bs.products();
-                    wgmma_wait1();
-#pragma unroll
-                    for (int i = 0; i < NH; ++i) {
-                        if constexpr (BLOCK) {
-                            acc[i] = fmaf(p0[i], f.at(i / 4, (i & 2) != 0), acc[i]);
-                        } else {
-                            acc[i] += p0[i];
+                        for (int i = 0; i < NACC; ++i) {
+                            acc[i] = fmaf(part[i], f.at(i / 4, (i & 2) != 0), acc[i]);
                         }
-                    }
-                    wgmma_wait0();
-                    if (lane == 0) release(empty(stage));
+                    } else {
 #pragma unroll
-                    for (int i = 0; i < NH; ++i) {
-                        if constexpr (BLOCK) {
-                            acc[NH + i] = fmaf(p1[i], f.at((NH + i) / 4, (i & 2) != 0), acc[NH + i]);
-                        } else {
-                            acc[NH + i] += p1[i];
-                        }
+                        for (int i = 0; i < NACC; ++i) acc[i] += part[i];
                     }
-                    if (++stage == STAGES) {
-                        stage = 0;
-                        phase ^= 1u;
-                    }
-                }
-            }
-            for (int kb = kr.lo; !FAST && !SPLITP && kb < kr.hi; ++kb) {
-                if constexpr (BLOCK) {
-                    bs = bs_next;
-                    if (kb + 1 < kr.hi) bs_next.load(sa, sb, brow, m, tl.nt, n, kbt, kb + 1);
-                }
-                mbar_wait(full(stage), phase);
-                float part[NACC];
-                wgmma_fence();
-#pragma unroll
-                for (int kk = 0; kk < BK / 32; ++kk) {
-                    const uint64_t da = sw128_desc(tile_a(stage) + cw * 64 * BK + kk * 32);
-                    const uint64_t db = sw128_desc(tile_b(stage) + kk * 32);
-                    wgmma_fp8<FA, FB, BN>(part, da, db, kk > 0 ? 1 : 0);
-                }
-                wgmma_commit();
-                if (kb == kr.lo) next = tile_after(t);
-                wgmma_wait0();
-                if (lane == 0) release(empty(stage));
-                if constexpr (BLOCK) {
-                    // acc[4p], acc[4p + 1] are row rl's, acc[4p + 2], acc[4p + 3] row rl + 8's,
-                    // all in columns 8p .. 8p + 7 of the tile.
-                    const auto f = bs.products();
-#pragma unroll
-                    for (int i = 0; i < NACC; ++i) {
-                        acc[i] = fmaf(part[i], f.at(i / 4, (i & 2) != 0), acc[i]);
-                    }
-                } else {
-#pragma unroll
-                    for (int i = 0; i < NACC; ++i) acc[i] += part[i];
-                }
-                if (++stage == STAGES) {
-                    stage = 0;
-                    phase ^= 1u;
-                }
+                };
+                consume_promoted<FA, FB, BN>(kr.lo, kr.hi, ring, full, ops, issued, release, before,
+                                             promote);
             }
             if (turns) {
                 // Hand the tensor cores over: consumer 1 arrives for consumer 0's next tile
@@ -1087,11 +1001,6 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
             }
         }
     }
-    // MCAST: no CTA leaves while its peer may still multicast into it or release its stages.
-    if constexpr (MCAST) {
-        __syncwarp();
-        cluster_sync();
-    }
 #else
     __trap();
 #endif
@@ -1231,41 +1140,6 @@ FP8K_GEMM_SM90_OUTS(e5m2, __NV_E5M2, e5m2, __NV_E5M2)
 FP8K_GEMM_SM90_FAST(128)
 FP8K_GEMM_SM90_FAST(192)
 FP8K_GEMM_SM90_FAST(256)
-// Experiment: split promotion (SPLITP), E4M3 x E4M3 into bf16, per-tensor and block-scaled.
-#define FP8K_GEMM_SM90_SPLITP(W)                                                                       \
-    extern "C" __global__ void __launch_bounds__(fp8k::sm90::THREADS, 1)                             \
-        fp8_gemm_sm90_split_e4m3_e4m3_bf16_n##W(                                                       \
-            const __grid_constant__ fp8k::sm90::TmaDesc ta, const __grid_constant__ fp8k::sm90::TmaDesc tb, \
-            const __grid_constant__ fp8k::sm90::TmaDesc td, __nv_bfloat16 *d, const void *bias,          \
-            const float *sa, const float *sb, const int *counts, uint4 dims, uint4 flags) {            \
-        fp8k::sm90::gemm<__NV_E4M3, __NV_E4M3, __nv_bfloat16, W, fp8k::sm90::GROUPED, false, false,    \
-                         false, false, true>(&ta, &tb, &td, d, bias, sa, sb, counts, dims, flags);     \
-    }                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(fp8k::sm90::THREADS, 1)                             \
-        fp8_gemm_sm90_block_split_e4m3_e4m3_bf16_n##W(                                                 \
-            const __grid_constant__ fp8k::sm90::TmaDesc ta, const __grid_constant__ fp8k::sm90::TmaDesc tb, \
-            const __grid_constant__ fp8k::sm90::TmaDesc td, __nv_bfloat16 *d, const void *bias,          \
-            const float *sa, const float *sb, const int *counts, uint4 dims, uint4 flags) {            \
-        fp8k::sm90::gemm<__NV_E4M3, __NV_E4M3, __nv_bfloat16, W, fp8k::sm90::GROUPED, false, true,     \
-                         false, false, true>(&ta, &tb, &td, d, bias, sa, sb, counts, dims, flags);     \
-    }
-FP8K_GEMM_SM90_SPLITP(128)
-FP8K_GEMM_SM90_SPLITP(192)
-// Experiment: B multicast over clusters of 2 (MCAST), E4M3 x E4M3 into bf16, promoted and fast.
-#define FP8K_GEMM_SM90_MCAST(LAYOUT, FASTV, W)                                                         \
-    extern "C" __global__ void __launch_bounds__(fp8k::sm90::THREADS, 1)                             \
-        fp8_gemm_sm90_mcast_##LAYOUT##e4m3_e4m3_bf16_n##W(                                             \
-            const __grid_constant__ fp8k::sm90::TmaDesc ta, const __grid_constant__ fp8k::sm90::TmaDesc tb, \
-            const __grid_constant__ fp8k::sm90::TmaDesc td, __nv_bfloat16 *d, const void *bias,          \
-            const float *sa, const float *sb, const int *counts, uint4 dims, uint4 flags) {            \
-        fp8k::sm90::gemm<__NV_E4M3, __NV_E4M3, __nv_bfloat16, W, fp8k::sm90::GROUPED, FASTV, false,    \
-                         false, true>(&ta, &tb, &td, d, bias, sa, sb, counts, dims, flags);            \
-    }
-FP8K_GEMM_SM90_MCAST(, false, 128)
-FP8K_GEMM_SM90_MCAST(, false, 192)
-FP8K_GEMM_SM90_MCAST(fast_, true, 128)
-FP8K_GEMM_SM90_MCAST(fast_, true, 192)
-FP8K_GEMM_SM90_MCAST(fast_, true, 256)
 // The packed fc1 GEMM with the fused SwiGLU epilogue (SWIGLU; E4M3 x E4M3, bf16 D, h in
 // E4M3): fast accumulation at 128 and 256 columns, the promoted sum at 128. ty and tyt map
 // the cast's outputs; hy and hyt are those outputs' buffers, unused by the kernel but

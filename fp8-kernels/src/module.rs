@@ -18,6 +18,6 @@ pub fn module(ctx: &Arc<Context>) -> Result<Module> {
 /// derive from it).
 pub(crate) fn kernel(ctx: &Arc<Context>, name: &str) -> Result<(Kernel, u32)> {
     let kernel = module(ctx)?.kernel(name)?;
-    let sms = ctx.device().multiprocessor_count()?.max(1) as u32;
+    let sms = ctx.multiprocessor_count()?.max(1);
     Ok((kernel, sms))
 }

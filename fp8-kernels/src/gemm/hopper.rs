@@ -27,14 +27,14 @@
 
 // Reached through the entry points in `gemm/`, written alongside this path.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use cuda_graph::sys::{
     CUresult, CUtensorMap, CUtensorMapDataType, CUtensorMapFloatOOBfill, CUtensorMapInterleave,
     CUtensorMapL2promotion, CUtensorMapSwizzle,
 };
 use cuda_graph::{
-    Context, DeviceBuffer, Error, KernelArgs, LaunchAttribute, LaunchConfig, Result, Stream,
+    Context, DeviceBuffer, Error, Kernel, KernelArgs, LaunchAttribute, LaunchConfig, Result, Stream,
 };
 
 use super::packed::{GroupScales, PackedProblem, WgradProblem};
@@ -389,8 +389,8 @@ pub(crate) fn launch(stream: &Stream, p: &GemmProblem<'_>) -> Result<()> {
     let plain = p.groups <= 1 && p.counts.is_none();
     if plain {
         check(p)?;
-        if let Some(plan) = skinny_plan(p.m, p.n, p.k, grid_sms(stream, p.max_sms)?) {
-            return launch_skinny(stream, p, plan);
+        if let Some((kern, plan)) = skinny_plan_on(stream, p)? {
+            return launch_skinny(stream, p, &kern, plan);
         }
     }
     if let Some(ws) = p.workspace.filter(|_| plain) {
@@ -408,47 +408,57 @@ const SKINNY_ROWS: usize = 128;
 /// Columns of D one skinny CTA covers (two consumers of 64).
 const SKINNY_COLS: usize = 128;
 
-/// The skinny kernel's plan for a plain `m x n x k` GEMM on `sms` SMs: `(mn, splits)`, `mn`
-/// its row width (64 for m <= 64, else 128) and `splits` the cluster size along K (2, 4 or
-/// 8): the most whose CTAs, `ceil(n / 128) * splits`, take at most 7/8 of the SMs, with at
-/// least 2 k-blocks each. `None` (the regular tiles) for m over [`SKINNY_ROWS`] or 0, N not a
-/// multiple of 4 (the kernel stores four columns at a time), or no such split.
+/// The skinny kernel's row width for `m` rows of A (64 for m <= 64, else 128).
+fn skinny_width(m: usize) -> usize {
+    if m <= 64 { 64 } else { 128 }
+}
+
+/// The skinny kernel's plan for a plain `m x n x k` GEMM: `(mn, splits)`, `mn` its row width
+/// ([`skinny_width`]) and `splits` the cluster size along K: the most, from 8 down to 2, such
+/// that all `ceil(n / 128)` clusters are resident at once (`resident(s)`: how many clusters of
+/// `s` CTAs the device holds at once) and each CTA has at least 2 k-blocks. `None` (the
+/// regular tiles) for m over [`SKINNY_ROWS`] or 0, N not a multiple of 4 (the kernel stores
+/// four columns at a time), or no such split.
 ///
-/// On an H200 (132 SMs; TFLOP/s, back-to-back launches, promoted / fast sums): 64 x 4096 x
-/// 7168 in clusters of 1 / 2 / 4 / 8: 210 / 324 / 256 / 208 (229 / 346 / 274 / 215), the
-/// regular 128-wide tiles 128 (193); 128 x 7168 x 2048: 328 / 416 / 284 / 148 (354 / 419 /
-/// 288 / 150), regular 358 (465); 16 x 4096 x 7168 and 32 x 7168 x 2048 best in clusters of 2
-/// as well. 128 CTAs in clusters of 4 were slower than 64 in clusters of 2: clusters of CTAs
-/// with ~200 KiB of shared memory each must fit in one GPC, and at nearly every SM not all of
-/// them start in the first wave; hence the 7/8. One CTA a column tile (no split) was slower
-/// than the regular tiles, which the plan then leaves the problem to.
-fn skinny_plan(m: usize, n: usize, k: usize, sms: usize) -> Option<(usize, usize)> {
+/// Why one wave of clusters: the CTAs of a cluster share a GPC, so a cluster size that does
+/// not divide a GPC's SMs leaves some idle, and an H200 (132 SMs) holds 66 clusters of 2, 39
+/// of 3, 30 of 4, 17 of 6 and 15 of 8 of these CTAs. On it (TFLOP/s, back-to-back launches,
+/// promoted sums), 64 x 4096 x 7168 (32 column tiles) in clusters of 1 / 2 / 3 / 4 / 6 / 8:
+/// 212 / 324 / 360 / 255 / 246 / 204 (3 is the most that fit: 96 CTAs); 128 x 7168 x 2048
+/// (56): 325 / 412 / 236 / 274 / 141 / 144 (2); 32 x 7168 x 2048 (56) best in 2 (126 against
+/// 81 in 3); 16 x 4096 x 7168 level in 2 and 3 (72-74). One CTA a column tile (no split) was
+/// slower than the regular tiles, which the plan then leaves the problem to.
+fn skinny_plan(
+    m: usize,
+    n: usize,
+    k: usize,
+    resident: impl Fn(usize) -> usize,
+) -> Option<(usize, usize)> {
     if m == 0 || m > SKINNY_ROWS || n == 0 || n % 4 != 0 {
         return None;
     }
     let tiles = n.div_ceil(SKINNY_COLS);
     let kb = k.div_ceil(TILE);
-    let splits = [8, 4, 2]
-        .into_iter()
-        .find(|&s| tiles * s * 8 <= sms * 7 && kb >= 2 * s)?;
-    Some((if m <= 64 { 64 } else { 128 }, splits))
+    let splits = (2..=MAX_CLUSTER)
+        .rev()
+        .find(|&s| kb >= 2 * s && tiles <= resident(s))?;
+    Some((skinny_width(m), splits))
 }
 
-/// Dynamic shared memory of the skinny kernel of row width `mn` (keep in step with
-/// `SkinnyCfg` in the kernel): the ring of B (128 rows) and A (`mn` rows) k-blocks, as deep as
-/// fits (at most 12; the partial tile, `mn` rows of 132 f32, takes the ring's space after the
-/// main loop), the barriers, 1 KiB alignment slack.
-fn skinny_smem_bytes(mn: usize) -> usize {
-    const MAX_STAGES: usize = 12;
-    let stage = SKINNY_COLS * TILE + mn * TILE;
-    let stages = ((SMEM_LIMIT - 1024 - 2 * MAX_STAGES * 8) / stage).min(MAX_STAGES);
-    stages * stage + 2 * stages * 8 + 1024
-}
+/// The largest portable thread-block cluster.
+const MAX_CLUSTER: usize = 8;
 
-/// A plain GEMM of at most 128 rows on the skinny kernel, as [`skinny_plan`] says: clusters of
-/// `splits` CTAs, each CTA 128 columns of D over one slice of K, the slices' partial sums
-/// added in shared memory across the cluster (no workspace; the sum's order is fixed).
-fn launch_skinny(stream: &Stream, p: &GemmProblem<'_>, (mn, splits): (usize, usize)) -> Result<()> {
+/// [`skinny_plan`] for `p` on `stream`'s device, with the kernel it runs (its shared-memory
+/// limit set): the resident clusters asked from the driver ([`resident_clusters`]), at most
+/// `max_sms / s` of `s` CTAs when the problem caps its SMs.
+fn skinny_plan_on(
+    stream: &Stream,
+    p: &GemmProblem<'_>,
+) -> Result<Option<(Kernel, (usize, usize))>> {
+    if p.m == 0 || p.m > SKINNY_ROWS {
+        return Ok(None);
+    }
+    let mn = skinny_width(p.m);
     let formats = (p.a.format, p.b.format);
     let layout = if fast_instance(p.fast, formats, p.d.name()) {
         "skinny_fast_"
@@ -464,6 +474,64 @@ fn launch_skinny(stream: &Stream, p: &GemmProblem<'_>, (mn, splits): (usize, usi
     let (kern, _) = kernel(stream.context(), &name)?;
     let smem = skinny_smem_bytes(mn);
     kern.set_max_dynamic_shared_memory(smem)?;
+    let sms = grid_sms(stream, p.max_sms)?;
+    let resident = resident_clusters(&kern, smem, sms);
+    Ok(skinny_plan(p.m, p.n, p.k, |s| resident[s].min(sms / s)).map(|plan| (kern, plan)))
+}
+
+/// How many clusters of `s` CTAs of `kern` (`smem` bytes of dynamic shared memory each) the
+/// device holds at once, for s = 0 ..= [`MAX_CLUSTER`] (index s; 0 for s = 0 and for sizes
+/// the driver refuses), asked from the driver once per kernel. Where it can not answer at all
+/// (a driver before 11.8), `7 sms / (8 s)`: most SMs, some left for clusters that do not fit.
+fn resident_clusters(kern: &Kernel, smem: usize, sms: usize) -> [usize; MAX_CLUSTER + 1] {
+    static CACHE: Mutex<Vec<(usize, [usize; MAX_CLUSTER + 1])>> = Mutex::new(Vec::new());
+    let key = kern.as_raw() as usize;
+    let mut cache = CACHE
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    if let Some((_, table)) = cache.iter().find(|(k, _)| *k == key) {
+        return *table;
+    }
+    let mut table = [0; MAX_CLUSTER + 1];
+    for (s, slot) in table.iter_mut().enumerate().skip(1) {
+        let cfg = LaunchConfig {
+            shared_mem_bytes: smem as u32,
+            ..LaunchConfig::linear(s as u32, THREADS)
+        }
+        .with(LaunchAttribute::ClusterDimension(s as u32, 1, 1));
+        *slot = kern.max_active_clusters(&cfg).map_or(0, |c| c as usize);
+    }
+    if table.iter().all(|&c| c == 0) {
+        for (s, slot) in table.iter_mut().enumerate().skip(1) {
+            *slot = 7 * sms / (8 * s);
+        }
+    }
+    cache.push((key, table));
+    table
+}
+
+/// Dynamic shared memory of the skinny kernel of row width `mn` (keep in step with
+/// `SkinnyCfg` in the kernel): the ring of B (128 rows) and A (`mn` rows) k-blocks, as deep as
+/// fits (at most 12; the partial tile, `mn` rows of 132 f32, takes the ring's space after the
+/// main loop), the barriers, 1 KiB alignment slack.
+fn skinny_smem_bytes(mn: usize) -> usize {
+    const MAX_STAGES: usize = 12;
+    let stage = SKINNY_COLS * TILE + mn * TILE;
+    let stages = ((SMEM_LIMIT - 1024 - 2 * MAX_STAGES * 8) / stage).min(MAX_STAGES);
+    stages * stage + 2 * stages * 8 + 1024
+}
+
+/// A plain GEMM of at most 128 rows on the skinny kernel `kern` ([`skinny_plan_on`]), as the
+/// plan says: clusters of `splits` CTAs, each CTA 128 columns of D over one slice of K, the
+/// slices' partial sums added in shared memory across the cluster (no workspace; the sum's
+/// order is fixed).
+fn launch_skinny(
+    stream: &Stream,
+    p: &GemmProblem<'_>,
+    kern: &Kernel,
+    (mn, splits): (usize, usize),
+) -> Result<()> {
+    let smem = skinny_smem_bytes(mn);
     let ta = tensor_map(p.a.data, 1, p.m, p.k, mn)?;
     let tb = tensor_map(p.b.data, 1, p.n, p.k, SKINNY_COLS)?;
     let grid = (p.n.div_ceil(SKINNY_COLS) * splits) as u32;
@@ -496,7 +564,7 @@ fn launch_skinny(stream: &Stream, p: &GemmProblem<'_>, (mn, splits): (usize, usi
     // reads) D ([m, n], validated; n a multiple of 4 and D 8-byte aligned, so its 4-column
     // groups are whole) only at rows below m and columns below n; bias has n elements; the
     // scalar indices are inside their buffers; the grid is whole clusters of `splits` CTAs.
-    unsafe { stream.launch_pdl(&kern, &cfg, &args) }
+    unsafe { stream.launch_pdl(kern, &cfg, &args) }
 }
 
 /// The K splits of a plain `m x n x k` GEMM on `sms` SMs with `ws_bytes` of workspace: 1
@@ -642,7 +710,7 @@ fn launch_epilogue(
     } else {
         ""
     };
-    let (bn, mut k, mut cfg) = select(
+    let (bn, k, cfg) = select(
         stream,
         layout,
         formats,
@@ -651,25 +719,8 @@ fn launch_epilogue(
         bn,
         p.max_sms,
     )?;
-    // Experiment (branch exp-mcast): FP8K_MCAST=1 runs plain E4M3 x E4M3 -> bf16 GEMMs with
-    // an even m-tile count on the B-multicast kernels (clusters of 2 along m).
-    let mcast = std::env::var_os("FP8K_MCAST").is_some_and(|v| v == "1")
-        && groups == 1
-        && p.counts.is_none()
-        && formats == (Fp8Format::E4M3, Fp8Format::E4M3)
-        && p.d.name() == "bf16"
-        && (bn != 256 || layout == "fast_")
-        && p.m.div_ceil(TILE) % 2 == 0
-        && cfg.grid.0 >= 2;
-    if mcast {
-        let name = format!("fp8_gemm_sm90_mcast_{layout}e4m3_e4m3_bf16_n{bn}");
-        k = kernel(stream.context(), &name)?.0;
-        k.set_max_dynamic_shared_memory(cfg.shared_mem_bytes as usize)?;
-        cfg.grid.0 &= !1;
-        cfg = cfg.with(LaunchAttribute::ClusterDimension(2, 1, 1));
-    }
     let ta = tensor_map(p.a.data, groups, p.m, p.k, TILE)?;
-    let tb = tensor_map(p.b.data, groups, p.n, p.k, if mcast { bn / 2 } else { bn })?;
+    let tb = tensor_map(p.b.data, groups, p.n, p.k, bn)?;
     // With row counts the kernel stores through the map only the tiles whose rows all lie
     // below their group's count; a group's last, partial tile goes from registers.
     let store = store
@@ -1058,17 +1109,7 @@ fn select(
     let sms = grid_sms(stream, max_sms)?;
     let es = d.elem_size();
     let bn = forced.unwrap_or_else(|| choose_bn_for(groups, m, n, es, sms, fast));
-    // Experiment: FP8K_SPLIT=1 takes the split-promotion instances where they exist.
-    let split = std::env::var_os("FP8K_SPLIT").is_some_and(|v| v == "1")
-        && (layout.is_empty() || layout == "block_")
-        && (fa, fb) == (Fp8Format::E4M3, Fp8Format::E4M3)
-        && d.name() == "bf16";
-    let layout = if split {
-        format!("{layout}split_")
-    } else {
-        layout.to_owned()
-    };
-    let (k, _) = kernel(stream.context(), &kernel_name(&layout, fa, fb, d.name(), bn))?;
+    let (k, _) = kernel(stream.context(), &kernel_name(layout, fa, fb, d.name(), bn))?;
     let smem = smem_bytes(bn, es);
     k.set_max_dynamic_shared_memory(smem)?;
     let tiles = groups.max(1) * m.div_ceil(TILE) * n.div_ceil(bn);
@@ -1205,30 +1246,38 @@ mod cpu_tests {
 
     #[test]
     fn skinny_plan_choice() {
-        // (m, n, k) -> plan on 132 SMs.
+        // Clusters of s resident at once on an H200 (132 SMs; the driver's answers for 1, 2,
+        // 3, 4, 6 and 8, and 5 and 7 between their neighbours').
+        const H200: [usize; 9] = [0, 132, 66, 39, 30, 24, 17, 16, 15];
+        let h200 = |s: usize| H200[s];
         for ((m, n, k), want) in [
-            // 32 column tiles: clusters of 2 (4 would take 128 SMs, over 7/8 of 132); 64 rows
-            // at most: 64 wide.
-            ((64, 4096, 7168), Some((64, 2))),
-            ((1, 4096, 7168), Some((64, 2))),
+            // 32 column tiles: clusters of 3 (32 of 4 do not fit at once); 64 rows at most:
+            // 64 wide.
+            ((64, 4096, 7168), Some((64, 3))),
+            ((1, 4096, 7168), Some((64, 3))),
             // 56 column tiles: clusters of 2 (112 SMs); 65..=128 rows: 128 wide.
             ((128, 7168, 2048), Some((128, 2))),
             ((65, 7168, 2048), Some((128, 2))),
-            // 8 column tiles: 8; 16: 4; too few k-blocks for 4 (2 each at least) take 2.
+            // 8 column tiles: 8; 16: 7; 17: 6; too few k-blocks for more (2 each at least).
             ((16, 1024, 4096), Some((64, 8))),
-            ((16, 2048, 4096), Some((64, 4))),
+            ((16, 2048, 4096), Some((64, 7))),
+            ((16, 2176, 4096), Some((64, 6))),
             ((16, 2048, 1024), Some((64, 4))),
             ((16, 2048, 512), Some((64, 2))),
-            // No split: too few k-blocks, or column tiles over half the SMs.
+            // No split: too few k-blocks, or more column tiles than clusters of 2 fit.
             ((16, 2048, 384), None),
-            ((64, 16384, 4096), None),
+            ((64, 8576, 4096), None),
+            ((64, 8448, 4096), Some((64, 2))),
             // More rows than the kernel covers, none, or N not a multiple of 4.
             ((129, 4096, 7168), None),
             ((0, 4096, 7168), None),
             ((64, 4098, 7168), None),
         ] {
-            assert_eq!(skinny_plan(m, n, k, 132), want, "{m}x{n}x{k}");
+            assert_eq!(skinny_plan(m, n, k, h200), want, "{m}x{n}x{k}");
         }
+        // A device that holds fewer clusters (an SM cap): fewer splits, or none.
+        assert_eq!(skinny_plan(64, 4096, 7168, |s| 64 / s), Some((64, 2)));
+        assert_eq!(skinny_plan(64, 4096, 7168, |s| 32 / s), None);
         // The shared memory fits a CTA, with at least 4 stages.
         for mn in [64, 128] {
             let bytes = skinny_smem_bytes(mn);
@@ -1990,7 +2039,6 @@ mod tests {
     #[ignore = "needs a CUDA device"]
     fn skinny_matches_the_fp64_reference() {
         let (_ctx, s) = setup();
-        let sms = sm_count(&s).unwrap() as usize;
         let mut cases = Vec::new();
         for (m, n, k) in [
             (64, 4096, 1024),
@@ -2024,12 +2072,14 @@ mod tests {
         }
         let mut plans = std::collections::BTreeSet::new();
         for (seed, c) in cases.iter().enumerate() {
-            let plan = skinny_plan(c.m, c.n, c.k, sms);
-            assert!(plan.is_some(), "{}x{}x{} is not skinny", c.m, c.n, c.k);
-            plans.insert(plan);
             let h = host_data(c, 900 + seed as u64);
             let mut dv = upload(&s, c, &h);
             reset_d(&s, c, &h, &mut dv);
+            let plan = skinny_plan_on(&s, &problem(c, &dv))
+                .unwrap()
+                .map(|(_, plan)| plan);
+            assert!(plan.is_some(), "{}x{}x{} is not skinny", c.m, c.n, c.k);
+            plans.insert(plan);
             launch(&s, &problem(c, &dv)).unwrap();
             s.synchronize().unwrap();
             let err = verify(&s, c, &h, &dv, None);
@@ -2048,12 +2098,28 @@ mod tests {
             println!("{what}: max|err|/max|ref| = {err:.3e}");
             assert!(err < bound(c), "{what}: relative error {err:.3e}");
         }
-        // Both widths and the cluster sizes 2, 4 and 8 ran.
-        for want in [(64, 2), (64, 4), (64, 8), (128, 2), (128, 4), (128, 8)] {
-            assert!(
-                plans.contains(&Some(want)),
-                "{want:?} not covered: {plans:?}"
-            );
+        println!("plans taken: {plans:?}");
+        // Every cluster size at both widths, forced, on one problem of each width (promoted
+        // and fast sums, a partial last k-block).
+        for (m, n, k) in [(50, 1000, 2000), (128, 520, 2100)] {
+            for fast in [false, true] {
+                let mut c = Case::plain(m, n, k);
+                c.fast = fast;
+                let h = host_data(&c, 950 + m as u64);
+                let mut dv = upload(&s, &c, &h);
+                let p = problem(&c, &dv);
+                let (kern, (mn, _)) = skinny_plan_on(&s, &p).unwrap().unwrap();
+                drop(p);
+                for splits in 1..=MAX_CLUSTER {
+                    reset_d(&s, &c, &h, &mut dv);
+                    launch_skinny(&s, &problem(&c, &dv), &kern, (mn, splits)).unwrap();
+                    s.synchronize().unwrap();
+                    let err = verify(&s, &c, &h, &dv, None);
+                    let what = format!("{m}x{n}x{k} m{mn} clusters of {splits} fast={fast}");
+                    println!("{what}: max|err|/max|ref| = {err:.3e}");
+                    assert!(err < bound(&c), "{what}: relative error {err:.3e}");
+                }
+            }
         }
         // Captured and replayed: the eager launch's bits.
         let mut c = Case::plain(64, 4096, 1024);
@@ -2499,10 +2565,13 @@ mod tests {
                 println!("  fast accumulation, forced bn={bn}: {ms:.3} ms, {tflops:.0} TFLOP/s");
             }
             // The skinny kernel at every cluster size, both sums.
-            if let Some((mn, _)) = skinny_plan(m, n, k, sm_count(&s).unwrap() as usize) {
-                for splits in [1, 2, 3, 4, 6, 8] {
+            if m <= SKINNY_ROWS {
+                for splits in 1..=MAX_CLUSTER {
                     for (q, what) in [(&p, "promoted"), (&pf, "fast")] {
-                        let ms = mean_ms(&s, &mut || launch_skinny(&s, q, (mn, splits)).unwrap());
+                        let (kern, (mn, _)) = skinny_plan_on(&s, q).unwrap().unwrap();
+                        let ms = mean_ms(&s, &mut || {
+                            launch_skinny(&s, q, &kern, (mn, splits)).unwrap()
+                        });
                         let tflops = 2.0 * (m * n * k) as f64 / (ms * 1e-3) / 1e12;
                         println!(
                             "  skinny m{mn}, clusters of {splits}, {what}: {ms:.4} ms, {tflops:.0} \
@@ -2600,12 +2669,15 @@ mod tests {
             let mut dv = upload(&s, &c, &h);
             reset_d(&s, &c, &h, &mut dv);
             let p = problem(&c, &dv);
-            let plan = skinny_plan(m, n, k, sms);
-            println!("{m}x{n}x{k}: plan {plan:?}");
-            let (mn, _) = plan.unwrap_or((64, 2));
-            let name = format!("fp8_gemm_sm90_skinny_e4m3_e4m3_bf16_m{mn}");
-            let (kern, _) = kernel(s.context(), &name).unwrap();
+            let (kern, plan) = skinny_plan_on(&s, &p).unwrap().unwrap();
+            let mn = plan.0;
             let smem = skinny_smem_bytes(mn);
+            println!(
+                "{m}x{n}x{k}: plan {plan:?}; clusters of 0..=8 resident: {:?}",
+                resident_clusters(&kern, smem, sms)
+            );
+            let name = format!("fp8_gemm_sm90_skinny_e4m3_e4m3_bf16_m{mn}");
+            let t_plan = host_us(&mut || drop(skinny_plan_on(&s, &p).unwrap()));
             let t_kernel = host_us(&mut || drop(kernel(s.context(), &name).unwrap()));
             let t_sms = host_us(&mut || {
                 std::hint::black_box(sm_count(&s).unwrap());
@@ -2622,7 +2694,8 @@ mod tests {
             s.synchronize().unwrap();
             println!(
                 "  host us: kernel lookup {t_kernel:.2}, sm_count {t_sms:.2}, smem attribute \
-                 {t_attr:.2}, tensor map {t_map:.2}, check {t_check:.2}, whole launch {t_launch:.2}"
+                 {t_attr:.2}, tensor map {t_map:.2}, check {t_check:.2}, plan {t_plan:.2}, whole \
+                 launch {t_launch:.2}"
             );
             let (e0, e1) = (
                 Event::new(s.context()).unwrap(),
@@ -2680,7 +2753,9 @@ mod tests {
                     shared_mem_bytes: smem as u32,
                     ..LaunchConfig::linear(grid, THREADS)
                 };
-                let cl = plain.clone().with(LaunchAttribute::ClusterDimension(2, 1, 1));
+                let cl = plain
+                    .clone()
+                    .with(LaunchAttribute::ClusterDimension(2, 1, 1));
                 for (what, cfg, pdl) in [
                     ("cluster + PDL", &cl, true),
                     ("cluster", &cl, false),
@@ -2698,23 +2773,6 @@ mod tests {
                     });
                     s.synchronize().unwrap();
                     println!("  host us, launch only, {what}: {us:.2}");
-                }
-            }
-            for cl in [1u32, 2, 3, 4, 6, 8] {
-                for mnn in [64usize, 128] {
-                    let nm = format!("fp8_gemm_sm90_skinny_e4m3_e4m3_bf16_m{mnn}");
-                    let (kk, _) = kernel(s.context(), &nm).unwrap();
-                    let sm = skinny_smem_bytes(mnn);
-                    kk.set_max_dynamic_shared_memory(sm).unwrap();
-                    let cfg = LaunchConfig {
-                        shared_mem_bytes: sm as u32,
-                        ..LaunchConfig::linear(cl * 32, THREADS)
-                    }
-                    .with(LaunchAttribute::ClusterDimension(cl, 1, 1));
-                    println!(
-                        "  skinny m{mnn}: at most {:?} clusters of {cl} resident",
-                        kk.max_active_clusters(&cfg)
-                    );
                 }
             }
         }
