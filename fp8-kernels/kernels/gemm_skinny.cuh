@@ -110,11 +110,7 @@ __device__ __forceinline__ void gemm_skinny(const TmaDesc *ta, const TmaDesc *tb
     if (threadIdx.x == 0) {
         asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(ta)) : "memory");
         asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(tb)) : "memory");
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_init(full(s), 1);
-            mbar_init(empty(s), 8);  // one arrive per consumer warp
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        init_ring(STAGES, full, empty);
     }
     __syncthreads();
     cuda_graph::pdl_enter();

@@ -370,6 +370,18 @@ __device__ __forceinline__ void wgmma_fp8(float (&d)[BN / 2], uint64_t da, uint6
     }
 }
 
+// The ring's barriers (one thread, before the CTA's first barrier): full(s) completes on the
+// producer's arrival with its bytes, empty(s) on one arrival per consumer warp (two consumer
+// warpgroups).
+template <class Full, class Empty>
+__device__ __forceinline__ void init_ring(int stages, Full full, Empty empty) {
+    for (int s = 0; s < stages; ++s) {
+        mbar_init(full(s), 1);
+        mbar_init(empty(s), 8);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
 // A consumer's place in the ring of stages: the stage it reads next and the phase of that
 // stage's full barrier.
 template <int STAGES> struct RingPos {
@@ -597,11 +609,7 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
             asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(sw->ty)) : "memory");
             asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(sw->tyt)) : "memory");
         }
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_init(full(s), 1);
-            mbar_init(empty(s), 8);  // one arrive per consumer warp
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        init_ring(STAGES, full, empty);
     }
     __syncthreads();
     // Programmatic dependent launch: the set-up above overlaps the previous kernel's tail;

@@ -57,7 +57,8 @@
 //! On the sm_90a path a plain GEMM of at most 128 rows whose 128-column tiles leave SMs idle
 //! (decode-sized batches against large weights, such as 64 x 4096 x 7168) runs the skinny
 //! kernel: the weights take the tensor cores' 64-row side (swap-AB), K is split over a
-//! thread-block cluster of 2, 4 or 8 CTAs, and the CTAs add their f32 partial sums through
+//! thread-block cluster of 2 to 8 CTAs (as many as the device holds in one wave, which the
+//! driver reports), and the CTAs add their f32 partial sums through
 //! distributed shared memory in a fixed order: no workspace, no second kernel, the same bits
 //! every run (the sum's order differs from the unsplit kernel's, within f32 rounding).
 //! Every launcher enqueues without synchronising or allocating, so the GEMMs can be captured
