@@ -2111,9 +2111,7 @@ mod tests {
                 c.fast = fast;
                 let h = host_data(&c, 950 + m as u64);
                 let mut dv = upload(&s, &c, &h);
-                let p = problem(&c, &dv);
-                let (kern, (mn, _)) = skinny_plan_on(&s, &p).unwrap().unwrap();
-                drop(p);
+                let (kern, (mn, _)) = skinny_plan_on(&s, &problem(&c, &dv)).unwrap().unwrap();
                 for splits in 1..=MAX_CLUSTER {
                     reset_d(&s, &c, &h, &mut dv);
                     launch_skinny(&s, &problem(&c, &dv), &kern, (mn, splits)).unwrap();
