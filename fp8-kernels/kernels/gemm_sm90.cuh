@@ -44,8 +44,10 @@ constexpr int TILE_A = BM * BK;  // bytes
 // (96 KiB for both consumers) would leave room for 3 stages; in two halves of 96 columns it
 // leaves 4; and BN 256 (fast accumulation, bf16 out only), two halves of 128 columns, 4 stages.
 // Stages: BN 128: 6 for bf16 out, 5 for f32; BN 192: 4 for both; BN 256: 4. After the
-// barriers, the packed layout's group offsets (OFFSETS_CACHED ints, see gemm). Keep in step
-// with `smem_bytes` in src/gemm/hopper.rs.
+// barriers, the packed layout's group offsets (OFFSETS_CACHED ints, see gemm), then SCALES
+// bytes a stage (the block-scaled kernel's scales, BLOCK_SCALE_BYTES; 0 otherwise), which cost
+// the block-scaled kernel a stage at BN 128. Keep in step with `smem_bytes` in
+// src/gemm/hopper.rs.
 constexpr int SMEM_LIMIT = 232448;
 // The packed layout (PACKED) with fewer groups than this copies its groups + 1 offsets into
 // shared memory at the start, so that every tile lookup (a binary search over them) reads
@@ -53,16 +55,16 @@ constexpr int SMEM_LIMIT = 232448;
 // CTA's first TMA load waited for the chain. (Not WGRAD, whose tiles need no search: there it
 // measured 3-4 us slower in the T = 256 MoE step with f32 gradients.)
 constexpr int OFFSETS_CACHED = 64;
-template <int BN, typename Out> struct Cfg {
+template <int BN, typename Out, int SCALES = 0> struct Cfg {
     static constexpr int TILE_B = BN * BK;
     static constexpr int STAGE_BYTES = TILE_A + TILE_B;
     static constexpr int PARTS = (BN == 192 && sizeof(Out) == 4) || BN == 256 ? 2 : 1;
     static constexpr int STAGING = 2 * 64 * (BN / PARTS) * int(sizeof(Out));
     static constexpr int FIT =
-        (SMEM_LIMIT - 1024 - STAGING - 2 * 6 * 8 - 4 * OFFSETS_CACHED) / STAGE_BYTES;
+        (SMEM_LIMIT - 1024 - STAGING - 2 * 6 * 8 - 4 * OFFSETS_CACHED) / (STAGE_BYTES + SCALES);
     static constexpr int STAGES = FIT < 6 ? FIT : 6;
-    static constexpr int SMEM_BYTES =
-        STAGES * STAGE_BYTES + STAGING + 2 * STAGES * 8 + 4 * OFFSETS_CACHED + 1024;
+    static constexpr int SMEM_BYTES = STAGES * (STAGE_BYTES + SCALES) + STAGING + 2 * STAGES * 8 +
+                                      4 * OFFSETS_CACHED + 1024;
     static_assert(STAGES >= 3 && SMEM_BYTES <= SMEM_LIMIT, "shared memory");
 };
 // Columns of one 128-byte swizzled store box (the swizzle's row width), and 64 rows of them.
@@ -371,12 +373,12 @@ __device__ __forceinline__ void wgmma_fp8(float (&d)[BN / 2], uint64_t da, uint6
 }
 
 // The ring's barriers (one thread, before the CTA's first barrier): full(s) completes on the
-// producer's arrival with its bytes, empty(s) on one arrival per consumer warp (two consumer
-// warpgroups).
+// producer's arrival with its bytes (and `full_arrivals - 1` more: the block-scaled kernel's
+// scale copies), empty(s) on one arrival per consumer warp (two consumer warpgroups).
 template <class Full, class Empty>
-__device__ __forceinline__ void init_ring(int stages, Full full, Empty empty) {
+__device__ __forceinline__ void init_ring(int stages, Full full, Empty empty, int full_arrivals = 1) {
     for (int s = 0; s < stages; ++s) {
-        mbar_init(full(s), 1);
+        mbar_init(full(s), full_arrivals);
         mbar_init(empty(s), 8);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -434,16 +436,17 @@ __device__ __forceinline__ void consume_fast(float (&acc)[N / 2], int lo, int hi
 }
 
 // consume_fast with each k-block's products promoted into the f32 sum by `promote(part)`
-// (part: the k-block's N / 2 products per thread) after its group retires; `before(kb)` runs
-// at the start of k-block kb (loads to hide under it).
+// (part: the k-block's N / 2 products per thread) after its group retires; `landed(stage)`
+// runs when k-block's stage has landed, before its products are issued (reads of what else
+// the stage holds, complete before `release(stage)`).
 template <__nv_fp8_interpretation_t FA, __nv_fp8_interpretation_t FB, int N, int STAGES,
-          class Full, class Ops, class Issued, class Release, class Before, class Promote>
+          class Full, class Ops, class Issued, class Release, class Landed, class Promote>
 __device__ __forceinline__ void consume_promoted(int lo, int hi, RingPos<STAGES> &ring, Full full, Ops ops,
-                                                 Issued issued, Release release, Before before,
+                                                 Issued issued, Release release, Landed landed,
                                                  Promote promote) {
     for (int kb = lo; kb < hi; ++kb) {
-        before(kb);
         mbar_wait(full(ring.stage), ring.phase);
+        landed(ring.stage);
         float part[N / 2];
         const uint2 ab = ops(ring.stage);
         mma_kblock<FA, FB, N>(part, ab.x, ab.y, false);
@@ -522,27 +525,43 @@ __device__ __forceinline__ Tile wgrad_tile_at(int t, int m, int ntiles) {
 // (128-row block, k-block) `[ceil(n / 128), kbt]`, kbt = ceil(k / 128); each k-block's products
 // are scaled by sa[row, kb] * sb[column / 128, kb] as they are added to the f32 sum (alpha 1).
 // A 192-wide tile spans two of B's blocks; see `BlockScales`.
-// The block scales one consumer thread applies to a k-block (BLOCK): its two rows' A scales
-// and the B scales of its tile's columns. A 128-wide tile is one of B's 128-column blocks; a
-// 192-wide tile nt starts at column 192 nt = 128 b + 64 (nt odd) or 128 b (even), so its
-// column pairs 8p .. 8p + 7 lie in block b for p < 8, in block b + 1 for p >= 16 and, for
-// 8 <= p < 16, in b (nt even) or b + 1 (odd): three B scales ("lo", "mid", "hi") chosen per p
-// at compile time. Rows at or past m and blocks past B's last take 0 and that last block's
-// scale (their products are zeros from the TMA's out-of-bounds fill).
+// The block scales of one k-block (BLOCK), a stage's worth in shared memory beside the ring
+// (BLOCK_SCALE_BYTES a stage): A's scale_inv for the tile's BM rows (0 at rows at or past m),
+// then B's for the tile's first 128-column block ("lo") and the next ("hi": the last block's
+// where there is no next). The producer's second warp copies them with cp.async, each lane's
+// completion an arrival on the stage's full barrier, so a consumer reads them from shared
+// memory once the stage has landed. (Loaded by the consumers from global memory one k-block
+// ahead, ptxas moved B's two into uniform registers right after issuing their loads: a wait
+// for L2 before every k-block's products, 0.78-0.83x of the per-tensor kernel.)
+constexpr int BLOCK_SCALE_BYTES = 4 * (BM + 4);  // 528: 16-byte multiple
+// B's blocks under tile nt (BN wide): its first and the next, clamped to B's last. A 192-wide
+// tile starts at column 192 nt = 128 b + 64 (nt odd) or 128 b (even).
+template <int BN> __device__ __forceinline__ int2 b_blocks(int nt, int n) {
+    const int nblk = (n + 127) / 128;
+    const int b = BN == 128 ? nt : (3 * nt) / 2;
+    return make_int2(b, min(b + 1, nblk - 1));
+}
+// The block scales one consumer thread applies to a k-block: its two rows' A scales and the B
+// scales of its tile's columns. A 128-wide tile is one of B's 128-column blocks; a 192-wide
+// tile's column pairs 8p .. 8p + 7 lie in block b for p < 8, in block b + 1 for p >= 16 and,
+// for 8 <= p < 16, in b (nt even) or b + 1 (odd): three B scales ("lo", "mid", "hi") chosen
+// per p at compile time.
 template <int BN>
 struct BlockScales {
     static_assert(BN == 128 || BN == 192, "block-scaled tile width");
     float r0, r1, lo, mid, hi;
-    __device__ __forceinline__ void load(const float *sa, const float *sb, int row, int m, int nt,
-                                         int n, int kbt, int kb) {
-        const int nblk = (n + 127) / 128;
-        const int b = BN == 128 ? nt : (3 * nt) / 2;
-        const int b1 = min(b + 1, nblk - 1);
-        r0 = row < m ? __ldg(sa + size_t(row) * kbt + kb) : 0.0f;
-        r1 = row + 8 < m ? __ldg(sa + size_t(row + 8) * kbt + kb) : 0.0f;
-        lo = __ldg(sb + size_t(b) * kbt + kb);
-        hi = BN == 128 ? lo : __ldg(sb + size_t(b1) * kbt + kb);
+    // From a stage's scales (`at`, BLOCK_SCALE_BYTES): rows rl and rl + 8 of the tile.
+    __device__ __forceinline__ void read(const float *at, int rl, int nt) {
+        r0 = at[rl];
+        r1 = at[rl + 8];
+        lo = at[BM];
+        hi = BN == 128 ? lo : at[BM + 1];
         mid = BN == 128 || (nt & 1) == 0 ? lo : hi;
+    }
+    // The values in registers (their shared-memory reads complete) from here on: before the
+    // stage that holds them is released to the producer.
+    __device__ __forceinline__ void settle() const {
+        asm volatile("" ::"f"(r0), "f"(r1), "f"(lo), "f"(hi));
     }
     // The six factors sa[row] * sb[block]: {r0 lo, r0 mid, r0 hi, r1 lo, r1 mid, r1 hi}.
     struct Products {
@@ -557,6 +576,17 @@ struct BlockScales {
         return Products{{r0 * lo, r0 * mid, r0 * hi, r1 * lo, r1 * mid, r1 * hi}};
     }
 };
+
+// One 4-byte cp.async into shared memory, `bytes` (4, or 0: zeros) read from `src`.
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void *src, uint32_t bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(bytes)
+                 : "memory");
+}
+// An arrival on `bar` once this thread's cp.asyncs so far have landed (counted in the
+// barrier's expected arrivals: noinc).
+__device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
 
 // SWIGLU (PACKED, bf16 D, BN 128 or 256, the store epilogue, not accumulating; n / 2 a
 // multiple of BN / 2): tile nt computes gate columns nt * BN / 2 .. + BN / 2 (its first
@@ -575,7 +605,7 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                                      const int *counts, uint4 dims, uint4 flags,
                                      const float *sbg = nullptr, const SwigluOut *sw = nullptr) {
 #ifdef FP8K_SM90A
-    using C = Cfg<BN, Out>;
+    using C = Cfg<BN, Out, BLOCK ? BLOCK_SCALE_BYTES : 0>;
     // 256 columns hold 128 accumulator registers per thread: room for no second (promotion)
     // accumulator beside them.
     static_assert(FAST || BN <= 192, "BN 256 needs fast accumulation");
@@ -589,6 +619,9 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
     const uint32_t staging = base + STAGES * STAGE_BYTES;
     const uint32_t bars = staging + C::STAGING;
     int *const offsets_smem = reinterpret_cast<int *>(smem_raw + (bars + 16u * STAGES - raw));
+    // BLOCK: each stage's block scales (BlockScales), after the offsets.
+    const uint32_t scale_ring = bars + 16u * STAGES + 4u * OFFSETS_CACHED;
+    auto scales_at = [&](int s) { return scale_ring + uint32_t(s) * BLOCK_SCALE_BYTES; };
     auto full = [&](int s) { return bars + 8u * s; };
     auto empty = [&](int s) { return bars + 8u * (STAGES + s); };
     auto tile_a = [&](int s) { return base + s * STAGE_BYTES; };
@@ -597,6 +630,7 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
     const int m = int(dims.x), n = int(dims.y), k = int(dims.z), groups = int(dims.w);
     const int ntiles = (n + BN - 1) / BN;
     const int kblocks = (k + BK - 1) / BK;
+    const int kbt = kblocks;  // BLOCK: k-blocks per row of the block scales
     const int wg = threadIdx.x / 128;
 
     if (threadIdx.x == 0) {
@@ -609,7 +643,8 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
             asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(sw->ty)) : "memory");
             asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(sw->tyt)) : "memory");
         }
-        init_ring(STAGES, full, empty);
+        // BLOCK: the 32 lanes of the scale copier arrive on full(s) beside the producer.
+        init_ring(STAGES, full, empty, BLOCK ? 1 + 32 : 1);
     }
     __syncthreads();
     // Programmatic dependent launch: the set-up above overlaps the previous kernel's tail;
@@ -686,6 +721,33 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                 }
             }
         }
+        if constexpr (BLOCK) {
+            // The scale copier (the producer's second warp): each stage's block scales
+            // (BlockScales) into its slot, 4 of A's rows and one of B's blocks a lane, rows at
+            // or past m as zeros.
+            if (threadIdx.x / 32 == 1) {
+                const int lane = threadIdx.x % 32;
+                RingPos<STAGES> pos;
+                for (int t = blockIdx.x; t < total; t += gridDim.x) {
+                    const Tile tl = tile(t);
+                    const int2 bb = b_blocks<BN>(tl.nt, n);
+                    const int blk = lane == 0 ? bb.x : bb.y;
+                    for (int kb = 0; kb < kblocks; ++kb) {
+                        mbar_wait(empty(pos.stage), pos.phase ^ 1u);
+                        const uint32_t at = scales_at(pos.stage);
+#pragma unroll
+                        for (int j = 0; j < BM / 32; ++j) {
+                            const int r = lane + 32 * j, row = tl.mt * BM + r;
+                            const bool in = row < m;
+                            cp_async4(at + 4u * r, sa + (in ? size_t(row) * kbt + kb : 0), in ? 4u : 0u);
+                        }
+                        if (lane < 2) cp_async4(at + 4u * (BM + lane), sb + size_t(blk) * kbt + kb, 4u);
+                        cp_async_arrive(full(pos.stage));
+                        pos.advance();
+                    }
+                }
+            }
+        }
     } else {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
         const int cw = wg - 1;  // which 64-row half of the tile
@@ -695,7 +757,6 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                       "block scaling");
         const float sa_v = BLOCK ? 1.0f : sa[flags.x];
         const float sb_v = BLOCK || sb == nullptr ? 1.0f : sb[flags.y];
-        const int kbt = (k + BK - 1) / BK;  // k-blocks per row of the block scales
         const int bias_kind = bias == nullptr ? 0 : int(flags.z);
         const bool accumulate = (flags.w & 1u) != 0;
         const bool store_epilogue = (flags.w & 2u) != 0;
@@ -779,20 +840,17 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
             auto release = [&](int st) {
                 if (lane == 0) mbar_arrive(empty(st));
             };
-            // Block scaling: this thread's two rows (rl and rl + 8 of its consumer's 64); the
-            // scales of k-block kb + 1 are loaded while kb's products are computed.
-            const int brow = tl.mt * BM + cw * 64 + warp * 16 + lane / 4;
-            BlockScales<BLOCK ? BN : 128> bs{}, bs_next{};  // (unused without BLOCK)
+            // Block scaling: this thread's two rows of the tile (rl and rl + 8 of its
+            // consumer's 64), read from each stage's scales when it lands.
+            const int brl = cw * 64 + warp * 16 + lane / 4;
+            BlockScales<BLOCK ? BN : 128> bs{};  // (unused without BLOCK)
             if constexpr (FAST) {
                 consume_fast<FA, FB, BN>(acc, kr.lo, kr.hi, ring, full, ops, issued, release);
             } else {
-                if constexpr (BLOCK) {
-                    if (kr.lo < kr.hi) bs_next.load(sa, sb, brow, m, tl.nt, n, kbt, kr.lo);
-                }
-                auto before = [&](int kb) {
+                auto landed = [&](int st) {
                     if constexpr (BLOCK) {
-                        bs = bs_next;
-                        if (kb + 1 < kr.hi) bs_next.load(sa, sb, brow, m, tl.nt, n, kbt, kb + 1);
+                        bs.read(reinterpret_cast<const float *>(smem_raw + (scales_at(st) - raw)),
+                                brl, tl.nt);
                     }
                 };
                 auto promote = [&](const float(&part)[NACC]) {
@@ -809,8 +867,16 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                         for (int i = 0; i < NACC; ++i) acc[i] += part[i];
                     }
                 };
-                consume_promoted<FA, FB, BN>(kr.lo, kr.hi, ring, full, ops, issued, release, before,
-                                             promote);
+                // (BLOCK: the scales read before their stage goes back to the producer.)
+                auto release_read = [&](int st) {
+                    if constexpr (BLOCK) {
+                        bs.settle();
+                        __syncwarp();
+                    }
+                    release(st);
+                };
+                consume_promoted<FA, FB, BN>(kr.lo, kr.hi, ring, full, ops, issued, release_read,
+                                             landed, promote);
             }
             if (turns) {
                 // Hand the tensor cores over: consumer 1 arrives for consumer 0's next tile

@@ -58,16 +58,22 @@ const SMEM_LIMIT: usize = 232_448;
 /// configuration).
 const OFFSETS_CACHED: usize = 64;
 
+/// Shared memory of one stage's block scales in the block-scaled kernel (`BLOCK_SCALE_BYTES`
+/// there): A's for a tile's 128 rows, B's for two 128-column blocks, 16-byte padded.
+const BLOCK_SCALE_BYTES: usize = 4 * (TILE + 4);
+
 /// Rows of one TMA store box of the epilogue (a consumer warpgroup's half of the tile).
 const STORE_ROWS: usize = 64;
 
-/// Dynamic shared memory of tile width `bn` and output elements of `out_size` bytes (keep in
-/// step with `Cfg<BN, Out>` in the kernel): the ring of A and B tiles, as deep as fits (at most
-/// 6 stages) beside the epilogue's staging (two consumers' 64 x `bn` outputs, or half of them
-/// for f32 at 192, which the kernel stores in two parts), the barriers, the packed layout's
-/// cached group offsets ([`OFFSETS_CACHED`] ints), 1 KiB alignment slack.
-fn smem_bytes(bn: usize, out_size: usize) -> usize {
-    let stage = TILE * TILE + bn * TILE;
+/// Dynamic shared memory of tile width `bn` and output elements of `out_size` bytes with
+/// `scales` bytes more a stage (the block-scaled kernel's, [`BLOCK_SCALE_BYTES`]; keep in step
+/// with `Cfg<BN, Out, SCALES>` in the kernel): the ring of A and B tiles, as deep as fits (at
+/// most 6 stages) beside the epilogue's staging (two consumers' 64 x `bn` outputs, or half of
+/// them for f32 at 192, which the kernel stores in two parts), the barriers, the packed
+/// layout's cached group offsets ([`OFFSETS_CACHED`] ints), each stage's scales, 1 KiB
+/// alignment slack.
+fn smem_bytes(bn: usize, out_size: usize, scales: usize) -> usize {
+    let stage = TILE * TILE + bn * TILE + scales;
     let parts = if (bn == 192 && out_size == 4) || bn == 256 {
         2
     } else {
@@ -1113,7 +1119,12 @@ fn select(
     let es = d.elem_size();
     let bn = forced.unwrap_or_else(|| choose_bn_for(groups, m, n, es, sms, fast));
     let (k, _) = kernel(stream.context(), &kernel_name(layout, fa, fb, d.name(), bn))?;
-    let smem = smem_bytes(bn, es);
+    let scales = if layout == "block_" {
+        BLOCK_SCALE_BYTES
+    } else {
+        0
+    };
+    let smem = smem_bytes(bn, es, scales);
     k.set_max_dynamic_shared_memory(smem)?;
     let tiles = groups.max(1) * m.div_ceil(TILE) * n.div_ceil(bn);
     let grid = tiles.min(sms).max(1) as u32;
@@ -1413,15 +1424,39 @@ mod cpu_tests {
         }
         // Ring stages beside the staging (2 x 64 x bn outputs), as the kernel's Cfg computes.
         // The cached offsets (256 bytes) cost no stage anywhere.
-        assert_eq!(smem_bytes(128, 2), 6 * 32768 + 32768 + 96 + 256 + 1024);
+        assert_eq!(smem_bytes(128, 2, 0), 6 * 32768 + 32768 + 96 + 256 + 1024);
         // 256 wide (fast accumulation, bf16): the staging in two parts, 4 stages of 48 KiB.
-        assert_eq!(smem_bytes(256, 2), 4 * 49152 + 32768 + 64 + 256 + 1024);
-        assert!(smem_bytes(256, 2) <= SMEM_LIMIT);
-        assert_eq!(smem_bytes(128, 4), 5 * 32768 + 65536 + 80 + 256 + 1024);
-        assert_eq!(smem_bytes(192, 2), 4 * 40960 + 49152 + 64 + 256 + 1024);
-        assert_eq!(smem_bytes(192, 4), 4 * 40960 + 49152 + 64 + 256 + 1024);
-        for (bn, es) in [(128, 2), (128, 4), (192, 2), (192, 4)] {
-            assert!(smem_bytes(bn, es) <= SMEM_LIMIT);
+        assert_eq!(smem_bytes(256, 2, 0), 4 * 49152 + 32768 + 64 + 256 + 1024);
+        assert_eq!(smem_bytes(128, 4, 0), 5 * 32768 + 65536 + 80 + 256 + 1024);
+        assert_eq!(smem_bytes(192, 2, 0), 4 * 40960 + 49152 + 64 + 256 + 1024);
+        assert_eq!(smem_bytes(192, 4, 0), 4 * 40960 + 49152 + 64 + 256 + 1024);
+        // The block-scaled kernel's scales (528 bytes a stage) cost a stage at 128 wide.
+        let sc = BLOCK_SCALE_BYTES;
+        assert_eq!(sc, 528);
+        assert_eq!(
+            smem_bytes(128, 2, sc),
+            5 * (32768 + sc) + 32768 + 80 + 256 + 1024
+        );
+        assert_eq!(
+            smem_bytes(128, 4, sc),
+            4 * (32768 + sc) + 65536 + 64 + 256 + 1024
+        );
+        assert_eq!(
+            smem_bytes(192, 2, sc),
+            4 * (40960 + sc) + 49152 + 64 + 256 + 1024
+        );
+        for (bn, es, sc) in [
+            (128, 2, 0),
+            (128, 4, 0),
+            (192, 2, 0),
+            (192, 4, 0),
+            (256, 2, 0),
+            (128, 2, sc),
+            (128, 4, sc),
+            (192, 2, sc),
+            (192, 4, sc),
+        ] {
+            assert!(smem_bytes(bn, es, sc) <= SMEM_LIMIT);
         }
     }
 
