@@ -8,5 +8,4 @@
 #include "block_scale.cuh"
 #include "adamw.cuh"
 #include "gemm_sm90.cuh"
-#include "gemm_skinny.cuh"
 #include "gemm_mma.cuh"

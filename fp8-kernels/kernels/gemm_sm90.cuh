@@ -311,14 +311,6 @@ __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_grou
 __device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
 
-#define FP8K_WGMMA_N64(TYPES)                                                                      \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                         \
-                 "wgmma.mma_async.sync.aligned.m64n64k32.f32." TYPES " "                                  \
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "                                                                          \
-                 "%32, %33, p, 1, 1;\n}\n"                                                             \
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])                                                                                \
-                 : "l"(da), "l"(db), "r"(scale_d))
-
 #define FP8K_WGMMA_N128(TYPES)                                                                     \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                         \
                  "wgmma.mma_async.sync.aligned.m64n128k32.f32." TYPES " "                                 \
@@ -354,18 +346,15 @@ __device__ __forceinline__ void wgmma_wait1() { asm volatile("wgmma.wait_group.s
         MACRO("e5m2.e5m2");                                                                        \
     }
 
-// One m64nBNk32 wgmma: d (+)= A[64 x 32] . B[BN x 32]^T from shared memory descriptors
-// (BN 64: the skinny GEMM's, gemm_skinny.cuh).
+// One m64nBNk32 wgmma: d (+)= A[64 x 32] . B[BN x 32]^T from shared memory descriptors.
 template <__nv_fp8_interpretation_t FA, __nv_fp8_interpretation_t FB, int BN>
 __device__ __forceinline__ void wgmma_fp8(float (&d)[BN / 2], uint64_t da, uint64_t db, int scale_d) {
-    if constexpr (BN == 64) {
-        FP8K_WGMMA_TYPES(FP8K_WGMMA_N64)
-    } else if constexpr (BN == 128) {
+    if constexpr (BN == 128) {
         FP8K_WGMMA_TYPES(FP8K_WGMMA_N128)
     } else if constexpr (BN == 192) {
         FP8K_WGMMA_TYPES(FP8K_WGMMA_N192)
     } else {
-        static_assert(BN == 256, "BN is 64, 128, 192 or 256");
+        static_assert(BN == 256, "BN is 128, 192 or 256");
         FP8K_WGMMA_TYPES(FP8K_WGMMA_N256)
     }
 }

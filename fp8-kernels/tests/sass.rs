@@ -1,5 +1,5 @@
 //! The SASS check of the crate's fatbin (CPU only: it disassembles, it runs nothing): every
-//! sm_90a GEMM kernel (`fp8_gemm_sm90_*`: the TMA + wgmma kernels, the skinny ones included)
+//! sm_90a GEMM kernel (`fp8_gemm_sm90_*`: the TMA + wgmma kernels)
 //! issues its products as QGMMA, the FP8 wgmma of Hopper's tensor cores (not a fallback), at
 //! least one k-block's worth (4 of k32), and no kernel of any architecture touches local
 //! memory (`STL`/`LDL`: register spills or stack arrays, which cost a GEMM's main loop dearly).
@@ -122,8 +122,6 @@ fn gemm_kernels_issue_qgmma_and_no_kernel_spills() {
         "fp8_gemm_sm90_wgrad_e4m3_e5m2_f32_n128",
         "fp8_gemm_sm90_packed_swiglu_fast_e4m3_e4m3_bf16_n256",
         "fp8_gemm_sm90_block_e4m3_e4m3_bf16_n192",
-        "fp8_gemm_sm90_skinny_e4m3_e4m3_bf16_m64",
-        "fp8_gemm_sm90_skinny_fast_e4m3_e4m3_bf16_m128",
     ] {
         assert!(
             hopper.contains_key(family),

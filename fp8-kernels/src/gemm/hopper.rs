@@ -16,10 +16,6 @@
 //! read zeros past the tensor (TMA out-of-bounds fill) and store only rows below the group's
 //! count and columns below N.
 //!
-//! Skinny problems (a plain GEMM of at most 128 rows whose column tiles leave SMs idle) run
-//! `kernels/gemm_skinny.cuh` instead: swap-AB, K split over a thread-block cluster, the
-//! partial sums added through distributed shared memory ([`skinny_plan`]).
-//!
 //! Epilogue: a problem that writes whole tiles of D (the packed layouts, or grouped blocks
 //! without row counts; D 16-byte aligned with rows a multiple of 16 bytes; overwriting, or
 //! accumulating into f32) goes through shared memory and TMA stores (reduce-adds in L2 when
@@ -33,9 +29,7 @@ use cuda_graph::sys::{
     CUresult, CUtensorMap, CUtensorMapDataType, CUtensorMapFloatOOBfill, CUtensorMapInterleave,
     CUtensorMapL2promotion, CUtensorMapSwizzle,
 };
-use cuda_graph::{
-    Context, DeviceBuffer, Error, KernelArgs, LaunchAttribute, LaunchConfig, Result, Stream,
-};
+use cuda_graph::{Context, DeviceBuffer, Error, KernelArgs, LaunchConfig, Result, Stream};
 
 use super::packed::{GroupScales, PackedProblem, WgradProblem};
 use super::{Bias, BlockOperand, GemmOptions, GemmOut, GemmProblem};
@@ -381,122 +375,17 @@ fn check_packed_device(stream: &Stream, what: &str, n: usize) -> Result<()> {
 }
 
 /// Enqueues the (validated) problem on `stream`: no synchronisation, no allocation, so it can
-/// be captured. Row counts, when given, are read by the kernel at run time. A plain GEMM of
-/// at most 128 rows whose column tiles leave SMs idle takes the skinny kernel
-/// ([`skinny_plan`]); another plain GEMM with a workspace whose tiles leave SMs idle splits K
-/// over it ([`split_k`]).
+/// be captured. Row counts, when given, are read by the kernel at run time. A plain GEMM
+/// with a workspace whose tiles leave SMs idle splits K ([`split_k`]).
 pub(crate) fn launch(stream: &Stream, p: &GemmProblem<'_>) -> Result<()> {
-    let plain = p.groups <= 1 && p.counts.is_none();
-    if plain {
+    if let Some(ws) = p.workspace.filter(|_| p.groups <= 1 && p.counts.is_none()) {
         check(p)?;
-        if let Some(plan) = skinny_plan(p.m, p.n, p.k, grid_sms(stream, p.max_sms)?) {
-            return launch_skinny(stream, p, plan);
-        }
-    }
-    if let Some(ws) = p.workspace.filter(|_| plain) {
         let splits = split_k(p.m, p.n, p.k, grid_sms(stream, p.max_sms)?, ws.len());
         if splits > 1 {
             return launch_split_k(stream, p, ws, splits);
         }
     }
     launch_with(stream, p, None)
-}
-
-/// Rows of A up to which a plain GEMM takes the skinny kernel (`kernels/gemm_skinny.cuh`).
-const SKINNY_ROWS: usize = 128;
-
-/// Columns of D one skinny CTA covers (two consumers of 64).
-const SKINNY_COLS: usize = 128;
-
-/// The skinny kernel's plan for a plain `m x n x k` GEMM on `sms` SMs: `(mn, splits)`, `mn`
-/// its row width (64 for m <= 64, else 128) and `splits` the cluster size along K (2, 4 or
-/// 8): the most whose CTAs, `ceil(n / 128) * splits`, take at most 7/8 of the SMs, with at
-/// least 2 k-blocks each. `None` (the regular tiles) for m over [`SKINNY_ROWS`] or 0, N not a
-/// multiple of 4 (the kernel stores four columns at a time), or no such split.
-///
-/// On an H200 (132 SMs; TFLOP/s, back-to-back launches, promoted / fast sums): 64 x 4096 x
-/// 7168 in clusters of 1 / 2 / 4 / 8: 210 / 324 / 256 / 208 (229 / 346 / 274 / 215), the
-/// regular 128-wide tiles 128 (193); 128 x 7168 x 2048: 328 / 416 / 284 / 148 (354 / 419 /
-/// 288 / 150), regular 358 (465); 16 x 4096 x 7168 and 32 x 7168 x 2048 best in clusters of 2
-/// as well. 128 CTAs in clusters of 4 were slower than 64 in clusters of 2: clusters of CTAs
-/// with ~200 KiB of shared memory each must fit in one GPC, and at nearly every SM not all of
-/// them start in the first wave; hence the 7/8. One CTA a column tile (no split) was slower
-/// than the regular tiles, which the plan then leaves the problem to.
-fn skinny_plan(m: usize, n: usize, k: usize, sms: usize) -> Option<(usize, usize)> {
-    if m == 0 || m > SKINNY_ROWS || n == 0 || n % 4 != 0 {
-        return None;
-    }
-    let tiles = n.div_ceil(SKINNY_COLS);
-    let kb = k.div_ceil(TILE);
-    let splits = [8, 4, 2]
-        .into_iter()
-        .find(|&s| tiles * s * 8 <= sms * 7 && kb >= 2 * s)?;
-    Some((if m <= 64 { 64 } else { 128 }, splits))
-}
-
-/// Dynamic shared memory of the skinny kernel of row width `mn` (keep in step with
-/// `SkinnyCfg` in the kernel): the ring of B (128 rows) and A (`mn` rows) k-blocks, as deep
-/// as fits (at most 8) beside the partial tile (`mn` rows of 132 f32), the barriers, 1 KiB
-/// alignment slack.
-fn skinny_smem_bytes(mn: usize) -> usize {
-    let stage = SKINNY_COLS * TILE + mn * TILE;
-    let partial = mn * (SKINNY_COLS + 4) * 4;
-    let stages = ((SMEM_LIMIT - 1024 - partial - 2 * 8 * 8) / stage).min(8);
-    stages * stage + partial + 2 * stages * 8 + 1024
-}
-
-/// A plain GEMM of at most 128 rows on the skinny kernel, as [`skinny_plan`] says: clusters of
-/// `splits` CTAs, each CTA 128 columns of D over one slice of K, the slices' partial sums
-/// added in shared memory across the cluster (no workspace; the sum's order is fixed).
-fn launch_skinny(stream: &Stream, p: &GemmProblem<'_>, (mn, splits): (usize, usize)) -> Result<()> {
-    let formats = (p.a.format, p.b.format);
-    let layout = if fast_instance(p.fast, formats, p.d.name()) {
-        "skinny_fast_"
-    } else {
-        "skinny_"
-    };
-    let name = format!(
-        "fp8_gemm_sm90_{layout}{}_{}_{}_m{mn}",
-        p.a.format.name(),
-        p.b.format.name(),
-        p.d.name()
-    );
-    let (kern, _) = kernel(stream.context(), &name)?;
-    let smem = skinny_smem_bytes(mn);
-    kern.set_max_dynamic_shared_memory(smem)?;
-    let ta = tensor_map(p.a.data, 1, p.m, p.k, mn)?;
-    let tb = tensor_map(p.b.data, 1, p.n, p.k, SKINNY_COLS)?;
-    let grid = (p.n.div_ceil(SKINNY_COLS) * splits) as u32;
-    let cfg = LaunchConfig {
-        shared_mem_bytes: smem as u32,
-        ..LaunchConfig::linear(grid, THREADS)
-    }
-    .with(LaunchAttribute::ClusterDimension(splits as u32, 1, 1));
-    let dims = [p.m as u32, p.n as u32, p.k as u32, 0];
-    let null = 0u64;
-    let args = KernelArgs::new().arg(&ta).arg(&tb);
-    let args = match &p.d {
-        GemmOut::Bf16(b) => args.arg(*b),
-        GemmOut::F32(b) => args.arg(*b),
-    };
-    let (args, bias_kind) = push_bias(args, &p.bias, &null);
-    let flags = [
-        idx(p.a.scale_inv)?,
-        idx(p.b.scale_inv)?,
-        bias_kind,
-        u32::from(p.accumulate),
-    ];
-    let args = args
-        .arg(p.a.scale_inv.buffer())
-        .arg(p.b.scale_inv.buffer())
-        .arg(&dims)
-        .arg(&flags);
-    // SAFETY: the tensor maps cover exactly A ([m, K], boxes of `mn` >= m rows: zeros past m)
-    // and B ([n, K]), so TMA reads stay inside them; the kernel writes (and, accumulating,
-    // reads) D ([m, n], validated; n a multiple of 4 and D 8-byte aligned, so its 4-column
-    // groups are whole) only at rows below m and columns below n; bias has n elements; the
-    // scalar indices are inside their buffers; the grid is whole clusters of `splits` CTAs.
-    unsafe { stream.launch_pdl(&kern, &cfg, &args) }
 }
 
 /// The K splits of a plain `m x n x k` GEMM on `sms` SMs with `ws_bytes` of workspace: 1
@@ -1174,41 +1063,6 @@ mod cpu_tests {
         ] {
             assert_eq!(swiglu_bn(bn, fast, ffn), want, "{bn} {fast} {ffn}");
         }
-    }
-
-    #[test]
-    fn skinny_plan_choice() {
-        // (m, n, k) -> plan on 132 SMs.
-        for ((m, n, k), want) in [
-            // 32 column tiles: clusters of 2 (4 would take 128 SMs, over 7/8 of 132); 64 rows
-            // at most: 64 wide.
-            ((64, 4096, 7168), Some((64, 2))),
-            ((1, 4096, 7168), Some((64, 2))),
-            // 56 column tiles: clusters of 2 (112 SMs); 65..=128 rows: 128 wide.
-            ((128, 7168, 2048), Some((128, 2))),
-            ((65, 7168, 2048), Some((128, 2))),
-            // 8 column tiles: 8; 16: 4; too few k-blocks for 4 (2 each at least) take 2.
-            ((16, 1024, 4096), Some((64, 8))),
-            ((16, 2048, 4096), Some((64, 4))),
-            ((16, 2048, 1024), Some((64, 4))),
-            ((16, 2048, 512), Some((64, 2))),
-            // No split: too few k-blocks, or column tiles over half the SMs.
-            ((16, 2048, 384), None),
-            ((64, 16384, 4096), None),
-            // More rows than the kernel covers, none, or N not a multiple of 4.
-            ((129, 4096, 7168), None),
-            ((0, 4096, 7168), None),
-            ((64, 4098, 7168), None),
-        ] {
-            assert_eq!(skinny_plan(m, n, k, 132), want, "{m}x{n}x{k}");
-        }
-        // The shared memory fits a CTA, with at least 4 stages.
-        for mn in [64, 128] {
-            let bytes = skinny_smem_bytes(mn);
-            let stage = (128 + mn) * 128;
-            assert!(bytes <= SMEM_LIMIT && bytes >= 4 * stage, "m{mn}: {bytes}");
-        }
-        assert_eq!(skinny_smem_bytes(64), 8 * 24576 + 64 * 132 * 4 + 128 + 1024);
     }
 
     #[test]
@@ -1938,118 +1792,6 @@ mod tests {
         }
     }
 
-    /// Cases of at most 128 rows with a bias and accumulation: an f32 bias into f32, overwritten and
-    /// accumulated, and a bf16 bias accumulated into bf16.
-    fn bias_and_accumulate_cases() -> [Case; 3] {
-        let mut c = Case::plain(100, 264, 2048);
-        c.f32_out = true;
-        c.bias = BiasKind::F32;
-        let overwrite = c.clone();
-        c.accumulate = true;
-        let mut b = Case::plain(48, 520, 2048);
-        b.bias = BiasKind::Bf16;
-        b.accumulate = true;
-        [overwrite, c, b]
-    }
-
-    /// The skinny kernel (swap-AB, K split over a cluster, partials summed in distributed
-    /// shared memory) against the fp64 reference: both row widths, every cluster size, every
-    /// format pair, both outputs, a bias of each type, accumulation, fast accumulation, K with
-    /// a partial last block and m, n not multiples of the tiles; each case checks that `launch`
-    /// takes the skinny kernel on this device. Then the same problem captured in a graph and
-    /// replayed: the same bits as the eager launch.
-    #[test]
-    #[ignore = "needs a CUDA device"]
-    fn skinny_matches_the_fp64_reference() {
-        let (_ctx, s) = setup();
-        let sms = sm_count(&s).unwrap() as usize;
-        let mut cases = Vec::new();
-        for (m, n, k) in [
-            (64, 4096, 1024),
-            (1, 512, 2048),
-            (37, 1028, 2000),
-            (100, 1544, 1024),
-            (128, 264, 4096),
-            (16, 256, 8192),
-            (64, 7168, 1024),
-            (128, 7168, 512),
-            (64, 2048, 2048),
-        ] {
-            cases.push(Case::plain(m, n, k));
-        }
-        let pairs = [
-            (Fp8Format::E4M3, Fp8Format::E5M2),
-            (Fp8Format::E5M2, Fp8Format::E4M3),
-            (Fp8Format::E5M2, Fp8Format::E5M2),
-        ];
-        for (i, (fa, fb)) in pairs.into_iter().enumerate() {
-            let mut c = Case::plain(48 + 40 * i, 520, 2048);
-            (c.fa, c.fb) = (fa, fb);
-            c.f32_out = i % 2 == 0;
-            cases.push(c);
-        }
-        cases.extend(bias_and_accumulate_cases());
-        for (m, n) in [(64, 4096), (120, 1032)] {
-            let mut c = Case::plain(m, n, 4096);
-            c.fast = true;
-            cases.push(c);
-        }
-        let mut plans = std::collections::BTreeSet::new();
-        for (seed, c) in cases.iter().enumerate() {
-            let plan = skinny_plan(c.m, c.n, c.k, sms);
-            assert!(plan.is_some(), "{}x{}x{} is not skinny", c.m, c.n, c.k);
-            plans.insert(plan);
-            let h = host_data(c, 900 + seed as u64);
-            let mut dv = upload(&s, c, &h);
-            reset_d(&s, c, &h, &mut dv);
-            launch(&s, &problem(c, &dv)).unwrap();
-            s.synchronize().unwrap();
-            let err = verify(&s, c, &h, &dv, None);
-            let what = format!(
-                "{}x{}x{} {}x{} plan {plan:?} f32_out={} bias={:?} acc={} fast={}",
-                c.m,
-                c.n,
-                c.k,
-                c.fa.name(),
-                c.fb.name(),
-                c.f32_out,
-                c.bias,
-                c.accumulate,
-                c.fast
-            );
-            println!("{what}: max|err|/max|ref| = {err:.3e}");
-            assert!(err < bound(c), "{what}: relative error {err:.3e}");
-        }
-        // Both widths and the cluster sizes 2, 4 and 8 ran.
-        for want in [(64, 2), (64, 4), (64, 8), (128, 2), (128, 4), (128, 8)] {
-            assert!(
-                plans.contains(&Some(want)),
-                "{want:?} not covered: {plans:?}"
-            );
-        }
-        // Captured and replayed: the eager launch's bits.
-        let mut c = Case::plain(64, 4096, 1024);
-        c.bias = BiasKind::Bf16;
-        let h = host_data(&c, 77);
-        let mut dv = upload(&s, &c, &h);
-        reset_d(&s, &c, &h, &mut dv);
-        launch(&s, &problem(&c, &dv)).unwrap();
-        s.synchronize().unwrap();
-        let eager = d_bits(&s, &c, &dv);
-        reset_d(&s, &c, &h, &mut dv);
-        let graph = s
-            .capture(CaptureMode::ThreadLocal, |scope| {
-                launch(scope.stream(), &problem(&c, &dv))
-            })
-            .unwrap();
-        let exec = GraphExec::instantiate(&graph, InstantiateFlags::empty()).unwrap();
-        for _ in 0..3 {
-            exec.launch(&s).unwrap();
-        }
-        s.synchronize().unwrap();
-        assert_eq!(d_bits(&s, &c, &dv), eager, "replayed skinny GEMM");
-    }
-
     /// Split K (a workspace, skinny M): against the fp64 reference with both output types,
     /// a bias and accumulation; each case does split on this device; a misaligned or
     /// overlapping workspace is refused by `gemm`.
@@ -2060,7 +1802,16 @@ mod tests {
         let sms = sm_count(&s).unwrap() as usize;
         let mut seed = 400;
         let mut cases = vec![Case::plain(64, 384, 3584), Case::plain(16, 256, 4096)];
-        cases.extend(bias_and_accumulate_cases());
+        let mut c = Case::plain(100, 264, 2048);
+        c.f32_out = true;
+        c.bias = BiasKind::F32;
+        cases.push(c.clone());
+        c.accumulate = true;
+        cases.push(c);
+        let mut c = Case::plain(48, 520, 2048);
+        c.bias = BiasKind::Bf16;
+        c.accumulate = true;
+        cases.push(c);
         for c in cases {
             let bytes =
                 super::super::split_k_workspace_bytes(super::super::GemmShape::new(c.m, c.n, c.k));
@@ -2076,8 +1827,7 @@ mod tests {
                 workspace: Some(&ws),
                 ..problem(&c, &dv)
             };
-            // (`launch` gives these shapes to the skinny kernel, which needs no workspace.)
-            launch_split_k(&s, &p, &ws, splits).unwrap();
+            launch(&s, &p).unwrap();
             s.synchronize().unwrap();
             let err = verify(&s, &c, &h, &dv, None);
             let what = format!(
@@ -2446,8 +2196,6 @@ mod tests {
             (2048, 2048, 2048),
             (128, 7168, 2048),
             (64, 4096, 7168),
-            (16, 4096, 7168),
-            (32, 7168, 2048),
         ] {
             let c = Case::plain(m, n, k);
             let mut rng = Rng(3);
@@ -2469,19 +2217,6 @@ mod tests {
                 let ms = mean_ms(&s, &mut || launch_with(&s, &pf, Some(bn)).unwrap());
                 let tflops = 2.0 * (m * n * k) as f64 / (ms * 1e-3) / 1e12;
                 println!("  fast accumulation, forced bn={bn}: {ms:.3} ms, {tflops:.0} TFLOP/s");
-            }
-            // The skinny kernel at every cluster size, both sums.
-            if let Some((mn, _)) = skinny_plan(m, n, k, sm_count(&s).unwrap() as usize) {
-                for splits in [1, 2, 4, 8] {
-                    for (q, what) in [(&p, "promoted"), (&pf, "fast")] {
-                        let ms = mean_ms(&s, &mut || launch_skinny(&s, q, (mn, splits)).unwrap());
-                        let tflops = 2.0 * (m * n * k) as f64 / (ms * 1e-3) / 1e12;
-                        println!(
-                            "  skinny m{mn}, clusters of {splits}, {what}: {ms:.4} ms, {tflops:.0} \
-                             TFLOP/s"
-                        );
-                    }
-                }
             }
             // The automatic choice, timed and checked.
             for _ in 0..3 {

@@ -54,12 +54,6 @@
 //! [`GemmPath::Auto`] takes it where the device and problem allow and the portable path
 //! otherwise; the packed GEMMs run the portable kernel by default (the packed forward has an
 //! sm_90a kernel on explicit `Hopper`; the packed weight gradient refuses `Hopper`).
-//! On the sm_90a path a plain GEMM of at most 128 rows whose 128-column tiles leave SMs idle
-//! (decode-sized batches against large weights, such as 64 x 4096 x 7168) runs the skinny
-//! kernel: the weights take the tensor cores' 64-row side (swap-AB), K is split over a
-//! thread-block cluster of 2, 4 or 8 CTAs, and the CTAs add their f32 partial sums through
-//! distributed shared memory in a fixed order: no workspace, no second kernel, the same bits
-//! every run (the sum's order differs from the unsplit kernel's, within f32 rounding).
 //! Every launcher enqueues without synchronising or allocating, so the GEMMs can be captured
 //! into graphs; scales, grouped row counts and packed offsets are read on the device.
 
@@ -309,9 +303,9 @@ pub struct GemmOptions<'a> {
     /// has the figures). Elsewhere the GEMM is computed as without it. Default `false`.
     pub fast_accumulation: bool,
     /// Plain GEMMs ([`gemm`]) only: scratch memory (16-byte aligned) the sm_90a path may
-    /// split K over when the output's 128 x 128 tiles fill at most a quarter of the SMs and
-    /// the skinny kernel (see the module docs: at most 128 rows, no workspace needed) does not
-    /// take the problem (fewer than 4 splits cost more than they gain). The splits write f32 partial products into it and one
+    /// split K over when the output's 128 x 128 tiles fill at most a quarter of the SMs
+    /// (skinny M: decode-sized batches against large weights; fewer than 4 splits cost more
+    /// than they gain). The splits write f32 partial products into it and one
     /// more kernel adds them in split order into D (with the bias, and D when accumulating):
     /// deterministic, and within the f32 rounding of the unsplit sum. A workspace of
     /// [`split_k_workspace_bytes`] bytes allows every split the path may choose; a smaller
