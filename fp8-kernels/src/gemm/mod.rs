@@ -311,9 +311,10 @@ pub struct GemmOptions<'a> {
     pub fast_accumulation: bool,
     /// Plain GEMMs ([`gemm`]) only: scratch memory (16-byte aligned) the sm_90a path may
     /// split K over when the output's 128 x 128 tiles fill at most a quarter of the SMs and
-    /// the skinny kernel (see the module docs: at most 128 rows, no workspace needed) does not
-    /// take the problem (fewer than 4 splits cost more than they gain). The splits write f32 partial products into it and one
-    /// more kernel adds them in split order into D (with the bias, and D when accumulating):
+    /// the skinny kernel (see the module docs: at most 128 rows, no workspace needed) does
+    /// not take the problem (fewer than 4 splits cost more than they gain). The splits write
+    /// f32 partial products into it and one more kernel adds them in split order into D
+    /// (with the bias, and D when accumulating):
     /// deterministic, and within the f32 rounding of the unsplit sum. A workspace of
     /// [`split_k_workspace_bytes`] bytes allows every split the path may choose; a smaller
     /// one limits the splits to what fits, none at all computes the GEMM unsplit. It must
