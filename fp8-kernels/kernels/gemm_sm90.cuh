@@ -435,25 +435,32 @@ __device__ __forceinline__ void consume_fast(float (&acc)[N / 2], int lo, int hi
     if (held >= 0) release(held);
 }
 
-// consume_fast with each k-block's products promoted into the f32 sum by `promote(part)`
-// (part: the k-block's N / 2 products per thread) after its group retires; `landed(stage)`
-// runs when k-block's stage has landed, before its products are issued (reads of what else
-// the stage holds, complete before `release(stage)`).
+// consume_fast with each k-block's products promoted into the f32 sum by `promote(part, h)`
+// after its group retires; `landed(stage)` runs when the k-block's stage has landed, before
+// its products are issued (reads of what else the stage holds, complete before
+// `release(stage)`). Up to 192 columns a k-block's products are one group (h = 0, part: N / 2
+// products per thread); 256 columns' would not fit in registers beside the sum, so they are
+// two groups of 128 columns (h = 0, 1; part: 64 products a thread, columns 128 h .. + 127 of
+// the tile), the stage released after the second.
 template <__nv_fp8_interpretation_t FA, __nv_fp8_interpretation_t FB, int N, int STAGES,
           class Full, class Ops, class Issued, class Release, class Landed, class Promote>
 __device__ __forceinline__ void consume_promoted(int lo, int hi, RingPos<STAGES> &ring, Full full, Ops ops,
                                                  Issued issued, Release release, Landed landed,
                                                  Promote promote) {
+    constexpr int H = N > 192 ? 2 : 1, NH = N / H;
     for (int kb = lo; kb < hi; ++kb) {
         mbar_wait(full(ring.stage), ring.phase);
         landed(ring.stage);
-        float part[N / 2];
         const uint2 ab = ops(ring.stage);
-        mma_kblock<FA, FB, N>(part, ab.x, ab.y, false);
-        if (kb == lo) issued();
-        wgmma_wait0();
-        release(ring.stage);
-        promote(part);
+#pragma unroll
+        for (int h = 0; h < H; ++h) {
+            float part[NH / 2];
+            mma_kblock<FA, FB, NH>(part, ab.x, ab.y + h * NH * BK, false);
+            if (kb == lo && h == 0) issued();
+            wgmma_wait0();
+            if (h == H - 1) release(ring.stage);
+            promote(part, h);
+        }
         ring.advance();
     }
 }
@@ -606,9 +613,9 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                                      const float *sbg = nullptr, const SwigluOut *sw = nullptr) {
 #ifdef FP8K_SM90A
     using C = Cfg<BN, Out, BLOCK ? BLOCK_SCALE_BYTES : 0>;
-    // 256 columns hold 128 accumulator registers per thread: room for no second (promotion)
-    // accumulator beside them.
-    static_assert(FAST || BN <= 192, "BN 256 needs fast accumulation");
+    // 256 columns hold 128 accumulator registers per thread: room for a 128-column promotion
+    // accumulator beside them only (consume_promoted's halves), plain per-tensor sums only.
+    static_assert(FAST || BN <= 192 || (!BLOCK && !SWIGLU), "BN 256, promoted: plain sums");
     constexpr int STAGES = C::STAGES, STAGE_BYTES = C::STAGE_BYTES;
     constexpr int NACC = BN / 2;  // accumulator registers per thread
     extern __shared__ uint8_t smem_raw[];
@@ -853,7 +860,7 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                                 brl, tl.nt);
                     }
                 };
-                auto promote = [&](const float(&part)[NACC]) {
+                auto promote = [&](const float(&part)[BN > 192 ? NACC / 2 : NACC], int h) {
                     if constexpr (BLOCK) {
                         // acc[4p], acc[4p + 1] are row rl's, acc[4p + 2], acc[4p + 3] row rl +
                         // 8's, all in columns 8p .. 8p + 7 of the tile.
@@ -863,8 +870,10 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                             acc[i] = fmaf(part[i], f.at(i / 4, (i & 2) != 0), acc[i]);
                         }
                     } else {
+                        // (BN 256: half h's column groups are the sum's 16 h .. 16 h + 15.)
+                        constexpr int NP = BN > 192 ? NACC / 2 : NACC;
 #pragma unroll
-                        for (int i = 0; i < NACC; ++i) acc[i] += part[i];
+                        for (int i = 0; i < NP; ++i) acc[h * NP + i] += part[i];
                     }
                 };
                 // (BLOCK: the scales read before their stage goes back to the producer.)
@@ -1214,6 +1223,8 @@ FP8K_GEMM_SM90_OUTS(e5m2, __NV_E5M2, e5m2, __NV_E5M2)
 FP8K_GEMM_SM90_FAST(128)
 FP8K_GEMM_SM90_FAST(192)
 FP8K_GEMM_SM90_FAST(256)
+// Promoted sums at 256 columns (consume_promoted's halves): E4M3 x E4M3, bf16 out, grouped blocks.
+FP8K_GEMM_SM90(e4m3, __NV_E4M3, e4m3, __NV_E4M3, bf16, __nv_bfloat16, 256)
 // The packed fc1 GEMM with the fused SwiGLU epilogue (SWIGLU; E4M3 x E4M3, bf16 D, h in
 // E4M3): fast accumulation at 128 and 256 columns, the promoted sum at 128. ty and tyt map
 // the cast's outputs; hy and hyt are those outputs' buffers, unused by the kernel but

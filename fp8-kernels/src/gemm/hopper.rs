@@ -1110,9 +1110,11 @@ fn select(
     forced: Option<usize>,
     max_sms: Option<usize>,
 ) -> Result<(usize, cuda_graph::Kernel, LaunchConfig)> {
-    // 256 columns: the fast-accumulation kernels only.
+    // 256 columns: the fast-accumulation kernels, and the plain promoted one (E4M3 x E4M3 to
+    // bf16; other formats find no kernel).
     let fast = layout.contains("fast_");
-    if let Some(bn) = forced.filter(|&bn| !(bn == 128 || bn == 192 || (fast && bn == 256))) {
+    let wide = fast || layout.is_empty();
+    if let Some(bn) = forced.filter(|&bn| !(bn == 128 || bn == 192 || (wide && bn == 256))) {
         return Err(Error::InvalidArgument(format!("tile width {bn}")));
     }
     let sms = grid_sms(stream, max_sms)?;
@@ -1998,8 +2000,9 @@ mod tests {
         c.counts = Some(vec![100, 0, 160]);
         cases.push(c);
         for mut c in cases {
-            for bn in [128, 192, 256] {
-                c.fast = true;
+            // (And the promoted sum at 256 wide, E4M3 x E4M3 to bf16: in two 128-column halves.)
+            for (fast, bn) in [(true, 128), (true, 192), (true, 256), (false, 256)] {
+                c.fast = fast;
                 run_case_with(&s, &c, seed, Some(bn));
                 seed += 1;
             }
@@ -2027,8 +2030,9 @@ mod tests {
                 "{m}x{n}x{k} bn 256: the epilogues differ"
             );
         }
-        // The promoted kernels have no 256-wide tile.
-        let c = Case::plain(128, 256, 128);
+        // The promoted kernels have a 256-wide tile for E4M3 x E4M3 to bf16 only.
+        let mut c = Case::plain(128, 256, 128);
+        c.f32_out = true;
         let h = host_data(&c, seed);
         let dv = upload(&s, &c, &h);
         assert!(launch_with(&s, &problem(&c, &dv), Some(256)).is_err());
@@ -2589,7 +2593,7 @@ mod tests {
             let mut dv = upload(&s, &c, &hb);
             reset_d(&s, &c, &hb, &mut dv);
             let p = problem(&c, &dv);
-            for bn in [128, 192] {
+            for bn in [128, 192, 256] {
                 let ms = mean_ms(&s, &mut || launch_with(&s, &p, Some(bn)).unwrap());
                 let tflops = 2.0 * (m * n * k) as f64 / (ms * 1e-3) / 1e12;
                 println!("  forced bn={bn}: {ms:.3} ms, {tflops:.0} TFLOP/s");
