@@ -12,7 +12,9 @@
 //! * A and B data 16-byte aligned (TMA), D 8-byte aligned;
 //! * m, N, K, groups and `groups * m` below 2^31.
 //!
-//! Tile 128 x BN x 128 with BN 128 or 192 (chosen per problem to fill the SMs); edge tiles
+//! Tile 128 x BN x 128 with BN 128 or 192, or 256 for fast accumulation and for the promoted
+//! E4M3 x E4M3 to bf16 sum (each k-block's products in two 128-column halves beside the
+//! 256-column sum), chosen per problem to fill the SMs; edge tiles
 //! read zeros past the tensor (TMA out-of-bounds fill) and store only rows below the group's
 //! count and columns below N.
 //!
@@ -88,28 +90,23 @@ fn smem_bytes(bn: usize, out_size: usize, scales: usize) -> usize {
 /// SMs times the width (a wave of 192-wide tiles takes 1.5x as long), with 192 credited for
 /// its efficiency (its wgmma reads less shared memory per FLOP): 30% with the promoted sum
 /// (1356 against 958-961 TFLOP/s at 8192^3, 1276-1278 against 981-986 at 4096x7168x4096 on an
-/// H200, thirteenth session), 10% with fast accumulation (1385 against 1345, 1355 against
+/// H200, thirteenth session), 10% with `fast` accumulation (1385 against 1345, 1355 against
 /// 1336); 128 wins where the wave count decides, e.g. 2048^3 and M <= 128.
-/// The same for both output types (`_out_size`): f32 at 192 stores its tile in two parts to
-/// keep 4 stages, like bf16.
-/// `wide` (the fast-accumulation kernels, which have a 256-wide instance) takes 256 where its
-/// waves cost no more than the narrower choice's: 1478 against 1370 TFLOP/s at
-/// 4096x7168x4096, 1170 against 1120 at 2048^3 on an H200; at 8192^3 (16 waves of 256
-/// against 21 of 192, 1416 against 1430) and skinny M it keeps the narrower tile.
-fn choose_bn_for(
-    groups: usize,
-    m: usize,
-    n: usize,
-    _out_size: usize,
-    sms: usize,
-    wide: bool,
-) -> usize {
+/// The same for both output types: f32 at 192 stores its tile in two parts to keep 4 stages,
+/// like bf16.
+/// `wide` (a kernel with a 256-wide instance: fast accumulation, and the promoted sum of
+/// E4M3 x E4M3 to bf16 in plain and grouped blocks) takes 256 where its waves cost no more
+/// than the narrower choice's. Fast: 1478 against 1370 TFLOP/s at 4096x7168x4096, 1170
+/// against 1120 at 2048^3 on an H200; promoted (fourteenth session): 1307 against 1268, 1066
+/// against 926 (128 wide). At 8192^3 (16 waves of 256 against 21 of 192: fast 1416 against
+/// 1430, promoted 1322 against 1339) and skinny M it keeps the narrower tile.
+fn choose_bn_for(groups: usize, m: usize, n: usize, sms: usize, fast: bool, wide: bool) -> usize {
     let cost = |bn: usize| {
         let tiles = groups.max(1) * m.div_ceil(TILE) * n.div_ceil(bn);
         tiles.div_ceil(sms.max(1)) * bn
     };
-    // 192's credit: 30% for the promoted sum, 10% for fast accumulation (measured below).
-    let credit = if wide { 11 } else { 13 };
+    // 192's credit: 30% for the promoted sum, 10% for fast accumulation (measured above).
+    let credit = if fast { 11 } else { 13 };
     let narrow = if cost(192).saturating_mul(10) <= cost(128).saturating_mul(credit) {
         192
     } else {
@@ -917,14 +914,7 @@ fn packed_bn(stream: &Stream, p: &PackedProblem<'_>) -> Result<usize> {
     let rows = p.expected_rows.map_or(capacity, |r| r.clamp(1, capacity));
     let fast = fast_instance(p.fast, (p.a.format, p.b.format), p.d.name());
     let sms = grid_sms(stream, p.max_sms)?;
-    Ok(choose_bn_for(
-        1,
-        rows,
-        p.shape.n,
-        p.d.elem_size(),
-        sms,
-        fast,
-    ))
+    Ok(choose_bn_for(1, rows, p.shape.n, sms, fast, fast))
 }
 
 /// Enqueues the packed kernel of tile width `bn`; with `swiglu` (h and h^T), the fused
@@ -1110,16 +1100,17 @@ fn select(
     forced: Option<usize>,
     max_sms: Option<usize>,
 ) -> Result<(usize, cuda_graph::Kernel, LaunchConfig)> {
-    // 256 columns: the fast-accumulation kernels, and the plain promoted one (E4M3 x E4M3 to
-    // bf16; other formats find no kernel).
+    // 256 columns: the fast-accumulation kernels, and the plain promoted one of E4M3 x E4M3
+    // to bf16 (grouped blocks).
     let fast = layout.contains("fast_");
-    let wide = fast || layout.is_empty();
+    let e4 = Fp8Format::E4M3;
+    let wide = fast || (layout.is_empty() && (fa, fb) == (e4, e4) && d.name() == "bf16");
     if let Some(bn) = forced.filter(|&bn| !(bn == 128 || bn == 192 || (wide && bn == 256))) {
         return Err(Error::InvalidArgument(format!("tile width {bn}")));
     }
     let sms = grid_sms(stream, max_sms)?;
     let es = d.elem_size();
-    let bn = forced.unwrap_or_else(|| choose_bn_for(groups, m, n, es, sms, fast));
+    let bn = forced.unwrap_or_else(|| choose_bn_for(groups, m, n, sms, fast, wide));
     let (k, _) = kernel(stream.context(), &kernel_name(layout, fa, fb, d.name(), bn))?;
     let scales = if layout == "block_" {
         BLOCK_SCALE_BYTES
@@ -1401,14 +1392,14 @@ mod cpu_tests {
             (1, 8704, 4096, 192),
             (1, 8704, 2048, 192),
         ] {
-            assert_eq!(choose_bn_for(g, m, n, 2, 132, false), bn, "{g} x {m} x {n}");
             assert_eq!(
-                choose_bn_for(g, m, n, 4, 132, false),
+                choose_bn_for(g, m, n, 132, false, false),
                 bn,
-                "f32 {g} x {m} x {n}"
+                "{g} x {m} x {n}"
             );
         }
-        // With the 256-wide instance (fast accumulation): where its waves cost no more.
+        // With the 256-wide instance (fast accumulation, and the promoted E4M3 x E4M3 to bf16
+        // sum): where its waves cost no more.
         for (g, m, n, bn) in [
             (1, 8192, 8192, 192),
             (1, 4096, 7168, 256),
@@ -1417,11 +1408,17 @@ mod cpu_tests {
             (1, 64, 4096, 128),
             (1, 8704, 4096, 256),
             (1, 8704, 2048, 192),
+            (8, 512, 4096, 256),
         ] {
             assert_eq!(
-                choose_bn_for(g, m, n, 2, 132, true),
+                choose_bn_for(g, m, n, 132, true, true),
                 bn,
-                "wide {g} x {m} x {n}"
+                "fast, wide {g} x {m} x {n}"
+            );
+            assert_eq!(
+                choose_bn_for(g, m, n, 132, false, true),
+                bn,
+                "promoted, wide {g} x {m} x {n}"
             );
         }
         // Ring stages beside the staging (2 x 64 x bn outputs), as the kernel's Cfg computes.
@@ -1484,10 +1481,12 @@ mod cpu_tests {
         ) {
             let d = (groups as u128) * (m as u128) * (n as u128);
             if d <= usize::MAX as u128 {
-                let bn = choose_bn_for(groups, m, n, 2, sms, false);
-                prop_assert!(bn == 128 || bn == 192, "{}", bn);
-                let wide = choose_bn_for(groups, m, n, 2, sms, true);
-                prop_assert!(wide == 128 || wide == 192 || wide == 256, "{}", wide);
+                for fast in [false, true] {
+                    let bn = choose_bn_for(groups, m, n, sms, fast, false);
+                    prop_assert!(bn == 128 || bn == 192, "{}", bn);
+                    let wide = choose_bn_for(groups, m, n, sms, fast, true);
+                    prop_assert!(wide == 128 || wide == 192 || wide == 256, "{}", wide);
+                }
             }
         }
     }
@@ -2645,9 +2644,9 @@ mod tests {
                     p.groups,
                     p.m,
                     p.n,
-                    p.d.elem_size(),
                     s.context().device().multiprocessor_count().unwrap() as usize,
-                    false
+                    false,
+                    true
                 ),
                 wall.elapsed()
             );
