@@ -13,8 +13,8 @@
 //! * m, N, K, groups and `groups * m` below 2^31.
 //!
 //! Tile 128 x BN x 128 with BN 128 or 192, or 256 for fast accumulation and for the promoted
-//! E4M3 x E4M3 to bf16 sum (each k-block's products in two 128-column halves beside the
-//! 256-column sum), chosen per problem to fill the SMs; edge tiles
+//! E4M3 x E4M3 to bf16 sum without row counts (each k-block's products in two 128-column
+//! halves beside the 256-column sum), chosen per problem to fill the SMs; edge tiles
 //! read zeros past the tensor (TMA out-of-bounds fill) and store only rows below the group's
 //! count and columns below N.
 //!
@@ -95,7 +95,7 @@ fn smem_bytes(bn: usize, out_size: usize, scales: usize) -> usize {
 /// The same for both output types: f32 at 192 stores its tile in two parts to keep 4 stages,
 /// like bf16.
 /// `wide` (a kernel with a 256-wide instance: fast accumulation, and the promoted sum of
-/// E4M3 x E4M3 to bf16 in plain and grouped blocks) takes 256 where its waves cost no more
+/// E4M3 x E4M3 to bf16 in plain GEMMs and grouped blocks without row counts) takes 256 where its waves cost no more
 /// than the narrower choice's. Fast: 1478 against 1370 TFLOP/s at 4096x7168x4096, 1170
 /// against 1120 at 2048^3 on an H200; promoted (fourteenth session): 1307 against 1268, 1066
 /// against 926 (128 wide). At 8192^3 (16 waves of 256 against 21 of 192: fast 1416 against
@@ -715,6 +715,17 @@ fn launch_epilogue(
         "fast_"
     } else {
         ""
+    };
+    // With row counts (on the device) the promoted sum keeps to 128 or 192: the widths are
+    // costed as if every group were full, and skewed counts leave the 256-wide tiles' last
+    // wave nearly empty (8 groups of 2048 down to 32 rows, N = 4096, K = 2048 on an H200:
+    // 845-856 TFLOP/s at 256 against 900-931 at 192; full groups 1041-1064 against 949-977).
+    let bn = match bn {
+        None if p.counts.is_some() && layout.is_empty() => {
+            let sms = grid_sms(stream, p.max_sms)?;
+            Some(choose_bn_for(groups, p.m, p.n, sms, false, false))
+        }
+        bn => bn,
     };
     let (bn, k, cfg) = select(
         stream,
