@@ -95,8 +95,8 @@ fn smem_bytes(bn: usize, out_size: usize, scales: usize) -> usize {
 /// The same for both output types: f32 at 192 stores its tile in two parts to keep 4 stages,
 /// like bf16.
 /// `wide` (a kernel with a 256-wide instance: fast accumulation, and the promoted sum of
-/// E4M3 x E4M3 to bf16 in plain GEMMs and grouped blocks without row counts) takes 256 where its waves cost no more
-/// than the narrower choice's. Fast: 1478 against 1370 TFLOP/s at 4096x7168x4096, 1170
+/// E4M3 x E4M3 to bf16 in plain GEMMs and grouped blocks without row counts) takes 256 where
+/// its waves cost no more than the narrower choice's. Fast: 1478 against 1370 TFLOP/s at 4096x7168x4096, 1170
 /// against 1120 at 2048^3 on an H200; promoted (fourteenth session): 1307 against 1268, 1066
 /// against 926 (128 wide). At 8192^3 (16 waves of 256 against 21 of 192: fast 1416 against
 /// 1430, promoted 1322 against 1339) and skinny M it keeps the narrower tile.
@@ -1988,7 +1988,8 @@ mod tests {
     }
 
     /// Fast accumulation (E4M3 x E4M3, bf16 out): against the fp64 reference at K up to
-    /// 4096, plain, with a bias, accumulating, and grouped blocks with counts, both widths;
+    /// 4096, plain, with a bias, accumulating, and grouped blocks with counts, every width
+    /// (and the promoted sum's 256-wide kernel on the same cases);
     /// its error beside the promoted sum's (printed). Where no fast kernel exists (f32 out,
     /// E5M2) the option changes nothing: the same bits as without it.
     #[test]
