@@ -37,12 +37,13 @@ namespace sm90 {
 constexpr int BM = 128, BK = 128;
 constexpr int THREADS = 384;
 constexpr int TILE_A = BM * BK;  // bytes
-// Per tile width BN (128 or 192): B tile bytes, stage bytes, ring depth, shared memory.
+// Per tile width BN (128, 192 or 256): B tile bytes, stage bytes, ring depth, shared memory.
 // With `Out` the output type: the staging of the store epilogue, and the ring depth that fits
 // beside it in the 227 KiB a CTA may have. The staging holds a consumer's 64 x BN outputs in
 // PARTS parts stored one after the other: one part, except f32 at BN 192, whose whole tile
 // (96 KiB for both consumers) would leave room for 3 stages; in two halves of 96 columns it
-// leaves 4; and BN 256 (fast accumulation, bf16 out only), two halves of 128 columns, 4 stages.
+// leaves 4; and BN 256 (bf16 out only: fast accumulation, or the promoted E4M3 x E4M3 sum),
+// two halves of 128 columns, 4 stages.
 // Stages: BN 128: 6 for bf16 out, 5 for f32; BN 192: 4 for both; BN 256: 4. After the
 // barriers, the packed layout's group offsets (OFFSETS_CACHED ints, see gemm), then SCALES
 // bytes a stage (the block-scaled kernel's scales, BLOCK_SCALE_BYTES; 0 otherwise), which cost
@@ -739,7 +740,8 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                     const Tile tl = tile(t);
                     const int2 bb = b_blocks<BN>(tl.nt, n);
                     const int blk = lane == 0 ? bb.x : bb.y;
-                    for (int kb = 0; kb < kblocks; ++kb) {
+                    const KRange kr = krange(tl);  // the producer's k-blocks, stage for stage
+                    for (int kb = kr.lo; kb < kr.hi; ++kb) {
                         mbar_wait(empty(pos.stage), pos.phase ^ 1u);
                         const uint32_t at = scales_at(pos.stage);
 #pragma unroll

@@ -624,7 +624,7 @@ fn launch_split_k(
         "",
         formats,
         &out,
-        (splits, m, n),
+        Outputs::plain(splits, m, n),
         Some(128),
         p.max_sms,
     )?;
@@ -716,26 +716,13 @@ fn launch_epilogue(
     } else {
         ""
     };
-    // With row counts (on the device) the promoted sum keeps to 128 or 192: the widths are
-    // costed as if every group were full, and skewed counts leave the 256-wide tiles' last
-    // wave nearly empty (8 groups of 2048 down to 32 rows, N = 4096, K = 2048 on an H200:
-    // 845-856 TFLOP/s at 256 against 900-931 at 192; full groups 1041-1064 against 949-977).
-    let bn = match bn {
-        None if p.counts.is_some() && layout.is_empty() => {
-            let sms = grid_sms(stream, p.max_sms)?;
-            Some(choose_bn_for(groups, p.m, p.n, sms, false, false))
-        }
-        bn => bn,
+    let out = Outputs {
+        groups,
+        m: p.m,
+        n: p.n,
+        counted: p.counts.is_some(),
     };
-    let (bn, k, cfg) = select(
-        stream,
-        layout,
-        formats,
-        &p.d,
-        (groups, p.m, p.n),
-        bn,
-        p.max_sms,
-    )?;
+    let (bn, k, cfg) = select(stream, layout, formats, &p.d, out, bn, p.max_sms)?;
     let ta = tensor_map(p.a.data, groups, p.m, p.k, TILE)?;
     let tb = tensor_map(p.b.data, groups, p.n, p.k, bn)?;
     // With row counts the kernel stores through the map only the tiles whose rows all lie
@@ -821,7 +808,7 @@ fn launch_blockwise_with(
         "block_",
         formats,
         d,
-        (1, m, n),
+        Outputs::plain(1, m, n),
         forced,
         opts.max_sms,
     )?;
@@ -950,7 +937,7 @@ fn enqueue_packed(
         layout,
         formats,
         &p.d,
-        (1, capacity, n),
+        Outputs::plain(1, capacity, n),
         Some(bn),
         p.max_sms,
     )?;
@@ -1059,7 +1046,7 @@ fn launch_wgrad_with(
         "wgrad_",
         formats,
         &p.d,
-        (groups, m, n),
+        Outputs::plain(groups, m, n),
         bn,
         p.max_sms,
     )?;
@@ -1096,9 +1083,30 @@ fn launch_wgrad_with(
     unsafe { stream.launch_pdl(&kern, &cfg, &args) }
 }
 
-/// The tile width (`forced`: 128 or 192, or 256 for a fast-accumulation `layout`; an
-/// [`Error::InvalidArgument`] otherwise; or chosen
-/// for `groups x m x n` outputs), the kernel of `layout`
+/// The outputs a launch covers: `groups` blocks of `m x n`; `counted` where row counts on the
+/// device may leave groups part full, so that the host can not cost the waves of its tiles.
+#[derive(Clone, Copy, Debug)]
+struct Outputs {
+    groups: usize,
+    m: usize,
+    n: usize,
+    counted: bool,
+}
+
+impl Outputs {
+    /// Every group full.
+    fn plain(groups: usize, m: usize, n: usize) -> Self {
+        Outputs {
+            groups,
+            m,
+            n,
+            counted: false,
+        }
+    }
+}
+
+/// The tile width (`forced`: 128 or 192, or 256 where `layout` has a 256-wide kernel; an
+/// [`Error::InvalidArgument`] otherwise; or chosen for the outputs), the kernel of `layout`
 /// (as [`kernel_name`] takes it) for the operand formats and D's type with its dynamic shared
 /// memory allowed, and the persistent launch over the tiles: one CTA per SM at most, on at
 /// most `max_sms` SMs.
@@ -1107,18 +1115,24 @@ fn select(
     layout: &str,
     (fa, fb): (Fp8Format, Fp8Format),
     d: &GemmOut<'_>,
-    (groups, m, n): (usize, usize, usize),
+    out: Outputs,
     forced: Option<usize>,
     max_sms: Option<usize>,
 ) -> Result<(usize, cuda_graph::Kernel, LaunchConfig)> {
+    let Outputs { groups, m, n, .. } = out;
     // 256 columns: the fast-accumulation kernels, and the plain promoted one of E4M3 x E4M3
     // to bf16 (grouped blocks).
     let fast = layout.contains("fast_");
     let e4 = Fp8Format::E4M3;
-    let wide = fast || (layout.is_empty() && (fa, fb) == (e4, e4) && d.name() == "bf16");
-    if let Some(bn) = forced.filter(|&bn| !(bn == 128 || bn == 192 || (wide && bn == 256))) {
+    let has_256 = fast || (layout.is_empty() && (fa, fb) == (e4, e4) && d.name() == "bf16");
+    if let Some(bn) = forced.filter(|&bn| !(bn == 128 || bn == 192 || (has_256 && bn == 256))) {
         return Err(Error::InvalidArgument(format!("tile width {bn}")));
     }
+    // The promoted sum takes 256 only where the tiles are known: the widths are costed as if
+    // every group were full, and skewed counts leave the 256-wide tiles' last wave nearly
+    // empty (8 groups of 2048 down to 32 rows, N = 4096, K = 2048 on an H200: 845-856 TFLOP/s
+    // at 256 against 900-931 at 192; full groups 1041-1064 against 949-977).
+    let wide = has_256 && (fast || !out.counted);
     let sms = grid_sms(stream, max_sms)?;
     let es = d.elem_size();
     let bn = forced.unwrap_or_else(|| choose_bn_for(groups, m, n, sms, fast, wide));
