@@ -59,7 +59,11 @@ constexpr int OFFSETS_CACHED = 64;
 template <int BN, typename Out, int SCALES = 0> struct Cfg {
     static constexpr int TILE_B = BN * BK;
     static constexpr int STAGE_BYTES = TILE_A + TILE_B;
-    static constexpr int PARTS = (BN == 192 && sizeof(Out) == 4) || BN == 256 ? 2 : 1;
+    // (The block-scaled 256-wide tile: 4 parts, whose 16 KiB of staging leave room for 4
+    // stages with the scales; in 2 parts it would keep 3.)
+    static constexpr int PARTS = BN == 256 && SCALES > 0                      ? 4
+                                 : (BN == 192 && sizeof(Out) == 4) || BN == 256 ? 2
+                                                                                : 1;
     static constexpr int STAGING = 2 * 64 * (BN / PARTS) * int(sizeof(Out));
     static constexpr int FIT =
         (SMEM_LIMIT - 1024 - STAGING - 2 * 6 * 8 - 4 * OFFSETS_CACHED) / (STAGE_BYTES + SCALES);
@@ -528,11 +532,11 @@ __device__ __forceinline__ Tile wgrad_tile_at(int t, int m, int ntiles) {
 // tensor cores accumulate over the whole reduction in their own accumulator, one k-block's
 // wgmma group in flight while the next is issued. Otherwise (promotion, as DeepGEMM does)
 // each k-block's products go to a fresh accumulator, waited for and added in f32.
-// BLOCK: block scaling (DeepSeek-V3's 1x128 activations, 128x128 weights; BN 128 or 192, one
-// group, promoted): `sa` holds A's scale_inv per (row, k-block) `[m, kbt]`, `sb` B's per
+// BLOCK: block scaling (DeepSeek-V3's 1x128 activations, 128x128 weights; BN 128, 192 or 256
+// (bf16 out), one group, promoted): `sa` holds A's scale_inv per (row, k-block) `[m, kbt]`, `sb` B's per
 // (128-row block, k-block) `[ceil(n / 128), kbt]`, kbt = ceil(k / 128); each k-block's products
 // are scaled by sa[row, kb] * sb[column / 128, kb] as they are added to the f32 sum (alpha 1).
-// A 192-wide tile spans two of B's blocks; see `BlockScales`.
+// 192- and 256-wide tiles span two of B's blocks; see `BlockScales`.
 // The block scales of one k-block (BLOCK), a stage's worth in shared memory beside the ring
 // (BLOCK_SCALE_BYTES a stage): A's scale_inv for the tile's BM rows (0 at rows at or past m),
 // then B's for the tile's first 128-column block ("lo") and the next ("hi": the last block's
@@ -543,20 +547,22 @@ __device__ __forceinline__ Tile wgrad_tile_at(int t, int m, int ntiles) {
 // for L2 before every k-block's products, 0.78-0.83x of the per-tensor kernel.)
 constexpr int BLOCK_SCALE_BYTES = 4 * (BM + 4);  // 528: 16-byte multiple
 // B's blocks under tile nt (BN wide): its first and the next, clamped to B's last. A 192-wide
-// tile starts at column 192 nt = 128 b + 64 (nt odd) or 128 b (even).
+// tile starts at column 192 nt = 128 b + 64 (nt odd) or 128 b (even); a 256-wide one at
+// 128 (2 nt).
 template <int BN> __device__ __forceinline__ int2 b_blocks(int nt, int n) {
     const int nblk = (n + 127) / 128;
-    const int b = BN == 128 ? nt : (3 * nt) / 2;
+    const int b = BN == 128 ? nt : BN == 192 ? (3 * nt) / 2 : 2 * nt;
     return make_int2(b, min(b + 1, nblk - 1));
 }
 // The block scales one consumer thread applies to a k-block: its two rows' A scales and the B
 // scales of its tile's columns. A 128-wide tile is one of B's 128-column blocks; a 192-wide
 // tile's column pairs 8p .. 8p + 7 lie in block b for p < 8, in block b + 1 for p >= 16 and,
 // for 8 <= p < 16, in b (nt even) or b + 1 (odd): three B scales ("lo", "mid", "hi") chosen
-// per p at compile time.
+// per p at compile time. A 256-wide tile's first 128 columns (p < 16) are block b's, the rest
+// block b + 1's: each of consume_promoted's halves has one B scale.
 template <int BN>
 struct BlockScales {
-    static_assert(BN == 128 || BN == 192, "block-scaled tile width");
+    static_assert(BN == 128 || BN == 192 || BN == 256, "block-scaled tile width");
     float r0, r1, lo, mid, hi;
     // From a stage's scales (`at`, BLOCK_SCALE_BYTES): rows rl and rl + 8 of the tile.
     __device__ __forceinline__ void read(const float *at, int rl, int nt) {
@@ -564,7 +570,7 @@ struct BlockScales {
         r1 = at[rl + 8];
         lo = at[BM];
         hi = BN == 128 ? lo : at[BM + 1];
-        mid = BN == 128 || (nt & 1) == 0 ? lo : hi;
+        mid = BN == 128 || (BN == 192 && (nt & 1) == 0) ? lo : hi;
     }
     // The values in registers (their shared-memory reads complete) from here on: before the
     // stage that holds them is released to the producer.
@@ -576,7 +582,7 @@ struct BlockScales {
         float v[6];
         // The factor of column group p (compile-time after unrolling) in row rl (+ 8 if `second`).
         __device__ __forceinline__ float at(int p, bool second) const {
-            const int region = p < 8 ? 0 : (p < 16 ? 1 : 2);
+            const int region = BN == 256 ? (p < 16 ? 0 : 2) : p < 8 ? 0 : (p < 16 ? 1 : 2);
             return v[(second ? 3 : 0) + region];
         }
     };
@@ -616,7 +622,7 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
     using C = Cfg<BN, Out, BLOCK ? BLOCK_SCALE_BYTES : 0>;
     // 256 columns hold 128 accumulator registers per thread: room for a 128-column promotion
     // accumulator beside them only (consume_promoted's halves), plain per-tensor sums only.
-    static_assert(FAST || BN <= 192 || (!BLOCK && !SWIGLU), "BN 256, promoted: plain sums");
+    static_assert(FAST || BN <= 192 || !SWIGLU, "BN 256, promoted: no fused SwiGLU");
     constexpr int STAGES = C::STAGES, STAGE_BYTES = C::STAGE_BYTES;
     constexpr int NACC = BN / 2;  // accumulator registers per thread
     extern __shared__ uint8_t smem_raw[];
@@ -762,7 +768,8 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
         const int cw = wg - 1;  // which 64-row half of the tile
         const int t128 = threadIdx.x - 128 * wg;
         const int warp = t128 / 32, lane = t128 % 32;
-        static_assert(!BLOCK || ((BN == 128 || BN == 192) && !FAST && MODE == GROUPED),
+        static_assert(!BLOCK || ((BN == 128 || BN == 192 || (BN == 256 && sizeof(Out) == 2)) &&
+                                 !FAST && MODE == GROUPED),
                       "block scaling");
         const float sa_v = BLOCK ? 1.0f : sa[flags.x];
         const float sb_v = BLOCK || sb == nullptr ? 1.0f : sb[flags.y];
@@ -866,10 +873,13 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                     if constexpr (BLOCK) {
                         // acc[4p], acc[4p + 1] are row rl's, acc[4p + 2], acc[4p + 3] row rl +
                         // 8's, all in columns 8p .. 8p + 7 of the tile.
+                        // (BN 256: half h's column groups are the tile's 16 h .. 16 h + 15.)
+                        constexpr int NP = BN > 192 ? NACC / 2 : NACC;
                         const auto f = bs.products();
 #pragma unroll
-                        for (int i = 0; i < NACC; ++i) {
-                            acc[i] = fmaf(part[i], f.at(i / 4, (i & 2) != 0), acc[i]);
+                        for (int i = 0; i < NP; ++i) {
+                            const int j = h * NP + i;
+                            acc[j] = fmaf(part[i], f.at(j / 4, (i & 2) != 0), acc[j]);
                         }
                     } else {
                         // (BN 256: half h's column groups are the sum's 16 h .. 16 h + 15.)
@@ -1261,7 +1271,8 @@ extern "C" __global__ void __launch_bounds__(256)
                               unsigned bias_kind) {
     fp8k::sm90::split_reduce<float>(partial, d, bias, dims, bias_kind);
 }
-// Block-scaled (sa, sb: the block scales; see BLOCK), E4M3 x E4M3, one group, 128 or 192 wide.
+// Block-scaled (sa, sb: the block scales; see BLOCK), E4M3 x E4M3, one group, 128 or 192 wide
+// (both outputs) or 256 (bf16).
 #define FP8K_GEMM_SM90_BLOCK(ON, OT, W)                                                                \
     extern "C" __global__ void __launch_bounds__(fp8k::sm90::THREADS, 1)                             \
         fp8_gemm_sm90_block_e4m3_e4m3_##ON##_n##W(const __grid_constant__ fp8k::sm90::TmaDesc ta,      \
@@ -1277,3 +1288,4 @@ FP8K_GEMM_SM90_BLOCK(bf16, __nv_bfloat16, 128)
 FP8K_GEMM_SM90_BLOCK(f32, float, 128)
 FP8K_GEMM_SM90_BLOCK(bf16, __nv_bfloat16, 192)
 FP8K_GEMM_SM90_BLOCK(f32, float, 192)
+FP8K_GEMM_SM90_BLOCK(bf16, __nv_bfloat16, 256)

@@ -76,7 +76,10 @@ const STORE_ROWS: usize = 64;
 /// alignment slack.
 fn smem_bytes(bn: usize, out_size: usize, scales: usize) -> usize {
     let stage = TILE * TILE + bn * TILE + scales;
-    let parts = if (bn == 192 && out_size == 4) || bn == 256 {
+    // (The block-scaled 256-wide tile in 4 parts: 4 stages with its scales, not 3.)
+    let parts = if bn == 256 && scales > 0 {
+        4
+    } else if (bn == 192 && out_size == 4) || bn == 256 {
         2
     } else {
         1
@@ -768,8 +771,8 @@ pub(crate) fn launch_blockwise(
     launch_blockwise_with(stream, shape, operands, d, opts, None)
 }
 
-/// [`launch_blockwise`] with the tile width forced (128 or 192) or chosen (`None`, as for
-/// per-tensor scales: [`choose_bn_for`]).
+/// [`launch_blockwise`] with the tile width forced (128, 192, or 256 with bf16 out) or chosen
+/// (`None`, as for per-tensor scales: [`choose_bn_for`]).
 fn launch_blockwise_with(
     stream: &Stream,
     (m, n, k): (usize, usize, usize),
@@ -1120,11 +1123,13 @@ fn select(
     max_sms: Option<usize>,
 ) -> Result<(usize, cuda_graph::Kernel, LaunchConfig)> {
     let Outputs { groups, m, n, .. } = out;
-    // 256 columns: the fast-accumulation kernels, and the plain promoted one of E4M3 x E4M3
-    // to bf16 (grouped blocks).
+    // 256 columns: the fast-accumulation kernels, the plain promoted one of E4M3 x E4M3 to
+    // bf16 (grouped blocks) and the block-scaled one to bf16.
     let fast = layout.contains("fast_");
     let e4 = Fp8Format::E4M3;
-    let has_256 = fast || (layout.is_empty() && (fa, fb) == (e4, e4) && d.name() == "bf16");
+    let bf16 = d.name() == "bf16";
+    let has_256 =
+        fast || (layout.is_empty() && (fa, fb) == (e4, e4) && bf16) || (layout == "block_" && bf16);
     if let Some(bn) = forced.filter(|&bn| !(bn == 128 || bn == 192 || (has_256 && bn == 256))) {
         return Err(Error::InvalidArgument(format!("tile width {bn}")));
     }
@@ -1469,6 +1474,11 @@ mod cpu_tests {
             smem_bytes(192, 2, sc),
             4 * (40960 + sc) + 49152 + 64 + 256 + 1024
         );
+        // At 256 wide (bf16) the staging in 4 parts keeps 4 stages.
+        assert_eq!(
+            smem_bytes(256, 2, sc),
+            4 * (49152 + sc) + 16384 + 64 + 256 + 1024
+        );
         for (bn, es, sc) in [
             (128, 2, 0),
             (128, 4, 0),
@@ -1479,6 +1489,7 @@ mod cpu_tests {
             (128, 4, sc),
             (192, 2, sc),
             (192, 4, sc),
+            (256, 2, sc),
         ] {
             assert!(smem_bytes(bn, es, sc) <= SMEM_LIMIT);
         }
@@ -1895,15 +1906,16 @@ mod tests {
         }
     }
 
-    /// The block-scaled kernel at both tile widths, both outputs, against the fp64 reference
-    /// of `sum_kb sa[row, kb] * sb[col / 128, kb] * (A . B over k-block kb)`: N with 192-wide
-    /// tiles that start on (even tiles) and half-way into (odd tiles) B's 128-column blocks
-    /// and a last partial tile, K with a partial last block, M not a multiple of the tile.
-    /// The scales span 2^-6 .. 2^6, so a product scaled by a neighbouring block's scale lands
-    /// far outside the bound. A width other than 128 and 192 is refused.
+    /// The block-scaled kernel at every tile width (128 and 192 for both outputs, 256 for
+    /// bf16), against the fp64 reference of `sum_kb sa[row, kb] * sb[col / 128, kb] * (A . B
+    /// over k-block kb)`: N with 192-wide tiles that start on (even tiles) and half-way into
+    /// (odd tiles) B's 128-column blocks, 256-wide tiles whose second half is past N or
+    /// partial, and a last partial tile, K with a partial last block, M not a multiple of the
+    /// tile. The scales span 2^-6 .. 2^6, so a product scaled by a neighbouring block's scale
+    /// lands far outside the bound. Other widths (and 256 with f32 out) are refused.
     #[test]
     #[ignore = "needs a CUDA device"]
-    fn blockwise_at_both_widths_matches_the_fp64_reference() {
+    fn blockwise_at_every_width_matches_the_fp64_reference() {
         let (_ctx, s) = setup();
         for (m, n, k) in [
             (130usize, 520usize, 400usize),
@@ -1953,7 +1965,12 @@ mod tests {
                     format: Fp8Format::E4M3,
                     scales_inv: &sb_d,
                 };
-                for bn in [128, 192] {
+                let widths: &[usize] = if f32_out {
+                    &[128, 192]
+                } else {
+                    &[128, 192, 256]
+                };
+                for &bn in widths {
                     reset_d(&s, &c, &h, &mut dv);
                     let out = if f32_out {
                         GemmOut::F32(&dv.d32)
@@ -1984,19 +2001,23 @@ mod tests {
                         "{m}x{n}x{k} bn {bn} f32_out {f32_out}: {rel:e}"
                     );
                 }
-                let out = GemmOut::Bf16(&dv.d16);
-                let refused = launch_blockwise_with(
-                    &s,
-                    (m, n, k),
-                    (&a, &b),
-                    &out,
-                    &GemmOptions::new(),
-                    Some(256),
-                );
-                assert!(
-                    matches!(refused, Err(Error::InvalidArgument(_))),
-                    "{refused:?}"
-                );
+                // No 256-wide f32 instance; no width past those.
+                let out32 = GemmOut::F32(&dv.d32);
+                let out16 = GemmOut::Bf16(&dv.d16);
+                for (out, bn) in [(&out32, 256), (&out16, 320), (&out16, 64)] {
+                    let refused = launch_blockwise_with(
+                        &s,
+                        (m, n, k),
+                        (&a, &b),
+                        out,
+                        &GemmOptions::new(),
+                        Some(bn),
+                    );
+                    assert!(
+                        matches!(refused, Err(Error::InvalidArgument(_))),
+                        "bn {bn}: {refused:?}"
+                    );
+                }
             }
         }
     }
