@@ -122,6 +122,8 @@ fn gemm_kernels_issue_qgmma_and_no_kernel_spills() {
         "fp8_gemm_sm90_wgrad_e4m3_e5m2_f32_n128",
         "fp8_gemm_sm90_packed_swiglu_fast_e4m3_e4m3_bf16_n256",
         "fp8_gemm_sm90_block_e4m3_e4m3_bf16_n192",
+        "fp8_gemm_sm90_block_e4m3_e4m3_bf16_n256",
+        "fp8_gemm_sm90_e4m3_e4m3_bf16_n256",
         "fp8_gemm_sm90_skinny_e4m3_e4m3_bf16_m64",
         "fp8_gemm_sm90_skinny_fast_e4m3_e4m3_bf16_m128",
     ] {
