@@ -156,7 +156,7 @@ __device__ __forceinline__ void gemm_skinny(const TmaDesc *ta, const TmaDesc *tb
             consume_fast<FB, FA, MN>(acc, kb_lo, kb_hi, ring, full, ops, nothing, release);
         } else {
             consume_promoted<FB, FA, MN>(kb_lo, kb_hi, ring, full, ops, nothing, release,
-                                         [](int) {}, [&](const float(&part)[NACC], int) {
+                                         [](int) {}, [&](const float(&part)[NACC], int, bool) {
 #pragma unroll
                                              for (int i = 0; i < NACC; ++i) acc[i] += part[i];
                                          });
