@@ -462,6 +462,77 @@ __device__ __forceinline__ void promoted_kblock(RingPos<STAGES> &ring, Full &ful
     ring.advance();
 }
 
+// Pins registers in place against the asm around them (wgmma's issue and waits): the compiler
+// may not move their reads and writes across it, so a set of products is read only after the
+// wait that retires it, and written (by the next wgmma) only after those reads.
+template <int N> __device__ __forceinline__ void fence_regs(float (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+// consume_promoted up to 128 columns, pipelined: each k-block's products are issued before the
+// previous k-block's are promoted, into two sets of product registers that take turns (p, q;
+// 64 + 64 beside the 64 of the sum), so the tensor cores run the next group while the consumer
+// adds the last one into the sum (the 192- and 256-wide sums have no registers for a second
+// set). The same additions in the same order as consume_promoted: the same bits. A stage is
+// released once its group has retired, one k-block later, as in consume_fast; `landed(stage)`
+// runs then, just before the release (the block scales of the retired k-block are read there,
+// so one set of scale registers serves: the next k-block's are read at its own retirement).
+template <__nv_fp8_interpretation_t FA, __nv_fp8_interpretation_t FB, int N, int STAGES,
+          class Full, class Ops, class Issued, class Release, class Landed, class Promote>
+__device__ __forceinline__ void consume_pipelined(int lo, int hi, RingPos<STAGES> &ring, Full full, Ops ops,
+                                                  Issued issued, Release release, Landed landed,
+                                                  Promote promote) {
+    static_assert(N <= 128, "two sets of products beside the sum fit up to 128 columns");
+    if (lo >= hi) return;
+    float p[N / 2], q[N / 2];
+    // Issues the next k-block into d; returns its stage.
+    auto issue = [&](float(&d)[N / 2]) {
+        mbar_wait(full(ring.stage), ring.phase);
+        const uint2 ab = ops(ring.stage);
+        fence_regs(d);
+        mma_kblock<FA, FB, N>(d, ab.x, ab.y, false);
+        const int st = ring.stage;
+        ring.advance();
+        return st;
+    };
+    // Waits for all but `in_flight` groups; reads what else the retired one's stage holds,
+    // releases it and adds its products.
+    auto retire = [&](float(&d)[N / 2], int st, bool in_flight, bool first) {
+        if (in_flight) {
+            wgmma_wait1();
+        } else {
+            wgmma_wait0();
+        }
+        fence_regs(d);
+        landed(st);
+        release(st);
+        promote(d, 0, first);
+    };
+    int sp = issue(p);
+    issued();
+    if (lo + 1 == hi) {
+        retire(p, sp, false, true);
+        return;
+    }
+    int sq = issue(q);
+    retire(p, sp, true, true);
+    int kb = lo + 2;
+    for (; kb + 1 < hi; kb += 2) {
+        sp = issue(p);
+        retire(q, sq, true, false);
+        sq = issue(q);
+        retire(p, sp, true, false);
+    }
+    if (kb < hi) {
+        sp = issue(p);
+        retire(q, sq, true, false);
+        retire(p, sp, false, false);
+    } else {
+        retire(q, sq, false, false);
+    }
+}
+
 // consume_fast with each k-block's products promoted into the f32 sum by `promote(part, h,
 // first)` after its group retires (`first`: the range's first k-block, whose products start
 // the sum instead of adding to it; a constant at each call, so each inlined copy is
@@ -1039,6 +1110,8 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
         // accumulation keeps one accumulator, so its epilogue runs in place; it and the kernels
         // that do not defer zero the sum at each tile's start.
         constexpr bool DEFER = !FAST && !PINGPONG && !BLOCK && BN <= 192;
+        // Promoted sums up to 128 columns: consume_pipelined.
+        constexpr bool PIPELINED = !FAST && BN <= 128;
         Tile pend{-1, 0, 0};
         float pend_alpha = 0.0f;
         bool pending = false;
@@ -1085,7 +1158,8 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                 if (lane == 0) mbar_arrive(empty(st));
             };
             // Block scaling: this thread's two rows of the tile (rl and rl + 8 of its
-            // consumer's 64), read from each stage's scales when it lands.
+            // consumer's 64), read from each k-block's stage before it is released
+            // (`landed`).
             const int brl = cw * 64 + warp * 16 + lane / 4;
             BlockScales<BLOCK ? BN : 128> bs{};  // (unused without BLOCK)
             if constexpr (FAST) {
@@ -1097,14 +1171,16 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                                 brl, tl.nt);
                     }
                 };
-                auto promote = [&](const float(&part)[BN > 192 ? NACC / 2 : NACC], int h, bool first_kb) {
+                // The products of one group: half the tile's columns at 256 (consume_promoted's
+                // halves), all of them otherwise.
+                constexpr int NP = BN > 192 ? NACC / 2 : NACC;
+                auto promote = [&](const float(&part)[NP], int h, bool first_kb) {
                     // (Only the deferring kernels start the sum from the first products.)
                     const bool first = DEFER && first_kb;
                     if constexpr (BLOCK) {
                         // acc[4p], acc[4p + 1] are row rl's, acc[4p + 2], acc[4p + 3] row rl +
                         // 8's, all in columns 8p .. 8p + 7 of the tile.
                         // (BN 256: half h's column groups are the tile's 16 h .. 16 h + 15.)
-                        constexpr int NP = BN > 192 ? NACC / 2 : NACC;
                         const auto f = bs.products();
 #pragma unroll
                         for (int i = 0; i < NP; ++i) {
@@ -1112,8 +1188,7 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                             acc[j] = fmaf(part[i], f.at(j / 4, (i & 2) != 0), first ? 0.0f : acc[j]);
                         }
                     } else {
-                        // (BN 256: half h's column groups are the sum's 16 h .. 16 h + 15.)
-                        constexpr int NP = BN > 192 ? NACC / 2 : NACC;
+                        // (Half h's column groups are the sum's NP / 4 h .. + NP / 4 - 1.)
 #pragma unroll
                         for (int i = 0; i < NP; ++i) acc[h * NP + i] = (first ? 0.0f : acc[h * NP + i]) + part[i];
                     }
@@ -1126,8 +1201,13 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                     }
                     release(st);
                 };
-                consume_promoted<FA, FB, BN>(kr.lo, kr.hi, ring, full, ops, issued, release_read,
-                                             landed, promote);
+                if constexpr (PIPELINED) {
+                    consume_pipelined<FA, FB, BN>(kr.lo, kr.hi, ring, full, ops, issued, release_read,
+                                                  landed, promote);
+                } else {
+                    consume_promoted<FA, FB, BN>(kr.lo, kr.hi, ring, full, ops, issued, release_read,
+                                                 landed, promote);
+                }
             }
             if (turns) {
                 // Hand the tensor cores over: consumer 1 arrives for consumer 0's next tile

@@ -1,8 +1,10 @@
 //! The SASS check of the crate's fatbin (CPU only: it disassembles, it runs nothing): every
 //! sm_90a GEMM kernel (`fp8_gemm_sm90_*`: the TMA + wgmma kernels, the skinny ones included)
 //! issues its products as QGMMA, the FP8 wgmma of Hopper's tensor cores (not a fallback), at
-//! least one k-block's worth (4 of k32), and no kernel of any architecture touches local
-//! memory (`STL`/`LDL`: register spills or stack arrays, which cost a GEMM's main loop dearly).
+//! least one k-block's worth (4 of k32), none serialised by ptxas (C7514: every QGMMA then
+//! waits for itself), the pipelined ones (fast accumulation, the promoted sums at 128 wide)
+//! keeping a group in flight, and no kernel of any architecture touches local memory
+//! (`STL`/`LDL`: register spills or stack arrays, which cost a GEMM's main loop dearly).
 //!
 //! It needs `cuobjdump` and `nvdisasm`: `$CUOBJDUMP` (with `nvdisasm` beside it or on `PATH`),
 //! else `$CUDA_HOME/bin`, else `.toolchain/sass` (installed by `scripts/setup.sh`), else
@@ -12,8 +14,22 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// Per architecture (`sm_90a`, ...), per function: (QGMMA count, local-memory instructions).
-type Sass = BTreeMap<String, BTreeMap<String, (usize, Vec<String>)>>;
+/// What the check reads from one function's listing.
+#[derive(Debug, Default, PartialEq)]
+struct Listing {
+    /// QGMMA instructions.
+    qgmma: usize,
+    /// QGMMA instructions that close a group (`gsb0`): all of them where ptxas serialised the
+    /// wgmmas, one a group (a k-block's last k32 step) otherwise.
+    qgmma_closing: usize,
+    /// Waits that leave a group in flight (`WARPGROUP.DEPBAR.LE gsb0, 0x1`).
+    waits_in_flight: usize,
+    /// Local-memory instructions.
+    local: Vec<String>,
+}
+
+/// Per architecture (`sm_90a`, ...), per function: its [`Listing`].
+type Sass = BTreeMap<String, BTreeMap<String, Listing>>;
 
 fn cuobjdump() -> PathBuf {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
@@ -94,10 +110,16 @@ fn parse(text: &str) -> Sass {
                 .entry(function.clone())
                 .or_default();
             if base == "QGMMA" {
-                entry.0 += 1;
+                entry.qgmma += 1;
+                if line.contains("gsb0") {
+                    entry.qgmma_closing += 1;
+                }
+            }
+            if op == "WARPGROUP.DEPBAR.LE" && line.contains("gsb0, 0x1") {
+                entry.waits_in_flight += 1;
             }
             if base == "STL" || base == "LDL" {
-                entry.1.push(line.to_owned());
+                entry.local.push(line.to_owned());
             }
         }
     }
@@ -133,9 +155,24 @@ fn gemm_kernels_issue_qgmma_and_no_kernel_spills() {
         );
     }
     let mut without = Vec::new();
-    for (name, (qgmma, _)) in &gemms {
-        if *qgmma < 4 {
-            without.push(format!("{name}: {qgmma} QGMMA"));
+    let mut serialised = Vec::new();
+    let mut not_pipelined = Vec::new();
+    for (name, l) in &gemms {
+        if l.qgmma < 4 {
+            without.push(format!("{name}: {} QGMMA", l.qgmma));
+        }
+        if l.qgmma_closing >= l.qgmma {
+            serialised.push(format!(
+                "{name}: {} of {} QGMMA close a group",
+                l.qgmma_closing, l.qgmma
+            ));
+        }
+        // Fast accumulation keeps a k-block's group in flight while it issues the next; so do
+        // the promoted sums at 128 wide (consume_pipelined), the skinny ones aside.
+        let pipelined =
+            name.contains("fast_") || (name.ends_with("_n128") && !name.contains("skinny"));
+        if pipelined && l.waits_in_flight == 0 {
+            not_pipelined.push(name.to_string());
         }
     }
     assert!(
@@ -143,11 +180,21 @@ fn gemm_kernels_issue_qgmma_and_no_kernel_spills() {
         "sm_90a GEMM kernels without a k-block of QGMMA:\n{}",
         without.join("\n")
     );
+    assert!(
+        serialised.is_empty(),
+        "sm_90a GEMM kernels whose wgmmas ptxas serialised (C7514 in its -v output):\n{}",
+        serialised.join("\n")
+    );
+    assert!(
+        not_pipelined.is_empty(),
+        "pipelined sm_90a GEMM kernels without a wait that leaves a group in flight:\n{}",
+        not_pipelined.join("\n")
+    );
     let mut local = Vec::new();
     for (arch, functions) in &sass {
-        for (name, (_, insts)) in functions {
-            if let Some(first) = insts.first() {
-                local.push(format!("{arch} {name}: {} ({first})", insts.len()));
+        for (name, l) in functions {
+            if let Some(first) = l.local.first() {
+                local.push(format!("{arch} {name}: {} ({first})", l.local.len()));
             }
         }
     }
@@ -170,12 +217,18 @@ fn the_parser_reads_cuobjdump_listings() {
     let text = "\n\tcode for sm_90a\n\t\tFunction : k_gemm\n\t.headerflags\t@\"EF_CUDA_SM90\"\n        \
                 /*0000*/                   MOV R1, c[0x0][0x28] ;     /* 0x00000a00ff017624 */\n        \
                 /*09f0*/                   QGMMA.64x64x32.F32.E4M3.E4M3 R24, gdesc[UR12], RZ, !UPT ;   /* 0x */\n        \
+                /*0a10*/                   QGMMA.64x64x32.F32.E4M3.E4M3 R24, gdesc[UR12], R24, gsb0 ;   /* 0x */\n        \
+                /*0a20*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;   /* 0x */\n        \
                 /*0a00*/              @!P0 STL [R1], R2 ;   /* 0x */\n\t\tFunction : k_other\n        \
                 /*0000*/                   LDL.64 R2, [R1+0x8] ;   /* 0x */\n\tcode for sm_89\n\t\tFunction : k_gemm\n        \
                 /*0000*/                   EXIT ;   /* 0x */\n";
     let sass = parse(text);
-    assert_eq!(sass["sm_90a"]["k_gemm"].0, 1);
-    assert_eq!(sass["sm_90a"]["k_gemm"].1.len(), 1);
-    assert_eq!(sass["sm_90a"]["k_other"].1.len(), 1);
-    assert_eq!(sass["sm_89"]["k_gemm"], (0, Vec::new()));
+    let gemm = &sass["sm_90a"]["k_gemm"];
+    assert_eq!(
+        (gemm.qgmma, gemm.qgmma_closing, gemm.waits_in_flight),
+        (2, 1, 1)
+    );
+    assert_eq!(gemm.local.len(), 1);
+    assert_eq!(sass["sm_90a"]["k_other"].local.len(), 1);
+    assert_eq!(sass["sm_89"]["k_gemm"], Listing::default());
 }

@@ -94,7 +94,12 @@ fn smem_bytes(bn: usize, out_size: usize, scales: usize) -> usize {
 /// its efficiency (its wgmma reads less shared memory per FLOP): 30% with the promoted sum
 /// (1356 against 958-961 TFLOP/s at 8192^3, 1276-1278 against 981-986 at 4096x7168x4096 on an
 /// H200, thirteenth session), 10% with `fast` accumulation (1385 against 1345, 1355 against
-/// 1336); 128 wins where the wave count decides, e.g. 2048^3 and M <= 128.
+/// 1336); 128 wins where the wave count decides, e.g. 2048^3 and M <= 128. (Since the 128-wide
+/// promoted tiles pipeline their sums, forced widths measure 192's edge per tile at 5-8%:
+/// 1406 against 1312 at 8192^3, 1324 against 1289 at 4096x7168x4096, sixteenth session. A 7%
+/// credit moved grouped blocks and the 256-expert MoE layer's GEMMs to 128 and measured no
+/// faster: grouped 8 x 512 rows 958 at 128 against 952 at 192, the E = 256 step with bf16
+/// gradients 2.370 ms against 2.312. So 30% stays.)
 /// The same for both output types: f32 at 192 stores its tile in two parts to keep 4 stages,
 /// like bf16.
 /// `wide` (a kernel with a 256-wide instance: fast accumulation, and the promoted sum of
