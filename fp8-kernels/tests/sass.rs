@@ -217,9 +217,9 @@ fn the_parser_reads_cuobjdump_listings() {
     let text = "\n\tcode for sm_90a\n\t\tFunction : k_gemm\n\t.headerflags\t@\"EF_CUDA_SM90\"\n        \
                 /*0000*/                   MOV R1, c[0x0][0x28] ;     /* 0x00000a00ff017624 */\n        \
                 /*09f0*/                   QGMMA.64x64x32.F32.E4M3.E4M3 R24, gdesc[UR12], RZ, !UPT ;   /* 0x */\n        \
-                /*0a10*/                   QGMMA.64x64x32.F32.E4M3.E4M3 R24, gdesc[UR12], R24, gsb0 ;   /* 0x */\n        \
-                /*0a20*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;   /* 0x */\n        \
-                /*0a00*/              @!P0 STL [R1], R2 ;   /* 0x */\n\t\tFunction : k_other\n        \
+                /*0a00*/                   QGMMA.64x64x32.F32.E4M3.E4M3 R24, gdesc[UR12], R24, gsb0 ;   /* 0x */\n        \
+                /*0a10*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;   /* 0x */\n        \
+                /*0a20*/              @!P0 STL [R1], R2 ;   /* 0x */\n\t\tFunction : k_other\n        \
                 /*0000*/                   LDL.64 R2, [R1+0x8] ;   /* 0x */\n\tcode for sm_89\n\t\tFunction : k_gemm\n        \
                 /*0000*/                   EXIT ;   /* 0x */\n";
     let sass = parse(text);
