@@ -1094,32 +1094,31 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                 }
             }
         };
-        // The promoted sums' epilogues run under the next tile's first products: a tile's
-        // epilogue is held (pend) until the consumer has issued the next tile's first wgmma
-        // group, whose products go to registers of their own (consume_promoted's part) while
-        // the sum is stored, and the sum then starts from them (promote's `first`). The tensor
-        // cores then do not wait for the epilogue between tiles. On an H200: 8192^3 at 1.02x
+        // The promoted sums' epilogues run under the next tile's first products: a tile's epilogue
+        // is held (pend) until the consumer has issued the next tile's first wgmma group, whose
+        // products go to registers of their own (consume_promoted's part, consume_pipelined's p)
+        // while the sum is stored, and the sum then starts from them (promote's `first`). The
+        // tensor cores then do not wait for the epilogue between tiles. On an H200: 8192^3 at 1.02x
         // cuBLASLt in four runs (0.94-0.99x before), the packed fc1 forward and data gradient
         // at T = 4096 3-5% faster (docs/perf-notes.md). With the first k-block's work inside
         // consume_promoted's loop, the loop got slower than the epilogue it hid; hence
-        // promoted_kblock's peeled first k-block. Only tiles that take the store epilogue,
-        // without a bias (the bias columns' and the register epilogue's registers beside both
-        // sets of products would not fit in 232), up to 192 columns (256: 128 + 64 products,
-        // and spills), not the block-scaled sums (their scales hold registers too), and not the
-        // ping-pong weight gradient, whose consumers take whole tiles in turns. Fast
-        // accumulation keeps one accumulator, so its epilogue runs in place; it and the kernels
-        // that do not defer zero the sum at each tile's start.
+        // promoted_kblock's peeled first k-block. Only tiles that take the store epilogue, without
+        // a bias (the bias columns' and the register epilogue's registers beside both sets of
+        // products would not fit in 232), up to 192 columns (256: 128 + 64 products, and spills),
+        // not the block-scaled sums (their scales hold registers too), and not the ping-pong weight
+        // gradient, whose consumers take whole tiles in turns. Fast accumulation keeps one
+        // accumulator, so its epilogue runs in place; it and the kernels that do not defer zero the
+        // sum at each tile's start.
         constexpr bool DEFER = !FAST && !PINGPONG && !BLOCK && BN <= 192;
         // Promoted sums up to 128 columns: consume_pipelined.
         constexpr bool PIPELINED = !FAST && BN <= 128;
-        Tile pend{-1, 0, 0};
+        Tile pend{-1, 0, 0};  // the held tile (g < 0: none)
         float pend_alpha = 0.0f;
-        bool pending = false;
         auto flush = [&] {
             if constexpr (DEFER) {
-                if (pending) {
-                    pending = false;
+                if (pend.g >= 0) {
                     epilogue(pend, pend_alpha, 0, true);
+                    pend.g = -1;
                 }
             }
         };
@@ -1225,7 +1224,6 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                 // Stored under the next tile's first products (flush, from `issued`).
                 pend = tl;
                 pend_alpha = alpha_t;
-                pending = true;
             } else {
                 // (An empty reduction has no products to hide the held epilogue under, and
                 // its own sum is 0.)
