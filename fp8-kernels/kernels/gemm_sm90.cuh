@@ -86,9 +86,22 @@ struct alignas(64) TmaDesc {
     unsigned long long v[16];
 };
 
+// A tile: group g, m-tile mt, n-tile nt; `half` 0 for the whole tile, 1 or 2 for its first or
+// second BN / 2 columns alone (a tail half: see tail_halves).
 struct Tile {
     int g, mt, nt;
+    int half = 0;
 };
+
+// Tail halves (the 256-wide tiles of the grouped and packed layouts): the tiles of a last
+// wave that would leave at least half the grid idle (total % grid = R, 0 < 2R <= grid) are
+// computed as 2R column halves by 2R CTAs, each half in half the time, with the same products
+// in the same order (the same bits). Returns R, or 0 where the tail stays whole.
+__device__ __forceinline__ int tail_halves(int total, int grid) {
+    const int r = total % grid;
+    return r > 0 && 2 * r <= grid ? r : 0;
+}
+
 
 // The fused SwiGLU epilogue's second output (SWIGLU in gemm): D is fc1's [m, 2F] (gate
 // columns 0..F, up columns F..2F) and h = cast(silu(gate) * up), F = n / 2 columns, the
@@ -763,10 +776,24 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
     const int total = MODE == PACKED  ? packed_mtiles(offsets, groups, m) * ntiles
                       : MODE == WGRAD ? groups * ((m + BM - 1) / BM) * ntiles
                                       : total_tiles(counts, groups, m, ntiles);
-    auto tile = [&](int t) {
+    auto whole_tile = [&](int t) {
         return MODE == PACKED  ? packed_tile_at(t, offsets, groups, m, ntiles)
                : MODE == WGRAD ? wgrad_tile_at(t, m, ntiles)
                                : tile_at(t, counts, groups, m, ntiles);
+    };
+    // HALVES: the last wave's R tiles as 2R halves (tail_halves). Work item t of `units`: the
+    // whole tiles below total - R, then the halves, two a tile (CTAs 2i and 2i + 1 share its A).
+    constexpr bool HALVES = BN == 256 && MODE != WGRAD && !BLOCK && !SWIGLU;
+    const int tail = HALVES ? tail_halves(total, int(gridDim.x)) : 0;
+    const int units = total + tail;
+    auto tile = [&](int t) {
+        if (HALVES && t >= total - tail) {
+            const int u = t - (total - tail);
+            Tile tl = whole_tile(total - tail + u / 2);
+            tl.half = 1 + (u & 1);
+            return tl;
+        }
+        return whole_tile(t);
     };
     // The k-blocks of a tile: all of K, or (WGRAD) the group's reduction range, offsets
     // clamped to [0, k] and taken in whole blocks.
@@ -796,12 +823,12 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
             const L2Hint b_hint = MODE == WGRAD ? a_hint
                                   : MODE == PACKED && hints ? l2_evict_first()
                                                             : NO_HINT;
-            for (int t = blockIdx.x; t < total; t += gridDim.x) {
+            for (int t = blockIdx.x; t < units; t += gridDim.x) {
                 const Tile tl = tile(t);
                 const KRange kr = krange(tl);
                 for (int kb = kr.lo; kb < kr.hi; ++kb) {
                     mbar_wait(empty(stage), phase ^ 1u);
-                    mbar_expect_tx(full(stage), STAGE_BYTES);
+                    mbar_expect_tx(full(stage), tl.half ? TILE_A + C::TILE_B / 2 : STAGE_BYTES);
                     tma_load_3d(tile_a(stage), ta, full(stage), kb * BK, tl.mt * BM,
                                 MODE == GROUPED ? tl.g : 0, a_hint);
                     if constexpr (SWIGLU) {
@@ -810,6 +837,14 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                         tma_load_3d(tile_b(stage), tb, full(stage), kb * BK, f0, tl.g, b_hint);
                         tma_load_3d(tile_b(stage) + (BN / 2) * BK, tb, full(stage), kb * BK,
                                     n / 2 + f0, tl.g, b_hint);
+                    } else if constexpr (HALVES) {
+                        // Boxes of BN / 2 rows (the map's box): both, or the half's alone.
+                        const int r0 = tl.nt * BN + (tl.half == 2 ? BN / 2 : 0);
+                        tma_load_3d(tile_b(stage), tb, full(stage), kb * BK, r0, tl.g, b_hint);
+                        if (tl.half == 0) {
+                            tma_load_3d(tile_b(stage) + (BN / 2) * BK, tb, full(stage), kb * BK,
+                                        r0 + BN / 2, tl.g, b_hint);
+                        }
                     } else {
                         tma_load_3d(tile_b(stage), tb, full(stage), kb * BK, tl.nt * BN,
                                     MODE == WGRAD ? 0 : tl.g, b_hint);
@@ -828,7 +863,7 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
             if (threadIdx.x / 32 == 1) {
                 const int lane = threadIdx.x % 32;
                 RingPos<STAGES> pos;
-                for (int t = blockIdx.x; t < total; t += gridDim.x) {
+                for (int t = blockIdx.x; t < units; t += gridDim.x) {
                     const Tile tl = tile(t);
                     const int2 bb = b_blocks<BN>(tl.nt, n);
                     const int blk = lane == 0 ? bb.x : bb.y;
@@ -874,14 +909,18 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
         static_assert(!SWIGLU || (MODE == PACKED && !BLOCK && (BN == 128 || BN == 256) &&
                                   sizeof(Out) == 2),
                       "fused SwiGLU");
-        // The D column of tile nt's column tc (SWIGLU: gate half, then up half).
-        auto dcol = [&](int nt, int tc) {
+        // The D column of tile tl's column tc (SWIGLU: gate half, then up half; a tail half:
+        // its column tc, of BN / 2).
+        auto dcol = [&](const Tile &tl, int tc) {
             if constexpr (SWIGLU) {
-                return (tc >= BN / 2 ? n / 2 : 0) + nt * (BN / 2) + tc % (BN / 2);
+                return (tc >= BN / 2 ? n / 2 : 0) + tl.nt * (BN / 2) + tc % (BN / 2);
             } else {
-                return nt * BN + tc;
+                return tl.nt * BN + tc + (HALVES && tl.half == 2 ? BN / 2 : 0);
             }
         };
+        // Whether tile tl holds its column tc (a tail half: the first BN / 2; the products
+        // in acc[0 .. NACC / 2)).
+        auto holds = [&](const Tile &tl, int tc) { return !HALVES || tl.half == 0 || tc < BN / 2; };
         // SWIGLU: the cast's scale (waited for at the first epilogue), and this thread's max
         // |h| over its tiles.
         float sw_scale = 1.0f;
@@ -910,7 +949,7 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
         // tensor cores, at every tile start).
         auto tile_after = [&](int t) {
             const int u = t + int(gridDim.x);
-            return u < total ? tile(u) : Tile{-1, 0, 0};
+            return u < units ? tile(u) : Tile{-1, 0, 0};
         };
         // The f32 sum of this consumer's 64 x BN of the tile.
         float acc[NACC];
@@ -959,6 +998,9 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                 auto store_tile = [&](auto bias_of) {
 #pragma unroll
                     for (int part = 0; part < PARTS; ++part) {
+                        // (A tail half: its BN / 2 columns, the first half of the parts.)
+                        static_assert(!HALVES || PARTS % 2 == 0, "a tail half is whole parts");
+                        if (!holds(tl, part * (BN / PARTS))) break;
                         if (issuer) bulk_wait_read();
                         named_sync(1 + cw, 128);
 #pragma unroll
@@ -979,7 +1021,7 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                         if (issuer) {
 #pragma unroll
                             for (int q = 0; q < PART_BOXES; ++q) {
-                                const int col = dcol(tl.nt, (part * PART_BOXES + q) * COLS);
+                                const int col = dcol(tl, (part * PART_BOXES + q) * COLS);
                                 if (col >= n) continue;
                                 const uint32_t box = stage_out + q * StoreBox<Out>::BYTES;
                                 tma_store_3d(td, box, col, row, g, accumulate, out_hint);
@@ -1041,7 +1083,7 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                     float2 bias_v[PAIRS];
 #pragma unroll
                     for (int p = 0; p < PAIRS; ++p) {
-                        const int gc = dcol(tl.nt, c0 + 8 * p);  // even, like n: gc + 1 < n too
+                        const int gc = dcol(tl, c0 + 8 * p);  // even, like n: gc + 1 < n too
                         bias_v[p] = make_float2(0.0f, 0.0f);
                         if (gc < n) bias_v[p] = make_float2(bias_at(bias, bk, gc), bias_at(bias, bk, gc + 1));
                     }
@@ -1070,10 +1112,11 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
 #pragma unroll
                 for (int q = 0; q < EPI; ++q) {
                     const int j = j0 + q;
-                    const int r = row0 + 8 * (j & 1), c = dcol(tl.nt, col0 + 8 * (j >> 1));
+                    const int tc = col0 + 8 * (j >> 1);
+                    const int r = row0 + 8 * (j & 1), c = dcol(tl, tc);
                     bv[q] = make_float2(0.0f, 0.0f);
                     old[q] = make_float2(0.0f, 0.0f);
-                    if (r < rows && c < n) {
+                    if (r < rows && c < n && holds(tl, tc)) {
                         bv[q] = make_float2(bias_at(bias, bk, c), bias_at(bias, bk, c + 1));
                         if (accumulate) old[q] = load2<Out>(dg + size_t(r) * size_t(n) + c);
                     }
@@ -1081,8 +1124,9 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
 #pragma unroll
                 for (int q = 0; q < EPI; ++q) {
                     const int j = j0 + q;
-                    const int r = row0 + 8 * (j & 1), c = dcol(tl.nt, col0 + 8 * (j >> 1));
-                    if (r < rows && c < n) {
+                    const int tc = col0 + 8 * (j >> 1);
+                    const int r = row0 + 8 * (j & 1), c = dcol(tl, tc);
+                    if (r < rows && c < n && holds(tl, tc)) {
                         // (alpha * acc + bias) + old: the rounding order of the unsplit form.
                         float a = alpha_t * acc[2 * j] + bv[q].x, b = alpha_t * acc[2 * j + 1] + bv[q].y;
                         if (accumulate) {
@@ -1122,8 +1166,8 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                 }
             }
         };
-        Tile tl = int(blockIdx.x) < total ? tile(int(blockIdx.x)) : Tile{-1, 0, 0}, next = tl;
-        for (int t = blockIdx.x; t < total; t += gridDim.x, tl = next) {
+        Tile tl = int(blockIdx.x) < units ? tile(int(blockIdx.x)) : Tile{-1, 0, 0}, next = tl;
+        for (int t = blockIdx.x; t < units; t += gridDim.x, tl = next) {
             const float alpha = sa_v * (sbg != nullptr ? __ldg(sbg + tl.g) : sb_v);
             if constexpr (!DEFER) {
 #pragma unroll
@@ -1161,8 +1205,17 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
             // (`landed`).
             const int brl = cw * 64 + warp * 16 + lane / 4;
             BlockScales<BLOCK ? BN : 128> bs{};  // (unused without BLOCK)
+            // A tail half (HALVES): HN = BN / 2 columns (B's at the stage's B), its sum the first
+            // NACC / 2 of acc. (HN = BN elsewhere, where `half` is false.)
+            constexpr int HN = HALVES ? BN / 2 : BN;
+            const bool half = HALVES && tl.half != 0;
             if constexpr (FAST) {
-                consume_fast<FA, FB, BN>(acc, kr.lo, kr.hi, ring, full, ops, issued, release);
+                if (half) {
+                    auto &acc_h = *reinterpret_cast<float(*)[HN / 2]>(&acc[0]);
+                    consume_fast<FA, FB, HN>(acc_h, kr.lo, kr.hi, ring, full, ops, issued, release);
+                } else {
+                    consume_fast<FA, FB, BN>(acc, kr.lo, kr.hi, ring, full, ops, issued, release);
+                }
             } else {
                 auto landed = [&](int st) {
                     if constexpr (BLOCK) {
@@ -1203,6 +1256,11 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                 if constexpr (PIPELINED) {
                     consume_pipelined<FA, FB, BN>(kr.lo, kr.hi, ring, full, ops, issued, release_read,
                                                   landed, promote);
+                } else if (half) {
+                    // (One group of HN columns a k-block: the products of consume_promoted's
+                    // first half alone.)
+                    consume_promoted<FA, FB, HN>(kr.lo, kr.hi, ring, full, ops, issued, release_read,
+                                                 landed, promote);
                 } else {
                     consume_promoted<FA, FB, BN>(kr.lo, kr.hi, ring, full, ops, issued, release_read,
                                                  landed, promote);

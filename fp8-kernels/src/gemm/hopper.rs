@@ -381,6 +381,25 @@ fn kernel_name(layout: &str, a: Fp8Format, b: Fp8Format, out: &str, bn: usize) -
     )
 }
 
+/// Whether the kernel of `layout` (as [`kernel_name`] takes it) at tile width `bn` computes
+/// a short last wave in column halves (the kernels' `HALVES`: the 256-wide tiles of grouped
+/// blocks and of the packed layout, not block-scaled or fused SwiGLU): the tiles of a last wave
+/// that would leave at least half the grid idle run as two 128-column halves each, on twice
+/// the CTAs, with the same bits. These kernels load B in boxes of `bn / 2` rows.
+fn tail_halves(layout: &str, bn: usize) -> bool {
+    bn == 256 && matches!(layout, "" | "fast_" | "packed_fast_")
+}
+
+/// The rows of B's box for the kernel of `layout` at width `bn`: `bn`, or `bn / 2` where the
+/// kernel loads a tile's B as two boxes ([`tail_halves`], the fused SwiGLU's gate and up rows).
+fn b_box_rows(layout: &str, bn: usize) -> usize {
+    if tail_halves(layout, bn) || layout.contains("swiglu") {
+        bn / 2
+    } else {
+        bn
+    }
+}
+
 /// The refusals the packed launches share, before anything else: a device other than 9.0
 /// and an odd N (the epilogue stores column pairs). `what` names the launch in the error.
 fn check_packed_device(stream: &Stream, what: &str, n: usize) -> Result<()> {
@@ -732,7 +751,7 @@ fn launch_epilogue(
     };
     let (bn, k, cfg) = select(stream, layout, formats, &p.d, out, bn, p.max_sms)?;
     let ta = tensor_map(p.a.data, groups, p.m, p.k, TILE)?;
-    let tb = tensor_map(p.b.data, groups, p.n, p.k, bn)?;
+    let tb = tensor_map(p.b.data, groups, p.n, p.k, b_box_rows(layout, bn))?;
     // With row counts the kernel stores through the map only the tiles whose rows all lie
     // below their group's count; a group's last, partial tile goes from registers.
     let store = store
@@ -950,9 +969,9 @@ fn enqueue_packed(
         p.max_sms,
     )?;
     let ta = tensor_map(p.a.data, 1, capacity, k, TILE)?;
-    // The fused kernel loads each B tile as two boxes: gate rows, then up rows.
-    let b_rows = if swiglu.is_some() { bn / 2 } else { bn };
-    let tb = tensor_map(p.b.data, groups, n, k, b_rows)?;
+    // The fused kernel loads each B tile as two boxes (gate rows, then up rows), the 256-wide
+    // fast one as two halves.
+    let tb = tensor_map(p.b.data, groups, n, k, b_box_rows(layout, bn))?;
     let (epi, td) = epilogue(p.accumulate, &p.d, store_map(&p.d, 1, capacity, n)?);
     let dims = [capacity as u32, n as u32, k as u32, groups as u32];
     let h_idx = swiglu.map(|(out, _)| slot_indices(out, None)).transpose()?;
@@ -1138,11 +1157,13 @@ fn select(
     if let Some(bn) = forced.filter(|&bn| !(bn == 128 || bn == 192 || (has_256 && bn == 256))) {
         return Err(Error::InvalidArgument(format!("tile width {bn}")));
     }
-    // The promoted sum takes 256 only where the tiles are known: the widths are costed as if
-    // every group were full, and skewed counts leave the 256-wide tiles' last wave nearly
-    // empty (8 groups of 2048 down to 32 rows, N = 4096, K = 2048 on an H200: 845-856 TFLOP/s
-    // at 256 against 900-931 at 192; full groups 1041-1064 against 949-977).
-    let wide = has_256 && (fast || !out.counted);
+    // The widths are costed as if every group were full. With row counts the tiles are known
+    // on the device only, and skewed counts can leave the 256-wide tiles' last wave nearly
+    // empty; the kernels with tail halves run such a wave in halves. (Before them the promoted
+    // sum took 256 only without counts: 8 groups of 2048 down to 32 rows, N = 4096, K = 2048
+    // on an H200, 845-856 TFLOP/s at 256 against 900-931 at 192; full groups 1041-1064 against
+    // 949-977.)
+    let wide = has_256 && (!out.counted || tail_halves(layout, 256));
     let sms = grid_sms(stream, max_sms)?;
     let es = d.elem_size();
     let bn = forced.unwrap_or_else(|| choose_bn_for(groups, m, n, sms, fast, wide));
@@ -1387,6 +1408,28 @@ mod cpu_tests {
         assert_eq!(wgrad_bn(None, 4, 0, 0), Some(128));
         assert_eq!(wgrad_bn(Some(192), 4, 1536, 8), Some(192));
         assert_eq!(wgrad_bn(Some(128), 2, 9216, 8), Some(128));
+    }
+
+    #[test]
+    fn tail_halves_and_b_boxes() {
+        // The 256-wide grouped and packed tiles, not block-scaled, SwiGLU or narrower.
+        for layout in ["", "fast_", "packed_fast_"] {
+            assert!(tail_halves(layout, 256), "{layout}");
+            assert_eq!(b_box_rows(layout, 256), 128, "{layout}");
+            for bn in [128, 192] {
+                assert!(!tail_halves(layout, bn), "{layout} {bn}");
+                assert_eq!(b_box_rows(layout, bn), bn, "{layout} {bn}");
+            }
+        }
+        for layout in ["block_", "packed_", "wgrad_"] {
+            assert!(!tail_halves(layout, 256), "{layout}");
+            assert_eq!(b_box_rows(layout, 256), 256, "{layout}");
+        }
+        // The fused SwiGLU loads gate and up rows as two boxes at every width.
+        for (layout, bn) in [("packed_swiglu_", 128), ("packed_swiglu_fast_", 256)] {
+            assert!(!tail_halves(layout, bn));
+            assert_eq!(b_box_rows(layout, bn), bn / 2);
+        }
     }
 
     #[test]
@@ -2414,6 +2457,130 @@ mod tests {
                     assert!(stored == registers, "{what}: the epilogues differ");
                     assert!(stored == mixed, "{what}: the mixed epilogue differs");
                 }
+            }
+        }
+    }
+
+    /// Tail halves (the 256-wide kernels, promoted and fast): with the grid capped so that
+    /// the last wave of tiles is whole (more than half the grid), in halves after whole tiles,
+    /// or all halves (every tile in the one wave), D is the same bits, and matches the fp64
+    /// reference with the counts' rows untouched: grouped blocks with counts (the register
+    /// epilogue's partial tiles among the halves), N with a partial second half and a tile
+    /// whose second half lies past N, a bias, and accumulation into bf16.
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn tail_halves_agree_bit_for_bit_with_whole_tiles() {
+        let (_ctx, s) = setup();
+        // 3 groups of at most 256 rows, N = 612: 3 column tiles, the last 100 wide.
+        for (counts, caps) in [
+            // 2 + 2 + 1 m-tiles: 15 tiles. 4 SMs: 3 left, whole; 7: 1 left, in halves; 12:
+            // 3 left, in halves (6 of 12).
+            (vec![256, 130, 70], [4usize, 7, 12]),
+            // 2 + 1 + 0: 9 tiles on a grid of 18 (the host's tiles): all in halves; 5: 4
+            // left, whole; 8: 1 left, in halves.
+            (vec![256, 10, 0], [5, 8, 18]),
+        ] {
+            for fast in [false, true] {
+                for (bias, accumulate) in [
+                    (BiasKind::None, false),
+                    (BiasKind::Bf16, false),
+                    (BiasKind::None, true),
+                ] {
+                    let mut c = Case::plain(256, 612, 384);
+                    c.groups = 3;
+                    c.counts = Some(counts.clone());
+                    c.fast = fast;
+                    c.bias = bias;
+                    c.accumulate = accumulate;
+                    let h = host_data(&c, 91 + counts[1] as u64);
+                    let mut dv = upload(&s, &c, &h);
+                    let mut first: Option<Vec<u32>> = None;
+                    for cap in caps {
+                        reset_d(&s, &c, &h, &mut dv);
+                        let p = GemmProblem {
+                            max_sms: Some(cap),
+                            ..problem(&c, &dv)
+                        };
+                        launch_with(&s, &p, Some(256)).unwrap();
+                        s.synchronize().unwrap();
+                        let what = format!(
+                            "counts {counts:?} fast {fast} bias {bias:?} acc {accumulate} cap {cap}"
+                        );
+                        let err = verify(&s, &c, &h, &dv, Some(&counts));
+                        println!("tail halves, {what}: {err:.3e}");
+                        assert!(err < bound(&c), "{what}: relative error {err:e}");
+                        let bits = d_bits(&s, &c, &dv);
+                        match &first {
+                            None => first = Some(bits),
+                            Some(f) => {
+                                assert!(*f == bits, "{what}: bits differ from cap {}", caps[0])
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Tile widths forced against the automatic choice (TFLOP/s of the real rows): grouped
+    /// blocks with counts (bench gemm's 8 x 512 rows and its skewed split, N = 4096, K =
+    /// 2048), promoted and fast, and the block-scaled GEMM at bench gemm's two shapes.
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn width_probe() {
+        let (_ctx, s) = setup();
+        let tf = |rows: usize, n: usize, k: usize, ms: f64| 2.0 * (rows * n * k) as f64 / ms / 1e9;
+        for counts in [vec![512i32; 8], vec![2048, 1024, 512, 256, 128, 64, 32, 32]] {
+            let m = *counts.iter().max().unwrap() as usize;
+            let rows: usize = counts.iter().map(|&c| c as usize).sum();
+            let (n, k) = (4096, 2048);
+            let mut c = Case::plain(m, n, k);
+            c.groups = 8;
+            c.counts = Some(counts.clone());
+            let mut rng = Rng(5);
+            let (a, b) = (rng.fp8(8 * m * k, c.fa), rng.fp8(8 * n * k, c.fb));
+            let h = HostData::new(&c, a, b, vec![0.0; n], Vec::new());
+            for fast in [false, true] {
+                c.fast = fast;
+                let dv = upload(&s, &c, &h);
+                let p = problem(&c, &dv);
+                for bn in [Some(128), Some(192), Some(256), None] {
+                    let ms = mean_ms(&s, &mut || launch_with(&s, &p, bn).unwrap());
+                    println!(
+                        "grouped {counts:?} fast {fast} bn {bn:?}: {ms:.4} ms, {:.0} TFLOP/s",
+                        tf(rows, n, k, ms)
+                    );
+                }
+            }
+        }
+        for (m, n, k) in [(8192usize, 8192usize, 8192usize), (4096, 7168, 4096)] {
+            let kbt = k.div_ceil(128);
+            let mut rng = Rng(7);
+            let a_d = DeviceBuffer::from_host(&s, &rng.fp8(m * k, Fp8Format::E4M3)).unwrap();
+            let b_d = DeviceBuffer::from_host(&s, &rng.fp8(n * k, Fp8Format::E4M3)).unwrap();
+            let sa_d = DeviceBuffer::from_host(&s, &vec![1.0f32; m * kbt]).unwrap();
+            let sb_d = DeviceBuffer::from_host(&s, &vec![1.0f32; n.div_ceil(128) * kbt]).unwrap();
+            let d = DeviceBuffer::<bf16>::alloc(s.context(), m * n).unwrap();
+            let a = BlockOperand {
+                data: &a_d,
+                format: Fp8Format::E4M3,
+                scales_inv: &sa_d,
+            };
+            let b = BlockOperand {
+                data: &b_d,
+                format: Fp8Format::E4M3,
+                scales_inv: &sb_d,
+            };
+            let out = GemmOut::Bf16(&d);
+            for bn in [Some(128), Some(192), Some(256), None] {
+                let ms = mean_ms(&s, &mut || {
+                    launch_blockwise_with(&s, (m, n, k), (&a, &b), &out, &GemmOptions::new(), bn)
+                        .unwrap()
+                });
+                println!(
+                    "block-scaled {m}x{n}x{k} bn {bn:?}: {ms:.3} ms, {:.0} TFLOP/s",
+                    tf(m, n, k, ms)
+                );
             }
         }
     }
