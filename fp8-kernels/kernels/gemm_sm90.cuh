@@ -10,8 +10,7 @@
 // CTA: 384 threads = 3 warpgroups. Warpgroup 0 is the producer (one thread issues the TMA
 // loads; registers given back with setmaxnreg), warpgroups 1 and 2 are consumers, each
 // computing 64 rows x BN columns of the tile with wgmma m64nBNk32.
-// Tile 128 x BN x 128 (BN = 128, 192 or 256; each consumer computes 64 x BN). The 256-wide
-// grouped and packed kernels compute a short last wave's tiles in column pieces (tail_pieces).
+// Tile 128 x BN x 128 (BN = 128 or 192; each consumer computes 64 x BN).
 // Shared memory: STAGES x (A 128x128 bytes + B BNx128 bytes), 128-byte swizzled by TMA,
 // 1024-byte aligned; then the two consumers' output staging (64 x BN of the output type each,
 // half of that for f32 at BN 192, which goes through in two parts); then full[STAGES] and
@@ -87,25 +86,20 @@ struct alignas(64) TmaDesc {
     unsigned long long v[16];
 };
 
-// A tile: group g, m-tile mt, n-tile nt; `piece` 0 for the whole tile, i > 0 for its i-th
-// piece of columns alone (a tail piece: see tail_pieces).
+// A tile: group g, m-tile mt, n-tile nt; `half` 0 for the whole tile, 1 or 2 for its first or
+// second BN / 2 columns alone (a tail half: see tail_halves).
 struct Tile {
     int g, mt, nt;
-    int piece = 0;
+    int half = 0;
 };
 
-// Tail pieces (the 256-wide tiles of the grouped and packed layouts): the R tiles of a last
+// Tail halves (the 256-wide tiles of the grouped and packed layouts): the tiles of a last
 // wave that would leave at least half the grid idle (total % grid = R, 0 < 2R <= grid) are
-// computed in f column pieces each (f = 4 where 4R <= grid, else 2), f R pieces on as many CTAs,
-// each piece in about 1 / f of a tile's time, with the same products in the same order (the
-// same bits). f = 0 (and R = 0) where the tail stays whole.
-struct TailSplit {
-    int r, f;
-};
-__device__ __forceinline__ TailSplit tail_pieces(int total, int grid) {
+// computed as 2R column halves by 2R CTAs, each half in half the time, with the same products
+// in the same order (the same bits). Returns R, or 0 where the tail stays whole.
+__device__ __forceinline__ int tail_halves(int total, int grid) {
     const int r = total % grid;
-    if (r == 0 || 2 * r > grid) return TailSplit{0, 0};
-    return TailSplit{r, 4 * r <= grid ? 4 : 2};
+    return r > 0 && 2 * r <= grid ? r : 0;
 }
 
 
@@ -787,18 +781,16 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                : MODE == WGRAD ? wgrad_tile_at(t, m, ntiles)
                                : tile_at(t, counts, groups, m, ntiles);
     };
-    // PIECES: the last wave's R tiles as f R pieces of PW = BN / f columns (tail_pieces). Work
-    // item t of `units`: the whole tiles below total - R, then the pieces, f a tile (on
-    // consecutive CTAs, which share its A). B's box is a quarter of the tile (BN / 4 rows).
-    constexpr bool PIECES = BN == 256 && MODE != WGRAD && !BLOCK && !SWIGLU;
-    const TailSplit tail = PIECES ? tail_pieces(total, int(gridDim.x)) : TailSplit{0, 0};
-    const int units = total + tail.r * (tail.f - 1);
-    const int pw = tail.f > 0 ? BN / tail.f : BN;  // a piece's columns
+    // HALVES: the last wave's R tiles as 2R halves (tail_halves). Work item t of `units`: the
+    // whole tiles below total - R, then the halves, two a tile (CTAs 2i and 2i + 1 share its A).
+    constexpr bool HALVES = BN == 256 && MODE != WGRAD && !BLOCK && !SWIGLU;
+    const int tail = HALVES ? tail_halves(total, int(gridDim.x)) : 0;
+    const int units = total + tail;
     auto tile = [&](int t) {
-        if (PIECES && t >= total - tail.r) {
-            const int u = t - (total - tail.r);
-            Tile tl = whole_tile(total - tail.r + u / tail.f);
-            tl.piece = 1 + u % tail.f;
+        if (HALVES && t >= total - tail) {
+            const int u = t - (total - tail);
+            Tile tl = whole_tile(total - tail + u / 2);
+            tl.half = 1 + (u & 1);
             return tl;
         }
         return whole_tile(t);
@@ -836,7 +828,7 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                 const KRange kr = krange(tl);
                 for (int kb = kr.lo; kb < kr.hi; ++kb) {
                     mbar_wait(empty(stage), phase ^ 1u);
-                    mbar_expect_tx(full(stage), tl.piece ? TILE_A + pw * BK : STAGE_BYTES);
+                    mbar_expect_tx(full(stage), tl.half ? TILE_A + C::TILE_B / 2 : STAGE_BYTES);
                     tma_load_3d(tile_a(stage), ta, full(stage), kb * BK, tl.mt * BM,
                                 MODE == GROUPED ? tl.g : 0, a_hint);
                     if constexpr (SWIGLU) {
@@ -845,13 +837,13 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                         tma_load_3d(tile_b(stage), tb, full(stage), kb * BK, f0, tl.g, b_hint);
                         tma_load_3d(tile_b(stage) + (BN / 2) * BK, tb, full(stage), kb * BK,
                                     n / 2 + f0, tl.g, b_hint);
-                    } else if constexpr (PIECES) {
-                        // Boxes of BN / 4 rows (the map's box): the tile's, or the piece's.
-                        const int cols = tl.piece ? pw : BN;
-                        const int r0 = tl.nt * BN + (tl.piece ? (tl.piece - 1) * pw : 0);
-                        for (int q = 0; q < cols; q += BN / 4) {
-                            tma_load_3d(tile_b(stage) + q * BK, tb, full(stage), kb * BK, r0 + q, tl.g,
-                                        b_hint);
+                    } else if constexpr (HALVES) {
+                        // Boxes of BN / 2 rows (the map's box): both, or the half's alone.
+                        const int r0 = tl.nt * BN + (tl.half == 2 ? BN / 2 : 0);
+                        tma_load_3d(tile_b(stage), tb, full(stage), kb * BK, r0, tl.g, b_hint);
+                        if (tl.half == 0) {
+                            tma_load_3d(tile_b(stage) + (BN / 2) * BK, tb, full(stage), kb * BK,
+                                        r0 + BN / 2, tl.g, b_hint);
                         }
                     } else {
                         tma_load_3d(tile_b(stage), tb, full(stage), kb * BK, tl.nt * BN,
@@ -917,18 +909,18 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
         static_assert(!SWIGLU || (MODE == PACKED && !BLOCK && (BN == 128 || BN == 256) &&
                                   sizeof(Out) == 2),
                       "fused SwiGLU");
-        // The D column of tile tl's column tc (SWIGLU: gate half, then up half; a tail piece:
-        // its column tc, of pw).
+        // The D column of tile tl's column tc (SWIGLU: gate half, then up half; a tail half:
+        // its column tc, of BN / 2).
         auto dcol = [&](const Tile &tl, int tc) {
             if constexpr (SWIGLU) {
                 return (tc >= BN / 2 ? n / 2 : 0) + tl.nt * (BN / 2) + tc % (BN / 2);
             } else {
-                return tl.nt * BN + tc + (PIECES && tl.piece ? (tl.piece - 1) * pw : 0);
+                return tl.nt * BN + tc + (HALVES && tl.half == 2 ? BN / 2 : 0);
             }
         };
-        // Whether tile tl holds its column tc (a tail piece: the first pw, its products in
-        // acc[0 .. pw / 2)).
-        auto holds = [&](const Tile &tl, int tc) { return !PIECES || tl.piece == 0 || tc < pw; };
+        // Whether tile tl holds its column tc (a tail half: the first BN / 2; the products
+        // in acc[0 .. NACC / 2)).
+        auto holds = [&](const Tile &tl, int tc) { return !HALVES || tl.half == 0 || tc < BN / 2; };
         // SWIGLU: the cast's scale (waited for at the first epilogue), and this thread's max
         // |h| over its tiles.
         float sw_scale = 1.0f;
@@ -1006,7 +998,8 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                 auto store_tile = [&](auto bias_of) {
 #pragma unroll
                     for (int part = 0; part < PARTS; ++part) {
-                        // (A tail piece: its pw columns, the first of the parts' boxes.)
+                        // (A tail half: its BN / 2 columns, the first half of the parts.)
+                        static_assert(!HALVES || PARTS % 2 == 0, "a tail half is whole parts");
                         if (!holds(tl, part * (BN / PARTS))) break;
                         if (issuer) bulk_wait_read();
                         named_sync(1 + cw, 128);
@@ -1028,9 +1021,8 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                         if (issuer) {
 #pragma unroll
                             for (int q = 0; q < PART_BOXES; ++q) {
-                                const int tc = (part * PART_BOXES + q) * COLS;
-                                const int col = dcol(tl, tc);
-                                if (col >= n || !holds(tl, tc)) continue;
+                                const int col = dcol(tl, (part * PART_BOXES + q) * COLS);
+                                if (col >= n) continue;
                                 const uint32_t box = stage_out + q * StoreBox<Out>::BYTES;
                                 tma_store_3d(td, box, col, row, g, accumulate, out_hint);
                             }
@@ -1213,17 +1205,14 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
             // (`landed`).
             const int brl = cw * 64 + warp * 16 + lane / 4;
             BlockScales<BLOCK ? BN : 128> bs{};  // (unused without BLOCK)
-            // A tail piece (PIECES): pw = H2 (BN / 2) or H4 (BN / 4) columns, B's at the stage's
-            // B, its sum the first pw / 2 of acc. (H2 = H4 = BN elsewhere, where `piece` is 0.)
-            constexpr int H2 = PIECES ? BN / 2 : BN, H4 = PIECES ? BN / 4 : BN;
-            const int piece = PIECES ? tl.piece : 0;
+            // A tail half (HALVES): HN = BN / 2 columns (B's at the stage's B), its sum the first
+            // NACC / 2 of acc. (HN = BN elsewhere, where `half` is false.)
+            constexpr int HN = HALVES ? BN / 2 : BN;
+            const bool half = HALVES && tl.half != 0;
             if constexpr (FAST) {
-                if (piece && pw == H4) {
-                    auto &acc_q = *reinterpret_cast<float(*)[H4 / 2]>(&acc[0]);
-                    consume_fast<FA, FB, H4>(acc_q, kr.lo, kr.hi, ring, full, ops, issued, release);
-                } else if (piece) {
-                    auto &acc_h = *reinterpret_cast<float(*)[H2 / 2]>(&acc[0]);
-                    consume_fast<FA, FB, H2>(acc_h, kr.lo, kr.hi, ring, full, ops, issued, release);
+                if (half) {
+                    auto &acc_h = *reinterpret_cast<float(*)[HN / 2]>(&acc[0]);
+                    consume_fast<FA, FB, HN>(acc_h, kr.lo, kr.hi, ring, full, ops, issued, release);
                 } else {
                     consume_fast<FA, FB, BN>(acc, kr.lo, kr.hi, ring, full, ops, issued, release);
                 }
@@ -1237,10 +1226,7 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                 // The products of one group: half the tile's columns at 256 (consume_promoted's
                 // halves), all of them otherwise.
                 constexpr int NP = BN > 192 ? NACC / 2 : NACC;
-                // (A tail piece's group: its pw columns, h = 0; NPP products.)
-                auto promote = [&](const auto &part, int h, bool first_kb) {
-                    constexpr int NPP = int(sizeof(part) / sizeof(float));
-                    static_assert(NPP <= NP, "a group's products");
+                auto promote = [&](const float(&part)[NP], int h, bool first_kb) {
                     // (Only the deferring kernels start the sum from the first products.)
                     const bool first = DEFER && first_kb;
                     if constexpr (BLOCK) {
@@ -1249,14 +1235,14 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                         // (BN 256: half h's column groups are the tile's 16 h .. 16 h + 15.)
                         const auto f = bs.products();
 #pragma unroll
-                        for (int i = 0; i < NPP; ++i) {
+                        for (int i = 0; i < NP; ++i) {
                             const int j = h * NP + i;
                             acc[j] = fmaf(part[i], f.at(j / 4, (i & 2) != 0), first ? 0.0f : acc[j]);
                         }
                     } else {
                         // (Half h's column groups are the sum's NP / 4 h .. + NP / 4 - 1.)
 #pragma unroll
-                        for (int i = 0; i < NPP; ++i) acc[h * NP + i] = (first ? 0.0f : acc[h * NP + i]) + part[i];
+                        for (int i = 0; i < NP; ++i) acc[h * NP + i] = (first ? 0.0f : acc[h * NP + i]) + part[i];
                     }
                 };
                 // (BLOCK: the scales read before their stage goes back to the producer.)
@@ -1270,12 +1256,10 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                 if constexpr (PIPELINED) {
                     consume_pipelined<FA, FB, BN>(kr.lo, kr.hi, ring, full, ops, issued, release_read,
                                                   landed, promote);
-                } else if (piece && pw == H4) {
-                    // (One group of pw columns a k-block.)
-                    consume_promoted<FA, FB, H4>(kr.lo, kr.hi, ring, full, ops, issued, release_read,
-                                                 landed, promote);
-                } else if (piece) {
-                    consume_promoted<FA, FB, H2>(kr.lo, kr.hi, ring, full, ops, issued, release_read,
+                } else if (half) {
+                    // (One group of HN columns a k-block: the products of consume_promoted's
+                    // first half alone.)
+                    consume_promoted<FA, FB, HN>(kr.lo, kr.hi, ring, full, ops, issued, release_read,
                                                  landed, promote);
                 } else {
                     consume_promoted<FA, FB, BN>(kr.lo, kr.hi, ring, full, ops, issued, release_read,

@@ -13,12 +13,10 @@
 //! * m, N, K, groups and `groups * m` below 2^31.
 //!
 //! Tile 128 x BN x 128 with BN 128 or 192, or 256 for fast accumulation and for the promoted
-//! E4M3 x E4M3 to bf16 sum (each k-block's products in two 128-column halves beside the
-//! 256-column sum), chosen per problem to fill the SMs; edge tiles read zeros past the tensor
-//! (TMA out-of-bounds fill) and store only rows below the group's count and columns below N.
-//! The 256-wide grouped and packed kernels run a last wave that would leave half the grid
-//! idle in column pieces on more CTAs ([`tail_pieces`]), decided on the device from the
-//! tiles the row counts leave.
+//! E4M3 x E4M3 to bf16 sum without row counts (each k-block's products in two 128-column
+//! halves beside the 256-column sum), chosen per problem to fill the SMs; edge tiles
+//! read zeros past the tensor (TMA out-of-bounds fill) and store only rows below the group's
+//! count and columns below N.
 //!
 //! Skinny problems (a plain GEMM of at most 128 rows whose column tiles leave SMs idle) run
 //! `kernels/gemm_skinny.cuh` instead: swap-AB, K split over a thread-block cluster, the
@@ -384,23 +382,18 @@ fn kernel_name(layout: &str, a: Fp8Format, b: Fp8Format, out: &str, bn: usize) -
 }
 
 /// Whether the kernel of `layout` (as [`kernel_name`] takes it) at tile width `bn` computes
-/// a short last wave in column pieces (the kernels' `PIECES`: the 256-wide tiles of grouped
-/// blocks and of the packed layout, not block-scaled or fused SwiGLU): the R tiles of a last
-/// wave that would leave at least half the grid idle run as 4 pieces of 64 columns each where
-/// 4R CTAs fit in the grid, else as 2 halves, with the same bits as whole tiles. The kernel
-/// decides on the device, from the tiles the row counts leave. These kernels load B in boxes
-/// of `bn / 4` rows.
-fn tail_pieces(layout: &str, bn: usize) -> bool {
+/// a short last wave in column halves (the kernels' `HALVES`: the 256-wide tiles of grouped
+/// blocks and of the packed layout, not block-scaled or fused SwiGLU): the tiles of a last wave
+/// that would leave at least half the grid idle run as two 128-column halves each, on twice
+/// the CTAs, with the same bits. These kernels load B in boxes of `bn / 2` rows.
+fn tail_halves(layout: &str, bn: usize) -> bool {
     bn == 256 && matches!(layout, "" | "fast_" | "packed_fast_")
 }
 
-/// The rows of B's box for the kernel of `layout` at width `bn`: `bn`, or `bn / 4` where the
-/// kernel loads a tile's B in quarters ([`tail_pieces`]), or `bn / 2` for the fused SwiGLU's
-/// gate and up rows.
+/// The rows of B's box for the kernel of `layout` at width `bn`: `bn`, or `bn / 2` where the
+/// kernel loads a tile's B as two boxes ([`tail_halves`], the fused SwiGLU's gate and up rows).
 fn b_box_rows(layout: &str, bn: usize) -> usize {
-    if tail_pieces(layout, bn) {
-        bn / 4
-    } else if layout.contains("swiglu") {
+    if tail_halves(layout, bn) || layout.contains("swiglu") {
         bn / 2
     } else {
         bn
@@ -977,7 +970,7 @@ fn enqueue_packed(
     )?;
     let ta = tensor_map(p.a.data, 1, capacity, k, TILE)?;
     // The fused kernel loads each B tile as two boxes (gate rows, then up rows), the 256-wide
-    // fast one in quarters.
+    // fast one as two halves.
     let tb = tensor_map(p.b.data, groups, n, k, b_box_rows(layout, bn))?;
     let (epi, td) = epilogue(p.accumulate, &p.d, store_map(&p.d, 1, capacity, n)?);
     let dims = [capacity as u32, n as u32, k as u32, groups as u32];
@@ -1166,11 +1159,11 @@ fn select(
     }
     // The widths are costed as if every group were full. With row counts the tiles are known
     // on the device only, and skewed counts can leave the 256-wide tiles' last wave nearly
-    // empty; the kernels with tail pieces run such a wave in pieces. (Before them the promoted
+    // empty; the kernels with tail halves run such a wave in halves. (Before them the promoted
     // sum took 256 only without counts: 8 groups of 2048 down to 32 rows, N = 4096, K = 2048
     // on an H200, 845-856 TFLOP/s at 256 against 900-931 at 192; full groups 1041-1064 against
     // 949-977.)
-    let wide = has_256 && (!out.counted || tail_pieces(layout, 256));
+    let wide = has_256 && (!out.counted || tail_halves(layout, 256));
     let sms = grid_sms(stream, max_sms)?;
     let es = d.elem_size();
     let bn = forced.unwrap_or_else(|| choose_bn_for(groups, m, n, sms, fast, wide));
@@ -1418,23 +1411,23 @@ mod cpu_tests {
     }
 
     #[test]
-    fn tail_pieces_and_b_boxes() {
+    fn tail_halves_and_b_boxes() {
         // The 256-wide grouped and packed tiles, not block-scaled, SwiGLU or narrower.
         for layout in ["", "fast_", "packed_fast_"] {
-            assert!(tail_pieces(layout, 256), "{layout}");
-            assert_eq!(b_box_rows(layout, 256), 64, "{layout}");
+            assert!(tail_halves(layout, 256), "{layout}");
+            assert_eq!(b_box_rows(layout, 256), 128, "{layout}");
             for bn in [128, 192] {
-                assert!(!tail_pieces(layout, bn), "{layout} {bn}");
+                assert!(!tail_halves(layout, bn), "{layout} {bn}");
                 assert_eq!(b_box_rows(layout, bn), bn, "{layout} {bn}");
             }
         }
         for layout in ["block_", "packed_", "wgrad_"] {
-            assert!(!tail_pieces(layout, 256), "{layout}");
+            assert!(!tail_halves(layout, 256), "{layout}");
             assert_eq!(b_box_rows(layout, 256), 256, "{layout}");
         }
         // The fused SwiGLU loads gate and up rows as two boxes at every width.
         for (layout, bn) in [("packed_swiglu_", 128), ("packed_swiglu_fast_", 256)] {
-            assert!(!tail_pieces(layout, bn));
+            assert!(!tail_halves(layout, bn));
             assert_eq!(b_box_rows(layout, bn), bn / 2);
         }
     }
@@ -2468,24 +2461,24 @@ mod tests {
         }
     }
 
-    /// Tail pieces (the 256-wide kernels, promoted and fast): with the grid capped so that
-    /// the last wave of tiles is whole (more than half the grid), in quarters or halves after
-    /// whole tiles, or all halves (every tile in the one wave), D is the same bits, and matches
-    /// the fp64 reference with the counts' rows untouched: grouped blocks with counts (the
-    /// register epilogue's partial tiles among the pieces), N whose last tile is 100 wide (a
-    /// partial second quarter, pieces past N), a bias, and accumulation into bf16.
+    /// Tail halves (the 256-wide kernels, promoted and fast): with the grid capped so that
+    /// the last wave of tiles is whole (more than half the grid), in halves after whole tiles,
+    /// or all halves (every tile in the one wave), D is the same bits, and matches the fp64
+    /// reference with the counts' rows untouched: grouped blocks with counts (the register
+    /// epilogue's partial tiles among the halves), N with a partial second half and a tile
+    /// whose second half lies past N, a bias, and accumulation into bf16.
     #[test]
     #[ignore = "needs a CUDA device"]
-    fn tail_pieces_agree_bit_for_bit_with_whole_tiles() {
+    fn tail_halves_agree_bit_for_bit_with_whole_tiles() {
         let (_ctx, s) = setup();
         // 3 groups of at most 256 rows, N = 612: 3 column tiles, the last 100 wide.
         for (counts, caps) in [
-            // 2 + 2 + 1 m-tiles: 15 tiles. 4 SMs: 3 left, whole; 7: 1 left, in quarters; 10:
-            // 5 left, in halves; 12: 3 left, in quarters.
-            (vec![256, 130, 70], vec![4usize, 7, 10, 12]),
+            // 2 + 2 + 1 m-tiles: 15 tiles. 4 SMs: 3 left, whole; 7: 1 left, in halves; 12:
+            // 3 left, in halves (6 of 12).
+            (vec![256, 130, 70], [4usize, 7, 12]),
             // 2 + 1 + 0: 9 tiles on a grid of 18 (the host's tiles): all in halves; 5: 4
-            // left, whole; 8: 1 left, in quarters.
-            (vec![256, 10, 0], vec![5, 8, 18]),
+            // left, whole; 8: 1 left, in halves.
+            (vec![256, 10, 0], [5, 8, 18]),
         ] {
             for fast in [false, true] {
                 for (bias, accumulate) in [
@@ -2502,7 +2495,7 @@ mod tests {
                     let h = host_data(&c, 91 + counts[1] as u64);
                     let mut dv = upload(&s, &c, &h);
                     let mut first: Option<Vec<u32>> = None;
-                    for &cap in &caps {
+                    for cap in caps {
                         reset_d(&s, &c, &h, &mut dv);
                         let p = GemmProblem {
                             max_sms: Some(cap),
@@ -2514,7 +2507,7 @@ mod tests {
                             "counts {counts:?} fast {fast} bias {bias:?} acc {accumulate} cap {cap}"
                         );
                         let err = verify(&s, &c, &h, &dv, Some(&counts));
-                        println!("tail pieces, {what}: {err:.3e}");
+                        println!("tail halves, {what}: {err:.3e}");
                         assert!(err < bound(&c), "{what}: relative error {err:e}");
                         let bits = d_bits(&s, &c, &dv);
                         match &first {
