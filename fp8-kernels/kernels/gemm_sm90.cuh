@@ -10,7 +10,8 @@
 // CTA: 384 threads = 3 warpgroups. Warpgroup 0 is the producer (one thread issues the TMA
 // loads; registers given back with setmaxnreg), warpgroups 1 and 2 are consumers, each
 // computing 64 rows x BN columns of the tile with wgmma m64nBNk32.
-// Tile 128 x BN x 128 (BN = 128 or 192; each consumer computes 64 x BN).
+// Tile 128 x BN x 128 (BN = 128, 192 or 256; each consumer computes 64 x BN). The 256-wide
+// grouped and packed kernels compute a short last wave's tiles in column halves (tail_halves).
 // Shared memory: STAGES x (A 128x128 bytes + B BNx128 bytes), 128-byte swizzled by TMA,
 // 1024-byte aligned; then the two consumers' output staging (64 x BN of the output type each,
 // half of that for f32 at BN 192, which goes through in two parts); then full[STAGES] and
@@ -1151,25 +1152,27 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
         // products would not fit in 232), up to 192 columns (256: 128 + 64 products, and spills),
         // not the block-scaled sums (their scales hold registers too), and not the ping-pong weight
         // gradient, whose consumers take whole tiles in turns. Fast accumulation keeps one
-        // accumulator, so its epilogue runs in place; it and the kernels that do not defer zero the
-        // sum at each tile's start.
+        // accumulator, so its epilogue runs in place, and zeroes it at each tile's start; every
+        // promoted sum starts from its first products (promote's `first`).
         constexpr bool DEFER = !FAST && !PINGPONG && !BLOCK && BN <= 192;
         // Promoted sums up to 128 columns: consume_pipelined.
         constexpr bool PIPELINED = !FAST && BN <= 128;
-        Tile pend{-1, 0, 0};  // the held tile (g < 0: none)
-        float pend_alpha = 0.0f;
+        // Group g's alpha (sa * sb, or sa * sbg[g]).
+        auto alpha_of = [&](int g) { return sa_v * (sbg != nullptr ? __ldg(sbg + g) : sb_v); };
+        // The held tile (g < 0: none). Never an empty reduction, so its alpha is its group's.
+        Tile pend{-1, 0, 0};
         auto flush = [&] {
             if constexpr (DEFER) {
                 if (pend.g >= 0) {
-                    epilogue(pend, pend_alpha, 0, true);
+                    epilogue(pend, alpha_of(pend.g), 0, true);
                     pend.g = -1;
                 }
             }
         };
         Tile tl = int(blockIdx.x) < units ? tile(int(blockIdx.x)) : Tile{-1, 0, 0}, next = tl;
         for (int t = blockIdx.x; t < units; t += gridDim.x, tl = next) {
-            const float alpha = sa_v * (sbg != nullptr ? __ldg(sbg + tl.g) : sb_v);
-            if constexpr (!DEFER) {
+            const float alpha = alpha_of(tl.g);  // (loaded under the main loop)
+            if constexpr (FAST) {
 #pragma unroll
                 for (int i = 0; i < NACC; ++i) acc[i] = 0.0f;
             }
@@ -1227,8 +1230,8 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
                 // halves), all of them otherwise.
                 constexpr int NP = BN > 192 ? NACC / 2 : NACC;
                 auto promote = [&](const float(&part)[NP], int h, bool first_kb) {
-                    // (Only the deferring kernels start the sum from the first products.)
-                    const bool first = DEFER && first_kb;
+                    // (The sum starts from the first products: 0 + part, as a zeroed sum would.)
+                    const bool first = first_kb;
                     if constexpr (BLOCK) {
                         // acc[4p], acc[4p + 1] are row rl's, acc[4p + 2], acc[4p + 3] row rl +
                         // 8's, all in columns 8p .. 8p + 7 of the tile.
@@ -1281,7 +1284,6 @@ __device__ __forceinline__ void gemm(const TmaDesc *ta, const TmaDesc *tb, const
             if (DEFER && bias_kind == 0 && kr.hi > kr.lo && takes_store(tl)) {
                 // Stored under the next tile's first products (flush, from `issued`).
                 pend = tl;
-                pend_alpha = alpha_t;
             } else {
                 // (An empty reduction has no products to hide the held epilogue under, and
                 // its own sum is 0.)

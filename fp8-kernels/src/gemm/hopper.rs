@@ -13,10 +13,12 @@
 //! * m, N, K, groups and `groups * m` below 2^31.
 //!
 //! Tile 128 x BN x 128 with BN 128 or 192, or 256 for fast accumulation and for the promoted
-//! E4M3 x E4M3 to bf16 sum without row counts (each k-block's products in two 128-column
-//! halves beside the 256-column sum), chosen per problem to fill the SMs; edge tiles
-//! read zeros past the tensor (TMA out-of-bounds fill) and store only rows below the group's
-//! count and columns below N.
+//! E4M3 x E4M3 to bf16 sum (each k-block's products in two 128-column halves beside the
+//! 256-column sum), chosen per problem to fill the SMs; edge tiles read zeros past the tensor
+//! (TMA out-of-bounds fill) and store only rows below the group's count and columns below N.
+//! The 256-wide grouped and packed kernels run a last wave that would leave half the grid
+//! idle as column halves on twice the CTAs ([`tail_halves`]), decided on the device from the
+//! tiles the row counts leave.
 //!
 //! Skinny problems (a plain GEMM of at most 128 rows whose column tiles leave SMs idle) run
 //! `kernels/gemm_skinny.cuh` instead: swap-AB, K split over a thread-block cluster, the
