@@ -1895,6 +1895,18 @@ mod tests {
         if c.f32_out { 1e-3 } else { 1e-2 }
     }
 
+    /// A block-scaled E4M3 operand.
+    fn e4m3_blocks<'a>(
+        data: &'a DeviceBuffer<u8>,
+        scales_inv: &'a DeviceBuffer<f32>,
+    ) -> BlockOperand<'a> {
+        BlockOperand {
+            data,
+            format: Fp8Format::E4M3,
+            scales_inv,
+        }
+    }
+
     fn setup() -> (Arc<Context>, Stream) {
         let ctx = Context::default_device().unwrap();
         assert!(
@@ -2005,16 +2017,7 @@ mod tests {
                     DeviceBuffer::from_host(&s, &h.a).unwrap(),
                     DeviceBuffer::from_host(&s, &h.b).unwrap(),
                 );
-                let a = BlockOperand {
-                    data: &a_d,
-                    format: Fp8Format::E4M3,
-                    scales_inv: &sa_d,
-                };
-                let b = BlockOperand {
-                    data: &b_d,
-                    format: Fp8Format::E4M3,
-                    scales_inv: &sb_d,
-                };
+                let (a, b) = (e4m3_blocks(&a_d, &sa_d), e4m3_blocks(&b_d, &sb_d));
                 let widths: &[usize] = if f32_out {
                     &[128, 192]
                 } else {
@@ -2563,16 +2566,7 @@ mod tests {
             let sa_d = DeviceBuffer::from_host(&s, &vec![1.0f32; m * kbt]).unwrap();
             let sb_d = DeviceBuffer::from_host(&s, &vec![1.0f32; n.div_ceil(128) * kbt]).unwrap();
             let d = DeviceBuffer::<bf16>::alloc(s.context(), m * n).unwrap();
-            let a = BlockOperand {
-                data: &a_d,
-                format: Fp8Format::E4M3,
-                scales_inv: &sa_d,
-            };
-            let b = BlockOperand {
-                data: &b_d,
-                format: Fp8Format::E4M3,
-                scales_inv: &sb_d,
-            };
+            let (a, b) = (e4m3_blocks(&a_d, &sa_d), e4m3_blocks(&b_d, &sb_d));
             let out = GemmOut::Bf16(&d);
             for bn in [Some(128), Some(192), Some(256), None] {
                 let ms = mean_ms(&s, &mut || {
