@@ -104,8 +104,9 @@ fn smem_bytes(bn: usize, out_size: usize, scales: usize) -> usize {
 /// gradients 2.370 ms against 2.312. So 30% stays.)
 /// The same for both output types: f32 at 192 stores its tile in two parts to keep 4 stages,
 /// like bf16.
-/// `wide` (a kernel with a 256-wide instance: fast accumulation, and the promoted sum of
-/// E4M3 x E4M3 to bf16 in plain GEMMs and grouped blocks without row counts) takes 256 where
+/// `wide` (a kernel with a 256-wide instance: fast accumulation, the promoted sum of E4M3 x
+/// E4M3 to bf16 in plain GEMMs and grouped blocks, with or without row counts since its tail
+/// halves, and the block-scaled sum) takes 256 where
 /// its waves cost no more than the narrower choice's. Fast: 1478 against 1370 TFLOP/s at 4096x7168x4096, 1170
 /// against 1120 at 2048^3 on an H200; promoted (fourteenth session): 1307 against 1268, 1066
 /// against 926 (128 wide). At 8192^3 (16 waves of 256 against 21 of 192: fast 1416 against
