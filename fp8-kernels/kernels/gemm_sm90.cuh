@@ -103,7 +103,6 @@ __device__ __forceinline__ int tail_halves(int total, int grid) {
     return r > 0 && 2 * r <= grid ? r : 0;
 }
 
-
 // The fused SwiGLU epilogue's second output (SWIGLU in gemm): D is fc1's [m, 2F] (gate
 // columns 0..F, up columns F..2F) and h = cast(silu(gate) * up), F = n / 2 columns, the
 // E4M3 input of fc2, written as the MoE cast of the SwiGLU (moe_cast.cuh) writes it.
