@@ -725,7 +725,8 @@ fn split_reduce(
     unsafe { stream.launch_pdl(&kern, &LaunchConfig::linear(blocks, 256), &args) }
 }
 
-/// [`launch`] with the tile width forced (128 or 192) or chosen (`None`).
+/// [`launch`] with the tile width forced (128, 192, or 256 where the kernel has that width; see
+/// [`select`]) or chosen (`None`).
 fn launch_with(stream: &Stream, p: &GemmProblem<'_>, bn: Option<usize>) -> Result<()> {
     launch_epilogue(stream, p, bn, true)
 }
