@@ -16,9 +16,11 @@
 #![deny(missing_docs)]
 
 pub mod linear;
+pub mod model;
 pub mod moe;
 pub mod rng;
 pub mod scaling;
+pub mod train;
 
 pub use linear::Fp8Linear;
 pub use moe::layer::{ExpertGemm, GradDtype, MoeLayer, MoeLayerConfig, MoeParams, WeightGrad};
