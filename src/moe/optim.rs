@@ -138,6 +138,55 @@ impl MoeAdamW {
         &self.masters[1].p
     }
 
+    /// Every f32 buffer of the optimizer's state, named: the router weight (the layer's own)
+    /// and its moments, then fc1's and fc2's f32 master weights and their moments. A
+    /// checkpoint saves these; after writing them back, [`sync_fp8_weights`](Self::sync_fp8_weights)
+    /// remakes what derives from the masters.
+    pub fn named_buffers(&self) -> Vec<(&'static str, &DeviceBuffer<f32>)> {
+        let mut v = vec![
+            ("router", &self.router.0),
+            ("router.exp_avg", &self.router_moments.m),
+            ("router.exp_avg_sq", &self.router_moments.v),
+        ];
+        for (name, m) in ["fc1", "fc2"].into_iter().zip(&self.masters) {
+            let [p, ea, eas] = match name {
+                "fc1" => ["fc1", "fc1.exp_avg", "fc1.exp_avg_sq"],
+                _ => ["fc2", "fc2.exp_avg", "fc2.exp_avg_sq"],
+            };
+            v.extend([(p, &m.p), (ea, &m.m), (eas, &m.v)]);
+        }
+        v
+    }
+
+    /// Remakes the layer's bf16 expert weights from the f32 masters (rounded to nearest
+    /// even) and, when the optimizer writes the FP8 weights, their FP8 copies with the
+    /// scaling state's current scales: after master weights were written from outside (a
+    /// checkpoint), the layer then holds exactly what the optimizer step that wrote those
+    /// masters left. Reads the masters back (waits; not during a capture).
+    pub fn sync_fp8_weights(&self, stream: &Stream) -> Result<()> {
+        for (ew, master) in self.experts.iter().zip(&self.masters) {
+            let w: Vec<cuda_graph::half::bf16> = master
+                .p
+                .to_vec(stream)?
+                .into_iter()
+                .map(cuda_graph::half::bf16::from_f32)
+                .collect();
+            ew.w.copy_from_host(stream, &w)?;
+            if self.casts.load(Ordering::Acquire) {
+                fp8_kernels::cast_transpose_batched(stream, &ew.w, ew.shape, &ew.cast_out(), None)?;
+            }
+        }
+        stream.synchronize()
+    }
+
+    /// The gradients this optimizer reads: the router weight's (f32), then fc1's and fc2's
+    /// (the layer's weight-gradient type), e.g. for a gradient-norm clip over a model.
+    pub fn gradients(&self) -> Vec<HpBuffer<'_>> {
+        let mut g = vec![HpBuffer::F32(&self.router.1)];
+        g.extend(self.experts.iter().map(|ew| ew.grad.view()));
+        g
+    }
+
     /// Enqueues one optimizer step on `stream` (also inside a capture; nothing read back):
     /// the step count advances, the router weight and both expert weights are updated from
     /// the layer's gradients (multiplied by `grad_scale` when given, read on the device: a
