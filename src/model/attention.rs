@@ -1,1 +1,422 @@
-//! (being written)
+//! Causal multi-head self-attention for the train job's model, forward and backward, bf16
+//! in and out with f32 softmax and accumulation. Kernels in `src/kernels/attention.cu`; the
+//! f64 model they are tested against is [`attention_reference`](super::attention_reference).
+//!
+//! # Layout
+//! A batch of `B` sequences of `S` tokens (`T = B * S` rows, token `t = b * S + s`), `H` heads
+//! of dimension `D` ([`SUPPORTED_HEAD_DIMS`]), model width `d = H * D`:
+//!
+//! * `qkv` `[T, 3d]` bf16: row `t` holds q (heads `0..H`, `D` columns each), then k, then v;
+//! * `o` `[T, d]` bf16: head `h` at columns `h * D ..`;
+//! * `lse` `[B, H, S]` f32: the natural log-sum-exp of each query's scaled scores, saved by
+//!   the forward for the backward;
+//! * the backward's `d_o` `[T, d]` and `dqkv` `[T, 3d]` (dq, dk, dv where q, k, v are).
+//!
+//! Token `s` of a sequence attends to tokens `0..=s` of the same sequence with scores
+//! `scale * q . k` (normally `scale = 1 / sqrt(D)`: [`AttentionShape::default_scale`]).
+//!
+//! # Launches
+//! Everything is enqueue-only: no allocation, no synchronisation, so a forward or backward
+//! can be captured into a CUDA graph. Lengths, alignment and overlaps are checked before any
+//! launch. The forward is one launch; the backward two: the query-side kernel (dq, and
+//! `delta = rowsum(d_o * o)` into the workspace), then the key-side kernel (dk, dv), each
+//! walking its blocks in a fixed order with no atomics, so results are bit-identical run to
+//! run and between eager runs and graph replays.
+
+use std::sync::Arc;
+
+use cuda_graph::half::bf16;
+use cuda_graph::{Context, DeviceBuffer, Error, Kernel, LaunchConfig, Module, Result, Stream};
+use cuda_graph::{DeviceRepr, kernel_args};
+
+/// The kernels, built from `src/kernels/attention.cu`.
+static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/attention.fatbin"));
+
+/// The head dimensions the kernels are built for.
+pub const SUPPORTED_HEAD_DIMS: [usize; 3] = [32, 64, 128];
+
+/// The longest sequence accepted (the kernels' grids hold `S / 4` blocks in y, at most
+/// 65535).
+pub const MAX_SEQ: usize = 1 << 16;
+
+/// Threads per block of every kernel (`ATT_BLOCK`).
+const BLOCK: u32 = 128;
+/// Queries (forward, dq) or keys (dk, dv) per block (`ATT_WARPS`: one per warp).
+const ROWS_PER_BLOCK: u32 = 4;
+
+/// The shape of one attention call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct AttentionShape {
+    /// Sequences (`B`).
+    pub batch: usize,
+    /// Tokens per sequence (`S`), `1..=`[`MAX_SEQ`].
+    pub seq: usize,
+    /// Heads (`H`).
+    pub heads: usize,
+    /// Dimension of each head (`D`), one of [`SUPPORTED_HEAD_DIMS`].
+    pub head_dim: usize,
+}
+
+impl AttentionShape {
+    /// Checks the shape: every dimension at least 1, `head_dim` one of
+    /// [`SUPPORTED_HEAD_DIMS`], `seq <= MAX_SEQ`, `batch * heads` within a grid's x
+    /// dimension, and every buffer (`qkv`'s `T * 3d` elements the largest) within `i32`.
+    pub fn check(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::InvalidArgument(format!("AttentionShape: {m}")));
+        let AttentionShape {
+            batch,
+            seq,
+            heads,
+            head_dim,
+        } = *self;
+        for (name, v) in [("batch", batch), ("seq", seq), ("heads", heads)] {
+            if v == 0 {
+                return bad(format!("{name} must be at least 1"));
+            }
+        }
+        if !SUPPORTED_HEAD_DIMS.contains(&head_dim) {
+            return bad(format!(
+                "head_dim = {head_dim} is not supported (one of {SUPPORTED_HEAD_DIMS:?})"
+            ));
+        }
+        if seq > MAX_SEQ {
+            return bad(format!("seq = {seq} is above the limit {MAX_SEQ}"));
+        }
+        let limit = i32::MAX as u128;
+        let (b, s, h, d) = (batch as u128, seq as u128, heads as u128, head_dim as u128);
+        if b * h > limit || b * s * 3 * h * d > limit {
+            return bad(format!("{self:?} has a buffer above 2^31 elements"));
+        }
+        Ok(())
+    }
+
+    /// Rows `T = batch * seq`.
+    pub fn tokens(&self) -> usize {
+        self.batch * self.seq
+    }
+
+    /// Model width `d = heads * head_dim`.
+    pub fn width(&self) -> usize {
+        self.heads * self.head_dim
+    }
+
+    /// Elements of `qkv` and `dqkv`: `T * 3d`.
+    pub fn qkv_len(&self) -> usize {
+        self.tokens() * 3 * self.width()
+    }
+
+    /// Elements of `o` and `d_o`: `T * d`.
+    pub fn o_len(&self) -> usize {
+        self.tokens() * self.width()
+    }
+
+    /// Elements of `lse`: `B * H * S`.
+    pub fn lse_len(&self) -> usize {
+        self.batch * self.heads * self.seq
+    }
+
+    /// The usual softmax scale `1 / sqrt(head_dim)`.
+    pub fn default_scale(&self) -> f32 {
+        1.0 / (self.head_dim as f32).sqrt()
+    }
+}
+
+/// The three kernels of one head dimension.
+#[derive(Debug, Clone)]
+struct HeadKernels {
+    forward: Kernel,
+    dq: Kernel,
+    dkdv: Kernel,
+}
+
+/// Causal self-attention's kernels, loaded once per context. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Attention {
+    /// One entry per [`SUPPORTED_HEAD_DIMS`] entry, in that order.
+    kernels: Arc<Vec<HeadKernels>>,
+    _module: Module,
+}
+
+/// Checks one buffer's length.
+fn check_len(what: &str, name: &str, got: usize, want: usize) -> Result<()> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument(format!(
+            "{what}: {name} has {got} elements, the shape needs {want}"
+        )))
+    }
+}
+
+/// Checks that a buffer starts on a 16-byte boundary (the kernels load 16-byte vectors).
+fn check_aligned<T: DeviceRepr>(what: &str, name: &str, b: &DeviceBuffer<T>) -> Result<()> {
+    if b.as_raw() % 16 == 0 {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument(format!(
+            "{what}: {name} must start on a 16-byte boundary (it is at {:#x})",
+            b.as_raw()
+        )))
+    }
+}
+
+/// Checks that an output does not overlap an input or another output.
+fn check_apart<T: DeviceRepr, U: DeviceRepr>(
+    what: &str,
+    (an, a): (&str, &DeviceBuffer<T>),
+    (bn, b): (&str, &DeviceBuffer<U>),
+) -> Result<()> {
+    if a.overlaps(b) {
+        Err(Error::InvalidArgument(format!(
+            "{what}: {an} and {bn} overlap"
+        )))
+    } else {
+        Ok(())
+    }
+}
+
+/// Checks the scale.
+fn check_scale(what: &str, scale: f32) -> Result<()> {
+    if scale.is_finite() {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument(format!(
+            "{what}: scale = {scale} must be finite"
+        )))
+    }
+}
+
+/// The shape's sizes as the kernels take them (checked to fit by [`AttentionShape::check`]).
+fn u32_of(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+impl Attention {
+    /// Loads the kernels into `ctx` (once per process and context: the module is shared).
+    pub fn new(ctx: &Arc<Context>) -> Result<Attention> {
+        let module = Module::embedded(ctx, FATBIN)?;
+        let kernels = SUPPORTED_HEAD_DIMS
+            .iter()
+            .map(|d| {
+                Ok(HeadKernels {
+                    forward: module.kernel(&format!("attention_forward_d{d}"))?,
+                    dq: module.kernel(&format!("attention_backward_dq_d{d}"))?,
+                    dkdv: module.kernel(&format!("attention_backward_dkdv_d{d}"))?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Attention {
+            kernels: Arc::new(kernels),
+            _module: module,
+        })
+    }
+
+    /// Elements of f32 workspace [`backward`](Self::backward) needs: `delta` (`[B, H, S]`).
+    pub fn backward_workspace_len(shape: AttentionShape) -> usize {
+        shape.lse_len()
+    }
+
+    fn head_kernels(&self, shape: &AttentionShape) -> &HeadKernels {
+        let i = SUPPORTED_HEAD_DIMS
+            .iter()
+            .position(|&d| d == shape.head_dim)
+            .expect("checked by AttentionShape::check");
+        &self.kernels[i]
+    }
+
+    /// The grid of every kernel: `(B * H, ceil(S / 4))`.
+    fn config(shape: &AttentionShape) -> LaunchConfig {
+        LaunchConfig {
+            grid: (
+                u32_of(shape.batch * shape.heads),
+                u32_of(shape.seq).div_ceil(ROWS_PER_BLOCK),
+                1,
+            ),
+            block: (BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+            attributes: Vec::new(),
+        }
+    }
+
+    /// The forward: `o` (`[T, d]`) and `lse` (`[B, H, S]`) from `qkv` (`[T, 3d]`), softmax
+    /// scale `scale` (finite; normally [`AttentionShape::default_scale`]). One launch.
+    ///
+    /// Errors: [`Error::InvalidArgument`] (nothing launched) for a bad shape or scale, a
+    /// length other than the shape's, a bf16 buffer not 16-byte aligned, or outputs that
+    /// overlap `qkv` or each other; [`Error::Driver`] from the launch.
+    pub fn forward(
+        &self,
+        stream: &Stream,
+        shape: AttentionShape,
+        scale: f32,
+        qkv: &DeviceBuffer<bf16>,
+        o: &DeviceBuffer<bf16>,
+        lse: &DeviceBuffer<f32>,
+    ) -> Result<()> {
+        let what = "Attention::forward";
+        shape.check()?;
+        check_scale(what, scale)?;
+        check_len(what, "qkv", qkv.len(), shape.qkv_len())?;
+        check_len(what, "o", o.len(), shape.o_len())?;
+        check_len(what, "lse", lse.len(), shape.lse_len())?;
+        check_aligned(what, "qkv", qkv)?;
+        check_aligned(what, "o", o)?;
+        check_apart(what, ("o", o), ("qkv", qkv))?;
+        check_apart(what, ("lse", lse), ("qkv", qkv))?;
+        check_apart(what, ("lse", lse), ("o", o))?;
+        let k = self.head_kernels(&shape);
+        let (seq, heads) = (u32_of(shape.seq), u32_of(shape.heads));
+        let scale_log2 = scale * std::f32::consts::LOG2_E;
+        // SAFETY: attention_forward_d{D}(const bf16 *qkv, bf16 *o, float *lse, unsigned seq,
+        // unsigned heads, float scale_log2) with D = shape.head_dim: block (bh, y) reads the
+        // q, k, v columns of head bh % H of the rows of sequence bh / H (qkv is T * 3d,
+        // checked; bh < B * H) and writes o's and lse's entries of those queries (T * d and
+        // B * H * S, checked); o and lse overlap neither qkv nor each other.
+        unsafe {
+            stream.launch_pdl(
+                &k.forward,
+                &Self::config(&shape),
+                &kernel_args![qkv, o, lse, seq, heads, scale_log2],
+            )
+        }
+    }
+
+    /// The backward: dq, dk and dv into `dqkv` (`[T, 3d]`, where q, k and v are in `qkv`)
+    /// of a loss with gradient `d_o` (`[T, d]`) on the forward's output, from the forward's
+    /// inputs and outputs (`qkv`, `o`, `lse`, the same `scale`). `workspace` holds at least
+    /// [`backward_workspace_len`](Self::backward_workspace_len) f32 (its contents are
+    /// overwritten). Two launches.
+    ///
+    /// Errors: [`Error::InvalidArgument`] (nothing launched) for a bad shape or scale, a
+    /// length other than the shape's (the workspace: shorter than it needs), a bf16 buffer
+    /// not 16-byte aligned, or `dqkv` or `workspace` overlapping any other buffer;
+    /// [`Error::Driver`] from the launches.
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward(
+        &self,
+        stream: &Stream,
+        shape: AttentionShape,
+        scale: f32,
+        qkv: &DeviceBuffer<bf16>,
+        o: &DeviceBuffer<bf16>,
+        lse: &DeviceBuffer<f32>,
+        d_o: &DeviceBuffer<bf16>,
+        dqkv: &DeviceBuffer<bf16>,
+        workspace: &DeviceBuffer<f32>,
+    ) -> Result<()> {
+        let what = "Attention::backward";
+        shape.check()?;
+        check_scale(what, scale)?;
+        check_len(what, "qkv", qkv.len(), shape.qkv_len())?;
+        check_len(what, "o", o.len(), shape.o_len())?;
+        check_len(what, "lse", lse.len(), shape.lse_len())?;
+        check_len(what, "d_o", d_o.len(), shape.o_len())?;
+        check_len(what, "dqkv", dqkv.len(), shape.qkv_len())?;
+        let ws_len = Self::backward_workspace_len(shape);
+        if workspace.len() < ws_len {
+            return Err(Error::InvalidArgument(format!(
+                "{what}: workspace has {} elements, the shape needs at least {ws_len}",
+                workspace.len()
+            )));
+        }
+        let delta = workspace.slice(..ws_len)?;
+        for (name, b) in [("qkv", qkv), ("o", o), ("d_o", d_o), ("dqkv", dqkv)] {
+            check_aligned(what, name, b)?;
+        }
+        for (name, b) in [("qkv", qkv), ("o", o), ("d_o", d_o)] {
+            check_apart(what, ("dqkv", dqkv), (name, b))?;
+            check_apart(what, ("workspace", &delta), (name, b))?;
+        }
+        check_apart(what, ("dqkv", dqkv), ("lse", lse))?;
+        check_apart(what, ("workspace", &delta), ("lse", lse))?;
+        check_apart(what, ("workspace", &delta), ("dqkv", dqkv))?;
+        let k = self.head_kernels(&shape);
+        let (seq, heads) = (u32_of(shape.seq), u32_of(shape.heads));
+        let scale_log2 = scale * std::f32::consts::LOG2_E;
+        let cfg = Self::config(&shape);
+        // SAFETY: attention_backward_dq_d{D}(const bf16 *qkv, const bf16 *o, const float
+        // *lse, const bf16 *d_o, bf16 *dqkv, float *delta, unsigned seq, unsigned heads,
+        // float scale, float scale_log2): block (bh, y) reads head bh % H's columns of the
+        // rows of sequence bh / H in qkv (T * 3d), o and d_o (T * d) and their lse entries (B
+        // * H * S), all checked; it writes the dq columns of its queries in dqkv (T * 3d) and
+        // their delta entries (B * H * S, the workspace's first part). The outputs overlap no
+        // input and not each other (checked).
+        unsafe {
+            stream.launch_pdl(
+                &k.dq,
+                &cfg,
+                &kernel_args![qkv, o, lse, d_o, dqkv, delta, seq, heads, scale, scale_log2],
+            )
+        }?;
+        // SAFETY: attention_backward_dkdv_d{D}(const bf16 *qkv, const float *lse, const bf16
+        // *d_o, bf16 *dqkv, const float *delta, unsigned seq, unsigned heads, float scale,
+        // float scale_log2): as above, reading delta (written by the launch before, which
+        // its PDL wait orders) and writing the dk and dv columns of its keys in dqkv.
+        unsafe {
+            stream.launch_pdl(
+                &k.dkdv,
+                &cfg,
+                &kernel_args![qkv, lse, d_o, dqkv, delta, seq, heads, scale, scale_log2],
+            )
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(batch: usize, seq: usize, heads: usize, head_dim: usize) -> AttentionShape {
+        AttentionShape {
+            batch,
+            seq,
+            heads,
+            head_dim,
+        }
+    }
+
+    #[test]
+    fn shapes_are_checked() {
+        for d in SUPPORTED_HEAD_DIMS {
+            shape(16, 256, 8, d).check().unwrap();
+        }
+        shape(1, 1, 1, 64).check().unwrap();
+        shape(1, MAX_SEQ, 1, 64).check().unwrap();
+        for bad in [
+            shape(0, 256, 8, 64),
+            shape(16, 0, 8, 64),
+            shape(16, 256, 0, 64),
+            shape(16, 256, 8, 0),
+            shape(16, 256, 8, 48),
+            shape(16, 256, 8, 256),
+            shape(1, MAX_SEQ + 1, 1, 64),
+            shape(1 << 16, 1 << 10, 8, 64),
+        ] {
+            let e = bad.check().unwrap_err();
+            assert!(
+                matches!(e, Error::InvalidArgument(ref m) if m.starts_with("AttentionShape")),
+                "{bad:?}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn sizes_follow_the_layout() {
+        let s = shape(16, 256, 8, 64);
+        assert_eq!(s.tokens(), 4096);
+        assert_eq!(s.width(), 512);
+        assert_eq!(s.qkv_len(), 4096 * 1536);
+        assert_eq!(s.o_len(), 4096 * 512);
+        assert_eq!(s.lse_len(), 16 * 8 * 256);
+        assert_eq!(Attention::backward_workspace_len(s), 16 * 8 * 256);
+        assert_eq!(s.default_scale(), 0.125);
+    }
+
+    #[test]
+    fn grid_covers_every_row() {
+        let c = Attention::config(&shape(3, 100, 2, 64));
+        assert_eq!(c.grid, (6, 25, 1));
+        let c = Attention::config(&shape(1, MAX_SEQ, 1, 64));
+        assert!(c.grid.1 <= 65535);
+    }
+}
