@@ -26,6 +26,9 @@
 //! relative accuracy where `dP` and `delta` nearly cancel, which the norm-wise check
 //! absorbs. Each of dq, dk, dv is checked at a norm-wise relative error of `8 * 2^-8` (3%)
 //! and every element within `2^-5` of the part's largest |value|.
+//!
+//! Seen on the H200: norm-wise 1.7e-3 .. 1.9e-3 for `o`, 2.2e-3 .. 3.6e-3 for the gradients,
+//! `lse` within 2.4e-6; the largest element errors at most 3.4e-3 of their part's scale.
 
 use std::sync::Arc;
 
@@ -262,6 +265,7 @@ fn forward_and_backward_match_the_reference() {
         (shape(1, 1000, 2, 64), 2.0),
         (shape(2, 77, 3, 32), 2.0),
         (shape(2, 130, 2, 128), 2.0),
+        (shape(1, 33, 2, 128), 3.0),
     ] {
         run_case(&gpu, &mut rng, s, s.default_scale(), amp);
     }

@@ -15,13 +15,23 @@
 //! Token `s` of a sequence attends to tokens `0..=s` of the same sequence with scores
 //! `scale * q . k` (normally `scale = 1 / sqrt(D)`: [`AttentionShape::default_scale`]).
 //!
+//! # Kernels
+//! Flash-attention-2 style on bf16 tensor cores (`mma.sync` m16n8k16 with f32 accumulators,
+//! so sm_80 and newer): blocks of 4 warps own 64 queries (or keys), each warp 16; key (or
+//! query) tiles are double-buffered in shared memory with `cp.async`; tiles wholly above the
+//! causal diagonal are skipped and only those meeting it are masked. The forward keeps an
+//! online softmax in f32 and rounds P to bf16 for `P V`; each output is rounded to bf16 once.
+//! The backward recomputes P from the saved `lse` and rounds P and `dS` to bf16 for their
+//! products.
+//!
 //! # Launches
 //! Everything is enqueue-only: no allocation, no synchronisation, so a forward or backward
 //! can be captured into a CUDA graph. Lengths, alignment and overlaps are checked before any
 //! launch. The forward is one launch; the backward two: the query-side kernel (dq, and
-//! `delta = rowsum(d_o * o)` into the workspace), then the key-side kernel (dk, dv), each
-//! walking its blocks in a fixed order with no atomics, so results are bit-identical run to
-//! run and between eager runs and graph replays.
+//! `delta = rowsum(d_o * o)` into the workspace), then the key-side kernel (dk, dv, walking
+//! the query tiles from the diagonal on). Every output element is owned by one thread whose
+//! sums run in a fixed order, with no atomics, so results are bit-identical run to run and
+//! between eager runs and graph replays.
 
 use std::sync::Arc;
 
@@ -35,14 +45,30 @@ static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/attention.fatbi
 /// The head dimensions the kernels are built for.
 pub const SUPPORTED_HEAD_DIMS: [usize; 3] = [32, 64, 128];
 
-/// The longest sequence accepted (the kernels' grids hold `S / 4` blocks in y, at most
-/// 65535).
+/// The longest sequence accepted (far above what the model uses; it keeps every index
+/// within the kernels' 32-bit arithmetic and the grid's y dimension, `S / 64`, small).
 pub const MAX_SEQ: usize = 1 << 16;
 
-/// Threads per block of every kernel (`ATT_BLOCK`).
+/// Threads per block of every kernel (`ATT_BLOCK`: 4 warps).
 const BLOCK: u32 = 128;
-/// Queries (forward, dq) or keys (dk, dv) per block (`ATT_WARPS`: one per warp).
-const ROWS_PER_BLOCK: u32 = 4;
+/// Queries (forward, dq) or keys (dk, dv) per block (`ATT_ROWS`: 16 per warp).
+const ROWS: u32 = 64;
+
+/// The dynamic shared memory of each kernel of head dimension `d`, as the kernels lay it out:
+/// tiles of `d + 8` bf16 per row (`pad<D>()`); the forward holds 64 queries and two stages
+/// of 64 keys and values; the dq kernel 64 queries and their `d_o`, two stages of `tile`
+/// keys and values, and 64 `lse` and `delta`; the dk/dv kernel 64 keys and values, two
+/// stages of `tile` queries and their `d_o`, `lse` and `delta`; `tile` (`back_tile<D>()`) is
+/// 32 at `d = 128` (within sm_89's 99 KiB), else 64.
+fn shared_bytes(d: usize) -> [usize; 3] {
+    let row = (d + 8) * 2;
+    let tile = if d == 128 { 32 } else { 64 };
+    [
+        (64 + 4 * 64) * row,
+        (2 * 64 + 4 * tile) * row + 2 * 64 * 4,
+        (2 * 64 + 4 * tile) * row + 4 * tile * 4,
+    ]
+}
 
 /// The shape of one attention call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -121,12 +147,14 @@ impl AttentionShape {
     }
 }
 
-/// The three kernels of one head dimension.
+/// The three kernels of one head dimension and their dynamic shared memory.
 #[derive(Debug, Clone)]
 struct HeadKernels {
     forward: Kernel,
     dq: Kernel,
     dkdv: Kernel,
+    /// [`shared_bytes`] of the head dimension.
+    shared: [u32; 3],
 }
 
 /// Causal self-attention's kernels, loaded once per context. Cheap to clone.
@@ -197,12 +225,17 @@ impl Attention {
         let module = Module::embedded(ctx, FATBIN)?;
         let kernels = SUPPORTED_HEAD_DIMS
             .iter()
-            .map(|d| {
-                Ok(HeadKernels {
+            .map(|&d| {
+                let k = HeadKernels {
                     forward: module.kernel(&format!("attention_forward_d{d}"))?,
                     dq: module.kernel(&format!("attention_backward_dq_d{d}"))?,
                     dkdv: module.kernel(&format!("attention_backward_dkdv_d{d}"))?,
-                })
+                    shared: shared_bytes(d).map(u32_of),
+                };
+                for (kernel, bytes) in [&k.forward, &k.dq, &k.dkdv].iter().zip(shared_bytes(d)) {
+                    kernel.set_max_dynamic_shared_memory(bytes)?;
+                }
+                Ok(k)
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Attention {
@@ -224,16 +257,17 @@ impl Attention {
         &self.kernels[i]
     }
 
-    /// The grid of every kernel: `(B * H, ceil(S / 4))`.
-    fn config(shape: &AttentionShape) -> LaunchConfig {
+    /// The launch of every kernel: grid `(B * H, ceil(S / 64))`, `shared` bytes of dynamic
+    /// shared memory.
+    fn config(shape: &AttentionShape, shared: u32) -> LaunchConfig {
         LaunchConfig {
             grid: (
                 u32_of(shape.batch * shape.heads),
-                u32_of(shape.seq).div_ceil(ROWS_PER_BLOCK),
+                u32_of(shape.seq).div_ceil(ROWS),
                 1,
             ),
             block: (BLOCK, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: shared,
             attributes: Vec::new(),
         }
     }
@@ -268,14 +302,17 @@ impl Attention {
         let (seq, heads) = (u32_of(shape.seq), u32_of(shape.heads));
         let scale_log2 = scale * std::f32::consts::LOG2_E;
         // SAFETY: attention_forward_d{D}(const bf16 *qkv, bf16 *o, float *lse, unsigned seq,
-        // unsigned heads, float scale_log2) with D = shape.head_dim: block (bh, y) reads the
-        // q, k, v columns of head bh % H of the rows of sequence bh / H (qkv is T * 3d,
-        // checked; bh < B * H) and writes o's and lse's entries of those queries (T * d and
-        // B * H * S, checked); o and lse overlap neither qkv nor each other.
+        // unsigned heads, float scale_log2) with D = shape.head_dim: block (bh, y), bh < B *
+        // H, reads the q, k, v columns of head bh % H of rows s < S of sequence bh / H (qkv is
+        // T * 3d, checked; rows past S are zero-filled, their source address clamped to the
+        // sequence's first row) in 16-byte pieces (qkv 16-byte aligned, checked; d and D are
+        // multiples of 8), and writes o's and lse's entries of its 64 queries below S (T * d
+        // and B * H * S, checked); o and lse overlap neither qkv nor each other. The dynamic
+        // shared memory is shared_bytes(D)[0], the kernel's layout, allowed in `new`.
         unsafe {
             stream.launch_pdl(
                 &k.forward,
-                &Self::config(&shape),
+                &Self::config(&shape, k.shared[0]),
                 &kernel_args![qkv, o, lse, seq, heads, scale_log2],
             )
         }
@@ -333,29 +370,31 @@ impl Attention {
         let k = self.head_kernels(&shape);
         let (seq, heads) = (u32_of(shape.seq), u32_of(shape.heads));
         let scale_log2 = scale * std::f32::consts::LOG2_E;
-        let cfg = Self::config(&shape);
         // SAFETY: attention_backward_dq_d{D}(const bf16 *qkv, const bf16 *o, const float
         // *lse, const bf16 *d_o, bf16 *dqkv, float *delta, unsigned seq, unsigned heads,
-        // float scale, float scale_log2): block (bh, y) reads head bh % H's columns of the
-        // rows of sequence bh / H in qkv (T * 3d), o and d_o (T * d) and their lse entries (B
-        // * H * S), all checked; it writes the dq columns of its queries in dqkv (T * 3d) and
-        // their delta entries (B * H * S, the workspace's first part). The outputs overlap no
-        // input and not each other (checked).
+        // float scale, float scale_log2): block (bh, y) reads head bh % H's columns of rows s
+        // < S of sequence bh / H in qkv (T * 3d), o and d_o (T * d), in 16-byte pieces (all
+        // 16-byte aligned, checked), and their lse entries (B * H * S), all lengths checked;
+        // it writes the dq columns of its 64 queries below S in dqkv (T * 3d) and their delta
+        // entries (B * H * S, the workspace's first part). The outputs overlap no input and
+        // not each other (checked). Dynamic shared memory: shared_bytes(D)[1], allowed in
+        // `new`.
         unsafe {
             stream.launch_pdl(
                 &k.dq,
-                &cfg,
+                &Self::config(&shape, k.shared[1]),
                 &kernel_args![qkv, o, lse, d_o, dqkv, delta, seq, heads, scale, scale_log2],
             )
         }?;
         // SAFETY: attention_backward_dkdv_d{D}(const bf16 *qkv, const float *lse, const bf16
         // *d_o, bf16 *dqkv, const float *delta, unsigned seq, unsigned heads, float scale,
-        // float scale_log2): as above, reading delta (written by the launch before, which
-        // its PDL wait orders) and writing the dk and dv columns of its keys in dqkv.
+        // float scale_log2): as above (shared_bytes(D)[2] of shared memory), reading delta
+        // (written by the launch before, which its PDL wait orders) and writing the dk and dv
+        // columns of its 64 keys below S in dqkv.
         unsafe {
             stream.launch_pdl(
                 &k.dkdv,
-                &cfg,
+                &Self::config(&shape, k.shared[2]),
                 &kernel_args![qkv, lse, d_o, dqkv, delta, seq, heads, scale, scale_log2],
             )
         }
@@ -414,9 +453,21 @@ mod tests {
 
     #[test]
     fn grid_covers_every_row() {
-        let c = Attention::config(&shape(3, 100, 2, 64));
-        assert_eq!(c.grid, (6, 25, 1));
-        let c = Attention::config(&shape(1, MAX_SEQ, 1, 64));
+        let c = Attention::config(&shape(3, 100, 2, 64), 0);
+        assert_eq!(c.grid, (6, 2, 1));
+        let c = Attention::config(&shape(1, MAX_SEQ, 1, 64), 0);
         assert!(c.grid.1 <= 65535);
+    }
+
+    #[test]
+    fn shared_memory_fits_every_target() {
+        // sm_89 allows 99 KiB of dynamic shared memory per block (sm_80: 163 KiB, sm_90: 227).
+        for d in SUPPORTED_HEAD_DIMS {
+            for bytes in shared_bytes(d) {
+                assert!(bytes <= 99 * 1024, "head_dim {d}: {bytes} bytes");
+                assert_eq!(bytes % 16, 0);
+            }
+        }
+        assert_eq!(shared_bytes(64), [46080, 55808, 56320]);
     }
 }
