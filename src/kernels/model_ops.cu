@@ -270,6 +270,7 @@ __device__ __forceinline__ void embedding_backward_body(const int *tokens,
                                                         unsigned cols, unsigned accumulate,
                                                         int *list, int *warp_tot, float *part) {
     constexpr unsigned PER_THREAD = EMB_TILE / EMB_THREADS;
+    static_assert(PER_THREAD % 4 == 0 && PER_THREAD <= 32, "whole int4 loads, one mask word");
     const unsigned v = blockIdx.x;
     const unsigned cw = cols / W;
     const unsigned G = pow2_at_least(cw, EMB_GROUPS), S = EMB_THREADS / G;
@@ -284,12 +285,23 @@ __device__ __forceinline__ void embedding_backward_body(const int *tokens,
     for (unsigned base = 0; base < rows; base += EMB_TILE) {
         const unsigned n = min((unsigned)EMB_TILE, rows - base);
         const unsigned first = threadIdx.x * PER_THREAD;
+        int tk[PER_THREAD];
+        if (first + PER_THREAD <= n && aligned16(tokens + base + first)) {
+#pragma unroll
+            for (unsigned k = 0; k < PER_THREAD; k += 4) {
+                const int4 q = __ldg(reinterpret_cast<const int4 *>(tokens + base + first + k));
+                tk[k] = q.x, tk[k + 1] = q.y, tk[k + 2] = q.z, tk[k + 3] = q.w;
+            }
+        } else {
+            // Clamped indices: every load in bounds and issued at once; the ones past n are
+            // masked below.
+#pragma unroll
+            for (unsigned k = 0; k < PER_THREAD; ++k) tk[k] = __ldg(tokens + base + min(first + k, n - 1));
+        }
         unsigned mask = 0;
 #pragma unroll
-        for (unsigned k = 0; k < PER_THREAD; ++k) {
-            const unsigned i = first + k;
-            if (i < n && __ldg(tokens + base + i) == (int)v) mask |= 1u << k;
-        }
+        for (unsigned k = 0; k < PER_THREAD; ++k)
+            if (first + k < n && tk[k] == (int)v) mask |= 1u << k;
         int total;
         int at = block_exclusive_scan<EMB_THREADS / 32>(__popc(mask), warp_tot, total);
         for (unsigned m = mask; m != 0; m &= m - 1) list[at++] = (int)(base + first + __ffs(m) - 1);
