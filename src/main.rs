@@ -27,6 +27,8 @@ use std::process::ExitCode;
 
 use clap::error::{ContextKind, ContextValue, ErrorKind};
 use clap::{Args, CommandFactory, Parser, Subcommand};
+use fp8_moe::model::{GraphMode, ModelConfig, TrainConfig};
+use fp8_moe::train;
 
 /// FP8 mixture-of-experts layer run as CUDA graphs: device report and benchmarks.
 #[derive(Debug, Parser)]
@@ -51,6 +53,166 @@ enum Command {
     /// run and at its end. Prints a table, writes JSON, and exits 1 on any mismatch or a
     /// memory drift of 1 MiB or more.
     Soak(SoakArgs),
+    /// Trains a byte-level FP8 MoE transformer under CUDA graphs (the main job).
+    ///
+    /// Reads the corpus (--data, or this repository's text files), trains --steps steps in
+    /// the --graphs mode with a progress bar, saves a checkpoint (--save), generates a sample
+    /// under a CUDA graph, times every graph mode from the same start (their losses must equal
+    /// eager's bit for bit) and writes the report folder: loss.svg, run.json and the captured
+    /// graphs as DOT (SVG too when Graphviz's `dot` is installed).
+    Train(TrainArgs),
+}
+
+/// The flags of `train`. Model and optimizer flags left out take the defaults below; with
+/// --resume they come from the checkpoint, and giving one that differs is an error.
+#[derive(Debug, Args)]
+struct TrainArgs {
+    /// How each training step runs: eager launches, MoE breaking-layer graphs, a graph per
+    /// block and pass, or the whole step as one graph.
+    #[arg(long, value_enum, default_value_t = GraphMode::Step)]
+    graphs: GraphMode,
+    /// Optimizer steps (the total, counting those of a resumed checkpoint) [default: 200].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    steps: Option<u64>,
+    /// Transformer blocks [default: 4].
+    #[arg(long, value_name = "N")]
+    layers: Option<usize>,
+    /// Model width; a multiple of 64 (heads of 64) [default: 512].
+    #[arg(long, value_name = "D")]
+    d_model: Option<usize>,
+    /// Experts per MoE layer [default: 8].
+    #[arg(long, value_name = "E")]
+    experts: Option<usize>,
+    /// Experts per token [default: 2].
+    #[arg(long, value_name = "K")]
+    top_k: Option<usize>,
+    /// Each expert's FFN width [default: 1024].
+    #[arg(long, value_name = "F")]
+    ffn: Option<usize>,
+    /// Context (tokens per sequence) [default: 256].
+    #[arg(long, value_name = "S")]
+    context: Option<usize>,
+    /// Sequences per microbatch [default: 16].
+    #[arg(long, value_name = "B")]
+    batch: Option<usize>,
+    /// Microbatches per step (gradient accumulation) [default: 4].
+    #[arg(long, value_name = "M")]
+    microbatches: Option<usize>,
+    /// Peak learning rate (linear warmup, cosine decay to a tenth) [default: 1e-3].
+    #[arg(long, value_name = "LR")]
+    lr: Option<f32>,
+    /// Warmup steps [default: 20].
+    #[arg(long, value_name = "N")]
+    warmup: Option<usize>,
+    /// AdamW weight decay of the matrices [default: 0.1].
+    #[arg(long, value_name = "WD")]
+    weight_decay: Option<f32>,
+    /// Gradient-norm clip [default: 1.0].
+    #[arg(long, value_name = "NORM")]
+    clip: Option<f32>,
+    /// Seeds the weights and the data sampling [default: 1234].
+    #[arg(long, value_name = "S")]
+    seed: Option<u64>,
+    /// The corpus: a file or a folder of text files [default: this repository's].
+    #[arg(long, value_name = "PATH")]
+    data: Option<PathBuf>,
+    /// Save a checkpoint here at the end (replaced atomically).
+    #[arg(long, value_name = "DIR")]
+    save: Option<PathBuf>,
+    /// Continue the run saved here.
+    #[arg(long, value_name = "DIR")]
+    resume: Option<PathBuf>,
+    /// The report folder.
+    #[arg(long, value_name = "DIR", default_value = "train-report")]
+    report: PathBuf,
+    /// Validation loss every N steps (0: at the end only).
+    #[arg(long, value_name = "N", default_value_t = 50)]
+    eval_every: usize,
+    /// Steps each graph mode runs for the comparison table (0: no table).
+    #[arg(long, value_name = "N", default_value_t = 12)]
+    compare_steps: usize,
+    /// Bytes to generate at the end (0: none).
+    #[arg(long, value_name = "N", default_value_t = 300)]
+    sample_bytes: usize,
+    /// The sample's prompt.
+    #[arg(long, default_value = "fn main() {")]
+    prompt: String,
+    /// The sample's temperature (0: greedy).
+    #[arg(long, default_value_t = 0.7)]
+    temperature: f32,
+    /// No progress bar.
+    #[arg(long)]
+    quiet: bool,
+}
+
+impl TrainArgs {
+    /// The job these flags ask for (configurations checked when the model is built).
+    fn job(&self) -> Result<train::job::JobConfig, String> {
+        let (m, t) = (ModelConfig::default(), TrainConfig::default());
+        let d_model = self.d_model.unwrap_or(m.d_model);
+        let model = ModelConfig {
+            d_model,
+            heads: d_model / fp8_moe::model::config::HEAD_DIM,
+            layers: self.layers.unwrap_or(m.layers),
+            experts: self.experts.unwrap_or(m.experts),
+            top_k: self.top_k.unwrap_or(m.top_k),
+            ffn: self.ffn.unwrap_or(m.ffn),
+            context: self.context.unwrap_or(m.context),
+            batch: self.batch.unwrap_or(m.batch),
+            ..m
+        };
+        let train = TrainConfig {
+            microbatches: self.microbatches.unwrap_or(t.microbatches),
+            lr: self.lr.unwrap_or(t.lr),
+            warmup: self.warmup.unwrap_or(t.warmup),
+            steps: self.steps.map_or(t.steps, |s| s as usize),
+            weight_decay: self.weight_decay.unwrap_or(t.weight_decay),
+            clip: self.clip.unwrap_or(t.clip),
+            seed: self.seed.unwrap_or(t.seed),
+            ..t
+        };
+        if self.resume.is_some() {
+            let given = [
+                ("--layers", self.layers.is_some()),
+                ("--d-model", self.d_model.is_some()),
+                ("--experts", self.experts.is_some()),
+                ("--top-k", self.top_k.is_some()),
+                ("--ffn", self.ffn.is_some()),
+                ("--context", self.context.is_some()),
+                ("--batch", self.batch.is_some()),
+                ("--microbatches", self.microbatches.is_some()),
+                ("--lr", self.lr.is_some()),
+                ("--warmup", self.warmup.is_some()),
+                ("--steps", self.steps.is_some()),
+                ("--weight-decay", self.weight_decay.is_some()),
+                ("--clip", self.clip.is_some()),
+                ("--seed", self.seed.is_some()),
+            ];
+            let named: Vec<&str> = given.iter().filter(|g| g.1).map(|g| g.0).collect();
+            if !named.is_empty() {
+                return Err(format!(
+                    "--resume continues the saved run with its own settings; drop {}",
+                    named.join(", ")
+                ));
+            }
+        }
+        Ok(train::job::JobConfig {
+            model,
+            train,
+            mode: self.graphs,
+            data: self.data.clone(),
+            save: self.save.clone(),
+            resume: self.resume.clone(),
+            report: self.report.clone(),
+            eval_every: self.eval_every,
+            eval_batches: 4,
+            compare_steps: self.compare_steps,
+            sample_bytes: self.sample_bytes,
+            prompt: self.prompt.clone(),
+            temperature: self.temperature,
+            progress: !self.quiet,
+        })
+    }
 }
 
 /// The flags of `soak`.
@@ -119,6 +281,8 @@ enum Bench {
     Gemm,
     /// Eager vs graphed step time of the FP8 MLP stack (16, 64 and 8192 tokens).
     Graphed,
+    /// Tokens/s of the train job's default model in every graph mode (vs PyTorch's figures).
+    Train,
     /// One training step of the dropless top-k SwiGLU MoE layer: eager, breaking-layer and
     /// full-layer graphs, beside the dense FP8 GEMM and PyTorch's figures.
     Moe {
@@ -154,6 +318,7 @@ impl Bench {
             Bench::Gemm => "gemm",
             Bench::Graphed => "graphed",
             Bench::Moe { .. } => "moe",
+            Bench::Train => "train",
         }
     }
 }
@@ -191,6 +356,10 @@ fn main() -> ExitCode {
             run_bench(&bench, &json)
         }
         Command::Soak(args) => run_soak(args),
+        Command::Train(args) => args
+            .job()
+            .and_then(|job| train::job::run(&job).map(|_| ()))
+            .map_err(info::CliError::Other),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -218,6 +387,10 @@ fn run_bench(bench: &Bench, json_path: &std::path::Path) -> Result<(), info::Cli
         Bench::Graphed => (
             "bench graphed: eager vs graphed step time (FP8 MLP stack)",
             bench::graphed::run(),
+        ),
+        Bench::Train => (
+            "bench train: the train job's default model, tokens/s per graph mode (same run)",
+            bench::train::run(),
         ),
         Bench::Moe {
             tokens,
@@ -314,6 +487,7 @@ mod tests {
             Bench::Fp8Cast,
             Bench::Gemm,
             Bench::Graphed,
+            Bench::Train,
             Bench::Moe {
                 tokens: None,
                 experts: None,

@@ -31,6 +31,30 @@ fn info_without_a_driver_fails_with_one_clear_line() {
     assert!(!err.contains("panicked"), "{err:?}");
 }
 
+#[test]
+fn train_without_a_driver_fails_with_one_clear_line() {
+    let out = cli(
+        &["train", "--steps", "1"],
+        &[("CUDA_GRAPH_LIBCUDA", "/nonexistent/libcuda.so.1")],
+    );
+    assert_eq!(out.status.code(), Some(1));
+    assert!(out.stdout.is_empty(), "nothing on stdout");
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(err.lines().count(), 1, "one line: {err:?}");
+    assert!(
+        err.starts_with("fp8-moe: error: no CUDA driver:"),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn train_refuses_settings_that_contradict_a_resumed_checkpoint() {
+    let out = cli(&["train", "--resume", "ck", "--lr", "0.1"], &[]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(err.contains("--resume") && err.contains("--lr"), "{err:?}");
+}
+
 /// Asserts a usage error: exit code 2, nothing on stdout, and stderr with clap's error line
 /// (mentioning `what`) followed by the usage of `usage`.
 fn assert_usage_error(out: Output, what: &str, usage: &str) {
@@ -67,7 +91,7 @@ fn help_lists_the_commands_and_benchmarks() {
     assert!(out.status.success(), "{out:?}");
     let help = String::from_utf8(out.stdout).unwrap();
     assert!(help.contains("Usage: fp8-moe <COMMAND>"), "{help}");
-    for line in ["info ", "bench "] {
+    for line in ["info ", "bench ", "train "] {
         assert!(
             help.lines().any(|l| l.trim_start().starts_with(line)),
             "no {line:?} in {help}"

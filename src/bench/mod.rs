@@ -7,6 +7,7 @@ pub mod gemm;
 pub mod graph;
 pub mod graphed;
 pub mod moe;
+pub mod train;
 
 use std::fmt::Write as _;
 use std::io;
@@ -78,19 +79,8 @@ pub fn timed_medians(
     })
 }
 
-/// The median of `samples` (the mean of the middle two for an even count); NaN when empty.
-pub fn median(samples: &mut [f64]) -> f64 {
-    if samples.is_empty() {
-        return f64::NAN;
-    }
-    samples.sort_by(f64::total_cmp);
-    let n = samples.len();
-    if n % 2 == 1 {
-        samples[n / 2]
-    } else {
-        (samples[n / 2 - 1] + samples[n / 2]) / 2.0
-    }
-}
+/// The median (sorted in place); NaN when empty (the train job's, shared).
+pub use fp8_moe::train::job::median;
 
 /// One row of a benchmark table: a figure, its unit, and the yardstick it is judged by.
 #[derive(Debug, Clone, Serialize)]
