@@ -925,7 +925,11 @@ impl MoeLayer {
                     scale_inv: &si_e,
                 },
                 &d_e,
-                GemmOptions::new().path(self.path).fast_accumulation(fast),
+                // K unsplit: the grouped kernel's sums, so both modes give the same bits.
+                GemmOptions::new()
+                    .path(self.path)
+                    .fast_accumulation(fast)
+                    .whole_k(true),
             )?;
         }
         Ok(())

@@ -420,16 +420,19 @@ fn check_packed_device(stream: &Stream, what: &str, n: usize) -> Result<()> {
 /// be captured. Row counts, when given, are read by the kernel at run time. A plain GEMM of
 /// at most 128 rows whose column tiles leave SMs idle takes the skinny kernel
 /// ([`skinny_plan`]); another plain GEMM with a workspace whose tiles leave SMs idle splits K
-/// over it ([`split_k`]).
+/// over it ([`split_k`]); neither with [`GemmOptions::whole_k`](super::GemmOptions::whole_k).
 pub(crate) fn launch(stream: &Stream, p: &GemmProblem<'_>) -> Result<()> {
     let plain = p.groups <= 1 && p.counts.is_none();
+    let split = plain && !p.whole_k;
     if plain {
         check(p)?;
+    }
+    if split {
         if let Some((kern, plan)) = skinny_plan_on(stream, p)? {
             return launch_skinny(stream, p, &kern, plan);
         }
     }
-    if let Some(ws) = p.workspace.filter(|_| plain) {
+    if let Some(ws) = p.workspace.filter(|_| split) {
         let splits = split_k(p.m, p.n, p.k, grid_sms(stream, p.max_sms)?, ws.len());
         if splits > 1 {
             return launch_split_k(stream, p, ws, splits);
@@ -1823,6 +1826,7 @@ mod tests {
             fast: c.fast,
             workspace: None,
             max_sms: None,
+            whole_k: false,
         }
     }
 

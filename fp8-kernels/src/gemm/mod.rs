@@ -206,6 +206,8 @@ pub(crate) struct GemmProblem<'a> {
     pub workspace: Option<&'a DeviceBuffer<u8>>,
     /// The SM cap ([`GemmOptions::max_sms`]).
     pub max_sms: Option<usize>,
+    /// Keep each element's sum over all of K in one CTA ([`GemmOptions::whole_k`]).
+    pub whole_k: bool,
 }
 
 impl GemmOut<'_> {
@@ -328,6 +330,12 @@ pub struct GemmOptions<'a> {
     /// choices are made for this many SMs. The result does not change, only the speed. The
     /// portable kernels, which launch one CTA a tile, ignore it.
     pub max_sms: Option<usize>,
+    /// Plain GEMMs ([`gemm`]) only: never split K (neither over the skinny kernel's cluster
+    /// nor over a [`workspace`](Self::workspace)), so each element is summed over all of K
+    /// by one CTA in k order, exactly as the grouped kernels sum it: a dense GEMM over one
+    /// group's rows then gives the grouped GEMM's bits (a MoE layer's per-expert reference
+    /// path uses this to match its grouped path bit for bit). Default `false`.
+    pub whole_k: bool,
 }
 
 /// The most K splits a plain GEMM takes on the sm_90a path ([`GemmOptions::workspace`]).
@@ -381,6 +389,11 @@ impl<'a> GemmOptions<'a> {
     /// On at most `sms` SMs (see [`GemmOptions::max_sms`]).
     pub fn max_sms(mut self, sms: usize) -> GemmOptions<'a> {
         self.max_sms = Some(sms);
+        self
+    }
+    /// With K never split (see [`GemmOptions::whole_k`]).
+    pub fn whole_k(mut self, on: bool) -> GemmOptions<'a> {
+        self.whole_k = on;
         self
     }
 }
@@ -658,6 +671,7 @@ fn dense_problem<'a>(
         fast: opts.fast_accumulation,
         workspace: opts.workspace,
         max_sms: opts.max_sms,
+        whole_k: opts.whole_k,
     })
 }
 
@@ -717,6 +731,7 @@ pub fn grouped_gemm<'a>(
         fast: opts.fast_accumulation,
         workspace: None,
         max_sms: opts.max_sms,
+        whole_k: false,
     };
     dispatch(stream, &p, opts.path)
 }
