@@ -143,6 +143,10 @@ struct TrainArgs {
     /// No progress bar.
     #[arg(long)]
     quiet: bool,
+    /// Stop once this many steps are done, the schedule still spanning --steps: with --save,
+    /// a part of a run that --resume continues.
+    #[arg(long, value_name = "N")]
+    stop_after: Option<usize>,
 }
 
 impl TrainArgs {
@@ -211,6 +215,7 @@ impl TrainArgs {
             prompt: self.prompt.clone(),
             temperature: self.temperature,
             progress: !self.quiet,
+            stop_after: self.stop_after,
         })
     }
 }

@@ -323,3 +323,127 @@ fn info_names_the_fallbacks_and_missing_entries_of_an_older_driver() {
         "{stdout}"
     );
 }
+
+/// The losses of `run.json`'s steps, as f32 bits by step.
+fn run_losses(report: &std::path::Path) -> Vec<(u64, u32)> {
+    let text = std::fs::read_to_string(report.join("run.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    v["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            (
+                s[0].as_u64().unwrap(),
+                (s[1].as_f64().unwrap() as f32).to_bits(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn train_saved_and_resumed_equals_one_run_and_refuses_a_corrupt_checkpoint() {
+    let dir = std::env::temp_dir().join(format!("fp8-moe-cli-train-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let text: String = (0..4000)
+        .map(|i| ["graph ", "replay ", "kernel ", "tensor\n"][i % 4].repeat(1 + i % 3))
+        .collect();
+    std::fs::write(dir.join("corpus.txt"), text).unwrap();
+    let p = |name: &str| dir.join(name).to_str().unwrap().to_string();
+    let small = [
+        "train",
+        "--layers",
+        "1",
+        "--d-model",
+        "128",
+        "--experts",
+        "4",
+        "--ffn",
+        "256",
+        "--context",
+        "64",
+        "--batch",
+        "4",
+        "--microbatches",
+        "2",
+        "--steps",
+        "6",
+        "--quiet",
+        "--compare-steps",
+        "0",
+        "--sample-bytes",
+        "0",
+        "--eval-every",
+        "0",
+    ];
+    let run = |extra: &[&str]| {
+        let mut args: Vec<&str> = Vec::new();
+        let data = p("corpus.txt");
+        args.extend(["--data", data.as_str()]);
+        args.extend(extra);
+        let out = cli(&args, &[]);
+        assert!(out.status.success(), "{args:?}: {out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let (full, a, b) = (p("full"), p("a"), p("b"));
+    let mut whole = small.to_vec();
+    whole.extend(["--report", full.as_str()]);
+    run(&whole);
+    let mut first = small.to_vec();
+    let ck = p("ck");
+    first.extend([
+        "--report",
+        a.as_str(),
+        "--stop-after",
+        "3",
+        "--save",
+        ck.as_str(),
+    ]);
+    run(&first);
+    let out = run(&[
+        "train",
+        "--resume",
+        ck.as_str(),
+        "--report",
+        b.as_str(),
+        "--quiet",
+        "--compare-steps",
+        "0",
+        "--sample-bytes",
+        "0",
+        "--eval-every",
+        "0",
+    ]);
+    assert!(out.contains("resumed"), "{out}");
+    let want = run_losses(&dir.join("full"));
+    let mut got = run_losses(&dir.join("a"));
+    got.extend(run_losses(&dir.join("b")));
+    assert_eq!(want.len(), 6);
+    assert_eq!(
+        got, want,
+        "saved at 3 and resumed: the losses differ from one run"
+    );
+    // A flipped byte in the weights is refused with a message naming the file.
+    let model = dir.join("ck").join("model.safetensors");
+    let mut bytes = std::fs::read(&model).unwrap();
+    let i = bytes.len() / 2;
+    bytes[i] ^= 0x40;
+    std::fs::write(&model, bytes).unwrap();
+    let out = cli(
+        &[
+            "train",
+            "--resume",
+            ck.as_str(),
+            "--report",
+            b.as_str(),
+            "--quiet",
+        ],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(err.contains("model.safetensors"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

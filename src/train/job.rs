@@ -60,6 +60,9 @@ pub struct JobConfig {
     pub temperature: f32,
     /// Draw the progress bar (it hides itself when stdout is not a terminal).
     pub progress: bool,
+    /// Stop once this many steps are done (the schedule still spans the run's `steps`):
+    /// splits a run into parts that `--save` and `--resume` join.
+    pub stop_after: Option<usize>,
 }
 
 /// What `state.json` of a checkpoint holds besides the tensors.
@@ -191,14 +194,17 @@ pub fn run(cfg: &JobConfig) -> Result<RunReport, String> {
     let step_tokens = model_cfg.tokens() * train_cfg.microbatches;
     let mut tokens = vec![0i32; step_tokens];
     let mut targets = vec![0i32; step_tokens];
-    let mut progress = TrainProgress::new(train_cfg.steps as u64, cfg.progress);
     let mut train_curve = LossCurve::new("train");
     let mut valid_curve = LossCurve::new("validation");
     let mut steps = Vec::new();
     let mut validation = Vec::new();
     let first = model.steps_done();
     let mut timed_from: Option<(Instant, usize)> = None;
-    for step in first..train_cfg.steps {
+    let end = cfg
+        .stop_after
+        .map_or(train_cfg.steps, |n| n.min(train_cfg.steps));
+    let mut progress = TrainProgress::new(end.max(1) as u64, cfg.progress);
+    for step in first..end {
         let t0 = Instant::now();
         sampler.next_batch(
             split.train(),
@@ -231,7 +237,7 @@ pub fn run(cfg: &JobConfig) -> Result<RunReport, String> {
             step_tokens as f64 / (ms / 1e3),
             ms,
         );
-        let last = step + 1 == train_cfg.steps;
+        let last = step + 1 == end;
         if last || (cfg.eval_every > 0 && (step + 1) % cfg.eval_every == 0) {
             if let Some(v) = validate(&mut model, &stream, &split, cfg.eval_batches)? {
                 valid_curve.push((step + 1) as f64, v as f64);
@@ -242,8 +248,8 @@ pub fn run(cfg: &JobConfig) -> Result<RunReport, String> {
     }
     progress.finish();
     let tokens_per_s = match timed_from {
-        Some((t, s)) if train_cfg.steps > s => {
-            (train_cfg.steps - s) as f64 * step_tokens as f64 / t.elapsed().as_secs_f64()
+        Some((t, s)) if end > s => {
+            (end - s) as f64 * step_tokens as f64 / t.elapsed().as_secs_f64()
         }
         _ => 0.0,
     };
