@@ -60,7 +60,7 @@ enum Command {
     /// under a CUDA graph, times every graph mode from the same start (their losses must equal
     /// eager's bit for bit) and writes the report folder: loss.svg, run.json and the captured
     /// graphs as DOT (SVG too when Graphviz's `dot` is installed).
-    Train(TrainArgs),
+    Train(Box<TrainArgs>),
 }
 
 /// The flags of `train`. Model and optimizer flags left out take the defaults below; with
@@ -71,7 +71,7 @@ struct TrainArgs {
     /// block and pass, or the whole step as one graph.
     #[arg(long, value_enum, default_value_t = GraphMode::Step)]
     graphs: GraphMode,
-    /// Optimizer steps (the total, counting those of a resumed checkpoint) [default: 200].
+    /// Optimizer steps (the total, counting those of a resumed checkpoint) [default: 500].
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     steps: Option<u64>,
     /// Transformer blocks [default: 4].

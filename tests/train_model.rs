@@ -76,6 +76,9 @@ fn batch(rng: &mut Rng, text: &[u8], windows: usize, seq: usize) -> (Vec<i32>, V
     (t, y)
 }
 
+/// A model's training state by tensor name.
+type State = BTreeMap<String, Vec<f32>>;
+
 /// Runs `steps` steps of `mode` on the batches of `seed`; returns the (loss, grad norm) bits
 /// of every step and the final state.
 fn run(
@@ -83,7 +86,7 @@ fn run(
     mode: GraphMode,
     steps: usize,
     seed: u64,
-) -> (Vec<(u32, u32)>, BTreeMap<String, Vec<f32>>) {
+) -> (Vec<(u32, u32)>, State) {
     let (cfg, train) = small();
     let mut model = Model::new(stream, cfg, train, mode).unwrap();
     let mut rng = Rng::new(seed, 1);

@@ -151,7 +151,7 @@ impl Default for TrainConfig {
             microbatches: 4,
             lr: 1e-3,
             warmup: 20,
-            steps: 200,
+            steps: 500,
             weight_decay: 0.1,
             betas: (0.9, 0.95),
             eps: 1e-8,
