@@ -81,12 +81,7 @@ type State = BTreeMap<String, Vec<f32>>;
 
 /// Runs `steps` steps of `mode` on the batches of `seed`; returns the (loss, grad norm) bits
 /// of every step and the final state.
-fn run(
-    stream: &Stream,
-    mode: GraphMode,
-    steps: usize,
-    seed: u64,
-) -> (Vec<(u32, u32)>, State) {
+fn run(stream: &Stream, mode: GraphMode, steps: usize, seed: u64) -> (Vec<(u32, u32)>, State) {
     let (cfg, train) = small();
     let mut model = Model::new(stream, cfg, train, mode).unwrap();
     let mut rng = Rng::new(seed, 1);
