@@ -379,10 +379,9 @@ fn train_saved_and_resumed_equals_one_run_and_refuses_a_corrupt_checkpoint() {
         "0",
     ];
     let run = |extra: &[&str]| {
-        let mut args: Vec<&str> = Vec::new();
         let data = p("corpus.txt");
+        let mut args: Vec<&str> = extra.to_vec();
         args.extend(["--data", data.as_str()]);
-        args.extend(extra);
         let out = cli(&args, &[]);
         assert!(out.status.success(), "{args:?}: {out:?}");
         String::from_utf8(out.stdout).unwrap()
@@ -425,6 +424,7 @@ fn train_saved_and_resumed_equals_one_run_and_refuses_a_corrupt_checkpoint() {
         got, want,
         "saved at 3 and resumed: the losses differ from one run"
     );
+    let data = p("corpus.txt");
     // A flipped byte in the weights is refused with a message naming the file.
     let model = dir.join("ck").join("model.safetensors");
     let mut bytes = std::fs::read(&model).unwrap();
@@ -439,6 +439,8 @@ fn train_saved_and_resumed_equals_one_run_and_refuses_a_corrupt_checkpoint() {
             "--report",
             b.as_str(),
             "--quiet",
+            "--data",
+            &data,
         ],
         &[],
     );
