@@ -899,36 +899,7 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    /// A fresh folder under the system's temp dir, removed on drop.
-    struct TempDir(PathBuf);
-
-    impl TempDir {
-        fn new(tag: &str) -> TempDir {
-            let dir = fresh_sibling(
-                &std::env::temp_dir(),
-                std::ffi::OsStr::new("fp8-moe-ckpt-test"),
-                tag,
-            );
-            fs::create_dir_all(&dir).unwrap();
-            TempDir(dir)
-        }
-
-        /// The entries of the folder, sorted.
-        fn entries(&self) -> Vec<String> {
-            let mut v: Vec<_> = fs::read_dir(&self.0)
-                .unwrap()
-                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-                .collect();
-            v.sort();
-            v
-        }
-    }
-
-    impl Drop for TempDir {
-        fn drop(&mut self) {
-            let _ = fs::remove_dir_all(&self.0);
-        }
-    }
+    use crate::train::test_util::TempDir;
 
     fn tensors(scale: f32) -> Vec<TensorData> {
         let w: Vec<f32> = (0..24).map(|i| i as f32 * scale).collect();
