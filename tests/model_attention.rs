@@ -75,15 +75,6 @@ impl Gpu {
     }
 }
 
-fn shape(batch: usize, seq: usize, heads: usize, head_dim: usize) -> AttentionShape {
-    AttentionShape {
-        batch,
-        seq,
-        heads,
-        head_dim,
-    }
-}
-
 /// Random `qkv` with q and k scaled by `qk_amp` (a larger amplitude sharpens the softmax:
 /// the scaled scores' spread grows with its square).
 fn random_qkv(rng: &mut Rng, s: AttentionShape, qk_amp: f32) -> Vec<bf16> {
@@ -268,18 +259,18 @@ fn forward_and_backward_match_the_reference() {
     let gpu = Gpu::new();
     let mut rng = fresh_rng("forward_and_backward_match_the_reference");
     for (s, amp) in [
-        (shape(1, 1, 1, 64), 1.0),
-        (shape(2, 256, 8, 64), 2.0),
-        (shape(3, 100, 2, 64), 3.0),
-        (shape(1, 1000, 2, 64), 2.0),
-        (shape(2, 77, 3, 32), 2.0),
-        (shape(2, 130, 2, 128), 2.0),
-        (shape(1, 33, 2, 128), 3.0),
+        (AttentionShape::new(1, 1, 1, 64), 1.0),
+        (AttentionShape::new(2, 256, 8, 64), 2.0),
+        (AttentionShape::new(3, 100, 2, 64), 3.0),
+        (AttentionShape::new(1, 1000, 2, 64), 2.0),
+        (AttentionShape::new(2, 77, 3, 32), 2.0),
+        (AttentionShape::new(2, 130, 2, 128), 2.0),
+        (AttentionShape::new(1, 33, 2, 128), 3.0),
     ] {
         run_case(&gpu, &mut rng, s, s.default_scale(), amp);
     }
     // An explicit scale, not 1 / sqrt(D).
-    run_case(&gpu, &mut rng, shape(2, 65, 2, 64), 0.3, 1.0);
+    run_case(&gpu, &mut rng, AttentionShape::new(2, 65, 2, 64), 0.3, 1.0);
 }
 
 #[test]
@@ -287,7 +278,7 @@ fn forward_and_backward_match_the_reference() {
 fn train_shape_matches_the_reference() {
     let gpu = Gpu::new();
     let mut rng = fresh_rng("train_shape_matches_the_reference");
-    let s = shape(16, 256, 8, 64);
+    let s = AttentionShape::new(16, 256, 8, 64);
     run_case(&gpu, &mut rng, s, s.default_scale(), 2.0);
 }
 
@@ -296,7 +287,7 @@ fn train_shape_matches_the_reference() {
 fn repeat_runs_and_graph_replay_are_bit_identical() {
     let gpu = Gpu::new();
     let mut rng = fresh_rng("repeat_runs_and_graph_replay_are_bit_identical");
-    let s = shape(4, 200, 4, 64);
+    let s = AttentionShape::new(4, 200, 4, 64);
     let scale = s.default_scale();
     let st = &gpu.stream;
     let b = Bufs::new(&gpu, s);
@@ -352,7 +343,7 @@ fn repeat_runs_and_graph_replay_are_bit_identical() {
 fn bad_arguments_are_rejected_without_launching() {
     let gpu = Gpu::new();
     let st = &gpu.stream;
-    let s = shape(2, 64, 2, 64);
+    let s = AttentionShape::new(2, 64, 2, 64);
     let scale = s.default_scale();
     let b = Bufs::new(&gpu, s);
     b.qkv.memset_bytes(st, 0).unwrap();
@@ -366,7 +357,11 @@ fn bad_arguments_are_rejected_without_launching() {
     let a = &gpu.att;
     let short_bf = |n: usize| -> DeviceBuffer<bf16> { gpu.alloc(n - 8) };
     // Shapes and scales.
-    for bad in [shape(2, 64, 2, 48), shape(0, 64, 2, 64), shape(2, 0, 2, 64)] {
+    for bad in [
+        AttentionShape::new(2, 64, 2, 48),
+        AttentionShape::new(0, 64, 2, 64),
+        AttentionShape::new(2, 0, 2, 64),
+    ] {
         invalid(
             a.forward(st, bad, scale, &b.qkv, &b.o, &b.lse),
             "shape (forward)",
@@ -447,9 +442,9 @@ fn timing_of_the_train_shape() {
     let mut rng = fresh_rng("timing_of_the_train_shape");
     let st = &gpu.stream;
     for s in [
-        shape(16, 256, 8, 64),
-        shape(1, 1024, 8, 64),
-        shape(4, 1024, 8, 64),
+        AttentionShape::new(16, 256, 8, 64),
+        AttentionShape::new(1, 1024, 8, 64),
+        AttentionShape::new(4, 1024, 8, 64),
     ] {
         let scale = s.default_scale();
         let b = Bufs::new(&gpu, s);

@@ -43,6 +43,8 @@ use cuda_graph::half::bf16;
 use cuda_graph::{Context, DeviceBuffer, Error, Kernel, LaunchConfig, Module, Result, Stream};
 use cuda_graph::{DeviceRepr, kernel_args};
 
+use super::ops::check_len;
+
 /// The kernels, built from `src/kernels/attention.cu`.
 static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/attention.fatbin"));
 
@@ -123,6 +125,17 @@ pub struct AttentionShape {
 }
 
 impl AttentionShape {
+    /// A shape of `batch` sequences of `seq` tokens, `heads` heads of `head_dim` (checked
+    /// where it is used, or by [`check`](Self::check)).
+    pub fn new(batch: usize, seq: usize, heads: usize, head_dim: usize) -> AttentionShape {
+        AttentionShape {
+            batch,
+            seq,
+            heads,
+            head_dim,
+        }
+    }
+
     /// Checks the shape: every dimension at least 1, `head_dim` one of
     /// [`SUPPORTED_HEAD_DIMS`], `seq <= MAX_SEQ`, `batch * heads` within a grid's x
     /// dimension, and every buffer (`qkv`'s `T * 3d` elements the largest) within `i32`.
@@ -204,17 +217,6 @@ pub struct Attention {
     /// One entry per [`SUPPORTED_HEAD_DIMS`] entry, in that order.
     kernels: Arc<Vec<HeadKernels>>,
     _module: Module,
-}
-
-/// Checks one buffer's length.
-fn check_len(what: &str, name: &str, got: usize, want: usize) -> Result<()> {
-    if got == want {
-        Ok(())
-    } else {
-        Err(Error::InvalidArgument(format!(
-            "{what}: {name} has {got} elements, the shape needs {want}"
-        )))
-    }
 }
 
 /// Checks that a buffer starts on a 16-byte boundary (the kernels load 16-byte vectors).
@@ -449,31 +451,22 @@ impl Attention {
 mod tests {
     use super::*;
 
-    fn shape(batch: usize, seq: usize, heads: usize, head_dim: usize) -> AttentionShape {
-        AttentionShape {
-            batch,
-            seq,
-            heads,
-            head_dim,
-        }
-    }
-
     #[test]
     fn shapes_are_checked() {
         for d in SUPPORTED_HEAD_DIMS {
-            shape(16, 256, 8, d).check().unwrap();
+            AttentionShape::new(16, 256, 8, d).check().unwrap();
         }
-        shape(1, 1, 1, 64).check().unwrap();
-        shape(1, MAX_SEQ, 1, 64).check().unwrap();
+        AttentionShape::new(1, 1, 1, 64).check().unwrap();
+        AttentionShape::new(1, MAX_SEQ, 1, 64).check().unwrap();
         for bad in [
-            shape(0, 256, 8, 64),
-            shape(16, 0, 8, 64),
-            shape(16, 256, 0, 64),
-            shape(16, 256, 8, 0),
-            shape(16, 256, 8, 48),
-            shape(16, 256, 8, 256),
-            shape(1, MAX_SEQ + 1, 1, 64),
-            shape(1 << 16, 1 << 10, 8, 64),
+            AttentionShape::new(0, 256, 8, 64),
+            AttentionShape::new(16, 0, 8, 64),
+            AttentionShape::new(16, 256, 0, 64),
+            AttentionShape::new(16, 256, 8, 0),
+            AttentionShape::new(16, 256, 8, 48),
+            AttentionShape::new(16, 256, 8, 256),
+            AttentionShape::new(1, MAX_SEQ + 1, 1, 64),
+            AttentionShape::new(1 << 16, 1 << 10, 8, 64),
         ] {
             let e = bad.check().unwrap_err();
             assert!(
@@ -485,7 +478,7 @@ mod tests {
 
     #[test]
     fn sizes_follow_the_layout() {
-        let s = shape(16, 256, 8, 64);
+        let s = AttentionShape::new(16, 256, 8, 64);
         assert_eq!(s.tokens(), 4096);
         assert_eq!(s.width(), 512);
         assert_eq!(s.qkv_len(), 4096 * 1536);

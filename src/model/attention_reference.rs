@@ -158,22 +158,13 @@ mod tests {
     use super::*;
     use crate::rng::Rng;
 
-    fn shape(batch: usize, seq: usize, heads: usize, head_dim: usize) -> AttentionShape {
-        AttentionShape {
-            batch,
-            seq,
-            heads,
-            head_dim,
-        }
-    }
-
     fn random(rng: &mut Rng, n: usize, scale: f32) -> Vec<f64> {
         rng.vec(n, scale).into_iter().map(f64::from).collect()
     }
 
     #[test]
     fn one_token_attends_to_itself() {
-        let sh = shape(2, 1, 3, 4);
+        let sh = AttentionShape::new(2, 1, 3, 4);
         let mut rng = Rng::new(7, 0);
         let qkv = random(&mut rng, 2 * 3 * 12, 1.0);
         let f = forward(&sh, 0.5, &qkv);
@@ -192,7 +183,7 @@ mod tests {
     #[test]
     fn two_tokens_match_the_closed_form() {
         // The second query averages v0 and v1 with weights softmax(s0, s1).
-        let sh = shape(1, 2, 1, 2);
+        let sh = AttentionShape::new(1, 2, 1, 2);
         let qkv = vec![
             1.0, 0.0, /* q0 */ 0.5, 1.0, /* k0 */ 3.0, -1.0, /* v0 */
             0.2, 0.4, /* q1 */ -1.0, 2.0, /* k1 */ 1.0, 5.0, /* v1 */
@@ -209,7 +200,7 @@ mod tests {
 
     #[test]
     fn backward_matches_central_differences() {
-        let sh = shape(2, 5, 2, 4);
+        let sh = AttentionShape::new(2, 5, 2, 4);
         let scale = 0.7;
         let mut rng = Rng::new(11, 0);
         let qkv = random(&mut rng, 10 * 24, 1.5);
@@ -251,7 +242,7 @@ mod tests {
 
     #[test]
     fn later_tokens_do_not_change_earlier_outputs() {
-        let sh = shape(2, 6, 2, 4);
+        let sh = AttentionShape::new(2, 6, 2, 4);
         let mut rng = Rng::new(3, 0);
         let qkv = random(&mut rng, 12 * 24, 1.0);
         let d_o = random(&mut rng, 12 * 8, 1.0);

@@ -146,7 +146,7 @@ fn check_disjoint(what: &str, outputs: &[Span], inputs: &[Span]) -> Result<()> {
 }
 
 /// Checks one buffer's length.
-fn check_len(what: &str, name: &str, got: usize, want: usize) -> Result<()> {
+pub(crate) fn check_len(what: &str, name: &str, got: usize, want: usize) -> Result<()> {
     if got == want {
         Ok(())
     } else {

@@ -393,23 +393,13 @@ impl Model {
     /// 256. Enqueued on `stream` (host-to-device copies).
     pub fn load_batch(&self, stream: &Stream, tokens: &[i32], targets: &[i32]) -> Result<()> {
         let t = self.cfg.tokens();
-        let want = t * self.batches.len();
-        if tokens.len() != want || targets.len() != want {
-            return Err(Error::InvalidArgument(format!(
-                "Model::load_batch: {} tokens and {} targets, a step takes {want}",
-                tokens.len(),
-                targets.len()
-            )));
-        }
-        if let Some(bad) = tokens
-            .iter()
-            .chain(targets)
-            .find(|&&v| !(0..VOCAB as i32).contains(&v))
-        {
-            return Err(Error::InvalidArgument(format!(
-                "Model::load_batch: token id {bad} is outside the vocabulary 0..{VOCAB}"
-            )));
-        }
+        check_ids(
+            "Model::load_batch",
+            "a step",
+            tokens,
+            targets,
+            t * self.batches.len(),
+        )?;
         for (m, b) in self.batches.iter().enumerate() {
             b.tokens
                 .copy_from_host(stream, &tokens[m * t..(m + 1) * t])?;
@@ -453,22 +443,7 @@ impl Model {
     /// forward's casts record are undone). Waits. Needs [`can_evaluate`](Self::can_evaluate).
     pub fn evaluate(&mut self, stream: &Stream, tokens: &[i32], targets: &[i32]) -> Result<f32> {
         let t = self.cfg.tokens();
-        if tokens.len() != t || targets.len() != t {
-            return Err(Error::InvalidArgument(format!(
-                "Model::evaluate: {} tokens and {} targets, a microbatch is {t}",
-                tokens.len(),
-                targets.len()
-            )));
-        }
-        if let Some(bad) = tokens
-            .iter()
-            .chain(targets)
-            .find(|&&v| !(0..VOCAB as i32).contains(&v))
-        {
-            return Err(Error::InvalidArgument(format!(
-                "Model::evaluate: token id {bad} is outside the vocabulary 0..{VOCAB}"
-            )));
-        }
+        check_ids("Model::evaluate", "a microbatch", tokens, targets, t)?;
         let snapshot = ScalingSnapshot::new(stream.context(), &self.scaling)?;
         snapshot.save(stream, &self.scaling)?;
         self.batches[0].tokens.copy_from_host(stream, tokens)?;
@@ -918,6 +893,28 @@ pub fn sample(logits: &[f32], temperature: f32, rng: &mut Rng) -> u8 {
         u -= wi;
     }
     argmax as u8
+}
+
+/// Checks that `tokens` and `targets` hold `want` ids each (`unit` names what takes that
+/// many), every one in the vocabulary.
+fn check_ids(what: &str, unit: &str, tokens: &[i32], targets: &[i32], want: usize) -> Result<()> {
+    if tokens.len() != want || targets.len() != want {
+        return Err(Error::InvalidArgument(format!(
+            "{what}: {} tokens and {} targets, {unit} takes {want}",
+            tokens.len(),
+            targets.len()
+        )));
+    }
+    match tokens
+        .iter()
+        .chain(targets)
+        .find(|&&v| !(0..VOCAB as i32).contains(&v))
+    {
+        Some(bad) => Err(Error::InvalidArgument(format!(
+            "{what}: token id {bad} is outside the vocabulary 0..{VOCAB}"
+        ))),
+        None => Ok(()),
+    }
 }
 
 /// The shape of dense parameter `name` (see [`Model::state_tensors`]).
