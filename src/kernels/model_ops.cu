@@ -17,6 +17,8 @@
 #include <cuda_fp16.h>
 #include <cuda_graph/pdl.cuh>
 
+#include "warp.cuh"
+
 #define OPS_BLOCK 256
 #define OPS_WARPS (OPS_BLOCK / 32)
 // Threads of the single-block reductions (ops_sum, ops_grad_norm_final).
@@ -37,35 +39,6 @@
 #define GN_SLOTS 16
 
 namespace {
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-__device__ __forceinline__ double warp_sum(double v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-
-// Inclusive prefix sum over the warp's lanes (integers: exact in any order).
-__device__ __forceinline__ int warp_scan(int v) {
-    const unsigned lane = threadIdx.x & 31u;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int n = __shfl_up_sync(0xffffffffu, v, o);
-        if (lane >= (unsigned)o) v += n;
-    }
-    return v;
-}
 
 // Exclusive prefix sum of `v` over a block of `WARPS` warps; `total` gets the block's sum.
 // `warp_tot` is WARPS ints of shared memory. Ends with a barrier (the caller may reuse

@@ -21,6 +21,8 @@
 #include <cuda_bf16.h>
 #include <cuda_graph/pdl.cuh>
 
+#include "warp.cuh"
+
 #define MOE_BLOCK 256
 #define MOE_WARPS (MOE_BLOCK / 32)
 // The most tokens per block of the router forward and the input gradient (`MAX_WR_TOKENS` in
@@ -47,19 +49,6 @@
 
 namespace {
 
-// Sum over the warp by a fixed xor tree: the same order on every run.
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-
 // The max m of a token's `experts` logits and z = sum_e exp(l_e - m), lanes striding over the
 // experts, both reduced across the warp (every lane gets them): softmax_e = exp(l_e - m) / z,
 // log-sum-exp = m + log z.
@@ -73,17 +62,6 @@ __device__ __forceinline__ LogitStats warp_logit_stats(const float *l, unsigned 
     float z = 0.0f;
     for (unsigned e = lane; e < experts; e += 32) z += expf(l[e] - m);
     return LogitStats{m, warp_sum(z)};
-}
-
-// Inclusive prefix sum over the warp's lanes (integers: exact in any order).
-__device__ __forceinline__ int warp_scan(int v) {
-    const unsigned lane = threadIdx.x & 31u;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int n = __shfl_up_sync(0xffffffffu, v, o);
-        if (lane >= (unsigned)o) v += n;
-    }
-    return v;
 }
 
 // N (4 or 8) sums over the warp at once: every lane l ends with the warp's total of
