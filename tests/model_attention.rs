@@ -437,9 +437,9 @@ fn bad_arguments_are_rejected_without_launching() {
 /// a warm-up. Not a pass/fail check of speed, but it fails if nothing ran.
 #[test]
 #[ignore = "needs a CUDA device"]
-fn timing_of_the_train_shape() {
+fn train_shape_timing_probe() {
     let gpu = Gpu::new();
-    let mut rng = fresh_rng("timing_of_the_train_shape");
+    let mut rng = fresh_rng("train_shape_timing_probe");
     let st = &gpu.stream;
     for s in [
         AttentionShape::new(16, 256, 8, 64),
