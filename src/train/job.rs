@@ -147,7 +147,7 @@ pub fn run(cfg: &JobConfig) -> Result<RunReport, String> {
     );
     // Resume: the checkpoint's configuration and state.
     let resumed = match &cfg.resume {
-        Some(dir) => Some(load_checkpoint(dir, cfg)?),
+        Some(dir) => Some(load_checkpoint(dir)?),
         None => None,
     };
     let (model_cfg, train_cfg) = match &resumed {
@@ -199,6 +199,13 @@ pub fn run(cfg: &JobConfig) -> Result<RunReport, String> {
     let mut steps = Vec::new();
     let mut validation = Vec::new();
     let first = model.steps_done();
+    if !model.can_evaluate() && cfg.eval_every > 0 {
+        println!(
+            "validation: not in mode {} (its blocks run inside the graphed-callables runtime; \
+             modes none and step evaluate)",
+            cfg.mode.name()
+        );
+    }
     let mut timed_from: Option<(Instant, usize)> = None;
     let end = cfg
         .stop_after
@@ -398,11 +405,8 @@ fn copy_state(from: &Model, to: &mut Model, stream: &Stream) -> cuda_graph::Resu
     })
 }
 
-/// Reads a checkpoint and checks it against the run's flags.
-fn load_checkpoint(
-    dir: &Path,
-    cfg: &JobConfig,
-) -> Result<(checkpoint::Checkpoint, CheckpointState), String> {
+/// Reads a checkpoint and checks its state's version and step.
+fn load_checkpoint(dir: &Path) -> Result<(checkpoint::Checkpoint, CheckpointState), String> {
     let ck = checkpoint::load(dir).map_err(|e| format!("resuming {}: {e}", dir.display()))?;
     let st: CheckpointState = ck
         .state_as()
@@ -422,7 +426,6 @@ fn load_checkpoint(
             st.train.steps
         ));
     }
-    let _ = cfg;
     Ok((ck, st))
 }
 
