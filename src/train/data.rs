@@ -45,7 +45,7 @@
 //! let split = Corpus::default_for_repo()?.split(seq_len)?;
 //! let mut sampler = split.sampler(42)?;
 //! let (mut tokens, mut targets) = (vec![0i32; 8 * seq_len], vec![0i32; 8 * seq_len]);
-//! sampler.next_batch(split.train(), 8, &mut tokens, &mut targets);
+//! sampler.next_batch(split.train(), 8, &mut tokens, &mut targets)?;
 //! // ... train; store `sampler.state()` in the checkpoint, and on resume:
 //! let state = sampler.state();
 //! let resumed = Sampler::from_state(&state, split.train().len(), seq_len)?;
@@ -189,6 +189,16 @@ pub enum DataError {
         len: usize,
         /// This run's sequence length.
         seq_len: usize,
+    },
+    /// Batch buffers of the wrong size, or training bytes other than the sampler's.
+    #[error("{what}: {got} given, {expected} expected")]
+    BatchShape {
+        /// Which buffer.
+        what: &'static str,
+        /// Its length.
+        got: usize,
+        /// The length it needs.
+        expected: usize,
     },
 }
 
@@ -530,14 +540,27 @@ fn fill_window(data: &[u8], start: usize, tokens: &mut [i32], targets: &mut [i32
     }
 }
 
-fn check_batch_buffers(batch: usize, seq_len: usize, tokens: &[i32], targets: &[i32]) {
-    assert!(
-        tokens.len() == batch * seq_len && targets.len() == batch * seq_len,
-        "batch buffers hold {} tokens and {} targets, {batch} x {seq_len} = {} expected",
-        tokens.len(),
-        targets.len(),
-        batch * seq_len
-    );
+/// Checks that `tokens` and `targets` hold `batch * seq_len` values each.
+fn check_batch_buffers(
+    batch: usize,
+    seq_len: usize,
+    tokens: &[i32],
+    targets: &[i32],
+) -> Result<(), DataError> {
+    let expected = batch.saturating_mul(seq_len);
+    for (what, got) in [
+        ("batch tokens", tokens.len()),
+        ("batch targets", targets.len()),
+    ] {
+        if got != expected {
+            return Err(DataError::BatchShape {
+                what,
+                got,
+                expected,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// A corpus split into a training part (the front) and a validation part (the last whole
@@ -595,20 +618,17 @@ impl Split {
 
     /// Fills validation batch `index`: windows `index * batch + i` (modulo the number of
     /// windows) for `i` in `0..batch`, each `seq_len` tokens and targets, row after row. The
-    /// same `(index, batch)` always gives the same data.
-    ///
-    /// # Panics
-    ///
-    /// If `tokens` or `targets` does not hold `batch * seq_len` values.
+    /// same `(index, batch)` always gives the same data. An error (nothing written) if
+    /// `tokens` or `targets` does not hold `batch * seq_len` values.
     pub fn validation_batch(
         &self,
         index: usize,
         batch: usize,
         tokens: &mut [i32],
         targets: &mut [i32],
-    ) {
+    ) -> Result<(), DataError> {
         let seq_len = self.seq_len;
-        check_batch_buffers(batch, seq_len, tokens, targets);
+        check_batch_buffers(batch, seq_len, tokens, targets)?;
         let windows = self.validation_windows();
         let rows = tokens
             .chunks_exact_mut(seq_len)
@@ -617,6 +637,7 @@ impl Split {
             let w = (index * batch + i) % windows;
             fill_window(self.valid(), w * (seq_len + 1), tok, tgt);
         }
+        Ok(())
     }
 }
 
@@ -710,27 +731,25 @@ impl Sampler {
 
     /// Draws `batch` windows of `data` (the training bytes, of the length the sampler was
     /// made for) and writes their tokens (`window[..seq_len]`) and targets
-    /// (`window[1..]`), row after row, into `out_tokens` and `out_targets`.
-    ///
-    /// # Panics
-    ///
-    /// If `data` is not `corpus_len` bytes long, or an output does not hold
-    /// `batch * seq_len` values.
+    /// (`window[1..]`), row after row, into `out_tokens` and `out_targets`. An error
+    /// (nothing drawn or written) if `data` is not `corpus_len` bytes long or an output
+    /// does not hold `batch * seq_len` values.
     pub fn next_batch(
         &mut self,
         data: &[u8],
         batch: usize,
         out_tokens: &mut [i32],
         out_targets: &mut [i32],
-    ) {
+    ) -> Result<(), DataError> {
         let seq_len = self.state.seq_len;
-        assert_eq!(
-            data.len(),
-            self.state.corpus_len,
-            "the sampler was made for {} training bytes",
-            self.state.corpus_len
-        );
-        check_batch_buffers(batch, seq_len, out_tokens, out_targets);
+        if data.len() != self.state.corpus_len {
+            return Err(DataError::BatchShape {
+                what: "training bytes for this sampler",
+                got: data.len(),
+                expected: self.state.corpus_len,
+            });
+        }
+        check_batch_buffers(batch, seq_len, out_tokens, out_targets)?;
         let rows = out_tokens
             .chunks_exact_mut(seq_len)
             .zip(out_targets.chunks_exact_mut(seq_len));
@@ -738,6 +757,7 @@ impl Sampler {
             let start = self.next_start();
             fill_window(data, start, tok, tgt);
         }
+        Ok(())
     }
 }
 
@@ -861,7 +881,7 @@ mod tests {
         assert_eq!(n, 25);
         assert_eq!(split.validation_batches(4), 7);
         let (mut tok, mut tgt) = (vec![0; 4 * 7], vec![0; 4 * 7]);
-        split.validation_batch(6, 4, &mut tok, &mut tgt);
+        split.validation_batch(6, 4, &mut tok, &mut tgt).unwrap();
         let start = split.valid_range().start;
         // Windows 24, then 0, 1, 2 (wrapped).
         for (row, w) in [24usize, 0, 1, 2].into_iter().enumerate() {
@@ -872,7 +892,7 @@ mod tests {
             }
         }
         let (mut tok2, mut tgt2) = (vec![0; 4 * 7], vec![0; 4 * 7]);
-        split.validation_batch(6, 4, &mut tok2, &mut tgt2);
+        split.validation_batch(6, 4, &mut tok2, &mut tgt2).unwrap();
         assert_eq!((tok, tgt), (tok2, tgt2));
     }
 
@@ -889,9 +909,9 @@ mod tests {
         let (mut tc, mut gc) = bufs();
         let mut max_start = 0;
         for _ in 0..200 {
-            a.next_batch(&data, batch, &mut ta, &mut ga);
-            b.next_batch(&data, batch, &mut tb, &mut gb);
-            c.next_batch(&data, batch, &mut tc, &mut gc);
+            a.next_batch(&data, batch, &mut ta, &mut ga).unwrap();
+            b.next_batch(&data, batch, &mut tb, &mut gb).unwrap();
+            c.next_batch(&data, batch, &mut tc, &mut gc).unwrap();
             assert_eq!((&ta, &ga), (&tb, &gb), "same seed, same batches");
             for (tok, tgt) in ta.chunks(seq).zip(ga.chunks(seq)) {
                 // data[i] = i % 256, so a window is consecutive values from its start.
@@ -914,13 +934,32 @@ mod tests {
     }
 
     #[test]
+    fn wrong_batch_buffers_are_errors_and_draw_nothing() {
+        let data: Vec<u8> = (0..=255u8).cycle().take(1000).collect();
+        let mut s = Sampler::new(data.len(), 16, 7).unwrap();
+        let (mut t, mut g) = (vec![0i32; 8 * 16], vec![0i32; 8 * 16 - 1]);
+        let e = s.next_batch(&data, 8, &mut t, &mut g).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("batch targets: 127 given, 128 expected"),
+            "{e}"
+        );
+        let mut g2 = vec![0i32; 8 * 16];
+        let e = s.next_batch(&data[1..], 8, &mut t, &mut g2).unwrap_err();
+        assert!(e.to_string().contains("999 given, 1000 expected"), "{e}");
+        assert_eq!(s.draws(), 0, "nothing drawn");
+        let split = Corpus::from_bytes(data).split(16).unwrap();
+        assert!(split.validation_batch(0, 2, &mut t, &mut g).is_err());
+    }
+
+    #[test]
     fn restored_sampler_continues_bit_identically() {
         let data = text(5000);
         let (seq, batch) = (32, 4);
         let mut run = Sampler::new(data.len(), seq, 99).unwrap();
         let (mut t, mut g) = (vec![0; batch * seq], vec![0; batch * seq]);
         for _ in 0..37 {
-            run.next_batch(&data, batch, &mut t, &mut g);
+            run.next_batch(&data, batch, &mut t, &mut g).unwrap();
         }
         let json = serde_json::to_string(&run.state()).unwrap();
         let state: SamplerState = serde_json::from_str(&json).unwrap();
@@ -928,8 +967,8 @@ mod tests {
         assert_eq!(resumed.state(), run.state());
         let (mut t2, mut g2) = (vec![0; batch * seq], vec![0; batch * seq]);
         for _ in 0..50 {
-            run.next_batch(&data, batch, &mut t, &mut g);
-            resumed.next_batch(&data, batch, &mut t2, &mut g2);
+            run.next_batch(&data, batch, &mut t, &mut g).unwrap();
+            resumed.next_batch(&data, batch, &mut t2, &mut g2).unwrap();
             assert_eq!((&t, &g), (&t2, &g2));
         }
         let e = Sampler::from_state(&state, data.len() - 1, seq).unwrap_err();

@@ -213,12 +213,14 @@ pub fn run(cfg: &JobConfig) -> Result<RunReport, String> {
     let mut progress = TrainProgress::new(end.max(1) as u64, cfg.progress);
     for step in first..end {
         let t0 = Instant::now();
-        sampler.next_batch(
-            split.train(),
-            model_cfg.batch * train_cfg.microbatches,
-            &mut tokens,
-            &mut targets,
-        );
+        sampler
+            .next_batch(
+                split.train(),
+                model_cfg.batch * train_cfg.microbatches,
+                &mut tokens,
+                &mut targets,
+            )
+            .map_err(|e| e.to_string())?;
         model
             .load_batch(&stream, &tokens, &targets)
             .map_err(err("batch"))?;
@@ -348,7 +350,9 @@ fn validate(
     let mut targets = vec![0i32; b * s];
     let mut total = 0.0f64;
     for i in 0..batches {
-        split.validation_batch(i, b, &mut tokens, &mut targets);
+        split
+            .validation_batch(i, b, &mut tokens, &mut targets)
+            .map_err(|e| format!("validation: {e}"))?;
         total += f64::from(
             model
                 .evaluate(stream, &tokens, &targets)
@@ -442,7 +446,9 @@ fn save_checkpoint(
     let (b, s) = (model.config().batch, model.config().context);
     let mut eval_tokens = vec![0i32; b * s];
     let mut eval_targets = vec![0i32; b * s];
-    split.validation_batch(0, b, &mut eval_tokens, &mut eval_targets);
+    split
+        .validation_batch(0, b, &mut eval_tokens, &mut eval_targets)
+        .map_err(|e| format!("saving {}: {e}", dir.display()))?;
     let eval_loss = if model.can_evaluate() {
         Some(
             model
@@ -502,12 +508,14 @@ pub fn compare_modes(
         let mut bits = Vec::new();
         let mut losses = Vec::new();
         for step in 0..steps {
-            sampler.next_batch(
-                split.train(),
-                model_cfg.batch * train_cfg.microbatches,
-                &mut tokens,
-                &mut targets,
-            );
+            sampler
+                .next_batch(
+                    split.train(),
+                    model_cfg.batch * train_cfg.microbatches,
+                    &mut tokens,
+                    &mut targets,
+                )
+                .map_err(|e| e.to_string())?;
             model.load_batch(stream, &tokens, &targets).map_err(err)?;
             start.record(stream).map_err(err)?;
             model.step(stream, train_cfg.lr_at(step)).map_err(err)?;
