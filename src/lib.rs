@@ -10,6 +10,10 @@
 //!   ([`moe`]);
 //! * [`scaling::ScalingSnapshot`]: save and restore a delayed-scaling state around
 //!   graphed-callables warmup.
+//! * [`model::Model`]: the train job's byte-level MoE transformer (attention and MoE blocks
+//!   over FP8 linears, AdamW, gradient clipping), its training step eager or as CUDA graphs
+//!   in four modes with the same bits, its checkpointable state, evaluation and generation;
+//! * [`train`]: the train job itself (`fp8-moe train`): corpus, sampler, checkpoints, report.
 //!
 //! The binary `fp8-moe` (src/main.rs) is the command-line front end and benchmark.
 
