@@ -138,6 +138,26 @@ enum Blocks {
 }
 
 /// The model and its training state; see the [module documentation](self).
+///
+/// ```no_run
+/// use cuda_graph::{Context, Stream};
+/// use fp8_moe::model::{GraphMode, Model, ModelConfig, TrainConfig};
+///
+/// let ctx = Context::default_device()?;
+/// let stream = Stream::new(&ctx)?;
+/// let (cfg, train) = (ModelConfig::default(), TrainConfig::default());
+/// let mut model = Model::new(&stream, cfg, train, GraphMode::Step)?;
+/// // A step's batch: `microbatches` microbatches of `batch` sequences of `context` bytes.
+/// let n = cfg.tokens() * train.microbatches;
+/// let (tokens, targets) = (vec![b'a' as i32; n], vec![b'a' as i32; n]);
+/// for step in 0..train.steps {
+///     model.load_batch(&stream, &tokens, &targets)?;
+///     model.step(&stream, train.lr_at(step))?; // one graph replay
+/// }
+/// println!("loss {}", model.stats(&stream)?.loss);
+/// let sample = model.generate(&stream, b"fn ", 100, 0.8, 1)?;
+/// # Ok::<(), cuda_graph::Error>(())
+/// ```
 pub struct Model {
     cfg: ModelConfig,
     train: TrainConfig,
