@@ -694,9 +694,10 @@ impl Model {
         Ok(())
     }
 
-    /// The CUDA graphs a step replays, named: the whole step (mode step), or each block's
-    /// forward and backward graphs of microbatch 0 (modes layer and breaking: every
-    /// microbatch has graphs of the same shape); none in mode none.
+    /// The CUDA graphs a step replays, named: the whole step (mode step); each block's
+    /// forward and backward graph of microbatch 0 (mode layer: every microbatch has graphs of
+    /// the same shape); the graphed segments around the eager experts (mode breaking,
+    /// `graph{i}-{pass}-segment{s}`); none in mode none.
     pub fn graphs(&self) -> Vec<(String, &Graph)> {
         let mut v = Vec::new();
         if let Some((g, _)) = &self.step_graph {
@@ -705,14 +706,18 @@ impl Model {
         if let Blocks::Graphed(rt) = &self.blocks {
             // The first microbatch's graphs (graph indices are microbatch-major).
             for i in 0..rt.num_graphs().min(self.cfg.layers) {
-                for (pass, g) in [
-                    ("forward", rt.forward_graph(i)),
-                    ("backward", rt.backward_graph(i)),
-                ] {
-                    if let Some(g) = g {
-                        v.push((format!("graph{i}-{pass}"), g));
+                if self.mode == GraphMode::Layer {
+                    for (pass, g) in [
+                        ("forward", rt.forward_graph(i)),
+                        ("backward", rt.backward_graph(i)),
+                    ] {
+                        if let Some(g) = g {
+                            v.push((format!("graph{i}-{pass}"), g));
+                        }
                     }
+                    continue;
                 }
+                // Breaking: the graphed segments around the eager experts.
                 for seg in 0..3 {
                     for (pass, g) in [
                         ("forward", rt.forward_segment_graph(i, seg)),
