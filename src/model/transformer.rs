@@ -777,7 +777,7 @@ impl Model {
                     block.forward(stream, &[&hidden[l]], &[&hidden[l + 1]], &slot)?;
                 }
                 let h_last = &hidden[blocks.len()];
-                let dh_last = head_pass(
+                head_pass(
                     &self.ops,
                     &self.head,
                     stream,
@@ -787,7 +787,8 @@ impl Model {
                     &self.stats,
                     (mb, self.batches.len(), self.cfg.norm_eps),
                 )?;
-                let mut cur = dh_last;
+                // The head's backward wrote dh[0]; the blocks' alternate between the two.
+                let mut cur = 0;
                 for (l, block) in blocks.iter_mut().enumerate().rev() {
                     let slot = direct_slot(mb, l, hidden, &saved[l]);
                     let next = 1 - cur;
@@ -827,8 +828,7 @@ impl Model {
 }
 
 /// The head of microbatch `mb`: final norm, LM head, cross-entropy (loss summed into
-/// `stats[LOSS]`) and their backward into `dh` (returns the index 0 of the model's
-/// ping-pong buffer it wrote).
+/// `stats[LOSS]`) and their backward into `dh`, the gradient of `h_last`.
 #[allow(clippy::too_many_arguments)] // the model's parts, borrowed separately
 fn head_pass(
     ops: &Ops,
@@ -839,7 +839,7 @@ fn head_pass(
     dh: &DeviceBuffer<bf16>,
     stats: &DeviceBuffer<f32>,
     (mb, microbatches, eps): (usize, usize, f32),
-) -> Result<usize> {
+) -> Result<()> {
     let first = mb == 0;
     if first {
         head.dense.cast_weight(stream, None)?;
@@ -870,8 +870,7 @@ fn head_pass(
         &head.norm.dw,
         !first,
         &head.norm_ws,
-    )?;
-    Ok(0)
+    )
 }
 
 /// The slot of block `l` in microbatch `mb` when the model drives the blocks: input
