@@ -213,17 +213,13 @@ pub fn run(cfg: &JobConfig) -> Result<RunReport, String> {
     let mut progress = TrainProgress::new(end.max(1) as u64, cfg.progress);
     for step in first..end {
         let t0 = Instant::now();
-        sampler
-            .next_batch(
-                split.train(),
-                model_cfg.batch * train_cfg.microbatches,
-                &mut tokens,
-                &mut targets,
-            )
-            .map_err(|e| e.to_string())?;
-        model
-            .load_batch(&stream, &tokens, &targets)
-            .map_err(err("batch"))?;
+        next_step_batch(
+            &mut sampler,
+            &split,
+            &mut model,
+            &stream,
+            (&mut tokens, &mut targets),
+        )?;
         model
             .step(&stream, train_cfg.lr_at(step))
             .map_err(err("step"))?;
@@ -332,6 +328,23 @@ pub fn run(cfg: &JobConfig) -> Result<RunReport, String> {
     report::write_json(&cfg.report.join("run.json"), &run).map_err(|e| e.to_string())?;
     println!("report: {}", cfg.report.display());
     Ok(run)
+}
+
+/// Draws a step's batch from `sampler` into the host buffers and writes it to `model`.
+fn next_step_batch(
+    sampler: &mut Sampler,
+    split: &Split,
+    model: &Model,
+    stream: &Stream,
+    (tokens, targets): (&mut [i32], &mut [i32]),
+) -> Result<(), String> {
+    let windows = model.config().batch * model.train_config().microbatches;
+    sampler
+        .next_batch(split.train(), windows, tokens, targets)
+        .map_err(|e| e.to_string())?;
+    model
+        .load_batch(stream, tokens, targets)
+        .map_err(|e| format!("batch: {e}"))
 }
 
 /// The mean validation loss over `batches` validation microbatches, `None` when the model's
@@ -508,15 +521,13 @@ pub fn compare_modes(
         let mut bits = Vec::new();
         let mut losses = Vec::new();
         for step in 0..steps {
-            sampler
-                .next_batch(
-                    split.train(),
-                    model_cfg.batch * train_cfg.microbatches,
-                    &mut tokens,
-                    &mut targets,
-                )
-                .map_err(|e| e.to_string())?;
-            model.load_batch(stream, &tokens, &targets).map_err(err)?;
+            next_step_batch(
+                &mut sampler,
+                split,
+                &mut model,
+                stream,
+                (&mut tokens, &mut targets),
+            )?;
             start.record(stream).map_err(err)?;
             model.step(stream, train_cfg.lr_at(step)).map_err(err)?;
             end.record(stream).map_err(err)?;
