@@ -216,7 +216,7 @@ pub fn run(cfg: &JobConfig) -> Result<RunReport, String> {
         next_step_batch(
             &mut sampler,
             &split,
-            &mut model,
+            &model,
             &stream,
             (&mut tokens, &mut targets),
         )?;
@@ -524,7 +524,7 @@ pub fn compare_modes(
             next_step_batch(
                 &mut sampler,
                 split,
-                &mut model,
+                &model,
                 stream,
                 (&mut tokens, &mut targets),
             )?;
