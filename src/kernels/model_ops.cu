@@ -17,6 +17,7 @@
 #include <cuda_fp16.h>
 #include <cuda_graph/pdl.cuh>
 
+#include "vec.cuh"
 #include "warp.cuh"
 
 #define OPS_BLOCK 256
@@ -74,26 +75,11 @@ __device__ __forceinline__ double block_sum(double v, double *warp_part) {
     return s;
 }
 
-__device__ __forceinline__ bool aligned16(const void *p) {
-    return (reinterpret_cast<size_t>(p) & 15) == 0;
-}
-
 // Smallest power of two >= n (n >= 1), at most `cap` (a power of two).
 __device__ __forceinline__ unsigned pow2_at_least(unsigned n, unsigned cap) {
     unsigned g = 1;
     while (g < n && g < cap) g <<= 1;
     return g;
-}
-
-// Eight bf16 (one 16-byte word) as floats (exact).
-__device__ __forceinline__ void bf16x8_to_f32(const uint4 &u, float *f) {
-    const __nv_bfloat162 *b = reinterpret_cast<const __nv_bfloat162 *>(&u);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 v = __bfloat1622float2(b[i]);
-        f[2 * i] = v.x;
-        f[2 * i + 1] = v.y;
-    }
 }
 
 // W consecutive bf16 as floats, through the read-only cache (data no thread of the kernel
@@ -117,40 +103,6 @@ __device__ __forceinline__ void load_bf16_plain(const __nv_bfloat16 *p, float (&
     } else {
 #pragma unroll
         for (int v = 0; v < W; ++v) f[v] = __bfloat162float(__ldcg(p + v));
-    }
-}
-
-// W consecutive floats (two 16-byte loads for W = 8, one for W = 4).
-template <int W> __device__ __forceinline__ void load_f32(const float *p, float (&f)[W]) {
-    if constexpr (W == 8 || W == 4) {
-#pragma unroll
-        for (int i = 0; i < W / 4; ++i) {
-            const float4 a = __ldg(reinterpret_cast<const float4 *>(p) + i);
-            f[4 * i] = a.x, f[4 * i + 1] = a.y, f[4 * i + 2] = a.z, f[4 * i + 3] = a.w;
-        }
-    } else {
-#pragma unroll
-        for (int v = 0; v < W; ++v) f[v] = __ldg(p + v);
-    }
-}
-
-// W floats rounded to bf16 (to nearest even): one 16-byte store for W = 8, 8 bytes for W = 4.
-template <int W> __device__ __forceinline__ void store_bf16(__nv_bfloat16 *p, const float (&f)[W]) {
-    if constexpr (W == 8) {
-        uint4 u;
-        __nv_bfloat162 *b = reinterpret_cast<__nv_bfloat162 *>(&u);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) b[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
-        *reinterpret_cast<uint4 *>(p) = u;
-    } else if constexpr (W == 4) {
-        uint2 u;
-        __nv_bfloat162 *b = reinterpret_cast<__nv_bfloat162 *>(&u);
-        b[0] = __floats2bfloat162_rn(f[0], f[1]);
-        b[1] = __floats2bfloat162_rn(f[2], f[3]);
-        *reinterpret_cast<uint2 *>(p) = u;
-    } else {
-#pragma unroll
-        for (int v = 0; v < W; ++v) p[v] = __float2bfloat16_rn(f[v]);
     }
 }
 

@@ -21,6 +21,7 @@
 #include <cuda_bf16.h>
 #include <cuda_graph/pdl.cuh>
 
+#include "vec.cuh"
 #include "warp.cuh"
 
 #define MOE_BLOCK 256
@@ -102,23 +103,6 @@ __device__ __forceinline__ void better(float &v, int &i, float v2, int i2) {
 
 __device__ __forceinline__ float sigmoidf(float v) { return 1.0f / (1.0f + expf(-v)); }
 
-// Whether a pointer allows 16-byte vector accesses. The vector paths also need rows a
-// multiple of 8 bf16 (16 bytes) apart, so every row start is aligned when the base is.
-__device__ __forceinline__ bool aligned16(const void *p) {
-    return (reinterpret_cast<size_t>(p) & 15) == 0;
-}
-
-// Eight bf16 (one 16-byte load) as floats (exact).
-__device__ __forceinline__ void bf16x8_to_f32(const uint4 &u, float *f) {
-    const __nv_bfloat162 *b = reinterpret_cast<const __nv_bfloat162 *>(&u);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 v = __bfloat1622float2(b[i]);
-        f[2 * i] = v.x;
-        f[2 * i + 1] = v.y;
-    }
-}
-
 // W consecutive bf16 as loaded (one 16-byte vector for W = 8, one element for W = 1), kept
 // packed until used so that many loads fit in registers at once.
 template <int W> struct Bf16s;
@@ -134,34 +118,6 @@ template <> struct Bf16s<1> {
     __device__ __forceinline__ void load(const __nv_bfloat16 *p) { b = __ldg(p); }
     __device__ __forceinline__ void to_f32(float (&f)[1]) const { f[0] = __bfloat162float(b); }
 };
-
-// W consecutive floats (two 16-byte loads for W = 8).
-template <int W> __device__ __forceinline__ void load_f32(const float *p, float (&f)[W]) {
-    if constexpr (W == 8) {
-        const float4 a = __ldg(reinterpret_cast<const float4 *>(p));
-        const float4 b = __ldg(reinterpret_cast<const float4 *>(p) + 1);
-        f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w;
-        f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
-    } else {
-#pragma unroll
-        for (int v = 0; v < W; ++v) f[v] = __ldg(p + v);
-    }
-}
-
-// W floats rounded to bf16 (to nearest even, as __float2bfloat16_rn); one 16-byte store for
-// W = 8.
-template <int W> __device__ __forceinline__ void store_bf16(__nv_bfloat16 *p, const float (&f)[W]) {
-    if constexpr (W == 8) {
-        uint4 u;
-        __nv_bfloat162 *b = reinterpret_cast<__nv_bfloat162 *>(&u);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) b[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
-        *reinterpret_cast<uint4 *>(p) = u;
-    } else {
-#pragma unroll
-        for (int v = 0; v < W; ++v) p[v] = __float2bfloat16_rn(f[v]);
-    }
-}
 
 template <int N> struct Const {
     static constexpr int value = N;
