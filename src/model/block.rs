@@ -31,6 +31,7 @@ use super::attention::{Attention, AttentionShape};
 use super::config::ModelConfig;
 use super::dense::{Dense, DenseSaved};
 use super::ops::{Ops, rmsnorm_backward_workspace_len};
+use super::zeroed;
 use crate::moe::layer::{ExpertGemm, MoeLayer};
 
 /// The saved buffers of a block's pass, before the MoE layer's own.
@@ -61,11 +62,9 @@ pub struct Norm {
 impl Norm {
     /// A norm of `w` with a zeroed gradient.
     pub fn new(stream: &Stream, w: &[f32]) -> Result<Norm> {
-        let dw = DeviceBuffer::<f32>::alloc(stream.context(), w.len())?;
-        dw.memset_bytes(stream, 0)?;
         Ok(Norm {
             w: DeviceBuffer::from_host(stream, w)?,
-            dw,
+            dw: zeroed(stream, w.len())?,
         })
     }
 }
@@ -178,8 +177,7 @@ impl Block {
         )?
         .with_step_gradients(true)
         .with_fp8_weights_from_optimizer(stream, true)?;
-        let ctx = stream.context();
-        let act = |n: usize| DeviceBuffer::<bf16>::alloc(ctx, n);
+        let act = |n: usize| zeroed::<bf16>(stream, n);
         let shape = attention_shape(cfg);
         let scratch = Scratch {
             n1: act(t * d)?,
@@ -189,8 +187,8 @@ impl Block {
             d_o: act(t * d)?,
             dn1: act(t * d)?,
             dqkv: act(3 * t * d)?,
-            norm_ws: DeviceBuffer::alloc(ctx, rmsnorm_backward_workspace_len(t, d).max(1))?,
-            attn_ws: DeviceBuffer::alloc(ctx, Attention::backward_workspace_len(shape).max(1))?,
+            norm_ws: zeroed(stream, rmsnorm_backward_workspace_len(t, d).max(1))?,
+            attn_ws: zeroed(stream, Attention::backward_workspace_len(shape).max(1))?,
         };
         Ok(Block {
             cfg: *cfg,

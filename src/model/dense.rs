@@ -24,6 +24,7 @@ use cuda_graph::{DeviceBuffer, Error, Result, Stream};
 use fp8_kernels::gemm::{GemmOptions, GemmOut, GemmShape, Operand, gemm};
 use fp8_kernels::{DelayedScaling, DeviceScalar, Fp8Format, Fp8Tensor, cast_transpose};
 
+use super::zeroed;
 use crate::linear::{FORMATS, TENSORS, check_shape};
 
 /// Offsets of x, W and dY from a layer's first tensor.
@@ -42,10 +43,10 @@ pub struct DenseSaved {
 }
 
 impl DenseSaved {
-    /// The saved buffers of `layer`'s passes, allocated (uninitialized until a forward).
+    /// The saved buffers of `layer`'s passes, zeroed (written by each forward).
     pub fn alloc(stream: &Stream, layer: &Dense) -> Result<DenseSaved> {
         Ok(DenseSaved {
-            x_t: DeviceBuffer::alloc(stream.context(), layer.tokens * layer.in_features)?,
+            x_t: zeroed(stream, layer.tokens * layer.in_features)?,
             x_si: DeviceScalar::new(stream, 1.0)?,
         })
     }
@@ -114,15 +115,9 @@ impl Dense {
                 )));
             }
         }
-        let ctx = stream.context();
-        let zeroed_u8 = |n: usize| -> Result<DeviceBuffer<u8>> {
-            let b = DeviceBuffer::alloc(ctx, n)?;
-            b.memset_bytes(stream, 0)?;
-            Ok(b)
-        };
+        let zeroed_u8 = |n: usize| zeroed::<u8>(stream, n);
         let w = DeviceBuffer::from_host(stream, weight)?;
-        let dw = DeviceBuffer::<f32>::alloc(ctx, weight.len())?;
-        dw.memset_bytes(stream, 0)?;
+        let dw = zeroed::<f32>(stream, weight.len())?;
         let w_fp8 = Fp8Tensor::from_parts(
             zeroed_u8(weight.len())?,
             &[out_features, in_features],

@@ -9,6 +9,7 @@
 use cuda_graph::{DeviceBuffer, Result, Stream};
 use fp8_kernels::{AdamW, AdamWState, AdamWTensor, DeviceScalar, HpBuffer};
 
+use super::zeroed;
 use crate::moe::optim::MoeAdamW;
 
 /// One dense parameter: its weights (updated in place), gradient and moments.
@@ -47,17 +48,12 @@ impl ModelOptimizer {
         dense: Vec<(String, DeviceBuffer<f32>, DeviceBuffer<f32>, bool)>,
         moe: Vec<MoeAdamW>,
     ) -> Result<ModelOptimizer> {
-        let zeros = |n: usize| -> Result<DeviceBuffer<f32>> {
-            let b = DeviceBuffer::alloc(stream.context(), n)?;
-            b.memset_bytes(stream, 0)?;
-            Ok(b)
-        };
         let dense = dense
             .into_iter()
             .map(|(name, param, grad, decay)| {
                 Ok(DenseParam {
-                    exp_avg: zeros(param.len())?,
-                    exp_avg_sq: zeros(param.len())?,
+                    exp_avg: zeroed(stream, param.len())?,
+                    exp_avg_sq: zeroed(stream, param.len())?,
                     name,
                     param,
                     grad,

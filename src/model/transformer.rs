@@ -45,6 +45,7 @@ use super::config::{ModelConfig, TrainConfig, VOCAB};
 use super::dense::{Dense, DenseSaved};
 use super::ops::{Ops, grad_norm_workspace_len, rmsnorm_backward_workspace_len};
 use super::optim::ModelOptimizer;
+use super::zeroed;
 use crate::moe::layer::{ExpertGemm, MoeParams};
 use crate::moe::optim::MoeAdamW;
 use crate::rng::Rng;
@@ -172,6 +173,8 @@ pub struct Model {
     batches: Vec<Batch>,
     stats: DeviceBuffer<f32>,
     grad_ws: DeviceBuffer<f32>,
+    /// The FP8 state saved around evaluation and generation, whose casts record amaxes.
+    snapshot: ScalingSnapshot,
     optim: ModelOptimizer,
     /// The step graph (mode step) and its exec.
     step_graph: Option<(Graph, GraphExec)>,
@@ -281,18 +284,18 @@ impl Model {
         };
         let embed = Norm::new(stream, &embed_w)?;
         let head_dense = Dense::new(stream, (t, d, VOCAB), &head_w, scaling.clone(), head_tensor)?;
-        let act = |n: usize| DeviceBuffer::<bf16>::alloc(&ctx, n);
+        let act = |n: usize| zeroed::<bf16>(stream, n);
         let head = Head {
             norm: Norm::new(stream, &vec![1.0; d])?,
             saved: DenseSaved::alloc(stream, &head_dense)?,
             dense: head_dense,
-            rstd: DeviceBuffer::alloc(&ctx, t)?,
+            rstd: zeroed(stream, t)?,
             nf: act(t * d)?,
-            logits: DeviceBuffer::alloc(&ctx, t * VOCAB)?,
+            logits: zeroed(stream, t * VOCAB)?,
             dlogits: act(t * VOCAB)?,
-            loss_rows: DeviceBuffer::alloc(&ctx, t)?,
+            loss_rows: zeroed(stream, t)?,
             dnf: act(t * d)?,
-            norm_ws: DeviceBuffer::alloc(&ctx, rmsnorm_backward_workspace_len(t, d).max(1))?,
+            norm_ws: zeroed(stream, rmsnorm_backward_workspace_len(t, d).max(1))?,
         };
         // Optimizer: handles to every parameter, taken before the blocks move anywhere.
         let mut dense = vec![(
@@ -338,7 +341,7 @@ impl Model {
                     .map(|b| {
                         b.saved_bytes()
                             .iter()
-                            .map(|&n| DeviceBuffer::<u8>::alloc(&ctx, n))
+                            .map(|&n| zeroed::<u8>(stream, n))
                             .collect::<Result<Vec<_>>>()
                     })
                     .collect::<Result<Vec<_>>>()?;
@@ -365,7 +368,8 @@ impl Model {
             dh: [act(t * d)?, act(t * d)?],
             batches,
             stats: zeroed(stream, STATS)?,
-            grad_ws: DeviceBuffer::alloc(&ctx, grad_norm_workspace_len(&grad_lens).max(1))?,
+            grad_ws: zeroed(stream, grad_norm_workspace_len(&grad_lens).max(1))?,
+            snapshot: ScalingSnapshot::new(&ctx, &scaling)?,
             optim,
             step_graph: None,
             steps_done: 0,
@@ -464,8 +468,7 @@ impl Model {
     pub fn evaluate(&mut self, stream: &Stream, tokens: &[i32], targets: &[i32]) -> Result<f32> {
         let t = self.cfg.tokens();
         check_ids("Model::evaluate", "a microbatch", tokens, targets, t)?;
-        let snapshot = ScalingSnapshot::new(stream.context(), &self.scaling)?;
-        snapshot.save(stream, &self.scaling)?;
+        self.snapshot.save(stream, &self.scaling)?;
         self.batches[0].tokens.copy_from_host(stream, tokens)?;
         self.batches[0].targets.copy_from_host(stream, targets)?;
         self.forward_only(stream)?;
@@ -480,7 +483,7 @@ impl Model {
         )?;
         self.ops
             .sum(stream, &head.loss_rows, &self.stats, EVAL, false)?;
-        snapshot.restore(stream, &self.scaling)?;
+        self.snapshot.restore(stream, &self.scaling)?;
         let v = self.stats.slice(EVAL..EVAL + 1)?.to_vec(stream)?;
         Ok(v[0] / t as f32)
     }
@@ -514,8 +517,7 @@ impl Model {
                 "generate: temperature {temperature} must be finite and >= 0"
             )));
         }
-        let snapshot = ScalingSnapshot::new(stream.context(), &self.scaling)?;
-        snapshot.save(stream, &self.scaling)?;
+        self.snapshot.save(stream, &self.scaling)?;
         let (graph, ()) =
             stream.capture_with(CaptureMode::ThreadLocal, |s| self.forward_only(s.stream()))?;
         let exec = GraphExec::instantiate(&graph, InstantiateFlags::empty())?;
@@ -545,7 +547,7 @@ impl Model {
             text.push(next);
             out.push(next);
         }
-        snapshot.restore(stream, &self.scaling)?;
+        self.snapshot.restore(stream, &self.scaling)?;
         stream.synchronize()?;
         Ok(out)
     }
@@ -965,13 +967,6 @@ fn grads_of(optim: &ModelOptimizer) -> Vec<HpBuffer<'_>> {
     g
 }
 
-/// `n` zeroed elements.
-fn zeroed<T: cuda_graph::DeviceRepr>(stream: &Stream, n: usize) -> Result<DeviceBuffer<T>> {
-    let b = DeviceBuffer::alloc(stream.context(), n)?;
-    b.memset_bytes(stream, 0)?;
-    Ok(b)
-}
-
 /// The graphed-callables runtime over `blocks`: one chunk of every block, `microbatches`
 /// microbatches each forward then backward, one graph per layer (`Layer`) or the
 /// breaking-layer segments merged across layers (`Breaking`). Warmup leaves the scaling
@@ -1003,8 +998,7 @@ fn build_runtime(
         }
     }));
     let n = blocks[0].input_lens()[0];
-    let sample = DeviceBuffer::<bf16>::alloc(stream.context(), n)?;
-    sample.memset_bytes(stream, 0)?;
+    let sample = zeroed::<bf16>(stream, n)?;
     let callables: Vec<Box<dyn Callable<bf16>>> = blocks
         .into_iter()
         .map(|b| Box::new(b) as Box<dyn Callable<bf16>>)
