@@ -74,6 +74,14 @@ fn main() {
     );
 
     let builtin_include = use_local_libclang(&workspace);
+    // Other bindgen users of the workspace (cuda-graph-nccl) read these as
+    // DEP_CUDAGRAPH_LIBCLANG_PATH and DEP_CUDAGRAPH_CLANG_BUILTIN_INCLUDE.
+    if let Some(dir) = env::var_os("LIBCLANG_PATH") {
+        println!("cargo:libclang_path={}", PathBuf::from(dir).display());
+    }
+    if let Some(dir) = &builtin_include {
+        println!("cargo:clang_builtin_include={}", dir.display());
+    }
     generate_bindings(&manifest, &include, builtin_include.as_deref());
     compile_test_kernel(&root, &manifest);
 }

@@ -95,7 +95,20 @@ if nv_dirs=$(python3 -c 'import nvidia; print("\n".join(nvidia.__path__))' 2>/de
       fi
     done
   done <<< "$nv_dirs"
+  # NCCL for cuda-graph-nccl and fp8-moe's multi-GPU tests: PyTorch's, unless the caller
+  # named one (CUDA_GRAPH_NCCL_LIBRARY).
+  if [ -z "${CUDA_GRAPH_NCCL_LIBRARY:-}" ]; then
+    while read -r nv; do
+      if [ -f "$nv/nccl/lib/libnccl.so.2" ]; then
+        export CUDA_GRAPH_NCCL_LIBRARY="$nv/nccl/lib/libnccl.so.2"
+        echo "run.sh: NCCL from $CUDA_GRAPH_NCCL_LIBRARY"
+        break
+      fi
+    done <<< "$nv_dirs"
+  fi
 fi
+# NVLink multicast stays off on the shared machines (NCCL would otherwise try it).
+export NCCL_NVLS_ENABLE=0
 for t in "$here"/bin/test.*; do
   name=${t##*/bin/}
   start=$(date +%s.%N)

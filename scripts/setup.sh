@@ -5,6 +5,9 @@
 #   - libclang for bindgen, from the `libclang` wheel;
 #   - cuobjdump and nvdisasm (13.2: no 13.0 wheels exist; they read 13.0 cubins) into
 #     .toolchain/sass, for fp8-kernels' SASS check (tests/sass.rs), unless CUDA_HOME has them.
+#   - NCCL 2.28 (nccl.h and libnccl.so.2, from the nvidia-nccl-cu13 wheel) into .toolchain/nccl,
+#     for cuda-graph-nccl's bindings (the header) and its CPU tests (the library), unless
+#     NCCL_HOME names an NCCL with include/nccl.h.
 # With CUDA_HOME (or CUDA_PATH) set, that toolkit is used instead of the wheels; with
 # LIBCLANG_PATH set, that libclang. Idempotent: a second run only checks and returns.
 #
@@ -29,6 +32,7 @@ cuda_stamp="$tc/cuda/.installed-13.0"
 clang_stamp="$tc/libclang/.installed-18.1.1"
 cuda12_stamp="$tc/cuda12/.installed-12.4"
 sass_stamp="$tc/sass/.installed-13.2"
+nccl_stamp="$tc/nccl/.installed-2.28.9"
 cuda_wheels=(
   "nvidia-cuda-nvcc==13.0.*" "nvidia-nvvm==13.0.*" "nvidia-cuda-crt==13.0.*"
   "nvidia-cuda-runtime==13.0.*" "nvidia-cuda-cccl==13.0.*"
@@ -87,6 +91,17 @@ if { [ -z "$cuda_home" ] || [ ! -x "$cuda_home/bin/cuobjdump" ] || [ ! -x "$cuda
   pip_into "$tc/sass" "$sass_stamp" "nvidia-cuda-cuobjdump==13.2.*" "nvidia-cuda-nvdisasm==13.2.*"
   [ -x "$tc/sass/nvidia/cu13/bin/cuobjdump" ] && [ -x "$tc/sass/nvidia/cu13/bin/nvdisasm" ] ||
     die "the wheels installed no nvidia/cu13/bin/cuobjdump and nvdisasm"
+fi
+
+# NCCL: pinned to the library on the GPU machine (2.28.9, inside its PyTorch environment).
+if [ -n "${NCCL_HOME:-}" ]; then
+  [ -f "$NCCL_HOME/include/nccl.h" ] || die "NCCL_HOME=$NCCL_HOME has no include/nccl.h"
+elif [ ! -f "$nccl_stamp" ]; then
+  say "installing NCCL 2.28.9 into .toolchain/nccl (about 200 MB)"
+  mkdir -p "$tc"
+  pip_into "$tc/nccl" "$nccl_stamp" --no-deps "nvidia-nccl-cu13==2.28.9"
+  [ -f "$tc/nccl/nvidia/nccl/include/nccl.h" ] && [ -f "$tc/nccl/nvidia/nccl/lib/libnccl.so.2" ] ||
+    die "the nvidia-nccl-cu13 wheel installed no nvidia/nccl/include/nccl.h and lib/libnccl.so.2"
 fi
 
 # install_cuda12_headers: the CUDA 12.4 headers into .toolchain/cuda12 (under 1 MB); prints

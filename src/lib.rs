@@ -14,11 +14,15 @@
 //!   over FP8 linears, AdamW, gradient clipping), its training step eager or as CUDA graphs
 //!   in four modes with the same bits, its checkpointable state, evaluation and generation;
 //! * [`train`]: the train job itself (`fp8-moe train`): corpus, sampler, checkpoints, report.
+//! * [`dist`]: beyond one GPU: a launched process's place in the job, its NCCL communicator,
+//!   and the FP8 amax reduction over NCCL ([`dist::NcclGroup`], TransformerEngine's
+//!   `fp8_group`).
 //!
 //! The binary `fp8-moe` (src/main.rs) is the command-line front end and benchmark.
 
 #![deny(missing_docs)]
 
+pub mod dist;
 pub mod linear;
 pub mod model;
 pub mod moe;

@@ -34,8 +34,105 @@ use fp8_moe::train;
 #[derive(Debug, Parser)]
 #[command(name = "fp8-moe", version, propagate_version = true)]
 struct Cli {
+    #[command(flatten)]
+    launch: LaunchArgs,
     #[command(subcommand)]
     command: Command,
+}
+
+/// Starting a multi-GPU job: `fp8-moe --gpus N <command>` runs N processes of `<command>`,
+/// one per GPU, as torchrun does.
+#[derive(Debug, Args)]
+#[command(next_help_heading = "Multi-GPU (before the command)")]
+struct LaunchArgs {
+    /// Start N processes of the command, one per GPU of this machine. Each gets RANK,
+    /// LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and NCCL_NVLS_ENABLE=0; their output
+    /// lines come prefixed with "[rank R]". Runs `bench dist`.
+    #[arg(long, value_name = "N")]
+    gpus: Option<std::num::NonZeroUsize>,
+    /// Machines in the job; start `fp8-moe --gpus N --nnodes M --node-rank R
+    /// --master-addr A --master-port P ...` on each.
+    #[arg(long, value_name = "M", default_value_t = 1, requires = "gpus")]
+    nnodes: usize,
+    /// This machine's index in the job (0 hosts the rendezvous).
+    #[arg(long, value_name = "R", default_value_t = 0, requires = "gpus")]
+    node_rank: usize,
+    /// The address of node 0, where the ranks meet.
+    #[arg(
+        long,
+        value_name = "ADDR",
+        default_value = "127.0.0.1",
+        requires = "gpus"
+    )]
+    master_addr: String,
+    /// The port the ranks meet on [default: a free one; needed with --nnodes > 1].
+    #[arg(long, value_name = "PORT", requires = "gpus")]
+    master_port: Option<u16>,
+}
+
+/// The launcher's own flags, which the children must not see again.
+const LAUNCH_FLAGS: [&str; 5] = [
+    "--gpus",
+    "--nnodes",
+    "--node-rank",
+    "--master-addr",
+    "--master-port",
+];
+
+/// The command line without the launcher's flags (each `--flag VALUE` or `--flag=VALUE`
+/// before the command): what every child runs.
+fn strip_launch_flags(args: &[std::ffi::OsString]) -> Vec<std::ffi::OsString> {
+    let mut out = Vec::with_capacity(args.len());
+    let mut it = args.iter();
+    while let Some(arg) = it.next() {
+        let text = arg.to_str().unwrap_or("");
+        if LAUNCH_FLAGS.contains(&text) {
+            it.next();
+        } else if LAUNCH_FLAGS.iter().any(|f| {
+            text.strip_prefix(f)
+                .is_some_and(|rest| rest.starts_with('='))
+        }) {
+        } else if !text.starts_with('-') {
+            // The command: everything from here on is the child's.
+            out.push(arg.clone());
+            out.extend(it.cloned());
+            break;
+        } else {
+            out.push(arg.clone());
+        }
+    }
+    out
+}
+
+/// Runs `command` as a multi-process job (`--gpus`).
+fn launch(args: &LaunchArgs, gpus: usize, command: &Command) -> Result<(), info::CliError> {
+    if !matches!(
+        command,
+        Command::Bench(BenchArgs {
+            bench: Bench::Dist,
+            ..
+        })
+    ) {
+        return Err(info::CliError::Other(
+            "--gpus runs `bench dist` on several GPUs; the other commands run on one GPU \
+             (the train job's --dp and --ep are not built yet)"
+                .into(),
+        ));
+    }
+    let program = std::env::current_exe()
+        .map_err(|e| info::CliError::Other(format!("cannot find this program: {e}")))?;
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+    let cfg = cuda_graph_nccl::launch::LaunchConfig {
+        nnodes: args.nnodes,
+        node_rank: args.node_rank,
+        master_addr: args.master_addr.clone(),
+        master_port: args.master_port,
+        args: strip_launch_flags(&argv),
+        ..cuda_graph_nccl::launch::LaunchConfig::new(gpus, program)
+    };
+    cuda_graph_nccl::launch::launch(&cfg)
+        .map(|_| ())
+        .map_err(|e| info::CliError::Other(e.to_string()))
 }
 
 #[derive(Debug, Subcommand)]
@@ -288,6 +385,9 @@ enum Bench {
     Graphed,
     /// Tokens/s of the train job's default model in every graph mode (vs PyTorch's figures).
     Train,
+    /// NCCL collectives eager and captured in graphs, and the FP8 amax reduction's cost in a
+    /// step graph (run on every GPU with `fp8-moe --gpus N bench dist`).
+    Dist,
     /// One training step of the dropless top-k SwiGLU MoE layer: eager, breaking-layer and
     /// full-layer graphs, beside the dense FP8 GEMM and PyTorch's figures.
     Moe {
@@ -324,6 +424,7 @@ impl Bench {
             Bench::Graphed => "graphed",
             Bench::Moe { .. } => "moe",
             Bench::Train => "train",
+            Bench::Dist => "dist",
         }
     }
 }
@@ -354,7 +455,11 @@ fn parse_args() -> Cli {
 }
 
 fn main() -> ExitCode {
-    let result = match parse_args().command {
+    let cli = parse_args();
+    if let Some(gpus) = cli.launch.gpus {
+        return exit(launch(&cli.launch, gpus.get(), &cli.command));
+    }
+    let result = match cli.command {
         Command::Info => info::run(&mut std::io::stdout().lock()),
         Command::Bench(BenchArgs { bench, json }) => {
             let json = json.unwrap_or_else(|| format!("bench-{}.json", bench.name()).into());
@@ -366,6 +471,11 @@ fn main() -> ExitCode {
             .and_then(|job| train::job::run(&job).map(|_| ()))
             .map_err(info::CliError::Other),
     };
+    exit(result)
+}
+
+/// The exit code of a command's result; an error is printed as one line.
+fn exit(result: Result<(), info::CliError>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -397,6 +507,10 @@ fn run_bench(bench: &Bench, json_path: &std::path::Path) -> Result<(), info::Cli
             "bench train: the train job's default model, tokens/s per graph mode (same run)",
             bench::train::run(),
         ),
+        Bench::Dist => (
+            "bench dist: NCCL collectives, eager and captured in CUDA graphs",
+            bench::dist::run(),
+        ),
         Bench::Moe {
             tokens,
             experts,
@@ -417,6 +531,10 @@ fn run_bench(bench: &Bench, json_path: &std::path::Path) -> Result<(), info::Cli
         ),
     };
     let rows = rows.map_err(|e| info::CliError::Other(e.to_string()))?;
+    // In a multi-process job every rank runs the benchmark; rank 0 reports it.
+    if std::env::var("RANK").is_ok_and(|r| r.trim() != "0") {
+        return Ok(());
+    }
     print!("{}", bench::table(title, &rows));
     let file = std::fs::File::create(json_path)?;
     bench::write_json(&mut std::io::BufWriter::new(file), bench.name(), &rows)?;
@@ -467,6 +585,33 @@ mod tests {
     #[test]
     fn cli_definition_is_consistent() {
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn launch_flags_are_kept_from_the_children() {
+        let os = |v: &[&str]| -> Vec<std::ffi::OsString> { v.iter().map(Into::into).collect() };
+        let args = os(&[
+            "--gpus",
+            "2",
+            "--master-port=29500",
+            "--nnodes",
+            "1",
+            "bench",
+            "dist",
+            "--json",
+            "x.json",
+            "--gpus",
+            "kept",
+        ]);
+        assert_eq!(
+            strip_launch_flags(&args),
+            os(&["bench", "dist", "--json", "x.json", "--gpus", "kept"])
+        );
+        let cli = Cli::try_parse_from(["fp8-moe", "--gpus", "2", "bench", "dist"]).unwrap();
+        assert_eq!(cli.launch.gpus.map(|g| g.get()), Some(2));
+        assert!(Cli::try_parse_from(["fp8-moe", "--gpus", "0", "bench", "dist"]).is_err());
+        // The multi-node flags need --gpus.
+        assert!(Cli::try_parse_from(["fp8-moe", "--nnodes", "2", "bench", "dist"]).is_err());
     }
 
     #[test]

@@ -48,6 +48,33 @@ fn train_without_a_driver_fails_with_one_clear_line() {
 }
 
 #[test]
+fn gpus_starts_one_process_per_gpu_and_stops_them_all_on_a_failure() {
+    // Without a driver every rank fails: the launcher reports the first failure in one line
+    // after the ranks' own (prefixed) lines, and exits 1.
+    let out = cli(
+        &["--gpus", "3", "bench", "dist", "--json", "/nonexistent/x.json"],
+        &[("CUDA_GRAPH_LIBCUDA", "/nonexistent/libcuda.so.1")],
+    );
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8(out.stderr).unwrap();
+    let last = err.lines().last().unwrap_or("");
+    assert!(last.starts_with("fp8-moe: error:") && last.contains("rank"), "{err:?}");
+    assert!(
+        err.lines().any(|l| l.starts_with("[rank ") && l.contains("no CUDA driver")),
+        "{err:?}"
+    );
+    assert!(!err.contains("panicked"), "{err:?}");
+}
+
+#[test]
+fn gpus_refuses_the_commands_that_run_on_one_gpu() {
+    let out = cli(&["--gpus", "2", "info"], &[]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(err.contains("--gpus runs `bench dist`"), "{err:?}");
+}
+
+#[test]
 fn train_refuses_settings_that_contradict_a_resumed_checkpoint() {
     let out = cli(&["train", "--resume", "ck", "--lr", "0.1"], &[]);
     assert_eq!(out.status.code(), Some(1));

@@ -201,6 +201,17 @@ impl Stream {
         }
     }
 
+    /// Keeps `resources` alive for as long as the graph being captured on this stream, and
+    /// every exec made from it, lives; outside a capture it does nothing.
+    ///
+    /// For work enqueued through calls other than this crate's (a communication library's
+    /// collectives, say): the safe launches and copies register their buffers themselves, and
+    /// this lets other libraries give their operands, and their own handles, the same
+    /// guarantee. Streams forked from the capture collect into the same graph.
+    pub fn keep_alive_in_capture(&self, resources: impl IntoIterator<Item = Resource>) {
+        self.retain_all_for_capture(resources);
+    }
+
     /// [`Stream::retain_for_capture`] for several resources under one lock.
     pub(crate) fn retain_all_for_capture(&self, resources: impl IntoIterator<Item = Resource>) {
         if !self.is_collecting() {

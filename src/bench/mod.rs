@@ -2,6 +2,7 @@
 //! (host-side API costs), after warm-up, reported as medians beside their yardsticks.
 
 pub mod cublaslt;
+pub mod dist;
 pub mod fp8_cast;
 pub mod gemm;
 pub mod graph;

@@ -1,0 +1,185 @@
+//! `fp8-moe bench dist`: NCCL collectives eager and captured in CUDA graphs, and the FP8
+//! amax reduction's cost inside a graph.
+//!
+//! Run it on every GPU with `fp8-moe --gpus N bench dist` (rank 0 prints and writes the
+//! JSON); run directly it is one rank, where NCCL's collectives are local copies: the
+//! figures then show the call and graph overheads, not the links, and no target is judged.
+//! The yardsticks are PyTorch's with NCCL 2.28 on the two-GPU H200 machine (NV18 NVLink, NVLS
+//! off), from the issue that set the targets.
+
+use std::sync::Arc;
+
+use cuda_graph::{CaptureMode, Context, DeviceBuffer, GraphExec, InstantiateFlags, Stream};
+use cuda_graph_nccl::{Communicator, ReduceOp};
+use fp8_moe::dist::{Placement, communicator};
+
+use super::{BenchResult, Row, event_median_ms};
+
+const WARMUP: usize = 5;
+const REPS: usize = 20;
+
+/// PyTorch's all-reduce bus bandwidth on two H200s, GB/s: (bytes, eager, captured).
+const TORCH_ALL_REDUCE: [(usize, f64, f64); 2] = [(1 << 20, 22.0, 65.0), (256 << 20, 289.0, 302.0)];
+/// PyTorch's 256-byte max all-reduce, eager, microseconds.
+const TORCH_SMALL_MAX_US: f64 = 50.0;
+/// PyTorch's all-to-all of 128 MiB, bus bandwidth GB/s.
+const TORCH_ALL_TO_ALL: f64 = 482.0;
+/// The amax reduction's budget per step inside the graph, microseconds.
+const AMAX_TARGET_US: f64 = 15.0;
+/// The amaxes reduced per step in the amax row: f32 slots of a large recipe's history
+/// (1024 tensors, as in a 32-layer MoE stack's registered casts, history 1: the reduction
+/// runs over the current amaxes).
+const AMAX_SLOTS: usize = 1024;
+
+/// One rank's side of the benchmark.
+struct Rank {
+    comm: Communicator,
+    stream: Stream,
+}
+
+impl Rank {
+    /// Median milliseconds of `body` run eagerly, and of one captured graph of it replayed.
+    fn eager_and_captured(
+        &self,
+        body: impl Fn(&Stream) -> cuda_graph::Result<()>,
+    ) -> BenchResult<(f64, f64)> {
+        let eager = event_median_ms(&self.stream, WARMUP, REPS, || Ok(body(&self.stream)?))?;
+        let graph = self
+            .stream
+            .capture(CaptureMode::ThreadLocal, |s| body(s.stream()))?;
+        let exec = GraphExec::instantiate(&graph, InstantiateFlags::empty())?;
+        let captured = event_median_ms(&self.stream, WARMUP, REPS, || {
+            exec.launch(&self.stream)?;
+            Ok(())
+        })?;
+        Ok((eager, captured))
+    }
+}
+
+/// NCCL's bus bandwidth of a collective over `bytes` in `ms` on `n` ranks, GB/s:
+/// all-reduce moves `2 (n - 1) / n` of the data over each link, all-to-all `(n - 1) / n`.
+fn bus_gbs(bytes: usize, ms: f64, factor: f64) -> f64 {
+    bytes as f64 / (ms * 1e-3) / 1e9 * factor
+}
+
+/// Runs the benchmark on this process's rank.
+pub fn run() -> BenchResult<Vec<Row>> {
+    let placement = Placement::from_env()?;
+    let ctx: Arc<Context> = placement.context()?;
+    let comm = communicator(&ctx, &placement)?;
+    let stream = Stream::new(&ctx)?;
+    let rank = Rank { comm, stream };
+    let n = rank.comm.size();
+    let judged = n >= 2;
+    let ar_factor = 2.0 * (n as f64 - 1.0) / n as f64;
+    let a2a_factor = (n as f64 - 1.0) / n as f64;
+    // Bus bandwidth on several ranks; on one (no links) the algorithm bandwidth, bytes/time.
+    let (bw, bw_name) = if judged {
+        (ar_factor, "bus")
+    } else {
+        (1.0, "alg")
+    };
+    let mut rows = Vec::new();
+
+    for (bytes, torch_eager, torch_graph) in TORCH_ALL_REDUCE {
+        let len = bytes / 4;
+        let send = DeviceBuffer::<f32>::alloc(&ctx, len)?;
+        let recv = DeviceBuffer::<f32>::alloc(&ctx, len)?;
+        send.memset_bytes(&rank.stream, 0)?;
+        let (eager, captured) = rank
+            .eager_and_captured(|s| Ok(rank.comm.all_reduce(&send, &recv, ReduceOp::Sum, s)?))?;
+        let (e, c) = (bus_gbs(bytes, eager, bw), bus_gbs(bytes, captured, bw));
+        let mib = bytes >> 20;
+        rows.push(Row {
+            name: format!("all-reduce {mib} MiB f32, eager ({n} ranks)"),
+            value: e,
+            unit: "GB/s",
+            yardstick: format!(
+                "{bw_name}bw; {eager:.3} ms; PyTorch on 2 H200s: {torch_eager:.0} GB/s busbw"
+            ),
+            pass: None,
+        });
+        rows.push(Row {
+            name: format!("all-reduce {mib} MiB f32, captured ({n} ranks)"),
+            value: c,
+            unit: "GB/s",
+            yardstick: format!(
+                "{bw_name}bw; {captured:.3} ms; {:.2}x eager (target >= 0.95x); PyTorch captured \
+                 {torch_graph:.0} GB/s (target: at least that){}",
+                c / e,
+                if judged { "" } else { "; one rank: not judged" }
+            ),
+            pass: judged.then_some(c >= 0.95 * e && c >= torch_graph),
+        });
+    }
+
+    // The 256-byte max all-reduce (an amax vector), latency.
+    let small = DeviceBuffer::<f32>::alloc(&ctx, 64)?;
+    small.memset_bytes(&rank.stream, 0)?;
+    let (eager, captured) = rank
+        .eager_and_captured(|s| Ok(rank.comm.all_reduce_in_place(&small, ReduceOp::Max, s)?))?;
+    rows.push(Row {
+        name: format!("max all-reduce 256 B, eager ({n} ranks)"),
+        value: eager * 1e3,
+        unit: "us",
+        yardstick: format!("PyTorch on 2 H200s: {TORCH_SMALL_MAX_US:.0} us eager"),
+        pass: None,
+    });
+    rows.push(Row {
+        name: format!("max all-reduce 256 B, captured ({n} ranks)"),
+        value: captured * 1e3,
+        unit: "us",
+        yardstick: format!("{:.2}x eager's time", captured / eager),
+        pass: None,
+    });
+
+    // The amax reduction's cost inside a step graph: a graph with a stand-in for the step's
+    // work (a 64 MiB memset) and the reduction, against the same graph without it.
+    let work = DeviceBuffer::<u8>::alloc(&ctx, 64 << 20)?;
+    let amax = DeviceBuffer::<f32>::alloc(&ctx, AMAX_SLOTS)?;
+    amax.memset_bytes(&rank.stream, 0)?;
+    let (_, with) = rank.eager_and_captured(|s| {
+        work.memset_bytes(s, 1)?;
+        Ok(rank.comm.all_reduce_in_place(&amax, ReduceOp::Max, s)?)
+    })?;
+    let (_, without) = rank.eager_and_captured(|s| work.memset_bytes(s, 1))?;
+    let cost_us = (with - without) * 1e3;
+    rows.push(Row {
+        name: format!("amax reduction in a step graph, {AMAX_SLOTS} amaxes ({n} ranks)"),
+        value: cost_us,
+        unit: "us",
+        yardstick: format!(
+            "graph with it {:.1} us, without {:.1} us (target <= {AMAX_TARGET_US:.0} us per step){}",
+            with * 1e3,
+            without * 1e3,
+            if judged { "" } else { "; one rank: not judged" }
+        ),
+        pass: judged.then_some(cost_us <= AMAX_TARGET_US),
+    });
+
+    // All-to-all of 128 MiB (the MoE dispatch's collective).
+    let bytes = 128usize << 20;
+    let len = bytes / 4 / n * n;
+    let send = DeviceBuffer::<f32>::alloc(&ctx, len)?;
+    let recv = DeviceBuffer::<f32>::alloc(&ctx, len)?;
+    send.memset_bytes(&rank.stream, 0)?;
+    let (eager, captured) =
+        rank.eager_and_captured(|s| Ok(rank.comm.all_to_all(&send, &recv, s)?))?;
+    let f = if judged { a2a_factor } else { 1.0 };
+    let (e, c) = (bus_gbs(len * 4, eager, f), bus_gbs(len * 4, captured, f));
+    rows.push(Row {
+        name: format!("all-to-all 128 MiB, eager ({n} ranks)"),
+        value: e,
+        unit: "GB/s",
+        yardstick: format!("{bw_name}bw; PyTorch on 2 H200s: {TORCH_ALL_TO_ALL:.0} GB/s"),
+        pass: None,
+    });
+    rows.push(Row {
+        name: format!("all-to-all 128 MiB, captured ({n} ranks)"),
+        value: c,
+        unit: "GB/s",
+        yardstick: format!("{bw_name}bw; {:.2}x eager", c / e),
+        pass: None,
+    });
+    Ok(rows)
+}
