@@ -39,9 +39,8 @@ fn main() {
         fail("cuda-graph-sys did not export its CUDA include directory (DEP_CUDAGRAPH_INCLUDE)")
     };
 
-    if env::var_os("LIBCLANG_PATH").is_none()
-        && let Some(dir) = env::var_os("DEP_CUDAGRAPH_LIBCLANG_PATH")
-    {
+    let inherited = env::var_os("DEP_CUDAGRAPH_LIBCLANG_PATH");
+    if let (None, Some(dir)) = (env::var_os("LIBCLANG_PATH"), inherited) {
         // SAFETY: build scripts are single-threaded here; nothing else reads the environment
         // concurrently.
         unsafe { env::set_var("LIBCLANG_PATH", dir) };

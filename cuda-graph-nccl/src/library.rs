@@ -152,8 +152,14 @@ impl Nccl {
     }
 }
 
-/// The process-wide NCCL library, opened on first use (see the [module docs](self) for where
-/// it is looked for). Later calls return the same library, or the same error.
+/// The process-wide NCCL library, opened on first use. Later calls return the same library,
+/// or the same error.
+///
+/// Where it is looked for: [`LIBRARY_VAR`] (`CUDA_GRAPH_NCCL_LIBRARY`: the path of
+/// `libnccl.so.2`, or a directory holding it; when set, nothing else is tried), else the
+/// dynamic loader's usual search for `libnccl.so.2` (`LD_LIBRARY_PATH`, the `ldconfig` cache).
+/// PyTorch keeps its NCCL where the loader does not look
+/// (`<site-packages>/nvidia/nccl/lib`): point the variable there to use it.
 ///
 /// Errors: [`Error::Load`] or [`Error::Version`], naming where it looked and how to point
 /// [`LIBRARY_VAR`] at an NCCL.
