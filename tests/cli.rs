@@ -52,15 +52,26 @@ fn gpus_starts_one_process_per_gpu_and_stops_them_all_on_a_failure() {
     // Without a driver every rank fails: the launcher reports the first failure in one line
     // after the ranks' own (prefixed) lines, and exits 1.
     let out = cli(
-        &["--gpus", "3", "bench", "dist", "--json", "/nonexistent/x.json"],
+        &[
+            "--gpus",
+            "3",
+            "bench",
+            "dist",
+            "--json",
+            "/nonexistent/x.json",
+        ],
         &[("CUDA_GRAPH_LIBCUDA", "/nonexistent/libcuda.so.1")],
     );
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8(out.stderr).unwrap();
     let last = err.lines().last().unwrap_or("");
-    assert!(last.starts_with("fp8-moe: error:") && last.contains("rank"), "{err:?}");
     assert!(
-        err.lines().any(|l| l.starts_with("[rank ") && l.contains("no CUDA driver")),
+        last.starts_with("fp8-moe: error:") && last.contains("rank"),
+        "{err:?}"
+    );
+    assert!(
+        err.lines()
+            .any(|l| l.starts_with("[rank ") && l.contains("no CUDA driver")),
         "{err:?}"
     );
     assert!(!err.contains("panicked"), "{err:?}");
@@ -97,7 +108,7 @@ fn assert_usage_error(out: Output, what: &str, usage: &str) {
 #[test]
 fn unknown_command_prints_usage_and_exits_2() {
     let out = cli(&["frobnicate"], &[]);
-    assert_usage_error(out, "'frobnicate'", "fp8-moe <COMMAND>");
+    assert_usage_error(out, "'frobnicate'", "fp8-moe [OPTIONS] <COMMAND>");
 }
 
 #[test]
@@ -117,7 +128,11 @@ fn help_lists_the_commands_and_benchmarks() {
     let out = cli(&["--help"], &[]);
     assert!(out.status.success(), "{out:?}");
     let help = String::from_utf8(out.stdout).unwrap();
-    assert!(help.contains("Usage: fp8-moe <COMMAND>"), "{help}");
+    assert!(
+        help.contains("Usage: fp8-moe [OPTIONS] <COMMAND>"),
+        "{help}"
+    );
+    assert!(help.contains("--gpus <N>"), "{help}");
     for line in ["info ", "bench ", "train "] {
         assert!(
             help.lines().any(|l| l.trim_start().starts_with(line)),

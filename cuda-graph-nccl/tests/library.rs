@@ -6,8 +6,12 @@ use std::time::Duration;
 
 use cuda_graph_nccl::{Error, Nccl, UniqueId, Version};
 
-/// The NCCL set-up installed: `NCCL_HOME/lib`, else the workspace's `.toolchain`.
+/// The NCCL to open: the one `CUDA_GRAPH_NCCL_LIBRARY` names (the GPU machines' suite sets
+/// it), else `NCCL_HOME/lib`, else the workspace's `.toolchain` (what set-up installs).
 fn installed() -> PathBuf {
+    if let Some(lib) = std::env::var_os(cuda_graph_nccl::LIBRARY_VAR).filter(|v| !v.is_empty()) {
+        return PathBuf::from(lib);
+    }
     match std::env::var_os("NCCL_HOME") {
         Some(home) => PathBuf::from(home).join("lib"),
         None => {
