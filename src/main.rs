@@ -47,7 +47,7 @@ struct Cli {
 struct LaunchArgs {
     /// Start N processes of the command, one per GPU of this machine. Each gets RANK,
     /// LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and NCCL_NVLS_ENABLE=0; their output
-    /// lines come prefixed with "[rank R]". Runs `bench dist`.
+    /// lines come prefixed with "[rank R]". Runs `train --dp N` and `bench dist`.
     #[arg(long, value_name = "N")]
     gpus: Option<std::num::NonZeroUsize>,
     /// Machines in the job; start `fp8-moe --gpus N --nnodes M --node-rank R
@@ -106,18 +106,25 @@ fn strip_launch_flags(args: &[std::ffi::OsString]) -> Vec<std::ffi::OsString> {
 
 /// Runs `command` as a multi-process job (`--gpus`).
 fn launch(args: &LaunchArgs, gpus: usize, command: &Command) -> Result<(), info::CliError> {
-    if !matches!(
-        command,
+    match command {
         Command::Bench(BenchArgs {
-            bench: Bench::Dist,
-            ..
-        })
-    ) {
-        return Err(info::CliError::Other(
-            "--gpus runs `bench dist` on several GPUs; the other commands run on one GPU \
-             (the train job's --dp and --ep are not built yet)"
-                .into(),
-        ));
+            bench: Bench::Dist, ..
+        }) => {}
+        Command::Train(t) if t.dp as usize == gpus => {}
+        Command::Train(t) => {
+            return Err(info::CliError::Other(format!(
+                "--gpus {gpus} train needs --dp {gpus} (it has --dp {}): data parallelism \
+                 over every rank",
+                t.dp
+            )));
+        }
+        _ => {
+            return Err(info::CliError::Other(
+                "--gpus runs `bench dist` and `train --dp N` on several GPUs; the other \
+                 commands run on one GPU"
+                    .into(),
+            ));
+        }
     }
     let program = std::env::current_exe()
         .map_err(|e| info::CliError::Other(format!("cannot find this program: {e}")))?;
@@ -244,6 +251,13 @@ struct TrainArgs {
     /// a part of a run that --resume continues.
     #[arg(long, value_name = "N")]
     stop_after: Option<usize>,
+    /// Data parallelism over N GPUs: start with `fp8-moe --gpus N train --dp N`. Each rank
+    /// trains on its share of every step's batch (--batch x --microbatches sequences each);
+    /// amaxes, gradients and the loss are reduced over NCCL inside the step (graph modes none
+    /// and step).
+    #[arg(long, value_name = "N", default_value_t = 1,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    dp: u64,
 }
 
 impl TrainArgs {
@@ -313,6 +327,7 @@ impl TrainArgs {
             temperature: self.temperature,
             progress: !self.quiet,
             stop_after: self.stop_after,
+            dp: self.dp as usize,
         })
     }
 }

@@ -82,7 +82,14 @@ fn gpus_refuses_the_commands_that_run_on_one_gpu() {
     let out = cli(&["--gpus", "2", "info"], &[]);
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8(out.stderr).unwrap();
-    assert!(err.contains("--gpus runs `bench dist`"), "{err:?}");
+    assert!(
+        err.contains("--gpus runs `bench dist` and `train --dp N`"),
+        "{err:?}"
+    );
+    let out = cli(&["--gpus", "2", "train", "--dp", "3"], &[]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(err.contains("needs --dp 2"), "{err:?}");
 }
 
 #[test]

@@ -264,3 +264,154 @@ fn generation_under_a_graph_is_deterministic_and_leaves_training_alone() {
     );
     assert!(model.generate(&stream, b"x", 1, -1.0, 0).is_err());
 }
+
+/// One replica's run: `steps` steps on rank `rank`'s share (`1 / ranks` of every step's
+/// windows, in order) of the batches of `seed`, with `train.microbatches` microbatches.
+fn run_replica(
+    stream: &Stream,
+    model: &mut Model,
+    (rank, ranks): (usize, usize),
+    steps: usize,
+    seed: u64,
+) -> (Vec<f32>, State) {
+    let (cfg, train) = (*model.config(), *model.train_config());
+    let mut rng = Rng::new(seed, 1);
+    let text = corpus(&mut rng, 1 << 16);
+    let share = cfg.batch * train.microbatches * cfg.context;
+    let mut losses = Vec::new();
+    for step in 0..steps {
+        let (t, y) = batch(
+            &mut rng,
+            &text,
+            cfg.batch * train.microbatches * ranks,
+            cfg.context,
+        );
+        let mine = rank * share..(rank + 1) * share;
+        model
+            .load_batch(stream, &t[mine.clone()], &y[mine])
+            .unwrap();
+        model.step(stream, train.lr_at(step)).unwrap();
+        losses.push(model.stats(stream).unwrap().loss);
+    }
+    let state = model
+        .state_tensors()
+        .into_iter()
+        .map(|(n, _, b)| (n, b.to_vec(stream).unwrap()))
+        .collect();
+    (losses, state)
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_one_rank_data_parallel_model_matches_the_plain_model_bit_for_bit() {
+    // One rank: the amax max, the gradient average and the loss sum over NCCL are identities,
+    // so every bit must match; in mode step they are captured inside the step graph.
+    let ctx = Context::default_device().unwrap();
+    let stream = Stream::new(&ctx).unwrap();
+    let seed = common::fresh_rng("data parallel, one rank").next_u64();
+    let (cfg, train) = small();
+    for mode in [GraphMode::None, GraphMode::Step] {
+        let (plain, plain_state) = run(&stream, mode, 4, seed);
+        let id = cuda_graph_nccl::UniqueId::new().expect("NCCL");
+        let comm = cuda_graph_nccl::Communicator::init_rank(&ctx, 1, 0, &id).unwrap();
+        let mut model = Model::new_data_parallel(&stream, cfg, train, mode, comm).unwrap();
+        assert_eq!(model.communicator().map(|c| c.size()), Some(1));
+        let (losses, state) = run_replica(&stream, &mut model, (0, 1), 4, seed);
+        let plain_losses: Vec<u32> = plain.iter().map(|&(l, _)| l).collect();
+        let losses: Vec<u32> = losses.iter().map(|l| l.to_bits()).collect();
+        assert_eq!(losses, plain_losses, "{mode:?}: losses differ");
+        for (name, want) in &plain_state {
+            assert!(
+                state[name]
+                    .iter()
+                    .zip(want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{mode:?}: {name} differs"
+            );
+        }
+    }
+    // Modes whose blocks run in the graphed-callables runtime are refused.
+    let id = cuda_graph_nccl::UniqueId::new().unwrap();
+    let comm = cuda_graph_nccl::Communicator::init_rank(&ctx, 1, 0, &id).unwrap();
+    assert!(Model::new_data_parallel(&stream, cfg, train, GraphMode::Layer, comm).is_err());
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn data_parallel_ranks_match_one_gpu_with_all_their_microbatches() {
+    // Every GPU of the machine a replica with 2 microbatches, against one GPU running all
+    // ranks' microbatches in one step. The FP8 scales agree exactly (the amax max over the
+    // ranks is the one GPU's amax over all the data); what differs is the order of the
+    // gradient sums (each rank's, then the average, against one running sum), a few f32
+    // ulps, which can flip an FP8 rounding of the next step's weights: hence a tolerance,
+    // 1e-3 relative on the losses and 1e-3 of each tensor's largest value on the state. On
+    // one GPU the two runs are the same computation (and agree exactly).
+    use cuda_graph::driver::Device;
+    let n = Device::count().unwrap() as usize;
+    let seed = common::fresh_rng("data parallel").next_u64();
+    let (cfg, train) = small();
+    let steps = 4;
+    let ctxs: Vec<_> = (0..n as i32)
+        .map(|i| Context::new(Device::get(i).unwrap()).unwrap())
+        .collect();
+    let comms = cuda_graph_nccl::Communicator::init_all(&ctxs).expect("NCCL");
+    // One thread per rank: NCCL needs the ranks' collectives in flight together.
+    let replicas: Vec<(Vec<f32>, State)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(r, comm)| {
+                let ctx = ctxs[r].clone();
+                scope.spawn(move || {
+                    let stream = Stream::new(&ctx).unwrap();
+                    let mut model =
+                        Model::new_data_parallel(&stream, cfg, train, GraphMode::Step, comm)
+                            .unwrap();
+                    run_replica(&stream, &mut model, (r, n), steps, seed)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let stream = Stream::new(&ctxs[0]).unwrap();
+    let all = TrainConfig {
+        microbatches: train.microbatches * n,
+        ..train
+    };
+    let mut one = Model::new(&stream, cfg, all, GraphMode::Step).unwrap();
+    let (losses, state) = run_replica(&stream, &mut one, (0, 1), steps, seed);
+    for (r, (rl, rs)) in replicas.iter().enumerate() {
+        // Every replica reports the same loss, and holds the same state, bit for bit.
+        assert!(
+            rl.iter()
+                .zip(&replicas[0].0)
+                .all(|(a, b)| a.to_bits() == b.to_bits())
+        );
+        for (name, want) in &replicas[0].1 {
+            assert!(
+                rs[name]
+                    .iter()
+                    .zip(want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "rank {r}: {name}"
+            );
+        }
+        for (step, (a, b)) in rl.iter().zip(&losses).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-3 * b.abs(),
+                "step {step}: rank {r} loss {a}, one GPU {b}"
+            );
+        }
+        for (name, want) in &state {
+            let scale = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-30);
+            let worst = rs[name]
+                .iter()
+                .zip(want)
+                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(
+                worst <= 1e-3 * scale,
+                "rank {r}: {name} off by {worst} (largest {scale})"
+            );
+        }
+    }
+}

@@ -26,6 +26,17 @@
 //! * [`GraphMode::Step`]: the whole step (every microbatch, the scale update, the clip and
 //!   the optimizer) captured once and replayed; the host only writes the batch and the
 //!   learning rate before each replay.
+//!
+//! # Data parallelism
+//!
+//! [`Model::new_data_parallel`] trains one replica per rank of an NCCL communicator, each on
+//! its own microbatches (modes none and step). After the step's last microbatch, before the
+//! scale update, each rank max-reduces the FP8 amaxes (TransformerEngine's `fp8_group`: every
+//! rank then computes the same scales, those of the union of the ranks' data), averages the
+//! gradients (one NCCL group: NCCL fuses them into few launches) and sums the loss; the clip
+//! and AdamW then run on identical gradients, so the replicas stay identical. In mode step
+//! the collectives are part of the captured step graph. `n` ranks of `m` microbatches compute
+//! what one GPU computes with `n * m` microbatches, up to the order of the gradient sums.
 
 use std::sync::{Arc, Mutex};
 
@@ -33,6 +44,7 @@ use cuda_graph::half::bf16;
 use cuda_graph::{
     CaptureMode, DeviceBuffer, Error, Graph, GraphExec, InstantiateFlags, Result, Stream,
 };
+use cuda_graph_nccl::{Communicator, ReduceOp};
 use fp8_kernels::{AdamW, AmaxAlgo, DelayedScaling, DeviceScalar, Fp8Format, HpBuffer};
 use graphed_callables::{
     Callable, GraphIndex, GraphedCallables, GraphedOptions, Schedule, Slot, WarmupRecord,
@@ -179,6 +191,8 @@ pub struct Model {
     /// The step graph (mode step) and its exec.
     step_graph: Option<(Graph, GraphExec)>,
     steps_done: usize,
+    /// Data parallelism: the communicator over the replicas.
+    dp: Option<Communicator>,
 }
 
 impl std::fmt::Debug for Model {
@@ -224,6 +238,39 @@ impl Model {
         cfg: ModelConfig,
         train: TrainConfig,
         mode: GraphMode,
+    ) -> Result<Model> {
+        Model::build(stream, cfg, train, mode, None)
+    }
+
+    /// [`new`](Self::new) for one replica of a data-parallel job over `comm`'s ranks (see the
+    /// [module documentation](self#data-parallelism)): every rank builds its model with the
+    /// same configuration (the seed included), then loads its own microbatches and steps
+    /// with the others. Modes none and step.
+    ///
+    /// Errors: as [`new`](Self::new); [`Error::InvalidArgument`] for modes layer and
+    /// breaking; in mode step, NCCL's errors while the step is captured.
+    pub fn new_data_parallel(
+        stream: &Stream,
+        cfg: ModelConfig,
+        train: TrainConfig,
+        mode: GraphMode,
+        comm: Communicator,
+    ) -> Result<Model> {
+        if !matches!(mode, GraphMode::None | GraphMode::Step) {
+            return Err(Error::InvalidArgument(format!(
+                "data parallelism runs in graph modes none and step, not {}",
+                mode.name()
+            )));
+        }
+        Model::build(stream, cfg, train, mode, Some(comm))
+    }
+
+    fn build(
+        stream: &Stream,
+        cfg: ModelConfig,
+        train: TrainConfig,
+        mode: GraphMode,
+        dp: Option<Communicator>,
     ) -> Result<Model> {
         cfg.check()?;
         train.check()?;
@@ -374,6 +421,7 @@ impl Model {
             step_graph: None,
             steps_done: 0,
             scaling,
+            dp,
         };
         stream.synchronize()?;
         if mode == GraphMode::Step {
@@ -449,7 +497,8 @@ impl Model {
     /// The last step's loss and gradient norm (waits for it).
     pub fn stats(&self, stream: &Stream) -> Result<StepStats> {
         let s = self.stats.to_vec(stream)?;
-        let tokens = (self.cfg.tokens() * self.batches.len()) as f32;
+        let ranks = self.dp.as_ref().map_or(1, Communicator::size);
+        let tokens = (self.cfg.tokens() * self.batches.len() * ranks) as f32;
         Ok(StepStats {
             loss: s[LOSS] / tokens,
             grad_norm: s[GRAD_NORM],
@@ -741,6 +790,9 @@ impl Model {
         for mb in 0..m {
             self.microbatch(stream, mb)?;
         }
+        if let Some(comm) = &self.dp {
+            self.reduce_over_ranks(comm, stream)?;
+        }
         self.scaling.update(stream)?;
         let grads = self.grads();
         self.ops.grad_norm_clip(
@@ -752,6 +804,29 @@ impl Model {
         )?;
         let factor = DeviceScalar::at(&self.stats_view()?, CLIP - GRAD_NORM)?;
         self.optim.step(stream, &factor)
+    }
+
+    /// Data parallelism: the amaxes max-reduced, the gradients averaged and the loss summed
+    /// over `comm`'s ranks (see the [module documentation](self#data-parallelism)).
+    fn reduce_over_ranks(&self, comm: &Communicator, stream: &Stream) -> Result<()> {
+        comm.all_reduce_in_place(self.scaling.history_buffer(), ReduceOp::Max, stream)?;
+        cuda_graph_nccl::group(|| {
+            for g in self.grads() {
+                match g {
+                    HpBuffer::F32(b) => comm.all_reduce_in_place(b, ReduceOp::Avg, stream)?,
+                    HpBuffer::F16(b) => comm.all_reduce_in_place(b, ReduceOp::Avg, stream)?,
+                    HpBuffer::Bf16(b) => comm.all_reduce_in_place(b, ReduceOp::Avg, stream)?,
+                }
+            }
+            Ok(())
+        })?;
+        comm.all_reduce_in_place(&self.stats.slice(LOSS..LOSS + 1)?, ReduceOp::Sum, stream)?;
+        Ok(())
+    }
+
+    /// The data-parallel communicator, if the model is one replica of several.
+    pub fn communicator(&self) -> Option<&Communicator> {
+        self.dp.as_ref()
     }
 
     /// `stats[GRAD_NORM..]`: the norm and clip factor the clip kernel writes.

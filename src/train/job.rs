@@ -18,12 +18,13 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use cuda_graph::{Context, Event, Stream};
+use cuda_graph::{Event, Stream};
 use serde::{Deserialize, Serialize};
 
 use super::checkpoint::{self, Dtype, TensorData};
 use super::data::{Corpus, Sampler, SamplerState, Split};
 use super::report::{self, LossCurve, TrainProgress};
+use crate::dist::{Placement, communicator};
 use crate::model::{GraphMode, Model, ModelConfig, TrainConfig};
 
 /// The checkpoint format's version (`state.json`'s `version`).
@@ -63,6 +64,9 @@ pub struct JobConfig {
     /// Stop once this many steps are done (the schedule still spans the run's `steps`):
     /// splits a run into parts that `--save` and `--resume` join.
     pub stop_after: Option<usize>,
+    /// Data-parallel ranks: 1, or the job's `WORLD_SIZE` (started by `fp8-moe --gpus N`);
+    /// see [`Model::new_data_parallel`]. Rank 0 alone prints, evaluates, saves and reports.
+    pub dp: usize,
 }
 
 /// What `state.json` of a checkpoint holds besides the tensors.
@@ -131,8 +135,21 @@ pub fn run(cfg: &JobConfig) -> Result<RunReport, String> {
     fn err(what: &'static str) -> impl Fn(cuda_graph::Error) -> String {
         move |e| format!("{what}: {e}")
     }
+    let placement = Placement::from_env()?;
+    if placement.world_size != cfg.dp {
+        return Err(format!(
+            "--dp {} needs as many processes: start it with `fp8-moe --gpus {0} train --dp {0}` \
+             (this process is rank {} of {})",
+            cfg.dp, placement.rank, placement.world_size
+        ));
+    }
+    let lead = placement.rank == 0;
+    // Only rank 0 talks; the others train in silence.
+    macro_rules! say {
+        ($($t:tt)*) => { if lead { println!($($t)*); } };
+    }
     // The same one line as `info` without a driver or device.
-    let ctx = Context::default_device().map_err(|e| e.to_string())?;
+    let ctx = placement.context().map_err(|e| e.to_string())?;
     let stream = Stream::new(&ctx).map_err(err("stream"))?;
     let corpus = match &cfg.data {
         Some(p) => Corpus::from_path(p),
@@ -140,7 +157,7 @@ pub fn run(cfg: &JobConfig) -> Result<RunReport, String> {
     }
     .map_err(|e| format!("corpus: {e}"))?;
     let corpus_bytes = corpus.len();
-    println!(
+    say!(
         "corpus: {} bytes from {} files",
         corpus_bytes,
         corpus.files().len()
@@ -157,8 +174,13 @@ pub fn run(cfg: &JobConfig) -> Result<RunReport, String> {
     let split = corpus
         .split(model_cfg.context)
         .map_err(|e| format!("corpus: {e}"))?;
-    let mut model =
-        Model::new(&stream, model_cfg, train_cfg, cfg.mode).map_err(err("building the model"))?;
+    let mut model = if cfg.dp > 1 {
+        let comm = communicator(&ctx, &placement).map_err(|e| format!("NCCL: {e}"))?;
+        Model::new_data_parallel(&stream, model_cfg, train_cfg, cfg.mode, comm)
+    } else {
+        Model::new(&stream, model_cfg, train_cfg, cfg.mode)
+    }
+    .map_err(err("building the model"))?;
     let mut sampler = split.sampler(train_cfg.seed).map_err(|e| e.to_string())?;
     if let Some((ck, st)) = &resumed {
         model
@@ -170,15 +192,15 @@ pub fn run(cfg: &JobConfig) -> Result<RunReport, String> {
             .map_err(err("resuming"))?;
         sampler = Sampler::from_state(&st.sampler, split.train().len(), model_cfg.context)
             .map_err(|e| format!("resuming the data: {e}"))?;
-        println!(
+        say!(
             "resumed {} at step {}",
             cfg.resume.as_deref().unwrap_or(Path::new("")).display(),
             st.steps_done
         );
     }
-    println!(
+    say!(
         "model: {} parameters, d {} x {} layers, {} experts top-{} (F {}), context {}, {} x {} \
-         sequences a step; graphs: {}",
+         sequences a step{}; graphs: {}",
         model_cfg.parameters(),
         model_cfg.d_model,
         model_cfg.layers,
@@ -188,10 +210,16 @@ pub fn run(cfg: &JobConfig) -> Result<RunReport, String> {
         model_cfg.context,
         train_cfg.microbatches,
         model_cfg.batch,
+        if cfg.dp > 1 {
+            format!(" on each of {} data-parallel GPUs", cfg.dp)
+        } else {
+            String::new()
+        },
         cfg.mode.name()
     );
 
-    let step_tokens = model_cfg.tokens() * train_cfg.microbatches;
+    // Tokens of one step over every rank; each rank loads its share.
+    let step_tokens = model_cfg.tokens() * train_cfg.microbatches * cfg.dp;
     let mut tokens = vec![0i32; step_tokens];
     let mut targets = vec![0i32; step_tokens];
     let mut train_curve = LossCurve::new("train");
@@ -200,7 +228,7 @@ pub fn run(cfg: &JobConfig) -> Result<RunReport, String> {
     let mut validation = Vec::new();
     let first = model.steps_done();
     if !model.can_evaluate() && cfg.eval_every > 0 {
-        println!(
+        say!(
             "validation: not in mode {} (its blocks run inside the graphed-callables runtime; \
              modes none and step evaluate)",
             cfg.mode.name()
@@ -210,7 +238,7 @@ pub fn run(cfg: &JobConfig) -> Result<RunReport, String> {
     let end = cfg
         .stop_after
         .map_or(train_cfg.steps, |n| n.min(train_cfg.steps));
-    let mut progress = TrainProgress::new(end.max(1) as u64, cfg.progress);
+    let mut progress = TrainProgress::new(end.max(1) as u64, cfg.progress && lead);
     for step in first..end {
         let t0 = Instant::now();
         next_step_batch(
@@ -219,6 +247,7 @@ pub fn run(cfg: &JobConfig) -> Result<RunReport, String> {
             &model,
             &stream,
             (&mut tokens, &mut targets),
+            (placement.rank, cfg.dp),
         )?;
         model
             .step(&stream, train_cfg.lr_at(step))
@@ -243,7 +272,7 @@ pub fn run(cfg: &JobConfig) -> Result<RunReport, String> {
             ms,
         );
         let last = step + 1 == end;
-        if last || (cfg.eval_every > 0 && (step + 1) % cfg.eval_every == 0) {
+        if lead && (last || (cfg.eval_every > 0 && (step + 1) % cfg.eval_every == 0)) {
             if let Some(v) = validate(&mut model, &stream, &split, cfg.eval_batches)? {
                 valid_curve.push((step + 1) as f64, v as f64);
                 validation.push((step + 1, v));
@@ -259,9 +288,23 @@ pub fn run(cfg: &JobConfig) -> Result<RunReport, String> {
         _ => 0.0,
     };
     if let Some(&(s, loss, _, _)) = steps.last() {
-        println!("step {s}: loss {loss:.4}, {tokens_per_s:.0} tokens/s over the run");
+        say!("step {s}: loss {loss:.4}, {tokens_per_s:.0} tokens/s over the run");
     }
 
+    if !lead {
+        return Ok(RunReport {
+            model: model_cfg,
+            train: train_cfg,
+            mode: cfg.mode,
+            parameters: model_cfg.parameters(),
+            corpus_bytes,
+            steps,
+            validation,
+            tokens_per_s,
+            modes: Vec::new(),
+            sample: String::new(),
+        });
+    }
     std::fs::create_dir_all(&cfg.report)
         .map_err(|e| format!("report folder {}: {e}", cfg.report.display()))?;
     // Graphs of the training run.
@@ -293,7 +336,8 @@ pub fn run(cfg: &JobConfig) -> Result<RunReport, String> {
     };
     drop(model);
 
-    let modes = if cfg.compare_steps > 0 {
+    // The comparison runs single-GPU models on this rank's GPU.
+    let modes = if cfg.compare_steps > 0 && cfg.dp == 1 {
         let rows = compare_modes(&stream, model_cfg, train_cfg, &split, cfg.compare_steps)?;
         println!(
             "{}",
@@ -337,13 +381,18 @@ fn next_step_batch(
     model: &Model,
     stream: &Stream,
     (tokens, targets): (&mut [i32], &mut [i32]),
+    (rank, ranks): (usize, usize),
 ) -> Result<(), String> {
+    // Every rank draws the whole step's windows (the samplers stay in step) and loads its
+    // share: rank r the r-th run of `batch x microbatches` windows.
     let windows = model.config().batch * model.train_config().microbatches;
     sampler
-        .next_batch(split.train(), windows, tokens, targets)
+        .next_batch(split.train(), windows * ranks, tokens, targets)
         .map_err(|e| e.to_string())?;
+    let share = tokens.len() / ranks;
+    let mine = rank * share..(rank + 1) * share;
     model
-        .load_batch(stream, tokens, targets)
+        .load_batch(stream, &tokens[mine.clone()], &targets[mine])
         .map_err(|e| format!("batch: {e}"))
 }
 
@@ -527,6 +576,7 @@ pub fn compare_modes(
                 &model,
                 stream,
                 (&mut tokens, &mut targets),
+                (0, 1),
             )?;
             start.record(stream).map_err(err)?;
             model.step(stream, train_cfg.lr_at(step)).map_err(err)?;
