@@ -467,31 +467,36 @@ impl Communicator {
         }
     }
 
-    /// Checks the stream and buffers, binds the context and takes the lock: what every
-    /// call does before NCCL.
-    fn prepare<T: DeviceRepr>(
+    /// Enqueues one NCCL call on `stream` over `buffers` (named for errors): checks that the
+    /// stream and buffers belong to the communicator's device, binds its context, makes the
+    /// call under the communicator's lock (`call_nccl` gets the raw communicator and stream),
+    /// and, once NCCL accepted it, hands the operands and the communicator to a capture
+    /// running on `stream`.
+    fn enqueue<T: DeviceRepr>(
         &self,
+        call: &'static str,
         stream: &Stream,
         buffers: &[(&str, &DeviceBuffer<T>)],
-    ) -> Result<MutexGuard<'_, ()>> {
+        call_nccl: impl FnOnce(ncclComm_t, sys::cudaStream_t) -> Result<ncclResult_t>,
+    ) -> Result<()> {
         self.same_context("the stream", stream.context())?;
         for (what, b) in buffers {
             self.same_context(what, b.context())?;
         }
         self.inner.ctx.bind()?;
-        Ok(self.lock())
-    }
-
-    /// After a successful enqueue: a capture on `stream` keeps the operands and the
-    /// communicator alive.
-    fn retain<T: DeviceRepr>(&self, stream: &Stream, buffers: &[&DeviceBuffer<T>]) {
+        let result = {
+            let _guard = self.lock();
+            call_nccl(self.inner.raw.0, stream.as_raw().cast())?
+        };
+        check(self.inner.lib, call, result, self.inner.raw.0)?;
         let comm: Resource = self.inner.clone();
         stream.keep_alive_in_capture(
             buffers
                 .iter()
-                .map(|b| b.resource())
+                .map(|(_, b)| b.resource())
                 .chain(std::iter::once(comm)),
         );
+        Ok(())
     }
 
     fn check_peer(&self, what: &str, peer: usize) -> Result<i32> {
@@ -502,10 +507,6 @@ impl Communicator {
             )));
         }
         to_i32(what, peer)
-    }
-
-    fn stream_raw(stream: &Stream) -> sys::cudaStream_t {
-        stream.as_raw().cast()
     }
 
     /// Every rank's `send` reduced with `op` into every rank's `recv` (NCCL all-reduce).
@@ -520,34 +521,29 @@ impl Communicator {
         op: ReduceOp,
         stream: &Stream,
     ) -> Result<()> {
-        if send.len() != recv.len() {
-            return Err(Error::InvalidArgument(format!(
-                "all_reduce: send has {} elements, recv {}",
-                send.len(),
-                recv.len()
-            )));
-        }
-        let lib = self.inner.lib;
-        let f = entry!(lib, ncclAllReduce)?;
-        let guard = self.prepare(stream, &[("send", send), ("recv", recv)])?;
-        // SAFETY: both buffers hold `len` elements of T on the communicator's device (checked
-        // above) and stay alive until the work is done (a capture retains them below;
-        // outside one, freeing device memory waits for the device); the stream is live.
-        let r = unsafe {
-            f(
-                send.as_raw() as *const c_void,
-                recv.as_raw() as *mut c_void,
-                send.len(),
-                T::DATA_TYPE,
-                op.raw(),
-                self.inner.raw.0,
-                Self::stream_raw(stream),
-            )
-        };
-        drop(guard);
-        check(lib, "ncclAllReduce", r, self.inner.raw.0)?;
-        self.retain(stream, &[send, recv]);
-        Ok(())
+        same_len("all_reduce", send, recv)?;
+        let f = entry!(self.inner.lib, ncclAllReduce)?;
+        self.enqueue(
+            "ncclAllReduce",
+            stream,
+            &[("send", send), ("recv", recv)],
+            |c, s| {
+                // SAFETY: both buffers hold `len` elements of T on the communicator's device
+                // (checked by `enqueue`) and outlive the work (a capture retains them; outside
+                // one, freeing device memory waits for the device); the stream is live.
+                Ok(unsafe {
+                    f(
+                        ptr(send),
+                        ptr_mut(recv),
+                        send.len(),
+                        T::DATA_TYPE,
+                        op.raw(),
+                        c,
+                        s,
+                    )
+                })
+            },
+        )
     }
 
     /// [`all_reduce`](Self::all_reduce) with `buf` as both operands.
@@ -572,33 +568,28 @@ impl Communicator {
         root: usize,
         stream: &Stream,
     ) -> Result<()> {
-        if send.len() != recv.len() {
-            return Err(Error::InvalidArgument(format!(
-                "broadcast: send has {} elements, recv {}",
-                send.len(),
-                recv.len()
-            )));
-        }
+        same_len("broadcast", send, recv)?;
         let root = self.check_peer("root", root)?;
-        let lib = self.inner.lib;
-        let f = entry!(lib, ncclBroadcast)?;
-        let guard = self.prepare(stream, &[("send", send), ("recv", recv)])?;
-        // SAFETY: as in `all_reduce`: both buffers hold `len` elements on this device.
-        let r = unsafe {
-            f(
-                send.as_raw() as *const c_void,
-                recv.as_raw() as *mut c_void,
-                send.len(),
-                T::DATA_TYPE,
-                root,
-                self.inner.raw.0,
-                Self::stream_raw(stream),
-            )
-        };
-        drop(guard);
-        check(lib, "ncclBroadcast", r, self.inner.raw.0)?;
-        self.retain(stream, &[send, recv]);
-        Ok(())
+        let f = entry!(self.inner.lib, ncclBroadcast)?;
+        self.enqueue(
+            "ncclBroadcast",
+            stream,
+            &[("send", send), ("recv", recv)],
+            |c, s| {
+                // SAFETY: as in `all_reduce`: both buffers hold `len` elements on this device.
+                Ok(unsafe {
+                    f(
+                        ptr(send),
+                        ptr_mut(recv),
+                        send.len(),
+                        T::DATA_TYPE,
+                        root,
+                        c,
+                        s,
+                    )
+                })
+            },
+        )
     }
 
     /// Every rank's `send` (n elements) gathered into every rank's `recv` (`n * size`,
@@ -620,24 +611,16 @@ impl Communicator {
                 recv.len()
             )));
         }
-        let lib = self.inner.lib;
-        let f = entry!(lib, ncclAllGather)?;
-        let guard = self.prepare(stream, &[("send", send), ("recv", recv)])?;
-        // SAFETY: send holds n elements and recv n * size on this device (checked above).
-        let r = unsafe {
-            f(
-                send.as_raw() as *const c_void,
-                recv.as_raw() as *mut c_void,
-                n,
-                T::DATA_TYPE,
-                self.inner.raw.0,
-                Self::stream_raw(stream),
-            )
-        };
-        drop(guard);
-        check(lib, "ncclAllGather", r, self.inner.raw.0)?;
-        self.retain(stream, &[send, recv]);
-        Ok(())
+        let f = entry!(self.inner.lib, ncclAllGather)?;
+        self.enqueue(
+            "ncclAllGather",
+            stream,
+            &[("send", send), ("recv", recv)],
+            |c, s| {
+                // SAFETY: send holds n elements and recv n * size on this device (checked above).
+                Ok(unsafe { f(ptr(send), ptr_mut(recv), n, T::DATA_TYPE, c, s) })
+            },
+        )
     }
 
     /// Every rank's `send` (`n * size` elements) reduced with `op`, rank `r` keeping the
@@ -660,25 +643,16 @@ impl Communicator {
                 send.len()
             )));
         }
-        let lib = self.inner.lib;
-        let f = entry!(lib, ncclReduceScatter)?;
-        let guard = self.prepare(stream, &[("send", send), ("recv", recv)])?;
-        // SAFETY: send holds n * size elements and recv n on this device (checked above).
-        let r = unsafe {
-            f(
-                send.as_raw() as *const c_void,
-                recv.as_raw() as *mut c_void,
-                n,
-                T::DATA_TYPE,
-                op.raw(),
-                self.inner.raw.0,
-                Self::stream_raw(stream),
-            )
-        };
-        drop(guard);
-        check(lib, "ncclReduceScatter", r, self.inner.raw.0)?;
-        self.retain(stream, &[send, recv]);
-        Ok(())
+        let f = entry!(self.inner.lib, ncclReduceScatter)?;
+        self.enqueue(
+            "ncclReduceScatter",
+            stream,
+            &[("send", send), ("recv", recv)],
+            |c, s| {
+                // SAFETY: send holds n * size elements and recv n on this device (checked above).
+                Ok(unsafe { f(ptr(send), ptr_mut(recv), n, T::DATA_TYPE, op.raw(), c, s) })
+            },
+        )
     }
 
     /// Block `p` of every rank's `send` to rank `p`, landing in block `r` (the sender's rank)
@@ -700,24 +674,25 @@ impl Communicator {
                 recv.len()
             )));
         }
-        let lib = self.inner.lib;
-        let f = entry!(lib, ncclAlltoAll)?;
-        let guard = self.prepare(stream, &[("send", send), ("recv", recv)])?;
-        // SAFETY: both hold size blocks of len / size elements on this device.
-        let r = unsafe {
-            f(
-                send.as_raw() as *const c_void,
-                recv.as_raw() as *mut c_void,
-                send.len() / size,
-                T::DATA_TYPE,
-                self.inner.raw.0,
-                Self::stream_raw(stream),
-            )
-        };
-        drop(guard);
-        check(lib, "ncclAlltoAll", r, self.inner.raw.0)?;
-        self.retain(stream, &[send, recv]);
-        Ok(())
+        let f = entry!(self.inner.lib, ncclAlltoAll)?;
+        self.enqueue(
+            "ncclAlltoAll",
+            stream,
+            &[("send", send), ("recv", recv)],
+            |c, s| {
+                // SAFETY: both hold size blocks of len / size elements on this device.
+                Ok(unsafe {
+                    f(
+                        ptr(send),
+                        ptr_mut(recv),
+                        send.len() / size,
+                        T::DATA_TYPE,
+                        c,
+                        s,
+                    )
+                })
+            },
+        )
     }
 
     /// An all-to-all of uneven blocks, as grouped sends and receives: `send_counts[p]`
@@ -757,44 +732,33 @@ impl Communicator {
         let (fsend, frecv) = (entry!(lib, ncclSend)?, entry!(lib, ncclRecv)?);
         let elem = std::mem::size_of::<T>() as u64;
         group(|| {
-            let guard = self.prepare(stream, &[("send", send), ("recv", recv)])?;
-            let (mut soff, mut roff) = (0u64, 0u64);
-            for peer in 0..size {
-                let p = to_i32("peer", peer)?;
-                // SAFETY: each block lies inside its buffer (the counts' sums were checked
-                // against the lengths), on this device; NCCL pairs the send and receive
-                // inside the group.
-                let r = unsafe {
-                    fsend(
-                        (send.as_raw() + soff) as *const c_void,
-                        send_counts[peer],
-                        T::DATA_TYPE,
-                        p,
-                        self.inner.raw.0,
-                        Self::stream_raw(stream),
-                    )
-                };
-                check(lib, "ncclSend", r, self.inner.raw.0)?;
-                // SAFETY: as above, for the receive block.
-                let r = unsafe {
-                    frecv(
-                        (recv.as_raw() + roff) as *mut c_void,
-                        recv_counts[peer],
-                        T::DATA_TYPE,
-                        p,
-                        self.inner.raw.0,
-                        Self::stream_raw(stream),
-                    )
-                };
-                check(lib, "ncclRecv", r, self.inner.raw.0)?;
-                soff += send_counts[peer] as u64 * elem;
-                roff += recv_counts[peer] as u64 * elem;
-            }
-            drop(guard);
-            Ok(())
-        })?;
-        self.retain(stream, &[send, recv]);
-        Ok(())
+            self.enqueue(
+                "ncclSend/ncclRecv",
+                stream,
+                &[("send", send), ("recv", recv)],
+                |c, s| {
+                    let (mut soff, mut roff) = (0u64, 0u64);
+                    for peer in 0..size {
+                        let p = to_i32("peer", peer)?;
+                        let (sp, rp) = (
+                            (send.as_raw() + soff) as *const c_void,
+                            (recv.as_raw() + roff) as *mut c_void,
+                        );
+                        // SAFETY: each block lies inside its buffer (the counts' sums were checked
+                        // against the lengths), on this device; NCCL pairs the send and receive
+                        // inside the group.
+                        let r = unsafe { fsend(sp, send_counts[peer], T::DATA_TYPE, p, c, s) };
+                        check(lib, "ncclSend", r, c)?;
+                        // SAFETY: as above, for the receive block.
+                        let r = unsafe { frecv(rp, recv_counts[peer], T::DATA_TYPE, p, c, s) };
+                        check(lib, "ncclRecv", r, c)?;
+                        soff += send_counts[peer] as u64 * elem;
+                        roff += recv_counts[peer] as u64 * elem;
+                    }
+                    Ok(ncclResult_t::ncclSuccess)
+                },
+            )
+        })
     }
 
     /// Sends `buf` to rank `peer`, which must [`recv`](Self::recv) as many elements from
@@ -811,24 +775,11 @@ impl Communicator {
         stream: &Stream,
     ) -> Result<()> {
         let p = self.check_peer("peer", peer)?;
-        let lib = self.inner.lib;
-        let f = entry!(lib, ncclSend)?;
-        let guard = self.prepare(stream, &[("buf", buf)])?;
-        // SAFETY: buf holds len elements on this device.
-        let r = unsafe {
-            f(
-                buf.as_raw() as *const c_void,
-                buf.len(),
-                T::DATA_TYPE,
-                p,
-                self.inner.raw.0,
-                Self::stream_raw(stream),
-            )
-        };
-        drop(guard);
-        check(lib, "ncclSend", r, self.inner.raw.0)?;
-        self.retain(stream, &[buf]);
-        Ok(())
+        let f = entry!(self.inner.lib, ncclSend)?;
+        self.enqueue("ncclSend", stream, &[("buf", buf)], |c, s| {
+            // SAFETY: buf holds len elements on this device.
+            Ok(unsafe { f(ptr(buf), buf.len(), T::DATA_TYPE, p, c, s) })
+        })
     }
 
     /// Receives `buf.len()` elements from rank `peer` (see [`send`](Self::send)).
@@ -841,24 +792,38 @@ impl Communicator {
         stream: &Stream,
     ) -> Result<()> {
         let p = self.check_peer("peer", peer)?;
-        let lib = self.inner.lib;
-        let f = entry!(lib, ncclRecv)?;
-        let guard = self.prepare(stream, &[("buf", buf)])?;
-        // SAFETY: buf holds len elements on this device.
-        let r = unsafe {
-            f(
-                buf.as_raw() as *mut c_void,
-                buf.len(),
-                T::DATA_TYPE,
-                p,
-                self.inner.raw.0,
-                Self::stream_raw(stream),
-            )
-        };
-        drop(guard);
-        check(lib, "ncclRecv", r, self.inner.raw.0)?;
-        self.retain(stream, &[buf]);
+        let f = entry!(self.inner.lib, ncclRecv)?;
+        self.enqueue("ncclRecv", stream, &[("buf", buf)], |c, s| {
+            // SAFETY: buf holds len elements on this device.
+            Ok(unsafe { f(ptr_mut(buf), buf.len(), T::DATA_TYPE, p, c, s) })
+        })
+    }
+}
+
+/// A device buffer's address as NCCL's send pointer.
+fn ptr<T: DeviceRepr>(b: &DeviceBuffer<T>) -> *const c_void {
+    b.as_raw() as *const c_void
+}
+
+/// A device buffer's address as NCCL's receive pointer.
+fn ptr_mut<T: DeviceRepr>(b: &DeviceBuffer<T>) -> *mut c_void {
+    b.as_raw() as *mut c_void
+}
+
+/// Errors unless the two operands of `what` have one length.
+fn same_len<T: DeviceRepr>(
+    what: &str,
+    send: &DeviceBuffer<T>,
+    recv: &DeviceBuffer<T>,
+) -> Result<()> {
+    if send.len() == recv.len() {
         Ok(())
+    } else {
+        Err(Error::InvalidArgument(format!(
+            "{what}: send has {} elements, recv {}",
+            send.len(),
+            recv.len()
+        )))
     }
 }
 

@@ -291,19 +291,20 @@ pub fn run(cfg: &JobConfig) -> Result<RunReport, String> {
         say!("step {s}: loss {loss:.4}, {tokens_per_s:.0} tokens/s over the run");
     }
 
+    let mut run = RunReport {
+        model: model_cfg,
+        train: train_cfg,
+        mode: cfg.mode,
+        parameters: model_cfg.parameters(),
+        corpus_bytes,
+        steps,
+        validation,
+        tokens_per_s,
+        modes: Vec::new(),
+        sample: String::new(),
+    };
     if !lead {
-        return Ok(RunReport {
-            model: model_cfg,
-            train: train_cfg,
-            mode: cfg.mode,
-            parameters: model_cfg.parameters(),
-            corpus_bytes,
-            steps,
-            validation,
-            tokens_per_s,
-            modes: Vec::new(),
-            sample: String::new(),
-        });
+        return Ok(run);
     }
     std::fs::create_dir_all(&cfg.report)
         .map_err(|e| format!("report folder {}: {e}", cfg.report.display()))?;
@@ -320,7 +321,7 @@ pub fn run(cfg: &JobConfig) -> Result<RunReport, String> {
             eval_loss.map_or("n/a".into(), |l| format!("{l:.5}"))
         );
     }
-    let sample = if cfg.sample_bytes > 0 {
+    if cfg.sample_bytes > 0 {
         let bytes = generate(&mut model, &stream, cfg)?;
         let text = String::from_utf8_lossy(&bytes).into_owned();
         println!(
@@ -330,35 +331,19 @@ pub fn run(cfg: &JobConfig) -> Result<RunReport, String> {
             cfg.prompt,
             text
         );
-        text
-    } else {
-        String::new()
-    };
+        run.sample = text;
+    }
     drop(model);
 
     // The comparison runs single-GPU models on this rank's GPU.
-    let modes = if cfg.compare_steps > 0 && cfg.dp == 1 {
+    if cfg.compare_steps > 0 && cfg.dp == 1 {
         let rows = compare_modes(&stream, model_cfg, train_cfg, &split, cfg.compare_steps)?;
         println!(
             "{}",
             mode_table(&rows, model_cfg.tokens() * train_cfg.microbatches)
         );
-        rows
-    } else {
-        Vec::new()
-    };
-    let run = RunReport {
-        model: model_cfg,
-        train: train_cfg,
-        mode: cfg.mode,
-        parameters: model_cfg.parameters(),
-        corpus_bytes,
-        steps,
-        validation,
-        tokens_per_s,
-        modes,
-        sample,
-    };
+        run.modes = rows;
+    }
     let mut curves = vec![train_curve];
     if !valid_curve.points.is_empty() {
         curves.push(valid_curve);
