@@ -16,12 +16,16 @@
 //! gradients, and the scaling state — where expert 1's x and dY keep scale 1 and an
 //! unrolled history (slot 0 collects their amax; nothing updates them) while every
 //! registered tensor's scale moves.
+//!
+//! The same graphed run with the hooks' amax reduction over NCCL (`NcclGroup` on a one-rank
+//! communicator) must give the same bits as the single-process group.
 
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 
 use cuda_graph::{Context, DeviceBuffer, GraphPool, Result, Stream};
-use fp8_kernels::{AmaxAlgo, DelayedScaling, Fp8Format, IdentityGroup};
+use fp8_kernels::{AmaxAlgo, DelayedScaling, Fp8Format, IdentityGroup, ReductionGroup};
+use fp8_moe::dist::{NcclGroup, Placement, communicator};
 use fp8_moe::linear::{self, Fp8Linear};
 use fp8_moe::scaling;
 use graphed_callables::{
@@ -333,16 +337,19 @@ fn record_state(
     ));
 }
 
-/// The graphed run; returns the record, the warmup record and the final scaling state.
-fn run_graphed(gpu: &Gpu) -> (Record, WarmupRecord, Arc<DelayedScaling>) {
+/// The graphed run, its amaxes reduced over `group` in the hooks; returns the record, the
+/// warmup record and the final scaling state.
+fn run_graphed(
+    gpu: &Gpu,
+    group: Arc<dyn ReductionGroup>,
+) -> (Record, WarmupRecord, Arc<DelayedScaling>) {
     let routes = Arc::new(Mutex::new(WARMUP_ROUTES));
     let (scaling, first, bank) = new_stack(gpu, &routes);
     let schedule = Schedule::new(&ORDER, vec![2]).expect("schedule");
     let mut options = GraphedOptions::new(schedule.clone());
     // Snapshot/restore around warmup, register what warmup ran, reduce + update after
     // every replay.
-    scaling::install_hooks(&mut options, &gpu.ctx, &scaling, Arc::new(IdentityGroup))
-        .expect("scaling hooks");
+    scaling::install_hooks(&mut options, &gpu.ctx, &scaling, group).expect("scaling hooks");
     let sample = gpu.upload(&input(99, 0));
     // One set per callable: the first layer's input; the bank reads the first's outputs.
     let samples: Vec<Vec<&DeviceBuffer<f32>>> = vec![vec![&sample], vec![]];
@@ -492,7 +499,7 @@ fn copy(gpu: &Gpu, dst: &DeviceBuffer<f32>, src: &DeviceBuffer<f32>) {
 #[ignore = "needs a CUDA device"]
 fn only_the_fp8_tensors_warmup_ran_are_registered() {
     let gpu = Gpu::new();
-    let (got, record, scaling) = run_graphed(&gpu);
+    let (got, record, scaling) = run_graphed(&gpu, Arc::new(IdentityGroup));
 
     // The record: the first layer's three tensors, every expert's W, x and dY of the experts
     // warmup routed to; nothing of expert 1's activations.
@@ -542,6 +549,23 @@ fn only_the_fp8_tensors_warmup_ran_are_registered() {
     }
     for t in [tensors_of(0)[X], tensors_of(1)[X], tensors_of(3)[DY]] {
         assert_ne!(scale[t], 1.0, "registered tensor {t} got a new scale");
+    }
+}
+
+/// The hooks' amax reduction over NCCL (`fp8_moe::dist::NcclGroup`, TransformerEngine's
+/// `fp8_group`) in every replay: over one rank (this process's communicator) it must leave
+/// every output, gradient and scaling bit as the single-process group does.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn the_hooks_reduce_the_amaxes_over_nccl_with_the_same_bits() {
+    let gpu = Gpu::new();
+    let (local, _, _) = run_graphed(&gpu, Arc::new(IdentityGroup));
+    let comm = communicator(&gpu.ctx, &Placement::SINGLE).expect("an NCCL communicator");
+    let (nccl, _, _) = run_graphed(&gpu, Arc::new(NcclGroup::new(comm)));
+    assert_eq!(local.len(), nccl.len(), "entry counts");
+    for ((ll, l), (nl, n)) in local.iter().zip(&nccl) {
+        assert_eq!(ll, nl, "entries out of step");
+        assert!(l == n, "{ll}: differs with the amaxes reduced over NCCL");
     }
 }
 
