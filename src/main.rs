@@ -400,8 +400,9 @@ enum Bench {
     Graphed,
     /// Tokens/s of the train job's default model in every graph mode (vs PyTorch's figures).
     Train,
-    /// NCCL collectives eager and captured in graphs, and the FP8 amax reduction's cost in a
-    /// step graph (run on every GPU with `fp8-moe --gpus N bench dist`).
+    /// NCCL collectives eager and captured in graphs, the FP8 amax reduction's cost in a
+    /// step graph, the train job's model data parallel against one GPU (run on every GPU
+    /// with `fp8-moe --gpus N bench dist`).
     Dist,
     /// One training step of the dropless top-k SwiGLU MoE layer: eager, breaking-layer and
     /// full-layer graphs, beside the dense FP8 GEMM and PyTorch's figures.

@@ -1,5 +1,6 @@
-//! `fp8-moe bench dist`: NCCL collectives eager and captured in CUDA graphs, and the FP8
-//! amax reduction's cost inside a graph.
+//! `fp8-moe bench dist`: NCCL collectives eager and captured in CUDA graphs, the FP8 amax
+//! reduction's cost inside a graph, and the train job's default model data parallel over
+//! every rank against one GPU.
 //!
 //! Run it on every GPU with `fp8-moe --gpus N bench dist` (rank 0 prints and writes the
 //! JSON); run directly it is one rank, where NCCL's collectives are local copies: the
@@ -12,6 +13,7 @@ use std::sync::Arc;
 use cuda_graph::{CaptureMode, Context, DeviceBuffer, GraphExec, InstantiateFlags, Stream};
 use cuda_graph_nccl::{Communicator, ReduceOp};
 use fp8_moe::dist::{Placement, communicator};
+use fp8_moe::model::{GraphMode, Model, ModelConfig, TrainConfig};
 
 use super::{BenchResult, Row, event_median_ms};
 
@@ -181,5 +183,53 @@ pub fn run() -> BenchResult<Vec<Row>> {
         yardstick: format!("{bw_name}bw; {:.2}x eager", c / e),
         pass: None,
     });
+
+    // The train job's default model, one step graph: data parallel over every rank, then
+    // (rank 0 alone, the others done) one GPU.
+    let model = ModelConfig::default();
+    let train = TrainConfig::default();
+    let mut dp = Model::new_data_parallel(
+        &rank.stream,
+        model,
+        train,
+        GraphMode::Step,
+        rank.comm.clone(),
+    )?;
+    let dp_ms = train_step_ms(&rank.stream, &mut dp, rank.comm.rank())?;
+    drop(dp);
+    let one_ms = if rank.comm.rank() == 0 {
+        let mut one = Model::new(&rank.stream, model, train, GraphMode::Step)?;
+        train_step_ms(&rank.stream, &mut one, 0)?
+    } else {
+        f64::NAN
+    };
+    let tokens = (model.tokens() * train.microbatches) as f64;
+    let (dp_tps, one_tps) = (n as f64 * tokens / (dp_ms * 1e-3), tokens / (one_ms * 1e-3));
+    rows.push(Row {
+        name: format!("train step, data parallel over {n} GPUs (default model, graphs step)"),
+        value: dp_tps,
+        unit: "tok/s",
+        yardstick: format!(
+            "{dp_ms:.2} ms/step; one GPU {one_ms:.2} ms, {one_tps:.0} tokens/s: {:.2}x (target \
+             >= 1.8x at 2 GPUs){}",
+            dp_tps / one_tps,
+            if judged { "" } else { "; one rank: not judged" }
+        ),
+        pass: (n == 2).then_some(dp_tps >= 1.8 * one_tps),
+    });
     Ok(rows)
+}
+
+/// The median step time of `model` (a fixed batch of random bytes, rank `rank`'s own),
+/// after warm-up steps, CUDA events.
+fn train_step_ms(stream: &Stream, model: &mut Model, rank: usize) -> BenchResult<f64> {
+    let n = model.config().tokens() * model.train_config().microbatches;
+    let mut rng = super::Rng::new(5, rank as u64);
+    let mut bytes = || (0..n).map(|_| rng.below(256) as i32).collect::<Vec<i32>>();
+    let (tokens, targets) = (bytes(), bytes());
+    model.load_batch(stream, &tokens, &targets)?;
+    event_median_ms(stream, 3, 10, || {
+        model.step(stream, 1e-4)?;
+        Ok(())
+    })
 }
