@@ -206,7 +206,10 @@ pub fn run() -> BenchResult<Vec<Row>> {
     let tokens = (model.tokens() * train.microbatches) as f64;
     let (dp_tps, one_tps) = (n as f64 * tokens / (dp_ms * 1e-3), tokens / (one_ms * 1e-3));
     rows.push(Row {
-        name: format!("train step, data parallel over {n} GPUs (default model, graphs step)"),
+        name: format!(
+            "train step, data parallel over {n} GPU{} (default model, graphs step)",
+            if n == 1 { "" } else { "s" }
+        ),
         value: dp_tps,
         unit: "tok/s",
         yardstick: format!(
