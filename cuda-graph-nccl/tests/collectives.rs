@@ -302,50 +302,102 @@ fn uneven_all_to_all_moves_exactly_the_counted_rows() {
     }
 }
 
+/// One rank's operands of the captured test: `send` (`n` blocks) is the input of every
+/// collective; the others are outputs.
+struct Operands {
+    send: DeviceBuffer<f32>,
+    sum: DeviceBuffer<f32>,
+    amax: DeviceBuffer<f32>,
+    gathered: DeviceBuffer<f32>,
+    /// The even all-to-all's output.
+    even: DeviceBuffer<f32>,
+    /// The uneven all-to-all's output.
+    uneven: DeviceBuffer<f32>,
+}
+
+impl Operands {
+    fn share(&self) -> Operands {
+        Operands {
+            send: self.send.share(),
+            sum: self.sum.share(),
+            amax: self.amax.share(),
+            gathered: self.gathered.share(),
+            even: self.even.share(),
+            uneven: self.uneven.share(),
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA device"]
 fn captured_collectives_replay_on_new_data_and_keep_their_operands_alive() {
     let ranks = Ranks::new();
     let n = ranks.n();
     let mut rng = Rng::fresh();
-    let len = 65_537;
-    let send: Vec<DeviceBuffer<f32>> = ranks.poisoned(len);
-    let recv = ranks.poisoned(len);
-    let amax = ranks.poisoned(256);
-    // One graph per rank: a sum all-reduce and an in-place max (the amax reduction's shape).
-    let execs = capture_each_rank(&ranks, &send, &recv, &amax);
-    // Only the graphs hold the operands' views now.
-    let (send_views, recv_views, amax_views): (Vec<_>, Vec<_>, Vec<_>) = (
-        send.iter().map(|b| b.share()).collect(),
-        recv.iter().map(|b| b.share()).collect(),
-        amax.iter().map(|b| b.share()).collect(),
-    );
-    drop((send, recv, amax));
+    let block = 16_411;
+    // Uneven all-to-all: rank r sends (r + 2 p + 1) * 97 elements to rank p.
+    let count = |r: usize, p: usize| (r + 2 * p + 1) * 97;
+    let alloc = |p: usize, len: usize| {
+        let b = DeviceBuffer::alloc(ranks.streams[p].context(), len).unwrap();
+        b.memset_bytes(&ranks.streams[p], 0xFF).unwrap();
+        b
+    };
+    let ops: Vec<Operands> = (0..n)
+        .map(|p| Operands {
+            send: alloc(p, block * n),
+            sum: alloc(p, block * n),
+            amax: alloc(p, 256),
+            gathered: alloc(p, block * n),
+            even: alloc(p, block * n),
+            uneven: alloc(p, (0..n).map(|r| count(r, p)).sum()),
+        })
+        .collect();
+    let execs = capture_each_rank(&ranks, &ops, block, &count);
+    // Only the graphs hold the operands' handles now.
+    let views: Vec<Operands> = ops.iter().map(Operands::share).collect();
+    drop(ops);
     for replay in 0..3 {
-        let inputs: Vec<Vec<f32>> = (0..n).map(|_| rng.f32s(len)).collect();
+        let inputs: Vec<Vec<f32>> = (0..n).map(|_| rng.f32s(block * n)).collect();
         let amaxes: Vec<Vec<f32>> = (0..n).map(|_| rng.f32s(256)).collect();
         for r in 0..n {
-            send_views[r]
-                .copy_from_host(&ranks.streams[r], &inputs[r])
-                .unwrap();
-            amax_views[r]
-                .copy_from_host(&ranks.streams[r], &amaxes[r])
-                .unwrap();
-            recv_views[r].memset_bytes(&ranks.streams[r], 0xFF).unwrap();
+            let (v, st) = (&views[r], &ranks.streams[r]);
+            v.send.copy_from_host(st, &inputs[r]).unwrap();
+            v.amax.copy_from_host(st, &amaxes[r]).unwrap();
+            for out in [&v.sum, &v.gathered, &v.even, &v.uneven] {
+                out.memset_bytes(st, 0xFF).unwrap();
+            }
         }
         for r in 0..n {
             execs[r].launch(&ranks.streams[r]).unwrap();
         }
         let sum = bits(&reduce_host(&inputs, ReduceOp::Sum));
         let max = bits(&reduce_host(&amaxes, ReduceOp::Max));
-        for r in 0..n {
+        let gathered: Vec<f32> = inputs.iter().flat_map(|v| v[..block].to_vec()).collect();
+        for p in 0..n {
+            let (v, st) = (&views[p], &ranks.streams[p]);
+            let got = |b: &DeviceBuffer<f32>| bits(&b.to_vec(st).unwrap());
+            assert!(got(&v.sum) == sum, "replay {replay}: rank {p} sum");
+            assert!(got(&v.amax) == max, "replay {replay}: rank {p} max");
             assert!(
-                bits(&recv_views[r].to_vec(&ranks.streams[r]).unwrap()) == sum,
-                "replay {replay}: rank {r} sum"
+                got(&v.gathered) == bits(&gathered),
+                "replay {replay}: rank {p} all_gather"
             );
+            let a2a: Vec<f32> = (0..n)
+                .flat_map(|r| inputs[r][p * block..(p + 1) * block].to_vec())
+                .collect();
             assert!(
-                bits(&amax_views[r].to_vec(&ranks.streams[r]).unwrap()) == max,
-                "replay {replay}: rank {r} max"
+                got(&v.even) == bits(&a2a),
+                "replay {replay}: rank {p} all_to_all"
+            );
+            let a2av: Vec<f32> = (0..n)
+                .flat_map(|r| {
+                    let start: usize = (0..p).map(|q| count(r, q)).sum();
+                    inputs[r][start..start + count(r, p)].to_vec()
+                })
+                .collect();
+            assert!(
+                got(&v.uneven) == bits(&a2av),
+                "replay {replay}: rank {p} all_to_all_v"
             );
         }
     }
@@ -357,19 +409,25 @@ fn captured_collectives_replay_on_new_data_and_keep_their_operands_alive() {
 /// all; the threads' captures meet in NCCL as eager calls do.
 fn capture_each_rank(
     ranks: &Ranks,
-    send: &[DeviceBuffer<f32>],
-    recv: &[DeviceBuffer<f32>],
-    amax: &[DeviceBuffer<f32>],
+    ops: &[Operands],
+    block: usize,
+    count: &(dyn Fn(usize, usize) -> usize + Sync),
 ) -> Vec<GraphExec> {
+    let n = ranks.n();
     std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..ranks.n())
+        let handles: Vec<_> = (0..n)
             .map(|r| {
-                let (comm, stream) = (&ranks.comms[r], &ranks.streams[r]);
-                let (s, d, a) = (&send[r], &recv[r], &amax[r]);
+                let (comm, stream, o) = (&ranks.comms[r], &ranks.streams[r], &ops[r]);
                 scope.spawn(move || {
+                    let sends: Vec<usize> = (0..n).map(|p| count(r, p)).collect();
+                    let recvs: Vec<usize> = (0..n).map(|q| count(q, r)).collect();
                     let graph = stream.capture(CaptureMode::ThreadLocal, |sc| {
-                        comm.all_reduce(s, d, ReduceOp::Sum, sc.stream())?;
-                        comm.all_reduce_in_place(a, ReduceOp::Max, sc.stream())?;
+                        let s = sc.stream();
+                        comm.all_reduce(&o.send, &o.sum, ReduceOp::Sum, s)?;
+                        comm.all_reduce_in_place(&o.amax, ReduceOp::Max, s)?;
+                        comm.all_gather(&o.send.slice(..block)?, &o.gathered, s)?;
+                        comm.all_to_all(&o.send, &o.even, s)?;
+                        comm.all_to_all_v(&o.send, &sends, &o.uneven, &recvs, s)?;
                         Ok(())
                     })?;
                     GraphExec::instantiate(&graph, InstantiateFlags::empty())
