@@ -30,19 +30,24 @@
 //! # Data parallelism
 //!
 //! [`Model::new_data_parallel`] trains one replica per rank of an NCCL communicator, each on
-//! its own microbatches (modes none and step). After the step's last microbatch, before the
-//! scale update, each rank max-reduces the FP8 amaxes (TransformerEngine's `fp8_group`: every
-//! rank then computes the same scales, those of the union of the ranks' data), averages the
-//! gradients (one NCCL group: NCCL fuses them into few launches) and sums the loss; the clip
-//! and AdamW then run on identical gradients, so the replicas stay identical. In mode step
-//! the collectives are part of the captured step graph. `n` ranks of `m` microbatches compute
-//! what one GPU computes with `n * m` microbatches, up to the order of the gradient sums.
+//! its own microbatches (modes none and step). The gradients are averaged over the ranks in
+//! buckets as the last microbatch's backward finishes them: the head's after the head, each
+//! block's (its norms, attention and MoE layer) after that block, the embedding's last; each
+//! bucket is one NCCL group on a stream forked from the step's (a side stream when eager, a
+//! fork of the capture in mode step), so the reductions overlap the rest of the backward.
+//! After the joins, each rank max-reduces the FP8 amaxes (TransformerEngine's `fp8_group`:
+//! every rank then computes the same scales, those of the union of the ranks' data) and sums
+//! the loss; the clip and AdamW then run on identical gradients, so the replicas stay
+//! identical. In mode step all of it is part of the captured step graph. `n` ranks of `m`
+//! microbatches compute what one GPU computes with `n * m` microbatches, up to the order of
+//! the gradient sums.
 
 use std::sync::{Arc, Mutex};
 
 use cuda_graph::half::bf16;
 use cuda_graph::{
-    CaptureMode, DeviceBuffer, Error, Graph, GraphExec, InstantiateFlags, Result, Stream,
+    CaptureMode, CaptureScope, DeviceBuffer, Error, Event, Graph, GraphExec, InstantiateFlags,
+    Result, Stream,
 };
 use cuda_graph_nccl::{Communicator, ReduceOp};
 use fp8_kernels::{AdamW, AmaxAlgo, DelayedScaling, DeviceScalar, Fp8Format, HpBuffer};
@@ -191,8 +196,143 @@ pub struct Model {
     /// The step graph (mode step) and its exec.
     step_graph: Option<(Graph, GraphExec)>,
     steps_done: usize,
-    /// Data parallelism: the communicator over the replicas.
-    dp: Option<Communicator>,
+    /// Data parallelism: the communicator over the replicas and the gradient buckets.
+    dp: Option<DataParallel>,
+}
+
+/// A data-parallel replica's reduction state.
+struct DataParallel {
+    comm: Communicator,
+    /// Indices into [`grads_of`]'s list, per bucket, in the order the backward finishes
+    /// them: the head's (final norm and LM head), each block's, the embedding's.
+    head: Vec<usize>,
+    blocks: Vec<Vec<usize>>,
+    embed: Vec<usize>,
+    /// Eager steps: the stream the reductions run on beside the backward, and the event
+    /// that orders it after the work it reduces.
+    side: Stream,
+    event: Arc<Event>,
+}
+
+impl DataParallel {
+    fn new(
+        stream: &Stream,
+        comm: Communicator,
+        optim: &ModelOptimizer,
+        layers: usize,
+    ) -> Result<DataParallel> {
+        let (mut head, mut blocks, mut embed) = (Vec::new(), vec![Vec::new(); layers], Vec::new());
+        let mut i = 0;
+        for p in optim.dense() {
+            match p.name.strip_prefix("blocks.") {
+                Some(rest) => {
+                    let l: usize = rest
+                        .split('.')
+                        .next()
+                        .and_then(|l| l.parse().ok())
+                        .filter(|&l| l < layers)
+                        .ok_or_else(|| {
+                            Error::InvalidArgument(format!("parameter {} names no block", p.name))
+                        })?;
+                    blocks[l].push(i);
+                }
+                None if p.name == "embed" => embed.push(i),
+                None => head.push(i),
+            }
+            i += 1;
+        }
+        for (l, m) in optim.moe().iter().enumerate() {
+            let n = m.gradients().len();
+            blocks[l].extend(i..i + n);
+            i += n;
+        }
+        // Every gradient the optimizer steps is in exactly one bucket.
+        if i != grads_of(optim).len() {
+            return Err(Error::InvalidArgument(format!(
+                "data parallelism: {i} gradients in buckets, the optimizer has {}",
+                grads_of(optim).len()
+            )));
+        }
+        Ok(DataParallel {
+            comm,
+            head,
+            blocks,
+            embed,
+            side: Stream::new(stream.context())?,
+            event: Arc::new(Event::new(stream.context())?),
+        })
+    }
+
+    /// Averages the gradients `bucket` names (of `grads`) over the ranks, as one NCCL group
+    /// on a stream forked from `origin` after the work enqueued so far.
+    fn reduce(
+        &self,
+        grads: &[HpBuffer<'_>],
+        bucket: &[usize],
+        side: &mut Side<'_, '_>,
+        origin: &Stream,
+    ) -> Result<()> {
+        let s = side.fork(origin)?;
+        let comm = &self.comm;
+        cuda_graph_nccl::group(|| {
+            for &i in bucket {
+                match grads[i] {
+                    HpBuffer::F32(b) => comm.all_reduce_in_place(b, ReduceOp::Avg, &s)?,
+                    HpBuffer::F16(b) => comm.all_reduce_in_place(b, ReduceOp::Avg, &s)?,
+                    HpBuffer::Bf16(b) => comm.all_reduce_in_place(b, ReduceOp::Avg, &s)?,
+                }
+            }
+            Ok(())
+        })?;
+        Ok(())
+    }
+}
+
+/// Where the gradient reductions run beside the backward: the replica's side stream when
+/// eager, forks of the capture when the step is captured.
+enum Side<'a, 's> {
+    Eager {
+        side: Stream,
+        event: Arc<Event>,
+    },
+    Capture {
+        scope: &'a mut CaptureScope<'s>,
+        forks: Vec<Stream>,
+    },
+}
+
+impl Side<'_, '_> {
+    /// A stream that runs after the work enqueued on `origin` so far.
+    fn fork(&mut self, origin: &Stream) -> Result<Stream> {
+        match self {
+            Side::Eager { side, event } => {
+                event.record(origin)?;
+                side.wait_event(event)?;
+                Ok(side.clone())
+            }
+            Side::Capture { scope, forks } => {
+                let f = scope.fork()?;
+                forks.push(f.clone());
+                Ok(f)
+            }
+        }
+    }
+
+    /// `origin` waits for everything enqueued on the forks.
+    fn join(&mut self, origin: &Stream) -> Result<()> {
+        match self {
+            Side::Eager { side, event } => {
+                event.record(side)?;
+                origin.wait_event(event)
+            }
+            Side::Capture { scope, forks } => {
+                for f in forks.drain(..) {
+                    scope.join(&f)?;
+                }
+                Ok(())
+            }
+        }
+    }
 }
 
 impl std::fmt::Debug for Model {
@@ -421,8 +561,11 @@ impl Model {
             step_graph: None,
             steps_done: 0,
             scaling,
-            dp,
+            dp: None,
         };
+        if let Some(comm) = dp {
+            model.dp = Some(DataParallel::new(stream, comm, &model.optim, cfg.layers)?);
+        }
         stream.synchronize()?;
         if mode == GraphMode::Step {
             model.capture_step(stream)?;
@@ -488,7 +631,16 @@ impl Model {
         self.optim.set_lr(stream, lr)?;
         match &self.step_graph {
             Some((_, exec)) => exec.launch(stream)?,
-            None => self.enqueue_step(stream)?,
+            None => match &self.dp {
+                Some(dp) => {
+                    let mut side = Side::Eager {
+                        side: dp.side.clone(),
+                        event: dp.event.clone(),
+                    };
+                    self.enqueue_step(stream, Some(&mut side))?
+                }
+                None => self.enqueue_step(stream, None)?,
+            },
         }
         self.steps_done += 1;
         Ok(())
@@ -497,7 +649,7 @@ impl Model {
     /// The last step's loss and gradient norm (waits for it).
     pub fn stats(&self, stream: &Stream) -> Result<StepStats> {
         let s = self.stats.to_vec(stream)?;
-        let ranks = self.dp.as_ref().map_or(1, Communicator::size);
+        let ranks = self.dp.as_ref().map_or(1, |dp| dp.comm.size());
         let tokens = (self.cfg.tokens() * self.batches.len() * ranks) as f32;
         Ok(StepStats {
             loss: s[LOSS] / tokens,
@@ -738,8 +890,18 @@ impl Model {
         // The first replay's kernels (module loads, attribute queries) ran in an eager
         // warmup step would change the state; capture directly: every launcher only
         // enqueues, and the modules are loaded.
-        let (graph, ()) =
-            stream.capture_with(CaptureMode::ThreadLocal, |s| self.enqueue_step(s.stream()))?;
+        let (graph, ()) = stream.capture_with(CaptureMode::ThreadLocal, |s| {
+            let origin = s.stream().clone();
+            if self.dp.is_some() {
+                let mut side = Side::Capture {
+                    scope: s,
+                    forks: Vec::new(),
+                };
+                self.enqueue_step(&origin, Some(&mut side))
+            } else {
+                self.enqueue_step(&origin, None)
+            }
+        })?;
         let exec = GraphExec::instantiate(&graph, InstantiateFlags::empty())?;
         self.step_graph = Some((graph, exec));
         Ok(())
@@ -785,13 +947,21 @@ impl Model {
     }
 
     /// Enqueues a whole step (see the [module documentation](self)).
-    fn enqueue_step(&mut self, stream: &Stream) -> Result<()> {
+    /// `side`: where a data-parallel replica reduces its gradients beside the last
+    /// microbatch's backward (`None` without data parallelism).
+    fn enqueue_step(&mut self, stream: &Stream, mut side: Option<&mut Side<'_, '_>>) -> Result<()> {
         let m = self.batches.len();
         for mb in 0..m {
-            self.microbatch(stream, mb)?;
+            let reduce = if mb + 1 == m {
+                side.as_deref_mut()
+            } else {
+                None
+            };
+            self.microbatch(stream, mb, reduce)?;
         }
-        if let Some(comm) = &self.dp {
-            self.reduce_over_ranks(comm, stream)?;
+        if let (Some(dp), Some(side)) = (&self.dp, side) {
+            side.join(stream)?;
+            self.reduce_amax_and_loss(&dp.comm, stream)?;
         }
         self.scaling.update(stream)?;
         let grads = self.grads();
@@ -806,27 +976,17 @@ impl Model {
         self.optim.step(stream, &factor)
     }
 
-    /// Data parallelism: the amaxes max-reduced, the gradients averaged and the loss summed
-    /// over `comm`'s ranks (see the [module documentation](self#data-parallelism)).
-    fn reduce_over_ranks(&self, comm: &Communicator, stream: &Stream) -> Result<()> {
+    /// Data parallelism, after the gradients: the amaxes max-reduced and the loss summed over
+    /// `comm`'s ranks (see the [module documentation](self#data-parallelism)).
+    fn reduce_amax_and_loss(&self, comm: &Communicator, stream: &Stream) -> Result<()> {
         comm.all_reduce_in_place(self.scaling.history_buffer(), ReduceOp::Max, stream)?;
-        cuda_graph_nccl::group(|| {
-            for g in self.grads() {
-                match g {
-                    HpBuffer::F32(b) => comm.all_reduce_in_place(b, ReduceOp::Avg, stream)?,
-                    HpBuffer::F16(b) => comm.all_reduce_in_place(b, ReduceOp::Avg, stream)?,
-                    HpBuffer::Bf16(b) => comm.all_reduce_in_place(b, ReduceOp::Avg, stream)?,
-                }
-            }
-            Ok(())
-        })?;
         comm.all_reduce_in_place(&self.stats.slice(LOSS..LOSS + 1)?, ReduceOp::Sum, stream)?;
         Ok(())
     }
 
     /// The data-parallel communicator, if the model is one replica of several.
     pub fn communicator(&self) -> Option<&Communicator> {
-        self.dp.as_ref()
+        self.dp.as_ref().map(|dp| &dp.comm)
     }
 
     /// `stats[GRAD_NORM..]`: the norm and clip factor the clip kernel writes.
@@ -834,8 +994,14 @@ impl Model {
         self.stats.slice(GRAD_NORM..STATS)
     }
 
-    /// Forward and backward of microbatch `mb`.
-    fn microbatch(&mut self, stream: &Stream, mb: usize) -> Result<()> {
+    /// Forward and backward of microbatch `mb`; with `reduce`, each gradient bucket of a
+    /// data-parallel replica is averaged over the ranks as soon as the backward finishes it.
+    fn microbatch(
+        &mut self,
+        stream: &Stream,
+        mb: usize,
+        mut reduce: Option<&mut Side<'_, '_>>,
+    ) -> Result<()> {
         let first = mb == 0;
         let b = &self.batches[mb];
         match &mut self.blocks {
@@ -864,12 +1030,16 @@ impl Model {
                     &self.stats,
                     (mb, self.batches.len(), self.cfg.norm_eps),
                 )?;
+                reduce_bucket(&self.dp, &self.optim, &mut reduce, stream, |dp| &dp.head)?;
                 // The head's backward wrote dh[0]; the blocks' alternate between the two.
                 let mut cur = 0;
                 for (l, block) in blocks.iter_mut().enumerate().rev() {
                     let slot = direct_slot(mb, l, hidden, &saved[l]);
                     let next = 1 - cur;
                     block.backward(stream, &[&self.dh[cur]], &[&self.dh[next]], &slot)?;
+                    reduce_bucket(&self.dp, &self.optim, &mut reduce, stream, |dp| {
+                        &dp.blocks[l]
+                    })?;
                     cur = next;
                 }
                 self.ops.embedding_backward(
@@ -878,7 +1048,8 @@ impl Model {
                     &self.dh[cur],
                     &self.embed.dw,
                     !first,
-                )
+                )?;
+                reduce_bucket(&self.dp, &self.optim, &mut reduce, stream, |dp| &dp.embed)
             }
             Blocks::Graphed(rt) => {
                 let h0 = rt.static_inputs(0, mb)?[0];
@@ -901,6 +1072,21 @@ impl Model {
                     .embedding_backward(stream, &b.tokens, &dx[0], &self.embed.dw, !first)
             }
         }
+    }
+}
+
+/// With a data-parallel replica's `reduce`, averages the bucket `pick` names over the ranks
+/// beside the work that follows (see [`DataParallel::reduce`]).
+fn reduce_bucket(
+    dp: &Option<DataParallel>,
+    optim: &ModelOptimizer,
+    reduce: &mut Option<&mut Side<'_, '_>>,
+    stream: &Stream,
+    pick: impl Fn(&DataParallel) -> &[usize],
+) -> Result<()> {
+    match (dp, reduce.as_deref_mut()) {
+        (Some(dp), Some(side)) => dp.reduce(&grads_of(optim), pick(dp), side, stream),
+        _ => Ok(()),
     }
 }
 
