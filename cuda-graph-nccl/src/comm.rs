@@ -499,6 +499,17 @@ impl Communicator {
         Ok(())
     }
 
+    /// Errors unless `whole` holds one block of `block` elements per rank.
+    fn check_one_per_rank(&self, what: &str, whole: usize, block: usize) -> Result<()> {
+        if block.checked_mul(self.inner.size) == Some(whole) {
+            return Ok(());
+        }
+        Err(Error::InvalidArgument(format!(
+            "{what} needs {block} elements times {} ranks, it has {whole}",
+            self.inner.size
+        )))
+    }
+
     fn check_peer(&self, what: &str, peer: usize) -> Result<i32> {
         if peer >= self.inner.size {
             return Err(Error::InvalidArgument(format!(
@@ -604,13 +615,7 @@ impl Communicator {
         stream: &Stream,
     ) -> Result<()> {
         let n = send.len();
-        if recv.len() != n * self.inner.size {
-            return Err(Error::InvalidArgument(format!(
-                "all_gather: recv needs send's {n} elements times {} ranks, it has {}",
-                self.inner.size,
-                recv.len()
-            )));
-        }
+        self.check_one_per_rank("all_gather: recv", recv.len(), n)?;
         let f = entry!(self.inner.lib, ncclAllGather)?;
         self.enqueue(
             "ncclAllGather",
@@ -636,13 +641,7 @@ impl Communicator {
         stream: &Stream,
     ) -> Result<()> {
         let n = recv.len();
-        if send.len() != n * self.inner.size {
-            return Err(Error::InvalidArgument(format!(
-                "reduce_scatter: send needs recv's {n} elements times {} ranks, it has {}",
-                self.inner.size,
-                send.len()
-            )));
-        }
+        self.check_one_per_rank("reduce_scatter: send", send.len(), n)?;
         let f = entry!(self.inner.lib, ncclReduceScatter)?;
         self.enqueue(
             "ncclReduceScatter",
