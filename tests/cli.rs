@@ -14,14 +14,13 @@ fn cli(args: &[&str], env: &[(&str, &str)]) -> Output {
     cmd.output().expect("the CLI starts")
 }
 
-#[test]
-fn info_without_a_driver_fails_with_one_clear_line() {
-    let out = cli(
-        &["info"],
-        &[("CUDA_GRAPH_LIBCUDA", "/nonexistent/libcuda.so.1")],
-    );
-    assert_eq!(out.status.code(), Some(1));
-    assert!(out.stdout.is_empty(), "nothing on stdout");
+/// Runs the CLI with `args` against a libcuda that does not exist and asserts what a user
+/// without a driver sees: exit code 1, nothing on stdout, one line on stderr naming the
+/// missing driver, no panic.
+fn assert_fails_without_a_driver(args: &[&str]) {
+    let out = cli(args, &[("CUDA_GRAPH_LIBCUDA", "/nonexistent/libcuda.so.1")]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(out.stdout.is_empty(), "nothing on stdout: {out:?}");
     let err = String::from_utf8(out.stderr).unwrap();
     assert_eq!(err.lines().count(), 1, "one line: {err:?}");
     assert!(
@@ -32,19 +31,13 @@ fn info_without_a_driver_fails_with_one_clear_line() {
 }
 
 #[test]
+fn info_without_a_driver_fails_with_one_clear_line() {
+    assert_fails_without_a_driver(&["info"]);
+}
+
+#[test]
 fn train_without_a_driver_fails_with_one_clear_line() {
-    let out = cli(
-        &["train", "--steps", "1"],
-        &[("CUDA_GRAPH_LIBCUDA", "/nonexistent/libcuda.so.1")],
-    );
-    assert_eq!(out.status.code(), Some(1));
-    assert!(out.stdout.is_empty(), "nothing on stdout");
-    let err = String::from_utf8(out.stderr).unwrap();
-    assert_eq!(err.lines().count(), 1, "one line: {err:?}");
-    assert!(
-        err.starts_with("fp8-moe: error: no CUDA driver:"),
-        "{err:?}"
-    );
+    assert_fails_without_a_driver(&["train", "--steps", "1"]);
 }
 
 #[test]
@@ -222,18 +215,7 @@ fn soak_bad_flags_print_usage_and_exit_2() {
 fn soak_without_a_driver_fails_with_one_clear_line() {
     let json =
         std::env::temp_dir().join(format!("fp8-moe-soak-nodriver-{}.json", std::process::id()));
-    let out = cli(
-        &["soak", "--replays", "6", "--json", json.to_str().unwrap()],
-        &[("CUDA_GRAPH_LIBCUDA", "/nonexistent/libcuda.so.1")],
-    );
-    assert_eq!(out.status.code(), Some(1), "{out:?}");
-    assert!(out.stdout.is_empty(), "nothing on stdout: {out:?}");
-    let err = String::from_utf8(out.stderr).unwrap();
-    assert_eq!(err.lines().count(), 1, "one line: {err:?}");
-    assert!(
-        err.starts_with("fp8-moe: error: no CUDA driver:"),
-        "{err:?}"
-    );
+    assert_fails_without_a_driver(&["soak", "--replays", "6", "--json", json.to_str().unwrap()]);
     assert!(!json.exists(), "no report without a run");
 }
 
