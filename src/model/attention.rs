@@ -294,12 +294,30 @@ impl Attention {
         shape.lse_len()
     }
 
-    fn head_kernels(&self, shape: &AttentionShape) -> &HeadKernels {
-        let i = SUPPORTED_HEAD_DIMS
+    /// What both passes check and compute first: the shape, the scale, the lengths of
+    /// `qkv`, `o` and `lse`; then the head dimension's kernels, `(seq, heads)` as the kernels
+    /// take them and the scale in log2 units.
+    fn prepare(
+        &self,
+        what: &str,
+        shape: &AttentionShape,
+        scale: f32,
+        (qkv, o, lse): (&DeviceBuffer<bf16>, &DeviceBuffer<bf16>, &DeviceBuffer<f32>),
+    ) -> Result<(&HeadKernels, u32, u32, f32)> {
+        shape.check()?;
+        check_scale(what, scale)?;
+        check_len(what, "qkv", qkv.len(), shape.qkv_len())?;
+        check_len(what, "o", o.len(), shape.o_len())?;
+        check_len(what, "lse", lse.len(), shape.lse_len())?;
+        let k = SUPPORTED_HEAD_DIMS
             .iter()
             .position(|&d| d == shape.head_dim)
-            .expect("checked by AttentionShape::check");
-        &self.kernels[i]
+            .map(|i| &self.kernels[i])
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!("{what}: head dim {} has no kernel", shape.head_dim))
+            })?;
+        let (seq, heads) = (u32_of(shape.seq), u32_of(shape.heads));
+        Ok((k, seq, heads, scale * std::f32::consts::LOG2_E))
     }
 
     /// The launch of kernel `i` (0 forward, 1 dq, 2 dk/dv) of `k`: grid `(B * H, ceil(S /
@@ -334,19 +352,12 @@ impl Attention {
         lse: &DeviceBuffer<f32>,
     ) -> Result<()> {
         let what = "Attention::forward";
-        shape.check()?;
-        check_scale(what, scale)?;
-        check_len(what, "qkv", qkv.len(), shape.qkv_len())?;
-        check_len(what, "o", o.len(), shape.o_len())?;
-        check_len(what, "lse", lse.len(), shape.lse_len())?;
+        let (k, seq, heads, scale_log2) = self.prepare(what, &shape, scale, (qkv, o, lse))?;
         check_aligned(what, "qkv", qkv)?;
         check_aligned(what, "o", o)?;
         check_apart(what, ("o", o), ("qkv", qkv))?;
         check_apart(what, ("lse", lse), ("qkv", qkv))?;
         check_apart(what, ("lse", lse), ("o", o))?;
-        let k = self.head_kernels(&shape);
-        let (seq, heads) = (u32_of(shape.seq), u32_of(shape.heads));
-        let scale_log2 = scale * std::f32::consts::LOG2_E;
         // SAFETY: attention_forward_d{D}(const bf16 *qkv, bf16 *o, float *lse, unsigned seq,
         // unsigned heads, float scale_log2) with D = shape.head_dim: block (bh, y), bh < B *
         // H, reads the q, k, v columns of head bh % H of rows s < S of sequence bh / H (qkv is
@@ -388,11 +399,7 @@ impl Attention {
         workspace: &DeviceBuffer<f32>,
     ) -> Result<()> {
         let what = "Attention::backward";
-        shape.check()?;
-        check_scale(what, scale)?;
-        check_len(what, "qkv", qkv.len(), shape.qkv_len())?;
-        check_len(what, "o", o.len(), shape.o_len())?;
-        check_len(what, "lse", lse.len(), shape.lse_len())?;
+        let (k, seq, heads, scale_log2) = self.prepare(what, &shape, scale, (qkv, o, lse))?;
         check_len(what, "d_o", d_o.len(), shape.o_len())?;
         check_len(what, "dqkv", dqkv.len(), shape.qkv_len())?;
         let ws_len = Self::backward_workspace_len(shape);
@@ -413,9 +420,6 @@ impl Attention {
         check_apart(what, ("dqkv", dqkv), ("lse", lse))?;
         check_apart(what, ("workspace", &delta), ("lse", lse))?;
         check_apart(what, ("workspace", &delta), ("dqkv", dqkv))?;
-        let k = self.head_kernels(&shape);
-        let (seq, heads) = (u32_of(shape.seq), u32_of(shape.heads));
-        let scale_log2 = scale * std::f32::consts::LOG2_E;
         // SAFETY: attention_backward_dq_d{D}(const bf16 *qkv, const bf16 *o, const float
         // *lse, const bf16 *d_o, bf16 *dqkv, float *delta, unsigned seq, unsigned heads,
         // float scale, float scale_log2): block (bh, y) reads head bh % H's columns of rows s
