@@ -1030,16 +1030,19 @@ impl Model {
                     &self.stats,
                     (mb, self.batches.len(), self.cfg.norm_eps),
                 )?;
-                reduce_bucket(&self.dp, &self.optim, &mut reduce, stream, |dp| &dp.head)?;
+                // The gradients the buckets index, listed once (only when reducing).
+                let grads = match reduce {
+                    Some(_) => grads_of(&self.optim),
+                    None => Vec::new(),
+                };
+                reduce_bucket(&self.dp, &grads, &mut reduce, stream, |dp| &dp.head)?;
                 // The head's backward wrote dh[0]; the blocks' alternate between the two.
                 let mut cur = 0;
                 for (l, block) in blocks.iter_mut().enumerate().rev() {
                     let slot = direct_slot(mb, l, hidden, &saved[l]);
                     let next = 1 - cur;
                     block.backward(stream, &[&self.dh[cur]], &[&self.dh[next]], &slot)?;
-                    reduce_bucket(&self.dp, &self.optim, &mut reduce, stream, |dp| {
-                        &dp.blocks[l]
-                    })?;
+                    reduce_bucket(&self.dp, &grads, &mut reduce, stream, |dp| &dp.blocks[l])?;
                     cur = next;
                 }
                 self.ops.embedding_backward(
@@ -1049,7 +1052,7 @@ impl Model {
                     &self.embed.dw,
                     !first,
                 )?;
-                reduce_bucket(&self.dp, &self.optim, &mut reduce, stream, |dp| &dp.embed)
+                reduce_bucket(&self.dp, &grads, &mut reduce, stream, |dp| &dp.embed)
             }
             Blocks::Graphed(rt) => {
                 let h0 = rt.static_inputs(0, mb)?[0];
@@ -1079,13 +1082,13 @@ impl Model {
 /// beside the work that follows (see [`DataParallel::reduce`]).
 fn reduce_bucket(
     dp: &Option<DataParallel>,
-    optim: &ModelOptimizer,
+    grads: &[HpBuffer<'_>],
     reduce: &mut Option<&mut Side<'_, '_>>,
     stream: &Stream,
     pick: impl Fn(&DataParallel) -> &[usize],
 ) -> Result<()> {
     match (dp, reduce.as_deref_mut()) {
-        (Some(dp), Some(side)) => dp.reduce(&grads_of(optim), pick(dp), side, stream),
+        (Some(dp), Some(side)) => dp.reduce(grads, pick(dp), side, stream),
         _ => Ok(()),
     }
 }
