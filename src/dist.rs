@@ -15,6 +15,8 @@ use cuda_graph_nccl::rendezvous::RendezvousConfig;
 use cuda_graph_nccl::{Communicator, ReduceOp, UniqueId};
 use fp8_kernels::ReductionGroup;
 
+use crate::moe::ep::ExpertGroup;
+
 /// Where this process stands in a job: its rank, the rank count and its GPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Placement {
@@ -128,6 +130,37 @@ impl ReductionGroup for NcclGroup {
 
     fn size(&self) -> usize {
         self.comm.size()
+    }
+}
+
+/// Expert parallelism over NCCL: the all-gathers and the all-to-all of
+/// [`ExpertParallelMoe`](crate::moe::ep::ExpertParallelMoe), on the caller's stream
+/// (capturable).
+impl ExpertGroup for NcclGroup {
+    fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    fn size(&self) -> usize {
+        self.comm.size()
+    }
+
+    fn all_gather(
+        &self,
+        stream: &Stream,
+        send: &DeviceBuffer<u8>,
+        recv: &DeviceBuffer<u8>,
+    ) -> cuda_graph::Result<()> {
+        Ok(self.comm.all_gather(send, recv, stream)?)
+    }
+
+    fn all_to_all(
+        &self,
+        stream: &Stream,
+        send: &DeviceBuffer<u8>,
+        recv: &DeviceBuffer<u8>,
+    ) -> cuda_graph::Result<()> {
+        Ok(self.comm.all_to_all(send, recv, stream)?)
     }
 }
 

@@ -19,7 +19,7 @@
 use std::sync::Arc;
 
 mod common;
-use common::{bf16_round, f64s, fresh_rng, to_bf16};
+use common::{bf16_round, f64s, fixed_scaling, fresh_rng, random_params, to_bf16};
 use fp8_moe::rng::Rng;
 
 use cuda_graph::half::bf16;
@@ -147,15 +147,6 @@ fn route_positive_inputs_to(params: &mut MoeParams, e: usize, hidden: usize, shr
 /// `0.5 + 0.5 |v|`: inputs in [0.5, 1].
 fn positive(v: &[f32]) -> Vec<f32> {
     v.iter().map(|v| 0.5 + 0.5 * v.abs()).collect()
-}
-
-fn random_params(rng: &mut Rng, cfg: &MoeLayerConfig) -> MoeParams {
-    let (h, f, e) = (cfg.hidden, cfg.ffn, cfg.experts);
-    MoeParams {
-        wr: rng.vec(e * h, 0.3),
-        w1: bf16_round(&rng.vec(e * 2 * f * h, 0.2)),
-        w2: bf16_round(&rng.vec(e * h * f, 0.2)),
-    }
 }
 
 /// A layer of `cfg` on fresh random data, its expert GEMMs on `path`; with `one_expert`,
@@ -587,22 +578,6 @@ fn results(s: &Setup) -> Vec<Vec<u32>> {
         grad_bits(st, s.layer.fc2().1),
         f(s.layer.router_weight().1),
     ]
-}
-
-/// A scaling state for `cfg` with fixed scales (64 for E4M3 tensors, 4096 for E5M2) that
-/// suit the tests' data, history 1.
-fn fixed_scaling(stream: &Stream, cfg: &MoeLayerConfig) -> Arc<DelayedScaling> {
-    let fmts = formats(cfg.recipe, cfg.experts);
-    let scaling = Arc::new(DelayedScaling::new(stream, &fmts, 1, 0, AmaxAlgo::MostRecent).unwrap());
-    for (t, fmt) in fmts.iter().enumerate() {
-        let v = if *fmt == Fp8Format::E4M3 {
-            64.0
-        } else {
-            4096.0
-        };
-        scaling.scale(t).unwrap().write(stream, v).unwrap();
-    }
-    scaling
 }
 
 /// What one run of a two-step, two-microbatch schedule produced: every forward output and

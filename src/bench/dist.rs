@@ -1,6 +1,7 @@
 //! `fp8-moe bench dist`: NCCL collectives eager and captured in CUDA graphs, the FP8 amax
-//! reduction's cost inside a graph, and the train job's default model data parallel over
-//! every rank against one GPU.
+//! reduction's cost inside a graph, the MoE layer's step expert parallel over every rank
+//! against one GPU, and the train job's default model data parallel over every rank against
+//! one GPU.
 //!
 //! Run it on every GPU with `fp8-moe --gpus N bench dist` (rank 0 prints and writes the
 //! JSON); run directly it is one rank, where NCCL's collectives are local copies: the
@@ -10,10 +11,18 @@
 
 use std::sync::Arc;
 
+use cuda_graph::half::bf16;
 use cuda_graph::{CaptureMode, Context, DeviceBuffer, GraphExec, InstantiateFlags, Stream};
 use cuda_graph_nccl::{Communicator, ReduceOp};
-use fp8_moe::dist::{Placement, communicator};
+use fp8_kernels::{AmaxAlgo, CastScaling, DelayedScaling};
+use fp8_moe::dist::{NcclGroup, Placement, communicator};
 use fp8_moe::model::{GraphMode, Model, ModelConfig, TrainConfig};
+use fp8_moe::moe::ep::ExpertParallelMoe;
+use fp8_moe::moe::layer::{
+    ExpertGemm, Fp8Recipe, GradDtype, MoeLayer, MoeLayerConfig, MoeParams, formats,
+};
+use fp8_moe::moe::routing::{RouterConfig, ScoreFn};
+use graphed_callables::{Callable, GraphIndex, Slot};
 
 use super::{BenchResult, Row, event_median_ms};
 
@@ -32,6 +41,9 @@ const AMAX_TARGET_US: f64 = 15.0;
 /// (1024 tensors, as in a 32-layer MoE stack's registered casts, history 1: the reduction
 /// runs over the current amaxes).
 const AMAX_SLOTS: usize = 1024;
+
+/// The EP step's budget against the one-GPU step over every rank's tokens.
+const EP_TARGET: f64 = 0.6;
 
 /// One rank's side of the benchmark.
 struct Rank {
@@ -184,6 +196,8 @@ pub fn run() -> BenchResult<Vec<Row>> {
         pass: None,
     });
 
+    rows.push(expert_parallel_row(&rank, judged)?);
+
     // The train job's default model, one step graph: data parallel over every rank, then
     // (rank 0 alone, the others done) one GPU.
     let model = ModelConfig::default();
@@ -234,5 +248,138 @@ fn train_step_ms(stream: &Stream, model: &mut Model, rank: usize) -> BenchResult
     event_median_ms(stream, 3, 10, || {
         model.step(stream, 1e-4)?;
         Ok(())
+    })
+}
+
+/// The train job's MoE layer (the default model's: d 512, 8 experts top-2, F 1024, 4096 tokens
+/// a microbatch) with `tokens` tokens.
+fn moe_config(tokens: usize) -> MoeLayerConfig {
+    let m = ModelConfig::default();
+    MoeLayerConfig {
+        tokens,
+        hidden: m.d_model,
+        ffn: m.ffn,
+        experts: m.experts,
+        router: RouterConfig {
+            top_k: m.top_k,
+            score: ScoreFn::Softmax,
+            renormalize: false,
+            aux_coef: 1e-2,
+            z_coef: 0.0,
+        },
+        recipe: Fp8Recipe::Hybrid,
+        expert_gemm: ExpertGemm::Grouped,
+        scaling: CastScaling::Delayed,
+        grad_dtype: GradDtype::F32,
+    }
+}
+
+/// Saved buffers of `bytes`, zeroed.
+fn zeroed(stream: &Stream, bytes: &[usize]) -> BenchResult<Vec<DeviceBuffer<u8>>> {
+    bytes
+        .iter()
+        .map(|&n| {
+            let b = DeviceBuffer::<u8>::alloc(stream.context(), n)?;
+            b.memset_bytes(stream, 0)?;
+            Ok(b)
+        })
+        .collect()
+}
+
+/// The MoE layer's step (forward and backward, one captured graph) expert parallel over every
+/// rank, each with the default model's microbatch, against one GPU holding every expert over
+/// every rank's tokens (rank 0, after the others are done).
+fn expert_parallel_row(rank: &Rank, judged: bool) -> BenchResult<Row> {
+    let (n, r) = (rank.comm.size(), rank.comm.rank());
+    let s = &rank.stream;
+    let tokens = ModelConfig::default().tokens();
+    let cfg = moe_config(tokens);
+    let mut rng = super::Rng::new(11, 0);
+    let (e, h, f) = (cfg.experts, cfg.hidden, cfg.ffn);
+    let params = MoeParams {
+        wr: rng.vec(e * h, 0.05),
+        w1: rng.vec(e * 2 * f * h, 0.05),
+        w2: rng.vec(e * h * f, 0.05),
+    };
+    let mut data = super::Rng::new(12, r as u64);
+    let upload = |rng: &mut super::Rng, len: usize| -> BenchResult<DeviceBuffer<bf16>> {
+        let v: Vec<bf16> = rng
+            .vec(len, 1.0)
+            .iter()
+            .map(|&v| bf16::from_f32(v))
+            .collect();
+        Ok(DeviceBuffer::from_host(s, &v)?)
+    };
+    let scaling = |experts: usize| -> BenchResult<Arc<DelayedScaling>> {
+        let fmts = formats(cfg.recipe, experts);
+        Ok(Arc::new(DelayedScaling::new(
+            s,
+            &fmts,
+            1,
+            0,
+            AmaxAlgo::MostRecent,
+        )?))
+    };
+    let ep_ms = {
+        let group = Arc::new(NcclGroup::new(rank.comm.clone()));
+        let layer = ExpertParallelMoe::new(s, cfg, &params, scaling(e / n)?, 0, group)?;
+        let saved = zeroed(s, &layer.saved_bytes()?)?;
+        let saved: Vec<&DeviceBuffer<u8>> = saved.iter().collect();
+        let (x, dy) = (
+            upload(&mut data, tokens * h)?,
+            upload(&mut data, tokens * h)?,
+        );
+        let (out, dx) = (
+            upload(&mut data, tokens * h)?,
+            upload(&mut data, tokens * h)?,
+        );
+        layer.cast_weights(s)?;
+        rank.eager_and_captured(|st| {
+            layer.forward(st, &x, &out, &saved)?;
+            layer.backward(st, &x, &dy, &dx, &saved, false)
+        })?
+        .1
+    };
+    let one_ms = if r == 0 {
+        let cfg = moe_config(tokens * n);
+        let mut layer = MoeLayer::new(s, cfg, &params, scaling(e)?, 0)?;
+        let saved = zeroed(s, &layer.saved_bytes())?;
+        let len = cfg.tokens * h;
+        let (x, dy) = (upload(&mut data, len)?, upload(&mut data, len)?);
+        let (out, dx) = (upload(&mut data, len)?, upload(&mut data, len)?);
+        let at = GraphIndex {
+            chunk: 0,
+            microbatch: 0,
+            layer: 0,
+        };
+        let slot = Slot::new(at, vec![&x], vec![&out], saved.iter().collect());
+        layer.cast_weights(s, &slot)?;
+        let graph = s.capture(CaptureMode::ThreadLocal, |cs| {
+            layer.forward(cs.stream(), &[&x], &[&out], &slot)?;
+            layer.backward(cs.stream(), &[&dy], &[&dx], &slot)
+        })?;
+        let exec = GraphExec::instantiate(&graph, InstantiateFlags::empty())?;
+        event_median_ms(s, WARMUP, REPS, || {
+            exec.launch(s)?;
+            Ok(())
+        })?
+    } else {
+        f64::NAN
+    };
+    let ratio = ep_ms / one_ms;
+    Ok(Row {
+        name: format!(
+            "MoE layer step, expert parallel over {n} GPU{} ({tokens} tokens a rank)",
+            if n == 1 { "" } else { "s" }
+        ),
+        value: ep_ms,
+        unit: "ms",
+        yardstick: format!(
+            "one GPU with every expert over {} tokens {one_ms:.3} ms: {ratio:.2}x (target <= \
+             {EP_TARGET}x at 2 GPUs){}",
+            tokens * n,
+            if judged { "" } else { "; one rank: not judged" }
+        ),
+        pass: (n == 2).then_some(ratio <= EP_TARGET),
     })
 }

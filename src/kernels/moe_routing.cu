@@ -1419,3 +1419,62 @@ extern "C" __global__ void __launch_bounds__(MOE_BLOCK)
         }
     }
 }
+
+// Expert parallelism (src/moe/ep.rs): every rank's tokens and top-k experts are gathered on
+// every rank, each rank plans and runs its own experts over all of them, and sends each
+// expert output row back to the rank whose token it is, in that rank's assignment order.
+
+// local[i] = topk[i] - first: this rank's experts numbered from 0, another rank's out of [0,
+// per_rank) (the plan leaves those unplaced).
+extern "C" __global__ void __launch_bounds__(MOE_BLOCK)
+    moe_ep_local_experts(const int *topk, int *local, unsigned n, int first) {
+    cuda_graph::pdl_enter();
+    const unsigned i = blockIdx.x * MOE_BLOCK + threadIdx.x;
+    if (i < n) local[i] = topk[i] - first;
+}
+
+// One bf16 row of `hidden` elements copied by a warp (16 bytes a lane per step when `vec`).
+__device__ __forceinline__ void ep_copy_row(const __nv_bfloat16 *src, __nv_bfloat16 *dst,
+                                            unsigned hidden, bool vec, unsigned lane) {
+    if (vec) {
+        for (unsigned c = lane * 8; c < hidden; c += 32 * 8)
+            *reinterpret_cast<uint4 *>(dst + c) = __ldg(reinterpret_cast<const uint4 *>(src + c));
+    } else {
+        for (unsigned c = lane; c < hidden; c += 32) dst[c] = src[c];
+    }
+}
+
+// send[i, :] = y[row_of[i], :] for the gathered assignments i < n whose expert is this
+// rank's (row_of[i] inside [0, rows)); the other rows of `send` are left as they are. A warp
+// per assignment.
+extern "C" __global__ void __launch_bounds__(MOE_BLOCK)
+    moe_ep_rows_to_sources(const __nv_bfloat16 *y, const int *row_of, __nv_bfloat16 *send,
+                           unsigned n, unsigned hidden, unsigned rows) {
+    cuda_graph::pdl_enter();
+    const unsigned lane = threadIdx.x & 31u;
+    const unsigned i = blockIdx.x * MOE_WARPS + (threadIdx.x >> 5);
+    if (i >= n) return;
+    const int r = row_of[i];
+    if (r < 0 || (unsigned)r >= rows) return;
+    const bool vec = hidden % 8 == 0 && aligned16(y) && aligned16(send);
+    ep_copy_row(y + (size_t)r * hidden, send + (size_t)i * hidden, hidden, vec, lane);
+}
+
+// y[row_of[a], :] = recv[(topk[a] / per_rank) * n + a, :] for this rank's assignments a < n:
+// each row from the block of the rank holding its expert (`recv` holds `ranks` blocks of n
+// rows). A warp per assignment; rows outside [0, rows) and experts outside [0, ranks *
+// per_rank) are skipped.
+extern "C" __global__ void __launch_bounds__(MOE_BLOCK)
+    moe_ep_rows_from_owners(const __nv_bfloat16 *recv, const int *topk, const int *row_of,
+                            __nv_bfloat16 *y, unsigned n, unsigned hidden, unsigned rows,
+                            unsigned per_rank, unsigned ranks) {
+    cuda_graph::pdl_enter();
+    const unsigned lane = threadIdx.x & 31u;
+    const unsigned a = blockIdx.x * MOE_WARPS + (threadIdx.x >> 5);
+    if (a >= n) return;
+    const int r = row_of[a], e = topk[a];
+    if (r < 0 || (unsigned)r >= rows || e < 0 || (unsigned)e >= ranks * per_rank) return;
+    const unsigned owner = (unsigned)e / per_rank;
+    const bool vec = hidden % 8 == 0 && aligned16(recv) && aligned16(y);
+    ep_copy_row(recv + ((size_t)owner * n + a) * hidden, y + (size_t)r * hidden, hidden, vec, lane);
+}

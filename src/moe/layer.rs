@@ -517,12 +517,12 @@ fn to_bf16(v: &[f32]) -> Vec<bf16> {
 }
 
 /// The saved buffers of a slot, checked against the layer's sizes.
-struct Saved<'a> {
-    routing: RoutingBuffers,
+pub(crate) struct Saved<'a> {
+    pub(crate) routing: RoutingBuffers,
     x_t: &'a DeviceBuffer<u8>,
     a: DeviceBuffer<bf16>,
     h_t: &'a DeviceBuffer<u8>,
-    y: DeviceBuffer<bf16>,
+    pub(crate) y: DeviceBuffer<bf16>,
     /// The four scale_invs (x, h, dY, dA).
     si: [DeviceScalar; 4],
     dy_t: &'a DeviceBuffer<u8>,
@@ -753,6 +753,25 @@ impl MoeLayer {
         ])
     }
 
+    /// Casts each expert's W1 and W2 to E4M3 ([`Callable::cast_weights`]; skipped on the
+    /// device when `noop` reads 1.0).
+    pub(crate) fn cast_expert_weights(
+        &self,
+        stream: &Stream,
+        noop: Option<&DeviceScalar>,
+    ) -> Result<()> {
+        for ew in self.expert_weights()? {
+            cast_transpose_batched(stream, &ew.w, ew.shape, &ew.cast_out(), noop)?;
+        }
+        Ok(())
+    }
+
+    /// fc1's data gradient in the packed layout (`[C, H]` bf16, a buffer of the pass), written
+    /// by [`experts_backward`](Self::experts_backward).
+    pub(crate) fn packed_input_grad(&self) -> &DeviceBuffer<bf16> {
+        &self.dxp
+    }
+
     /// The router weight and its gradient as an optimizer sees them (shared handles).
     pub(crate) fn router_params(&self) -> (DeviceBuffer<f32>, DeviceBuffer<f32>) {
         (self.wr.share(), self.dwr.share())
@@ -799,12 +818,19 @@ impl MoeLayer {
     }
 
     fn saved<'a>(&self, slot: &Slot<'a, bf16>) -> Result<Saved<'a>> {
+        self.saved_from(slot.saved(), &slot.at())
+    }
+
+    /// The saved buffers `s` (of a microbatch at `at`) as views.
+    pub(crate) fn saved_from<'a>(
+        &self,
+        s: &[&'a DeviceBuffer<u8>],
+        at: &dyn std::fmt::Display,
+    ) -> Result<Saved<'a>> {
         let want = self.cfg.saved_bytes()?;
-        let s = slot.saved();
         if s.len() != want.len() || s.iter().zip(&want).any(|(b, &w)| b.len() < w) {
             return Err(Error::InvalidArgument(format!(
-                "MoeLayer at {}: saved buffers of {:?} bytes, the layer needs {want:?}",
-                slot.at(),
+                "MoeLayer at {at}: saved buffers of {:?} bytes, the layer needs {want:?}",
                 s.iter().map(|b| b.len()).collect::<Vec<_>>()
             )));
         }
@@ -1019,8 +1045,27 @@ impl MoeLayer {
 
     /// Forward part 1: router, plan, permute fused with x's cast.
     fn route(&self, stream: &Stream, x: &DeviceBuffer<bf16>, s: &Saved<'_>) -> Result<()> {
-        let (t, h) = (self.cfg.tokens, self.cfg.hidden);
         self.router.forward(stream, x, &self.wr, &s.routing)?;
+        self.permute(stream, x, s)
+    }
+
+    /// The dispatch of an expert-parallel rank's experts ([`super::ep`]): the plan from the
+    /// experts already in `s.routing.topk` (this layer's experts numbered from 0, another
+    /// rank's out of range and not placed), then the permute fused with x's cast, `x` being
+    /// every rank's tokens (`[T, H]` with this layer's `T`).
+    pub(crate) fn dispatch_planned(
+        &self,
+        stream: &Stream,
+        x: &DeviceBuffer<bf16>,
+        s: &Saved<'_>,
+    ) -> Result<()> {
+        self.router.plan(stream, &s.routing)?;
+        self.permute(stream, x, s)
+    }
+
+    /// The permute of `x` into the packed layout of `s.routing`, fused with x's cast.
+    fn permute(&self, stream: &Stream, x: &DeviceBuffer<bf16>, s: &Saved<'_>) -> Result<()> {
+        let (t, h) = (self.cfg.tokens, self.cfg.hidden);
         let x_fp8 = self.tensor(&self.xq, &[self.cfg.capacity(), h], X, &s.si[0])?;
         let gather = Gather {
             token_of_row: &s.routing.token_of_row,
@@ -1032,7 +1077,7 @@ impl MoeLayer {
     }
 
     /// Forward part 2: fc1, SwiGLU + cast, fc2.
-    fn experts_forward(&self, stream: &Stream, s: &Saved<'_>) -> Result<()> {
+    pub(crate) fn experts_forward(&self, stream: &Stream, s: &Saved<'_>) -> Result<()> {
         let (c, h, f) = (self.cfg.capacity(), self.cfg.hidden, self.cfg.ffn);
         let host = self.host_offsets(stream, &s.routing)?;
         let e4 = Fp8Format::E4M3;
@@ -1100,23 +1145,35 @@ impl MoeLayer {
         dy: &DeviceBuffer<bf16>,
         s: &Saved<'_>,
     ) -> Result<()> {
-        let (t, h) = (self.cfg.tokens, self.cfg.hidden);
-        let dy_fp8 = self.tensor(&self.dyq, &[self.cfg.capacity(), h], DY, &s.si[2])?;
-        let gather = Gather {
-            token_of_row: &s.routing.token_of_row,
-            top_k: self.cfg.router.top_k,
-            row_scale: Some(&s.routing.gates),
-        };
-        let used = RowsInUse::last(&s.routing.offsets)?;
         // dY's cast (which scales by the forward's gates), then the gates' and logits'
         // gradients (read by part 3 only) beside it: they read and write nothing the cast
         // does, so they start while it runs and wait for it only at their end. One stream:
         // run beside the cast on a second one, the gradients held SMs that the next GEMM's
         // persistent CTAs then started late on (T = 256, f32 weight gradients: 0.276-0.280
         // ms a step against 0.267-0.268 in one stream; docs/perf-notes.md).
-        gather_cast_transpose(stream, dy, (t, h), gather, used, self.cast(&dy_fp8, s.dy_t))?;
+        self.cast_output_grad(stream, dy, &s.routing.gates, s)?;
         self.router
             .combine_backward_beside_previous(stream, dy, &s.y, &s.routing)
+    }
+
+    /// dY (`[T, H]`) into the packed layout, each row scaled by its assignment's gate in
+    /// `gates` (`[T, k]`), fused with its cast to the gradient format.
+    pub(crate) fn cast_output_grad(
+        &self,
+        stream: &Stream,
+        dy: &DeviceBuffer<bf16>,
+        gates: &DeviceBuffer<f32>,
+        s: &Saved<'_>,
+    ) -> Result<()> {
+        let (t, h) = (self.cfg.tokens, self.cfg.hidden);
+        let dy_fp8 = self.tensor(&self.dyq, &[self.cfg.capacity(), h], DY, &s.si[2])?;
+        let gather = Gather {
+            token_of_row: &s.routing.token_of_row,
+            top_k: self.cfg.router.top_k,
+            row_scale: Some(gates),
+        };
+        let used = RowsInUse::last(&s.routing.offsets)?;
+        gather_cast_transpose(stream, dy, (t, h), gather, used, self.cast(&dy_fp8, s.dy_t))
     }
 
     /// The SMs of the weight gradients and of the data gradients' GEMMs when the backward
@@ -1162,7 +1219,7 @@ impl MoeLayer {
     /// them, or beside them on the side stream ([`beside_split`](Self::beside_split)), left
     /// for [`router_backward`](Self::router_backward) to join; or, with the router's
     /// gradients beside them ([`router_split`](Self::router_split)), left to part 3.
-    fn experts_backward(
+    pub(crate) fn experts_backward(
         &self,
         stream: &Stream,
         s: &Saved<'_>,
@@ -1481,10 +1538,7 @@ impl Callable<bf16> for MoeLayer {
             .skip_weight_cast()
             .map(|f| DeviceScalar::at(f, 0))
             .transpose()?;
-        for ew in self.expert_weights()? {
-            cast_transpose_batched(stream, &ew.w, ew.shape, &ew.cast_out(), noop.as_ref())?;
-        }
-        Ok(())
+        self.cast_expert_weights(stream, noop.as_ref())
     }
 
     /// Yes: the router, the dispatch plan and the permute (forward part 0) read neither

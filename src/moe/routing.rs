@@ -32,7 +32,7 @@ use cuda_graph::half::bf16;
 use cuda_graph::{DeviceBuffer, Error, Kernel, KernelArgs, LaunchConfig, Module, Result, Stream};
 
 /// The kernels, built from `src/kernels/moe_routing.cu`.
-static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/moe_routing.fatbin"));
+pub(crate) static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/moe_routing.fatbin"));
 
 /// Threads per block of every kernel but the plan scan (`MOE_BLOCK`).
 const BLOCK: u32 = 256;
@@ -653,7 +653,7 @@ impl Router {
     /// The dispatch plan from `b.topk` (count, scan, assign), with the losses and the padding
     /// rows of `token_of_row` in the scan; one single-block launch of all three for few
     /// assignments and experts.
-    fn plan(&self, stream: &Stream, b: &RoutingBuffers) -> Result<()> {
+    pub(crate) fn plan(&self, stream: &Stream, b: &RoutingBuffers) -> Result<()> {
         let Dims32 {
             e,
             assignments,

@@ -4,7 +4,12 @@
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use std::sync::Arc;
+
+use cuda_graph::Stream;
 use cuda_graph::half::bf16;
+use fp8_kernels::{AmaxAlgo, DelayedScaling, Fp8Format};
+use fp8_moe::moe::layer::{MoeLayerConfig, MoeParams, formats};
 use fp8_moe::rng::Rng;
 
 /// A generator seeded from the clock (fresh data every run), its seed printed so a failure
@@ -47,4 +52,31 @@ pub fn f64s(v: &[f32]) -> Vec<f64> {
 /// Widens bf16 values to f64.
 pub fn f64s_bf16(v: &[bf16]) -> Vec<f64> {
     v.iter().map(|x| f64::from(x.to_f32())).collect()
+}
+
+/// A scaling state for `cfg` with fixed scales (64 for E4M3 tensors, 4096 for E5M2) that
+/// suit the tests' data, history 1.
+pub fn fixed_scaling(stream: &Stream, cfg: &MoeLayerConfig) -> Arc<DelayedScaling> {
+    let fmts = formats(cfg.recipe, cfg.experts);
+    let scaling = Arc::new(DelayedScaling::new(stream, &fmts, 1, 0, AmaxAlgo::MostRecent).unwrap());
+    for (t, fmt) in fmts.iter().enumerate() {
+        let v = if *fmt == Fp8Format::E4M3 {
+            64.0
+        } else {
+            4096.0
+        };
+        scaling.scale(t).unwrap().write(stream, v).unwrap();
+    }
+    scaling
+}
+
+/// A MoE layer's parameters for `cfg`: router `N(0, 0.3^2)`, expert weights `N(0, 0.2^2)`
+/// rounded to bf16.
+pub fn random_params(rng: &mut Rng, cfg: &MoeLayerConfig) -> MoeParams {
+    let (h, f, e) = (cfg.hidden, cfg.ffn, cfg.experts);
+    MoeParams {
+        wr: rng.vec(e * h, 0.3),
+        w1: bf16_round(&rng.vec(e * 2 * f * h, 0.2)),
+        w2: bf16_round(&rng.vec(e * h * f, 0.2)),
+    }
 }

@@ -1,0 +1,793 @@
+//! Expert parallelism: the MoE layer's experts spread over the ranks of a group
+//! ([`ExpertParallelMoe`]), each rank holding `E / N` of them and its own tokens.
+//!
+//! # The exchange
+//! Static sizes only, so a pass has nothing on the host and captures as one graph
+//! (full-layer), eager or replayed:
+//!
+//! 1. Each rank routes its own `T` tokens over all `E` experts ([`Router::forward`]: the same
+//!    router weight on every rank), then gathers every rank's tokens (`[N T, H]` bf16), top-k
+//!    experts and gates ([`ExpertGroup::all_gather`]).
+//! 2. Each rank plans its own experts over the `N T` gathered tokens (the assignments of other
+//!    ranks' experts are not placed), permutes and casts the rows it holds into its packed
+//!    layout, and runs fc1, SwiGLU and fc2 on them: the single-GPU layer's kernels
+//!    ([`MoeLayer`]) on `E / N` experts.
+//! 3. Each expert output row goes back to the rank whose token it is
+//!    ([`ExpertGroup::all_to_all`]): rank `s`'s block holds one row per assignment of its
+//!    `T k` (the rows of this rank's experts written, the rest left), a static bound of what
+//!    any rank can get from another; the receiver takes each assignment's row from the block
+//!    of the rank holding its expert, into its own packed layout, and combines as the
+//!    single-GPU layer does.
+//!
+//! The backward mirrors it: the gates' and router's gradients on the token's rank, dY
+//! gathered (`[N T, H]`) and cast into the experts' layout scaled by the gathered gates, the
+//! experts' data and weight gradients on their rank, fc1's data gradient rows sent back as in
+//! step 3, and the input and router-weight gradients on the token's rank.
+//!
+//! Every row a rank's experts compute sees the same operands, scales and sums as on one GPU,
+//! so each rank's output, input gradient, router-weight gradient and losses equal the
+//! single-GPU layer's on that rank's tokens bit for bit, given the same FP8 scales (delayed
+//! scaling with the amax reduced over the group, TransformerEngine's `fp8_group`: rows cast
+//! on one rank are multiplied on another). An expert's weight gradient sums its rows from all
+//! ranks in one GEMM (the single GPU: one per microbatch, added), so it equals the sum over
+//! the ranks' tokens to f32 rounding.
+//!
+//! The router weight is replicated: its gradient here is the rank's own tokens', to be
+//! all-reduced with the other replicated parameters (data parallelism over the group).
+
+use std::ops::Range;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use cuda_graph::half::bf16;
+use cuda_graph::{
+    DeviceBuffer, DeviceRepr, Error, Event, Kernel, KernelArgs, LaunchConfig, Module, Result,
+    Stream,
+};
+use fp8_kernels::DelayedScaling;
+
+use super::layer::{MoeLayer, MoeLayerConfig, MoeParams, Saved, WeightGrad};
+use super::routing::{FATBIN, Router, RoutingBuffers};
+
+/// The collectives expert parallelism needs, over the ranks of a group: NCCL
+/// ([`NcclGroup`](crate::dist::NcclGroup)) across GPUs, or [`LocalGroup`] for ranks that are
+/// threads of one process on one device. Every rank calls each collective with buffers of
+/// the same lengths, in the same order; the work is stream-ordered on `stream` (enqueue
+/// only).
+pub trait ExpertGroup: Send + Sync + std::fmt::Debug {
+    /// This rank, `0 .. size()`.
+    fn rank(&self) -> usize;
+
+    /// The number of ranks.
+    fn size(&self) -> usize;
+
+    /// Every rank's `send` gathered into every rank's `recv` (`size() * send.len()` bytes,
+    /// rank `r`'s at `r * send.len()`).
+    fn all_gather(
+        &self,
+        stream: &Stream,
+        send: &DeviceBuffer<u8>,
+        recv: &DeviceBuffer<u8>,
+    ) -> Result<()>;
+
+    /// Block `p` of every rank's `send` to rank `p`, landing in block `r` (the sender's rank)
+    /// of `p`'s `recv`; both `size()` blocks of `send.len() / size()` bytes.
+    fn all_to_all(
+        &self,
+        stream: &Stream,
+        send: &DeviceBuffer<u8>,
+        recv: &DeviceBuffer<u8>,
+    ) -> Result<()>;
+}
+
+/// How long a [`LocalGroup`] rank waits for the others at a collective by default.
+pub const LOCAL_GROUP_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Ranks that are threads of one process, their buffers on one device: an [`ExpertGroup`]
+/// whose collectives are device-to-device copies ordered by events, to run (and test) expert
+/// parallelism without several GPUs. Each rank's thread calls every collective; a call
+/// returns once every rank has called it (each waits at most the group's timeout and then
+/// fails naming the ranks that never came). Eager only: a collective cannot be captured
+/// (its copies read buffers of other threads' streams).
+#[derive(Debug, Clone)]
+pub struct LocalGroup {
+    rank: usize,
+    shared: Arc<Shared>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    size: usize,
+    timeout: Duration,
+    state: Mutex<MeetState>,
+    turn: Condvar,
+}
+
+/// Where the ranks stand at the current meeting point, and what they posted there.
+#[derive(Debug)]
+struct MeetState {
+    generation: u64,
+    arrived: Vec<bool>,
+    /// The posts of the meeting under way.
+    posts: Vec<Option<Post>>,
+    /// The posts of the last completed meeting, for the ranks that waited in it (a rank that
+    /// completes a meeting may post to the next before they wake; the next cannot complete
+    /// before they arrive there).
+    last: Arc<Vec<Option<Post>>>,
+}
+
+/// A rank's part of a collective: its send buffer and the event its stream recorded when
+/// the buffer was ready (or, in the second round, when it was done reading the others').
+#[derive(Debug)]
+struct Post {
+    send: DeviceBuffer<u8>,
+    event: Arc<Event>,
+}
+
+impl LocalGroup {
+    /// The `size` ranks of a new group, rank `r` at index `r`: hand one to each thread.
+    ///
+    /// Errors: [`Error::InvalidArgument`] for `size == 0`.
+    pub fn new(size: usize) -> Result<Vec<LocalGroup>> {
+        LocalGroup::with_timeout(size, LOCAL_GROUP_TIMEOUT)
+    }
+
+    /// [`new`](Self::new) with the wait at each collective bounded by `timeout`.
+    pub fn with_timeout(size: usize, timeout: Duration) -> Result<Vec<LocalGroup>> {
+        if size == 0 {
+            return Err(Error::InvalidArgument(
+                "LocalGroup: a group needs at least one rank".into(),
+            ));
+        }
+        let shared = Arc::new(Shared {
+            size,
+            timeout,
+            state: Mutex::new(MeetState {
+                generation: 0,
+                arrived: vec![false; size],
+                posts: (0..size).map(|_| None).collect(),
+                last: Arc::new(Vec::new()),
+            }),
+            turn: Condvar::new(),
+        });
+        Ok((0..size)
+            .map(|rank| LocalGroup {
+                rank,
+                shared: shared.clone(),
+            })
+            .collect())
+    }
+
+    /// Posts `post` (when given), waits until every rank has arrived, and returns every
+    /// rank's post of this meeting.
+    fn meet(&self, what: &str, post: Option<Post>) -> Result<Arc<Vec<Option<Post>>>> {
+        let sh = &self.shared;
+        let poisoned = || Error::InvalidArgument("LocalGroup: a rank panicked".into());
+        let mut st = sh.state.lock().map_err(|_| poisoned())?;
+        let generation = st.generation;
+        st.arrived[self.rank] = true;
+        st.posts[self.rank] = post;
+        if st.arrived.iter().all(|&a| a) {
+            let fresh = (0..sh.size).map(|_| None).collect();
+            let posts = Arc::new(std::mem::replace(&mut st.posts, fresh));
+            st.arrived.iter_mut().for_each(|a| *a = false);
+            st.generation += 1;
+            st.last = posts.clone();
+            sh.turn.notify_all();
+            return Ok(posts);
+        }
+        let (st, wait) = sh
+            .turn
+            .wait_timeout_while(st, sh.timeout, |s| s.generation == generation)
+            .map_err(|_| poisoned())?;
+        if wait.timed_out() && st.generation == generation {
+            let missing: Vec<usize> = (0..sh.size).filter(|&r| !st.arrived[r]).collect();
+            return Err(Error::InvalidArgument(format!(
+                "LocalGroup: rank {} waited {:?} at {what} for ranks {missing:?}, which never \
+                 arrived",
+                self.rank, sh.timeout
+            )));
+        }
+        Ok(st.last.clone())
+    }
+
+    /// One collective: rank `p`'s bytes `src(p)` of its `send` copied to `dst(p)` of this
+    /// rank's `recv`, for every `p`. Each copy waits for the sender's buffer to be ready on
+    /// its stream; each rank's stream then waits until every rank has copied from it, so work
+    /// it enqueues later may overwrite its `send`.
+    fn exchange(
+        &self,
+        what: &str,
+        stream: &Stream,
+        send: &DeviceBuffer<u8>,
+        recv: &DeviceBuffer<u8>,
+        blocks: impl Fn(usize) -> (Range<usize>, Range<usize>),
+    ) -> Result<()> {
+        let ctx = stream.context();
+        let event = |s: &Stream| -> Result<Arc<Event>> {
+            let e = Event::for_sync(ctx)?;
+            e.record(s)?;
+            Ok(Arc::new(e))
+        };
+        let ready = Post {
+            send: send.share(),
+            event: event(stream)?,
+        };
+        let posts = self.meet(what, Some(ready))?;
+        for (p, post) in posts.iter().enumerate() {
+            let post = post.as_ref().ok_or_else(|| {
+                Error::InvalidArgument(format!("LocalGroup: rank {p} posted nothing at {what}"))
+            })?;
+            let (src, dst) = blocks(p);
+            stream.wait_event(&post.event)?;
+            recv.slice(dst)?
+                .copy_from_device(stream, &post.send.slice(src)?)?;
+        }
+        let done = Post {
+            send: send.share(),
+            event: event(stream)?,
+        };
+        let dones = self.meet(what, Some(done))?;
+        for post in dones.iter().flatten() {
+            stream.wait_event(&post.event)?;
+        }
+        Ok(())
+    }
+
+    fn check_lengths(&self, what: &str, send: usize, recv: usize, ok: bool) -> Result<()> {
+        if ok {
+            return Ok(());
+        }
+        Err(Error::InvalidArgument(format!(
+            "LocalGroup {what}: send of {send} bytes and recv of {recv} do not fit {} ranks",
+            self.shared.size
+        )))
+    }
+}
+
+impl ExpertGroup for LocalGroup {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.shared.size
+    }
+
+    fn all_gather(
+        &self,
+        stream: &Stream,
+        send: &DeviceBuffer<u8>,
+        recv: &DeviceBuffer<u8>,
+    ) -> Result<()> {
+        let (n, size) = (send.len(), self.shared.size);
+        self.check_lengths("all_gather", n, recv.len(), recv.len() == n * size)?;
+        self.exchange("all_gather", stream, send, recv, |p| {
+            (0..n, p * n..(p + 1) * n)
+        })
+    }
+
+    fn all_to_all(
+        &self,
+        stream: &Stream,
+        send: &DeviceBuffer<u8>,
+        recv: &DeviceBuffer<u8>,
+    ) -> Result<()> {
+        let (len, size, r) = (send.len(), self.shared.size, self.rank);
+        let ok = recv.len() == len && len % size == 0;
+        self.check_lengths("all_to_all", len, recv.len(), ok)?;
+        let b = len / size;
+        self.exchange("all_to_all", stream, send, recv, |p| {
+            (r * b..(r + 1) * b, p * b..(p + 1) * b)
+        })
+    }
+}
+
+/// The expert-parallel kernels (in `src/kernels/moe_routing.cu`).
+#[derive(Debug)]
+struct Kernels {
+    local_experts: Kernel,
+    to_sources: Kernel,
+    from_owners: Kernel,
+    _module: Module,
+}
+
+/// Threads per block of the expert-parallel kernels (`MOE_BLOCK`), a row per warp in the
+/// row copies.
+const BLOCK: u32 = 256;
+const ROWS_PER_BLOCK: u32 = BLOCK / 32;
+
+/// A rank's part of an expert-parallel MoE layer. See the [module documentation](self).
+///
+/// Saved buffers per microbatch ([`saved_bytes`](Self::saved_bytes)): `[0]` the rank's
+/// routing over all `E` experts ([`RoutingBuffers::from_bytes`], as the single-GPU layer's),
+/// `[1]` the expert outputs of its assignments in its packed layout (`[C, H]` bf16), `[2]`
+/// every rank's gates (`[N T, k]` f32), then the saved buffers of the rank's experts as a
+/// [`MoeLayer`] over the `N T` gathered tokens.
+#[derive(Debug)]
+pub struct ExpertParallelMoe {
+    cfg: MoeLayerConfig,
+    group: Arc<dyn ExpertGroup>,
+    per_rank: usize,
+    router: Router,
+    wr: DeviceBuffer<f32>,
+    dwr: DeviceBuffer<f32>,
+    /// This rank's experts over every rank's tokens.
+    experts: MoeLayer,
+    k: Kernels,
+    /// Every rank's tokens `[N T, H]` in the forward, their dY in the backward.
+    gathered: DeviceBuffer<bf16>,
+    /// Every rank's top-k experts `[N T, k]`.
+    topk_all: DeviceBuffer<i32>,
+    /// The row exchange's blocks: `N` blocks of `T k` rows of `H`.
+    send: DeviceBuffer<bf16>,
+    recv: DeviceBuffer<bf16>,
+    /// fc1's data gradient of this rank's assignments, in its packed layout.
+    dxp: DeviceBuffer<bf16>,
+}
+
+/// The saved buffers of one microbatch as views.
+struct EpSaved<'a> {
+    routing: RoutingBuffers,
+    y: DeviceBuffer<bf16>,
+    gates_all: DeviceBuffer<f32>,
+    experts: Saved<'a>,
+}
+
+/// The saved buffers before the experts' own.
+const OWN_SAVED: usize = 3;
+
+/// The configuration of the rank's experts as a [`MoeLayer`]: `E / N` experts over every
+/// rank's tokens.
+fn experts_config(cfg: &MoeLayerConfig, ranks: usize) -> MoeLayerConfig {
+    MoeLayerConfig {
+        tokens: cfg.tokens * ranks,
+        experts: cfg.experts / ranks.max(1),
+        ..*cfg
+    }
+}
+
+/// Checks that `cfg` can be split over `ranks` ranks: the layer's own rules, `E` a multiple
+/// of the ranks, and at least `k` experts per rank (the experts' plan takes up to `k` of a
+/// token's assignments).
+pub fn check_split(cfg: &MoeLayerConfig, ranks: usize) -> Result<()> {
+    cfg.check()?;
+    if ranks == 0 || cfg.experts % ranks != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "ExpertParallelMoe: {} experts do not split over {ranks} ranks",
+            cfg.experts
+        )));
+    }
+    if cfg.experts / ranks < cfg.router.top_k {
+        return Err(Error::InvalidArgument(format!(
+            "ExpertParallelMoe: {} experts per rank, fewer than top_k = {}",
+            cfg.experts / ranks,
+            cfg.router.top_k
+        )));
+    }
+    experts_config(cfg, ranks).check()
+}
+
+impl ExpertParallelMoe {
+    /// This rank's part of the layer `cfg` (`cfg.tokens` tokens on each rank, `cfg.experts`
+    /// over all ranks), from the parameters of all `E` experts (the same on every rank; the
+    /// rank keeps its experts' slices and the router weight). Its experts use tensors
+    /// `first_tensor .. first_tensor + `[`tensors`](super::layer::tensors)`(E / N)` of
+    /// `scaling` (x, h, dY, dA, then W1 and W2 of each of its experts). Allocates and uploads
+    /// (waits; not during a capture).
+    ///
+    /// Errors: [`check_split`]'s, parameters of the wrong length, the scaling tensors'
+    /// formats, and the device's.
+    pub fn new(
+        stream: &Stream,
+        cfg: MoeLayerConfig,
+        params: &MoeParams,
+        scaling: Arc<DelayedScaling>,
+        first_tensor: usize,
+        group: Arc<dyn ExpertGroup>,
+    ) -> Result<ExpertParallelMoe> {
+        let ranks = group.size();
+        check_split(&cfg, ranks)?;
+        let (e, h, f) = (cfg.experts, cfg.hidden, cfg.ffn);
+        for (name, got, want) in [
+            ("wr", params.wr.len(), e * h),
+            ("w1", params.w1.len(), e * 2 * f * h),
+            ("w2", params.w2.len(), e * h * f),
+        ] {
+            if got != want {
+                return Err(Error::InvalidArgument(format!(
+                    "ExpertParallelMoe: {name} has {got} elements, {cfg:?} needs {want}"
+                )));
+            }
+        }
+        let per_rank = e / ranks;
+        let mine = group.rank() * per_rank..(group.rank() + 1) * per_rank;
+        let local = MoeParams {
+            wr: vec![0.0; per_rank * h],
+            w1: params.w1[mine.start * 2 * f * h..mine.end * 2 * f * h].to_vec(),
+            w2: params.w2[mine.start * h * f..mine.end * h * f].to_vec(),
+        };
+        let experts = MoeLayer::new(
+            stream,
+            experts_config(&cfg, ranks),
+            &local,
+            scaling,
+            first_tensor,
+        )?
+        .with_weight_grads_beside(None)
+        .with_router_grads_beside(None);
+        let module = Module::embedded(stream.context(), FATBIN)?;
+        let k = Kernels {
+            local_experts: module.kernel("moe_ep_local_experts")?,
+            to_sources: module.kernel("moe_ep_rows_to_sources")?,
+            from_owners: module.kernel("moe_ep_rows_from_owners")?,
+            _module: module,
+        };
+        let (t, k_top) = (cfg.tokens, cfg.router.top_k);
+        let zeroed = |n: usize| -> Result<DeviceBuffer<bf16>> {
+            let b = DeviceBuffer::alloc(stream.context(), n)?;
+            b.memset_bytes(stream, 0)?;
+            Ok(b)
+        };
+        let layer = ExpertParallelMoe {
+            router: Router::new(stream, cfg.routing_dims(), cfg.router)?,
+            wr: DeviceBuffer::from_host(stream, &params.wr)?,
+            dwr: {
+                let b = DeviceBuffer::alloc(stream.context(), e * h)?;
+                b.memset_bytes(stream, 0)?;
+                b
+            },
+            experts,
+            k,
+            gathered: zeroed(ranks * t * h)?,
+            topk_all: {
+                let b = DeviceBuffer::alloc(stream.context(), ranks * t * k_top)?;
+                b.memset_bytes(stream, 0)?;
+                b
+            },
+            send: zeroed(ranks * t * k_top * h)?,
+            recv: zeroed(ranks * t * k_top * h)?,
+            dxp: zeroed(cfg.capacity() * h)?,
+            cfg,
+            group,
+            per_rank,
+        };
+        stream.synchronize()?;
+        Ok(layer)
+    }
+
+    /// The whole layer's shape (this rank's tokens, every rank's experts).
+    pub fn config(&self) -> MoeLayerConfig {
+        self.cfg
+    }
+
+    /// The group the experts are spread over.
+    pub fn group(&self) -> &Arc<dyn ExpertGroup> {
+        &self.group
+    }
+
+    /// The experts this rank holds (numbers among all `E`).
+    pub fn local_experts(&self) -> Range<usize> {
+        let r = self.group.rank();
+        r * self.per_rank..(r + 1) * self.per_rank
+    }
+
+    /// The router weight (`[E, H]` f32, replicated) and its gradient from this rank's tokens.
+    pub fn router_weight(&self) -> (&DeviceBuffer<f32>, &DeviceBuffer<f32>) {
+        (&self.wr, &self.dwr)
+    }
+
+    /// fc1's weights of this rank's experts (`[E / N, 2F, H]`) and their gradient.
+    pub fn fc1(&self) -> (&DeviceBuffer<bf16>, &WeightGrad) {
+        self.experts.fc1()
+    }
+
+    /// fc2's weights of this rank's experts (`[E / N, H, F]`) and their gradient.
+    pub fn fc2(&self) -> (&DeviceBuffer<bf16>, &WeightGrad) {
+        self.experts.fc2()
+    }
+
+    /// The per-microbatch saved buffers' sizes in bytes (see the [type
+    /// documentation](Self)).
+    pub fn saved_bytes(&self) -> Result<Vec<usize>> {
+        let (n, c) = (self.group.size(), self.cfg.capacity());
+        let (t, h, k) = (self.cfg.tokens, self.cfg.hidden, self.cfg.router.top_k);
+        let mut v = vec![
+            RoutingBuffers::bytes(self.cfg.routing_dims())?,
+            c * h * 2,
+            n * t * k * 4,
+        ];
+        v.extend(self.experts.config().saved_bytes()?);
+        Ok(v)
+    }
+
+    /// The routing of a microbatch over all experts (its losses, counts or plan), from its
+    /// first saved buffer.
+    pub fn routing_of(&self, saved: &DeviceBuffer<u8>) -> Result<RoutingBuffers> {
+        RoutingBuffers::from_bytes(self.cfg.routing_dims(), saved)
+    }
+
+    /// Casts this rank's expert weights to E4M3 (once per step, before the forwards).
+    pub fn cast_weights(&self, stream: &Stream) -> Result<()> {
+        self.experts.cast_expert_weights(stream, None)
+    }
+
+    fn saved<'a>(&self, saved: &[&'a DeviceBuffer<u8>]) -> Result<EpSaved<'a>> {
+        let want = self.saved_bytes()?;
+        if saved.len() != want.len() || saved.iter().zip(&want).any(|(b, &w)| b.len() < w) {
+            return Err(Error::InvalidArgument(format!(
+                "ExpertParallelMoe: saved buffers of {:?} bytes, the layer needs {want:?}",
+                saved.iter().map(|b| b.len()).collect::<Vec<_>>()
+            )));
+        }
+        let (c, h) = (self.cfg.capacity(), self.cfg.hidden);
+        let n = self.group.size() * self.cfg.tokens * self.cfg.router.top_k;
+        Ok(EpSaved {
+            routing: self.routing_of(saved[0])?,
+            y: saved[1].slice(..c * h * 2)?.reinterpret()?,
+            gates_all: saved[2].slice(..n * 4)?.reinterpret()?,
+            experts: self
+                .experts
+                .saved_from(&saved[OWN_SAVED..], &"an expert-parallel rank")?,
+        })
+    }
+
+    fn check_tokens(&self, what: &str, bufs: &[(&str, &DeviceBuffer<bf16>)]) -> Result<()> {
+        let n = self.cfg.tokens * self.cfg.hidden;
+        for (name, b) in bufs {
+            if b.len() != n {
+                return Err(Error::InvalidArgument(format!(
+                    "ExpertParallelMoe {what}: {name} has {} elements, [T, H] is {n}",
+                    b.len()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Every rank's `send` into `recv`.
+    fn gather<T: DeviceRepr>(
+        &self,
+        stream: &Stream,
+        send: &DeviceBuffer<T>,
+        recv: &DeviceBuffer<T>,
+    ) -> Result<()> {
+        self.group
+            .all_gather(stream, &send.reinterpret()?, &recv.reinterpret()?)
+    }
+
+    /// The forward of this rank's tokens `x` (`[T, H]` bf16) into `out` (`[T, H]`), with
+    /// the microbatch's saved buffers. Every rank of the group runs it at once (collectives
+    /// inside); capturable with a capturable group (NCCL).
+    pub fn forward(
+        &self,
+        stream: &Stream,
+        x: &DeviceBuffer<bf16>,
+        out: &DeviceBuffer<bf16>,
+        saved: &[&DeviceBuffer<u8>],
+    ) -> Result<()> {
+        self.check_tokens("forward", &[("x", x), ("out", out)])?;
+        let s = self.saved(saved)?;
+        self.router.forward(stream, x, &self.wr, &s.routing)?;
+        self.gather(stream, x, &self.gathered)?;
+        self.gather(stream, &s.routing.topk, &self.topk_all)?;
+        self.gather(stream, &s.routing.gates, &s.gates_all)?;
+        self.renumber_experts(stream, &s.experts.routing.topk)?;
+        self.experts
+            .dispatch_planned(stream, &self.gathered, &s.experts)?;
+        self.experts.experts_forward(stream, &s.experts)?;
+        self.rows_home(stream, &s.experts.y, &s, &s.y)?;
+        self.router.combine(stream, &s.y, &s.routing, out)
+    }
+
+    /// The backward of the output gradient `dy` into `dx` (both `[T, H]`), `x` being the
+    /// forward's input: the router weight's gradient (this rank's tokens) and this rank's
+    /// experts' weight gradients (every rank's tokens) written, or added to with
+    /// `accumulate`. Every rank runs it at once, as the forward.
+    pub fn backward(
+        &self,
+        stream: &Stream,
+        x: &DeviceBuffer<bf16>,
+        dy: &DeviceBuffer<bf16>,
+        dx: &DeviceBuffer<bf16>,
+        saved: &[&DeviceBuffer<u8>],
+        accumulate: bool,
+    ) -> Result<()> {
+        self.check_tokens("backward", &[("x", x), ("dy", dy), ("dx", dx)])?;
+        let s = self.saved(saved)?;
+        self.router.combine_backward(stream, dy, &s.y, &s.routing)?;
+        self.gather(stream, dy, &self.gathered)?;
+        self.experts
+            .cast_output_grad(stream, &self.gathered, &s.gates_all, &s.experts)?;
+        self.experts
+            .experts_backward(stream, &s.experts, Some(accumulate))?;
+        self.rows_home(stream, self.experts.packed_input_grad(), &s, &self.dxp)?;
+        self.router
+            .input_backward(stream, &self.dxp, &self.wr, &s.routing, dx)?;
+        self.router
+            .weight_backward(stream, x, &s.routing, &self.dwr, accumulate)
+    }
+
+    /// The gathered top-k as this rank's expert numbers, into the experts' routing.
+    fn renumber_experts(&self, stream: &Stream, local: &DeviceBuffer<i32>) -> Result<()> {
+        let n = self.topk_all.len();
+        if local.len() != n {
+            return Err(Error::InvalidArgument(format!(
+                "ExpertParallelMoe: the experts' top-k has {} entries, {n} gathered",
+                local.len()
+            )));
+        }
+        let (n32, first) = (
+            u32::try_from(n).map_err(|_| too_large("assignments", n))?,
+            i32::try_from(self.local_experts().start).map_err(|_| too_large("experts", n))?,
+        );
+        let args = KernelArgs::new()
+            .arg(&self.topk_all)
+            .arg(local)
+            .arg(&n32)
+            .arg(&first);
+        // SAFETY: thread i < n reads topk_all[i] and writes local[i]; both hold n entries
+        // (checked above).
+        unsafe {
+            stream.launch_pdl(
+                &self.k.local_experts,
+                &LaunchConfig::linear(n32.div_ceil(BLOCK), BLOCK),
+                &args,
+            )
+        }
+    }
+
+    /// The rows `rows` (`[C', H]`, this rank's experts' packed layout) sent home: each
+    /// gathered assignment's row to its token's rank, which places the rows of its own
+    /// assignments into `home` (`[C, H]`, its packed layout over all experts).
+    fn rows_home(
+        &self,
+        stream: &Stream,
+        rows: &DeviceBuffer<bf16>,
+        s: &EpSaved<'_>,
+        home: &DeviceBuffer<bf16>,
+    ) -> Result<()> {
+        let h = self.cfg.hidden;
+        let (local_rows, home_rows) = (rows.len() / h, home.len() / h);
+        let all = self.topk_all.len();
+        let mine = self.cfg.tokens * self.cfg.router.top_k;
+        let u = |name: &str, v: usize| u32::try_from(v).map_err(|_| too_large(name, v));
+        let (all32, mine32, h32) = (u("assignments", all)?, u("assignments", mine)?, u("H", h)?);
+        let (local32, home32) = (u("rows", local_rows)?, u("rows", home_rows)?);
+        let (per_rank, ranks) = (u("experts", self.per_rank)?, u("ranks", self.group.size())?);
+        let row_of = &s.experts.routing.row_of;
+        if row_of.len() != all || self.send.len() != all * h || s.routing.row_of.len() != mine {
+            return Err(Error::InvalidArgument(
+                "ExpertParallelMoe: the row exchange's buffers do not match the shape".into(),
+            ));
+        }
+        let args = KernelArgs::new()
+            .arg(rows)
+            .arg(row_of)
+            .arg(&self.send)
+            .arg(&all32)
+            .arg(&h32)
+            .arg(&local32);
+        // SAFETY: warp i < all reads row_of[i] (all entries, checked) and, when that row is
+        // inside [0, local_rows), its H elements of `rows` (local_rows * H), writing row i of
+        // `send` (all * H, checked); the 16-byte accesses only when H % 8 == 0 and the kernel
+        // finds both 16-byte aligned.
+        unsafe {
+            stream.launch_pdl(
+                &self.k.to_sources,
+                &LaunchConfig::linear(all32.div_ceil(ROWS_PER_BLOCK), BLOCK),
+                &args,
+            )
+        }?;
+        self.group
+            .all_to_all(stream, &self.send.reinterpret()?, &self.recv.reinterpret()?)?;
+        let args = KernelArgs::new()
+            .arg(&self.recv)
+            .arg(&s.routing.topk)
+            .arg(&s.routing.row_of)
+            .arg(home)
+            .arg(&mine32)
+            .arg(&h32)
+            .arg(&home32)
+            .arg(&per_rank)
+            .arg(&ranks);
+        // SAFETY: warp a < mine reads topk[a] and row_of[a] (mine entries each, checked), and
+        // for an expert e < ranks * per_rank and a row inside [0, home_rows) copies row
+        // (e / per_rank) * mine + a < ranks * mine of `recv` (ranks * mine * H = all * H
+        // elements) into that row of `home` (home_rows * H); vector accesses as above.
+        unsafe {
+            stream.launch_pdl(
+                &self.k.from_owners,
+                &LaunchConfig::linear(mine32.div_ceil(ROWS_PER_BLOCK), BLOCK),
+                &args,
+            )
+        }
+    }
+}
+
+fn too_large(name: &str, v: usize) -> Error {
+    Error::InvalidArgument(format!("ExpertParallelMoe: {v} {name} exceed 32 bits"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::moe::layer::{ExpertGemm, Fp8Recipe, GradDtype};
+    use crate::moe::routing::{RouterConfig, ScoreFn};
+    use fp8_kernels::CastScaling;
+
+    fn cfg(experts: usize, top_k: usize) -> MoeLayerConfig {
+        MoeLayerConfig {
+            tokens: 64,
+            hidden: 64,
+            ffn: 32,
+            experts,
+            router: RouterConfig {
+                top_k,
+                score: ScoreFn::Softmax,
+                renormalize: false,
+                aux_coef: 0.0,
+                z_coef: 0.0,
+            },
+            recipe: Fp8Recipe::Hybrid,
+            expert_gemm: ExpertGemm::Grouped,
+            scaling: CastScaling::Delayed,
+            grad_dtype: GradDtype::F32,
+        }
+    }
+
+    #[test]
+    fn the_split_needs_whole_experts_and_top_k_per_rank() {
+        check_split(&cfg(8, 2), 1).unwrap();
+        check_split(&cfg(8, 2), 2).unwrap();
+        check_split(&cfg(8, 2), 4).unwrap();
+        let e = check_split(&cfg(8, 2), 3).unwrap_err().to_string();
+        assert!(e.contains("do not split over 3"), "{e}");
+        let e = check_split(&cfg(8, 2), 8).unwrap_err().to_string();
+        assert!(e.contains("fewer than top_k"), "{e}");
+        let e = check_split(&cfg(8, 2), 0).unwrap_err().to_string();
+        assert!(e.contains("0 ranks"), "{e}");
+    }
+
+    #[test]
+    fn the_experts_plan_every_ranks_tokens() {
+        let c = experts_config(&cfg(8, 2), 4);
+        assert_eq!((c.tokens, c.experts), (256, 2));
+        assert!(c.capacity() >= 256 * 2, "every gathered assignment fits");
+    }
+
+    #[test]
+    fn a_local_group_needs_a_rank() {
+        assert!(LocalGroup::new(0).is_err());
+        let g = LocalGroup::new(3).unwrap();
+        assert_eq!(
+            g.iter().map(|g| (g.rank(), g.size())).collect::<Vec<_>>(),
+            [(0, 3), (1, 3), (2, 3)]
+        );
+    }
+
+    #[test]
+    fn a_rank_that_never_comes_is_named() {
+        let g = LocalGroup::with_timeout(3, Duration::from_millis(50)).unwrap();
+        let e = g[1].meet("the test", None).unwrap_err().to_string();
+        assert!(e.contains("rank 1") && e.contains("[0, 2]"), "{e}");
+    }
+
+    #[test]
+    fn ranks_meet_and_see_each_others_posts() {
+        let g = LocalGroup::new(4).unwrap();
+        let handles: Vec<_> = g
+            .into_iter()
+            .map(|g| {
+                std::thread::spawn(move || {
+                    (0..3)
+                        .map(|_| g.meet("the test", None).map(|p| p.len()))
+                        .collect::<Result<Vec<_>>>()
+                })
+            })
+            .collect();
+        for h in handles {
+            assert_eq!(h.join().unwrap().unwrap(), [4, 4, 4]);
+        }
+    }
+}
