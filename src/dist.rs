@@ -162,6 +162,17 @@ impl ExpertGroup for NcclGroup {
     ) -> cuda_graph::Result<()> {
         Ok(self.comm.all_to_all(send, recv, stream)?)
     }
+
+    fn all_to_all_v(
+        &self,
+        stream: &Stream,
+        (send, send_counts): (&DeviceBuffer<u8>, &[usize]),
+        (recv, recv_counts): (&DeviceBuffer<u8>, &[usize]),
+    ) -> cuda_graph::Result<()> {
+        Ok(self
+            .comm
+            .all_to_all_v(send, send_counts, recv, recv_counts, stream)?)
+    }
 }
 
 #[cfg(test)]

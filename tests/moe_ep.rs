@@ -34,7 +34,7 @@ use fp8_moe::moe::layer::{
 use fp8_moe::moe::routing::{RouterConfig, ScoreFn};
 use graphed_callables::{Callable, GraphIndex, Slot};
 
-fn config() -> MoeLayerConfig {
+fn config_for(expert_gemm: ExpertGemm) -> MoeLayerConfig {
     MoeLayerConfig {
         tokens: 192,
         hidden: 128,
@@ -48,10 +48,14 @@ fn config() -> MoeLayerConfig {
             z_coef: 0.01,
         },
         recipe: Fp8Recipe::Hybrid,
-        expert_gemm: ExpertGemm::Grouped,
+        expert_gemm,
         scaling: CastScaling::Delayed,
         grad_dtype: GradDtype::F32,
     }
+}
+
+fn config() -> MoeLayerConfig {
+    config_for(ExpertGemm::Grouped)
 }
 
 /// What one rank's pass wrote: the bits of out, dx, the router weight's gradient and the
@@ -61,6 +65,27 @@ struct RankResult {
     bits: Vec<Vec<u32>>,
     dw1: Vec<f32>,
     dw2: Vec<f32>,
+}
+
+impl RankResult {
+    /// Reads a pass's outputs in `io`, its `losses` and the gradients (router, fc1, fc2).
+    fn read(
+        stream: &Stream,
+        io: &Io,
+        losses: &DeviceBuffer<f32>,
+        (dwr, dw1, dw2): (&DeviceBuffer<f32>, &WeightGrad, &WeightGrad),
+    ) -> RankResult {
+        RankResult {
+            bits: vec![
+                bf16_bits(stream, &io.out),
+                bf16_bits(stream, &io.dx),
+                f32_bits(stream, dwr),
+                f32_bits(stream, losses),
+            ],
+            dw1: grad(stream, dw1),
+            dw2: grad(stream, dw2),
+        }
+    }
 }
 
 fn bf16_bits(stream: &Stream, b: &DeviceBuffer<bf16>) -> Vec<u32> {
@@ -125,8 +150,12 @@ impl Io {
 
 /// The single-GPU layer with all experts on one rank's batch (a fresh layer: its gradients
 /// are that batch's alone).
-fn one_gpu(ctx: &Arc<Context>, params: &MoeParams, batch: &Batch) -> RankResult {
-    let cfg = config();
+fn one_gpu(
+    ctx: &Arc<Context>,
+    cfg: MoeLayerConfig,
+    params: &MoeParams,
+    batch: &Batch,
+) -> RankResult {
     let stream = Stream::new(ctx).unwrap();
     let scaling = fixed_scaling(&stream, &cfg);
     let mut layer = MoeLayer::new(&stream, cfg, params, scaling, 0).unwrap();
@@ -144,16 +173,8 @@ fn one_gpu(ctx: &Arc<Context>, params: &MoeParams, batch: &Batch) -> RankResult 
         .backward(&stream, &[&io.dy], &[&io.dx], &slot)
         .unwrap();
     let losses = layer.routing_of(&saved[0]).unwrap().losses;
-    RankResult {
-        bits: vec![
-            bf16_bits(&stream, &io.out),
-            bf16_bits(&stream, &io.dx),
-            f32_bits(&stream, layer.router_weight().1),
-            f32_bits(&stream, &losses),
-        ],
-        dw1: grad(&stream, layer.fc1().1),
-        dw2: grad(&stream, layer.fc2().1),
-    }
+    let grads = (layer.router_weight().1, layer.fc1().1, layer.fc2().1);
+    RankResult::read(&stream, &io, &losses, grads)
 }
 
 /// One rank's part of the expert-parallel layer over `group`, on its batch; with `capture`,
@@ -161,12 +182,12 @@ fn one_gpu(ctx: &Arc<Context>, params: &MoeParams, batch: &Batch) -> RankResult 
 /// give the eager bits.
 fn ep_rank(
     ctx: &Arc<Context>,
+    cfg: MoeLayerConfig,
     params: &MoeParams,
     batch: &Batch,
     group: Arc<dyn ExpertGroup>,
     capture: bool,
 ) -> RankResult {
-    let cfg = config();
     let stream = Stream::new(ctx).unwrap();
     let experts_cfg = MoeLayerConfig {
         experts: cfg.experts / group.size(),
@@ -174,7 +195,7 @@ fn ep_rank(
     };
     let scaling = fixed_scaling(&stream, &experts_cfg);
     let layer = ExpertParallelMoe::new(&stream, cfg, params, scaling, 0, group).unwrap();
-    let saved = zeroed_saved(&stream, &layer.saved_bytes().unwrap());
+    let saved = zeroed_saved(&stream, &layer.saved_bytes());
     let saved: Vec<&DeviceBuffer<u8>> = saved.iter().collect();
     let io = Io::new(&stream, batch);
     layer.cast_weights(&stream).unwrap();
@@ -184,16 +205,8 @@ fn ep_rank(
     };
     let result = |layer: &ExpertParallelMoe| {
         let losses = layer.routing_of(saved[0]).unwrap().losses;
-        RankResult {
-            bits: vec![
-                bf16_bits(&stream, &io.out),
-                bf16_bits(&stream, &io.dx),
-                f32_bits(&stream, layer.router_weight().1),
-                f32_bits(&stream, &losses),
-            ],
-            dw1: grad(&stream, layer.fc1().1),
-            dw2: grad(&stream, layer.fc2().1),
-        }
+        let grads = (layer.router_weight().1, layer.fc1().1, layer.fc2().1);
+        RankResult::read(&stream, &io, &losses, grads)
     };
     pass(&stream).unwrap();
     let eager = result(&layer);
@@ -287,10 +300,20 @@ fn check_ranks(label: &str, ep: &[RankResult], single: &[RankResult]) {
 fn ranks_on_threads_equal_the_one_gpu_layer() {
     let ctx = Context::default_device().unwrap();
     let mut rng = fresh_rng("ranks_on_threads_equal_the_one_gpu_layer");
-    for ranks in [2, 4] {
-        let params = random_params(&mut rng, &config());
+    // Full-layer (static exchange) and breaking-layer (exact sizes, counts read back).
+    for (mode, ranks) in [
+        (ExpertGemm::Grouped, 2),
+        (ExpertGemm::Grouped, 4),
+        (ExpertGemm::PerExpert, 2),
+        (ExpertGemm::PerExpert, 4),
+    ] {
+        let cfg = config_for(mode);
+        let params = random_params(&mut rng, &cfg);
         let batches = Arc::new(batches(&mut rng, ranks));
-        let single: Vec<RankResult> = batches.iter().map(|b| one_gpu(&ctx, &params, b)).collect();
+        let single: Vec<RankResult> = batches
+            .iter()
+            .map(|b| one_gpu(&ctx, cfg, &params, b))
+            .collect();
         let groups = LocalGroup::new(ranks).unwrap();
         let handles: Vec<_> = groups
             .into_iter()
@@ -298,12 +321,12 @@ fn ranks_on_threads_equal_the_one_gpu_layer() {
                 let (ctx, params, batches) = (ctx.clone(), params.clone(), batches.clone());
                 std::thread::spawn(move || {
                     let r = g.rank();
-                    ep_rank(&ctx, &params, &batches[r], Arc::new(g), false)
+                    ep_rank(&ctx, cfg, &params, &batches[r], Arc::new(g), false)
                 })
             })
             .collect();
         let ep: Vec<RankResult> = handles.into_iter().map(|h| h.join().unwrap()).collect();
-        check_ranks(&format!("{ranks} ranks"), &ep, &single);
+        check_ranks(&format!("{mode:?}, {ranks} ranks"), &ep, &single);
     }
 }
 
@@ -312,22 +335,28 @@ fn ranks_on_threads_equal_the_one_gpu_layer() {
 fn one_nccl_rank_captured_equals_eager_and_the_one_gpu_layer() {
     let ctx = Context::default_device().unwrap();
     let mut rng = fresh_rng("one_nccl_rank_captured_equals_eager_and_the_one_gpu_layer");
-    let params = random_params(&mut rng, &config());
-    let batch = batches(&mut rng, 1).pop().unwrap();
     let comm = Communicator::init_rank(&ctx, 1, 0, &UniqueId::new().unwrap()).unwrap();
-    let ep = ep_rank(&ctx, &params, &batch, Arc::new(NcclGroup::new(comm)), true);
-    let single = one_gpu(&ctx, &params, &batch);
-    check_ranks(
-        "one NCCL rank",
-        std::slice::from_ref(&ep),
-        std::slice::from_ref(&single),
-    );
-    // One rank holds every expert and plans the same rows: the weight gradients too are the
-    // single GPU's bits.
-    assert!(
-        ep.dw1 == single.dw1 && ep.dw2 == single.dw2,
-        "weight gradients differ"
-    );
+    let group: Arc<dyn ExpertGroup> = Arc::new(NcclGroup::new(comm));
+    // Full-layer captured and replayed; breaking-layer eager (it reads counts back).
+    for (mode, capture) in [(ExpertGemm::Grouped, true), (ExpertGemm::PerExpert, false)] {
+        let cfg = config_for(mode);
+        let params = random_params(&mut rng, &cfg);
+        let batch = batches(&mut rng, 1).pop().unwrap();
+        let ep = ep_rank(&ctx, cfg, &params, &batch, group.clone(), capture);
+        let single = one_gpu(&ctx, cfg, &params, &batch);
+        let label = format!("{mode:?}, one NCCL rank");
+        check_ranks(
+            &label,
+            std::slice::from_ref(&ep),
+            std::slice::from_ref(&single),
+        );
+        // One rank holds every expert and plans the same rows: the weight gradients too are
+        // the single GPU's bits.
+        assert!(
+            ep.dw1 == single.dw1 && ep.dw2 == single.dw2,
+            "{label}: weight gradients differ"
+        );
+    }
 }
 
 #[test]
@@ -354,7 +383,7 @@ fn bad_inputs_are_errors() {
         .to_string();
     assert!(e.contains("do not split over 3"), "{e}");
     let layer = ExpertParallelMoe::new(&stream, cfg, &params, scaling, 0, group).unwrap();
-    let saved = zeroed_saved(&stream, &layer.saved_bytes().unwrap());
+    let saved = zeroed_saved(&stream, &layer.saved_bytes());
     let saved: Vec<&DeviceBuffer<u8>> = saved.iter().collect();
     let n = cfg.tokens * cfg.hidden;
     let x = DeviceBuffer::<bf16>::alloc(&ctx, n).unwrap();

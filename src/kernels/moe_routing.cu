@@ -1478,3 +1478,35 @@ extern "C" __global__ void __launch_bounds__(MOE_BLOCK)
     const bool vec = hidden % 8 == 0 && aligned16(recv) && aligned16(y);
     ep_copy_row(recv + ((size_t)owner * n + a) * hidden, y + (size_t)r * hidden, hidden, vec, lane);
 }
+
+// The exact-size exchange (breaking-layer, ExpertGemm::PerExpert): each source's rows of this
+// rank's experts [first, first + per_rank) in the source's own packed order, the sources'
+// blocks back to back, so that the source receives them straight into its packed layout.
+// For the gathered assignments i = s * n + a whose expert is this rank's (local_row_of[i]
+// inside [0, rows_in)): send[base(s) + row_of_all[i] - offsets_all[s][first], :] =
+// rows[local_row_of[i], :], base(s) = sum over s' < s of offsets_all[s'][first + per_rank] -
+// offsets_all[s'][first] (offsets_all: `ranks` rows of experts + 1). The sources' padding
+// rows are left as they are. A warp per assignment.
+extern "C" __global__ void __launch_bounds__(MOE_BLOCK)
+    moe_ep_rows_to_sources_exact(const __nv_bfloat16 *rows, const int *local_row_of,
+                                 const int *row_of_all, const int *offsets_all,
+                                 __nv_bfloat16 *send, unsigned n, unsigned ranks,
+                                 unsigned hidden, unsigned rows_in, unsigned send_rows,
+                                 unsigned experts, unsigned first, unsigned per_rank) {
+    cuda_graph::pdl_enter();
+    const unsigned lane = threadIdx.x & 31u;
+    const unsigned i = blockIdx.x * MOE_WARPS + (threadIdx.x >> 5);
+    if (i >= n * ranks) return;
+    const int r = local_row_of[i];
+    if (r < 0 || (unsigned)r >= rows_in) return;
+    const unsigned s = i / n;
+    long long base = 0;
+    for (unsigned q = 0; q < s; ++q) {
+        const int *o = offsets_all + (size_t)q * (experts + 1);
+        base += o[first + per_rank] - o[first];
+    }
+    const long long dst = base + row_of_all[i] - offsets_all[(size_t)s * (experts + 1) + first];
+    if (dst < 0 || dst >= (long long)send_rows) return;
+    const bool vec = hidden % 8 == 0 && aligned16(rows) && aligned16(send);
+    ep_copy_row(rows + (size_t)r * hidden, send + (size_t)dst * hidden, hidden, vec, lane);
+}

@@ -2,8 +2,8 @@
 //! ([`ExpertParallelMoe`]), each rank holding `E / N` of them and its own tokens.
 //!
 //! # The exchange
-//! Static sizes only, so a pass has nothing on the host and captures as one graph
-//! (full-layer), eager or replayed:
+//! With [`ExpertGemm::Grouped`] (full-layer) every size is static, so a pass has nothing on
+//! the host and captures as one graph, eager or replayed:
 //!
 //! 1. Each rank routes its own `T` tokens over all `E` experts ([`Router::forward`]: the same
 //!    router weight on every rank), then gathers every rank's tokens (`[N T, H]` bf16), top-k
@@ -18,6 +18,12 @@
 //!    any rank can get from another; the receiver takes each assignment's row from the block
 //!    of the rank holding its expert, into its own packed layout, and combines as the
 //!    single-GPU layer does.
+//!
+//! With [`ExpertGemm::PerExpert`] (breaking-layer, eager: the experts' GEMMs read their
+//! counts back as on one GPU) step 3 moves exact sizes: each rank's offsets are gathered too
+//! and read back, and each rank gets, from each owner, the rows of its packed layout over the
+//! owner's experts (its padding rows included), straight into its packed layout, by an
+//! all-to-all of uneven blocks ([`ExpertGroup::all_to_all_v`]).
 //!
 //! The backward mirrors it: the gates' and router's gradients on the token's rank, dY
 //! gathered (`[N T, H]`) and cast into the experts' layout scaled by the gathered gates, the
@@ -46,7 +52,7 @@ use cuda_graph::{
 };
 use fp8_kernels::DelayedScaling;
 
-use super::layer::{MoeLayer, MoeLayerConfig, MoeParams, Saved, WeightGrad};
+use super::layer::{ExpertGemm, MoeLayer, MoeLayerConfig, MoeParams, Saved, WeightGrad};
 use super::routing::{FATBIN, Router, RoutingBuffers};
 
 /// The collectives expert parallelism needs, over the ranks of a group: NCCL
@@ -77,6 +83,17 @@ pub trait ExpertGroup: Send + Sync + std::fmt::Debug {
         stream: &Stream,
         send: &DeviceBuffer<u8>,
         recv: &DeviceBuffer<u8>,
+    ) -> Result<()>;
+
+    /// An all-to-all of uneven blocks: `send_counts[p]` bytes of `send` (blocks back to back
+    /// in rank order) to rank `p`, `recv_counts[p]` bytes from rank `p` into `recv` (back to
+    /// back in rank order). Rank `p`'s `send_counts[r]` must equal rank `r`'s
+    /// `recv_counts[p]`.
+    fn all_to_all_v(
+        &self,
+        stream: &Stream,
+        send: (&DeviceBuffer<u8>, &[usize]),
+        recv: (&DeviceBuffer<u8>, &[usize]),
     ) -> Result<()>;
 }
 
@@ -121,6 +138,8 @@ struct MeetState {
 #[derive(Debug)]
 struct Post {
     send: DeviceBuffer<u8>,
+    /// Bytes of `send` for each rank (back to back), in an uneven all-to-all.
+    counts: Vec<usize>,
     event: Arc<Event>,
 }
 
@@ -191,17 +210,17 @@ impl LocalGroup {
         Ok(st.last.clone())
     }
 
-    /// One collective: rank `p`'s bytes `src(p)` of its `send` copied to `dst(p)` of this
-    /// rank's `recv`, for every `p`. Each copy waits for the sender's buffer to be ready on
-    /// its stream; each rank's stream then waits until every rank has copied from it, so work
-    /// it enqueues later may overwrite its `send`.
+    /// One collective: for every rank `p`, the bytes `src` of its `send` copied to `dst` of
+    /// this rank's `recv`, `(src, dst) = blocks(p, p's send counts)`. Each copy waits for the
+    /// sender's buffer to be ready on its stream; each rank's stream then waits until every
+    /// rank has copied from it, so work it enqueues later may overwrite its `send`.
     fn exchange(
         &self,
         what: &str,
         stream: &Stream,
-        send: &DeviceBuffer<u8>,
+        (send, counts): (&DeviceBuffer<u8>, &[usize]),
         recv: &DeviceBuffer<u8>,
-        blocks: impl Fn(usize) -> (Range<usize>, Range<usize>),
+        blocks: impl Fn(usize, &[usize]) -> Result<(Range<usize>, Range<usize>)>,
     ) -> Result<()> {
         let ctx = stream.context();
         let event = |s: &Stream| -> Result<Arc<Event>> {
@@ -211,6 +230,7 @@ impl LocalGroup {
         };
         let ready = Post {
             send: send.share(),
+            counts: counts.to_vec(),
             event: event(stream)?,
         };
         let posts = self.meet(what, Some(ready))?;
@@ -218,13 +238,14 @@ impl LocalGroup {
             let post = post.as_ref().ok_or_else(|| {
                 Error::InvalidArgument(format!("LocalGroup: rank {p} posted nothing at {what}"))
             })?;
-            let (src, dst) = blocks(p);
+            let (src, dst) = blocks(p, &post.counts)?;
             stream.wait_event(&post.event)?;
             recv.slice(dst)?
                 .copy_from_device(stream, &post.send.slice(src)?)?;
         }
         let done = Post {
             send: send.share(),
+            counts: Vec::new(),
             event: event(stream)?,
         };
         let dones = self.meet(what, Some(done))?;
@@ -262,8 +283,8 @@ impl ExpertGroup for LocalGroup {
     ) -> Result<()> {
         let (n, size) = (send.len(), self.shared.size);
         self.check_lengths("all_gather", n, recv.len(), recv.len() == n * size)?;
-        self.exchange("all_gather", stream, send, recv, |p| {
-            (0..n, p * n..(p + 1) * n)
+        self.exchange("all_gather", stream, (send, &[]), recv, |p, _| {
+            Ok((0..n, p * n..(p + 1) * n))
         })
     }
 
@@ -277,9 +298,46 @@ impl ExpertGroup for LocalGroup {
         let ok = recv.len() == len && len % size == 0;
         self.check_lengths("all_to_all", len, recv.len(), ok)?;
         let b = len / size;
-        self.exchange("all_to_all", stream, send, recv, |p| {
-            (r * b..(r + 1) * b, p * b..(p + 1) * b)
+        self.exchange("all_to_all", stream, (send, &[]), recv, |p, _| {
+            Ok((r * b..(r + 1) * b, p * b..(p + 1) * b))
         })
+    }
+
+    fn all_to_all_v(
+        &self,
+        stream: &Stream,
+        (send, send_counts): (&DeviceBuffer<u8>, &[usize]),
+        (recv, recv_counts): (&DeviceBuffer<u8>, &[usize]),
+    ) -> Result<()> {
+        let (size, r) = (self.shared.size, self.rank);
+        let fits = |counts: &[usize], len: usize| {
+            counts.len() == size
+                && counts
+                    .iter()
+                    .try_fold(0usize, |a, &c| a.checked_add(c))
+                    .is_some_and(|t| t <= len)
+        };
+        let ok = fits(send_counts, send.len()) && fits(recv_counts, recv.len());
+        self.check_lengths("all_to_all_v", send.len(), recv.len(), ok)?;
+        let start = |counts: &[usize], p: usize| counts[..p].iter().sum::<usize>();
+        self.exchange(
+            "all_to_all_v",
+            stream,
+            (send, send_counts),
+            recv,
+            |p, theirs| {
+                if theirs.len() != size || theirs[r] != recv_counts[p] {
+                    return Err(Error::InvalidArgument(format!(
+                        "LocalGroup all_to_all_v: rank {p} sends {:?} bytes to rank {r}, which \
+                     expects {}",
+                        theirs.get(r),
+                        recv_counts[p]
+                    )));
+                }
+                let (src, dst) = (start(theirs, r), start(recv_counts, p));
+                Ok((src..src + theirs[r], dst..dst + recv_counts[p]))
+            },
+        )
     }
 }
 
@@ -289,6 +347,7 @@ struct Kernels {
     local_experts: Kernel,
     to_sources: Kernel,
     from_owners: Kernel,
+    to_sources_exact: Kernel,
     _module: Module,
 }
 
@@ -302,8 +361,9 @@ const ROWS_PER_BLOCK: u32 = BLOCK / 32;
 /// Saved buffers per microbatch ([`saved_bytes`](Self::saved_bytes)): `[0]` the rank's
 /// routing over all `E` experts ([`RoutingBuffers::from_bytes`], as the single-GPU layer's),
 /// `[1]` the expert outputs of its assignments in its packed layout (`[C, H]` bf16), `[2]`
-/// every rank's gates (`[N T, k]` f32), then the saved buffers of the rank's experts as a
-/// [`MoeLayer`] over the `N T` gathered tokens.
+/// every rank's gates (`[N T, k]` f32), `[3]` every rank's offsets (`[N, E + 1]` i32) and
+/// `[4]` packed rows of its assignments (`[N T, k]` i32) (the exact-size exchange's), then
+/// the saved buffers of the rank's experts as a [`MoeLayer`] over the `N T` gathered tokens.
 #[derive(Debug)]
 pub struct ExpertParallelMoe {
     cfg: MoeLayerConfig,
@@ -324,6 +384,8 @@ pub struct ExpertParallelMoe {
     recv: DeviceBuffer<bf16>,
     /// fc1's data gradient of this rank's assignments, in its packed layout.
     dxp: DeviceBuffer<bf16>,
+    /// [`saved_bytes`](Self::saved_bytes), checked at construction.
+    saved_bytes: Vec<usize>,
 }
 
 /// The saved buffers of one microbatch as views.
@@ -331,11 +393,15 @@ struct EpSaved<'a> {
     routing: RoutingBuffers,
     y: DeviceBuffer<bf16>,
     gates_all: DeviceBuffer<f32>,
+    /// Every rank's offsets (`[N, E + 1]`) and packed row of each assignment (`[N T, k]`):
+    /// the exact-size exchange's layout.
+    offsets_all: DeviceBuffer<i32>,
+    row_of_all: DeviceBuffer<i32>,
     experts: Saved<'a>,
 }
 
 /// The saved buffers before the experts' own.
-const OWN_SAVED: usize = 3;
+const OWN_SAVED: usize = 5;
 
 /// The configuration of the rank's experts as a [`MoeLayer`]: `E / N` experts over every
 /// rank's tokens.
@@ -421,6 +487,7 @@ impl ExpertParallelMoe {
             local_experts: module.kernel("moe_ep_local_experts")?,
             to_sources: module.kernel("moe_ep_rows_to_sources")?,
             from_owners: module.kernel("moe_ep_rows_from_owners")?,
+            to_sources_exact: module.kernel("moe_ep_rows_to_sources_exact")?,
             _module: module,
         };
         let (t, k_top) = (cfg.tokens, cfg.router.top_k);
@@ -429,7 +496,7 @@ impl ExpertParallelMoe {
             b.memset_bytes(stream, 0)?;
             Ok(b)
         };
-        let layer = ExpertParallelMoe {
+        let mut layer = ExpertParallelMoe {
             router: Router::new(stream, cfg.routing_dims(), cfg.router)?,
             wr: DeviceBuffer::from_host(stream, &params.wr)?,
             dwr: {
@@ -445,13 +512,17 @@ impl ExpertParallelMoe {
                 b.memset_bytes(stream, 0)?;
                 b
             },
-            send: zeroed(ranks * t * k_top * h)?,
+            // The static exchange's blocks, or the exact one's rows of every source's packed
+            // layout over this rank's experts (each at most the capacity).
+            send: zeroed(ranks * (t * k_top).max(cfg.capacity()) * h)?,
             recv: zeroed(ranks * t * k_top * h)?,
             dxp: zeroed(cfg.capacity() * h)?,
             cfg,
             group,
             per_rank,
+            saved_bytes: Vec::new(),
         };
+        layer.saved_bytes = layer.saved_layout()?;
         stream.synchronize()?;
         Ok(layer)
     }
@@ -489,12 +560,19 @@ impl ExpertParallelMoe {
 
     /// The per-microbatch saved buffers' sizes in bytes (see the [type
     /// documentation](Self)).
-    pub fn saved_bytes(&self) -> Result<Vec<usize>> {
+    pub fn saved_bytes(&self) -> Vec<usize> {
+        self.saved_bytes.clone()
+    }
+
+    fn saved_layout(&self) -> Result<Vec<usize>> {
         let (n, c) = (self.group.size(), self.cfg.capacity());
         let (t, h, k) = (self.cfg.tokens, self.cfg.hidden, self.cfg.router.top_k);
+        let e = self.cfg.experts;
         let mut v = vec![
             RoutingBuffers::bytes(self.cfg.routing_dims())?,
             c * h * 2,
+            n * t * k * 4,
+            n * (e + 1) * 4,
             n * t * k * 4,
         ];
         v.extend(self.experts.config().saved_bytes()?);
@@ -513,8 +591,8 @@ impl ExpertParallelMoe {
     }
 
     fn saved<'a>(&self, saved: &[&'a DeviceBuffer<u8>]) -> Result<EpSaved<'a>> {
-        let want = self.saved_bytes()?;
-        if saved.len() != want.len() || saved.iter().zip(&want).any(|(b, &w)| b.len() < w) {
+        let want = &self.saved_bytes;
+        if saved.len() != want.len() || saved.iter().zip(want).any(|(b, &w)| b.len() < w) {
             return Err(Error::InvalidArgument(format!(
                 "ExpertParallelMoe: saved buffers of {:?} bytes, the layer needs {want:?}",
                 saved.iter().map(|b| b.len()).collect::<Vec<_>>()
@@ -522,10 +600,13 @@ impl ExpertParallelMoe {
         }
         let (c, h) = (self.cfg.capacity(), self.cfg.hidden);
         let n = self.group.size() * self.cfg.tokens * self.cfg.router.top_k;
+        let e1 = self.group.size() * (self.cfg.experts + 1);
         Ok(EpSaved {
             routing: self.routing_of(saved[0])?,
             y: saved[1].slice(..c * h * 2)?.reinterpret()?,
             gates_all: saved[2].slice(..n * 4)?.reinterpret()?,
+            offsets_all: saved[3].slice(..e1 * 4)?.reinterpret()?,
+            row_of_all: saved[4].slice(..n * 4)?.reinterpret()?,
             experts: self
                 .experts
                 .saved_from(&saved[OWN_SAVED..], &"an expert-parallel rank")?,
@@ -572,6 +653,10 @@ impl ExpertParallelMoe {
         self.gather(stream, x, &self.gathered)?;
         self.gather(stream, &s.routing.topk, &self.topk_all)?;
         self.gather(stream, &s.routing.gates, &s.gates_all)?;
+        if self.exact() {
+            self.gather(stream, &s.routing.offsets, &s.offsets_all)?;
+            self.gather(stream, &s.routing.row_of, &s.row_of_all)?;
+        }
         self.renumber_experts(stream, &s.experts.routing.topk)?;
         self.experts
             .dispatch_planned(stream, &self.gathered, &s.experts)?;
@@ -647,16 +732,20 @@ impl ExpertParallelMoe {
         s: &EpSaved<'_>,
         home: &DeviceBuffer<bf16>,
     ) -> Result<()> {
+        if self.exact() {
+            return self.rows_home_exact(stream, rows, s, home);
+        }
         let h = self.cfg.hidden;
         let (local_rows, home_rows) = (rows.len() / h, home.len() / h);
         let all = self.topk_all.len();
         let mine = self.cfg.tokens * self.cfg.router.top_k;
+        let send = self.send.slice(..all * h)?;
         let u = |name: &str, v: usize| u32::try_from(v).map_err(|_| too_large(name, v));
         let (all32, mine32, h32) = (u("assignments", all)?, u("assignments", mine)?, u("H", h)?);
         let (local32, home32) = (u("rows", local_rows)?, u("rows", home_rows)?);
         let (per_rank, ranks) = (u("experts", self.per_rank)?, u("ranks", self.group.size())?);
         let row_of = &s.experts.routing.row_of;
-        if row_of.len() != all || self.send.len() != all * h || s.routing.row_of.len() != mine {
+        if row_of.len() != all || s.routing.row_of.len() != mine {
             return Err(Error::InvalidArgument(
                 "ExpertParallelMoe: the row exchange's buffers do not match the shape".into(),
             ));
@@ -664,7 +753,7 @@ impl ExpertParallelMoe {
         let args = KernelArgs::new()
             .arg(rows)
             .arg(row_of)
-            .arg(&self.send)
+            .arg(&send)
             .arg(&all32)
             .arg(&h32)
             .arg(&local32);
@@ -680,7 +769,7 @@ impl ExpertParallelMoe {
             )
         }?;
         self.group
-            .all_to_all(stream, &self.send.reinterpret()?, &self.recv.reinterpret()?)?;
+            .all_to_all(stream, &send.reinterpret()?, &self.recv.reinterpret()?)?;
         let args = KernelArgs::new()
             .arg(&self.recv)
             .arg(&s.routing.topk)
@@ -702,6 +791,94 @@ impl ExpertParallelMoe {
                 &args,
             )
         }
+    }
+}
+
+impl ExpertParallelMoe {
+    /// Whether rows go home in exact sizes (breaking-layer, [`ExpertGemm::PerExpert`]).
+    fn exact(&self) -> bool {
+        self.cfg.expert_gemm == ExpertGemm::PerExpert
+    }
+
+    /// [`rows_home`](Self::rows_home) in exact sizes (breaking-layer): every rank's offsets
+    /// read back (a stream synchronisation), each source's rows of this rank's experts sent
+    /// in its own packed order, with its padding rows, so that they land in its packed layout
+    /// directly (the owners' blocks follow each other there in rank order).
+    fn rows_home_exact(
+        &self,
+        stream: &Stream,
+        rows: &DeviceBuffer<bf16>,
+        s: &EpSaved<'_>,
+        home: &DeviceBuffer<bf16>,
+    ) -> Result<()> {
+        let (n, r, per) = (self.group.size(), self.group.rank(), self.per_rank);
+        let (e, h) = (self.cfg.experts, self.cfg.hidden);
+        let off = s.offsets_all.to_vec(stream)?;
+        // Rows of rank q's packed layout over the experts of `owner`.
+        let span = |q: usize, owner: usize| -> Result<usize> {
+            let o = &off[q * (e + 1)..(q + 1) * (e + 1)];
+            let (a, b) = (o[owner * per], o[(owner + 1) * per]);
+            usize::try_from(b - a)
+                .ok()
+                .filter(|_| a >= 0 && (b as usize) <= self.cfg.capacity())
+                .ok_or_else(|| {
+                    Error::InvalidArgument(format!(
+                        "ExpertParallelMoe: rank {q}'s offsets {a}..{b} of rank {owner}'s experts \
+                         are not a range of its packed layout"
+                    ))
+                })
+        };
+        let rows2 = |v: usize| v * h * 2;
+        let send_counts = (0..n)
+            .map(|q| span(q, r).map(rows2))
+            .collect::<Result<Vec<_>>>()?;
+        let recv_counts = (0..n)
+            .map(|q| span(r, q).map(rows2))
+            .collect::<Result<Vec<_>>>()?;
+        let mine = self.cfg.tokens * self.cfg.router.top_k;
+        let (local_row_of, row_of_all) = (&s.experts.routing.row_of, &s.row_of_all);
+        if local_row_of.len() != n * mine || row_of_all.len() != n * mine {
+            return Err(Error::InvalidArgument(
+                "ExpertParallelMoe: the row exchange's buffers do not match the shape".into(),
+            ));
+        }
+        let u = |name: &str, v: usize| u32::try_from(v).map_err(|_| too_large(name, v));
+        let (mine32, n32, h32) = (u("assignments", mine)?, u("ranks", n)?, u("H", h)?);
+        let all32 = u("assignments", n * mine)?;
+        let (rows_in, send_rows) = (u("rows", rows.len() / h)?, u("rows", self.send.len() / h)?);
+        let (e32, first, per32) = (u("experts", e)?, u("experts", r * per)?, u("experts", per)?);
+        let args = KernelArgs::new()
+            .arg(rows)
+            .arg(local_row_of)
+            .arg(row_of_all)
+            .arg(&s.offsets_all)
+            .arg(&self.send)
+            .arg(&mine32)
+            .arg(&n32)
+            .arg(&h32)
+            .arg(&rows_in)
+            .arg(&send_rows)
+            .arg(&e32)
+            .arg(&first)
+            .arg(&per32);
+        // SAFETY: warp i < n * mine reads local_row_of[i] and row_of_all[i] (n * mine each,
+        // checked), offsets_all's rows q <= i / mine < n at columns first and first + per <= E
+        // (n * (E + 1) entries, the saved buffer's), the H elements of `rows` at a row inside
+        // [0, rows_in) (rows_in * H), and writes a row inside [0, send_rows) of `send`
+        // (send_rows * H); the 16-byte accesses only when H % 8 == 0 and the kernel finds both
+        // 16-byte aligned.
+        unsafe {
+            stream.launch_pdl(
+                &self.k.to_sources_exact,
+                &LaunchConfig::linear(all32.div_ceil(ROWS_PER_BLOCK), BLOCK),
+                &args,
+            )
+        }?;
+        self.group.all_to_all_v(
+            stream,
+            (&self.send.reinterpret()?, &send_counts),
+            (&home.reinterpret()?, &recv_counts),
+        )
     }
 }
 
