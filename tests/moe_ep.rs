@@ -393,3 +393,96 @@ fn bad_inputs_are_errors() {
     let e = layer.forward(&stream, &x, &x, &saved[..2]).unwrap_err();
     assert!(e.to_string().contains("saved buffers"), "{e}");
 }
+
+/// Every output and input gradient of two steps of two microbatches (forward, forward,
+/// backward, backward) run by the graphed-callables runtime over `layer` (its warmup's
+/// gradients zeroed after the build), then the bits of its gradients `grads` (router, fc1,
+/// fc2).
+fn runtime_bits(
+    stream: &Stream,
+    layer: Box<dyn Callable<bf16>>,
+    grads: (DeviceBuffer<f32>, WeightGrad, WeightGrad),
+    data: &[Batch],
+) -> Vec<Vec<u32>> {
+    use graphed_callables::{GraphedCallables, GraphedOptions, Schedule, Step};
+    let up = |v: &[f32]| DeviceBuffer::from_host(stream, &to_bf16(v)).unwrap();
+    let schedule = Schedule::new(&[1, 1, -1, -1], vec![1]).unwrap();
+    let sample = up(&data[0].x);
+    let g = GraphedCallables::build(
+        stream,
+        vec![layer],
+        &[vec![&sample]],
+        GraphedOptions::new(schedule.clone()),
+    )
+    .unwrap();
+    grads.0.memset_bytes(stream, 0).unwrap();
+    grads.1.zero(stream).unwrap();
+    grads.2.zero(stream).unwrap();
+    let mut out = Vec::new();
+    for step in 0..2 {
+        for st in schedule.steps() {
+            let mb = st.microbatch();
+            let b = &data[step * 2 + mb];
+            match st {
+                Step::Forward { .. } => {
+                    let y = g.forward(0, mb, &[&up(&b.x)], stream).unwrap();
+                    out.push(bf16_bits(stream, &y[0]));
+                }
+                Step::Backward { .. } => {
+                    let dx = g.backward(0, mb, &[&up(&b.dy)], stream).unwrap();
+                    out.push(bf16_bits(stream, &dx[0]));
+                }
+                Step::WeightGrad { .. } => g.weight_grad(0, mb, stream).unwrap(),
+            }
+        }
+    }
+    out.push(f32_bits(stream, &grads.0));
+    for g in [&grads.1, &grads.2] {
+        out.push(grad(stream, g).iter().map(|v| v.to_bits()).collect());
+    }
+    out
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn in_the_graphed_runtime_one_nccl_rank_equals_the_one_gpu_layer() {
+    let ctx = Context::default_device().unwrap();
+    let stream = Stream::new(&ctx).unwrap();
+    let mut rng = fresh_rng("in_the_graphed_runtime_one_nccl_rank_equals_the_one_gpu_layer");
+    let comm = Communicator::init_rank(&ctx, 1, 0, &UniqueId::new().unwrap()).unwrap();
+    let group: Arc<dyn ExpertGroup> = Arc::new(NcclGroup::new(comm));
+    // Full-layer: one graph each way with the collectives in it; breaking-layer: eager
+    // segments.
+    for mode in [ExpertGemm::Grouped, ExpertGemm::PerExpert] {
+        let cfg = config_for(mode);
+        let params = random_params(&mut rng, &cfg);
+        let data = batches(&mut rng, 4);
+        let single = MoeLayer::new(&stream, cfg, &params, fixed_scaling(&stream, &cfg), 0).unwrap();
+        let grads = (
+            single.router_weight().1.share(),
+            single.fc1().1.share(),
+            single.fc2().1.share(),
+        );
+        let want = runtime_bits(&stream, Box::new(single), grads, &data);
+        let ep = ExpertParallelMoe::new(
+            &stream,
+            cfg,
+            &params,
+            fixed_scaling(&stream, &cfg),
+            0,
+            group.clone(),
+        )
+        .unwrap();
+        let grads = (
+            ep.router_weight().1.share(),
+            ep.fc1().1.share(),
+            ep.fc2().1.share(),
+        );
+        let got = runtime_bits(&stream, Box::new(ep), grads, &data);
+        assert_eq!(got.len(), want.len());
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            let bad = g.iter().zip(w).filter(|(a, b)| a != b).count();
+            assert_eq!(bad, 0, "{mode:?}: result {i} differs in {bad} values");
+        }
+    }
+}

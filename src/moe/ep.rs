@@ -50,7 +50,8 @@ use cuda_graph::{
     DeviceBuffer, DeviceRepr, Error, Event, Kernel, KernelArgs, LaunchConfig, Module, Result,
     Stream,
 };
-use fp8_kernels::DelayedScaling;
+use fp8_kernels::{DelayedScaling, DeviceScalar};
+use graphed_callables::{Callable, SegmentKind, Slot};
 
 use super::layer::{ExpertGemm, MoeLayer, MoeLayerConfig, MoeParams, Saved, WeightGrad};
 use super::routing::{FATBIN, Router, RoutingBuffers};
@@ -647,6 +648,19 @@ impl ExpertParallelMoe {
         out: &DeviceBuffer<bf16>,
         saved: &[&DeviceBuffer<u8>],
     ) -> Result<()> {
+        self.forward_in(stream, x, out, saved, None)
+    }
+
+    /// [`forward`](Self::forward), in the runtime's `slot` when given: the experts wait for
+    /// the slot's weight cast, and a warmup reports the routed experts' weight tensors.
+    fn forward_in(
+        &self,
+        stream: &Stream,
+        x: &DeviceBuffer<bf16>,
+        out: &DeviceBuffer<bf16>,
+        saved: &[&DeviceBuffer<u8>],
+        slot: Option<&Slot<'_, bf16>>,
+    ) -> Result<()> {
         self.check_tokens("forward", &[("x", x), ("out", out)])?;
         let s = self.saved(saved)?;
         self.router.forward(stream, x, &self.wr, &s.routing)?;
@@ -660,6 +674,11 @@ impl ExpertParallelMoe {
         self.renumber_experts(stream, &s.experts.routing.topk)?;
         self.experts
             .dispatch_planned(stream, &self.gathered, &s.experts)?;
+        if let Some(slot) = slot {
+            self.experts
+                .record_routed_weights(stream, &s.experts, slot)?;
+            slot.wait_weight_cast(stream)?;
+        }
         self.experts.experts_forward(stream, &s.experts)?;
         self.rows_home(stream, &s.experts.y, &s, &s.y)?;
         self.router.combine(stream, &s.y, &s.routing, out)
@@ -794,7 +813,178 @@ impl ExpertParallelMoe {
     }
 }
 
+/// The layer in the graphed-callables runtime: full-layer ([`ExpertGemm::Grouped`]) is one
+/// graphed segment each way, its collectives inside the graphs (a capturable group: NCCL);
+/// breaking-layer ([`ExpertGemm::PerExpert`]) one eager segment each way (it reads counts
+/// back). Every rank builds and runs the same schedule. Weight gradients accumulate, or with
+/// [`with_step_gradients`](ExpertParallelMoe::with_step_gradients) microbatch 0 writes them.
+impl Callable<bf16> for ExpertParallelMoe {
+    fn input_lens(&self) -> Vec<usize> {
+        vec![self.cfg.tokens * self.cfg.hidden]
+    }
+
+    fn output_lens(&self) -> Vec<usize> {
+        vec![self.cfg.tokens * self.cfg.hidden]
+    }
+
+    fn saved_bytes(&self) -> Vec<usize> {
+        self.saved_bytes.clone()
+    }
+
+    /// This rank's experts' weights to E4M3, skipped on the device when the slot's noop flag
+    /// reads 1.0 (later microbatches of a step).
+    fn cast_weights(&mut self, stream: &Stream, slot: &Slot<'_, bf16>) -> Result<()> {
+        let noop = slot
+            .skip_weight_cast()
+            .map(|f| DeviceScalar::at(f, 0))
+            .transpose()?;
+        self.experts.cast_expert_weights(stream, noop.as_ref())
+    }
+
+    /// Yes: the router, the gathers, the plan and the permute read neither the cast weights
+    /// nor their scales; the experts wait for the casts.
+    fn overlaps_weight_cast(&self) -> bool {
+        true
+    }
+
+    fn forward(
+        &mut self,
+        stream: &Stream,
+        inputs: &[&DeviceBuffer<bf16>],
+        outputs: &[&DeviceBuffer<bf16>],
+        slot: &Slot<'_, bf16>,
+    ) -> Result<()> {
+        self.experts.fp8_only(slot)?;
+        let (x, out) = one_each("forward", inputs, outputs)?;
+        self.experts.record_activation_tensors(slot);
+        self.forward_in(stream, x, out, slot.saved(), Some(slot))
+    }
+
+    fn backward(
+        &mut self,
+        stream: &Stream,
+        grad_outputs: &[&DeviceBuffer<bf16>],
+        grad_inputs: &[&DeviceBuffer<bf16>],
+        slot: &Slot<'_, bf16>,
+    ) -> Result<()> {
+        self.experts.fp8_only(slot)?;
+        let (dy, dx) = one_each("backward", grad_outputs, grad_inputs)?;
+        let (x, _) = one_each("backward", slot.inputs(), slot.outputs())?;
+        self.experts.record_gradient_tensors(slot);
+        let accumulate = self.experts.accumulate_grads(slot);
+        ExpertParallelMoe::backward(self, stream, x, dy, dx, slot.saved(), accumulate)
+    }
+
+    fn forward_segments(&self) -> Vec<SegmentKind> {
+        vec![match self.cfg.expert_gemm {
+            ExpertGemm::Grouped => SegmentKind::Graphed,
+            ExpertGemm::PerExpert => SegmentKind::Eager,
+        }]
+    }
+
+    fn backward_segments(&self) -> Vec<SegmentKind> {
+        self.forward_segments()
+    }
+
+    fn forward_segment(
+        &mut self,
+        segment: usize,
+        stream: &Stream,
+        inputs: &[&DeviceBuffer<bf16>],
+        outputs: &[&DeviceBuffer<bf16>],
+        slot: &Slot<'_, bf16>,
+    ) -> Result<()> {
+        match (self.cfg.expert_gemm, segment) {
+            (ExpertGemm::Grouped, 0) => Callable::forward(self, stream, inputs, outputs, slot),
+            _ => Err(self.not_a_segment("forward", segment, "graphed")),
+        }
+    }
+
+    fn forward_eager(
+        &self,
+        segment: usize,
+        stream: &Stream,
+        inputs: &[&DeviceBuffer<bf16>],
+        outputs: &[&DeviceBuffer<bf16>],
+        slot: &Slot<'_, bf16>,
+    ) -> Result<()> {
+        if (self.cfg.expert_gemm, segment) != (ExpertGemm::PerExpert, 0) {
+            return Err(self.not_a_segment("forward", segment, "eager"));
+        }
+        self.experts.fp8_only(slot)?;
+        let (x, out) = one_each("forward", inputs, outputs)?;
+        self.experts.record_activation_tensors(slot);
+        self.forward_in(stream, x, out, slot.saved(), Some(slot))
+    }
+
+    fn backward_segment(
+        &mut self,
+        segment: usize,
+        stream: &Stream,
+        grad_outputs: &[&DeviceBuffer<bf16>],
+        grad_inputs: &[&DeviceBuffer<bf16>],
+        slot: &Slot<'_, bf16>,
+    ) -> Result<()> {
+        match (self.cfg.expert_gemm, segment) {
+            (ExpertGemm::Grouped, 0) => {
+                Callable::backward(self, stream, grad_outputs, grad_inputs, slot)
+            }
+            _ => Err(self.not_a_segment("backward", segment, "graphed")),
+        }
+    }
+
+    fn backward_eager(
+        &self,
+        segment: usize,
+        stream: &Stream,
+        grad_outputs: &[&DeviceBuffer<bf16>],
+        grad_inputs: &[&DeviceBuffer<bf16>],
+        slot: &Slot<'_, bf16>,
+    ) -> Result<()> {
+        if (self.cfg.expert_gemm, segment) != (ExpertGemm::PerExpert, 0) {
+            return Err(self.not_a_segment("backward", segment, "eager"));
+        }
+        self.experts.fp8_only(slot)?;
+        let (dy, dx) = one_each("backward", grad_outputs, grad_inputs)?;
+        let (x, _) = one_each("backward", slot.inputs(), slot.outputs())?;
+        self.experts.record_gradient_tensors(slot);
+        let accumulate = self.experts.accumulate_grads(slot);
+        ExpertParallelMoe::backward(self, stream, x, dy, dx, slot.saved(), accumulate)
+    }
+}
+
+/// The one buffer each way a pass takes.
+fn one_each<'a>(
+    what: &str,
+    a: &[&'a DeviceBuffer<bf16>],
+    b: &[&'a DeviceBuffer<bf16>],
+) -> Result<(&'a DeviceBuffer<bf16>, &'a DeviceBuffer<bf16>)> {
+    match (a, b) {
+        ([a], [b]) => Ok((a, b)),
+        _ => Err(Error::InvalidArgument(format!(
+            "ExpertParallelMoe {what}: takes one buffer each way, got {} and {}",
+            a.len(),
+            b.len()
+        ))),
+    }
+}
+
 impl ExpertParallelMoe {
+    /// This layer with its weight gradients (the experts' and the router's) holding one
+    /// step's sum in the runtime (microbatch 0 writes them) instead of accumulating.
+    pub fn with_step_gradients(mut self, on: bool) -> ExpertParallelMoe {
+        self.experts = self.experts.with_step_gradients(on);
+        self
+    }
+
+    /// The error for a segment the layer does not have in its mode.
+    fn not_a_segment(&self, pass: &str, segment: usize, what: &str) -> Error {
+        Error::InvalidArgument(format!(
+            "ExpertParallelMoe ({:?}): {pass} segment {segment} is not {what}",
+            self.cfg.expert_gemm
+        ))
+    }
+
     /// Whether rows go home in exact sizes (breaking-layer, [`ExpertGemm::PerExpert`]).
     fn exact(&self) -> bool {
         self.cfg.expert_gemm == ExpertGemm::PerExpert

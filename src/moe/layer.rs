@@ -779,7 +779,7 @@ impl MoeLayer {
 
     /// Whether the weight-gradient pass of `slot` adds to the gradients (otherwise it writes
     /// them: microbatch 0 with [`with_step_gradients`](Self::with_step_gradients)).
-    fn accumulate_grads(&self, slot: &Slot<'_, bf16>) -> bool {
+    pub(crate) fn accumulate_grads(&self, slot: &Slot<'_, bf16>) -> bool {
         !(self.step_gradients && slot.at().microbatch == 0)
     }
 
@@ -1381,7 +1381,7 @@ impl MoeLayer {
 
     /// In a warmup pass, reports the weight tensors of the experts that got tokens (reads
     /// the counts back: warmup is eager). Captures and replays report nothing.
-    fn record_routed_weights(
+    pub(crate) fn record_routed_weights(
         &self,
         stream: &Stream,
         s: &Saved<'_>,
@@ -1418,7 +1418,7 @@ impl MoeLayer {
         let s = self.saved(slot)?;
         match part {
             0 => {
-                slot.record_tensors([self.first_tensor + X, self.first_tensor + HID]);
+                self.record_activation_tensors(slot);
                 self.route(stream, x, &s)?;
                 self.record_routed_weights(stream, &s, slot)
             }
@@ -1449,7 +1449,7 @@ impl MoeLayer {
         let s = self.saved(slot)?;
         match part {
             0 => {
-                slot.record_tensors([self.first_tensor + DY, self.first_tensor + DA]);
+                self.record_gradient_tensors(slot);
                 self.combine_backward(stream, dy, &s)
             }
             1 => self.experts_backward(stream, &s, weights.then(|| self.accumulate_grads(slot))),
@@ -1476,7 +1476,17 @@ impl MoeLayer {
         ))
     }
 
-    fn fp8_only(&self, slot: &Slot<'_, bf16>) -> Result<()> {
+    /// Reports the activation tensors the forward casts (x, h) to warmup's recorder.
+    pub(crate) fn record_activation_tensors(&self, slot: &Slot<'_, bf16>) {
+        slot.record_tensors([self.first_tensor + X, self.first_tensor + HID]);
+    }
+
+    /// Reports the gradient tensors the backward casts (dY, dA).
+    pub(crate) fn record_gradient_tensors(&self, slot: &Slot<'_, bf16>) {
+        slot.record_tensors([self.first_tensor + DY, self.first_tensor + DA]);
+    }
+
+    pub(crate) fn fp8_only(&self, slot: &Slot<'_, bf16>) -> Result<()> {
         if slot.low_precision() {
             Ok(())
         } else {
