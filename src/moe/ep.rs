@@ -816,7 +816,8 @@ impl ExpertParallelMoe {
 /// The layer in the graphed-callables runtime: full-layer ([`ExpertGemm::Grouped`]) is one
 /// graphed segment each way, its collectives inside the graphs (a capturable group: NCCL);
 /// breaking-layer ([`ExpertGemm::PerExpert`]) one eager segment each way (it reads counts
-/// back). Every rank builds and runs the same schedule. Weight gradients accumulate, or with
+/// back), which casts the weights itself on a step's first microbatch (the runtime casts in
+/// graphed segments only). Every rank builds and runs the same schedule. Weight gradients accumulate, or with
 /// [`with_step_gradients`](ExpertParallelMoe::with_step_gradients) microbatch 0 writes them.
 impl Callable<bf16> for ExpertParallelMoe {
     fn input_lens(&self) -> Vec<usize> {
@@ -913,6 +914,11 @@ impl Callable<bf16> for ExpertParallelMoe {
         }
         self.experts.fp8_only(slot)?;
         let (x, out) = one_each("forward", inputs, outputs)?;
+        // A forward of eager segments only gets no casts from the runtime: its first
+        // microbatch of a step casts here.
+        if slot.is_first_microbatch() {
+            self.experts.cast_expert_weights(stream, None)?;
+        }
         self.experts.record_activation_tensors(slot);
         self.forward_in(stream, x, out, slot.saved(), Some(slot))
     }
