@@ -196,12 +196,15 @@ impl LocalGroup {
             sh.turn.notify_all();
             return Ok(posts);
         }
-        let (st, wait) = sh
+        let (mut st, wait) = sh
             .turn
             .wait_timeout_while(st, sh.timeout, |s| s.generation == generation)
             .map_err(|_| poisoned())?;
         if wait.timed_out() && st.generation == generation {
             let missing: Vec<usize> = (0..sh.size).filter(|&r| !st.arrived[r]).collect();
+            // Leave the meeting as it found this rank.
+            st.arrived[self.rank] = false;
+            st.posts[self.rank] = None;
             return Err(Error::InvalidArgument(format!(
                 "LocalGroup: rank {} waited {:?} at {what} for ranks {missing:?}, which never \
                  arrived",
@@ -721,9 +724,10 @@ impl ExpertParallelMoe {
                 local.len()
             )));
         }
+        let start = self.local_experts().start;
         let (n32, first) = (
             u32::try_from(n).map_err(|_| too_large("assignments", n))?,
-            i32::try_from(self.local_experts().start).map_err(|_| too_large("experts", n))?,
+            i32::try_from(start).map_err(|_| too_large("experts", start))?,
         );
         let args = KernelArgs::new()
             .arg(&self.topk_all)
@@ -855,10 +859,7 @@ impl Callable<bf16> for ExpertParallelMoe {
         outputs: &[&DeviceBuffer<bf16>],
         slot: &Slot<'_, bf16>,
     ) -> Result<()> {
-        self.experts.fp8_only(slot)?;
-        let (x, out) = one_each("forward", inputs, outputs)?;
-        self.experts.record_activation_tensors(slot);
-        self.forward_in(stream, x, out, slot.saved(), Some(slot))
+        self.slot_forward(stream, inputs, outputs, slot)
     }
 
     fn backward(
@@ -868,12 +869,7 @@ impl Callable<bf16> for ExpertParallelMoe {
         grad_inputs: &[&DeviceBuffer<bf16>],
         slot: &Slot<'_, bf16>,
     ) -> Result<()> {
-        self.experts.fp8_only(slot)?;
-        let (dy, dx) = one_each("backward", grad_outputs, grad_inputs)?;
-        let (x, _) = one_each("backward", slot.inputs(), slot.outputs())?;
-        self.experts.record_gradient_tensors(slot);
-        let accumulate = self.experts.accumulate_grads(slot);
-        ExpertParallelMoe::backward(self, stream, x, dy, dx, slot.saved(), accumulate)
+        self.slot_backward(stream, grad_outputs, grad_inputs, slot)
     }
 
     fn forward_segments(&self) -> Vec<SegmentKind> {
@@ -912,15 +908,12 @@ impl Callable<bf16> for ExpertParallelMoe {
         if (self.cfg.expert_gemm, segment) != (ExpertGemm::PerExpert, 0) {
             return Err(self.not_a_segment("forward", segment, "eager"));
         }
-        self.experts.fp8_only(slot)?;
-        let (x, out) = one_each("forward", inputs, outputs)?;
         // A forward of eager segments only gets no casts from the runtime: its first
         // microbatch of a step casts here.
         if slot.is_first_microbatch() {
             self.experts.cast_expert_weights(stream, None)?;
         }
-        self.experts.record_activation_tensors(slot);
-        self.forward_in(stream, x, out, slot.saved(), Some(slot))
+        self.slot_forward(stream, inputs, outputs, slot)
     }
 
     fn backward_segment(
@@ -950,12 +943,7 @@ impl Callable<bf16> for ExpertParallelMoe {
         if (self.cfg.expert_gemm, segment) != (ExpertGemm::PerExpert, 0) {
             return Err(self.not_a_segment("backward", segment, "eager"));
         }
-        self.experts.fp8_only(slot)?;
-        let (dy, dx) = one_each("backward", grad_outputs, grad_inputs)?;
-        let (x, _) = one_each("backward", slot.inputs(), slot.outputs())?;
-        self.experts.record_gradient_tensors(slot);
-        let accumulate = self.experts.accumulate_grads(slot);
-        ExpertParallelMoe::backward(self, stream, x, dy, dx, slot.saved(), accumulate)
+        self.slot_backward(stream, grad_outputs, grad_inputs, slot)
     }
 }
 
@@ -976,6 +964,38 @@ fn one_each<'a>(
 }
 
 impl ExpertParallelMoe {
+    /// The forward in the runtime's `slot`: the activation tensors reported, then
+    /// [`forward_in`](Self::forward_in).
+    fn slot_forward(
+        &self,
+        stream: &Stream,
+        inputs: &[&DeviceBuffer<bf16>],
+        outputs: &[&DeviceBuffer<bf16>],
+        slot: &Slot<'_, bf16>,
+    ) -> Result<()> {
+        self.experts.fp8_only(slot)?;
+        let (x, out) = one_each("forward", inputs, outputs)?;
+        self.experts.record_activation_tensors(slot);
+        self.forward_in(stream, x, out, slot.saved(), Some(slot))
+    }
+
+    /// The backward in the runtime's `slot`: the gradient tensors reported, the weight
+    /// gradients written or added to by the slot's step-gradient rule.
+    fn slot_backward(
+        &self,
+        stream: &Stream,
+        grad_outputs: &[&DeviceBuffer<bf16>],
+        grad_inputs: &[&DeviceBuffer<bf16>],
+        slot: &Slot<'_, bf16>,
+    ) -> Result<()> {
+        self.experts.fp8_only(slot)?;
+        let (dy, dx) = one_each("backward", grad_outputs, grad_inputs)?;
+        let (x, _) = one_each("backward", slot.inputs(), slot.outputs())?;
+        self.experts.record_gradient_tensors(slot);
+        let accumulate = self.experts.accumulate_grads(slot);
+        self.backward(stream, x, dy, dx, slot.saved(), accumulate)
+    }
+
     /// This layer with its weight gradients (the experts' and the router's) holding one
     /// step's sum in the runtime (microbatch 0 writes them) instead of accumulating.
     pub fn with_step_gradients(mut self, on: bool) -> ExpertParallelMoe {
