@@ -643,7 +643,10 @@ impl ExpertParallelMoe {
 
     /// The forward of this rank's tokens `x` (`[T, H]` bf16) into `out` (`[T, H]`), with
     /// the microbatch's saved buffers. Every rank of the group runs it at once (collectives
-    /// inside); capturable with a capturable group (NCCL).
+    /// inside). Capturable in full-layer mode ([`ExpertGemm::Grouped`]) over a capturable
+    /// group (NCCL); breaking-layer mode reads counts back, so it runs eagerly. Call
+    /// [`cast_weights`](Self::cast_weights) once per step before the first forward. (In the
+    /// graphed-callables runtime the layer runs through its [`Callable`] methods instead.)
     pub fn forward(
         &self,
         stream: &Stream,
