@@ -14,14 +14,11 @@ use std::sync::Arc;
 use cuda_graph::half::bf16;
 use cuda_graph::{CaptureMode, Context, DeviceBuffer, GraphExec, InstantiateFlags, Stream};
 use cuda_graph_nccl::{Communicator, ReduceOp};
-use fp8_kernels::{AmaxAlgo, CastScaling, DelayedScaling};
+use fp8_kernels::{AmaxAlgo, DelayedScaling};
 use fp8_moe::dist::{NcclGroup, Placement, communicator};
 use fp8_moe::model::{GraphMode, Model, ModelConfig, TrainConfig};
 use fp8_moe::moe::ep::ExpertParallelMoe;
-use fp8_moe::moe::layer::{
-    ExpertGemm, Fp8Recipe, GradDtype, MoeLayer, MoeLayerConfig, MoeParams, formats,
-};
-use fp8_moe::moe::routing::{RouterConfig, ScoreFn};
+use fp8_moe::moe::layer::{ExpertGemm, GradDtype, MoeLayer, MoeLayerConfig, MoeParams, formats};
 use graphed_callables::{Callable, GraphIndex, Slot};
 
 use super::{BenchResult, Row, event_median_ms};
@@ -252,38 +249,19 @@ fn train_step_ms(stream: &Stream, model: &mut Model, rank: usize) -> BenchResult
 }
 
 /// The train job's MoE layer (the default model's: d 512, 8 experts top-2, F 1024) with
-/// `tokens` tokens, its experts run as `expert_gemm`.
+/// `tokens` tokens, its experts run as `expert_gemm`, `bench moe`'s settings otherwise.
 fn moe_config(tokens: usize, expert_gemm: ExpertGemm) -> MoeLayerConfig {
     let m = ModelConfig::default();
-    MoeLayerConfig {
+    let shape = super::moe::Shape {
         tokens,
         hidden: m.d_model,
         ffn: m.ffn,
         experts: m.experts,
-        router: RouterConfig {
-            top_k: m.top_k,
-            score: ScoreFn::Softmax,
-            renormalize: false,
-            aux_coef: 1e-2,
-            z_coef: 0.0,
-        },
-        recipe: Fp8Recipe::Hybrid,
-        expert_gemm,
-        scaling: CastScaling::Delayed,
-        grad_dtype: GradDtype::F32,
-    }
-}
-
-/// Saved buffers of `bytes`, zeroed.
-fn zeroed(stream: &Stream, bytes: &[usize]) -> BenchResult<Vec<DeviceBuffer<u8>>> {
-    bytes
-        .iter()
-        .map(|&n| {
-            let b = DeviceBuffer::<u8>::alloc(stream.context(), n)?;
-            b.memset_bytes(stream, 0)?;
-            Ok(b)
-        })
-        .collect()
+        top_k: m.top_k,
+        target_ms: None,
+        torch_ms: None,
+    };
+    super::moe::config(shape, expert_gemm, GradDtype::F32)
 }
 
 /// The MoE layer's step (forward and backward) expert parallel over every rank, each with the
@@ -332,7 +310,7 @@ fn expert_parallel_rows(rank: &Rank, judged: bool) -> BenchResult<Vec<Row>> {
         let group = Arc::new(NcclGroup::new(rank.comm.clone()));
         let cfg = moe_config(tokens, mode);
         let layer = ExpertParallelMoe::new(s, cfg, &params, scaling(e / n)?, 0, group)?;
-        let saved = zeroed(s, &layer.saved_bytes())?;
+        let saved = super::zeroed_saved(s, &layer.saved_bytes())?;
         let saved: Vec<&DeviceBuffer<u8>> = saved.iter().collect();
         let b = io(tokens * h)?;
         layer.cast_weights(s)?;
@@ -350,7 +328,7 @@ fn expert_parallel_rows(rank: &Rank, judged: bool) -> BenchResult<Vec<Row>> {
     let one_ms = if r == 0 {
         let cfg = moe_config(tokens * n, ExpertGemm::Grouped);
         let mut layer = MoeLayer::new(s, cfg, &params, scaling(e)?, 0)?;
-        let saved = zeroed(s, &layer.saved_bytes())?;
+        let saved = super::zeroed_saved(s, &layer.saved_bytes())?;
         let b = io(cfg.tokens * h)?;
         let at = GraphIndex {
             chunk: 0,

@@ -28,6 +28,22 @@ pub fn xorshift(seed: u64) -> impl FnMut() -> u64 {
 /// Boxed error of the benchmarks: driver errors and failed result checks alike.
 pub type BenchResult<T> = Result<T, Box<dyn std::error::Error>>;
 
+/// Buffers of `bytes` bytes each, zeroed on `stream` (a layer's saved buffers, defined
+/// before anything reads them, as the graphed runtime leaves its own).
+pub fn zeroed_saved(
+    stream: &Stream,
+    bytes: &[usize],
+) -> cuda_graph::Result<Vec<cuda_graph::DeviceBuffer<u8>>> {
+    bytes
+        .iter()
+        .map(|&n| {
+            let b = cuda_graph::DeviceBuffer::<u8>::alloc(stream.context(), n)?;
+            b.memset_bytes(stream, 0)?;
+            Ok(b)
+        })
+        .collect()
+}
+
 /// Median over `reps` runs of `body`, in milliseconds between CUDA events recorded around it
 /// on `stream`, after `warmup` untimed runs.
 pub fn event_median_ms(

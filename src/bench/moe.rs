@@ -64,16 +64,16 @@ const INPUTS: usize = 4;
 
 /// One benchmarked shape.
 #[derive(Debug, Clone, Copy)]
-struct Shape {
-    tokens: usize,
-    hidden: usize,
-    ffn: usize,
-    experts: usize,
-    top_k: usize,
+pub(super) struct Shape {
+    pub(super) tokens: usize,
+    pub(super) hidden: usize,
+    pub(super) ffn: usize,
+    pub(super) experts: usize,
+    pub(super) top_k: usize,
     /// The full-layer target (ms), if any.
-    target_ms: Option<f64>,
+    pub(super) target_ms: Option<f64>,
     /// PyTorch's figures on this machine (eager, one CUDA graph), if measured.
-    torch_ms: Option<(f64, f64)>,
+    pub(super) torch_ms: Option<(f64, f64)>,
 }
 
 const SHAPES: [Shape; 3] = [
@@ -106,7 +106,7 @@ const SHAPES: [Shape; 3] = [
     },
 ];
 
-fn config(s: Shape, expert_gemm: ExpertGemm, grad_dtype: GradDtype) -> MoeLayerConfig {
+pub(super) fn config(s: Shape, expert_gemm: ExpertGemm, grad_dtype: GradDtype) -> MoeLayerConfig {
     MoeLayerConfig {
         tokens: s.tokens,
         hidden: s.hidden,
@@ -188,15 +188,7 @@ fn eager(ctx: &Arc<Context>, stream: &Stream, s: Shape) -> BenchResult<(f64, Vec
         DeviceBuffer::<bf16>::alloc(ctx, n)?,
         DeviceBuffer::<bf16>::alloc(ctx, n)?,
     );
-    let saved: Vec<DeviceBuffer<u8>> = layer
-        .saved_bytes()
-        .iter()
-        .map(|&b| {
-            let buf = DeviceBuffer::<u8>::alloc(ctx, b)?;
-            buf.memset_bytes(stream, 0)?;
-            Ok(buf)
-        })
-        .collect::<cuda_graph::Result<_>>()?;
+    let saved = super::zeroed_saved(stream, &layer.saved_bytes())?;
     let at = GraphIndex {
         chunk: 0,
         microbatch: 0,
