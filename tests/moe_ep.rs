@@ -20,7 +20,7 @@
 use std::sync::Arc;
 
 mod common;
-use common::{fixed_scaling, fresh_rng, random_params, to_bf16};
+use common::{fixed_scaling, fresh_rng, random_params, to_bf16, zeroed_saved};
 
 use cuda_graph::half::bf16;
 use cuda_graph::{CaptureMode, Context, DeviceBuffer, GraphExec, InstantiateFlags, Stream};
@@ -103,17 +103,6 @@ fn f32_bits(stream: &Stream, b: &DeviceBuffer<f32>) -> Vec<u32> {
 
 fn grad(stream: &Stream, g: &WeightGrad) -> Vec<f32> {
     g.to_f32_vec(stream).unwrap()
-}
-
-fn zeroed_saved(stream: &Stream, bytes: &[usize]) -> Vec<DeviceBuffer<u8>> {
-    bytes
-        .iter()
-        .map(|&n| {
-            let b = DeviceBuffer::<u8>::alloc(stream.context(), n).unwrap();
-            b.memset_bytes(stream, 0).unwrap();
-            b
-        })
-        .collect()
 }
 
 /// A rank's tokens and output gradient.

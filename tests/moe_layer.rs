@@ -19,7 +19,7 @@
 use std::sync::Arc;
 
 mod common;
-use common::{bf16_round, f64s, fixed_scaling, fresh_rng, random_params, to_bf16};
+use common::{bf16_round, f64s, fixed_scaling, fresh_rng, random_params, to_bf16, zeroed_saved};
 use fp8_moe::rng::Rng;
 
 use cuda_graph::half::bf16;
@@ -64,21 +64,6 @@ fn config(expert_gemm: ExpertGemm) -> MoeLayerConfig {
         scaling: CastScaling::Delayed,
         grad_dtype: GradDtype::F32,
     }
-}
-
-/// Saved buffers for a slot of `layer`, zeroed as the runtime zeroes its own (and as
-/// compute-sanitizer's initcheck needs: it does not see the TMA stores of the sm_90a GEMMs'
-/// epilogue, so memory they wrote first would read as uninitialized).
-fn zeroed_saved(stream: &Stream, layer: &MoeLayer) -> Vec<DeviceBuffer<u8>> {
-    layer
-        .saved_bytes()
-        .iter()
-        .map(|&n| {
-            let b = DeviceBuffer::<u8>::alloc(stream.context(), n).unwrap();
-            b.memset_bytes(stream, 0).unwrap();
-            b
-        })
-        .collect()
 }
 
 /// One eager microbatch `mb` of `layer` (chunk 0, layer 0) with `saved`: the weight cast on
@@ -278,7 +263,7 @@ fn setup(
     let mut layer = MoeLayer::new(&stream, cfg, &params, scaling, 0)
         .unwrap()
         .with_gemm_path(path);
-    let saved = zeroed_saved(&stream, &layer);
+    let saved = zeroed_saved(&stream, &layer.saved_bytes());
     let x = DeviceBuffer::from_host(
         &stream,
         &x_host
@@ -693,8 +678,9 @@ fn schedule_bits(
             }
         }
     } else {
-        let saved: Vec<Vec<DeviceBuffer<u8>>> =
-            (0..2).map(|_| zeroed_saved(&stream, &layer)).collect();
+        let saved: Vec<Vec<DeviceBuffer<u8>>> = (0..2)
+            .map(|_| zeroed_saved(&stream, &layer.saved_bytes()))
+            .collect();
         let xs: Vec<DeviceBuffer<bf16>> = (0..2).map(|_| up(&vec![bf16::ZERO; n])).collect();
         let ys: Vec<DeviceBuffer<bf16>> = (0..2).map(|_| up(&vec![bf16::ZERO; n])).collect();
         let dx = up(&vec![bf16::ZERO; n]);
@@ -992,7 +978,11 @@ fn step_gradients_are_written_by_the_first_microbatch() {
         // Saved buffers per layer and microbatch.
         let saved: Vec<Vec<Vec<DeviceBuffer<u8>>>> = layers
             .iter()
-            .map(|l| (0..2).map(|_| zeroed_saved(&stream, l)).collect())
+            .map(|l| {
+                (0..2)
+                    .map(|_| zeroed_saved(&stream, &l.saved_bytes()))
+                    .collect()
+            })
             .collect();
         let y = DeviceBuffer::<bf16>::alloc(&ctx, t * h).unwrap();
         let dx = DeviceBuffer::<bf16>::alloc(&ctx, t * h).unwrap();
@@ -1056,8 +1046,9 @@ fn bf16_weight_gradients_are_the_f32_ones_rounded() {
                 .with_step_gradients(true)
         });
         assert_eq!(layers[1].fc1().1.dtype(), GradDtype::Bf16);
-        let saved: Vec<Vec<DeviceBuffer<u8>>> =
-            (0..2).map(|_| zeroed_saved(&stream, &layers[0])).collect();
+        let saved: Vec<Vec<DeviceBuffer<u8>>> = (0..2)
+            .map(|_| zeroed_saved(&stream, &layers[0].saved_bytes()))
+            .collect();
         let y = DeviceBuffer::<bf16>::alloc(&ctx, t * h).unwrap();
         let dx = DeviceBuffer::<bf16>::alloc(&ctx, t * h).unwrap();
         let data: Vec<_> = (0..2)
@@ -1163,7 +1154,10 @@ fn fp8_weights_from_the_optimizer_equal_the_cast_in_the_step() {
             .collect();
         let grads = |l: &MoeLayer| [l.fc1().1.share(), l.fc2().1.share()];
         let grads_c = grads(&c);
-        let saved = [zeroed_saved(&stream, &a), zeroed_saved(&stream, &b)];
+        let saved = [
+            zeroed_saved(&stream, &a.saved_bytes()),
+            zeroed_saved(&stream, &b.saved_bytes()),
+        ];
         let up = |v: &[f32]| DeviceBuffer::from_host(&stream, &to_bf16(v)).unwrap();
         let buf = || up(&vec![0.0; t * h]);
         let (ya, dxa, yb, dxb) = (buf(), buf(), buf(), buf());

@@ -55,6 +55,7 @@ use graphed_callables::{Callable, SegmentKind, Slot};
 
 use super::layer::{ExpertGemm, MoeLayer, MoeLayerConfig, MoeParams, Saved, WeightGrad};
 use super::routing::{FATBIN, Router, RoutingBuffers};
+use crate::model::zeroed;
 
 /// The collectives expert parallelism needs, over the ranks of a group: NCCL
 /// ([`NcclGroup`](crate::dist::NcclGroup)) across GPUs, or [`LocalGroup`] for ranks that are
@@ -372,7 +373,6 @@ const ROWS_PER_BLOCK: u32 = BLOCK / 32;
 pub struct ExpertParallelMoe {
     cfg: MoeLayerConfig,
     group: Arc<dyn ExpertGroup>,
-    per_rank: usize,
     router: Router,
     wr: DeviceBuffer<f32>,
     dwr: DeviceBuffer<f32>,
@@ -495,35 +495,21 @@ impl ExpertParallelMoe {
             _module: module,
         };
         let (t, k_top) = (cfg.tokens, cfg.router.top_k);
-        let zeroed = |n: usize| -> Result<DeviceBuffer<bf16>> {
-            let b = DeviceBuffer::alloc(stream.context(), n)?;
-            b.memset_bytes(stream, 0)?;
-            Ok(b)
-        };
         let mut layer = ExpertParallelMoe {
             router: Router::new(stream, cfg.routing_dims(), cfg.router)?,
             wr: DeviceBuffer::from_host(stream, &params.wr)?,
-            dwr: {
-                let b = DeviceBuffer::alloc(stream.context(), e * h)?;
-                b.memset_bytes(stream, 0)?;
-                b
-            },
+            dwr: zeroed(stream, e * h)?,
             experts,
             k,
-            gathered: zeroed(ranks * t * h)?,
-            topk_all: {
-                let b = DeviceBuffer::alloc(stream.context(), ranks * t * k_top)?;
-                b.memset_bytes(stream, 0)?;
-                b
-            },
+            gathered: zeroed(stream, ranks * t * h)?,
+            topk_all: zeroed(stream, ranks * t * k_top)?,
             // The static exchange's blocks, or the exact one's rows of every source's packed
             // layout over this rank's experts (each at most the capacity).
-            send: zeroed(ranks * (t * k_top).max(cfg.capacity()) * h)?,
-            recv: zeroed(ranks * t * k_top * h)?,
-            dxp: zeroed(cfg.capacity() * h)?,
+            send: zeroed(stream, ranks * (t * k_top).max(cfg.capacity()) * h)?,
+            recv: zeroed(stream, ranks * t * k_top * h)?,
+            dxp: zeroed(stream, cfg.capacity() * h)?,
             cfg,
             group,
-            per_rank,
             saved_bytes: Vec::new(),
         };
         layer.saved_bytes = layer.saved_layout()?;
@@ -541,10 +527,15 @@ impl ExpertParallelMoe {
         &self.group
     }
 
+    /// Experts on each rank (`E / N`, checked at construction).
+    fn per_rank(&self) -> usize {
+        self.cfg.experts / self.group.size()
+    }
+
     /// The experts this rank holds (numbers among all `E`).
     pub fn local_experts(&self) -> Range<usize> {
         let r = self.group.rank();
-        r * self.per_rank..(r + 1) * self.per_rank
+        r * self.per_rank()..(r + 1) * self.per_rank()
     }
 
     /// The router weight (`[E, H]` f32, replicated) and its gradient from this rank's tokens.
@@ -769,7 +760,10 @@ impl ExpertParallelMoe {
         let u = |name: &str, v: usize| u32::try_from(v).map_err(|_| too_large(name, v));
         let (all32, mine32, h32) = (u("assignments", all)?, u("assignments", mine)?, u("H", h)?);
         let (local32, home32) = (u("rows", local_rows)?, u("rows", home_rows)?);
-        let (per_rank, ranks) = (u("experts", self.per_rank)?, u("ranks", self.group.size())?);
+        let (per_rank, ranks) = (
+            u("experts", self.per_rank())?,
+            u("ranks", self.group.size())?,
+        );
         let row_of = &s.experts.routing.row_of;
         if row_of.len() != all || s.routing.row_of.len() != mine {
             return Err(Error::InvalidArgument(
@@ -1030,7 +1024,7 @@ impl ExpertParallelMoe {
         s: &EpSaved<'_>,
         home: &DeviceBuffer<bf16>,
     ) -> Result<()> {
-        let (n, r, per) = (self.group.size(), self.group.rank(), self.per_rank);
+        let (n, r, per) = (self.group.size(), self.group.rank(), self.per_rank());
         let (e, h) = (self.cfg.experts, self.cfg.hidden);
         let off = s.offsets_all.to_vec(stream)?;
         // Rows of rank q's packed layout over the experts of `owner`.

@@ -64,6 +64,8 @@ use fp8_kernels::{
 };
 use graphed_callables::{Callable, SegmentKind, Slot};
 
+use crate::model::zeroed;
+
 use super::routing::{ALIGN_ROWS, Router, RouterConfig, RoutingBuffers, RoutingDims};
 
 /// The activation and gradient tensors of a layer (x, h, dY, dA), before the weights.
@@ -504,12 +506,6 @@ fn default_router_sms(cfg: &MoeLayerConfig, sms: usize) -> Option<usize> {
 enum Fc {
     One,
     Two,
-}
-
-fn zeroed<T: cuda_graph::DeviceRepr>(stream: &Stream, n: usize) -> Result<DeviceBuffer<T>> {
-    let b = DeviceBuffer::alloc(stream.context(), n)?;
-    b.memset_bytes(stream, 0)?;
-    Ok(b)
 }
 
 fn to_bf16(v: &[f32]) -> Vec<bf16> {

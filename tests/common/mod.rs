@@ -80,3 +80,17 @@ pub fn random_params(rng: &mut Rng, cfg: &MoeLayerConfig) -> MoeParams {
         w2: bf16_round(&rng.vec(e * h * f, 0.2)),
     }
 }
+
+/// Saved buffers of `bytes` bytes each for a layer's slot, zeroed as the runtime zeroes its
+/// own (and as compute-sanitizer's initcheck needs: it does not see the TMA stores of the
+/// sm_90a GEMMs' epilogue, so memory they wrote first would read as uninitialized).
+pub fn zeroed_saved(stream: &Stream, bytes: &[usize]) -> Vec<cuda_graph::DeviceBuffer<u8>> {
+    bytes
+        .iter()
+        .map(|&n| {
+            let b = cuda_graph::DeviceBuffer::<u8>::alloc(stream.context(), n).unwrap();
+            b.memset_bytes(stream, 0).unwrap();
+            b
+        })
+        .collect()
+}
