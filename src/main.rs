@@ -47,7 +47,8 @@ struct Cli {
 struct LaunchArgs {
     /// Start N processes of the command, one per GPU of this machine. Each gets RANK,
     /// LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and NCCL_NVLS_ENABLE=0; their output
-    /// lines come prefixed with "[rank R]". Runs `train --dp N` and `bench dist`.
+    /// lines come prefixed with "[rank R]". Runs `train --dp N`, `train --ep N` and `bench
+    /// dist`.
     #[arg(long, value_name = "N")]
     gpus: Option<std::num::NonZeroUsize>,
     /// Machines in the job; start `fp8-moe --gpus N --nnodes M --node-rank R
@@ -110,18 +111,18 @@ fn launch(args: &LaunchArgs, gpus: usize, command: &Command) -> Result<(), info:
         Command::Bench(BenchArgs {
             bench: Bench::Dist, ..
         }) => {}
-        Command::Train(t) if t.dp as usize == gpus => {}
+        Command::Train(t) if t.dp.max(t.ep) as usize == gpus && t.dp.min(t.ep) == 1 => {}
         Command::Train(t) => {
             return Err(info::CliError::Other(format!(
-                "--gpus {gpus} train needs --dp {gpus} (it has --dp {}): data parallelism \
-                 over every rank",
-                t.dp
+                "--gpus {gpus} train needs --dp {gpus} or --ep {gpus} (it has --dp {} --ep {}): \
+                 data or expert parallelism over every rank",
+                t.dp, t.ep
             )));
         }
         _ => {
             return Err(info::CliError::Other(
-                "--gpus runs `bench dist` and `train --dp N` on several GPUs; the other \
-                 commands run on one GPU"
+                "--gpus runs `bench dist`, `train --dp N` and `train --ep N` on several GPUs; \
+                 the other commands run on one GPU"
                     .into(),
             ));
         }
@@ -258,6 +259,14 @@ struct TrainArgs {
     #[arg(long, value_name = "N", default_value_t = 1,
           value_parser = clap::value_parser!(u64).range(1..))]
     dp: u64,
+    /// Expert parallelism over N GPUs: start with `fp8-moe --gpus N train --ep N`. Each MoE
+    /// layer's experts are split over the ranks (--experts a multiple of N, at least --top-k
+    /// a rank), their tokens exchanged over NCCL inside the step; the rest of the model is
+    /// data-parallel as with --dp (graph modes none and step). Checkpoints hold the whole
+    /// model, as one GPU's.
+    #[arg(long, value_name = "N", default_value_t = 1, conflicts_with = "dp",
+          value_parser = clap::value_parser!(u64).range(1..))]
+    ep: u64,
 }
 
 impl TrainArgs {
@@ -328,6 +337,7 @@ impl TrainArgs {
             progress: !self.quiet,
             stop_after: self.stop_after,
             dp: self.dp as usize,
+            ep: self.ep as usize,
         })
     }
 }

@@ -76,13 +76,30 @@ fn gpus_refuses_the_commands_that_run_on_one_gpu() {
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8(out.stderr).unwrap();
     assert!(
-        err.contains("--gpus runs `bench dist` and `train --dp N`"),
+        err.contains("--gpus runs `bench dist`, `train --dp N` and `train --ep N`"),
         "{err:?}"
     );
-    let out = cli(&["--gpus", "2", "train", "--dp", "3"], &[]);
+    for parallel in ["--dp", "--ep"] {
+        let out = cli(&["--gpus", "2", "train", parallel, "3"], &[]);
+        assert_eq!(out.status.code(), Some(1));
+        let err = String::from_utf8(out.stderr).unwrap();
+        assert!(err.contains("needs --dp 2 or --ep 2"), "{err:?}");
+    }
+}
+
+#[test]
+fn train_parallelism_is_data_or_expert_with_as_many_processes() {
+    // Both kinds at once are refused by the parser.
+    let out = cli(&["train", "--dp", "2", "--ep", "2"], &[]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(err.contains("--ep") && err.contains("--dp"), "{err:?}");
+    // --ep N in a process of a one-rank job: the launcher line, before any device is used.
+    let out = cli(&["train", "--ep", "2"], &[]);
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8(out.stderr).unwrap();
-    assert!(err.contains("needs --dp 2"), "{err:?}");
+    assert!(err.contains("fp8-moe --gpus 2 train --ep 2"), "{err:?}");
+    assert!(!err.contains("panicked"), "{err:?}");
 }
 
 #[test]

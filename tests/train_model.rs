@@ -1,6 +1,7 @@
 //! GPU tests of the train job's model (`fp8_moe::model::Model`): every graph mode computes
 //! eager's bits, the loss falls below what byte frequencies alone give, a resumed run
-//! continues bit for bit, and decoding under a graph is deterministic.
+//! continues bit for bit, decoding under a graph is deterministic, and data- and
+//! expert-parallel ranks compute what one GPU does.
 
 mod common;
 
@@ -293,12 +294,61 @@ fn run_replica(
         model.step(stream, train.lr_at(step)).unwrap();
         losses.push(model.stats(stream).unwrap().loss);
     }
+    // The whole state (an expert-parallel rank's gathered with the others').
     let state = model
-        .state_tensors()
+        .gather_state(stream)
+        .unwrap()
         .into_iter()
-        .map(|(n, _, b)| (n, b.to_vec(stream).unwrap()))
+        .map(|(n, _, v)| (n, v))
         .collect();
     (losses, state)
+}
+
+/// The model `build` makes over a one-rank communicator, against the plain model in modes
+/// none and step over 4 steps of a fresh seed: the same losses and the same whole state,
+/// bit for bit. Returns the last mode's model and the plain model's state.
+fn one_rank_matches_plain(
+    what: &str,
+    stream: &Stream,
+    build: fn(
+        &Stream,
+        ModelConfig,
+        TrainConfig,
+        GraphMode,
+        cuda_graph_nccl::Communicator,
+    ) -> cuda_graph::Result<Model>,
+) -> (Model, State) {
+    let seed = common::fresh_rng(what).next_u64();
+    let (cfg, train) = small();
+    let mut last = None;
+    for mode in [GraphMode::None, GraphMode::Step] {
+        let (plain, plain_state) = run(stream, mode, 4, seed);
+        let mut model = build(stream, cfg, train, mode, one_rank(stream)).unwrap();
+        assert_eq!(model.communicator().map(|c| c.size()), Some(1));
+        let (losses, state) = run_replica(stream, &mut model, (0, 1), 4, seed);
+        let plain_losses: Vec<u32> = plain.iter().map(|&(l, _)| l).collect();
+        let losses: Vec<u32> = losses.iter().map(|l| l.to_bits()).collect();
+        assert_eq!(losses, plain_losses, "{what}, {mode:?}: losses differ");
+        assert_eq!(state.len(), plain_state.len(), "{what}: tensors");
+        for (name, want) in &plain_state {
+            assert_eq!(state[name].len(), want.len(), "{what}, {mode:?}: {name}");
+            assert!(
+                state[name]
+                    .iter()
+                    .zip(want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{what}, {mode:?}: {name} differs"
+            );
+        }
+        last = Some((model, plain_state));
+    }
+    last.unwrap()
+}
+
+/// A one-rank NCCL communicator on `stream`'s device.
+fn one_rank(stream: &Stream) -> cuda_graph_nccl::Communicator {
+    let id = cuda_graph_nccl::UniqueId::new().expect("NCCL");
+    cuda_graph_nccl::Communicator::init_rank(stream.context(), 1, 0, &id).unwrap()
 }
 
 #[test]
@@ -308,32 +358,11 @@ fn a_one_rank_data_parallel_model_matches_the_plain_model_bit_for_bit() {
     // so every bit must match; in mode step they are captured inside the step graph.
     let ctx = Context::default_device().unwrap();
     let stream = Stream::new(&ctx).unwrap();
-    let seed = common::fresh_rng("data parallel, one rank").next_u64();
-    let (cfg, train) = small();
-    for mode in [GraphMode::None, GraphMode::Step] {
-        let (plain, plain_state) = run(&stream, mode, 4, seed);
-        let id = cuda_graph_nccl::UniqueId::new().expect("NCCL");
-        let comm = cuda_graph_nccl::Communicator::init_rank(&ctx, 1, 0, &id).unwrap();
-        let mut model = Model::new_data_parallel(&stream, cfg, train, mode, comm).unwrap();
-        assert_eq!(model.communicator().map(|c| c.size()), Some(1));
-        let (losses, state) = run_replica(&stream, &mut model, (0, 1), 4, seed);
-        let plain_losses: Vec<u32> = plain.iter().map(|&(l, _)| l).collect();
-        let losses: Vec<u32> = losses.iter().map(|l| l.to_bits()).collect();
-        assert_eq!(losses, plain_losses, "{mode:?}: losses differ");
-        for (name, want) in &plain_state {
-            assert!(
-                state[name]
-                    .iter()
-                    .zip(want)
-                    .all(|(a, b)| a.to_bits() == b.to_bits()),
-                "{mode:?}: {name} differs"
-            );
-        }
-    }
+    one_rank_matches_plain("data parallel, one rank", &stream, Model::new_data_parallel);
     // Modes whose blocks run in the graphed-callables runtime are refused.
-    let id = cuda_graph_nccl::UniqueId::new().unwrap();
-    let comm = cuda_graph_nccl::Communicator::init_rank(&ctx, 1, 0, &id).unwrap();
-    assert!(Model::new_data_parallel(&stream, cfg, train, GraphMode::Layer, comm).is_err());
+    let (cfg, train) = small();
+    let layer = Model::new_data_parallel(&stream, cfg, train, GraphMode::Layer, one_rank(&stream));
+    assert!(layer.is_err());
 }
 
 #[test]
@@ -346,9 +375,28 @@ fn data_parallel_ranks_match_one_gpu_with_all_their_microbatches() {
     // ulps, which can flip an FP8 rounding of the next step's weights: hence a tolerance,
     // 1e-3 relative on the losses and 1e-3 of each tensor's largest value on the state. On
     // one GPU the two runs are the same computation (and agree exactly).
+    let n = cuda_graph::driver::Device::count().unwrap() as usize;
+    ranks_match_one_gpu("data parallel", n, Model::new_data_parallel);
+}
+
+/// `n` ranks (one per GPU, threads) of the models `build` makes, each running its share of
+/// the steps of a fresh seed in mode step, against one GPU running all their microbatches:
+/// every rank reports the same losses and gathers the same state, bit for bit; they match
+/// the one GPU's to 1e-3 (relative on the losses, of each tensor's largest value on the
+/// state), exactly when `n` is 1.
+fn ranks_match_one_gpu(
+    what: &str,
+    n: usize,
+    build: fn(
+        &Stream,
+        ModelConfig,
+        TrainConfig,
+        GraphMode,
+        cuda_graph_nccl::Communicator,
+    ) -> cuda_graph::Result<Model>,
+) {
     use cuda_graph::driver::Device;
-    let n = Device::count().unwrap() as usize;
-    let seed = common::fresh_rng("data parallel").next_u64();
+    let seed = common::fresh_rng(what).next_u64();
     let (cfg, train) = small();
     let steps = 4;
     let ctxs: Vec<_> = (0..n as i32)
@@ -356,7 +404,7 @@ fn data_parallel_ranks_match_one_gpu_with_all_their_microbatches() {
         .collect();
     let comms = cuda_graph_nccl::Communicator::init_all(&ctxs).expect("NCCL");
     // One thread per rank: NCCL needs the ranks' collectives in flight together.
-    let replicas: Vec<(Vec<f32>, State)> = std::thread::scope(|scope| {
+    let ranks: Vec<(Vec<f32>, State)> = std::thread::scope(|scope| {
         let handles: Vec<_> = comms
             .into_iter()
             .enumerate()
@@ -364,9 +412,7 @@ fn data_parallel_ranks_match_one_gpu_with_all_their_microbatches() {
                 let ctx = ctxs[r].clone();
                 scope.spawn(move || {
                     let stream = Stream::new(&ctx).unwrap();
-                    let mut model =
-                        Model::new_data_parallel(&stream, cfg, train, GraphMode::Step, comm)
-                            .unwrap();
+                    let mut model = build(&stream, cfg, train, GraphMode::Step, comm).unwrap();
                     run_replica(&stream, &mut model, (r, n), steps, seed)
                 })
             })
@@ -380,38 +426,101 @@ fn data_parallel_ranks_match_one_gpu_with_all_their_microbatches() {
     };
     let mut one = Model::new(&stream, cfg, all, GraphMode::Step).unwrap();
     let (losses, state) = run_replica(&stream, &mut one, (0, 1), steps, seed);
-    for (r, (rl, rs)) in replicas.iter().enumerate() {
-        // Every replica reports the same loss, and holds the same state, bit for bit.
+    let rel = if n == 1 { 0.0 } else { 1e-3 };
+    for (r, (rl, rs)) in ranks.iter().enumerate() {
         assert!(
             rl.iter()
-                .zip(&replicas[0].0)
+                .zip(&ranks[0].0)
                 .all(|(a, b)| a.to_bits() == b.to_bits())
         );
-        for (name, want) in &replicas[0].1 {
+        for (name, want) in &ranks[0].1 {
             assert!(
                 rs[name]
                     .iter()
                     .zip(want)
                     .all(|(a, b)| a.to_bits() == b.to_bits()),
-                "rank {r}: {name}"
+                "{what}, rank {r}: {name}"
             );
         }
         for (step, (a, b)) in rl.iter().zip(&losses).enumerate() {
             assert!(
-                (a - b).abs() <= 1e-3 * b.abs(),
-                "step {step}: rank {r} loss {a}, one GPU {b}"
+                (a - b).abs() <= rel * b.abs(),
+                "{what}, step {step}: rank {r} loss {a}, one GPU {b}"
             );
         }
+        assert_eq!(rs.len(), state.len(), "{what}: tensors");
         for (name, want) in &state {
+            assert_eq!(rs[name].len(), want.len(), "{what}, rank {r}: {name}");
             let scale = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-30);
             let worst = rs[name]
                 .iter()
                 .zip(want)
                 .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
             assert!(
-                worst <= 1e-3 * scale,
-                "rank {r}: {name} off by {worst} (largest {scale})"
+                worst <= rel * scale,
+                "{what}, rank {r}: {name} off by {worst} (largest {scale})"
             );
         }
     }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_one_rank_expert_parallel_model_matches_the_plain_model_bit_for_bit() {
+    // One rank holding every expert: the gathers and the all-to-all move rows to where they
+    // are, the sums and maxes over NCCL are identities, and every bit must match the plain
+    // model's, in mode step with the collectives inside the step graph.
+    let ctx = Context::default_device().unwrap();
+    let stream = Stream::new(&ctx).unwrap();
+    let (cfg, train) = small();
+    let (mut model, plain_state) = one_rank_matches_plain(
+        "expert parallel, one rank",
+        &stream,
+        Model::new_expert_parallel,
+    );
+    assert_eq!(model.expert_ranks(), 1);
+    // A fresh rank that loads the plain model's state evaluates as the model it loaded.
+    let mut rng = common::fresh_rng("expert parallel, loaded state");
+    let text = corpus(&mut rng, 1 << 14);
+    let (tokens, targets) = batch(&mut rng, &text, cfg.batch, cfg.context);
+    let want = model.evaluate(&stream, &tokens, &targets).unwrap();
+    let mut fresh =
+        Model::new_expert_parallel(&stream, cfg, train, GraphMode::Step, one_rank(&stream))
+            .unwrap();
+    fresh
+        .load_state(&stream, 4, |name, shape| {
+            plain_state
+                .get(name)
+                .cloned()
+                .ok_or_else(|| cuda_graph::Error::InvalidArgument(format!("no {name} {shape:?}")))
+        })
+        .unwrap();
+    let got = fresh.evaluate(&stream, &tokens, &targets).unwrap();
+    assert_eq!(got.to_bits(), want.to_bits(), "{got} vs {want}");
+    // Modes whose blocks run in the graphed-callables runtime are refused, and so are
+    // experts that do not split (here: top-k above the experts a rank would hold).
+    let refused = |cfg, mode| {
+        Model::new_expert_parallel(&stream, cfg, train, mode, one_rank(&stream)).is_err()
+    };
+    assert!(refused(cfg, GraphMode::Layer));
+    assert!(refused(ModelConfig { top_k: 5, ..cfg }, GraphMode::None));
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn expert_parallel_ranks_match_one_gpu_with_all_their_microbatches() {
+    // As many ranks as the machine's GPUs allow (the 4 experts split in equal parts of at
+    // least top-k = 2: 1 or 2 ranks), each with 2 microbatches and half the experts, against
+    // one GPU holding every expert and running all ranks' microbatches in one step. The
+    // ranks' rows meet the same weights and scales as on one GPU; what differs is the order
+    // of the sums (the replicated gradients summed over the ranks, each expert's gradient in
+    // one GEMM over every rank's rows), a few f32 ulps, which can flip an FP8 rounding of the
+    // next step's weights: 1e-3 as in the data-parallel test.
+    let (cfg, _) = small();
+    let gpus = cuda_graph::driver::Device::count().unwrap() as usize;
+    let n = (1..=gpus)
+        .rev()
+        .find(|r| cfg.experts % r == 0 && cfg.experts / r >= cfg.top_k)
+        .unwrap();
+    ranks_match_one_gpu("expert parallel", n, Model::new_expert_parallel);
 }

@@ -24,7 +24,7 @@ use std::sync::Arc;
 
 use cuda_graph::half::bf16;
 use cuda_graph::{DeviceBuffer, Error, Result, Stream};
-use fp8_kernels::{DelayedScaling, DeviceScalar};
+use fp8_kernels::{AdamW, DelayedScaling, DeviceScalar};
 use graphed_callables::{Callable, SegmentKind, Slot};
 
 use super::attention::{Attention, AttentionShape};
@@ -32,7 +32,9 @@ use super::config::ModelConfig;
 use super::dense::{Dense, DenseSaved};
 use super::ops::{Ops, rmsnorm_backward_workspace_len};
 use super::zeroed;
-use crate::moe::layer::{ExpertGemm, MoeLayer};
+use crate::moe::ep::{ExpertGroup, ExpertParallelMoe};
+use crate::moe::layer::{ExpertGemm, MoeLayer, MoeLayerConfig};
+use crate::moe::optim::MoeAdamW;
 
 /// The saved buffers of a block's pass, before the MoE layer's own.
 const OWN_SAVED: usize = 12;
@@ -100,10 +102,55 @@ pub struct Block {
     /// `[d, d]`: attention's output projection.
     pub proj: Dense,
     /// The MoE layer.
-    pub moe: MoeLayer,
+    pub moe: BlockMoe,
     scratch: Scratch,
     /// Fast accumulation in the projections' forward GEMMs.
     fast_forward: bool,
+}
+
+/// A block's MoE layer: all experts on this GPU, or this rank's part of an expert-parallel
+/// layer. Both run as [`Callable`]s; the optimizer writes their FP8 expert weights.
+#[derive(Debug)]
+#[allow(clippy::large_enum_variant)] // one per block, never moved in bulk
+pub enum BlockMoe {
+    /// Every expert here.
+    Local(MoeLayer),
+    /// `E / N` experts here, the rest on the other ranks of the group.
+    ExpertParallel(ExpertParallelMoe),
+}
+
+impl BlockMoe {
+    /// The whole layer's shape (under expert parallelism: this rank's tokens, every rank's
+    /// experts).
+    pub fn config(&self) -> MoeLayerConfig {
+        match self {
+            BlockMoe::Local(m) => m.config(),
+            BlockMoe::ExpertParallel(m) => m.config(),
+        }
+    }
+
+    /// The layer as the runtime drives it.
+    fn callable(&self) -> &dyn Callable<bf16> {
+        match self {
+            BlockMoe::Local(m) => m,
+            BlockMoe::ExpertParallel(m) => m,
+        }
+    }
+
+    fn callable_mut(&mut self) -> &mut dyn Callable<bf16> {
+        match self {
+            BlockMoe::Local(m) => m,
+            BlockMoe::ExpertParallel(m) => m,
+        }
+    }
+
+    /// The layer's optimizer (AdamW with `hyper`; it writes the FP8 expert weights).
+    pub fn optimizer(&self, stream: &Stream, hyper: AdamW) -> Result<MoeAdamW> {
+        match self {
+            BlockMoe::Local(m) => MoeAdamW::new(stream, m, hyper),
+            BlockMoe::ExpertParallel(m) => MoeAdamW::new_expert_parallel(stream, m, hyper),
+        }
+    }
 }
 
 /// The initial weights of a block (host, f32).
@@ -120,7 +167,14 @@ pub struct BlockParams {
 /// The tensors a block uses in the scaling state: QKV's three, the projection's three, then
 /// the MoE layer's.
 pub fn scaling_tensors(cfg: &ModelConfig) -> usize {
-    2 * crate::linear::TENSORS + crate::moe::layer::tensors(cfg.experts)
+    scaling_tensors_per_rank(cfg, 1)
+}
+
+/// [`scaling_tensors`] of one rank's block when the experts are spread over `ranks` ranks
+/// ([`Block::new_expert_parallel`]): the MoE layer's tensors are those of `E / ranks`
+/// experts.
+pub fn scaling_tensors_per_rank(cfg: &ModelConfig, ranks: usize) -> usize {
+    2 * crate::linear::TENSORS + crate::moe::layer::tensors(cfg.experts / ranks.max(1))
 }
 
 impl Block {
@@ -135,6 +189,53 @@ impl Block {
         scaling: Arc<DelayedScaling>,
         first_tensor: usize,
         expert_gemm: ExpertGemm,
+    ) -> Result<Block> {
+        Block::build(
+            stream,
+            cfg,
+            params,
+            (ops, attention),
+            scaling,
+            first_tensor,
+            (expert_gemm, None),
+        )
+    }
+
+    /// [`new`](Self::new) for one rank of an expert-parallel model: the MoE layer is this
+    /// rank's part of an [`ExpertParallelMoe`] over `group` (full-layer, grouped GEMMs), its
+    /// experts' slices taken from `params` (all `E` experts' weights, the same on every
+    /// rank), its tensors `first_tensor .. first_tensor + `[`scaling_tensors_per_rank`]. The
+    /// rest of the block is replicated. Every rank of the group runs each pass at once.
+    ///
+    /// Errors: as [`new`](Self::new), and [`check_split`](crate::moe::ep::check_split)'s.
+    pub fn new_expert_parallel(
+        stream: &Stream,
+        cfg: &ModelConfig,
+        params: &BlockParams,
+        (ops, attention): (Arc<Ops>, Arc<Attention>),
+        scaling: Arc<DelayedScaling>,
+        first_tensor: usize,
+        group: Arc<dyn ExpertGroup>,
+    ) -> Result<Block> {
+        Block::build(
+            stream,
+            cfg,
+            params,
+            (ops, attention),
+            scaling,
+            first_tensor,
+            (ExpertGemm::Grouped, Some(group)),
+        )
+    }
+
+    fn build(
+        stream: &Stream,
+        cfg: &ModelConfig,
+        params: &BlockParams,
+        (ops, attention): (Arc<Ops>, Arc<Attention>),
+        scaling: Arc<DelayedScaling>,
+        first_tensor: usize,
+        (expert_gemm, group): (ExpertGemm, Option<Arc<dyn ExpertGroup>>),
     ) -> Result<Block> {
         cfg.check()?;
         let (t, d) = (cfg.tokens(), cfg.d_model);
@@ -168,15 +269,19 @@ impl Block {
             scaling: Default::default(),
             grad_dtype: crate::moe::layer::GradDtype::Bf16,
         };
-        let moe = MoeLayer::new(
-            stream,
-            moe_cfg,
-            &params.moe,
-            scaling,
-            first_tensor + 2 * crate::linear::TENSORS,
-        )?
-        .with_step_gradients(true)
-        .with_fp8_weights_from_optimizer(stream, true)?;
+        let moe_first = first_tensor + 2 * crate::linear::TENSORS;
+        let moe = match group {
+            None => BlockMoe::Local(
+                MoeLayer::new(stream, moe_cfg, &params.moe, scaling, moe_first)?
+                    .with_step_gradients(true)
+                    .with_fp8_weights_from_optimizer(stream, true)?,
+            ),
+            Some(group) => BlockMoe::ExpertParallel(
+                ExpertParallelMoe::new(stream, moe_cfg, &params.moe, scaling, moe_first, group)?
+                    .with_step_gradients(true)
+                    .with_fp8_weights_from_optimizer(stream, true)?,
+            ),
+        };
         let act = |n: usize| zeroed::<bf16>(stream, n);
         let shape = attention_shape(cfg);
         let scratch = Scratch {
@@ -208,7 +313,12 @@ impl Block {
     /// default, TransformerEngine's) or promoted.
     pub fn with_fast_forward_accumulation(mut self, on: bool) -> Block {
         self.fast_forward = on;
-        self.moe = self.moe.with_fast_forward_accumulation(on);
+        self.moe = match self.moe {
+            BlockMoe::Local(m) => BlockMoe::Local(m.with_fast_forward_accumulation(on)),
+            BlockMoe::ExpertParallel(m) => {
+                BlockMoe::ExpertParallel(m.with_fast_forward_accumulation(on))
+            }
+        };
         self
     }
 
@@ -239,7 +349,7 @@ impl Block {
         s[RSTD2] = 4 * t;
         s[N2] = 2 * t * d;
         s[MOE_OUT] = 2 * t * d;
-        s.extend(Callable::saved_bytes(&self.moe));
+        s.extend(self.moe.callable().saved_bytes());
         s
     }
 
@@ -449,6 +559,7 @@ impl Callable<bf16> for Block {
         self.forward_attention(stream, h0, &s)?;
         let moe_slot = Self::moe_slot(slot, &s);
         self.moe
+            .callable_mut()
             .forward(stream, &[&s.n2], &[&s.moe_out], &moe_slot)?;
         self.ops.add(stream, &s.h1, &s.moe_out, h2)
     }
@@ -466,6 +577,7 @@ impl Callable<bf16> for Block {
         self.record_gradients(slot);
         let moe_slot = Self::moe_slot(slot, &s);
         self.moe
+            .callable_mut()
             .backward(stream, &[dh2], &[&self.scratch.dn2], &moe_slot)?;
         self.backward_attention(stream, h0, dh2, dh0, &s, Self::accumulate(slot))
     }
@@ -473,11 +585,11 @@ impl Callable<bf16> for Block {
     /// The MoE layer's: one graphed segment (grouped experts), or three (per-expert: the
     /// experts eager, reading the routing back).
     fn forward_segments(&self) -> Vec<SegmentKind> {
-        self.moe.forward_segments()
+        self.moe.callable().forward_segments()
     }
 
     fn backward_segments(&self) -> Vec<SegmentKind> {
-        self.moe.backward_segments()
+        self.moe.callable().backward_segments()
     }
 
     fn forward_segment(
@@ -501,12 +613,22 @@ impl Callable<bf16> for Block {
             0 => {
                 self.record_activations(slot);
                 self.forward_attention(stream, h0, &s)?;
-                self.moe
-                    .forward_segment(0, stream, &[&s.n2], &[&s.moe_out], &moe_slot)
+                self.moe.callable_mut().forward_segment(
+                    0,
+                    stream,
+                    &[&s.n2],
+                    &[&s.moe_out],
+                    &moe_slot,
+                )
             }
             2 => {
-                self.moe
-                    .forward_segment(2, stream, &[&s.n2], &[&s.moe_out], &moe_slot)?;
+                self.moe.callable_mut().forward_segment(
+                    2,
+                    stream,
+                    &[&s.n2],
+                    &[&s.moe_out],
+                    &moe_slot,
+                )?;
                 self.ops.add(stream, &s.h1, &s.moe_out, h2)
             }
             _ => Err(self.segment_error(slot, "forward", segment)),
@@ -525,6 +647,7 @@ impl Callable<bf16> for Block {
         let s = self.saved(slot)?;
         let moe_slot = Self::moe_slot(slot, &s);
         self.moe
+            .callable()
             .forward_eager(segment, stream, &[&s.n2], &[&s.moe_out], &moe_slot)
     }
 
@@ -550,10 +673,12 @@ impl Callable<bf16> for Block {
             0 => {
                 self.record_gradients(slot);
                 self.moe
+                    .callable_mut()
                     .backward_segment(0, stream, &[dh2], &[dn2], &moe_slot)
             }
             2 => {
                 self.moe
+                    .callable_mut()
                     .backward_segment(2, stream, &[dh2], &[dn2], &moe_slot)?;
                 let h0 = self.forward_input(slot)?;
                 self.backward_attention(stream, h0, dh2, dh0, &s, Self::accumulate(slot))
@@ -574,6 +699,7 @@ impl Callable<bf16> for Block {
         let s = self.saved(slot)?;
         let moe_slot = Self::moe_slot(slot, &s);
         self.moe
+            .callable()
             .backward_eager(segment, stream, &[dh2], &[&self.scratch.dn2], &moe_slot)
     }
 }

@@ -37,4 +37,4 @@ pub(crate) fn zeroed<T: DeviceRepr>(stream: &Stream, n: usize) -> Result<DeviceB
     b.memset_bytes(stream, 0)?;
     Ok(b)
 }
-pub use transformer::{GraphMode, Model, StepStats};
+pub use transformer::{GraphMode, HostTensor, Model, StepStats};

@@ -703,18 +703,39 @@ impl Ops {
         out: &DeviceBuffer<f32>,
     ) -> Result<()> {
         let what = "Ops::grad_norm_clip";
+        self.check_norm_args(what, max_norm, out)?;
+        // Everything checked before the first launch.
+        let out2 = out.slice(..2)?;
+        grads_clear_of(what, &[Span::of("out", &out2)], grads)?;
+        let parts = grad_norm_workspace_len(&grads.iter().map(|g| g.len()).collect::<Vec<_>>());
+        if workspace.len() >= parts {
+            check_disjoint(
+                what,
+                &[
+                    Span::of("workspace", &workspace.slice(..parts)?),
+                    Span::of("out", &out2),
+                ],
+                &[],
+            )?;
+        }
+        let parts = self.grad_norm_partials(stream, grads, workspace)?;
+        self.grad_norm_finish(stream, &workspace.slice(..parts)?, max_norm, out)
+    }
+
+    /// The first half of [`grad_norm_clip`](Self::grad_norm_clip): the squares of `grads`
+    /// summed per block into `workspace[0..parts)` (each tensor's partials in list order,
+    /// [`grad_norm_workspace_len`] of them, returned). With
+    /// [`grad_norm_finish`](Self::grad_norm_finish) over the partials of several calls laid
+    /// back to back it gives the norm of all their tensors: expert parallelism gathers each
+    /// rank's experts' partials after the replicated ones'.
+    pub fn grad_norm_partials(
+        &self,
+        stream: &Stream,
+        grads: &[HpBuffer<'_>],
+        workspace: &DeviceBuffer<f32>,
+    ) -> Result<usize> {
+        let what = "Ops::grad_norm_partials";
         self.check_stream(what, stream)?;
-        if !(max_norm.is_finite() && max_norm > 0.0) {
-            return Err(Error::InvalidArgument(format!(
-                "{what}: max_norm = {max_norm} must be finite and positive"
-            )));
-        }
-        if out.len() < 2 {
-            return Err(Error::InvalidArgument(format!(
-                "{what}: out has {} elements, needs 2 (the norm and the factor)",
-                out.len()
-            )));
-        }
         let parts: usize = grads.iter().map(|g| gn_layout(g.len()).0).sum();
         if workspace.len() < parts {
             return Err(Error::InvalidArgument(format!(
@@ -723,29 +744,9 @@ impl Ops {
                 grads.len()
             )));
         }
-        let parts32 = check_count(what, "the workspace's partial sums", parts)?;
+        check_count(what, "the workspace's partial sums", parts)?;
         let workspace = workspace.slice(..parts)?;
-        let out = out.slice(..2)?;
-        let outputs = [Span::of("workspace", &workspace), Span::of("out", &out)];
-        check_disjoint(what, &outputs, &[])?;
-        for (i, g) in grads.iter().enumerate() {
-            let bytes = match g {
-                HpBuffer::F32(b) => b.bytes(),
-                HpBuffer::Bf16(b) => b.bytes(),
-                HpBuffer::F16(b) => b.bytes(),
-            };
-            let span = Span {
-                name: "a gradient",
-                start: g.device_ptr(),
-                end: g.device_ptr() + bytes as u64,
-            };
-            if let Some(o) = outputs.iter().find(|o| o.overlaps(&span)) {
-                return Err(Error::InvalidArgument(format!(
-                    "{what}: {} overlaps gradient {i} ({:#x}..{:#x})",
-                    o.name, span.start, span.end
-                )));
-            }
-        }
+        grads_clear_of(what, &[Span::of("workspace", &workspace)], grads)?;
         let live: Vec<&HpBuffer<'_>> = grads.iter().filter(|g| !g.is_empty()).collect();
         let mut base = 0usize;
         for group in live.chunks(GN_SLOTS) {
@@ -801,13 +802,36 @@ impl Ops {
             base += blocks;
         }
         debug_assert_eq!(base, parts);
+        Ok(parts)
+    }
+
+    /// The second half of [`grad_norm_clip`](Self::grad_norm_clip): `out[0]` the L2 norm
+    /// whose squares' partial sums are all of `partials` (one fixed-order f64 sum), `out[1]`
+    /// the clipping factor for `max_norm`.
+    pub fn grad_norm_finish(
+        &self,
+        stream: &Stream,
+        partials: &DeviceBuffer<f32>,
+        max_norm: f32,
+        out: &DeviceBuffer<f32>,
+    ) -> Result<()> {
+        let what = "Ops::grad_norm_finish";
+        self.check_stream(what, stream)?;
+        self.check_norm_args(what, max_norm, out)?;
+        let parts32 = check_count(what, "the partial sums", partials.len())?;
+        let out = out.slice(..2)?;
+        check_disjoint(
+            what,
+            &[Span::of("out", &out)],
+            &[Span::of("partials", partials)],
+        )?;
         let args = KernelArgs::new()
-            .arg(&workspace)
+            .arg(partials)
             .arg(&parts32)
             .arg(&max_norm)
             .arg(&out);
-        // SAFETY: one block reads workspace[0..parts) (checked) and writes out[0] and out[1]
-        // (2 checked).
+        // SAFETY: one block reads partials[0..parts) (its length) and writes out[0] and
+        // out[1] (2 checked).
         unsafe {
             stream.launch_pdl(
                 &self.k.grad_norm_final,
@@ -816,6 +840,45 @@ impl Ops {
             )
         }
     }
+
+    /// The clip's arguments: `max_norm` finite and positive, `out` two elements at least.
+    fn check_norm_args(&self, what: &str, max_norm: f32, out: &DeviceBuffer<f32>) -> Result<()> {
+        if !(max_norm.is_finite() && max_norm > 0.0) {
+            return Err(Error::InvalidArgument(format!(
+                "{what}: max_norm = {max_norm} must be finite and positive"
+            )));
+        }
+        if out.len() < 2 {
+            return Err(Error::InvalidArgument(format!(
+                "{what}: out has {} elements, needs 2 (the norm and the factor)",
+                out.len()
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Checks that no gradient of `grads` overlaps one of `outputs`.
+fn grads_clear_of(what: &str, outputs: &[Span], grads: &[HpBuffer<'_>]) -> Result<()> {
+    for (i, g) in grads.iter().enumerate() {
+        let bytes = match g {
+            HpBuffer::F32(b) => b.bytes(),
+            HpBuffer::Bf16(b) => b.bytes(),
+            HpBuffer::F16(b) => b.bytes(),
+        };
+        let span = Span {
+            name: "a gradient",
+            start: g.device_ptr(),
+            end: g.device_ptr() + bytes as u64,
+        };
+        if let Some(o) = outputs.iter().find(|o| o.overlaps(&span)) {
+            return Err(Error::InvalidArgument(format!(
+                "{what}: {} overlaps gradient {i} ({:#x}..{:#x})",
+                o.name, span.start, span.end
+            )));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

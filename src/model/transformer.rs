@@ -41,7 +41,27 @@
 //! identical. In mode step all of it is part of the captured step graph. `n` ranks of `m`
 //! microbatches compute what one GPU computes with `n * m` microbatches, up to the order of
 //! the gradient sums.
+//!
+//! # Expert parallelism
+//!
+//! [`Model::new_expert_parallel`] spreads each MoE layer's experts over the ranks of an NCCL
+//! communicator ([`ExpertParallelMoe`](crate::moe::ep::ExpertParallelMoe), full-layer: its
+//! all-gathers and all-to-all inside the step, captured in mode step), `E / n` experts a
+//! rank; the rest of the model (embedding, attention, norms, routers, head) is replicated
+//! and trained data-parallel as above, each rank on its own microbatches. An expert's
+//! gradient already sums every rank's tokens, so each rank divides its loss by the ranks
+//! (the cross-entropy's and the aux loss's gradients), the replicated gradients are summed
+//! (not averaged) and the experts' are left alone; the gradient norm adds each rank's
+//! experts' squares (their partial sums gathered after the replicated ones'); the amax
+//! max-reduction skips the experts' weight tensors (each lives on one rank). The ranks'
+//! state is the one-GPU model's split: [`Model::gather_state`] assembles it (checkpoints are
+//! interchangeable with one GPU's) and [`Model::load_state`] takes this rank's part of it.
+//! `n` ranks of `m` microbatches compute what one GPU computes with `n * m` microbatches, up
+//! to the order of the sums. Every rank runs every pass at once: steps, and also
+//! [`evaluate`](Model::evaluate), [`generate`](Model::generate) and
+//! [`gather_state`](Model::gather_state) (with the same arguments on every rank).
 
+use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use cuda_graph::half::bf16;
@@ -57,14 +77,15 @@ use graphed_callables::{
 use serde::{Deserialize, Serialize};
 
 use super::attention::Attention;
-use super::block::{Block, BlockParams, Norm, scaling_tensors};
+use super::block::{Block, BlockParams, Norm, scaling_tensors, scaling_tensors_per_rank};
 use super::config::{ModelConfig, TrainConfig, VOCAB};
 use super::dense::{Dense, DenseSaved};
 use super::ops::{Ops, grad_norm_workspace_len, rmsnorm_backward_workspace_len};
 use super::optim::ModelOptimizer;
 use super::zeroed;
+use crate::dist::NcclGroup;
+use crate::moe::ep::ExpertGroup;
 use crate::moe::layer::{ExpertGemm, MoeParams};
-use crate::moe::optim::MoeAdamW;
 use crate::rng::Rng;
 use crate::scaling::ScalingSnapshot;
 
@@ -104,6 +125,9 @@ impl GraphMode {
         }
     }
 }
+
+/// A tensor read back to the host: name, shape, values (row-major).
+pub type HostTensor = (String, Vec<usize>, Vec<f32>);
 
 /// Indices into the step's statistics buffer.
 const LOSS: usize = 0;
@@ -196,13 +220,27 @@ pub struct Model {
     /// The step graph (mode step) and its exec.
     step_graph: Option<(Graph, GraphExec)>,
     steps_done: usize,
-    /// Data parallelism: the communicator over the replicas and the gradient buckets.
+    /// Data (or expert) parallelism: the communicator over the replicas and the gradient
+    /// buckets.
     dp: Option<DataParallel>,
+}
+
+/// How a model is spread over the ranks of a communicator.
+enum Parallel {
+    /// One GPU.
+    None,
+    /// Replicas ([`Model::new_data_parallel`]).
+    Data(Communicator),
+    /// Replicas with the experts split ([`Model::new_expert_parallel`]).
+    Expert(Communicator),
 }
 
 /// A data-parallel replica's reduction state.
 struct DataParallel {
     comm: Communicator,
+    /// How the replicated gradients combine: averaged (data parallelism), or summed (expert
+    /// parallelism, whose ranks divide their losses by the ranks).
+    op: ReduceOp,
     /// Indices into [`grads_of`]'s list, per bucket, in the order the backward finishes
     /// them: the head's (final norm and LM head), each block's, the embedding's.
     head: Vec<usize>,
@@ -212,6 +250,19 @@ struct DataParallel {
     /// that orders it after the work it reduces.
     side: Stream,
     event: Arc<Event>,
+    /// Expert parallelism's share of the step.
+    experts: Option<ExpertShard>,
+}
+
+/// What an expert-parallel rank does beside the data-parallel reductions.
+struct ExpertShard {
+    /// Where this rank's experts' gradients start in [`grads_of`]'s list (they end it): they
+    /// are not reduced, and their squares' partial sums are gathered for the norm.
+    first: usize,
+    /// Those partial sums, this rank's.
+    partials: DeviceBuffer<f32>,
+    /// The scaling tensors every rank holds (all but the experts' weights'), max-reduced.
+    shared_tensors: Vec<Range<usize>>,
 }
 
 impl DataParallel {
@@ -220,51 +271,37 @@ impl DataParallel {
         comm: Communicator,
         optim: &ModelOptimizer,
         layers: usize,
+        experts: Option<ExpertShard>,
     ) -> Result<DataParallel> {
         let (mut head, mut blocks, mut embed) = (Vec::new(), vec![Vec::new(); layers], Vec::new());
-        let mut i = 0;
-        for p in optim.dense() {
-            match p.name.strip_prefix("blocks.") {
-                Some(rest) => {
-                    let l: usize = rest
-                        .split('.')
-                        .next()
-                        .and_then(|l| l.parse().ok())
-                        .filter(|&l| l < layers)
-                        .ok_or_else(|| {
-                            Error::InvalidArgument(format!("parameter {} names no block", p.name))
-                        })?;
-                    blocks[l].push(i);
-                }
-                None if p.name == "embed" => embed.push(i),
-                None => head.push(i),
+        // Every gradient the optimizer steps is in exactly one bucket, but an expert-parallel
+        // rank's own experts'.
+        for (i, owner) in grad_owners(optim, layers)?.into_iter().enumerate() {
+            match owner {
+                GradOwner::Embed => embed.push(i),
+                GradOwner::Head => head.push(i),
+                GradOwner::Block(l) => blocks[l].push(i),
+                GradOwner::Experts(_) if experts.is_some() => {}
+                GradOwner::Experts(l) => blocks[l].push(i),
             }
-            i += 1;
-        }
-        for (l, m) in optim.moe().iter().enumerate() {
-            let n = m.gradients().len();
-            blocks[l].extend(i..i + n);
-            i += n;
-        }
-        // Every gradient the optimizer steps is in exactly one bucket.
-        if i != grads_of(optim).len() {
-            return Err(Error::InvalidArgument(format!(
-                "data parallelism: {i} gradients in buckets, the optimizer has {}",
-                grads_of(optim).len()
-            )));
         }
         Ok(DataParallel {
+            op: match experts {
+                Some(_) => ReduceOp::Sum,
+                None => ReduceOp::Avg,
+            },
             comm,
             head,
             blocks,
             embed,
             side: Stream::new(stream.context())?,
             event: Arc::new(Event::new(stream.context())?),
+            experts,
         })
     }
 
-    /// Averages the gradients `bucket` names (of `grads`) over the ranks, as one NCCL group
-    /// on a stream forked from `origin` after the work enqueued so far.
+    /// Averages (or sums) the gradients `bucket` names (of `grads`) over the ranks, as one
+    /// NCCL group on a stream forked from `origin` after the work enqueued so far.
     fn reduce(
         &self,
         grads: &[HpBuffer<'_>],
@@ -273,13 +310,13 @@ impl DataParallel {
         origin: &Stream,
     ) -> Result<()> {
         let s = side.fork(origin)?;
-        let comm = &self.comm;
+        let (comm, op) = (&self.comm, self.op);
         cuda_graph_nccl::group(|| {
             for &i in bucket {
                 match grads[i] {
-                    HpBuffer::F32(b) => comm.all_reduce_in_place(b, ReduceOp::Avg, &s)?,
-                    HpBuffer::F16(b) => comm.all_reduce_in_place(b, ReduceOp::Avg, &s)?,
-                    HpBuffer::Bf16(b) => comm.all_reduce_in_place(b, ReduceOp::Avg, &s)?,
+                    HpBuffer::F32(b) => comm.all_reduce_in_place(b, op, &s)?,
+                    HpBuffer::F16(b) => comm.all_reduce_in_place(b, op, &s)?,
+                    HpBuffer::Bf16(b) => comm.all_reduce_in_place(b, op, &s)?,
                 }
             }
             Ok(())
@@ -379,7 +416,7 @@ impl Model {
         train: TrainConfig,
         mode: GraphMode,
     ) -> Result<Model> {
-        Model::build(stream, cfg, train, mode, None)
+        Model::build(stream, cfg, train, mode, Parallel::None)
     }
 
     /// [`new`](Self::new) for one replica of a data-parallel job over `comm`'s ranks (see the
@@ -396,13 +433,28 @@ impl Model {
         mode: GraphMode,
         comm: Communicator,
     ) -> Result<Model> {
-        if !matches!(mode, GraphMode::None | GraphMode::Step) {
-            return Err(Error::InvalidArgument(format!(
-                "data parallelism runs in graph modes none and step, not {}",
-                mode.name()
-            )));
-        }
-        Model::build(stream, cfg, train, mode, Some(comm))
+        Model::build(stream, cfg, train, mode, Parallel::Data(comm))
+    }
+
+    /// [`new`](Self::new) for one rank of an expert-parallel job over `comm`'s ranks (see the
+    /// [module documentation](self#expert-parallelism)): each MoE layer's experts split over
+    /// the ranks (`E / n` each, rank `r` holding experts `r E / n ..`), the rest replicated.
+    /// Every rank builds its model with the same configuration (the seed included: the
+    /// initial weights are the one-GPU model's), then loads its own microbatches and steps
+    /// with the others. Modes none and step.
+    ///
+    /// Errors: as [`new`](Self::new); [`Error::InvalidArgument`] for modes layer and
+    /// breaking, and for experts that do not split over the ranks (`E` a multiple of `n`,
+    /// at least `top_k` a rank); in mode step, NCCL's errors while the step is captured.
+    pub fn new_expert_parallel(
+        stream: &Stream,
+        cfg: ModelConfig,
+        train: TrainConfig,
+        mode: GraphMode,
+        comm: Communicator,
+    ) -> Result<Model> {
+        check_expert_split(&cfg, comm.size())?;
+        Model::build(stream, cfg, train, mode, Parallel::Expert(comm))
     }
 
     fn build(
@@ -410,22 +462,39 @@ impl Model {
         cfg: ModelConfig,
         train: TrainConfig,
         mode: GraphMode,
-        dp: Option<Communicator>,
+        parallel: Parallel,
     ) -> Result<Model> {
+        let kind = match parallel {
+            Parallel::None => None,
+            Parallel::Data(_) => Some("data"),
+            Parallel::Expert(_) => Some("expert"),
+        };
+        if let Some(kind) = kind.filter(|_| !matches!(mode, GraphMode::None | GraphMode::Step)) {
+            return Err(Error::InvalidArgument(format!(
+                "{kind} parallelism runs in graph modes none and step, not {}",
+                mode.name()
+            )));
+        }
         cfg.check()?;
         train.check()?;
         let ctx = stream.context().clone();
         let (t, d, m) = (cfg.tokens(), cfg.d_model, train.microbatches);
         let ops = Arc::new(Ops::new(&ctx)?);
         let attention = Arc::new(Attention::new(&ctx)?);
-        let per_block = scaling_tensors(&cfg);
+        // Expert parallelism: the group the experts are spread over, this rank's place.
+        let group: Option<Arc<dyn ExpertGroup>> = match &parallel {
+            Parallel::Expert(comm) => Some(Arc::new(NcclGroup::new(comm.clone()))),
+            _ => None,
+        };
+        let (rank, ranks) = group.as_ref().map_or((0, 1), |g| (g.rank(), g.size()));
+        let per_block = scaling_tensors_per_rank(&cfg, ranks);
         let mut formats: Vec<Fp8Format> = Vec::new();
         for _ in 0..cfg.layers {
             formats.extend(crate::linear::FORMATS);
             formats.extend(crate::linear::FORMATS);
             formats.extend(crate::moe::layer::formats(
                 crate::moe::layer::Fp8Recipe::Hybrid,
-                cfg.experts,
+                cfg.experts / ranks,
             ));
         }
         let head_tensor = formats.len();
@@ -438,9 +507,10 @@ impl Model {
             AmaxAlgo::Max,
         )?);
         let (embed_w, block_params, head_w) = init_params(&cfg, train.seed);
-        // The aux loss is a mean over the step's microbatches, like the cross-entropy.
+        // The aux loss is a mean over the step's microbatches, like the cross-entropy (and
+        // over the expert-parallel ranks, whose gradients are summed).
         let block_cfg = ModelConfig {
-            aux_coef: cfg.aux_coef / m as f32,
+            aux_coef: cfg.aux_coef / (m * ranks) as f32,
             ..cfg
         };
         let expert_gemm = match mode {
@@ -451,15 +521,27 @@ impl Model {
             .iter()
             .enumerate()
             .map(|(l, p)| {
-                Block::new(
-                    stream,
-                    &block_cfg,
-                    p,
-                    (ops.clone(), attention.clone()),
-                    scaling.clone(),
-                    l * per_block,
-                    expert_gemm,
-                )
+                let parts = (ops.clone(), attention.clone());
+                match &group {
+                    Some(g) => Block::new_expert_parallel(
+                        stream,
+                        &block_cfg,
+                        p,
+                        parts,
+                        scaling.clone(),
+                        l * per_block,
+                        g.clone(),
+                    ),
+                    None => Block::new(
+                        stream,
+                        &block_cfg,
+                        p,
+                        parts,
+                        scaling.clone(),
+                        l * per_block,
+                        expert_gemm,
+                    ),
+                }
             })
             .collect::<Result<Vec<_>>>()?;
         let hyper = AdamW {
@@ -497,7 +579,7 @@ impl Model {
                 let decay = name.starts_with('w');
                 dense.push((format!("blocks.{l}.{name}"), w.share(), g.share(), decay));
             }
-            moe_opts.push(MoeAdamW::new(stream, &b.moe, hyper)?);
+            moe_opts.push(b.moe.optimizer(stream, hyper)?);
         }
         dense.push((
             "norm_f".into(),
@@ -513,6 +595,14 @@ impl Model {
         ));
         let optim = ModelOptimizer::new(stream, hyper, dense, moe_opts)?;
         let grad_lens: Vec<usize> = grads_of(&optim).iter().map(|g| g.len()).collect();
+        // The gradient norm's partial sums: the replicated gradients', then every rank's
+        // experts' (expert parallelism gathers them there).
+        let first_expert = grad_owners(&optim, cfg.layers)?
+            .iter()
+            .position(|o| matches!(o, GradOwner::Experts(_)))
+            .unwrap_or(grad_lens.len());
+        let (replicated, own) = grad_lens.split_at(first_expert);
+        let norm_parts = grad_norm_workspace_len(replicated) + ranks * grad_norm_workspace_len(own);
         let batches = (0..m)
             .map(|_| {
                 Ok(Batch {
@@ -555,7 +645,7 @@ impl Model {
             dh: [act(t * d)?, act(t * d)?],
             batches,
             stats: zeroed(stream, STATS)?,
-            grad_ws: zeroed(stream, grad_norm_workspace_len(&grad_lens).max(1))?,
+            grad_ws: zeroed(stream, norm_parts.max(1))?,
             snapshot: ScalingSnapshot::new(&ctx, &scaling)?,
             optim,
             step_graph: None,
@@ -563,9 +653,43 @@ impl Model {
             scaling,
             dp: None,
         };
-        if let Some(comm) = dp {
-            model.dp = Some(DataParallel::new(stream, comm, &model.optim, cfg.layers)?);
-        }
+        model.dp = match parallel {
+            Parallel::None => None,
+            Parallel::Data(comm) => Some(DataParallel::new(
+                stream,
+                comm,
+                &model.optim,
+                cfg.layers,
+                None,
+            )?),
+            Parallel::Expert(comm) => {
+                let runs = scaling_runs(&cfg, (rank, ranks));
+                let local: usize = runs.iter().map(|(r, _)| r.len()).sum();
+                if local != model.scaling.len() {
+                    return Err(Error::InvalidArgument(format!(
+                        "expert parallelism: {local} scaling tensors in the split layout, the \
+                         model has {}",
+                        model.scaling.len()
+                    )));
+                }
+                let shard = ExpertShard {
+                    first: first_expert,
+                    partials: zeroed(stream, grad_norm_workspace_len(own).max(1))?,
+                    shared_tensors: local_runs(&runs)
+                        .into_iter()
+                        .filter(|&(_, shared)| shared)
+                        .map(|(r, _)| r)
+                        .collect(),
+                };
+                Some(DataParallel::new(
+                    stream,
+                    comm,
+                    &model.optim,
+                    cfg.layers,
+                    Some(shard),
+                )?)
+            }
+        };
         stream.synchronize()?;
         if mode == GraphMode::Step {
             model.capture_step(stream)?;
@@ -787,10 +911,9 @@ impl Model {
             .forward(stream, &head.nf, &head.logits, &head.saved, true)
     }
 
-    /// Every f32 buffer of the training state, named and shaped as checkpoints store them:
-    /// the parameters (the f32 masters), AdamW's moments and states, and the FP8 scaling
-    /// state. The names are stable (README, "Checkpoints"); the order is the model's.
-    pub fn state_tensors(&self) -> Vec<(String, Vec<usize>, &DeviceBuffer<f32>)> {
+    /// The training state's f32 buffers as the one-GPU model's tensors: name, one-GPU shape,
+    /// how this rank holds it, the buffer.
+    fn state_layout(&self) -> Vec<StateTensor<'_>> {
         let (d, e, f) = (self.cfg.d_model, self.cfg.experts, self.cfg.ffn);
         let mut v = Vec::new();
         for p in self.optim.dense() {
@@ -804,73 +927,148 @@ impl Model {
                     "" => p.name.clone(),
                     s => format!("optim.{}{s}", p.name),
                 };
-                v.push((name, shape.clone(), buf));
+                v.push(StateTensor::new(
+                    name,
+                    shape.clone(),
+                    Shard::Replicated,
+                    buf,
+                ));
             }
         }
         for (l, m) in self.optim.moe().iter().enumerate() {
             for (name, buf) in m.named_buffers() {
-                let shape = match name.split('.').next() {
-                    Some("router") => vec![e, d],
-                    Some("fc1") => vec![e, 2 * f, d],
-                    _ => vec![e, d, f],
+                let (shape, shard) = match name.split('.').next() {
+                    Some("router") => (vec![e, d], Shard::Replicated),
+                    Some("fc1") => (vec![e, 2 * f, d], Shard::Experts),
+                    _ => (vec![e, d, f], Shard::Experts),
                 };
                 let full = if name.contains('.') {
                     format!("optim.blocks.{l}.moe.{name}")
                 } else {
                     format!("blocks.{l}.moe.{name}")
                 };
-                v.push((full, shape, buf));
+                v.push(StateTensor::new(full, shape, shard, buf));
             }
         }
         for (i, s) in self.optim.states().into_iter().enumerate() {
-            v.push((format!("optim.state.{i}"), vec![4], s.buffer()));
+            let name = format!("optim.state.{i}");
+            v.push(StateTensor::new(
+                name,
+                vec![4],
+                Shard::Replicated,
+                s.buffer(),
+            ));
         }
-        let (tensors, hist) = (self.scaling.len(), self.scaling.history_len());
-        v.push((
-            "fp8.amax_history".into(),
-            vec![tensors, hist],
-            &**self.scaling.history_buffer(),
-        ));
-        v.push((
-            "fp8.scale".into(),
-            vec![tensors],
-            &**self.scaling.scale_buffer(),
-        ));
-        v.push((
-            "fp8.scale_inv".into(),
-            vec![tensors],
-            &**self.scaling.scale_inv_buffer(),
-        ));
+        // The one-GPU model's scaling tensors.
+        let tensors = self.cfg.layers * scaling_tensors(&self.cfg) + crate::linear::TENSORS;
+        let hist = self.scaling.history_len();
+        for (name, shape, buf) in [
+            (
+                "fp8.amax_history",
+                vec![tensors, hist],
+                &**self.scaling.history_buffer(),
+            ),
+            ("fp8.scale", vec![tensors], &**self.scaling.scale_buffer()),
+            (
+                "fp8.scale_inv",
+                vec![tensors],
+                &**self.scaling.scale_inv_buffer(),
+            ),
+        ] {
+            v.push(StateTensor::new(name.into(), shape, Shard::Scaling, buf));
+        }
         v
     }
 
-    /// Writes the training state from `get(name, shape)` (every tensor of
-    /// [`state_tensors`](Self::state_tensors), which `get` returns or refuses), then
-    /// remakes the MoE layers' bf16 and FP8 expert weights from their masters; the model
-    /// then continues exactly as the one that saved the state would. `steps_done` is the
-    /// number of steps that state had taken. Waits. Nothing is written unless every tensor
-    /// is there with its shape.
+    /// Every f32 buffer of the training state, named as checkpoints store them: the
+    /// parameters (the f32 masters), AdamW's moments and states, and the FP8 scaling state.
+    /// The names are stable (README, "Checkpoints"); the order is the model's. On one GPU (or
+    /// a data-parallel replica) the shapes are the checkpoint's too; an expert-parallel rank
+    /// holds its part of the experts' tensors and of the scaling state (the first dimension
+    /// shorter), which [`gather_state`](Self::gather_state) assembles.
+    pub fn state_tensors(&self) -> Vec<(String, Vec<usize>, &DeviceBuffer<f32>)> {
+        let place = self.expert_place();
+        self.state_layout()
+            .into_iter()
+            .map(|t| {
+                let rows = t.local_rows(&self.cfg, place);
+                let mut shape = t.shape;
+                shape[0] = rows.iter().map(|r| r.len()).sum();
+                (t.name, shape, t.buf)
+            })
+            .collect()
+    }
+
+    /// The whole training state read back to the host, named and shaped as checkpoints store
+    /// them (the one-GPU model's [`state_tensors`](Self::state_tensors)). Under expert
+    /// parallelism every rank calls it at once: the experts' tensors and the scaling state
+    /// are gathered over the communicator, and every rank gets the whole state (what a
+    /// one-GPU model trained on every rank's microbatches would hold). Waits.
+    pub fn gather_state(&self, stream: &Stream) -> Result<Vec<HostTensor>> {
+        let (_, ranks) = self.expert_place();
+        let comm = self.dp.as_ref().map(|dp| &dp.comm);
+        let mut out = Vec::new();
+        for t in self.state_layout() {
+            let values = match (t.shard, comm) {
+                (Shard::Replicated, _) | (_, None) => t.buf.to_vec(stream)?,
+                _ if ranks == 1 => t.buf.to_vec(stream)?,
+                (_, Some(comm)) => {
+                    let all = zeroed::<f32>(stream, ranks * t.buf.len())?;
+                    comm.all_gather(t.buf, &all, stream)?;
+                    let all = all.to_vec(stream)?;
+                    let parts: Vec<(Vec<Range<usize>>, &[f32])> = all
+                        .chunks(t.buf.len())
+                        .enumerate()
+                        .map(|(r, data)| (t.local_rows(&self.cfg, (r, ranks)), data))
+                        .collect();
+                    assemble_rows(&t.shape, &parts)
+                        .map_err(|e| Error::InvalidArgument(format!("gathering {}: {e}", t.name)))?
+                }
+            };
+            out.push((t.name, t.shape, values));
+        }
+        Ok(out)
+    }
+
+    /// Writes the training state from `get(name, shape)`, which returns (or refuses) each
+    /// tensor of the whole state as [`gather_state`](Self::gather_state) names and shapes
+    /// it (a checkpoint's); an expert-parallel rank keeps its part. Then remakes the MoE
+    /// layers' bf16 and FP8 expert weights from their masters: the model continues exactly
+    /// as the one that saved the state would. `steps_done` is the number of steps that
+    /// state had taken. Waits. Nothing is written unless every tensor is there with its
+    /// shape.
     pub fn load_state(
         &mut self,
         stream: &Stream,
         steps_done: usize,
         mut get: impl FnMut(&str, &[usize]) -> Result<Vec<f32>>,
     ) -> Result<()> {
-        let tensors = self.state_tensors();
+        let place = self.expert_place();
+        let tensors = self.state_layout();
         let mut values = Vec::with_capacity(tensors.len());
-        for (name, shape, buf) in &tensors {
-            let v = get(name, shape)?;
-            if v.len() != buf.len() {
+        for t in &tensors {
+            let v = get(&t.name, &t.shape)?;
+            let whole: usize = t.shape.iter().product();
+            if v.len() != whole {
                 return Err(Error::InvalidArgument(format!(
-                    "state tensor {name}: {} values, the model's has {}",
-                    v.len(),
-                    buf.len()
+                    "state tensor {}: {} values, the model's has {whole}",
+                    t.name,
+                    v.len()
                 )));
             }
-            values.push(v);
+            let mine = extract_rows(&v, &t.shape, &t.local_rows(&self.cfg, place));
+            if mine.len() != t.buf.len() {
+                return Err(Error::InvalidArgument(format!(
+                    "state tensor {}: this rank's part has {} values, its buffer {}",
+                    t.name,
+                    mine.len(),
+                    t.buf.len()
+                )));
+            }
+            values.push(mine);
         }
-        for ((_, _, buf), v) in tensors.iter().zip(&values) {
-            buf.copy_from_host(stream, v)?;
+        for (t, v) in tensors.iter().zip(&values) {
+            t.buf.copy_from_host(stream, v)?;
         }
         stream.synchronize()?;
         for m in self.optim.moe() {
@@ -961,32 +1159,82 @@ impl Model {
         }
         if let (Some(dp), Some(side)) = (&self.dp, side) {
             side.join(stream)?;
-            self.reduce_amax_and_loss(&dp.comm, stream)?;
+            self.reduce_amax_and_loss(dp, stream)?;
         }
         self.scaling.update(stream)?;
         let grads = self.grads();
-        self.ops.grad_norm_clip(
-            stream,
-            &grads,
-            &self.grad_ws,
-            self.train.clip,
-            &self.stats_view()?,
-        )?;
+        let (ws, clip, out) = (&self.grad_ws, self.train.clip, &self.stats_view()?);
+        match self
+            .dp
+            .as_ref()
+            .and_then(|dp| Some((dp, dp.experts.as_ref()?)))
+        {
+            // Expert parallelism: the replicated gradients' partial sums (the same on every
+            // rank), then every rank's experts' gathered after them.
+            Some((dp, x)) => {
+                let ops = &self.ops;
+                let replicated = ops.grad_norm_partials(stream, &grads[..x.first], ws)?;
+                let own = ops.grad_norm_partials(stream, &grads[x.first..], &x.partials)?;
+                let all = replicated + dp.comm.size() * own;
+                dp.comm.all_gather(
+                    &x.partials.slice(..own)?,
+                    &ws.slice(replicated..all)?,
+                    stream,
+                )?;
+                ops.grad_norm_finish(stream, &ws.slice(..all)?, clip, out)?;
+            }
+            None => self.ops.grad_norm_clip(stream, &grads, ws, clip, out)?,
+        }
         let factor = DeviceScalar::at(&self.stats_view()?, CLIP - GRAD_NORM)?;
         self.optim.step(stream, &factor)
     }
 
-    /// Data parallelism, after the gradients: the amaxes max-reduced and the loss summed over
-    /// `comm`'s ranks (see the [module documentation](self#data-parallelism)).
-    fn reduce_amax_and_loss(&self, comm: &Communicator, stream: &Stream) -> Result<()> {
-        comm.all_reduce_in_place(self.scaling.history_buffer(), ReduceOp::Max, stream)?;
+    /// Data parallelism, after the gradients: the amaxes max-reduced (under expert
+    /// parallelism all but the experts' weights', which live on one rank each) and the loss
+    /// summed over the ranks (see the [module documentation](self#data-parallelism)).
+    fn reduce_amax_and_loss(&self, dp: &DataParallel, stream: &Stream) -> Result<()> {
+        let (comm, history) = (&dp.comm, self.scaling.history_buffer());
+        match &dp.experts {
+            None => comm.all_reduce_in_place(history, ReduceOp::Max, stream)?,
+            Some(x) => {
+                let h = self.scaling.history_len();
+                let rows = x
+                    .shared_tensors
+                    .iter()
+                    .map(|r| history.slice(r.start * h..r.end * h))
+                    .collect::<Result<Vec<_>>>()?;
+                cuda_graph_nccl::group(|| {
+                    for r in &rows {
+                        comm.all_reduce_in_place(r, ReduceOp::Max, stream)?;
+                    }
+                    Ok(())
+                })?;
+            }
+        }
         comm.all_reduce_in_place(&self.stats.slice(LOSS..LOSS + 1)?, ReduceOp::Sum, stream)?;
         Ok(())
     }
 
-    /// The data-parallel communicator, if the model is one replica of several.
+    /// The communicator, if the model is one rank of a data- or expert-parallel job.
     pub fn communicator(&self) -> Option<&Communicator> {
         self.dp.as_ref().map(|dp| &dp.comm)
+    }
+
+    /// The ranks the experts are spread over: 1 but for the models of
+    /// [`new_expert_parallel`](Self::new_expert_parallel).
+    pub fn expert_ranks(&self) -> usize {
+        match &self.dp {
+            Some(dp) if dp.experts.is_some() => dp.comm.size(),
+            _ => 1,
+        }
+    }
+
+    /// This rank's place among the expert-parallel ranks: (rank, ranks).
+    fn expert_place(&self) -> (usize, usize) {
+        match &self.dp {
+            Some(dp) if dp.experts.is_some() => (dp.comm.rank(), dp.comm.size()),
+            _ => (0, 1),
+        }
     }
 
     /// `stats[GRAD_NORM..]`: the norm and clip factor the clip kernel writes.
@@ -1004,6 +1252,9 @@ impl Model {
     ) -> Result<()> {
         let first = mb == 0;
         let b = &self.batches[mb];
+        // The cross-entropy's gradient is a mean over the step's tokens (over every rank's
+        // under expert parallelism, whose gradients are summed).
+        let shares = self.batches.len() * self.expert_ranks();
         match &mut self.blocks {
             Blocks::Direct {
                 blocks,
@@ -1028,7 +1279,7 @@ impl Model {
                     h_last,
                     &self.dh[0],
                     &self.stats,
-                    (mb, self.batches.len(), self.cfg.norm_eps),
+                    (mb, shares, self.cfg.norm_eps),
                 )?;
                 // The gradients the buckets index, listed once (only when reducing).
                 let grads = match reduce {
@@ -1068,7 +1319,7 @@ impl Model {
                     &out[0],
                     dh,
                     &self.stats,
-                    (mb, self.batches.len(), self.cfg.norm_eps),
+                    (mb, shares, self.cfg.norm_eps),
                 )?;
                 let dx = rt.backward(0, mb, &[dh], stream)?;
                 self.ops
@@ -1094,7 +1345,9 @@ fn reduce_bucket(
 }
 
 /// The head of microbatch `mb`: final norm, LM head, cross-entropy (loss summed into
-/// `stats[LOSS]`) and their backward into `dh`, the gradient of `h_last`.
+/// `stats[LOSS]`) and their backward into `dh`, the gradient of `h_last`; the loss's gradient
+/// is divided by the microbatch's tokens times `shares` (the step's microbatches, times the
+/// ranks whose gradients are summed).
 #[allow(clippy::too_many_arguments)] // the model's parts, borrowed separately
 fn head_pass(
     ops: &Ops,
@@ -1104,7 +1357,7 @@ fn head_pass(
     h_last: &DeviceBuffer<bf16>,
     dh: &DeviceBuffer<bf16>,
     stats: &DeviceBuffer<f32>,
-    (mb, microbatches, eps): (usize, usize, f32),
+    (mb, shares, eps): (usize, usize, f32),
 ) -> Result<()> {
     let first = mb == 0;
     if first {
@@ -1113,7 +1366,7 @@ fn head_pass(
     ops.rmsnorm_forward(stream, h_last, &head.norm.w, &head.nf, &head.rstd, eps)?;
     head.dense
         .forward(stream, &head.nf, &head.logits, &head.saved, true)?;
-    let scale = 1.0 / (head.rstd.len() * microbatches) as f32;
+    let scale = 1.0 / (head.rstd.len() * shares) as f32;
     ops.cross_entropy(
         stream,
         &head.logits,
@@ -1218,7 +1471,8 @@ fn dense_shape(name: &str, d: usize) -> Vec<usize> {
 }
 
 /// Every gradient of `optim`'s parameters: the dense ones (f32), then each MoE layer's
-/// router (f32) and experts' (their type).
+/// router weight's (f32), then each MoE layer's experts' (fc1's and fc2's, their type). The
+/// experts come last, so that an expert-parallel rank's own are one run ending the list.
 fn grads_of(optim: &ModelOptimizer) -> Vec<HpBuffer<'_>> {
     let mut g: Vec<HpBuffer<'_>> = optim
         .dense()
@@ -1226,9 +1480,220 @@ fn grads_of(optim: &ModelOptimizer) -> Vec<HpBuffer<'_>> {
         .map(|p| HpBuffer::F32(&p.grad))
         .collect();
     for m in optim.moe() {
-        g.extend(m.gradients());
+        g.extend(m.gradients().into_iter().take(1));
+    }
+    for m in optim.moe() {
+        g.extend(m.gradients().into_iter().skip(1));
     }
     g
+}
+
+/// Whose a gradient of [`grads_of`]'s list is: the data-parallel bucket it reduces in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum GradOwner {
+    /// The embedding.
+    Embed,
+    /// Block `l`'s norms, projections and router.
+    Block(usize),
+    /// The final norm and the LM head.
+    Head,
+    /// Block `l`'s experts.
+    Experts(usize),
+}
+
+/// The owner of each gradient of [`grads_of`]`(optim)`, in its order.
+fn grad_owners(optim: &ModelOptimizer, layers: usize) -> Result<Vec<GradOwner>> {
+    let mut owners = Vec::new();
+    for p in optim.dense() {
+        owners.push(match p.name.strip_prefix("blocks.") {
+            Some(rest) => {
+                let l: usize = rest
+                    .split('.')
+                    .next()
+                    .and_then(|l| l.parse().ok())
+                    .filter(|&l| l < layers)
+                    .ok_or_else(|| {
+                        Error::InvalidArgument(format!("parameter {} names no block", p.name))
+                    })?;
+                GradOwner::Block(l)
+            }
+            None if p.name == "embed" => GradOwner::Embed,
+            None => GradOwner::Head,
+        });
+    }
+    let moe = optim.moe();
+    if moe.len() != layers {
+        return Err(Error::InvalidArgument(format!(
+            "{} MoE optimizers for {layers} blocks",
+            moe.len()
+        )));
+    }
+    owners.extend((0..layers).map(GradOwner::Block));
+    for (l, m) in moe.iter().enumerate() {
+        let experts = m.gradients().len().saturating_sub(1);
+        owners.extend(std::iter::repeat_n(GradOwner::Experts(l), experts));
+    }
+    Ok(owners)
+}
+
+/// Checks that `cfg`'s experts split over `ranks` expert-parallel ranks.
+fn check_expert_split(cfg: &ModelConfig, ranks: usize) -> Result<()> {
+    if ranks == 0 || cfg.experts % ranks != 0 || cfg.experts / ranks < cfg.top_k {
+        return Err(Error::InvalidArgument(format!(
+            "expert parallelism over {ranks} ranks: {} experts do not split into {ranks} equal \
+             parts of at least top_k = {} experts",
+            cfg.experts, cfg.top_k
+        )));
+    }
+    Ok(())
+}
+
+/// How an expert-parallel rank holds a tensor of the one-GPU model's state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Shard {
+    /// Whole, the same on every rank.
+    Replicated,
+    /// Rows (the first dimension, one per expert) `r E / n .. (r + 1) E / n`.
+    Experts,
+    /// The FP8 scaling state's rows (one per tensor): [`scaling_runs`].
+    Scaling,
+}
+
+/// One tensor of the training state (see [`Model::state_layout`]).
+struct StateTensor<'a> {
+    name: String,
+    /// The one-GPU model's shape.
+    shape: Vec<usize>,
+    shard: Shard,
+    buf: &'a DeviceBuffer<f32>,
+}
+
+impl<'a> StateTensor<'a> {
+    fn new(name: String, shape: Vec<usize>, shard: Shard, buf: &'a DeviceBuffer<f32>) -> Self {
+        StateTensor {
+            name,
+            shape,
+            shard,
+            buf,
+        }
+    }
+
+    /// The rows (of the first dimension) of the whole tensor that rank `rank` of `ranks`
+    /// holds, in the order it holds them.
+    fn local_rows(&self, cfg: &ModelConfig, place: (usize, usize)) -> Vec<Range<usize>> {
+        local_rows_of(self.shard, &self.shape, cfg, place)
+    }
+}
+
+/// The rows (of the first dimension) of a tensor of the one-GPU `shape`, held as `shard`,
+/// that rank `rank` of `ranks` holds, in its order.
+#[allow(clippy::single_range_in_vec_init)] // lists of row ranges, one of them here
+fn local_rows_of(
+    shard: Shard,
+    shape: &[usize],
+    cfg: &ModelConfig,
+    (rank, ranks): (usize, usize),
+) -> Vec<Range<usize>> {
+    let rows = shape.first().copied().unwrap_or(1);
+    match shard {
+        _ if ranks <= 1 => vec![0..rows],
+        Shard::Replicated => vec![0..rows],
+        Shard::Experts => {
+            let per = rows / ranks;
+            vec![rank * per..(rank + 1) * per]
+        }
+        Shard::Scaling => scaling_runs(cfg, (rank, ranks))
+            .into_iter()
+            .map(|(r, _)| r)
+            .collect(),
+    }
+}
+
+/// The scaling tensors of rank `rank` of `ranks` expert-parallel ranks in its order, as runs
+/// of the one-GPU model's tensors, each with whether every rank holds it: per block its
+/// projections' and MoE activations' tensors (shared), its experts' fc1 weights, their fc2
+/// weights; then the head's (shared).
+fn scaling_runs(cfg: &ModelConfig, (rank, ranks): (usize, usize)) -> Vec<(Range<usize>, bool)> {
+    let per = cfg.experts / ranks.max(1);
+    let block = scaling_tensors(cfg);
+    let shared = 2 * crate::linear::TENSORS + crate::moe::layer::ACTIVATIONS;
+    let mut v = Vec::with_capacity(3 * cfg.layers + 1);
+    for l in 0..cfg.layers {
+        let b = l * block;
+        let (w1, w2) = (
+            b + shared + rank * per,
+            b + shared + cfg.experts + rank * per,
+        );
+        v.extend([
+            (b..b + shared, true),
+            (w1..w1 + per, false),
+            (w2..w2 + per, false),
+        ]);
+    }
+    let head = cfg.layers * block;
+    v.push((head..head + crate::linear::TENSORS, true));
+    v
+}
+
+/// `runs` (of [`scaling_runs`]) as ranges of the rank's own layout, where they lie back to
+/// back.
+fn local_runs(runs: &[(Range<usize>, bool)]) -> Vec<(Range<usize>, bool)> {
+    let mut at = 0;
+    runs.iter()
+        .map(|(r, shared)| {
+            let local = at..at + r.len();
+            at = local.end;
+            (local, *shared)
+        })
+        .collect()
+}
+
+/// The values of a tensor of `shape` from its ranks' parts: each part the rows it lists (of
+/// the first dimension), back to back. Rows several ranks hold are taken from the lowest.
+/// Errors name a part of the wrong size, a row out of range, or a row no part holds.
+fn assemble_rows(
+    shape: &[usize],
+    parts: &[(Vec<Range<usize>>, &[f32])],
+) -> std::result::Result<Vec<f32>, String> {
+    let rows = shape.first().copied().unwrap_or(1);
+    let row = shape.iter().skip(1).product::<usize>();
+    let mut out = vec![0f32; rows * row];
+    let mut held = vec![false; rows];
+    // The highest rank first: a lower one overwrites the rows they share.
+    for (p, (ranges, data)) in parts.iter().enumerate().rev() {
+        let want: usize = ranges.iter().map(|r| r.len() * row).sum();
+        if data.len() != want {
+            return Err(format!(
+                "part {p} has {} values, its rows {ranges:?} take {want}",
+                data.len()
+            ));
+        }
+        let mut at = 0;
+        for r in ranges {
+            if r.end > rows {
+                return Err(format!("part {p}'s rows {r:?} end past {rows}"));
+            }
+            let n = r.len() * row;
+            out[r.start * row..r.end * row].copy_from_slice(&data[at..at + n]);
+            held[r.clone()].iter_mut().for_each(|h| *h = true);
+            at += n;
+        }
+    }
+    match held.iter().position(|&h| !h) {
+        Some(missing) => Err(format!("row {missing} of {rows} is in no part")),
+        None => Ok(out),
+    }
+}
+
+/// The rows `ranges` (of the first dimension) of `values`, a tensor of `shape`, back to
+/// back; rows out of range are left out (the caller compares the length).
+fn extract_rows(values: &[f32], shape: &[usize], ranges: &[Range<usize>]) -> Vec<f32> {
+    let row = shape.iter().skip(1).product::<usize>();
+    ranges
+        .iter()
+        .flat_map(|r| values.get(r.start * row..r.end * row).unwrap_or(&[]))
+        .copied()
+        .collect()
 }
 
 /// The graphed-callables runtime over `blocks`: one chunk of every block, `microbatches`
@@ -1271,4 +1736,128 @@ fn build_runtime(
     let mut samples: Vec<Vec<&DeviceBuffer<bf16>>> = vec![Vec::new(); layers];
     samples[0].push(&sample);
     GraphedCallables::build(stream, callables, &samples, options)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(layers: usize, experts: usize) -> ModelConfig {
+        ModelConfig {
+            layers,
+            experts,
+            ..ModelConfig::default()
+        }
+    }
+
+    #[test]
+    fn scaling_runs_split_the_one_gpu_layout() {
+        for (layers, experts, ranks) in [(1, 2, 1), (4, 8, 1), (4, 8, 2), (3, 8, 4), (2, 6, 3)] {
+            let c = cfg(layers, experts);
+            let whole = layers * scaling_tensors(&c) + crate::linear::TENSORS;
+            let mut holders = vec![0usize; whole];
+            for rank in 0..ranks {
+                let runs = scaling_runs(&c, (rank, ranks));
+                // This rank's layout is the model's: blocks of the split size, then the head.
+                let local: usize = runs.iter().map(|(r, _)| r.len()).sum();
+                assert_eq!(
+                    local,
+                    layers * scaling_tensors_per_rank(&c, ranks) + crate::linear::TENSORS
+                );
+                for (r, shared) in &runs {
+                    for t in r.clone() {
+                        holders[t] += if *shared { 100 } else { 1 };
+                    }
+                }
+                // The shared runs, in the rank's own layout, start each block and the head.
+                let shared: Vec<Range<usize>> = local_runs(&runs)
+                    .into_iter()
+                    .filter(|(_, s)| *s)
+                    .map(|(r, _)| r)
+                    .collect();
+                let per = scaling_tensors_per_rank(&c, ranks);
+                let own = 2 * crate::linear::TENSORS + crate::moe::layer::ACTIVATIONS;
+                let mut want: Vec<Range<usize>> =
+                    (0..layers).map(|l| l * per..l * per + own).collect();
+                want.push(layers * per..layers * per + crate::linear::TENSORS);
+                assert_eq!(shared, want);
+            }
+            // Every tensor of the one-GPU layout is held: the experts' weights by one rank,
+            // everything else by every rank.
+            for (t, &h) in holders.iter().enumerate() {
+                assert!(h == 1 || h == 100 * ranks, "tensor {t}: {h}");
+            }
+            assert_eq!(
+                holders.iter().filter(|&&h| h == 1).count(),
+                layers * 2 * experts
+            );
+        }
+    }
+
+    #[test]
+    fn gathering_and_taking_parts_round_trip() {
+        let c = cfg(2, 8);
+        let mut rng = Rng::new(7, 0);
+        for ranks in [1, 2, 4] {
+            for (shard, shape) in [
+                (Shard::Experts, vec![8, 3, 2]),
+                (Shard::Replicated, vec![5, 4]),
+                (
+                    Shard::Scaling,
+                    vec![2 * scaling_tensors(&c) + crate::linear::TENSORS, 3],
+                ),
+            ] {
+                let whole = rng.vec(shape.iter().product(), 1.0);
+                let rows: Vec<Vec<Range<usize>>> = (0..ranks)
+                    .map(|r| local_rows_of(shard, &shape, &c, (r, ranks)))
+                    .collect();
+                let parts: Vec<Vec<f32>> = rows
+                    .iter()
+                    .map(|r| extract_rows(&whole, &shape, r))
+                    .collect();
+                let views: Vec<(Vec<Range<usize>>, &[f32])> = rows
+                    .iter()
+                    .cloned()
+                    .zip(parts.iter().map(|p| p.as_slice()))
+                    .collect();
+                assert_eq!(assemble_rows(&shape, &views).unwrap(), whole, "{shard:?}");
+                if ranks > 1 && shard == Shard::Experts {
+                    assert_eq!(parts[1].len(), whole.len() / ranks);
+                    assert_eq!(parts[1][0], whole[whole.len() / ranks]);
+                }
+            }
+        }
+    }
+
+    #[test]
+    #[allow(clippy::single_range_in_vec_init)] // lists of row ranges
+    fn assembling_names_what_is_missing_or_malformed() {
+        let shape = [4, 2];
+        let data = [1.0f32; 4];
+        // Rows 2 and 3 held by nobody.
+        let e = assemble_rows(&shape, &[(vec![0..2], &data[..])]).unwrap_err();
+        assert!(e.contains("row 2"), "{e}");
+        // A part of the wrong size.
+        let e = assemble_rows(&shape, &[(vec![0..4], &data[..])]).unwrap_err();
+        assert!(e.contains("part 0"), "{e}");
+        // Rows past the end.
+        let e = assemble_rows(&shape, &[(vec![3..5], &data[..])]).unwrap_err();
+        assert!(e.contains("past"), "{e}");
+        // Shared rows come from the lowest rank.
+        let (a, b) = ([1.0f32, 1.0], [2.0f32, 2.0]);
+        let got = assemble_rows(&[1, 2], &[(vec![0..1], &a[..]), (vec![0..1], &b[..])]);
+        assert_eq!(got.unwrap(), vec![1.0, 1.0]);
+    }
+
+    #[test]
+    fn experts_must_split_evenly_with_top_k_each() {
+        let c = cfg(1, 8);
+        for ok in [1, 2, 4] {
+            check_expert_split(&c, ok).unwrap();
+        }
+        for bad in [0, 3, 8, 16] {
+            let e = check_expert_split(&c, bad).unwrap_err().to_string();
+            assert!(e.contains(&format!("over {bad} ranks")), "{e}");
+        }
+    }
 }

@@ -580,8 +580,13 @@ impl ExpertParallelMoe {
         RoutingBuffers::from_bytes(self.cfg.routing_dims(), saved)
     }
 
-    /// Casts this rank's expert weights to E4M3 (once per step, before the forwards).
+    /// Casts this rank's expert weights to E4M3 (once per step, before the forwards);
+    /// nothing when their optimizer writes them
+    /// ([`with_fp8_weights_from_optimizer`](Self::with_fp8_weights_from_optimizer)).
     pub fn cast_weights(&self, stream: &Stream) -> Result<()> {
+        if self.fp8_weights_from_optimizer() {
+            return Ok(());
+        }
         self.experts.cast_expert_weights(stream, None)
     }
 
@@ -834,8 +839,11 @@ impl Callable<bf16> for ExpertParallelMoe {
     }
 
     /// This rank's experts' weights to E4M3, skipped on the device when the slot's noop flag
-    /// reads 1.0 (later microbatches of a step).
+    /// reads 1.0 (later microbatches of a step); nothing when their optimizer writes them.
     fn cast_weights(&mut self, stream: &Stream, slot: &Slot<'_, bf16>) -> Result<()> {
+        if self.fp8_weights_from_optimizer() {
+            return Ok(());
+        }
         let noop = slot
             .skip_weight_cast()
             .map(|f| DeviceScalar::at(f, 0))
@@ -908,7 +916,7 @@ impl Callable<bf16> for ExpertParallelMoe {
         // A forward of eager segments only gets no casts from the runtime: its first
         // microbatch of a step casts here.
         if slot.is_first_microbatch() {
-            self.experts.cast_expert_weights(stream, None)?;
+            self.cast_weights(stream)?;
         }
         self.slot_forward(stream, inputs, outputs, slot)
     }
@@ -998,6 +1006,45 @@ impl ExpertParallelMoe {
     pub fn with_step_gradients(mut self, on: bool) -> ExpertParallelMoe {
         self.experts = self.experts.with_step_gradients(on);
         self
+    }
+
+    /// This layer with its experts' FP8 weights written by their optimizer
+    /// ([`MoeAdamW::new_expert_parallel`](super::optim::MoeAdamW::new_expert_parallel)), as
+    /// [`MoeLayer::with_fp8_weights_from_optimizer`]: casts them now (waits), and from then
+    /// on the layer casts nothing itself ([`cast_weights`](Self::cast_weights) and the
+    /// runtime's casts do nothing).
+    ///
+    /// Errors: the device's.
+    pub fn with_fp8_weights_from_optimizer(
+        mut self,
+        stream: &Stream,
+        on: bool,
+    ) -> Result<ExpertParallelMoe> {
+        self.experts = self.experts.with_fp8_weights_from_optimizer(stream, on)?;
+        Ok(self)
+    }
+
+    /// Whether the optimizer writes the FP8 expert weights.
+    pub fn fp8_weights_from_optimizer(&self) -> bool {
+        self.experts.fp8_weights_from_optimizer()
+    }
+
+    /// This layer with its experts' forward GEMMs accumulating fast (the default) or
+    /// promoted ([`MoeLayer::with_fast_forward_accumulation`]).
+    pub fn with_fast_forward_accumulation(mut self, on: bool) -> ExpertParallelMoe {
+        self.experts = self.experts.with_fast_forward_accumulation(on);
+        self
+    }
+
+    /// This rank's experts as a layer over every rank's tokens (their weights, gradients and
+    /// FP8 state, as an optimizer sees them).
+    pub(crate) fn experts_layer(&self) -> &MoeLayer {
+        &self.experts
+    }
+
+    /// The router weight and its gradient as an optimizer sees them (shared handles).
+    pub(crate) fn router_params(&self) -> (DeviceBuffer<f32>, DeviceBuffer<f32>) {
+        (self.wr.share(), self.dwr.share())
     }
 
     /// The error for a segment the layer does not have in its mode.

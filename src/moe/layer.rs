@@ -69,7 +69,7 @@ use crate::model::zeroed;
 use super::routing::{ALIGN_ROWS, Router, RouterConfig, RoutingBuffers, RoutingDims};
 
 /// The activation and gradient tensors of a layer (x, h, dY, dA), before the weights.
-const ACTIVATIONS: usize = 4;
+pub(crate) const ACTIVATIONS: usize = 4;
 /// Offsets of the layer's tensors from its first.
 const X: usize = 0;
 const HID: usize = 1;

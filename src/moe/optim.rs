@@ -37,6 +37,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use cuda_graph::{DeviceBuffer, Result, Stream};
 use fp8_kernels::{AdamW, AdamWState, AdamWTensor, DeviceScalar, HpBuffer};
 
+use super::ep::ExpertParallelMoe;
 use super::layer::{ExpertWeight, MoeLayer};
 
 /// f32 master weights and their moments.
@@ -102,6 +103,27 @@ impl MoeAdamW {
     /// (exact), zero moments. Allocates `4 x 3` bytes per expert parameter and 8 per router
     /// parameter, uploads and waits (not during a capture). `hyper` is checked ([`AdamW::check`]).
     pub fn new(stream: &Stream, layer: &MoeLayer, hyper: AdamW) -> Result<MoeAdamW> {
+        MoeAdamW::from_parts(stream, layer, layer.router_params(), hyper)
+    }
+
+    /// [`new`](Self::new) for one rank's part of an expert-parallel layer: the replicated
+    /// router weight (whose gradient is this rank's tokens', to be summed or averaged over
+    /// the ranks before the step) and this rank's experts (`E / N` of them).
+    pub fn new_expert_parallel(
+        stream: &Stream,
+        layer: &ExpertParallelMoe,
+        hyper: AdamW,
+    ) -> Result<MoeAdamW> {
+        MoeAdamW::from_parts(stream, layer.experts_layer(), layer.router_params(), hyper)
+    }
+
+    /// The optimizer of `experts`' expert weights and of `router` (weight, gradient).
+    fn from_parts(
+        stream: &Stream,
+        layer: &MoeLayer,
+        router: (DeviceBuffer<f32>, DeviceBuffer<f32>),
+        hyper: AdamW,
+    ) -> Result<MoeAdamW> {
         let state = AdamWState::new(stream, hyper)?;
         let experts = layer.expert_weights()?;
         let master = |ew: &ExpertWeight| -> Result<Master> {
@@ -109,7 +131,6 @@ impl MoeAdamW {
             Master::new(stream, DeviceBuffer::from_host(stream, &w)?)
         };
         let masters = [master(&experts[0])?, master(&experts[1])?];
-        let router = layer.router_params();
         // The router weight is its own master: only its moments live here.
         let router_moments = Master::new(stream, router.0.share())?;
         stream.synchronize()?;

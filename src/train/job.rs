@@ -67,6 +67,10 @@ pub struct JobConfig {
     /// Data-parallel ranks: 1, or the job's `WORLD_SIZE` (started by `fp8-moe --gpus N`);
     /// see [`Model::new_data_parallel`]. Rank 0 alone prints, evaluates, saves and reports.
     pub dp: usize,
+    /// Expert-parallel ranks: 1, or the job's `WORLD_SIZE` (with `dp` 1); see
+    /// [`Model::new_expert_parallel`]. Every rank evaluates, generates and gathers the
+    /// checkpoint (collectives); rank 0 alone prints, writes and reports.
+    pub ep: usize,
 }
 
 /// What `state.json` of a checkpoint holds besides the tensors.
@@ -136,14 +140,29 @@ pub fn run(cfg: &JobConfig) -> Result<RunReport, String> {
         move |e| format!("{what}: {e}")
     }
     let placement = Placement::from_env()?;
-    if placement.world_size != cfg.dp {
+    if cfg.dp > 1 && cfg.ep > 1 {
         return Err(format!(
-            "--dp {} needs as many processes: start it with `fp8-moe --gpus {0} train --dp {0}` \
-             (this process is rank {} of {})",
-            cfg.dp, placement.rank, placement.world_size
+            "--dp {} and --ep {}: expert parallelism is data parallelism for the rest of the \
+             model already; take one of them",
+            cfg.dp, cfg.ep
+        ));
+    }
+    let (ranks, flag) = if cfg.ep > 1 {
+        (cfg.ep, "--ep")
+    } else {
+        (cfg.dp, "--dp")
+    };
+    if placement.world_size != ranks {
+        return Err(format!(
+            "{flag} {ranks} needs as many processes: start it with `fp8-moe --gpus {ranks} train \
+             {flag} {ranks}` (this process is rank {} of {})",
+            placement.rank, placement.world_size
         ));
     }
     let lead = placement.rank == 0;
+    // Expert parallelism: every pass is a collective, so every rank evaluates, generates
+    // and gathers the checkpoint with rank 0.
+    let collective = cfg.ep > 1;
     // Only rank 0 talks; the others train in silence.
     macro_rules! say {
         ($($t:tt)*) => { if lead { println!($($t)*); } };
@@ -174,9 +193,13 @@ pub fn run(cfg: &JobConfig) -> Result<RunReport, String> {
     let split = corpus
         .split(model_cfg.context)
         .map_err(|e| format!("corpus: {e}"))?;
-    let mut model = if cfg.dp > 1 {
+    let mut model = if ranks > 1 {
         let comm = communicator(&ctx, &placement).map_err(|e| format!("NCCL: {e}"))?;
-        Model::new_data_parallel(&stream, model_cfg, train_cfg, cfg.mode, comm)
+        if collective {
+            Model::new_expert_parallel(&stream, model_cfg, train_cfg, cfg.mode, comm)
+        } else {
+            Model::new_data_parallel(&stream, model_cfg, train_cfg, cfg.mode, comm)
+        }
     } else {
         Model::new(&stream, model_cfg, train_cfg, cfg.mode)
     }
@@ -210,8 +233,13 @@ pub fn run(cfg: &JobConfig) -> Result<RunReport, String> {
         model_cfg.context,
         train_cfg.microbatches,
         model_cfg.batch,
-        if cfg.dp > 1 {
-            format!(" on each of {} data-parallel GPUs", cfg.dp)
+        if collective {
+            format!(
+                " on each of {ranks} expert-parallel GPUs ({} experts each)",
+                model_cfg.experts / ranks
+            )
+        } else if ranks > 1 {
+            format!(" on each of {ranks} data-parallel GPUs")
         } else {
             String::new()
         },
@@ -219,7 +247,7 @@ pub fn run(cfg: &JobConfig) -> Result<RunReport, String> {
     );
 
     // Tokens of one step over every rank; each rank loads its share.
-    let step_tokens = model_cfg.tokens() * train_cfg.microbatches * cfg.dp;
+    let step_tokens = model_cfg.tokens() * train_cfg.microbatches * ranks;
     let mut tokens = vec![0i32; step_tokens];
     let mut targets = vec![0i32; step_tokens];
     let mut train_curve = LossCurve::new("train");
@@ -247,7 +275,7 @@ pub fn run(cfg: &JobConfig) -> Result<RunReport, String> {
             &model,
             &stream,
             (&mut tokens, &mut targets),
-            (placement.rank, cfg.dp),
+            (placement.rank, ranks),
         )?;
         model
             .step(&stream, train_cfg.lr_at(step))
@@ -272,11 +300,14 @@ pub fn run(cfg: &JobConfig) -> Result<RunReport, String> {
             ms,
         );
         let last = step + 1 == end;
-        if lead && (last || (cfg.eval_every > 0 && (step + 1) % cfg.eval_every == 0)) {
+        let evaluate = last || (cfg.eval_every > 0 && (step + 1) % cfg.eval_every == 0);
+        if (lead || collective) && evaluate {
             if let Some(v) = validate(&mut model, &stream, &split, cfg.eval_batches)? {
                 valid_curve.push((step + 1) as f64, v as f64);
                 validation.push((step + 1, v));
-                progress.println(&format!("step {}: validation loss {v:.4}", step + 1));
+                if lead {
+                    progress.println(&format!("step {}: validation loss {v:.4}", step + 1));
+                }
             }
         }
     }
@@ -303,19 +334,21 @@ pub fn run(cfg: &JobConfig) -> Result<RunReport, String> {
         modes: Vec::new(),
         sample: String::new(),
     };
-    if !lead {
+    if !lead && !collective {
         return Ok(run);
     }
-    std::fs::create_dir_all(&cfg.report)
-        .map_err(|e| format!("report folder {}: {e}", cfg.report.display()))?;
-    // Graphs of the training run.
-    for (name, g) in model.graphs() {
-        let dot = g.to_dot_string().map_err(err("graph DOT"))?;
-        report::write_dot(&cfg.report, &name, &dot).map_err(|e| e.to_string())?;
+    if lead {
+        std::fs::create_dir_all(&cfg.report)
+            .map_err(|e| format!("report folder {}: {e}", cfg.report.display()))?;
+        // Graphs of the training run.
+        for (name, g) in model.graphs() {
+            let dot = g.to_dot_string().map_err(err("graph DOT"))?;
+            report::write_dot(&cfg.report, &name, &dot).map_err(|e| e.to_string())?;
+        }
     }
     if let Some(dir) = &cfg.save {
-        let eval_loss = save_checkpoint(dir, &mut model, &stream, &split, &sampler)?;
-        println!(
+        let eval_loss = save_checkpoint(dir, &mut model, &stream, &split, &sampler, lead)?;
+        say!(
             "saved {} (evaluation batch loss {})",
             dir.display(),
             eval_loss.map_or("n/a".into(), |l| format!("{l:.5}"))
@@ -324,7 +357,7 @@ pub fn run(cfg: &JobConfig) -> Result<RunReport, String> {
     if cfg.sample_bytes > 0 {
         let bytes = generate(&mut model, &stream, cfg)?;
         let text = String::from_utf8_lossy(&bytes).into_owned();
-        println!(
+        say!(
             "sample ({} bytes, temperature {}):\n{}{}\n",
             bytes.len(),
             cfg.temperature,
@@ -334,9 +367,12 @@ pub fn run(cfg: &JobConfig) -> Result<RunReport, String> {
         run.sample = text;
     }
     drop(model);
+    if !lead {
+        return Ok(run);
+    }
 
     // The comparison runs single-GPU models on this rank's GPU.
-    if cfg.compare_steps > 0 && cfg.dp == 1 {
+    if cfg.compare_steps > 0 && ranks == 1 {
         let rows = compare_modes(&stream, model_cfg, train_cfg, &split, cfg.compare_steps)?;
         println!(
             "{}",
@@ -446,8 +482,8 @@ fn generate(model: &mut Model, stream: &Stream, cfg: &JobConfig) -> Result<Vec<u
 /// Copies `from`'s training state into `to` (same configuration).
 fn copy_state(from: &Model, to: &mut Model, stream: &Stream) -> cuda_graph::Result<()> {
     let mut values = std::collections::BTreeMap::new();
-    for (name, _, buf) in from.state_tensors() {
-        values.insert(name, buf.to_vec(stream)?);
+    for (name, _, v) in from.gather_state(stream)? {
+        values.insert(name, v);
     }
     to.load_state(stream, from.steps_done(), |name, _| {
         values
@@ -481,13 +517,15 @@ fn load_checkpoint(dir: &Path) -> Result<(checkpoint::Checkpoint, CheckpointStat
 }
 
 /// Writes the model's state, the sampler's position and an evaluation batch with its loss
-/// to `dir` (atomically). Returns that loss.
+/// to `dir` (atomically) when `write`; an expert-parallel rank that does not write still
+/// takes part in the evaluation and the gathering. Returns that loss.
 fn save_checkpoint(
     dir: &Path,
     model: &mut Model,
     stream: &Stream,
     split: &Split,
     sampler: &Sampler,
+    write: bool,
 ) -> Result<Option<f32>, String> {
     let err = |e: cuda_graph::Error| format!("saving {}: {e}", dir.display());
     let (b, s) = (model.config().batch, model.config().context);
@@ -506,9 +544,11 @@ fn save_checkpoint(
         None
     };
     let mut tensors = Vec::new();
-    for (name, shape, buf) in model.state_tensors() {
-        let v = buf.to_vec(stream).map_err(err)?;
+    for (name, shape, v) in model.gather_state(stream).map_err(err)? {
         tensors.push(TensorData::from_slice(&name, &shape, &v));
+    }
+    if !write {
+        return Ok(eval_loss);
     }
     tensors.push(TensorData::from_slice("eval.tokens", &[b, s], &eval_tokens));
     tensors.push(TensorData::from_slice(
