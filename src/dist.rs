@@ -13,9 +13,9 @@ use cuda_graph::driver::Device;
 use cuda_graph::{Context, DeviceBuffer, Stream};
 use cuda_graph_nccl::rendezvous::RendezvousConfig;
 use cuda_graph_nccl::{Communicator, ReduceOp, UniqueId};
-use fp8_kernels::ReductionGroup;
+use fp8_kernels::{HpBuffer, ReductionGroup};
 
-use crate::moe::ep::ExpertGroup;
+use crate::moe::ep::{ExpertGroup, GroupOp};
 
 /// Where this process stands in a job: its rank, the rank count and its GPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -172,6 +172,34 @@ impl ExpertGroup for NcclGroup {
         Ok(self
             .comm
             .all_to_all_v(send, send_counts, recv, recv_counts, stream)?)
+    }
+
+    fn all_reduce(
+        &self,
+        stream: &Stream,
+        buf: HpBuffer<'_>,
+        op: GroupOp,
+    ) -> cuda_graph::Result<()> {
+        let op = match op {
+            GroupOp::Sum => ReduceOp::Sum,
+            GroupOp::Avg => ReduceOp::Avg,
+            GroupOp::Max => ReduceOp::Max,
+        };
+        let comm = &self.comm;
+        Ok(match buf {
+            HpBuffer::F32(b) => comm.all_reduce_in_place(b, op, stream),
+            HpBuffer::F16(b) => comm.all_reduce_in_place(b, op, stream),
+            HpBuffer::Bf16(b) => comm.all_reduce_in_place(b, op, stream),
+        }?)
+    }
+
+    /// One NCCL group.
+    fn batch(&self, calls: &mut dyn FnMut() -> cuda_graph::Result<()>) -> cuda_graph::Result<()> {
+        Ok(cuda_graph_nccl::group(|| Ok(calls()?))?)
+    }
+
+    fn capturable(&self) -> bool {
+        true
     }
 }
 

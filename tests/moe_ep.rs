@@ -25,9 +25,9 @@ use common::{fixed_scaling, fresh_rng, random_params, to_bf16, zeroed_saved};
 use cuda_graph::half::bf16;
 use cuda_graph::{CaptureMode, Context, DeviceBuffer, GraphExec, InstantiateFlags, Stream};
 use cuda_graph_nccl::{Communicator, UniqueId};
-use fp8_kernels::CastScaling;
+use fp8_kernels::{CastScaling, HpBuffer};
 use fp8_moe::dist::NcclGroup;
-use fp8_moe::moe::ep::{ExpertGroup, ExpertParallelMoe, LocalGroup};
+use fp8_moe::moe::ep::{ExpertGroup, ExpertParallelMoe, GroupOp, LocalGroup};
 use fp8_moe::moe::layer::{
     ExpertGemm, Fp8Recipe, GradDtype, MoeLayer, MoeLayerConfig, MoeParams, WeightGrad,
 };
@@ -345,6 +345,72 @@ fn one_nccl_rank_captured_equals_eager_and_the_one_gpu_layer() {
             ep.dw1 == single.dw1 && ep.dw2 == single.dw2,
             "{label}: weight gradients differ"
         );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn local_group_all_reduce_gives_every_rank_the_same_reduction() {
+    // 3 ranks as threads, f32 and bf16, sum / average / max of fresh random values (in
+    // place, a length that is no multiple of the block): every rank holds the reduction of
+    // the ranks' inputs in rank order, f32 sums, bf16 rounded once, bit for bit; f16 is
+    // refused.
+    let ctx = Context::default_device().unwrap();
+    let mut rng = fresh_rng("local_group_all_reduce");
+    let (ranks, len) = (3usize, 1000 + rng.below(100));
+    let inputs: Arc<Vec<Vec<f32>>> = Arc::new((0..ranks).map(|_| rng.vec(len, 4.0)).collect());
+    let want = |op: GroupOp, round: fn(f32) -> f32| -> Vec<u32> {
+        (0..len)
+            .map(|i| {
+                let mut acc = round(inputs[0][i]);
+                for x in &inputs[1..] {
+                    acc = match op {
+                        GroupOp::Max => acc.max(round(x[i])),
+                        _ => acc + round(x[i]),
+                    };
+                }
+                let v = if op == GroupOp::Avg {
+                    acc * (1.0 / ranks as f32)
+                } else {
+                    acc
+                };
+                round(v).to_bits()
+            })
+            .collect()
+    };
+    let groups = LocalGroup::new(ranks).unwrap();
+    let handles: Vec<_> = groups
+        .into_iter()
+        .map(|g| {
+            let (ctx, inputs) = (ctx.clone(), inputs.clone());
+            std::thread::spawn(move || {
+                let stream = Stream::new(&ctx).unwrap();
+                let mine = &inputs[g.rank()];
+                let mut got = Vec::new();
+                for op in [GroupOp::Sum, GroupOp::Avg, GroupOp::Max] {
+                    let f = DeviceBuffer::from_host(&stream, mine).unwrap();
+                    g.all_reduce(&stream, HpBuffer::F32(&f), op).unwrap();
+                    let b = DeviceBuffer::from_host(&stream, &to_bf16(mine)).unwrap();
+                    g.all_reduce(&stream, HpBuffer::Bf16(&b), op).unwrap();
+                    got.push((op, f32_bits(&stream, &f), bf16_bits(&stream, &b)));
+                }
+                let h = DeviceBuffer::<cuda_graph::half::f16>::alloc(&ctx, 4).unwrap();
+                let e = g.all_reduce(&stream, HpBuffer::F16(&h), GroupOp::Sum);
+                assert!(e.unwrap_err().to_string().contains("f16"));
+                got
+            })
+        })
+        .collect();
+    let bf = |x: f32| bf16::from_f32(x).to_f32();
+    for (r, h) in handles.into_iter().enumerate() {
+        for (op, f, b) in h.join().unwrap() {
+            assert_eq!(f, want(op, |x| x), "rank {r}, f32 {op:?}");
+            let b: Vec<u32> = b
+                .iter()
+                .map(|&v| f32::from_bits(v << 16).to_bits())
+                .collect();
+            assert_eq!(b, want(op, bf), "rank {r}, bf16 {op:?}");
+        }
     }
 }
 

@@ -6,9 +6,11 @@
 mod common;
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use cuda_graph::{Context, Stream};
 use fp8_moe::model::{GraphMode, Model, ModelConfig, TrainConfig};
+use fp8_moe::moe::ep::{ExpertGroup, LocalGroup};
 use fp8_moe::rng::Rng;
 
 /// A small model: 2 blocks of d 128 (2 heads), 4 experts top-2 with F 512, 4 sequences of
@@ -376,43 +378,50 @@ fn data_parallel_ranks_match_one_gpu_with_all_their_microbatches() {
     // 1e-3 relative on the losses and 1e-3 of each tensor's largest value on the state. On
     // one GPU the two runs are the same computation (and agree exactly).
     let n = cuda_graph::driver::Device::count().unwrap() as usize;
-    ranks_match_one_gpu("data parallel", n, Model::new_data_parallel);
+    let (ctxs, comms) = gpus_and_communicators(n);
+    ranks_match_one_gpu(
+        "data parallel",
+        (ctxs, comms),
+        GraphMode::Step,
+        Model::new_data_parallel,
+    );
 }
 
-/// `n` ranks (one per GPU, threads) of the models `build` makes, each running its share of
-/// the steps of a fresh seed in mode step, against one GPU running all their microbatches:
-/// every rank reports the same losses and gathers the same state, bit for bit; they match
-/// the one GPU's to 1e-3 (relative on the losses, of each tensor's largest value on the
-/// state), exactly when `n` is 1.
-fn ranks_match_one_gpu(
-    what: &str,
-    n: usize,
-    build: fn(
-        &Stream,
-        ModelConfig,
-        TrainConfig,
-        GraphMode,
-        cuda_graph_nccl::Communicator,
-    ) -> cuda_graph::Result<Model>,
-) {
+/// The contexts of the machine's first `n` GPUs and a communicator over them.
+fn gpus_and_communicators(n: usize) -> (Vec<Arc<Context>>, Vec<cuda_graph_nccl::Communicator>) {
     use cuda_graph::driver::Device;
-    let seed = common::fresh_rng(what).next_u64();
-    let (cfg, train) = small();
-    let steps = 4;
     let ctxs: Vec<_> = (0..n as i32)
         .map(|i| Context::new(Device::get(i).unwrap()).unwrap())
         .collect();
     let comms = cuda_graph_nccl::Communicator::init_all(&ctxs).expect("NCCL");
-    // One thread per rank: NCCL needs the ranks' collectives in flight together.
+    (ctxs, comms)
+}
+
+/// Ranks (threads, rank `r` on `ctxs[r]` over `groups[r]`) of the models `build` makes,
+/// each running its share of the steps of a fresh seed in `mode`, against one GPU (the
+/// first context's) running all their microbatches in mode step: every rank reports the same
+/// losses and gathers the same state, bit for bit; they match the one GPU's to 1e-3
+/// (relative on the losses, of each tensor's largest value on the state), exactly with one
+/// rank.
+fn ranks_match_one_gpu<G: Send>(
+    what: &str,
+    (ctxs, groups): (Vec<Arc<Context>>, Vec<G>),
+    mode: GraphMode,
+    build: fn(&Stream, ModelConfig, TrainConfig, GraphMode, G) -> cuda_graph::Result<Model>,
+) {
+    let seed = common::fresh_rng(what).next_u64();
+    let (cfg, train) = small();
+    let (steps, n) = (4, groups.len());
+    // One thread per rank: the ranks' collectives are in flight together.
     let ranks: Vec<(Vec<f32>, State)> = std::thread::scope(|scope| {
-        let handles: Vec<_> = comms
+        let handles: Vec<_> = groups
             .into_iter()
             .enumerate()
-            .map(|(r, comm)| {
+            .map(|(r, group)| {
                 let ctx = ctxs[r].clone();
                 scope.spawn(move || {
                     let stream = Stream::new(&ctx).unwrap();
-                    let mut model = build(&stream, cfg, train, GraphMode::Step, comm).unwrap();
+                    let mut model = build(&stream, cfg, train, mode, group).unwrap();
                     run_replica(&stream, &mut model, (r, n), steps, seed)
                 })
             })
@@ -522,5 +531,38 @@ fn expert_parallel_ranks_match_one_gpu_with_all_their_microbatches() {
         .rev()
         .find(|r| cfg.experts % r == 0 && cfg.experts / r >= cfg.top_k)
         .unwrap();
-    ranks_match_one_gpu("expert parallel", n, Model::new_expert_parallel);
+    ranks_match_one_gpu(
+        "expert parallel",
+        gpus_and_communicators(n),
+        GraphMode::Step,
+        Model::new_expert_parallel,
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn expert_parallel_ranks_as_threads_on_one_gpu_match_one_gpu() {
+    // Two ranks that are threads over this GPU (LocalGroup: every collective, the gradient
+    // and amax reductions included, device copies and a reduction kernel; mode none), each
+    // with 2 experts of 4, against one GPU holding them all with both ranks' microbatches:
+    // the two-rank arithmetic of the multi-GPU test on the machine every session gets, with
+    // its tolerance (the order of the sums differs).
+    let ctx = Context::default_device().unwrap();
+    let groups: Vec<Arc<dyn ExpertGroup>> = LocalGroup::new(2)
+        .unwrap()
+        .into_iter()
+        .map(|g| Arc::new(g) as Arc<dyn ExpertGroup>)
+        .collect();
+    ranks_match_one_gpu(
+        "expert parallel, threads",
+        (vec![ctx.clone(), ctx.clone()], groups),
+        GraphMode::None,
+        Model::new_expert_parallel_in,
+    );
+    // The step cannot be captured over such a group.
+    let stream = Stream::new(&ctx).unwrap();
+    let (cfg, train) = small();
+    let one: Arc<dyn ExpertGroup> = Arc::new(LocalGroup::new(1).unwrap().pop().unwrap());
+    let e = Model::new_expert_parallel_in(&stream, cfg, train, GraphMode::Step, one).unwrap_err();
+    assert!(e.to_string().contains("cannot be captured"), "{e}");
 }

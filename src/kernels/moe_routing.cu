@@ -1433,6 +1433,51 @@ extern "C" __global__ void __launch_bounds__(MOE_BLOCK)
     if (i < n) local[i] = topk[i] - first;
 }
 
+// out[i] = rows[0][i] op rows[1][i] op ... op rows[ranks - 1][i] for i < len, `rows` the
+// ranks' copies back to back (`ranks x len`), op a sum (in f32, rank order; then times
+// `post`, 1 but for an average) or a max (fmaxf), bf16 elements rounded once: the same bits
+// on every rank (LocalGroup's all-reduce). A grid-stride loop.
+template <typename T> __device__ __forceinline__ float ep_load(const T *p, size_t i);
+template <> __device__ __forceinline__ float ep_load<float>(const float *p, size_t i) {
+    return p[i];
+}
+template <>
+__device__ __forceinline__ float ep_load<__nv_bfloat16>(const __nv_bfloat16 *p, size_t i) {
+    return __bfloat162float(p[i]);
+}
+__device__ __forceinline__ void ep_store(float *p, size_t i, float v) { p[i] = v; }
+__device__ __forceinline__ void ep_store(__nv_bfloat16 *p, size_t i, float v) {
+    p[i] = __float2bfloat16_rn(v);
+}
+
+template <typename T>
+__device__ __forceinline__ void ep_reduce_ranks(const T *rows, T *out, unsigned long long len,
+                                                unsigned ranks, unsigned max_op, float post) {
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < len; i += stride) {
+        float acc = ep_load(rows, i);
+        for (unsigned r = 1; r < ranks; ++r) {
+            const float v = ep_load(rows, (size_t)r * len + i);
+            acc = max_op ? fmaxf(acc, v) : acc + v;
+        }
+        ep_store(out, i, max_op ? acc : acc * post);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(MOE_BLOCK)
+    moe_ep_reduce_ranks_f32(const float *rows, float *out, unsigned long long len, unsigned ranks,
+                            unsigned max_op, float post) {
+    cuda_graph::pdl_enter();
+    ep_reduce_ranks(rows, out, len, ranks, max_op, post);
+}
+
+extern "C" __global__ void __launch_bounds__(MOE_BLOCK)
+    moe_ep_reduce_ranks_bf16(const __nv_bfloat16 *rows, __nv_bfloat16 *out,
+                             unsigned long long len, unsigned ranks, unsigned max_op, float post) {
+    cuda_graph::pdl_enter();
+    ep_reduce_ranks(rows, out, len, ranks, max_op, post);
+}
+
 // One bf16 row of `hidden` elements copied by a warp (16 bytes a lane per step when `vec`).
 __device__ __forceinline__ void ep_copy_row(const __nv_bfloat16 *src, __nv_bfloat16 *dst,
                                             unsigned hidden, bool vec, unsigned lane) {

@@ -57,7 +57,9 @@
 //! state is the one-GPU model's split: [`Model::gather_state`] assembles it (checkpoints are
 //! interchangeable with one GPU's) and [`Model::load_state`] takes this rank's part of it.
 //! `n` ranks of `m` microbatches compute what one GPU computes with `n * m` microbatches, up
-//! to the order of the sums. Every rank runs every pass at once: steps, and also
+//! to the order of the sums. The ranks are NCCL's, or ([`Model::new_expert_parallel_in`])
+//! any [`ExpertGroup`]: with a [`LocalGroup`](crate::moe::ep::LocalGroup), threads over one
+//! GPU (mode none). Every rank runs every pass at once: steps, and also
 //! [`evaluate`](Model::evaluate), [`generate`](Model::generate) and
 //! [`gather_state`](Model::gather_state) (with the same arguments on every rank).
 
@@ -69,7 +71,7 @@ use cuda_graph::{
     CaptureMode, CaptureScope, DeviceBuffer, Error, Event, Graph, GraphExec, InstantiateFlags,
     Result, Stream,
 };
-use cuda_graph_nccl::{Communicator, ReduceOp};
+use cuda_graph_nccl::Communicator;
 use fp8_kernels::{AdamW, AmaxAlgo, DelayedScaling, DeviceScalar, Fp8Format, HpBuffer};
 use graphed_callables::{
     Callable, GraphIndex, GraphedCallables, GraphedOptions, Schedule, Slot, WarmupRecord,
@@ -84,7 +86,7 @@ use super::ops::{Ops, grad_norm_workspace_len, rmsnorm_backward_workspace_len};
 use super::optim::ModelOptimizer;
 use super::zeroed;
 use crate::dist::NcclGroup;
-use crate::moe::ep::ExpertGroup;
+use crate::moe::ep::{ExpertGroup, GroupOp};
 use crate::moe::layer::{ExpertGemm, MoeParams};
 use crate::rng::Rng;
 use crate::scaling::ScalingSnapshot;
@@ -225,22 +227,26 @@ pub struct Model {
     dp: Option<DataParallel>,
 }
 
-/// How a model is spread over the ranks of a communicator.
+/// How a model is spread over the ranks of a group (and its NCCL communicator, if it is
+/// one).
 enum Parallel {
     /// One GPU.
     None,
     /// Replicas ([`Model::new_data_parallel`]).
-    Data(Communicator),
+    Data(Arc<dyn ExpertGroup>, Option<Communicator>),
     /// Replicas with the experts split ([`Model::new_expert_parallel`]).
-    Expert(Communicator),
+    Expert(Arc<dyn ExpertGroup>, Option<Communicator>),
 }
 
 /// A data-parallel replica's reduction state.
 struct DataParallel {
-    comm: Communicator,
+    /// The collectives over the ranks.
+    group: Arc<dyn ExpertGroup>,
+    /// The NCCL communicator under `group`, when it is one.
+    comm: Option<Communicator>,
     /// How the replicated gradients combine: averaged (data parallelism), or summed (expert
     /// parallelism, whose ranks divide their losses by the ranks).
-    op: ReduceOp,
+    op: GroupOp,
     /// Indices into [`grads_of`]'s list, per bucket, in the order the backward finishes
     /// them: the head's (final norm and LM head), each block's, the embedding's.
     head: Vec<usize>,
@@ -268,7 +274,7 @@ struct ExpertShard {
 impl DataParallel {
     fn new(
         stream: &Stream,
-        comm: Communicator,
+        (group, comm): (Arc<dyn ExpertGroup>, Option<Communicator>),
         optim: &ModelOptimizer,
         layers: usize,
         experts: Option<ExpertShard>,
@@ -287,9 +293,10 @@ impl DataParallel {
         }
         Ok(DataParallel {
             op: match experts {
-                Some(_) => ReduceOp::Sum,
-                None => ReduceOp::Avg,
+                Some(_) => GroupOp::Sum,
+                None => GroupOp::Avg,
             },
+            group,
             comm,
             head,
             blocks,
@@ -310,18 +317,13 @@ impl DataParallel {
         origin: &Stream,
     ) -> Result<()> {
         let s = side.fork(origin)?;
-        let (comm, op) = (&self.comm, self.op);
-        cuda_graph_nccl::group(|| {
+        let (group, op) = (&self.group, self.op);
+        group.batch(&mut || {
             for &i in bucket {
-                match grads[i] {
-                    HpBuffer::F32(b) => comm.all_reduce_in_place(b, op, &s)?,
-                    HpBuffer::F16(b) => comm.all_reduce_in_place(b, op, &s)?,
-                    HpBuffer::Bf16(b) => comm.all_reduce_in_place(b, op, &s)?,
-                }
+                group.all_reduce(&s, grads[i], op)?;
             }
             Ok(())
-        })?;
-        Ok(())
+        })
     }
 }
 
@@ -433,7 +435,8 @@ impl Model {
         mode: GraphMode,
         comm: Communicator,
     ) -> Result<Model> {
-        Model::build(stream, cfg, train, mode, Parallel::Data(comm))
+        let group: Arc<dyn ExpertGroup> = Arc::new(NcclGroup::new(comm.clone()));
+        Model::build(stream, cfg, train, mode, Parallel::Data(group, Some(comm)))
     }
 
     /// [`new`](Self::new) for one rank of an expert-parallel job over `comm`'s ranks (see the
@@ -453,8 +456,31 @@ impl Model {
         mode: GraphMode,
         comm: Communicator,
     ) -> Result<Model> {
-        check_expert_split(&cfg, comm.size())?;
-        Model::build(stream, cfg, train, mode, Parallel::Expert(comm))
+        let group: Arc<dyn ExpertGroup> = Arc::new(NcclGroup::new(comm.clone()));
+        Model::build(
+            stream,
+            cfg,
+            train,
+            mode,
+            Parallel::Expert(group, Some(comm)),
+        )
+    }
+
+    /// [`new_expert_parallel`](Self::new_expert_parallel) over any group: NCCL's
+    /// ([`NcclGroup`]), or ranks that are threads over one device
+    /// ([`LocalGroup`](crate::moe::ep::LocalGroup): mode none only, its collectives cannot be
+    /// captured), which runs (and tests) a model of several ranks on one GPU.
+    ///
+    /// Errors: as [`new_expert_parallel`](Self::new_expert_parallel); mode step over a group
+    /// that cannot be captured.
+    pub fn new_expert_parallel_in(
+        stream: &Stream,
+        cfg: ModelConfig,
+        train: TrainConfig,
+        mode: GraphMode,
+        group: Arc<dyn ExpertGroup>,
+    ) -> Result<Model> {
+        Model::build(stream, cfg, train, mode, Parallel::Expert(group, None))
     }
 
     fn build(
@@ -464,16 +490,25 @@ impl Model {
         mode: GraphMode,
         parallel: Parallel,
     ) -> Result<Model> {
-        let kind = match parallel {
-            Parallel::None => None,
-            Parallel::Data(_) => Some("data"),
-            Parallel::Expert(_) => Some("expert"),
+        let (kind, group) = match &parallel {
+            Parallel::None => (None, None),
+            Parallel::Data(g, _) => (Some("data"), Some(g)),
+            Parallel::Expert(g, _) => (Some("expert"), Some(g)),
         };
         if let Some(kind) = kind.filter(|_| !matches!(mode, GraphMode::None | GraphMode::Step)) {
             return Err(Error::InvalidArgument(format!(
                 "{kind} parallelism runs in graph modes none and step, not {}",
                 mode.name()
             )));
+        }
+        if let Some(g) = group.filter(|g| mode == GraphMode::Step && !g.capturable()) {
+            return Err(Error::InvalidArgument(format!(
+                "graph mode step captures the step, and the collectives of {g:?} cannot be \
+                 captured: use mode none"
+            )));
+        }
+        if let Parallel::Expert(g, _) = &parallel {
+            check_expert_split(&cfg, g.size())?;
         }
         cfg.check()?;
         train.check()?;
@@ -483,7 +518,7 @@ impl Model {
         let attention = Arc::new(Attention::new(&ctx)?);
         // Expert parallelism: the group the experts are spread over, this rank's place.
         let group: Option<Arc<dyn ExpertGroup>> = match &parallel {
-            Parallel::Expert(comm) => Some(Arc::new(NcclGroup::new(comm.clone()))),
+            Parallel::Expert(g, _) => Some(g.clone()),
             _ => None,
         };
         let (rank, ranks) = group.as_ref().map_or((0, 1), |g| (g.rank(), g.size()));
@@ -655,14 +690,14 @@ impl Model {
         };
         model.dp = match parallel {
             Parallel::None => None,
-            Parallel::Data(comm) => Some(DataParallel::new(
+            Parallel::Data(group, comm) => Some(DataParallel::new(
                 stream,
-                comm,
+                (group, comm),
                 &model.optim,
                 cfg.layers,
                 None,
             )?),
-            Parallel::Expert(comm) => {
+            Parallel::Expert(group, comm) => {
                 let runs = scaling_runs(&cfg, (rank, ranks));
                 let local: usize = runs.iter().map(|(r, _)| r.len()).sum();
                 if local != model.scaling.len() {
@@ -683,7 +718,7 @@ impl Model {
                 };
                 Some(DataParallel::new(
                     stream,
-                    comm,
+                    (group, comm),
                     &model.optim,
                     cfg.layers,
                     Some(shard),
@@ -773,7 +808,7 @@ impl Model {
     /// The last step's loss and gradient norm (waits for it).
     pub fn stats(&self, stream: &Stream) -> Result<StepStats> {
         let s = self.stats.to_vec(stream)?;
-        let ranks = self.dp.as_ref().map_or(1, |dp| dp.comm.size());
+        let ranks = self.dp.as_ref().map_or(1, |dp| dp.group.size());
         let tokens = (self.cfg.tokens() * self.batches.len() * ranks) as f32;
         Ok(StepStats {
             loss: s[LOSS] / tokens,
@@ -1006,15 +1041,15 @@ impl Model {
     /// one-GPU model trained on every rank's microbatches would hold). Waits.
     pub fn gather_state(&self, stream: &Stream) -> Result<Vec<HostTensor>> {
         let (_, ranks) = self.expert_place();
-        let comm = self.dp.as_ref().map(|dp| &dp.comm);
+        let group = self.dp.as_ref().map(|dp| &dp.group);
         let mut out = Vec::new();
         for t in self.state_layout() {
-            let values = match (t.shard, comm) {
+            let values = match (t.shard, group) {
                 (Shard::Replicated, _) | (_, None) => t.buf.to_vec(stream)?,
                 _ if ranks == 1 => t.buf.to_vec(stream)?,
-                (_, Some(comm)) => {
+                (_, Some(group)) => {
                     let all = zeroed::<f32>(stream, ranks * t.buf.len())?;
-                    comm.all_gather(t.buf, &all, stream)?;
+                    group.all_gather(stream, &t.buf.reinterpret()?, &all.reinterpret()?)?;
                     let all = all.to_vec(stream)?;
                     let parts: Vec<(Vec<Range<usize>>, &[f32])> = all
                         .chunks(t.buf.len())
@@ -1175,11 +1210,11 @@ impl Model {
                 let ops = &self.ops;
                 let replicated = ops.grad_norm_partials(stream, &grads[..x.first], ws)?;
                 let own = ops.grad_norm_partials(stream, &grads[x.first..], &x.partials)?;
-                let all = replicated + dp.comm.size() * own;
-                dp.comm.all_gather(
-                    &x.partials.slice(..own)?,
-                    &ws.slice(replicated..all)?,
+                let all = replicated + dp.group.size() * own;
+                dp.group.all_gather(
                     stream,
+                    &x.partials.slice(..own)?.reinterpret()?,
+                    &ws.slice(replicated..all)?.reinterpret()?,
                 )?;
                 ops.grad_norm_finish(stream, &ws.slice(..all)?, clip, out)?;
             }
@@ -1193,9 +1228,9 @@ impl Model {
     /// parallelism all but the experts' weights', which live on one rank each) and the loss
     /// summed over the ranks (see the [module documentation](self#data-parallelism)).
     fn reduce_amax_and_loss(&self, dp: &DataParallel, stream: &Stream) -> Result<()> {
-        let (comm, history) = (&dp.comm, self.scaling.history_buffer());
+        let (group, history) = (&dp.group, self.scaling.history_buffer());
         match &dp.experts {
-            None => comm.all_reduce_in_place(history, ReduceOp::Max, stream)?,
+            None => group.all_reduce(stream, HpBuffer::F32(history), GroupOp::Max)?,
             Some(x) => {
                 let h = self.scaling.history_len();
                 let rows = x
@@ -1203,28 +1238,29 @@ impl Model {
                     .iter()
                     .map(|r| history.slice(r.start * h..r.end * h))
                     .collect::<Result<Vec<_>>>()?;
-                cuda_graph_nccl::group(|| {
+                group.batch(&mut || {
                     for r in &rows {
-                        comm.all_reduce_in_place(r, ReduceOp::Max, stream)?;
+                        group.all_reduce(stream, HpBuffer::F32(r), GroupOp::Max)?;
                     }
                     Ok(())
                 })?;
             }
         }
-        comm.all_reduce_in_place(&self.stats.slice(LOSS..LOSS + 1)?, ReduceOp::Sum, stream)?;
-        Ok(())
+        let loss = self.stats.slice(LOSS..LOSS + 1)?;
+        group.all_reduce(stream, HpBuffer::F32(&loss), GroupOp::Sum)
     }
 
-    /// The communicator, if the model is one rank of a data- or expert-parallel job.
+    /// The NCCL communicator, if the model is one rank of a data- or expert-parallel job
+    /// over one.
     pub fn communicator(&self) -> Option<&Communicator> {
-        self.dp.as_ref().map(|dp| &dp.comm)
+        self.dp.as_ref().and_then(|dp| dp.comm.as_ref())
     }
 
     /// The ranks the experts are spread over: 1 but for the models of
     /// [`new_expert_parallel`](Self::new_expert_parallel).
     pub fn expert_ranks(&self) -> usize {
         match &self.dp {
-            Some(dp) if dp.experts.is_some() => dp.comm.size(),
+            Some(dp) if dp.experts.is_some() => dp.group.size(),
             _ => 1,
         }
     }
@@ -1232,7 +1268,7 @@ impl Model {
     /// This rank's place among the expert-parallel ranks: (rank, ranks).
     fn expert_place(&self) -> (usize, usize) {
         match &self.dp {
-            Some(dp) if dp.experts.is_some() => (dp.comm.rank(), dp.comm.size()),
+            Some(dp) if dp.experts.is_some() => (dp.group.rank(), dp.group.size()),
             _ => (0, 1),
         }
     }

@@ -50,18 +50,31 @@ use cuda_graph::{
     DeviceBuffer, DeviceRepr, Error, Event, Kernel, KernelArgs, LaunchConfig, Module, Result,
     Stream,
 };
-use fp8_kernels::{DelayedScaling, DeviceScalar};
+use fp8_kernels::{DelayedScaling, DeviceScalar, HpBuffer};
 use graphed_callables::{Callable, SegmentKind, Slot};
 
 use super::layer::{ExpertGemm, MoeLayer, MoeLayerConfig, MoeParams, Saved, WeightGrad};
 use super::routing::{FATBIN, Router, RoutingBuffers};
 use crate::model::zeroed;
 
-/// The collectives expert parallelism needs, over the ranks of a group: NCCL
+/// A reduction over the ranks of a group ([`ExpertGroup::all_reduce`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GroupOp {
+    /// The sum.
+    Sum,
+    /// The sum divided by the ranks.
+    Avg,
+    /// The maximum.
+    Max,
+}
+
+/// The collectives expert parallelism needs over the ranks of a group, with those of an
+/// expert-parallel model's data-parallel part
+/// ([`Model::new_expert_parallel_in`](crate::model::Model::new_expert_parallel_in)): NCCL
 /// ([`NcclGroup`](crate::dist::NcclGroup)) across GPUs, or [`LocalGroup`] for ranks that are
-/// threads of one process on one device. Every rank calls each collective with buffers of
-/// the same lengths, in the same order; the work is stream-ordered on `stream` (enqueue
-/// only).
+/// threads of one process on one device.
+/// Every rank calls each collective with buffers of the same lengths, in the same order; the
+/// work is stream-ordered on `stream` (enqueue only).
 pub trait ExpertGroup: Send + Sync + std::fmt::Debug {
     /// This rank, `0 .. size()`.
     fn rank(&self) -> usize;
@@ -97,13 +110,30 @@ pub trait ExpertGroup: Send + Sync + std::fmt::Debug {
         send: (&DeviceBuffer<u8>, &[usize]),
         recv: (&DeviceBuffer<u8>, &[usize]),
     ) -> Result<()>;
+
+    /// Every rank's `buf` replaced by `op` over the ranks' `buf`s, element by element (the
+    /// same bits on every rank).
+    ///
+    /// Errors: an element type the group cannot reduce ([`LocalGroup`]: f32 and bf16).
+    fn all_reduce(&self, stream: &Stream, buf: HpBuffer<'_>, op: GroupOp) -> Result<()>;
+
+    /// Runs `calls`, collectives of this group, as one batch where the group batches them
+    /// (NCCL's group: one launch); by default one after the other.
+    fn batch(&self, calls: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        calls()
+    }
+
+    /// Whether the collectives can be captured into a CUDA graph (NCCL's can, on a stream
+    /// under capture; [`LocalGroup`]'s cannot).
+    fn capturable(&self) -> bool;
 }
 
 /// How long a [`LocalGroup`] rank waits for the others at a collective by default.
 pub const LOCAL_GROUP_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Ranks that are threads of one process, their buffers on one device: an [`ExpertGroup`]
-/// whose collectives are device-to-device copies ordered by events, to run (and test) expert
+/// whose collectives are device-to-device copies ordered by events (the all-reduce: every
+/// rank's buffer gathered, then reduced in rank order by a kernel), to run (and test) expert
 /// parallelism without several GPUs. Each rank's thread calls every collective; a call
 /// returns once every rank has called it (each waits at most the group's timeout and then
 /// fails naming the ranks that never came). Eager only: a collective cannot be captured
@@ -112,6 +142,16 @@ pub const LOCAL_GROUP_TIMEOUT: Duration = Duration::from_secs(60);
 pub struct LocalGroup {
     rank: usize,
     shared: Arc<Shared>,
+    /// The all-reduce's kernels, loaded at its first use.
+    reduce: Arc<Mutex<Option<Arc<ReduceKernels>>>>,
+}
+
+/// The kernels of [`LocalGroup`]'s all-reduce (in `src/kernels/moe_routing.cu`).
+#[derive(Debug)]
+struct ReduceKernels {
+    f32: Kernel,
+    bf16: Kernel,
+    _module: Module,
 }
 
 #[derive(Debug)]
@@ -175,6 +215,7 @@ impl LocalGroup {
             .map(|rank| LocalGroup {
                 rank,
                 shared: shared.clone(),
+                reduce: Arc::new(Mutex::new(None)),
             })
             .collect())
     }
@@ -260,6 +301,25 @@ impl LocalGroup {
         Ok(())
     }
 
+    /// The all-reduce's kernels on `stream`'s context (loaded once).
+    fn reduce_kernels(&self, stream: &Stream) -> Result<Arc<ReduceKernels>> {
+        let mut k = self
+            .reduce
+            .lock()
+            .map_err(|_| Error::InvalidArgument("LocalGroup: a rank panicked".into()))?;
+        if let Some(k) = &*k {
+            return Ok(k.clone());
+        }
+        let module = Module::embedded(stream.context(), FATBIN)?;
+        let made = Arc::new(ReduceKernels {
+            f32: module.kernel("moe_ep_reduce_ranks_f32")?,
+            bf16: module.kernel("moe_ep_reduce_ranks_bf16")?,
+            _module: module,
+        });
+        *k = Some(made.clone());
+        Ok(made)
+    }
+
     fn check_lengths(&self, what: &str, send: usize, recv: usize, ok: bool) -> Result<()> {
         if ok {
             return Ok(());
@@ -343,6 +403,52 @@ impl ExpertGroup for LocalGroup {
                 Ok((src..src + theirs[r], dst..dst + recv_counts[p]))
             },
         )
+    }
+
+    /// Every rank's `buf` gathered into a buffer of this rank's stream, then reduced there
+    /// in rank order (sums in f32, bf16 rounded once): f32 and bf16.
+    fn all_reduce(&self, stream: &Stream, buf: HpBuffer<'_>, op: GroupOp) -> Result<()> {
+        let size = self.shared.size;
+        let kernels = self.reduce_kernels(stream)?;
+        let (kernel, send) = match buf {
+            HpBuffer::F32(b) => (&kernels.f32, b.reinterpret::<u8>()?),
+            HpBuffer::Bf16(b) => (&kernels.bf16, b.reinterpret::<u8>()?),
+            HpBuffer::F16(_) => {
+                return Err(Error::InvalidArgument(
+                    "LocalGroup all_reduce: f16 is not reduced (f32 and bf16 are)".into(),
+                ));
+            }
+        };
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let rows = DeviceBuffer::<u8>::alloc_async(stream, size * send.len())?;
+        self.all_gather(stream, &send, &rows)?;
+        let (len, ranks) = (
+            buf.len() as u64,
+            u32::try_from(size).map_err(|_| too_large("ranks", size))?,
+        );
+        let (max_op, post) = match op {
+            GroupOp::Sum => (0u32, 1.0f32),
+            GroupOp::Avg => (0, 1.0 / size as f32),
+            GroupOp::Max => (1, 1.0),
+        };
+        let args = KernelArgs::new()
+            .arg(&rows)
+            .arg(&send)
+            .arg(&len)
+            .arg(&ranks)
+            .arg(&max_op)
+            .arg(&post);
+        let blocks = buf.len().div_ceil(BLOCK as usize).clamp(1, 4096) as u32;
+        // SAFETY: the grid-stride loop reads rows[r * len + i] for r < ranks, i < len (the
+        // gathered `ranks x len` elements: `size` times `buf`'s bytes allocated) and writes
+        // send[i] (`buf`'s len elements), both of the kernel's element type.
+        unsafe { stream.launch_pdl(kernel, &LaunchConfig::linear(blocks, BLOCK), &args) }
+    }
+
+    fn capturable(&self) -> bool {
+        false
     }
 }
 
