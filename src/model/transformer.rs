@@ -501,11 +501,12 @@ impl Model {
                 mode.name()
             )));
         }
-        if let Some(g) = group.filter(|g| mode == GraphMode::Step && !g.capturable()) {
-            return Err(Error::InvalidArgument(format!(
-                "graph mode step captures the step, and the collectives of {g:?} cannot be \
-                 captured: use mode none"
-            )));
+        if group.is_some_and(|g| mode == GraphMode::Step && !g.capturable()) {
+            return Err(Error::InvalidArgument(
+                "graph mode step captures the step, and this group's collectives cannot be \
+                 captured (a LocalGroup's cannot): use mode none"
+                    .into(),
+            ));
         }
         if let Parallel::Expert(g, _) = &parallel {
             check_expert_split(&cfg, g.size())?;
