@@ -579,6 +579,35 @@ fn expert_parallel_ranks_match_one_gpu_with_all_their_microbatches() {
     );
 }
 
+/// `n` ranks of a [`LocalGroup`] (threads over one device) and `n` handles of that device.
+fn threads_on_one_gpu(
+    ctx: &Arc<Context>,
+    n: usize,
+) -> (Vec<Arc<Context>>, Vec<Arc<dyn ExpertGroup>>) {
+    let groups = LocalGroup::new(n)
+        .unwrap()
+        .into_iter()
+        .map(|g| Arc::new(g) as Arc<dyn ExpertGroup>)
+        .collect();
+    (vec![ctx.clone(); n], groups)
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn data_parallel_ranks_as_threads_on_one_gpu_match_one_gpu() {
+    // Two replicas that are threads over this GPU (LocalGroup: the gradient average, the
+    // amax max and the loss sum by device copies and a reduction kernel; mode none), against
+    // one GPU with both ranks' microbatches: the two-rank test on the machine every session
+    // gets.
+    let ctx = Context::default_device().unwrap();
+    ranks_match_one_gpu(
+        "data parallel, threads",
+        threads_on_one_gpu(&ctx, 2),
+        GraphMode::None,
+        Model::new_data_parallel_in,
+    );
+}
+
 #[test]
 #[ignore = "needs a CUDA device"]
 fn expert_parallel_ranks_as_threads_on_one_gpu_match_one_gpu() {
@@ -588,14 +617,9 @@ fn expert_parallel_ranks_as_threads_on_one_gpu_match_one_gpu() {
     // the two-rank arithmetic of the multi-GPU test on the machine every session gets, with
     // its tolerance (the order of the sums differs).
     let ctx = Context::default_device().unwrap();
-    let groups: Vec<Arc<dyn ExpertGroup>> = LocalGroup::new(2)
-        .unwrap()
-        .into_iter()
-        .map(|g| Arc::new(g) as Arc<dyn ExpertGroup>)
-        .collect();
     ranks_match_one_gpu(
         "expert parallel, threads",
-        (vec![ctx.clone(), ctx.clone()], groups),
+        threads_on_one_gpu(&ctx, 2),
         GraphMode::None,
         Model::new_expert_parallel_in,
     );

@@ -40,7 +40,9 @@
 //! the loss; the clip and AdamW then run on identical gradients, so the replicas stay
 //! identical. In mode step all of it is part of the captured step graph. `n` ranks of `m`
 //! microbatches compute what one GPU computes with `n * m` microbatches, up to the order of
-//! the gradient sums.
+//! the gradient sums. [`Model::new_data_parallel_in`] takes any [`ExpertGroup`] instead of
+//! NCCL's (with a [`LocalGroup`](crate::moe::ep::LocalGroup): replicas that are threads on
+//! one GPU, mode none).
 //!
 //! # Expert parallelism
 //!
@@ -437,6 +439,23 @@ impl Model {
     ) -> Result<Model> {
         let group: Arc<dyn ExpertGroup> = Arc::new(NcclGroup::new(comm.clone()));
         Model::build(stream, cfg, train, mode, Parallel::Data(group, Some(comm)))
+    }
+
+    /// [`new_data_parallel`](Self::new_data_parallel) over any group: NCCL's
+    /// ([`NcclGroup`]), or ranks that are threads over one device
+    /// ([`LocalGroup`](crate::moe::ep::LocalGroup): mode none only), which runs (and tests)
+    /// several replicas on one GPU.
+    ///
+    /// Errors: as [`new_data_parallel`](Self::new_data_parallel); mode step over a group
+    /// that cannot be captured.
+    pub fn new_data_parallel_in(
+        stream: &Stream,
+        cfg: ModelConfig,
+        train: TrainConfig,
+        mode: GraphMode,
+        group: Arc<dyn ExpertGroup>,
+    ) -> Result<Model> {
+        Model::build(stream, cfg, train, mode, Parallel::Data(group, None))
     }
 
     /// [`new`](Self::new) for one rank of an expert-parallel job over `comm`'s ranks (see the
