@@ -63,7 +63,7 @@ done < <(cat "$bundle/tests.txt" "$bundle/tests-cudarc.txt")
 cp target/release/fp8-moe "$bundle/bin/fp8-moe"
 cp target/release/examples/cudarc_interop "$bundle/bin/example.cudarc_interop"
 # The other examples of each crate (each checks its results and exits non-zero on a mismatch).
-examples=(capture_replay explicit_graph while_loop graphed_layers fp8_gemm moe_training)
+examples=(capture_replay explicit_graph while_loop graphed_layers fp8_gemm moe_training expert_parallel)
 cargo build --release --quiet -p cuda-graph -p graphed-callables -p fp8-kernels -p fp8-moe --examples
 for e in "${examples[@]}"; do
   cp "target/release/examples/$e" "$bundle/bin/example.$e"
