@@ -72,9 +72,8 @@ pub enum GroupOp {
 /// expert-parallel model's data-parallel part
 /// ([`Model::new_expert_parallel_in`](crate::model::Model::new_expert_parallel_in)): NCCL
 /// ([`NcclGroup`](crate::dist::NcclGroup)) across GPUs, or [`LocalGroup`] for ranks that are
-/// threads of one process on one device.
-/// Every rank calls each collective with buffers of the same lengths, in the same order; the
-/// work is stream-ordered on `stream` (enqueue only).
+/// threads of one process on one device. Every rank calls each collective with buffers of the
+/// same lengths, in the same order; the work is stream-ordered on `stream` (enqueue only).
 pub trait ExpertGroup: Send + Sync + std::fmt::Debug {
     /// This rank, `0 .. size()`.
     fn rank(&self) -> usize;
