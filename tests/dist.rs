@@ -7,7 +7,8 @@
 //! history, scales and inverse scales must be bit-identical to one GPU's state that quantized
 //! the union of the shards, with no reduction (`IdentityGroup`). On one GPU the union is the
 //! one shard (the test then checks the reduction's capture and replay path); on several, the
-//! reduction is what makes the ranks agree.
+//! reduction is what makes the ranks agree. The same runs eagerly over three ranks that are
+//! threads on one GPU (`LocalGroup`), where several ranks meet on one device.
 
 use std::sync::Arc;
 
@@ -16,6 +17,7 @@ use cuda_graph::{CaptureMode, Context, DeviceBuffer, GraphExec, InstantiateFlags
 use cuda_graph_nccl::Communicator;
 use fp8_kernels::{AmaxAlgo, DelayedScaling, Fp8Format, Fp8Tensor, ReductionGroup, quantize};
 use fp8_moe::dist::NcclGroup;
+use fp8_moe::moe::ep::LocalGroup;
 use fp8_moe::rng::Rng;
 
 const TENSORS: usize = 4;
@@ -119,6 +121,39 @@ fn every_rank_gets_the_scales_of_the_union_of_the_shards() {
             .collect()
     });
 
+    steps_match_the_union(&ranks, &union, || {
+        for (rank, exec) in ranks.iter().zip(&execs) {
+            exec.launch(&rank.stream).unwrap();
+        }
+    });
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn ranks_as_threads_on_one_gpu_get_the_scales_of_the_union_of_the_shards() {
+    // The same over a LocalGroup (three ranks that are threads over this GPU, eager: its
+    // all-reduce is a gather and a reduction kernel), so that several ranks meet on the
+    // machine every session has.
+    let ctx = Context::default_device().unwrap();
+    let n = 3;
+    let ranks: Vec<RankState> = (0..n).map(|_| state(&ctx, SHARD)).collect();
+    let groups = LocalGroup::new(n).unwrap();
+    assert!(groups.iter().all(|g| ReductionGroup::size(g) == n));
+    let union = state(&ctx, SHARD * n);
+    steps_match_the_union(&ranks, &union, || {
+        std::thread::scope(|scope| {
+            for (r, g) in ranks.iter().zip(&groups) {
+                scope.spawn(move || step(r, &r.stream, g).unwrap());
+            }
+        });
+    });
+}
+
+/// `STEPS` steps of fresh random data: each tensor's data split into the ranks' shards,
+/// `step_ranks` runs every rank's step, the union steps over all of it with no reduction;
+/// after each step every rank's scaling state must be the union's, bit for bit.
+fn steps_match_the_union(ranks: &[RankState], union: &RankState, step_ranks: impl Fn()) {
+    let n = ranks.len();
     let mut rng = Rng::new(
         std::env::var("FP8_MOE_TEST_SEED")
             .ok()
@@ -145,11 +180,9 @@ fn every_rank_gets_the_scales_of_the_union_of_the_shards() {
                 .copy_from_host(&union.stream, &full)
                 .unwrap();
         }
-        for (rank, exec) in ranks.iter().zip(&execs) {
-            exec.launch(&rank.stream).unwrap();
-        }
-        step(&union, &union.stream, &fp8_kernels::IdentityGroup).unwrap();
-        let want = snapshot(&union);
+        step_ranks();
+        step(union, &union.stream, &fp8_kernels::IdentityGroup).unwrap();
+        let want = snapshot(union);
         for (r, rank) in ranks.iter().enumerate() {
             assert!(
                 snapshot(rank) == want,

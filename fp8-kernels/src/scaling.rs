@@ -258,7 +258,8 @@ pub trait ReductionGroup: Send + Sync + std::fmt::Debug {
 
 /// The single-process [`ReductionGroup`]: the maximum over one rank is the value itself, so
 /// [`all_reduce_max`](ReductionGroup::all_reduce_max) enqueues nothing. Multi-GPU groups
-/// (NCCL) come later.
+/// (NCCL: `fp8_moe::dist::NcclGroup`; threads on one device: `fp8_moe::moe::ep::LocalGroup`)
+/// implement it too.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct IdentityGroup;
 

@@ -50,7 +50,7 @@ use cuda_graph::{
     DeviceBuffer, DeviceRepr, Error, Event, Kernel, KernelArgs, LaunchConfig, Module, Result,
     Stream,
 };
-use fp8_kernels::{DelayedScaling, DeviceScalar, HpBuffer};
+use fp8_kernels::{DelayedScaling, DeviceScalar, HpBuffer, ReductionGroup};
 use graphed_callables::{Callable, SegmentKind, Slot};
 
 use super::layer::{ExpertGemm, MoeLayer, MoeLayerConfig, MoeParams, Saved, WeightGrad};
@@ -448,6 +448,19 @@ impl ExpertGroup for LocalGroup {
 
     fn capturable(&self) -> bool {
         false
+    }
+}
+
+/// The amax reduction (TransformerEngine's `fp8_group`) over ranks that are threads on one
+/// device: [`ExpertGroup::all_reduce`]'s maximum (eager only, as every collective of the
+/// group).
+impl ReductionGroup for LocalGroup {
+    fn all_reduce_max(&self, stream: &Stream, amaxes: &DeviceBuffer<f32>) -> Result<()> {
+        self.all_reduce(stream, HpBuffer::F32(amaxes), GroupOp::Max)
+    }
+
+    fn size(&self) -> usize {
+        self.shared.size
     }
 }
 
@@ -1303,7 +1316,9 @@ mod tests {
         assert!(LocalGroup::new(0).is_err());
         let g = LocalGroup::new(3).unwrap();
         assert_eq!(
-            g.iter().map(|g| (g.rank(), g.size())).collect::<Vec<_>>(),
+            g.iter()
+                .map(|g| (g.rank(), ExpertGroup::size(g)))
+                .collect::<Vec<_>>(),
             [(0, 3), (1, 3), (2, 3)]
         );
     }
