@@ -633,6 +633,31 @@ fn grad_norm_clip_matches_pytorch_semantics() {
         rf::grad_norm_clip(&host, 1.0).norm
     );
 
+    // In two halves (expert parallelism's split: the partial sums of a list's head, then of
+    // its tail written after them, then one finish): the same bits as the whole list at once.
+    let cut = list.len() / 2 + 1;
+    let whole = gpu.get(&out);
+    out.memset_bytes(&gpu.stream, 0xFF).unwrap();
+    ws.memset_bytes(&gpu.stream, 0xFF).unwrap();
+    let head = gpu
+        .ops
+        .grad_norm_partials(&gpu.stream, &list[..cut], &ws)
+        .unwrap();
+    let tail = gpu
+        .ops
+        .grad_norm_partials(&gpu.stream, &list[cut..], &ws.slice(head..).unwrap())
+        .unwrap();
+    assert_eq!(head + tail, grad_norm_workspace_len(&lens));
+    gpu.ops
+        .grad_norm_finish(&gpu.stream, &ws.slice(..head + tail).unwrap(), 1e6, &out)
+        .unwrap();
+    let split: Vec<u32> = gpu.get(&out).iter().map(|x| x.to_bits()).collect();
+    assert_eq!(split, whole.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+    let e = gpu
+        .ops
+        .grad_norm_partials(&gpu.stream, &list, &ws.slice(1..).unwrap());
+    assert!(e.unwrap_err().to_string().contains("workspace"));
+
     // No tensors: norm 0, factor 1.
     gpu.ops
         .grad_norm_clip(&gpu.stream, &[], &ws, 1.0, &out)
