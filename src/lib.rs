@@ -34,6 +34,19 @@ pub use linear::Fp8Linear;
 pub use moe::layer::{ExpertGemm, GradDtype, MoeLayer, MoeLayerConfig, MoeParams, WeightGrad};
 pub use scaling::ScalingSnapshot;
 
+/// `n` elements zeroed on `stream`. The crate's device buffers start defined: GEMM outputs
+/// are written by TMA bulk stores, which compute-sanitizer's initcheck does not see, so a
+/// buffer a GEMM fills first would read as uninitialised to it (scripts/sanitize.sh), and no
+/// pass ever reads bytes nothing wrote.
+pub(crate) fn zeroed<T: cuda_graph::DeviceRepr>(
+    stream: &cuda_graph::Stream,
+    n: usize,
+) -> cuda_graph::Result<cuda_graph::DeviceBuffer<T>> {
+    let b = cuda_graph::DeviceBuffer::alloc(stream.context(), n)?;
+    b.memset_bytes(stream, 0)?;
+    Ok(b)
+}
+
 /// The README's Rust examples, compiled (not run) as doctests of this crate, which depends on
 /// every crate they use.
 #[cfg(doctest)]

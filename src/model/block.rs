@@ -31,10 +31,10 @@ use super::attention::{Attention, AttentionShape};
 use super::config::ModelConfig;
 use super::dense::{Dense, DenseSaved};
 use super::ops::{Ops, rmsnorm_backward_workspace_len};
-use super::zeroed;
 use crate::moe::ep::{ExpertGroup, ExpertParallelMoe};
 use crate::moe::layer::{ExpertGemm, MoeLayer, MoeLayerConfig};
 use crate::moe::optim::MoeAdamW;
+use crate::zeroed;
 
 /// The saved buffers of a block's pass, before the MoE layer's own.
 const OWN_SAVED: usize = 12;

@@ -24,8 +24,8 @@ use cuda_graph::{DeviceBuffer, Error, Result, Stream};
 use fp8_kernels::gemm::{GemmOptions, GemmOut, GemmShape, Operand, gemm};
 use fp8_kernels::{DelayedScaling, DeviceScalar, Fp8Format, Fp8Tensor, cast_transpose};
 
-use super::zeroed;
 use crate::linear::{FORMATS, TENSORS, check_shape};
+use crate::zeroed;
 
 /// Offsets of x, W and dY from a layer's first tensor.
 const X: usize = 0;

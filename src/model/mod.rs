@@ -26,15 +26,4 @@ pub mod transformer;
 
 pub use config::{ModelConfig, TrainConfig};
 
-use cuda_graph::{DeviceBuffer, DeviceRepr, Result, Stream};
-
-/// `n` elements zeroed on `stream`. The model's buffers start defined: GEMM outputs are
-/// written by TMA bulk stores, which compute-sanitizer's initcheck does not see, so a buffer
-/// a GEMM fills first would read as uninitialised to it (scripts/sanitize.sh), and no pass
-/// ever reads bytes nothing wrote.
-pub(crate) fn zeroed<T: DeviceRepr>(stream: &Stream, n: usize) -> Result<DeviceBuffer<T>> {
-    let b = DeviceBuffer::alloc(stream.context(), n)?;
-    b.memset_bytes(stream, 0)?;
-    Ok(b)
-}
 pub use transformer::{GraphMode, HostTensor, Model, StepStats};

@@ -9,8 +9,8 @@
 use cuda_graph::{DeviceBuffer, Result, Stream};
 use fp8_kernels::{AdamW, AdamWState, AdamWTensor, DeviceScalar, HpBuffer};
 
-use super::zeroed;
 use crate::moe::optim::MoeAdamW;
+use crate::zeroed;
 
 /// One dense parameter: its weights (updated in place), gradient and moments.
 #[derive(Debug)]

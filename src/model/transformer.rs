@@ -86,12 +86,12 @@ use super::config::{ModelConfig, TrainConfig, VOCAB};
 use super::dense::{Dense, DenseSaved};
 use super::ops::{Ops, grad_norm_workspace_len, rmsnorm_backward_workspace_len};
 use super::optim::ModelOptimizer;
-use super::zeroed;
 use crate::dist::NcclGroup;
 use crate::moe::ep::{ExpertGroup, GroupOp};
 use crate::moe::layer::{ExpertGemm, MoeParams};
 use crate::rng::Rng;
 use crate::scaling::ScalingSnapshot;
+use crate::zeroed;
 
 /// The amax history length of the FP8 state.
 const HISTORY: usize = 16;

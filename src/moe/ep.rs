@@ -55,7 +55,7 @@ use graphed_callables::{Callable, SegmentKind, Slot};
 
 use super::layer::{ExpertGemm, MoeLayer, MoeLayerConfig, MoeParams, Saved, WeightGrad};
 use super::routing::{FATBIN, Router, RoutingBuffers};
-use crate::model::zeroed;
+use crate::zeroed;
 
 /// A reduction over the ranks of a group ([`ExpertGroup::all_reduce`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

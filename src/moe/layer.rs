@@ -64,7 +64,7 @@ use fp8_kernels::{
 };
 use graphed_callables::{Callable, SegmentKind, Slot};
 
-use crate::model::zeroed;
+use crate::zeroed;
 
 use super::routing::{ALIGN_ROWS, Router, RouterConfig, RoutingBuffers, RoutingDims};
 
