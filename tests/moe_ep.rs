@@ -24,9 +24,8 @@ use common::{fixed_scaling, fresh_rng, random_params, to_bf16, zeroed_saved};
 
 use cuda_graph::half::bf16;
 use cuda_graph::{CaptureMode, Context, DeviceBuffer, GraphExec, InstantiateFlags, Stream};
-use cuda_graph_nccl::{Communicator, UniqueId};
 use fp8_kernels::{CastScaling, HpBuffer};
-use fp8_moe::dist::NcclGroup;
+use fp8_moe::dist::{NcclGroup, Placement, communicator};
 use fp8_moe::moe::ep::{ExpertGroup, ExpertParallelMoe, GroupOp, LocalGroup};
 use fp8_moe::moe::layer::{
     ExpertGemm, Fp8Recipe, GradDtype, MoeLayer, MoeLayerConfig, MoeParams, WeightGrad,
@@ -324,7 +323,7 @@ fn ranks_on_threads_equal_the_one_gpu_layer() {
 fn one_nccl_rank_captured_equals_eager_and_the_one_gpu_layer() {
     let ctx = Context::default_device().unwrap();
     let mut rng = fresh_rng("one_nccl_rank_captured_equals_eager_and_the_one_gpu_layer");
-    let comm = Communicator::init_rank(&ctx, 1, 0, &UniqueId::new().unwrap()).unwrap();
+    let comm = communicator(&ctx, &Placement::SINGLE).unwrap();
     let group: Arc<dyn ExpertGroup> = Arc::new(NcclGroup::new(comm));
     // Full-layer captured and replayed; breaking-layer eager (it reads counts back).
     for (mode, capture) in [(ExpertGemm::Grouped, true), (ExpertGemm::PerExpert, false)] {
@@ -504,7 +503,7 @@ fn in_the_graphed_runtime_one_nccl_rank_equals_the_one_gpu_layer() {
     let ctx = Context::default_device().unwrap();
     let stream = Stream::new(&ctx).unwrap();
     let mut rng = fresh_rng("in_the_graphed_runtime_one_nccl_rank_equals_the_one_gpu_layer");
-    let comm = Communicator::init_rank(&ctx, 1, 0, &UniqueId::new().unwrap()).unwrap();
+    let comm = communicator(&ctx, &Placement::SINGLE).unwrap();
     let group: Arc<dyn ExpertGroup> = Arc::new(NcclGroup::new(comm));
     // Full-layer: one graph each way with the collectives in it; breaking-layer: eager
     // segments.

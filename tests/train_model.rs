@@ -347,10 +347,9 @@ fn one_rank_matches_plain(
     last.unwrap()
 }
 
-/// A one-rank NCCL communicator on `stream`'s device.
+/// A one-rank NCCL communicator on `stream`'s device (a process run directly).
 fn one_rank(stream: &Stream) -> cuda_graph_nccl::Communicator {
-    let id = cuda_graph_nccl::UniqueId::new().expect("NCCL");
-    cuda_graph_nccl::Communicator::init_rank(stream.context(), 1, 0, &id).unwrap()
+    fp8_moe::dist::communicator(stream.context(), &fp8_moe::dist::Placement::SINGLE).expect("NCCL")
 }
 
 #[test]

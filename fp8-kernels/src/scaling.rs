@@ -257,9 +257,8 @@ pub trait ReductionGroup: Send + Sync + std::fmt::Debug {
 }
 
 /// The single-process [`ReductionGroup`]: the maximum over one rank is the value itself, so
-/// [`all_reduce_max`](ReductionGroup::all_reduce_max) enqueues nothing. Multi-GPU groups
-/// (NCCL: `fp8_moe::dist::NcclGroup`; threads on one device: `fp8_moe::moe::ep::LocalGroup`)
-/// implement it too.
+/// [`all_reduce_max`](ReductionGroup::all_reduce_max) enqueues nothing. Groups of several
+/// ranks implement the trait where their transport lives (NCCL, threads on one device).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct IdentityGroup;
 

@@ -115,7 +115,10 @@ pub struct Block {
 pub enum BlockMoe {
     /// Every expert here.
     Local(MoeLayer),
-    /// `E / N` experts here, the rest on the other ranks of the group.
+    /// `E / N` experts here, the rest on the other ranks of the group; full-layer
+    /// ([`ExpertGemm::Grouped`], as [`Block::new_expert_parallel`] makes it: the block's
+    /// segments follow the MoE layer's, and only the local layer's per-expert mode splits
+    /// them around eager experts).
     ExpertParallel(ExpertParallelMoe),
 }
 

@@ -540,20 +540,28 @@ fn experts_config(cfg: &MoeLayerConfig, ranks: usize) -> MoeLayerConfig {
 /// token's assignments).
 pub fn check_split(cfg: &MoeLayerConfig, ranks: usize) -> Result<()> {
     cfg.check()?;
-    if ranks == 0 || cfg.experts % ranks != 0 {
-        return Err(Error::InvalidArgument(format!(
-            "ExpertParallelMoe: {} experts do not split over {ranks} ranks",
-            cfg.experts
-        )));
-    }
-    if cfg.experts / ranks < cfg.router.top_k {
-        return Err(Error::InvalidArgument(format!(
-            "ExpertParallelMoe: {} experts per rank, fewer than top_k = {}",
-            cfg.experts / ranks,
-            cfg.router.top_k
-        )));
-    }
+    experts_per_rank(cfg.experts, cfg.router.top_k, ranks)?;
     experts_config(cfg, ranks).check()
+}
+
+/// The experts each of `ranks` ranks holds when `experts` experts of a top-`top_k` layer are
+/// spread over them: the split must be even, with at least `top_k` a rank.
+///
+/// Errors: the split, described ([`Error::InvalidArgument`]).
+pub fn experts_per_rank(experts: usize, top_k: usize, ranks: usize) -> Result<usize> {
+    if ranks == 0 || experts % ranks != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "expert parallelism: {experts} experts do not split over {ranks} ranks"
+        )));
+    }
+    let per = experts / ranks;
+    if per < top_k {
+        return Err(Error::InvalidArgument(format!(
+            "expert parallelism: {per} experts per rank over {ranks} ranks, fewer than top_k = \
+             {top_k}"
+        )));
+    }
+    Ok(per)
 }
 
 impl ExpertParallelMoe {
@@ -1270,6 +1278,18 @@ mod tests {
     use crate::moe::layer::{ExpertGemm, Fp8Recipe, GradDtype};
     use crate::moe::routing::{RouterConfig, ScoreFn};
     use fp8_kernels::CastScaling;
+
+    #[test]
+    fn experts_must_split_evenly_with_top_k_each() {
+        // 8 experts, top-2.
+        for (ok, per) in [(1, 8), (2, 4), (4, 2)] {
+            assert_eq!(experts_per_rank(8, 2, ok).unwrap(), per);
+        }
+        for bad in [0, 3, 8, 16] {
+            let e = experts_per_rank(8, 2, bad).unwrap_err().to_string();
+            assert!(e.contains(&format!("over {bad} ranks")), "{e}");
+        }
+    }
 
     fn cfg(experts: usize, top_k: usize) -> MoeLayerConfig {
         MoeLayerConfig {
