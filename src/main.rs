@@ -107,14 +107,20 @@ fn strip_launch_flags(args: &[std::ffi::OsString]) -> Vec<std::ffi::OsString> {
 
 /// Runs `command` as a multi-process job (`--gpus`).
 fn launch(args: &LaunchArgs, gpus: usize, command: &Command) -> Result<(), info::CliError> {
+    // Every node starts `gpus` ranks.
+    let world = gpus * args.nnodes.max(1);
     match command {
         Command::Bench(BenchArgs {
             bench: Bench::Dist, ..
         }) => {}
-        Command::Train(t) if t.dp.max(t.ep) as usize == gpus && t.dp.min(t.ep) == 1 => {}
+        Command::Train(t) if t.dp.max(t.ep) as usize == world && t.dp.min(t.ep) == 1 => {}
         Command::Train(t) => {
+            let over = match args.nnodes {
+                0 | 1 => format!("--gpus {gpus}"),
+                n => format!("--gpus {gpus} over {n} nodes ({world} ranks)"),
+            };
             return Err(info::CliError::Other(format!(
-                "--gpus {gpus} train needs --dp {gpus} or --ep {gpus} (it has --dp {} --ep {}): \
+                "{over} train needs --dp {world} or --ep {world} (it has --dp {} --ep {}): \
                  data or expert parallelism over every rank",
                 t.dp, t.ep
             )));

@@ -85,6 +85,14 @@ fn gpus_refuses_the_commands_that_run_on_one_gpu() {
         let err = String::from_utf8(out.stderr).unwrap();
         assert!(err.contains("needs --dp 2 or --ep 2"), "{err:?}");
     }
+    // Over several machines the ranks are every node's: 2 GPUs on each of 2 nodes are 4.
+    let out = cli(&["--gpus", "2", "--nnodes", "2", "train", "--ep", "2"], &[]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(
+        err.contains("over 2 nodes (4 ranks) train needs --dp 4 or --ep 4"),
+        "{err:?}"
+    );
 }
 
 #[test]

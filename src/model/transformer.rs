@@ -29,41 +29,45 @@
 //!
 //! # Data parallelism
 //!
-//! [`Model::new_data_parallel`] trains one replica per rank of an NCCL communicator, each on
-//! its own microbatches (modes none and step). The gradients are averaged over the ranks in
-//! buckets as the last microbatch's backward finishes them: the head's after the head, each
-//! block's (its norms, attention and MoE layer) after that block, the embedding's last; each
-//! bucket is one NCCL group on a stream forked from the step's (a side stream when eager, a
-//! fork of the capture in mode step), so the reductions overlap the rest of the backward.
-//! After the joins, each rank max-reduces the FP8 amaxes (TransformerEngine's `fp8_group`:
-//! every rank then computes the same scales, those of the union of the ranks' data) and sums
-//! the loss; the clip and AdamW then run on identical gradients, so the replicas stay
-//! identical. In mode step all of it is part of the captured step graph. `n` ranks of `m`
-//! microbatches compute what one GPU computes with `n * m` microbatches, up to the order of
-//! the gradient sums. [`Model::new_data_parallel_in`] takes any [`ExpertGroup`] instead of
-//! NCCL's (with a [`LocalGroup`](crate::moe::ep::LocalGroup): replicas that are threads on
-//! one GPU, mode none).
+//! [`Model::new_data_parallel`] trains one replica per rank of an NCCL communicator, each
+//! on its own microbatches (modes none and step). Each rank divides its loss by the ranks
+//! (the cross-entropy's and the aux loss's gradients: a mean over every rank's tokens, as
+//! one GPU takes it over all the microbatches, so that every gradient the backward casts to
+//! FP8, and so every amax and scale, has the one-GPU run's magnitude), and the gradients
+//! are summed over the ranks in buckets as the last microbatch's backward finishes them:
+//! the head's after the head, each block's (its norms, attention and MoE layer) after that
+//! block, the embedding's last; each bucket is one NCCL group on a stream forked from the
+//! step's (a side stream when eager, a fork of the capture in mode step), so the reductions
+//! overlap the rest of the backward. After the joins, each rank max-reduces the FP8 amaxes
+//! (TransformerEngine's `fp8_group`: every rank then computes the same scales, those of the
+//! union of the ranks' data) and sums the loss; the clip and AdamW then run on identical
+//! gradients, so the replicas stay identical. In mode step all of it is part of the
+//! captured step graph. `n` ranks of `m` microbatches compute what one GPU computes with
+//! `n * m` microbatches, up to the order of the gradient sums.
+//! [`Model::new_data_parallel_in`] takes any [`ExpertGroup`] instead of NCCL's (with a
+//! [`LocalGroup`](crate::moe::ep::LocalGroup): replicas that are threads on one GPU, mode
+//! none).
 //!
 //! # Expert parallelism
 //!
-//! [`Model::new_expert_parallel`] spreads each MoE layer's experts over the ranks of an NCCL
-//! communicator ([`ExpertParallelMoe`](crate::moe::ep::ExpertParallelMoe), full-layer: its
-//! all-gathers and all-to-all inside the step, captured in mode step), `E / n` experts a
-//! rank; the rest of the model (embedding, attention, norms, routers, head) is replicated
+//! [`Model::new_expert_parallel`] spreads each MoE layer's experts over the ranks of an
+//! NCCL communicator ([`ExpertParallelMoe`](crate::moe::ep::ExpertParallelMoe), full-layer:
+//! its all-gathers and all-to-all inside the step, captured in mode step), `E / n` experts
+//! a rank; the rest of the model (embedding, attention, norms, routers, head) is replicated
 //! and trained data-parallel as above, each rank on its own microbatches. An expert's
-//! gradient already sums every rank's tokens, so each rank divides its loss by the ranks
-//! (the cross-entropy's and the aux loss's gradients), the replicated gradients are summed
-//! (not averaged) and the experts' are left alone; the gradient norm adds each rank's
-//! experts' squares (their partial sums gathered after the replicated ones'); the amax
-//! max-reduction skips the experts' weight tensors (each lives on one rank). The ranks'
-//! state is the one-GPU model's split: [`Model::gather_state`] assembles it (checkpoints are
-//! interchangeable with one GPU's) and [`Model::load_state`] takes this rank's part of it.
-//! `n` ranks of `m` microbatches compute what one GPU computes with `n * m` microbatches, up
-//! to the order of the sums. The ranks are NCCL's, or ([`Model::new_expert_parallel_in`])
-//! any [`ExpertGroup`]: with a [`LocalGroup`](crate::moe::ep::LocalGroup), threads over one
-//! GPU (mode none). Every rank runs every pass at once: steps, and also
-//! [`evaluate`](Model::evaluate), [`generate`](Model::generate) and
-//! [`gather_state`](Model::gather_state) (with the same arguments on every rank).
+//! gradient already sums every rank's tokens (each divided by the ranks, as above), so the
+//! replicated gradients are summed and the experts' are left alone; the gradient norm adds
+//! each rank's experts' squares (their partial sums gathered after the replicated ones');
+//! the amax max-reduction skips the experts' weight tensors (each lives on one rank). The
+//! ranks' state is the one-GPU model's split: [`Model::gather_state`] assembles it
+//! (checkpoints are interchangeable with one GPU's) and [`Model::load_state`] takes this
+//! rank's part of it. `n` ranks of `m` microbatches compute what one GPU computes with
+//! `n * m` microbatches, up to the order of the sums. The ranks are NCCL's, or
+//! ([`Model::new_expert_parallel_in`]) any [`ExpertGroup`]: with a
+//! [`LocalGroup`](crate::moe::ep::LocalGroup), threads over one GPU (mode none). Every rank
+//! runs every pass at once: steps, and also [`evaluate`](Model::evaluate),
+//! [`generate`](Model::generate) and [`gather_state`](Model::gather_state) (with the same
+//! arguments on every rank).
 
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
@@ -303,8 +307,8 @@ impl DataParallel {
         })
     }
 
-    /// Averages (or sums) the gradients `bucket` names (of `grads`) over the ranks, as one
-    /// NCCL group on a stream forked from `origin` after the work enqueued so far.
+    /// Sums the gradients `bucket` names (of `grads`) over the ranks, as one NCCL group on
+    /// a stream forked from `origin` after the work enqueued so far.
     fn reduce(
         &self,
         grads: &[HpBuffer<'_>],
@@ -313,15 +317,12 @@ impl DataParallel {
         origin: &Stream,
     ) -> Result<()> {
         let s = side.fork(origin)?;
-        // Expert-parallel ranks divide their losses by the ranks: their gradients are summed.
-        let op = match self.experts {
-            Some(_) => GroupOp::Sum,
-            None => GroupOp::Avg,
-        };
+        // Every rank divides its loss by the ranks (`Model::data_ranks`): the sum is the
+        // one-GPU gradient over the union of the ranks' microbatches.
         let group = &self.group;
         group.batch(&mut || {
             for &i in bucket {
-                group.all_reduce(&s, grads[i], op)?;
+                group.all_reduce(&s, grads[i], GroupOp::Sum)?;
             }
             Ok(())
         })
@@ -541,6 +542,11 @@ impl Model {
             _ => None,
         };
         let (rank, ranks) = group.as_ref().map_or((0, 1), |g| (g.rank(), g.size()));
+        // The ranks whose microbatches make a step (data and expert parallelism alike).
+        let data_ranks = match &parallel {
+            Parallel::None => 1,
+            Parallel::Data(g, _) | Parallel::Expert(g, _) => g.size(),
+        };
         let per_block = scaling_tensors_per_rank(&cfg, ranks);
         let mut formats: Vec<Fp8Format> = Vec::new();
         for _ in 0..cfg.layers {
@@ -561,10 +567,10 @@ impl Model {
             AmaxAlgo::Max,
         )?);
         let (embed_w, block_params, head_w) = init_params(&cfg, train.seed);
-        // The aux loss is a mean over the step's microbatches, like the cross-entropy (and
-        // over the expert-parallel ranks, whose gradients are summed).
+        // The aux loss is a mean over the step's microbatches, like the cross-entropy (every
+        // rank's: the ranks' gradients are summed).
         let block_cfg = ModelConfig {
-            aux_coef: cfg.aux_coef / (m * ranks) as f32,
+            aux_coef: cfg.aux_coef / (m * data_ranks) as f32,
             ..cfg
         };
         let expert_gemm = match mode {
@@ -828,8 +834,7 @@ impl Model {
     /// The last step's loss and gradient norm (waits for it).
     pub fn stats(&self, stream: &Stream) -> Result<StepStats> {
         let s = self.stats.to_vec(stream)?;
-        let ranks = self.dp.as_ref().map_or(1, |dp| dp.group.size());
-        let tokens = (self.cfg.tokens() * self.batches.len() * ranks) as f32;
+        let tokens = (self.cfg.tokens() * self.batches.len() * self.data_ranks()) as f32;
         Ok(StepStats {
             loss: s[LOSS] / tokens,
             grad_norm: s[GRAD_NORM],
@@ -1269,6 +1274,11 @@ impl Model {
         self.dp.as_ref().and_then(|dp| dp.comm.as_ref())
     }
 
+    /// The ranks whose microbatches make a step: 1 but for data- and expert-parallel models.
+    fn data_ranks(&self) -> usize {
+        self.dp.as_ref().map_or(1, |dp| dp.group.size())
+    }
+
     /// The ranks the experts are spread over: 1 but for the models of
     /// [`new_expert_parallel`](Self::new_expert_parallel).
     pub fn expert_ranks(&self) -> usize {
@@ -1289,7 +1299,7 @@ impl Model {
     }
 
     /// Forward and backward of microbatch `mb`; with `reduce`, each gradient bucket of a
-    /// data-parallel replica is averaged over the ranks as soon as the backward finishes it.
+    /// data-parallel replica is summed over the ranks as soon as the backward finishes it.
     fn microbatch(
         &mut self,
         stream: &Stream,
@@ -1298,9 +1308,9 @@ impl Model {
     ) -> Result<()> {
         let first = mb == 0;
         let b = &self.batches[mb];
-        // The cross-entropy's gradient is a mean over the step's tokens (over every rank's
-        // under expert parallelism, whose gradients are summed).
-        let shares = self.batches.len() * self.expert_ranks();
+        // The cross-entropy's gradient is a mean over the step's tokens, every rank's (the
+        // ranks' gradients are summed).
+        let shares = self.batches.len() * self.data_ranks();
         match &mut self.blocks {
             Blocks::Direct {
                 blocks,
@@ -1375,7 +1385,7 @@ impl Model {
     }
 }
 
-/// With a data-parallel replica's `reduce`, averages the bucket `pick` names over the ranks
+/// With a data-parallel replica's `reduce`, sums the bucket `pick` names over the ranks
 /// beside the work that follows (see [`DataParallel::reduce`]).
 fn reduce_bucket(
     dp: &Option<DataParallel>,
@@ -1683,8 +1693,10 @@ fn local_runs(runs: &[(Range<usize>, bool)]) -> Vec<(Range<usize>, bool)> {
 }
 
 /// The values of a tensor of `shape` from its ranks' parts: each part the rows it lists (of
-/// the first dimension), back to back. Rows several ranks hold are taken from the lowest.
-/// Errors name a part of the wrong size, a row out of range, or a row no part holds.
+/// the first dimension), back to back. Rows several ranks hold (the shared FP8 scaling
+/// state, which the amax reduction keeps the same on every rank) must be the same bits in
+/// each. Errors name a part of the wrong size, a row out of range, a shared row whose ranks
+/// disagree, or a row no part holds.
 fn assemble_rows(
     shape: &[usize],
     parts: &[(Vec<Range<usize>>, &[f32])],
@@ -1692,31 +1704,45 @@ fn assemble_rows(
     let rows = shape.first().copied().unwrap_or(1);
     let row = shape.iter().skip(1).product::<usize>();
     let mut out = vec![0f32; rows * row];
-    let mut held = vec![false; rows];
-    // The highest rank first: a lower one overwrites the rows they share.
-    for (p, (ranges, data)) in parts.iter().enumerate().rev() {
+    // The part that wrote each row, if any.
+    let mut held: Vec<Option<usize>> = vec![None; rows];
+    for (p, (ranges, data)) in parts.iter().enumerate() {
         let want: usize = ranges.iter().map(|r| r.len() * row).sum();
         if data.len() != want {
             return Err(format!(
-                "part {p} has {} values, its rows {ranges:?} take {want}",
+                "rank {p}'s part has {} values, its rows {ranges:?} take {want}",
                 data.len()
             ));
         }
         let mut at = 0;
         for r in ranges {
             if r.end > rows {
-                return Err(format!("part {p}'s rows {r:?} end past {rows}"));
+                return Err(format!("rank {p}'s rows {r:?} end past {rows}"));
             }
-            let n = r.len() * row;
-            out[r.start * row..r.end * row].copy_from_slice(&data[at..at + n]);
-            held[r.clone()].iter_mut().for_each(|h| *h = true);
-            at += n;
+            for (j, i) in r.clone().enumerate() {
+                let src = &data[at + j * row..at + (j + 1) * row];
+                let dst = &mut out[i * row..(i + 1) * row];
+                match held[i] {
+                    None => dst.copy_from_slice(src),
+                    Some(q) if !same_bits(dst, src) => {
+                        return Err(format!("ranks {q} and {p} disagree on row {i}"));
+                    }
+                    Some(_) => {}
+                }
+                held[i].get_or_insert(p);
+            }
+            at += r.len() * row;
         }
     }
-    match held.iter().position(|&h| !h) {
-        Some(missing) => Err(format!("row {missing} of {rows} is in no part")),
+    match held.iter().position(Option::is_none) {
+        Some(missing) => Err(format!("row {missing} of {rows} is on no rank")),
         None => Ok(out),
     }
+}
+
+/// Whether `a` and `b` hold the same bits.
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }
 
 /// The rows `ranges` (of the first dimension) of `values`, a tensor of `shape`, back to
@@ -1873,13 +1899,26 @@ mod tests {
         assert!(e.contains("row 2"), "{e}");
         // A part of the wrong size.
         let e = assemble_rows(&shape, &[(vec![0..4], &data[..])]).unwrap_err();
-        assert!(e.contains("part 0"), "{e}");
+        assert!(e.contains("rank 0's part"), "{e}");
         // Rows past the end.
         let e = assemble_rows(&shape, &[(vec![3..5], &data[..])]).unwrap_err();
         assert!(e.contains("past"), "{e}");
-        // Shared rows come from the lowest rank.
-        let (a, b) = ([1.0f32, 1.0], [2.0f32, 2.0]);
-        let got = assemble_rows(&[1, 2], &[(vec![0..1], &a[..]), (vec![0..1], &b[..])]);
-        assert_eq!(got.unwrap(), vec![1.0, 1.0]);
+        // Shared rows must agree bit for bit (NaN payloads and signed zeros included).
+        let shared = |a: [f32; 2], b: [f32; 2]| {
+            assemble_rows(
+                &[2, 2],
+                &[
+                    (vec![0..2], &[a, [5.0; 2]].concat()[..]),
+                    (vec![0..1], &b[..]),
+                ],
+            )
+        };
+        assert_eq!(
+            shared([1.0, 2.0], [1.0, 2.0]).unwrap(),
+            vec![1.0, 2.0, 5.0, 5.0]
+        );
+        let e = shared([1.0, 2.0], [1.0, 2.5]).unwrap_err();
+        assert!(e.contains("ranks 0 and 1 disagree on row 0"), "{e}");
+        assert!(shared([0.0, 2.0], [-0.0, 2.0]).is_err());
     }
 }

@@ -107,8 +107,8 @@ impl MoeAdamW {
     }
 
     /// [`new`](Self::new) for one rank's part of an expert-parallel layer: the replicated
-    /// router weight (whose gradient is this rank's tokens', to be summed or averaged over
-    /// the ranks before the step) and this rank's experts (`E / N` of them).
+    /// router weight (whose gradient is this rank's tokens', to be summed over the ranks
+    /// before the step) and this rank's experts (`E / N` of them).
     pub fn new_expert_parallel(
         stream: &Stream,
         layer: &ExpertParallelMoe,

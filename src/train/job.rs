@@ -155,7 +155,8 @@ pub fn run(cfg: &JobConfig) -> Result<RunReport, String> {
     if placement.world_size != ranks {
         return Err(format!(
             "{flag} {ranks} needs as many processes: start it with `fp8-moe --gpus {ranks} train \
-             {flag} {ranks}` (this process is rank {} of {})",
+             {flag} {ranks}` (or `--gpus G --nnodes M ...` on each of M machines, G x M = \
+             {ranks}; this process is rank {} of {})",
             placement.rank, placement.world_size
         ));
     }
