@@ -77,6 +77,9 @@ for tool in ${tools//,/ }; do
     # the test's 120 s watchdog. It checks host-side serialization of launches; its kernel
     # uses no shared memory, so racecheck has nothing to look at in it.
     [ "$tool" = racecheck ] && skips+=(--skip one_exec_launched_from_two_threads_runs_every_launch_once_in_turn)
+    # Ranks that are threads on one GPU (LocalGroup) wait for each other at every collective
+    # while the tool slows the kernels between them: let them wait as long as the binary may run.
+    FP8_MOE_LOCAL_GROUP_TIMEOUT=${FP8_MOE_LOCAL_GROUP_TIMEOUT:-${SANITIZE_TIMEOUT:-300}} \
     FP8_MOE_BIN="$bins/fp8-moe" timeout "${SANITIZE_TIMEOUT:-300}" \
       compute-sanitizer --tool "$tool" "${extra[@]}" --print-limit 200 \
       "$t" --include-ignored --test-threads=1 "${skips[@]}" "${test_filter[@]}" > "$log" 2>&1

@@ -268,16 +268,27 @@ fn generation_under_a_graph_is_deterministic_and_leaves_training_alone() {
     assert!(model.generate(&stream, b"x", 1, -1.0, 0).is_err());
 }
 
+/// What a replica's run reports.
+struct Replica {
+    /// Each step's (loss, gradient norm).
+    stats: Vec<(f32, f32)>,
+    /// 8 bytes decoded greedily after the last step.
+    sample: Vec<u8>,
+    /// The final whole state.
+    state: State,
+}
+
 /// One replica's run: `steps` steps on rank `rank`'s share (`1 / ranks` of every step's
-/// windows, in order) of the batches of `seed`, with `train.microbatches` microbatches.
-/// Returns each step's (loss, gradient norm) and the final whole state.
+/// windows, in order) of the batches of `seed`, with `train.microbatches` microbatches,
+/// then a greedy sample (every rank decodes at once: under expert parallelism each token's
+/// forward is collective).
 fn run_replica(
     stream: &Stream,
     model: &mut Model,
     (rank, ranks): (usize, usize),
     steps: usize,
     seed: u64,
-) -> (Vec<(f32, f32)>, State) {
+) -> Replica {
     let (cfg, train) = (*model.config(), *model.train_config());
     let mut rng = Rng::new(seed, 1);
     let text = corpus(&mut rng, 1 << 16);
@@ -298,6 +309,7 @@ fn run_replica(
         let s = model.stats(stream).unwrap();
         losses.push((s.loss, s.grad_norm));
     }
+    let sample = model.generate(stream, b"the graph ", 8, 0.0, 1).unwrap();
     // The whole state (an expert-parallel rank's gathered with the others').
     let state = model
         .gather_state(stream)
@@ -305,7 +317,11 @@ fn run_replica(
         .into_iter()
         .map(|(n, _, v)| (n, v))
         .collect();
-    (losses, state)
+    Replica {
+        stats: losses,
+        sample,
+        state,
+    }
 }
 
 /// The model `build` makes over a one-rank communicator, against the plain model in modes
@@ -329,7 +345,7 @@ fn one_rank_matches_plain(
         let (plain, plain_state) = run(stream, mode, 4, seed);
         let mut model = build(stream, cfg, train, mode, one_rank(stream)).unwrap();
         assert_eq!(model.communicator().map(|c| c.size()), Some(1));
-        let (stats, state) = run_replica(stream, &mut model, (0, 1), 4, seed);
+        let Replica { stats, state, .. } = run_replica(stream, &mut model, (0, 1), 4, seed);
         let stats: Vec<(u32, u32)> = stats
             .iter()
             .map(|(l, g)| (l.to_bits(), g.to_bits()))
@@ -422,7 +438,7 @@ fn ranks_match_one_gpu<G: Send>(
     let (cfg, train) = small();
     let (steps, n) = (4, groups.len());
     // One thread per rank: the ranks' collectives are in flight together.
-    let ranks: Vec<(Vec<(f32, f32)>, State)> = std::thread::scope(|scope| {
+    let ranks: Vec<Replica> = std::thread::scope(|scope| {
         let handles: Vec<_> = groups
             .into_iter()
             .enumerate()
@@ -443,17 +459,24 @@ fn ranks_match_one_gpu<G: Send>(
         ..train
     };
     let mut one = Model::new(&stream, cfg, all, GraphMode::Step).unwrap();
-    let (losses, state) = run_replica(&stream, &mut one, (0, 1), steps, seed);
+    let one = run_replica(&stream, &mut one, (0, 1), steps, seed);
+    let (losses, state) = (&one.stats, &one.state);
     let exact = n == 1;
-    for (r, (rl, rs)) in ranks.iter().enumerate() {
-        assert!(
-            rl.iter()
-                .zip(&ranks[0].0)
-                .all(|(a, b)| { (a.0.to_bits(), a.1.to_bits()) == (b.0.to_bits(), b.1.to_bits()) }),
-            "{what}: ranks {r} and 0 report different losses or norms: {rl:?}, {:?}",
-            ranks[0].0
+    let bits = |s: &[(f32, f32)]| -> Vec<(u32, u32)> {
+        s.iter().map(|(l, g)| (l.to_bits(), g.to_bits())).collect()
+    };
+    for (r, rank) in ranks.iter().enumerate() {
+        let (rl, rs) = (&rank.stats, &rank.state);
+        assert_eq!(
+            bits(rl),
+            bits(&ranks[0].stats),
+            "{what}: ranks {r} and 0 report different losses or gradient norms"
         );
-        for (name, want) in &ranks[0].1 {
+        assert_eq!(rank.sample, ranks[0].sample, "{what}: rank {r}'s sample");
+        if exact {
+            assert_eq!(rank.sample, one.sample, "{what}: the one GPU's sample");
+        }
+        for (name, want) in &ranks[0].state {
             assert!(
                 rs[name]
                     .iter()
@@ -462,7 +485,7 @@ fn ranks_match_one_gpu<G: Send>(
                 "{what}, rank {r}: {name}"
             );
         }
-        for (step, (&(a, ga), &(b, gb))) in rl.iter().zip(&losses).enumerate() {
+        for (step, (&(a, ga), &(b, gb))) in rl.iter().zip(losses).enumerate() {
             let tol = if exact { 0.0 } else { 1e-3 * b.abs() };
             assert!(
                 (a - b).abs() <= tol,
@@ -479,7 +502,7 @@ fn ranks_match_one_gpu<G: Send>(
             );
         }
         assert_eq!(rs.len(), state.len(), "{what}: tensors");
-        for (name, want) in &state {
+        for (name, want) in state {
             let got = &rs[name];
             assert_eq!(got.len(), want.len(), "{what}, rank {r}: {name}");
             if exact || name.starts_with("optim.state.") {

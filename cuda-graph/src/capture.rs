@@ -718,6 +718,7 @@ impl Stream {
     /// know (from a newer driver).
     pub fn capture_status(&self) -> Result<CaptureStatus> {
         let mut status = CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        self.context().ensure_current()?;
         // SAFETY: live stream, valid out-pointer.
         unsafe { cu!(cuStreamIsCapturing(self.as_raw(), &mut status)) }?;
         status_from_raw(status)

@@ -73,6 +73,21 @@ impl Context {
         unsafe { cu!(cuCtxSetCurrent(self.raw)) }
     }
 
+    /// [`bind`](Self::bind) unless this context is already current on the calling thread:
+    /// what every stream-ordered call (launches, copies, events, stream-ordered allocations)
+    /// does first, so a stream made on one thread may be used from any other (the driver
+    /// refuses a kernel launch from a thread with no current context). One query of the
+    /// thread's current context when it is already this one.
+    pub(crate) fn ensure_current(&self) -> Result<()> {
+        let mut current = std::ptr::null_mut();
+        // SAFETY: valid out-pointer.
+        unsafe { cu!(cuCtxGetCurrent(&mut current)) }?;
+        if current == self.raw {
+            return Ok(());
+        }
+        self.bind()
+    }
+
     /// Waits for all work in this context to finish.
     ///
     /// Uses the CUDA 13.0 `cuCtxSynchronize`, which names the context. A driver before 13.0

@@ -70,6 +70,7 @@ impl Event {
     /// Wraps [`cuEventRecord`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html).
     /// Errors: [`Error::Driver`].
     pub fn record(&self, stream: &Stream) -> Result<()> {
+        stream.context().ensure_current()?;
         // SAFETY: both handles are live.
         unsafe { cu!(cuEventRecord(self.raw, stream.as_raw())) }
     }

@@ -250,6 +250,7 @@ impl GraphExec {
         if completion.is_none() {
             *completion = Some(Event::for_sync(&self.ctx)?);
         }
+        stream.context().ensure_current()?;
         // SAFETY: live exec and stream; the exec keeps alive what its nodes use; no other
         // call on the exec runs (the lock).
         unsafe { cu!(cuGraphLaunch(self.raw, stream.as_raw())) }?;

@@ -263,6 +263,7 @@ impl Stream {
         extra: Option<LaunchAttribute>,
         args: &KernelArgs<'_>,
     ) -> Result<()> {
+        self.context().ensure_current()?;
         kernel.check_args(args.sizes())?;
         if self.is_collecting() {
             self.retain_all_for_capture(

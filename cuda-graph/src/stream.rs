@@ -157,6 +157,7 @@ impl Stream {
     /// Wraps [`cuStreamWaitEvent`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).
     /// Errors: [`Error::Driver`].
     pub fn wait_event(&self, event: &Event) -> Result<()> {
+        self.context().ensure_current()?;
         // SAFETY: live handles; flags must be 0.
         unsafe { cu!(cuStreamWaitEvent(self.inner.raw, event.as_raw(), 0)) }
     }

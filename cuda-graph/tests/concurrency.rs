@@ -535,3 +535,57 @@ fn graph_edits_and_exec_setters_on_two_threads_are_serialized() {
     }
     assert_eq!(editor.join().unwrap(), EDITS + 1, "every edit landed");
 }
+
+/// Every stream-ordered call made on a thread where no context is current (each on a fresh
+/// thread of its own, so none relies on an earlier call's binding): the handles were made on
+/// the main thread, and each call makes its stream's context current itself (the driver
+/// refuses a kernel launch, and may refuse the rest, from a thread with none).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn stream_ordered_calls_work_from_threads_with_no_current_context() {
+    const N: u32 = 4096;
+    let gpu = Gpu::new(N);
+    let (set, add_pdl) = (gpu.k("set_f32"), gpu.k("add_one_pdl"));
+    let (x, y) = (gpu.buf(), gpu.buf());
+    let other = Stream::new(&gpu.ctx).unwrap();
+    let done = Event::for_sync(&gpu.ctx).unwrap();
+    let mut graph = Graph::new(&gpu.ctx).unwrap();
+    // SAFETY: add_one_pdl reads and writes N floats of y.
+    unsafe { graph.add_kernel(&[], &add_pdl, &cfg(N), &kernel_args![&y, N]) }.unwrap();
+    let exec = GraphExec::instantiate(&graph, InstantiateFlags::empty()).unwrap();
+    let s = &gpu.stream;
+    let fresh = |what: &str, call: &(dyn Fn() -> cuda_graph::Result<()> + Sync)| {
+        std::thread::scope(|t| t.spawn(call).join().unwrap())
+            .unwrap_or_else(|e| panic!("{what} on a thread with no current context: {e}"));
+    };
+    fresh("memset", &|| x.fill_u32_bits(s, 0));
+    // SAFETY: set_f32 writes N floats of x; add_one_pdl reads and writes N floats of x.
+    fresh("launch", &|| unsafe {
+        s.launch(&set, &cfg(N), &kernel_args![&x, 2.0f32, N])
+    });
+    fresh("programmatic launch", &|| unsafe {
+        s.launch_pdl(&add_pdl, &cfg(N), &kernel_args![&x, N])
+    });
+    fresh("device copy", &|| y.copy_from_device(s, &x));
+    fresh("stream-ordered allocation", &|| {
+        let b = DeviceBuffer::<f32>::alloc_async(s, N as usize)?;
+        b.copy_from_device(s, &y)
+    });
+    fresh("graph launch", &|| exec.launch(s));
+    fresh("event record", &|| done.record(s));
+    fresh("event wait", &|| other.wait_event(&done));
+    // x = 2 + 1, y = x + 1 (the graph's kernel); read back on yet another fresh thread.
+    let read = |b: &DeviceBuffer<f32>| {
+        std::thread::scope(|t| t.spawn(|| b.to_vec(&other)).join().unwrap()).unwrap()
+    };
+    assert_all(&read(&x), 3.0, "x");
+    assert_all(&read(&y), 4.0, "y");
+    fresh("host copies", &|| {
+        let mut h = vec![0f32; N as usize];
+        x.copy_from_host(s, &h)?;
+        y.copy_to_host(s, &mut h)?;
+        assert_all(&h, 4.0, "y through copy_to_host");
+        Ok(())
+    });
+    assert_all(&read(&x), 0.0, "x after copy_from_host");
+}

@@ -853,24 +853,38 @@ impl Model {
     pub fn evaluate(&mut self, stream: &Stream, tokens: &[i32], targets: &[i32]) -> Result<f32> {
         let t = self.cfg.tokens();
         check_ids("Model::evaluate", "a microbatch", tokens, targets, t)?;
-        self.snapshot.save(stream, &self.scaling)?;
-        self.batches[0].tokens.copy_from_host(stream, tokens)?;
-        self.batches[0].targets.copy_from_host(stream, targets)?;
-        self.forward_only(stream)?;
-        let head = &self.head;
-        self.ops.cross_entropy(
-            stream,
-            &head.logits,
-            &self.batches[0].targets,
-            1.0,
-            &head.loss_rows,
-            &head.dlogits,
-        )?;
-        self.ops
-            .sum(stream, &head.loss_rows, &self.stats, EVAL, false)?;
-        self.snapshot.restore(stream, &self.scaling)?;
+        self.leaving_scaling_alone(stream, |m| {
+            m.batches[0].tokens.copy_from_host(stream, tokens)?;
+            m.batches[0].targets.copy_from_host(stream, targets)?;
+            m.forward_only(stream)?;
+            let head = &m.head;
+            m.ops.cross_entropy(
+                stream,
+                &head.logits,
+                &m.batches[0].targets,
+                1.0,
+                &head.loss_rows,
+                &head.dlogits,
+            )?;
+            m.ops.sum(stream, &head.loss_rows, &m.stats, EVAL, false)
+        })?;
         let v = self.stats.slice(EVAL..EVAL + 1)?.to_vec(stream)?;
         Ok(v[0] / t as f32)
+    }
+
+    /// Runs `pass` between a save and a restore of the FP8 scaling state (restored when
+    /// `pass` fails too), so the amaxes its forward's casts record leave no trace.
+    fn leaving_scaling_alone<T>(
+        &mut self,
+        stream: &Stream,
+        pass: impl FnOnce(&mut Self) -> Result<T>,
+    ) -> Result<T> {
+        self.snapshot.save(stream, &self.scaling)?;
+        let out = pass(self);
+        let restored = self.snapshot.restore(stream, &self.scaling);
+        let out = out?;
+        restored?;
+        Ok(out)
     }
 
     /// Continues `prompt` by `new_tokens` bytes sampled from the model (temperature
@@ -880,7 +894,9 @@ impl Model {
     /// bytes) in sequence 0 and the next byte drawn from the logits at its last position.
     /// The FP8 scaling state is left as it was (the casts' amaxes are undone), so training
     /// may continue after. Needs the blocks in the model's hands ([`GraphMode::None`] or
-    /// [`GraphMode::Step`]).
+    /// [`GraphMode::Step`]). Over a group whose collectives cannot be captured (a
+    /// [`LocalGroup`](crate::moe::ep::LocalGroup)'s), the forward runs eagerly per token,
+    /// with the same bits.
     pub fn generate(
         &mut self,
         stream: &Stream,
@@ -902,37 +918,46 @@ impl Model {
                 "generate: temperature {temperature} must be finite and >= 0"
             )));
         }
-        self.snapshot.save(stream, &self.scaling)?;
-        let (graph, ()) =
-            stream.capture_with(CaptureMode::ThreadLocal, |s| self.forward_only(s.stream()))?;
-        let exec = GraphExec::instantiate(&graph, InstantiateFlags::empty())?;
-        let (s_len, t) = (self.cfg.context, self.cfg.tokens());
-        let mut text: Vec<u8> = prompt.to_vec();
-        if text.is_empty() {
-            text.push(b'\n');
-        }
-        let mut window = vec![0i32; t];
-        let mut rng = Rng::new(seed, 0x6E);
-        let mut out = Vec::with_capacity(new_tokens);
-        for _ in 0..new_tokens {
-            let start = text.len().saturating_sub(s_len);
-            let ctx_bytes = &text[start..];
-            for (w, &b) in window.iter_mut().zip(ctx_bytes) {
-                *w = i32::from(b);
+        let capturable = self.dp.as_ref().is_none_or(|dp| dp.group.capturable());
+        let out = self.leaving_scaling_alone(stream, |m| {
+            let exec = if capturable {
+                let (graph, ()) = stream
+                    .capture_with(CaptureMode::ThreadLocal, |s| m.forward_only(s.stream()))?;
+                Some(GraphExec::instantiate(&graph, InstantiateFlags::empty())?)
+            } else {
+                None
+            };
+            let (s_len, t) = (m.cfg.context, m.cfg.tokens());
+            let mut text: Vec<u8> = prompt.to_vec();
+            if text.is_empty() {
+                text.push(b'\n');
             }
-            self.batches[0].tokens.copy_from_host(stream, &window)?;
-            exec.launch(stream)?;
-            let p = ctx_bytes.len() - 1;
-            let row = self
-                .head
-                .logits
-                .slice(p * VOCAB..(p + 1) * VOCAB)?
-                .to_vec(stream)?;
-            let next = sample(&row, temperature, &mut rng);
-            text.push(next);
-            out.push(next);
-        }
-        self.snapshot.restore(stream, &self.scaling)?;
+            let mut window = vec![0i32; t];
+            let mut rng = Rng::new(seed, 0x6E);
+            let mut out = Vec::with_capacity(new_tokens);
+            for _ in 0..new_tokens {
+                let start = text.len().saturating_sub(s_len);
+                let ctx_bytes = &text[start..];
+                for (w, &b) in window.iter_mut().zip(ctx_bytes) {
+                    *w = i32::from(b);
+                }
+                m.batches[0].tokens.copy_from_host(stream, &window)?;
+                match &exec {
+                    Some(exec) => exec.launch(stream)?,
+                    None => m.forward_only(stream)?,
+                }
+                let p = ctx_bytes.len() - 1;
+                let row = m
+                    .head
+                    .logits
+                    .slice(p * VOCAB..(p + 1) * VOCAB)?
+                    .to_vec(stream)?;
+                let next = sample(&row, temperature, &mut rng);
+                text.push(next);
+                out.push(next);
+            }
+            Ok(out)
+        })?;
         stream.synchronize()?;
         Ok(out)
     }

@@ -47,8 +47,8 @@ use std::time::Duration;
 
 use cuda_graph::half::bf16;
 use cuda_graph::{
-    DeviceBuffer, DeviceRepr, Error, Event, Kernel, KernelArgs, LaunchConfig, Module, Result,
-    Stream,
+    CaptureStatus, DeviceBuffer, DeviceRepr, Error, Event, Kernel, KernelArgs, LaunchConfig,
+    Module, Result, Stream,
 };
 use fp8_kernels::{DelayedScaling, DeviceScalar, HpBuffer, ReductionGroup};
 use graphed_callables::{Callable, SegmentKind, Slot};
@@ -130,27 +130,39 @@ pub trait ExpertGroup: Send + Sync + std::fmt::Debug {
 /// How long a [`LocalGroup`] rank waits for the others at a collective by default.
 pub const LOCAL_GROUP_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// The variable that overrides [`LOCAL_GROUP_TIMEOUT`] for [`LocalGroup::new`]: a positive
+/// number of seconds, fractions allowed (e.g. for runs under compute-sanitizer, whose
+/// kernels run far slower while the ranks' host threads wait on each other).
+pub const LOCAL_GROUP_TIMEOUT_VAR: &str = "FP8_MOE_LOCAL_GROUP_TIMEOUT";
+
+/// The wait `value` of [`LOCAL_GROUP_TIMEOUT_VAR`] sets (unset or blank: the default).
+fn local_group_timeout(value: Option<&str>) -> Result<Duration> {
+    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty()) else {
+        return Ok(LOCAL_GROUP_TIMEOUT);
+    };
+    v.parse::<f64>()
+        .ok()
+        .filter(|s| s.is_finite() && *s > 0.0)
+        .and_then(|s| Duration::try_from_secs_f64(s).ok())
+        .ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "{LOCAL_GROUP_TIMEOUT_VAR}={v:?}: expected a positive number of seconds"
+            ))
+        })
+}
+
 /// Ranks that are threads of one process, their buffers on one device: an [`ExpertGroup`]
 /// whose collectives are device-to-device copies ordered by events (the all-reduce: every
 /// rank's buffer gathered, then reduced in rank order by a kernel), to run (and test) expert
-/// parallelism without several GPUs. Each rank's thread calls every collective; a call
-/// returns once every rank has called it (each waits at most the group's timeout and then
-/// fails naming the ranks that never came). Eager only: a collective cannot be captured
-/// (its copies read buffers of other threads' streams).
+/// parallelism without several GPUs. Each rank's thread calls every collective, in the same
+/// order as the others (a rank that calls another collective than its peers gets an error
+/// naming both, as do they); a call returns once every rank has called it (each waits at
+/// most the group's timeout and then fails naming the ranks that never came). Eager only: a
+/// collective cannot be captured (its copies read buffers of other threads' streams).
 #[derive(Debug, Clone)]
 pub struct LocalGroup {
     rank: usize,
     shared: Arc<Shared>,
-    /// The all-reduce's kernels, loaded at its first use.
-    reduce: Arc<Mutex<Option<Arc<ReduceKernels>>>>,
-}
-
-/// The kernels of [`LocalGroup`]'s all-reduce (in `src/kernels/moe_routing.cu`).
-#[derive(Debug)]
-struct ReduceKernels {
-    f32: Kernel,
-    bf16: Kernel,
-    _module: Module,
 }
 
 #[derive(Debug)]
@@ -166,12 +178,22 @@ struct Shared {
 struct MeetState {
     generation: u64,
     arrived: Vec<bool>,
-    /// The posts of the meeting under way.
-    posts: Vec<Option<Post>>,
-    /// The posts of the last completed meeting, for the ranks that waited in it (a rank that
-    /// completes a meeting may post to the next before they wake; the next cannot complete
-    /// before they arrive there).
-    last: Arc<Vec<Option<Post>>>,
+    /// The arrivals of the meeting under way.
+    posts: Vec<Option<Arrival>>,
+    /// The arrivals of the last completed meeting, for the ranks that waited in it (a rank
+    /// that completes a meeting may post to the next before they wake; the next cannot
+    /// complete before they arrive there).
+    last: Arc<Vec<Option<Arrival>>>,
+}
+
+/// Which call of which collective a rank arrived at a meeting for: (collective, round).
+type Tag = (&'static str, &'static str);
+
+/// A rank's arrival at a meeting: what it came for and what it brought.
+#[derive(Debug)]
+struct Arrival {
+    tag: Tag,
+    post: Option<Post>,
 }
 
 /// A rank's part of a collective: its send buffer and the event its stream recorded when
@@ -185,11 +207,14 @@ struct Post {
 }
 
 impl LocalGroup {
-    /// The `size` ranks of a new group, rank `r` at index `r`: hand one to each thread.
+    /// The `size` ranks of a new group, rank `r` at index `r`: hand one to each thread. Each
+    /// waits at most [`LOCAL_GROUP_TIMEOUT`] at a collective, or what
+    /// [`LOCAL_GROUP_TIMEOUT_VAR`] says.
     ///
-    /// Errors: [`Error::InvalidArgument`] for `size == 0`.
+    /// Errors: [`Error::InvalidArgument`] for `size == 0` or a malformed variable.
     pub fn new(size: usize) -> Result<Vec<LocalGroup>> {
-        LocalGroup::with_timeout(size, LOCAL_GROUP_TIMEOUT)
+        let var = std::env::var(LOCAL_GROUP_TIMEOUT_VAR).ok();
+        LocalGroup::with_timeout(size, local_group_timeout(var.as_deref())?)
     }
 
     /// [`new`](Self::new) with the wait at each collective bounded by `timeout`.
@@ -214,20 +239,40 @@ impl LocalGroup {
             .map(|rank| LocalGroup {
                 rank,
                 shared: shared.clone(),
-                reduce: Arc::new(Mutex::new(None)),
             })
             .collect())
     }
 
-    /// Posts `post` (when given), waits until every rank has arrived, and returns every
-    /// rank's post of this meeting.
-    fn meet(&self, what: &str, post: Option<Post>) -> Result<Arc<Vec<Option<Post>>>> {
+    /// Posts `post` (when given) for the collective `tag`, waits until every rank has
+    /// arrived, and returns every rank's post of this meeting. Errors when a rank arrived for
+    /// another collective (the ranks' calls are out of order: every rank sees it).
+    fn meet(&self, tag: Tag, post: Option<Post>) -> Result<Arc<Vec<Option<Arrival>>>> {
+        let arrivals = self.arrive(tag, post)?;
+        let name = |(what, round): Tag| format!("{what} ({round})");
+        if let Some((p, theirs)) = arrivals
+            .iter()
+            .enumerate()
+            .find_map(|(p, a)| a.as_ref().filter(|a| a.tag != tag).map(|a| (p, a.tag)))
+        {
+            return Err(Error::InvalidArgument(format!(
+                "LocalGroup: rank {} called {} while rank {p} called {}: every rank must call \
+                 the group's collectives in the same order",
+                self.rank,
+                name(tag),
+                name(theirs)
+            )));
+        }
+        Ok(arrivals)
+    }
+
+    /// The meeting itself: posts this rank's arrival, waits for every rank's.
+    fn arrive(&self, tag: Tag, post: Option<Post>) -> Result<Arc<Vec<Option<Arrival>>>> {
         let sh = &self.shared;
         let poisoned = || Error::InvalidArgument("LocalGroup: a rank panicked".into());
         let mut st = sh.state.lock().map_err(|_| poisoned())?;
         let generation = st.generation;
         st.arrived[self.rank] = true;
-        st.posts[self.rank] = post;
+        st.posts[self.rank] = Some(Arrival { tag, post });
         if st.arrived.iter().all(|&a| a) {
             let fresh = (0..sh.size).map(|_| None).collect();
             let posts = Arc::new(std::mem::replace(&mut st.posts, fresh));
@@ -247,9 +292,9 @@ impl LocalGroup {
             st.arrived[self.rank] = false;
             st.posts[self.rank] = None;
             return Err(Error::InvalidArgument(format!(
-                "LocalGroup: rank {} waited {:?} at {what} for ranks {missing:?}, which never \
+                "LocalGroup: rank {} waited {:?} at {} for ranks {missing:?}, which never \
                  arrived",
-                self.rank, sh.timeout
+                self.rank, sh.timeout, tag.0
             )));
         }
         Ok(st.last.clone())
@@ -258,15 +303,18 @@ impl LocalGroup {
     /// One collective: for every rank `p`, the bytes `src` of its `send` copied to `dst` of
     /// this rank's `recv`, `(src, dst) = blocks(p, p's send counts)`. Each copy waits for the
     /// sender's buffer to be ready on its stream; each rank's stream then waits until every
-    /// rank has copied from it, so work it enqueues later may overwrite its `send`.
+    /// rank has copied from it, so work it enqueues later may overwrite its `send`. A rank
+    /// whose copies fail (a block its sender does not have) still meets the others after
+    /// them, so that they do not wait for it until the timeout, and then reports the error.
     fn exchange(
         &self,
-        what: &str,
+        what: &'static str,
         stream: &Stream,
         (send, counts): (&DeviceBuffer<u8>, &[usize]),
         recv: &DeviceBuffer<u8>,
         blocks: impl Fn(usize, &[usize]) -> Result<(Range<usize>, Range<usize>)>,
     ) -> Result<()> {
+        self.check_eager(what, stream)?;
         let ctx = stream.context();
         let event = |s: &Stream| -> Result<Arc<Event>> {
             let e = Event::for_sync(ctx)?;
@@ -278,45 +326,38 @@ impl LocalGroup {
             counts: counts.to_vec(),
             event: event(stream)?,
         };
-        let posts = self.meet(what, Some(ready))?;
-        for (p, post) in posts.iter().enumerate() {
-            let post = post.as_ref().ok_or_else(|| {
+        let arrivals = self.meet((what, "send buffers ready"), Some(ready))?;
+        let copied = arrivals.iter().enumerate().try_for_each(|(p, a)| {
+            let post = a.as_ref().and_then(|a| a.post.as_ref()).ok_or_else(|| {
                 Error::InvalidArgument(format!("LocalGroup: rank {p} posted nothing at {what}"))
             })?;
             let (src, dst) = blocks(p, &post.counts)?;
             stream.wait_event(&post.event)?;
             recv.slice(dst)?
-                .copy_from_device(stream, &post.send.slice(src)?)?;
-        }
+                .copy_from_device(stream, &post.send.slice(src)?)
+        });
         let done = Post {
             send: send.share(),
             counts: Vec::new(),
             event: event(stream)?,
         };
-        let dones = self.meet(what, Some(done))?;
-        for post in dones.iter().flatten() {
+        let dones = self.meet((what, "copies done"), Some(done))?;
+        for post in dones.iter().flatten().filter_map(|a| a.post.as_ref()) {
             stream.wait_event(&post.event)?;
         }
-        Ok(())
+        copied
     }
 
-    /// The all-reduce's kernels on `stream`'s context (loaded once).
-    fn reduce_kernels(&self, stream: &Stream) -> Result<Arc<ReduceKernels>> {
-        let mut k = self
-            .reduce
-            .lock()
-            .map_err(|_| Error::InvalidArgument("LocalGroup: a rank panicked".into()))?;
-        if let Some(k) = &*k {
-            return Ok(k.clone());
+    /// Refuses a collective on a capturing stream: its copies wait on other threads' streams,
+    /// which no capture may do.
+    fn check_eager(&self, what: &str, stream: &Stream) -> Result<()> {
+        if stream.capture_status()? == CaptureStatus::None {
+            return Ok(());
         }
-        let module = Module::embedded(stream.context(), FATBIN)?;
-        let made = Arc::new(ReduceKernels {
-            f32: module.kernel("moe_ep_reduce_ranks_f32")?,
-            bf16: module.kernel("moe_ep_reduce_ranks_bf16")?,
-            _module: module,
-        });
-        *k = Some(made.clone());
-        Ok(made)
+        Err(Error::InvalidArgument(format!(
+            "LocalGroup {what}: the stream is capturing, and a LocalGroup's collectives cannot \
+             be captured (they wait on the other ranks' streams); run them eagerly"
+        )))
     }
 
     fn check_lengths(&self, what: &str, send: usize, recv: usize, ok: bool) -> Result<()> {
@@ -408,10 +449,18 @@ impl ExpertGroup for LocalGroup {
     /// in rank order (sums in f32, bf16 rounded once): f32 and bf16.
     fn all_reduce(&self, stream: &Stream, buf: HpBuffer<'_>, op: GroupOp) -> Result<()> {
         let size = self.shared.size;
-        let kernels = self.reduce_kernels(stream)?;
+        // The module is loaded once per context and its kernels looked up once (both cached
+        // by the crate), on `stream`'s context.
+        let module = Module::embedded(stream.context(), FATBIN)?;
         let (kernel, send) = match buf {
-            HpBuffer::F32(b) => (&kernels.f32, b.reinterpret::<u8>()?),
-            HpBuffer::Bf16(b) => (&kernels.bf16, b.reinterpret::<u8>()?),
+            HpBuffer::F32(b) => (
+                module.kernel("moe_ep_reduce_ranks_f32")?,
+                b.reinterpret::<u8>()?,
+            ),
+            HpBuffer::Bf16(b) => (
+                module.kernel("moe_ep_reduce_ranks_bf16")?,
+                b.reinterpret::<u8>()?,
+            ),
             HpBuffer::F16(_) => {
                 return Err(Error::InvalidArgument(
                     "LocalGroup all_reduce: f16 is not reduced (f32 and bf16 are)".into(),
@@ -421,6 +470,7 @@ impl ExpertGroup for LocalGroup {
         if buf.is_empty() {
             return Ok(());
         }
+        self.check_eager("all_reduce", stream)?;
         let rows = DeviceBuffer::<u8>::alloc_async(stream, size * send.len())?;
         self.all_gather(stream, &send, &rows)?;
         let (len, ranks) = (
@@ -443,7 +493,7 @@ impl ExpertGroup for LocalGroup {
         // SAFETY: the grid-stride loop reads rows[r * len + i] for r < ranks, i < len (the
         // gathered `ranks x len` elements: `size` times `buf`'s bytes allocated) and writes
         // send[i] (`buf`'s len elements), both of the kernel's element type.
-        unsafe { stream.launch_pdl(kernel, &LaunchConfig::linear(blocks, BLOCK), &args) }
+        unsafe { stream.launch_pdl(&kernel, &LaunchConfig::linear(blocks, BLOCK), &args) }
     }
 
     fn capturable(&self) -> bool {
@@ -945,11 +995,13 @@ impl ExpertParallelMoe {
     }
 }
 
-/// The layer in the graphed-callables runtime: full-layer ([`ExpertGemm::Grouped`]) is one
-/// graphed segment each way, its collectives inside the graphs (a capturable group: NCCL);
-/// breaking-layer ([`ExpertGemm::PerExpert`]) one eager segment each way (it reads counts
-/// back), which casts the weights itself on a step's first microbatch (the runtime casts in
-/// graphed segments only). Every rank builds and runs the same schedule. Weight gradients accumulate, or with
+/// The layer in the graphed-callables runtime: full-layer ([`ExpertGemm::Grouped`]) over a
+/// group whose collectives can be captured (NCCL's) is one graphed segment each way, its
+/// collectives inside the graphs; breaking-layer ([`ExpertGemm::PerExpert`], which reads
+/// counts back) and any pass over a group that cannot be captured (a [`LocalGroup`]) is one
+/// eager segment each way, which casts the weights itself on a step's first microbatch (the
+/// runtime casts in graphed segments only). Every rank builds and runs the same schedule.
+/// Weight gradients accumulate, or with
 /// [`with_step_gradients`](ExpertParallelMoe::with_step_gradients) microbatch 0 writes them.
 impl Callable<bf16> for ExpertParallelMoe {
     fn input_lens(&self) -> Vec<usize> {
@@ -1004,9 +1056,10 @@ impl Callable<bf16> for ExpertParallelMoe {
     }
 
     fn forward_segments(&self) -> Vec<SegmentKind> {
-        vec![match self.cfg.expert_gemm {
-            ExpertGemm::Grouped => SegmentKind::Graphed,
-            ExpertGemm::PerExpert => SegmentKind::Eager,
+        vec![if self.graphed() {
+            SegmentKind::Graphed
+        } else {
+            SegmentKind::Eager
         }]
     }
 
@@ -1022,8 +1075,8 @@ impl Callable<bf16> for ExpertParallelMoe {
         outputs: &[&DeviceBuffer<bf16>],
         slot: &Slot<'_, bf16>,
     ) -> Result<()> {
-        match (self.cfg.expert_gemm, segment) {
-            (ExpertGemm::Grouped, 0) => Callable::forward(self, stream, inputs, outputs, slot),
+        match (self.graphed(), segment) {
+            (true, 0) => Callable::forward(self, stream, inputs, outputs, slot),
             _ => Err(self.not_a_segment("forward", segment, "graphed")),
         }
     }
@@ -1036,7 +1089,7 @@ impl Callable<bf16> for ExpertParallelMoe {
         outputs: &[&DeviceBuffer<bf16>],
         slot: &Slot<'_, bf16>,
     ) -> Result<()> {
-        if (self.cfg.expert_gemm, segment) != (ExpertGemm::PerExpert, 0) {
+        if (self.graphed(), segment) != (false, 0) {
             return Err(self.not_a_segment("forward", segment, "eager"));
         }
         // A forward of eager segments only gets no casts from the runtime: its first
@@ -1055,10 +1108,8 @@ impl Callable<bf16> for ExpertParallelMoe {
         grad_inputs: &[&DeviceBuffer<bf16>],
         slot: &Slot<'_, bf16>,
     ) -> Result<()> {
-        match (self.cfg.expert_gemm, segment) {
-            (ExpertGemm::Grouped, 0) => {
-                Callable::backward(self, stream, grad_outputs, grad_inputs, slot)
-            }
+        match (self.graphed(), segment) {
+            (true, 0) => Callable::backward(self, stream, grad_outputs, grad_inputs, slot),
             _ => Err(self.not_a_segment("backward", segment, "graphed")),
         }
     }
@@ -1071,7 +1122,7 @@ impl Callable<bf16> for ExpertParallelMoe {
         grad_inputs: &[&DeviceBuffer<bf16>],
         slot: &Slot<'_, bf16>,
     ) -> Result<()> {
-        if (self.cfg.expert_gemm, segment) != (ExpertGemm::PerExpert, 0) {
+        if (self.graphed(), segment) != (false, 0) {
             return Err(self.not_a_segment("backward", segment, "eager"));
         }
         self.slot_backward(stream, grad_outputs, grad_inputs, slot)
@@ -1179,6 +1230,13 @@ impl ExpertParallelMoe {
             "ExpertParallelMoe ({:?}): {pass} segment {segment} is not {what}",
             self.cfg.expert_gemm
         ))
+    }
+
+    /// Whether the graphed-callables runtime captures the layer's passes: full-layer
+    /// ([`ExpertGemm::Grouped`]) over a group whose collectives can be captured. Otherwise
+    /// each pass is one eager segment (over a [`LocalGroup`], full-layer too).
+    fn graphed(&self) -> bool {
+        self.cfg.expert_gemm == ExpertGemm::Grouped && self.group.capturable()
     }
 
     /// Whether rows go home in exact sizes (breaking-layer, [`ExpertGemm::PerExpert`]).
@@ -1346,8 +1404,55 @@ mod tests {
     #[test]
     fn a_rank_that_never_comes_is_named() {
         let g = LocalGroup::with_timeout(3, Duration::from_millis(50)).unwrap();
-        let e = g[1].meet("the test", None).unwrap_err().to_string();
+        let e = g[1]
+            .meet(("the test", "one"), None)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("rank 1") && e.contains("[0, 2]"), "{e}");
+    }
+
+    #[test]
+    fn the_timeout_variable_takes_positive_seconds() {
+        assert_eq!(local_group_timeout(None).unwrap(), LOCAL_GROUP_TIMEOUT);
+        assert_eq!(local_group_timeout(Some(" ")).unwrap(), LOCAL_GROUP_TIMEOUT);
+        assert_eq!(
+            local_group_timeout(Some(" 1.5 ")).unwrap(),
+            Duration::from_millis(1500)
+        );
+        assert_eq!(
+            local_group_timeout(Some("1200")).unwrap(),
+            Duration::from_secs(1200)
+        );
+        for bad in ["0", "-3", "soon", "inf", "NaN", "1e400"] {
+            let e = local_group_timeout(Some(bad)).unwrap_err().to_string();
+            assert!(
+                e.contains(LOCAL_GROUP_TIMEOUT_VAR) && e.contains(bad),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn ranks_at_different_collectives_all_get_an_error_naming_both() {
+        let g = LocalGroup::new(2).unwrap();
+        let tags = [
+            ("all_gather", "send buffers ready"),
+            ("all_to_all", "send buffers ready"),
+        ];
+        let handles: Vec<_> = g
+            .into_iter()
+            .zip(tags)
+            .map(|(g, tag)| std::thread::spawn(move || g.meet(tag, None).map(|_| ())))
+            .collect();
+        for h in handles {
+            let e = h.join().unwrap().unwrap_err().to_string();
+            assert!(
+                e.contains("all_gather (send buffers ready)")
+                    && e.contains("all_to_all (send buffers ready)")
+                    && e.contains("same order"),
+                "{e}"
+            );
+        }
     }
 
     #[test]
@@ -1358,7 +1463,7 @@ mod tests {
             .map(|g| {
                 std::thread::spawn(move || {
                     (0..3)
-                        .map(|_| g.meet("the test", None).map(|p| p.len()))
+                        .map(|_| g.meet(("the test", "one"), None).map(|p| p.len()))
                         .collect::<Result<Vec<_>>>()
                 })
             })

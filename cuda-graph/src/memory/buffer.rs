@@ -123,6 +123,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         let free = Self::stream_ordered_free(stream)?;
         let mut ptr = 0;
         if bytes > 0 {
+            stream.context().ensure_current()?;
             // SAFETY: valid out-pointer, live stream.
             unsafe { cu!(cuMemAllocAsync(&mut ptr, bytes, stream.as_raw())) }?;
         }
@@ -154,6 +155,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         let free = Self::stream_ordered_free(stream)?;
         let mut ptr = 0;
         if bytes > 0 {
+            stream.context().ensure_current()?;
             // SAFETY: valid out-pointer, live stream and pool.
             unsafe {
                 cu!(cuMemAllocFromPoolAsync(

@@ -29,6 +29,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         if self.is_empty() {
             return Ok(());
         }
+        stream.context().ensure_current()?;
         // SAFETY: src is valid for `bytes` reads until the synchronize below returns.
         unsafe {
             cu!(cuMemcpyHtoDAsync(
@@ -52,6 +53,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         if self.is_empty() {
             return Ok(());
         }
+        stream.context().ensure_current()?;
         // SAFETY: dst is valid for `bytes` writes until the synchronize below returns; every
         // bit pattern is a valid T.
         unsafe {
@@ -107,6 +109,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         }
         stream.retain_for_capture(|| src.resource());
         stream.retain_for_capture(|| self.resource());
+        stream.context().ensure_current()?;
         // SAFETY: both ranges are live allocations of `bytes` bytes.
         unsafe {
             cu!(cuMemcpyDtoDAsync(
@@ -127,6 +130,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
             return Ok(());
         }
         stream.retain_for_capture(|| self.resource());
+        stream.context().ensure_current()?;
         // SAFETY: live allocation of `bytes` bytes.
         unsafe {
             cu!(cuMemsetD8Async(
@@ -153,6 +157,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
             return Ok(());
         }
         stream.retain_for_capture(|| self.resource());
+        stream.context().ensure_current()?;
         // SAFETY: live allocation of `len` 4-byte words.
         unsafe {
             cu!(cuMemsetD32Async(
