@@ -82,6 +82,7 @@ impl Event {
     /// `CUDA_ERROR_CAPTURED_EVENT` for an event recorded in a running capture, which this
     /// invalidates.
     pub fn synchronize(&self) -> Result<()> {
+        self.ctx.ensure_current()?;
         // SAFETY: live handle.
         unsafe { cu!(cuEventSynchronize(self.raw)) }
     }

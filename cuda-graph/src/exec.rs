@@ -225,6 +225,7 @@ impl GraphExec {
             .completion
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
+        stream.context().ensure_current()?;
         // SAFETY: live exec and stream; no other call on the exec runs (the lock).
         unsafe { cu!(cuGraphUpload(self.raw, stream.as_raw())) }
     }

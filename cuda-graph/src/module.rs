@@ -184,6 +184,7 @@ impl Module {
     fn look_up(&self, name: &str) -> Result<KernelParts> {
         let cname = CString::new(name).map_err(|_| Error::invalid("kernel name contains NUL"))?;
         let mut raw = std::ptr::null_mut();
+        self.inner.ctx.ensure_current()?;
         // SAFETY: live module, valid out-pointer and name.
         unsafe {
             cu!(cuModuleGetFunction(

@@ -133,6 +133,7 @@ impl Stream {
     /// while the stream captures: the driver refuses it and invalidates the capture, which
     /// then ends in [`Error::CaptureInvalidated`] naming this call.
     pub fn synchronize(&self) -> Result<()> {
+        self.context().ensure_current()?;
         // SAFETY: live handle.
         unsafe { cu!(cuStreamSynchronize(self.inner.raw)) }
     }

@@ -574,6 +574,8 @@ fn stream_ordered_calls_work_from_threads_with_no_current_context() {
     fresh("graph launch", &|| exec.launch(s));
     fresh("event record", &|| done.record(s));
     fresh("event wait", &|| other.wait_event(&done));
+    fresh("host wait on the event", &|| done.synchronize());
+    fresh("host wait on the stream", &|| s.synchronize());
     // x = 2 + 1, y = x + 1 (the graph's kernel); read back on yet another fresh thread.
     let read = |b: &DeviceBuffer<f32>| {
         std::thread::scope(|t| t.spawn(|| b.to_vec(&other)).join().unwrap()).unwrap()
