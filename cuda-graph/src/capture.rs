@@ -209,6 +209,7 @@ pub(crate) fn capture_info(stream: &Stream) -> Result<CaptureInfo> {
     let mut deps: *const CUgraphNode = std::ptr::null();
     let mut edges: *const CUgraphEdgeData = std::ptr::null();
     let mut n = 0usize;
+    stream.context().ensure_current()?;
     // SAFETY: valid out-pointers; the driver owns the returned arrays, which stay valid until
     // the next call on the stream, and they are copied below before any.
     unsafe {

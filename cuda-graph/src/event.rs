@@ -94,6 +94,7 @@ impl Event {
     /// (`false`); illegal on an event recorded in a running capture, as for
     /// [`Event::synchronize`].
     pub fn is_complete(&self) -> Result<bool> {
+        self.ctx.ensure_current()?;
         // SAFETY: live handle.
         let rc = unsafe { cuda_graph_sys::driver()?.cuEventQuery()?(self.raw) };
         match rc {
@@ -111,6 +112,7 @@ impl Event {
     /// ([`Event::for_sync`]).
     pub fn elapsed_ms(start: &Event, end: &Event) -> Result<f32> {
         let mut ms = 0.0f32;
+        start.ctx.ensure_current()?;
         // SAFETY: valid out-pointer, live handles.
         unsafe { cu!(cuEventElapsedTime(&mut ms, start.raw, end.raw)) }?;
         Ok(ms)

@@ -59,7 +59,9 @@ bitflags! {
 /// The per-node setters take handles of the graph the exec was instantiated from, and —
 /// unlike the raw driver — also handles of any graph it was later [updated](Self::update)
 /// to, which the exec translates (nodes pair in creation order, which is how graphs built or
-/// captured by the same code pair; the kinds are checked). So after
+/// captured by the same code pair; the kinds are checked): those of the latest update's graph
+/// always, those of earlier updates' graphs while their [`Graph`] lives (an exec updated from
+/// a fresh graph every step holds no more than that). So after
 /// [`update_or_reinstantiate(g)`](Self::update_or_reinstantiate), `g`'s handles are valid
 /// whichever way it went; the first graph's handles stay valid after updates, but not after
 /// a reinstantiation (a new topology has other nodes). The first setter after an update pairs
@@ -94,9 +96,16 @@ pub struct GraphExec {
     origin: Arc<OwnedGraph>,
     /// Node handles of graphs this exec was updated to, mapped to `origin`'s.
     aliases: HashMap<CUgraphNode, CUgraphNode>,
-    /// The graph of the latest update whose handles are not mapped yet (mapped on first
-    /// use, so that updates stay cheap).
-    pending_alias: Option<Arc<OwnedGraph>>,
+    /// The graphs of updates whose handles are not mapped yet (mapped on first use, so that
+    /// updates stay cheap), oldest first.
+    pending_alias: Vec<Arc<OwnedGraph>>,
+    /// The graphs whose handles `aliases` maps, with those handles: kept so that their node
+    /// addresses are not reused by other graphs while the map holds them, and dropped (with
+    /// their handles) once this exec is all that holds them (`prune_aliases`).
+    alias_graphs: Vec<(Arc<OwnedGraph>, Vec<CUgraphNode>)>,
+    /// The graph of the latest update: its handles stay valid even once its `Graph` is
+    /// dropped (this extra count keeps `prune_aliases` off it), as the origin's do.
+    latest: Option<Arc<OwnedGraph>>,
     /// Recorded after every launch; `None` until the first launch.
     completion: Mutex<Option<Event>>,
 }
@@ -185,14 +194,12 @@ impl GraphExec {
             ..Default::default()
         };
         let mut raw = std::ptr::null_mut();
-        // SAFETY: live graph, valid params and out-pointer.
-        let rc = unsafe {
-            cuda_graph_sys::driver()?.cuGraphInstantiateWithParams()?(
-                &mut raw,
-                graph.as_raw(),
-                &mut params,
-            )
-        };
+        let instantiate = cuda_graph_sys::driver()?.cuGraphInstantiateWithParams()?;
+        // SAFETY: live graph, valid params and out-pointer; under the graph object's lock
+        // (another exec's setters may look nodes up through it).
+        let rc = graph
+            .owner()
+            .locked(|| unsafe { instantiate(&mut raw, graph.as_raw(), &mut params) });
         if rc != cuda_graph_sys::CUresult::CUDA_SUCCESS
             || params.result_out != CUgraphInstantiateResult::CUDA_GRAPH_INSTANTIATE_SUCCESS
         {
@@ -208,7 +215,9 @@ impl GraphExec {
             resources: graph.resources().iter().cloned().collect(),
             origin: graph.owner().clone(),
             aliases: HashMap::new(),
-            pending_alias: None,
+            pending_alias: Vec::new(),
+            alias_graphs: Vec::new(),
+            latest: None,
             completion: Mutex::new(None),
         })
     }
@@ -252,6 +261,14 @@ impl GraphExec {
             *completion = Some(Event::for_sync(&self.ctx)?);
         }
         stream.context().ensure_current()?;
+        if stream.is_collecting() {
+            // Launched into a capture of this crate's: the graph being captured keeps what
+            // the exec's nodes use. The completion event stays with the eager launches (one
+            // recorded inside a capture would be a captured node, not this launch's end).
+            stream.retain_all_for_capture(self.resources.as_slice().iter().cloned());
+            // SAFETY: as below.
+            return unsafe { cu!(cuGraphLaunch(self.raw, stream.as_raw())) };
+        }
         // SAFETY: live exec and stream; the exec keeps alive what its nodes use; no other
         // call on the exec runs (the lock).
         unsafe { cu!(cuGraphLaunch(self.raw, stream.as_raw())) }?;
@@ -281,7 +298,8 @@ impl GraphExec {
     /// The node of the instantiated graph that `node` stands for: itself, or its pair if it
     /// belongs to a graph this exec was updated to.
     fn resolve(&mut self, node: NodeId) -> Result<CUgraphNode> {
-        if let Some(graph) = self.pending_alias.take() {
+        self.prune_aliases();
+        while let Some(graph) = self.pending_alias.first().cloned() {
             let typed = |g: &OwnedGraph| {
                 g.locked(|| {
                     crate::graph::raw_nodes(g.raw())?
@@ -291,16 +309,38 @@ impl GraphExec {
                 })
             };
             let (ours, theirs) = (typed(&self.origin)?, typed(&graph)?);
+            self.pending_alias.remove(0);
             if ours.len() == theirs.len() && ours.iter().zip(&theirs).all(|(a, b)| a.1 == b.1) {
-                self.aliases.extend(
-                    ours.iter()
-                        .zip(&theirs)
-                        .filter(|(a, b)| a.0 != b.0)
-                        .map(|(a, b)| (b.0, a.0)),
-                );
+                let pairs: Vec<(CUgraphNode, CUgraphNode)> = ours
+                    .iter()
+                    .zip(&theirs)
+                    .filter(|(a, b)| a.0 != b.0)
+                    .map(|(a, b)| (b.0, a.0))
+                    .collect();
+                self.aliases.extend(pairs.iter().copied());
+                self.alias_graphs
+                    .push((graph, pairs.into_iter().map(|(b, _)| b).collect()));
             }
         }
         Ok(self.aliases.get(&node.0).copied().unwrap_or(node.0))
+    }
+
+    /// Forgets the graphs of earlier updates (and their mapped handles) that only this exec
+    /// still holds: their `Graph` is gone, so their handles are no longer valid anyway, and an
+    /// exec updated from a fresh graph every step keeps no more than the live ones (and the
+    /// latest).
+    fn prune_aliases(&mut self) {
+        self.pending_alias.retain(|g| Arc::strong_count(g) > 1);
+        let aliases = &mut self.aliases;
+        self.alias_graphs.retain(|(g, keys)| {
+            let live = Arc::strong_count(g) > 1;
+            if !live {
+                for k in keys {
+                    aliases.remove(k);
+                }
+            }
+            live
+        });
     }
 
     /// The raw handle; valid while this exec lives.
@@ -356,10 +396,12 @@ impl GraphExec {
             errorFromNode: std::ptr::null_mut(),
         };
         self.ctx.bind()?;
-        // SAFETY: live exec and graph, valid out-pointer.
-        let rc = unsafe {
-            cuda_graph_sys::driver()?.cuGraphExecUpdate()?(self.raw, graph.as_raw(), &mut info)
-        };
+        let update = cuda_graph_sys::driver()?.cuGraphExecUpdate()?;
+        // SAFETY: live exec and graph, valid out-pointer; under the new graph's lock (as
+        // instantiation) and the exec's own: no launch or setter of it runs meanwhile.
+        let rc = graph
+            .owner()
+            .locked(|| unsafe { update(self.raw, graph.as_raw(), &mut info) });
         let reason = UpdateReason::from_raw(info.result);
         if rc != cuda_graph_sys::CUresult::CUDA_SUCCESS || reason.is_some() {
             return Err(Error::Update {
@@ -369,9 +411,16 @@ impl GraphExec {
             });
         }
         self.absorb(graph.resources().iter().cloned());
-        if graph.as_raw() != self.origin.raw() {
-            self.pending_alias = Some(graph.owner().clone());
+        self.prune_aliases();
+        let owner = graph.owner();
+        let known = Arc::ptr_eq(owner, &self.origin)
+            || self.pending_alias.iter().any(|g| Arc::ptr_eq(g, owner))
+            || self.alias_graphs.iter().any(|(g, _)| Arc::ptr_eq(g, owner));
+        if !known {
+            self.pending_alias.push(owner.clone());
         }
+        self.latest = Some(owner.clone());
+        self.prune_aliases();
         Ok(())
     }
 

@@ -688,7 +688,8 @@ impl Graph {
         let mut params = CUDA_KERNEL_NODE_PARAMS_v2::default();
         // SAFETY: a kernel node of this live graph, valid out-pointer; only `func` is read
         // (the argument array it also returns is owned by the node).
-        unsafe { cu!(cuGraphKernelNodeGetParams(node.id().0, &mut params)) }?;
+        self.owner
+            .locked(|| unsafe { cu!(cuGraphKernelNodeGetParams(node.id().0, &mut params)) })?;
         Ok(params.func)
     }
 
@@ -699,7 +700,8 @@ impl Graph {
     pub fn kernel_grid(&self, node: &KernelNode) -> Result<(u32, u32, u32)> {
         let mut params = CUDA_KERNEL_NODE_PARAMS_v2::default();
         // SAFETY: a kernel node of this live graph, valid out-pointer; only the grid is read.
-        unsafe { cu!(cuGraphKernelNodeGetParams(node.id().0, &mut params)) }?;
+        self.owner
+            .locked(|| unsafe { cu!(cuGraphKernelNodeGetParams(node.id().0, &mut params)) })?;
         Ok((params.gridDimX, params.gridDimY, params.gridDimZ))
     }
 
@@ -710,7 +712,8 @@ impl Graph {
     pub fn node_type(&self, node: NodeId) -> Result<NodeKind> {
         let mut t = cuda_graph_sys::CUgraphNodeType(0);
         // SAFETY: a node of this live graph, valid out-pointer.
-        unsafe { cu!(cuGraphNodeGetType(node.0, &mut t)) }?;
+        self.owner
+            .locked(|| unsafe { cu!(cuGraphNodeGetType(node.0, &mut t)) })?;
         Ok(NodeKind::from_raw(t))
     }
 
@@ -789,7 +792,9 @@ impl Graph {
         };
         let mut n = 0usize;
         // SAFETY: a node of this live graph; null arrays ask for the count.
-        let rc = unsafe { f(node.0, std::ptr::null_mut(), std::ptr::null_mut(), &mut n) };
+        let rc = self
+            .owner
+            .locked(|| unsafe { f(node.0, std::ptr::null_mut(), std::ptr::null_mut(), &mut n) });
         crate::error::check(call, rc)?;
         if n == 0 {
             return Ok(Vec::new());
@@ -797,7 +802,9 @@ impl Graph {
         let mut nodes = vec![std::ptr::null_mut(); n];
         let mut data = vec![CUgraphEdgeData::default(); n];
         // SAFETY: arrays with room for n entries each.
-        let rc = unsafe { f(node.0, nodes.as_mut_ptr(), data.as_mut_ptr(), &mut n) };
+        let rc = self
+            .owner
+            .locked(|| unsafe { f(node.0, nodes.as_mut_ptr(), data.as_mut_ptr(), &mut n) });
         crate::error::check(call, rc)?;
         Ok((0..n.min(nodes.len()))
             .map(|i| (NodeId(nodes[i]), EdgeKind::from_raw(&data[i])))

@@ -4,9 +4,11 @@ use cuda_graph_sys::CUgraphNode;
 
 /// A node of a graph, as the driver names it (`CUgraphNode`); a plain identifier, valid
 /// while its graph lives. The typed node handles ([`KernelNode`](crate::KernelNode), ...)
-/// wrap it.
+/// wrap it. Only this crate makes them (from the driver's answers), so safe code cannot hand
+/// the driver an address that was never a node; [`from_raw`](Self::from_raw) is the unsafe
+/// way in for handles from other libraries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct NodeId(pub CUgraphNode);
+pub struct NodeId(pub(crate) CUgraphNode);
 
 // SAFETY: a plain identifier: this type never dereferences the pointer or calls the driver
 // with it. Every driver call that takes a node goes through a `Graph` (not `Sync`) or a
@@ -24,5 +26,20 @@ impl NodeId {
     /// Whether this is the null node.
     pub fn is_null(&self) -> bool {
         self.0.is_null()
+    }
+
+    /// The driver's handle.
+    pub fn as_raw(&self) -> CUgraphNode {
+        self.0
+    }
+
+    /// The identifier of a driver node handle made elsewhere (another library's graph).
+    ///
+    /// # Safety
+    /// `raw` must be null or a node of a live graph, and stay one for as long as the
+    /// identifier is used with the graph (and its execs) that hold it: every method that
+    /// takes a node hands it to the driver, which dereferences it.
+    pub unsafe fn from_raw(raw: CUgraphNode) -> NodeId {
+        NodeId(raw)
     }
 }

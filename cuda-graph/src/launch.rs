@@ -172,6 +172,15 @@ impl<'a> KernelArgs<'a> {
         self
     }
 
+    /// With `buffer` marked as used by the kernel without being passed to it: memory the
+    /// kernel reaches through another argument (a TMA tensor map built over it, an address
+    /// inside a struct). Nothing is appended to the parameters; a graph that captures the
+    /// launch keeps `buffer`'s memory alive, as it does the buffers passed as arguments.
+    pub fn uses<T: DeviceRepr>(mut self, buffer: &'a DeviceBuffer<T>) -> KernelArgs<'a> {
+        self.buffers.push(buffer.allocation());
+        self
+    }
+
     /// The size of each argument in bytes.
     pub fn sizes(&self) -> &[usize] {
         &self.sizes

@@ -144,6 +144,7 @@ impl Stream {
     /// Errors: [`Error::Driver`] for any result but success and `CUDA_ERROR_NOT_READY`
     /// (`false`); illegal while the stream captures, as for [`Stream::synchronize`].
     pub fn is_idle(&self) -> Result<bool> {
+        self.context().ensure_current()?;
         // SAFETY: live handle.
         let rc = unsafe { cuda_graph_sys::driver()?.cuStreamQuery()?(self.inner.raw) };
         match rc {
@@ -181,14 +182,16 @@ impl Stream {
     /// Errors: [`Error::Driver`].
     pub fn priority(&self) -> Result<i32> {
         let mut p = 0;
+        self.context().ensure_current()?;
         // SAFETY: valid out-pointer, live handle.
         unsafe { cu!(cuStreamGetPriority(self.inner.raw, &mut p)) }?;
         Ok(p)
     }
 
     /// Hands `resource` to the capture running on this stream, if any, so the captured graph
-    /// keeps it alive. Outside a capture nothing is needed: `cuMemFree` waits for the device,
-    /// and stream-ordered frees queue behind the work that uses the memory.
+    /// keeps it alive. Outside a capture nothing is needed here: `cuMemFree` waits for the
+    /// device, and a stream-ordered free queues behind its own stream's work (work on other
+    /// streams must be ordered before the drop by the user: see `DeviceBuffer::alloc_async`).
     pub(crate) fn retain_for_capture(&self, resource: impl FnOnce() -> Resource) {
         if !self.inner.collecting.load(Ordering::Acquire) {
             return;

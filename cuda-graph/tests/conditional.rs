@@ -115,6 +115,10 @@ fn if_in_an_explicit_graph_follows_a_device_flag() {
         .add_if(&[set.node()], h, |s| add(s, &f.add, &x, 1.0))
         .unwrap();
     let exec = GraphExec::instantiate(&graph, Default::default()).unwrap();
+    // A setter enqueued eagerly would run outside any launch of the graph: refused, and the
+    // context stays usable.
+    let e = h.set_from_flag_on(&f.stream, &flag).unwrap_err();
+    assert!(e.to_string().contains("not eagerly"), "{e}");
     let mut want = 5.0;
     for i in 0..4 {
         let v = i % 2;

@@ -37,6 +37,35 @@ fn build(gpu: &Gpu, x: &DeviceBuffer<f32>, v: f32, adds: usize) -> Graph {
     g
 }
 
+/// The memset node of a graph of [`build`] (its first node).
+fn memset_node(g: &Graph) -> cuda_graph::MemsetNode {
+    let first = g.nodes().unwrap()[0];
+    cuda_graph::MemsetNode::try_from(first).unwrap()
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn handles_of_every_live_updated_graph_reach_the_exec() {
+    // Updated twice: the second update must not lose the first's handles while its graph
+    // lives, and the latest's stay valid after its graph is dropped.
+    let gpu = Gpu::new(N);
+    let x = gpu.buf();
+    let g1 = build(&gpu, &x, 1.0, 1);
+    let mut exec = GraphExec::instantiate(&g1, InstantiateFlags::empty()).unwrap();
+    let (g2, g3) = (build(&gpu, &x, 2.0, 1), build(&gpu, &x, 3.0, 1));
+    exec.update(&g2).unwrap();
+    exec.update(&g3).unwrap();
+    let (m2, m3) = (memset_node(&g2), memset_node(&g3));
+    drop(g3);
+    for (what, node, start) in [("g2's handle", m2, 5.0f32), ("g3's handle", m3, 7.0)] {
+        exec.set_memset_params(&node, &x, MemsetValue::U32(start.to_bits()))
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        gpu.poison(&x);
+        gpu.run(&exec);
+        assert_all(&gpu.read(&x), start + 3.0, what);
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA device"]
 fn update_with_new_arguments_takes_effect_on_the_next_launch() {

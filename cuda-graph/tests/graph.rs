@@ -137,9 +137,9 @@ fn queries_report_what_was_built_and_clone_and_dot_work() {
         .into_iter()
         .map(|x| x.0)
         .collect();
-    deps.sort_by_key(|n| n.0 as usize);
+    deps.sort_by_key(|n| n.as_raw() as usize);
     let mut want = vec![d.mul_b.id(), d.add_c.id()];
-    want.sort_by_key(|n| n.0 as usize);
+    want.sort_by_key(|n| n.as_raw() as usize);
     assert_eq!(deps, want);
     let mut down: Vec<_> = g
         .dependents(d.add_a.id())
@@ -147,9 +147,9 @@ fn queries_report_what_was_built_and_clone_and_dot_work() {
         .into_iter()
         .map(|x| x.0)
         .collect();
-    down.sort_by_key(|n| n.0 as usize);
+    down.sort_by_key(|n| n.as_raw() as usize);
     let mut want = vec![d.copies[0].id, d.copies[1].id];
-    want.sort_by_key(|n| n.0 as usize);
+    want.sort_by_key(|n| n.as_raw() as usize);
     assert_eq!(down, want);
 
     let dot = g.to_dot_string().expect("dot");

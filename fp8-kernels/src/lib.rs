@@ -88,5 +88,7 @@ pub use moe_cast::{
 };
 pub use optim::{AdamW, AdamWState, AdamWTensor};
 pub use quantize::{ALIGN, FUSED_CURRENT_MAX, amax, dequantize, quantize, quantize_current};
-pub use scaling::{AmaxAlgo, DelayedScaling, IdentityGroup, MAX_HISTORY, ReductionGroup};
+pub use scaling::{
+    AmaxAlgo, DelayedScaling, IdentityGroup, MAX_HISTORY, MAX_MARGIN, ReductionGroup,
+};
 pub use tensor::{DeviceScalar, Fp8Tensor, HpBuffer};

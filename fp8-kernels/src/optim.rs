@@ -263,7 +263,7 @@ impl AdamWState {
         let (null, n64) = (0u64, n as u64);
         let (hyper, gs) = (self.hyper.kernel_hyper(), scalar_ptr(grad_scale));
         let args = t
-            .push_to(KernelArgs::new(), &null)
+            .push_to(uses_scale(KernelArgs::new(), grad_scale), &null)
             .arg(&n64)
             .arg(&self.state)
             .arg(&hyper)
@@ -330,7 +330,7 @@ impl AdamWState {
         let indices = slots.map(|s| s[0]);
         let strides = slots.map(|s| s[1]);
         let args = t
-            .push_to(KernelArgs::new(), &null)
+            .push_to(uses_scale(KernelArgs::new(), grad_scale), &null)
             .arg(out.data)
             .arg(&rows64)
             .arg(&cols64)
@@ -397,6 +397,15 @@ fn batched_grid(
 /// The kernels' `grad_scale` pointer: the scalar's own address, or null.
 fn scalar_ptr(s: Option<&DeviceScalar>) -> u64 {
     s.map_or(0, DeviceScalar::device_ptr)
+}
+
+/// `args` with the buffer of `grad_scale` (passed by address, [`scalar_ptr`]) marked as used,
+/// so that a captured graph keeps it alive.
+fn uses_scale<'a>(args: KernelArgs<'a>, grad_scale: Option<&'a DeviceScalar>) -> KernelArgs<'a> {
+    match grad_scale {
+        Some(s) => args.uses(s.buffer()),
+        None => args,
+    }
 }
 
 #[cfg(test)]

@@ -47,9 +47,14 @@ pub struct DelayedScaling {
     registered: Mutex<(DeviceBuffer<u32>, Vec<bool>)>,
 }
 
+/// The largest margin [`DelayedScaling::new`] takes: the target `max * 2^-margin` stays a
+/// normal f32 for every format, far past any useful margin (TransformerEngine's default is 0).
+pub const MAX_MARGIN: i32 = 64;
+
 impl DelayedScaling {
     /// State for one tensor per entry of `formats`, history zero, scales 1 (waits for the
-    /// copies; not during a capture). `history_len` is 1..=[`MAX_HISTORY`].
+    /// copies; not during a capture). `history_len` is 1..=[`MAX_HISTORY`], `margin`
+    /// 0..=[`MAX_MARGIN`].
     pub fn new(
         stream: &Stream,
         formats: &[Fp8Format],
@@ -66,6 +71,12 @@ impl DelayedScaling {
         if !(1..=MAX_HISTORY).contains(&history_len) {
             return Err(Error::InvalidArgument(format!(
                 "amax history length {history_len} outside 1..={MAX_HISTORY}"
+            )));
+        }
+        if !(0..=MAX_MARGIN).contains(&margin) {
+            return Err(Error::InvalidArgument(format!(
+                "scaling margin {margin} outside 0..={MAX_MARGIN} (the scale targets the \
+                 format's largest value times 2^-margin)"
             )));
         }
         let t = formats.len();

@@ -439,6 +439,11 @@ fn delayed_scaling_ten_steps_match_the_cpu_model() {
     let (ctx, stream) = setup();
     let formats = [Fp8Format::E4M3, Fp8Format::E5M2, Fp8Format::E4M3];
     let n = 4097;
+    // Margins whose target is not a normal f32 (or that scale past the format) are refused.
+    for margin in [-1, fp8_kernels::MAX_MARGIN + 1, i32::MIN, i32::MAX] {
+        let e = DelayedScaling::new(&stream, &formats, 4, margin, AmaxAlgo::Max).unwrap_err();
+        assert!(e.to_string().contains("margin"), "{e}");
+    }
     for algo in [AmaxAlgo::Max, AmaxAlgo::MostRecent] {
         for (h, margin) in [(1usize, 0i32), (4, 1), (16, 2), (1024, 0)] {
             let what = format!("{algo:?} H={h} margin={margin}");

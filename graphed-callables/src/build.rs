@@ -601,6 +601,13 @@ impl<T: DeviceRepr> GraphedCallables<T> {
         if let Some(h) = after_warmup.as_mut() {
             h(&cap, &warmup_record)?;
         }
+        // Warmup's backwards added into the parameter gradients (zeros for a linear layer,
+        // not for an aux loss's or a regularizer's terms): training starts from zero.
+        for c in &callables {
+            for g in c.gradients() {
+                g.memset_bytes(&cap, 0)?;
+            }
+        }
         cap.synchronize()?;
 
         // Which forwards cast anything: only those get an IF node or the flag writes.
@@ -640,6 +647,7 @@ impl<T: DeviceRepr> GraphedCallables<T> {
             }),
             warmup_record,
             sets,
+            last_stream: RefCell::new(Some(stream.clone())),
         })
     }
 

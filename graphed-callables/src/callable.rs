@@ -121,8 +121,9 @@ pub trait Callable<T: DeviceRepr>: Send {
     }
 
     /// The gradients of [`parameters`](Self::parameters), in the same order. Backward
-    /// accumulates into them (the runtime never zeroes them; warmup runs backward with zero
-    /// output gradients, so a linear layer adds zeros).
+    /// accumulates into them; the runtime zeroes them once, after warmup (whose backwards
+    /// run with zero output gradients but may still add terms of their own, an aux loss's
+    /// say), and never again.
     fn gradients(&self) -> Vec<&DeviceBuffer<T>> {
         Vec::new()
     }
@@ -491,7 +492,10 @@ impl<'a, T: DeviceRepr> Slot<'a, T> {
     /// In [`WeightCaching::NoopFlag`](crate::WeightCaching::NoopFlag) mode, the device flag
     /// (one `f32`) the weight-cast kernels of [`Callable::cast_weights`] must take as their
     /// noop flag: 1.0 means skip the cast (not the first microbatch of the step), 0.0 cast.
-    /// The runtime writes it before every forward replay of this (chunk, microbatch).
+    /// The runtime writes it before every forward replay of this (chunk, microbatch) whose
+    /// graphs cast weights ([`GraphedCallables::casts_weights`](crate::GraphedCallables::casts_weights));
+    /// eager segments that cast read [`is_first_microbatch`](Self::is_first_microbatch)
+    /// instead.
     /// `None` in [`Conditional`](crate::WeightCaching::Conditional) mode (the IF node
     /// decides; cast unconditionally) and in slots made with [`Slot::new`].
     pub fn skip_weight_cast(&self) -> Option<&'a DeviceBuffer<f32>> {

@@ -105,6 +105,11 @@ pub(crate) fn copy_in<T: DeviceRepr>(
 
 impl<T: DeviceRepr> GraphedCallables<T> {
     /// Replays the forward graphs of (`chunk`, `microbatch`), layer 0 to last, on `stream`.
+    /// Any stream will do: a replay on another stream than the previous replay's (or the
+    /// build's) first makes it wait for that one, so replays never overlap on the device
+    /// (they share the pool's temporaries, the cached FP8 weights and the gradients); on a
+    /// capturing stream that wait is the caller's to avoid (replay on the capturing stream
+    /// only).
     /// A layer with several forward segments ([`Callable::forward_segments`](crate::Callable::forward_segments))
     /// runs them in order: a graph launch per graphed segment, a call of
     /// [`Callable::forward_eager`](crate::Callable::forward_eager) (on the host, with `stream`
@@ -140,6 +145,7 @@ impl<T: DeviceRepr> GraphedCallables<T> {
         let position = self.cursor.get().check(&self.schedule, step)?;
         let graphs = self.graphs_of(chunk, microbatch)?;
         self.check_eager_outside_capture(position, step, stream)?;
+        self.begin_replay(stream)?;
         let first = &self.buffers.plan.graphs[graphs.start].inputs;
         self.copy_all_in(inputs, first, stream, "forward", chunk, "input")?;
         // Weight caching: the flag the IF node (or the casts' noop form) reads, written
@@ -175,6 +181,7 @@ impl<T: DeviceRepr> GraphedCallables<T> {
         let position = self.cursor.get().check(&self.schedule, step)?;
         let graphs = self.graphs_of(chunk, microbatch)?;
         self.check_eager_outside_capture(position, step, stream)?;
+        self.begin_replay(stream)?;
         let last = &self.buffers.plan.graphs[graphs.end - 1].grad_outputs;
         self.copy_all_in(
             grad_outputs,
@@ -204,8 +211,32 @@ impl<T: DeviceRepr> GraphedCallables<T> {
         self.graphs_of(chunk, microbatch)?;
         let step = Step::WeightGrad { chunk, microbatch };
         let position = self.cursor.get().check(&self.schedule, step)?;
+        self.begin_replay(stream)?;
         self.run_program(position, stream)?;
         self.advance(position);
+        Ok(())
+    }
+
+    /// What every replay does once its checks passed, before it enqueues anything of its
+    /// own: refuses to run from inside a replay hook (the hook's replay would interleave
+    /// with the one that called the hook), and orders this replay after everything enqueued
+    /// on the previous replay's stream (the build's, before the first) when that was another
+    /// stream: the graphs share the pool's temporaries, the cached FP8 weights and the
+    /// parameter gradients, so replays must never overlap on the device. On the same stream
+    /// it does nothing.
+    fn begin_replay(&self, stream: &Stream) -> Result<()> {
+        if self.hooks.try_borrow_mut().is_err() {
+            return Err(Error::invalid(
+                "a replay hook replayed the graphed callables it belongs to",
+            ));
+        }
+        let mut last = self.last_stream.try_borrow_mut().map_err(|_| {
+            Error::invalid("a replay of the graphed callables is already under way")
+        })?;
+        if let Some(prev) = last.as_ref().filter(|prev| *prev != stream) {
+            stream.wait_stream(prev)?;
+        }
+        *last = Some(stream.clone());
         Ok(())
     }
 

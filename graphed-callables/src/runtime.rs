@@ -42,6 +42,12 @@ pub struct GraphedOptions {
     /// The pool the static buffers and the callables' temporaries ([`Slot::pool`](crate::Slot::pool)) come
     /// from. Default `None`: a new pool sized for the static buffers plus
     /// [`scratch_bytes`](Self::scratch_bytes).
+    ///
+    /// A pool's graphs must run one at a time, in capture order: the temporaries a capture
+    /// freed are reused by the next capture, so their addresses are baked into several
+    /// graphs. Give each build a pool of its own (two builds over one pool would put one's
+    /// static buffers on the other's temporaries), and do not allocate from it outside the
+    /// runtime (see [`GraphedCallables::pool`]).
     pub pool: Option<GraphPool>,
     /// Extra bytes for temporaries when the pool is created by the build. Default 0.
     pub scratch_bytes: usize,
@@ -178,6 +184,9 @@ pub struct GraphedCallables<T: DeviceRepr> {
     pub(crate) warmup_record: WarmupRecord,
     /// The buffer set of each (chunk, microbatch) ([`buffer_sets`]).
     pub(crate) sets: Vec<usize>,
+    /// The stream of the latest replay (the build's before the first): a replay on another
+    /// stream first waits for it ([`GraphedCallables::follow_previous`]).
+    pub(crate) last_stream: RefCell<Option<Stream>>,
 }
 
 /// The hooks replays run.
@@ -267,7 +276,9 @@ impl<T: DeviceRepr> GraphedCallables<T> {
         &self.schedule
     }
 
-    /// The pool every static buffer and captured temporary came from.
+    /// The pool every static buffer and captured temporary came from. For inspection: a
+    /// buffer allocated from it now could take a range a captured graph still uses as a
+    /// temporary (graphs keep the pool's memory alive, not their ranges of it).
     pub fn pool(&self) -> &GraphPool {
         &self.pool
     }

@@ -48,7 +48,10 @@ impl ConditionalHandle {
     /// 13.0: the first launch read 0 with a default of 1), so it would be silently ignored.
     /// [`Error::Unsupported`] on drivers before 12.4; [`Error::Driver`].
     pub fn new(graph: &mut Graph, default: u32, reset_each_launch: bool) -> Result<Self> {
-        create_handle(graph.context(), graph.as_raw(), default, reset_each_launch)
+        // Under the graph object's lock: an exec's setters on another thread look nodes up
+        // through it.
+        let owner = graph.owner().clone();
+        owner.locked(|| create_handle(graph.context(), graph.as_raw(), default, reset_each_launch))
     }
 
     /// A handle for a conditional node that will be added to the graph `stream` is
@@ -99,10 +102,17 @@ impl ConditionalHandle {
     ///
     /// Launches with [`cuLaunchKernel`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EXEC.html).
     /// Errors: [`Error::InvalidArgument`] when `stream` belongs to another context than the
-    /// handle, or a source buffer is empty; those of [`ConditionalHandle::load_helpers`] on a
-    /// first use; [`Error::Driver`] from the kernel lookup or the launch.
+    /// handle, is not capturing (an eager setter would run outside any launch of the graph),
+    /// or a source buffer is empty; those of [`ConditionalHandle::load_helpers`] on a first
+    /// use; [`Error::Driver`] from the kernel lookup or the launch.
     pub fn set_on(&self, stream: &Stream, source: ConditionSource<'_>) -> Result<()> {
         self.check_context(stream.context())?;
+        if stream.capture_status()? == crate::CaptureStatus::None {
+            return Err(Error::invalid(
+                "a conditional handle's value is set inside a launch of its graph: call the \
+                 setter on a stream capturing into that graph (or a body's stream), not eagerly",
+            ));
+        }
         source.check()?;
         let module = Module::embedded(stream.context(), HELPER_IMAGE)?;
         let raw = self.raw;

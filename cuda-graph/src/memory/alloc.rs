@@ -127,6 +127,7 @@ impl Drop for Allocation {
                 }
             }
             Free::Async(stream) | Free::InGraph(stream) => {
+                let _ = self.ctx.ensure_current();
                 if let Ok(free) = d.cuMemFreeAsync() {
                     // SAFETY: owned allocation, freed once, ordered on its stream.
                     unsafe { free(self.ptr, stream.as_raw()) };

@@ -108,6 +108,12 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// Allocates `len` elements, ordered on `stream`, from the device's current pool
     /// (`cuMemAllocAsync`); freed on the same stream when the last view goes.
     ///
+    /// The free is ordered after `stream`'s work only. Work on *other* streams that uses the
+    /// buffer must be ordered before the last view is dropped (make `stream` wait for them,
+    /// [`Stream::wait_event`], or synchronize them): otherwise the memory may be handed out
+    /// again while that work still reads or writes it. [`DeviceBuffer::alloc`] has no such
+    /// rule (`cuMemFree` waits for the device).
+    ///
     /// Inside a capture this becomes a graph memory node, and dropping the buffer inside the
     /// capture adds the matching free node: the graph owns that memory between the two, so
     /// graphs do not keep such buffers alive. A buffer kept past the end of its capture is

@@ -71,13 +71,10 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     ///
     /// Errors: as [`DeviceBuffer::copy_to_host`].
     pub fn to_vec(&self, stream: &Stream) -> Result<Vec<T>> {
-        let mut v = Vec::with_capacity(self.len());
-        // SAFETY: T is plain data (any bit pattern valid); copy_to_host writes every element
-        // before the vector is read, and an error drops it without reading.
-        #[allow(clippy::uninit_vec)]
-        unsafe {
-            v.set_len(self.len())
-        };
+        // Zeroed first (T is plain data: all-zero bits are a value), so that no reference to
+        // uninitialised memory is ever made; the fill costs far less than the copy's wait.
+        // SAFETY: every bit pattern, zeros included, is a valid T (`DeviceRepr`).
+        let mut v = vec![unsafe { std::mem::zeroed::<T>() }; self.len()];
         self.copy_to_host(stream, &mut v)?;
         Ok(v)
     }

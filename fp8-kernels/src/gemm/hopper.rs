@@ -581,7 +581,13 @@ fn launch_skinny(
     .with(LaunchAttribute::ClusterDimension(splits as u32, 1, 1));
     let dims = [p.m as u32, p.n as u32, p.k as u32, 0];
     let null = 0u64;
-    let args = KernelArgs::new().arg(&ta).arg(&tb);
+    // A and B reach the kernel only through their tensor maps: `uses` keeps them alive in a
+    // captured graph, as the buffers passed as arguments are.
+    let args = KernelArgs::new()
+        .uses(p.a.data)
+        .uses(p.b.data)
+        .arg(&ta)
+        .arg(&tb);
     let args = match &p.d {
         GemmOut::Bf16(b) => args.arg(*b),
         GemmOut::F32(b) => args.arg(*b),
@@ -684,7 +690,8 @@ fn launch_split_k(
     let dims = [m as u32, n as u32, ks as u32, splits as u32];
     let null = 0u64;
     let no_bias = None;
-    let (args, _) = push_head(KernelArgs::new(), [&ta, &tb, &td], &out, &no_bias, &null);
+    let operands = KernelArgs::new().uses(p.a.data).uses(p.b.data);
+    let (args, _) = push_head(operands, [&ta, &tb, &td], &out, &no_bias, &null);
     let flags = [idx(p.a.scale_inv)?, idx(p.b.scale_inv)?, 0, epi];
     let args = args
         .arg(p.a.scale_inv.buffer())
@@ -768,7 +775,8 @@ fn launch_epilogue(
     let (epi, td) = epilogue(p.accumulate, &p.d, store);
     let dims = [p.m as u32, p.n as u32, p.k as u32, groups as u32];
     let null = 0u64;
-    let (args, bias_kind) = push_head(KernelArgs::new(), [&ta, &tb, &td], &p.d, &p.bias, &null);
+    let operands = KernelArgs::new().uses(p.a.data).uses(p.b.data);
+    let (args, bias_kind) = push_head(operands, [&ta, &tb, &td], &p.d, &p.bias, &null);
     let flags = [idx(p.a.scale_inv)?, idx(p.b.scale_inv)?, bias_kind, epi];
     let args = args.arg(p.a.scale_inv.buffer()).arg(p.b.scale_inv.buffer());
     let args = match p.counts {
@@ -851,7 +859,8 @@ fn launch_blockwise_with(
     let (epi, td) = epilogue(accumulate, d, store_map(d, 1, m, n)?);
     let dims = [m as u32, n as u32, k as u32, 1];
     let null = 0u64;
-    let (args, bias_kind) = push_head(KernelArgs::new(), [&ta, &tb, &td], d, bias, &null);
+    let operands = KernelArgs::new().uses(a.data).uses(b.data);
+    let (args, bias_kind) = push_head(operands, [&ta, &tb, &td], d, bias, &null);
     let flags = [0, 0, bias_kind, epi];
     let args = args
         .arg(a.scales_inv)
@@ -992,7 +1001,8 @@ fn enqueue_packed(
         })
         .transpose()?;
     let null = 0u64;
-    let (args, bias_kind) = push_head(KernelArgs::new(), [&ta, &tb, &td], &p.d, &p.bias, &null);
+    let operands = KernelArgs::new().uses(p.a.data).uses(p.b.data);
+    let (args, bias_kind) = push_head(operands, [&ta, &tb, &td], &p.d, &p.bias, &null);
     let (sb_idx, sb, sbg) = match p.b.scale_inv {
         GroupScales::Tensor(s) => (idx(s)?, Some(s.buffer()), None),
         GroupScales::PerGroup(buf) => (0, None, Some(buf)),
@@ -1098,7 +1108,12 @@ fn launch_wgrad_with(
         0
     };
     let flags = [idx(p.a.scale_inv)?, idx(p.b.scale_inv)?, 0, epi | hints];
-    let args = KernelArgs::new().arg(&ta).arg(&tb).arg(&td);
+    let args = KernelArgs::new()
+        .uses(p.a.data)
+        .uses(p.b.data)
+        .arg(&ta)
+        .arg(&tb)
+        .arg(&td);
     let args = match &p.d {
         GemmOut::Bf16(b) => args.arg(*b),
         GemmOut::F32(b) => args.arg(*b),
