@@ -768,3 +768,69 @@ fn portable_gemm_throughput() {
         );
     }
 }
+
+/// A captured GEMM keeps its operands alive: on the sm_90a path A and B reach the kernel
+/// only through tensor maps, so the graph must hold them by other means. The operands are
+/// dropped after the capture and their memory offered to new allocations of fresh bytes;
+/// the replay must still read the captured operands (the first launch's bits).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_captured_gemm_keeps_its_operands_alive() {
+    let (ctx, stream) = setup();
+    // A regular tiled shape, a skinny one (split over a cluster) and a split-K one.
+    for (m, n, k) in [
+        (256usize, 256usize, 512usize),
+        (64, 1024, 2048),
+        (128, 256, 4096),
+    ] {
+        let mut rng = Rng::new((m * 31 + n * 7 + k) as u64);
+        let (a_bytes, b_bytes) = (rng.bytes(m * k, E4), rng.bytes(n * k, E4));
+        let a = DeviceBuffer::from_host(&stream, &a_bytes).unwrap();
+        let b = DeviceBuffer::from_host(&stream, &b_bytes).unwrap();
+        let (sa, sb) = (
+            DeviceScalar::new(&stream, 0.5).unwrap(),
+            DeviceScalar::new(&stream, 2.0).unwrap(),
+        );
+        let mut d = Out::new(&ctx, DType::Bf16, m * n);
+        let graph = stream
+            .capture(CaptureMode::ThreadLocal, |s| {
+                let operand = |data, scale_inv| Operand {
+                    data,
+                    format: E4,
+                    scale_inv,
+                };
+                gemm(
+                    s.stream(),
+                    GemmShape { m, n, k },
+                    operand(&a, &sa),
+                    operand(&b, &sb),
+                    d.view(),
+                    GemmOptions::new().path(GemmPath::Auto),
+                )
+            })
+            .unwrap();
+        let exec = GraphExec::instantiate(&graph, InstantiateFlags::empty()).unwrap();
+        d.poison(&stream);
+        exec.launch(&stream).unwrap();
+        let want = d.bits(&stream);
+        let poison = d.poison_bits();
+        assert!(
+            want.iter().all(|&x| x != poison),
+            "{m}x{n}x{k}: first launch"
+        );
+        drop((a, b, sa, sb));
+        // New allocations of the same sizes, other bytes: where the operands' memory was
+        // freed, these take it.
+        let fresh: Vec<DeviceBuffer<u8>> = (0..4)
+            .flat_map(|_| [m * k, n * k])
+            .map(|len| DeviceBuffer::from_host(&stream, &rng.bytes(len, E4)).unwrap())
+            .collect();
+        d.poison(&stream);
+        exec.launch(&stream).unwrap();
+        assert!(
+            d.bits(&stream) == want,
+            "{m}x{n}x{k}: the replay read other memory than the captured operands"
+        );
+        drop(fresh);
+    }
+}

@@ -338,8 +338,8 @@ fn run_eager(gpu: &Gpu, schedule: &Schedule) -> Results {
 }
 
 /// Builds graphed callables for `schedule` (sample inputs deliberately different from the
-/// replayed ones), layers merged into one graph per step or not, zeroes the gradients
-/// warmup touched.
+/// replayed ones), layers merged into one graph per step or not; checks that the build left
+/// every gradient zero (they start at 3 here: the runtime zeroes what warmup touched).
 fn build(gpu: &Gpu, schedule: &Schedule, merge: bool) -> GraphedCallables<f32> {
     build_with(
         gpu,
@@ -352,7 +352,12 @@ fn build(gpu: &Gpu, schedule: &Schedule, merge: bool) -> GraphedCallables<f32> {
 fn build_with(gpu: &Gpu, schedule: &Schedule, options: GraphedOptions) -> GraphedCallables<f32> {
     let layout = schedule.layout();
     let callables: Vec<Box<dyn Callable<f32>>> = (0..layout.total_callables())
-        .map(|c| Box::new(Lin::new(gpu, c)) as Box<dyn Callable<f32>>)
+        .map(|c| {
+            let lin = Lin::new(gpu, c);
+            gpu.fill(&lin.dw, 3.0);
+            gpu.fill(&lin.db, 3.0);
+            Box::new(lin) as Box<dyn Callable<f32>>
+        })
         .collect();
     let sample = gpu.upload(&[1.0; N]);
     // One set per callable: the first layer of each chunk reads it.
@@ -367,9 +372,12 @@ fn build_with(gpu: &Gpu, schedule: &Schedule, options: GraphedOptions) -> Graphe
         .collect();
     let graphed = GraphedCallables::build(&gpu.stream, callables, &samples, options)
         .expect("build graphed callables");
-    for c in graphed.callables() {
+    for (i, c) in graphed.callables().iter().enumerate() {
         for g in c.gradients() {
-            gpu.fill(g, 0.0);
+            assert!(
+                gpu.read(g).iter().all(|&v| v == 0.0),
+                "callable {i}: a gradient is not zero after the build"
+            );
         }
     }
     graphed
