@@ -18,6 +18,10 @@ use crate::weights::StepHook;
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct ReplayCursor {
     next: usize,
+    /// A step whose replay failed after it may have enqueued part of its work: replaying it
+    /// again would repeat that part (gradients added twice), so only
+    /// [`reset`](Self::reset) moves on.
+    broken: Option<Step>,
 }
 
 impl ReplayCursor {
@@ -37,6 +41,14 @@ impl ReplayCursor {
 
     /// Checks that `got` is the expected step; returns its position. Does not advance.
     pub(crate) fn check(&self, schedule: &Schedule, got: Step) -> Result<usize> {
+        if let Some(failed) = self.broken {
+            return Err(Error::invalid(format!(
+                "the {} failed after part of it was enqueued, and replaying it again would \
+                 repeat that part (its gradients added twice): call reset_step to start the \
+                 training step over",
+                describe_step(&failed)
+            )));
+        }
         let position = self.position(schedule);
         match schedule.steps().get(position) {
             Some(&expected) if expected == got => Ok(position),
@@ -54,9 +66,10 @@ impl ReplayCursor {
         self.next = position + 1;
     }
 
-    /// Back to the schedule's first step.
+    /// Back to the schedule's first step (a failed step forgotten).
     pub(crate) fn reset(&mut self) {
         self.next = 0;
+        self.broken = None;
     }
 }
 
@@ -131,9 +144,10 @@ impl<T: DeviceRepr> GraphedCallables<T> {
     /// Errors: [`Error::ReplayOrder`] if the schedule expects another step next (nothing is
     /// enqueued); [`InvalidArgument`](cuda_graph::Error::InvalidArgument) for a wrong number or length of inputs, or for a
     /// pass with eager segments on a capturing `stream` (nothing is enqueued); an eager
-    /// segment's error (what came before it was enqueued, the replay position is not
-    /// advanced: [`reset_step`](Self::reset_step) to start over); the hook's error (the
-    /// graphs were launched and the replay position advanced).
+    /// segment's or a launch's error (what came before it was enqueued, so every replay is
+    /// refused until [`reset_step`](Self::reset_step) starts the training step over: a
+    /// retry would add those gradients twice); the hook's error (the graphs were launched and
+    /// the replay position advanced).
     pub fn forward(
         &self,
         chunk: usize,
@@ -153,7 +167,7 @@ impl<T: DeviceRepr> GraphedCallables<T> {
         if graphs.clone().any(|g| self.weights.casts[g]) {
             self.write_cast_flag(chunk, microbatch, stream)?;
         }
-        self.run_program(position, stream)?;
+        self.run_step(position, step, stream)?;
         self.advance(position);
         // Amax reduction and scale update (the caller's hook) after the forward replay.
         self.run_hook(step, stream, |h| &mut h.after_forward)?;
@@ -191,7 +205,7 @@ impl<T: DeviceRepr> GraphedCallables<T> {
             chunk,
             "output gradient",
         )?;
-        self.run_program(position, stream)?;
+        self.run_step(position, step, stream)?;
         self.advance(position);
         // Amax reduction and scale update (the caller's hook) after the backward replay.
         self.run_hook(step, stream, |h| &mut h.after_backward)?;
@@ -212,7 +226,7 @@ impl<T: DeviceRepr> GraphedCallables<T> {
         let step = Step::WeightGrad { chunk, microbatch };
         let position = self.cursor.get().check(&self.schedule, step)?;
         self.begin_replay(stream)?;
-        self.run_program(position, stream)?;
+        self.run_step(position, step, stream)?;
         self.advance(position);
         Ok(())
     }
@@ -256,6 +270,18 @@ impl<T: DeviceRepr> GraphedCallables<T> {
 
     /// Runs the program of the step at `position` on `stream`: its graph launches and its
     /// eager segments' host calls, in order.
+    /// [`run_program`](Self::run_program); on an error (part of the step may be enqueued)
+    /// the cursor refuses every step until [`reset_step`](Self::reset_step).
+    fn run_step(&self, position: usize, step: Step, stream: &Stream) -> Result<()> {
+        let run = self.run_program(position, stream);
+        if run.is_err() {
+            let mut c = self.cursor.get();
+            c.broken = Some(step);
+            self.cursor.set(c);
+        }
+        run
+    }
+
     fn run_program(&self, position: usize, stream: &Stream) -> Result<()> {
         for item in self.programs.step(position) {
             match item {
@@ -460,6 +486,29 @@ impl<T: DeviceRepr> GraphedCallables<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_step_that_failed_midway_is_refused_until_the_step_restarts() {
+        let s = Schedule::new(&[1, -1], vec![2]).unwrap();
+        let f = |microbatch| Step::Forward {
+            chunk: 0,
+            microbatch,
+        };
+        let mut c = ReplayCursor::default();
+        let p = c.check(&s, f(0)).unwrap();
+        c.advance(p);
+        // The forward of microbatch 1 fails after enqueueing part of itself.
+        c.broken = Some(f(1));
+        for step in [f(1), f(0)] {
+            let e = c.check(&s, step).unwrap_err().to_string();
+            assert!(
+                e.contains("forward of chunk 0 microbatch 1") && e.contains("reset_step"),
+                "{e}"
+            );
+        }
+        c.reset();
+        assert_eq!(c.check(&s, f(0)).unwrap(), 0);
+    }
 
     #[test]
     fn cursor_follows_the_schedule_and_wraps() {
