@@ -550,8 +550,10 @@ impl<'s> CaptureScope<'s> {
             Err(_) => CUresult::CUDA_ERROR_NOT_FOUND,
         };
         let mut resources = self.origin.take_collected();
+        self.origin.end_graph_allocations();
         for side in &forks {
             resources.extend(side.take_collected());
+            side.end_graph_allocations();
         }
         Ended {
             rc,

@@ -6,7 +6,8 @@ use std::sync::Arc;
 
 use cuda_graph_sys::{CUlaunchAttribute, CUlaunchAttributeID, CUlaunchConfig, CUstream};
 
-use crate::error::Result;
+use crate::context::Context;
+use crate::error::{Error, Result};
 use crate::memory::{Allocation, DeviceBuffer, DeviceRepr};
 use crate::module::Kernel;
 use crate::resources::Resource;
@@ -191,6 +192,25 @@ impl<'a> KernelArgs<'a> {
         self.ptrs.as_ptr().cast_mut()
     }
 
+    /// Refuses buffers of another context than `ctx` (another GPU's memory: a kernel that
+    /// touches it faults, or crosses the interconnect unasked).
+    fn check_context(&self, ctx: &Context) -> Result<()> {
+        match self
+            .buffers
+            .iter()
+            .find(|a| a.context().as_raw() != ctx.as_raw())
+        {
+            None => Ok(()),
+            Some(a) => Err(Error::invalid(format!(
+                "a kernel argument's buffer belongs to device {}, the stream to device {} (to \
+                 pass another device's memory on purpose, wrap its address with \
+                 DeviceBuffer::from_raw on the stream's context)",
+                a.context().device().as_raw(),
+                ctx.device().as_raw()
+            ))),
+        }
+    }
+
     /// The buffers used, as resources to keep alive.
     pub(crate) fn resources(&self) -> impl Iterator<Item = Resource> + '_ {
         self.buffers.iter().map(|a| a.keep_alive())
@@ -215,7 +235,8 @@ impl Stream {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) when the argument sizes do not
-    /// match the kernel's parameters (nothing is enqueued); [`Error::Driver`](crate::Error::Driver)
+    /// match the kernel's parameters, or a buffer argument belongs to another device's
+    /// context than the stream (nothing is enqueued); [`Error::Driver`](crate::Error::Driver)
     /// when the driver refuses the launch (grid, block or shared memory beyond the device's
     /// limits, `CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES`) or reports a fault of earlier work. A
     /// fault of this kernel itself surfaces later, from a call that waits for it.
@@ -274,6 +295,7 @@ impl Stream {
     ) -> Result<()> {
         self.context().ensure_current()?;
         kernel.check_args(args.sizes())?;
+        args.check_context(self.context())?;
         if self.is_collecting() {
             self.retain_all_for_capture(
                 std::iter::once(kernel.module_resource()).chain(args.resources()),

@@ -1,13 +1,14 @@
 //! Streams: ordered queues of device work.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 
 use cuda_graph_sys::{CUresult, CUstream, CUstream_flags};
 
 use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::event::Event;
+use crate::memory::Allocation;
 use crate::resources::{Resource, ResourceSet};
 
 /// A non-blocking CUDA stream. Cloning gives another handle to the same stream; the stream is
@@ -30,6 +31,9 @@ struct StreamInner {
     _owner: Option<Resource>,
     /// Resources used by work enqueued during an ongoing capture (see `capture.rs`).
     captured: Mutex<Option<ResourceSet>>,
+    /// Graph memory nodes allocated on this stream during the ongoing capture: marked ended
+    /// with it, so that later captures keep them alive.
+    graph_allocs: Mutex<Vec<Weak<Allocation>>>,
     /// Whether `captured` is collecting: lets eager launches skip the lock.
     collecting: AtomicBool,
 }
@@ -111,6 +115,7 @@ impl Stream {
                 owned,
                 _owner: owner,
                 captured: Mutex::new(None),
+                graph_allocs: Mutex::new(Vec::new()),
                 collecting: AtomicBool::new(false),
             }),
         }
@@ -246,6 +251,33 @@ impl Stream {
             .captured
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(ResourceSet::default());
+    }
+
+    /// Notes a stream-ordered allocation made on this stream: while this crate's capture
+    /// collects here, it is a graph memory node of that capture, ended with it.
+    pub(crate) fn note_graph_allocation(&self, alloc: &Arc<Allocation>) {
+        if self.is_collecting() {
+            self.inner
+                .graph_allocs
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .push(Arc::downgrade(alloc));
+        }
+    }
+
+    /// Marks the graph memory nodes allocated on this stream during the capture that ends
+    /// as ended (see [`Allocation::end_capture`]).
+    pub(crate) fn end_graph_allocations(&self) {
+        let allocs = std::mem::take(
+            &mut *self
+                .inner
+                .graph_allocs
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner()),
+        );
+        for a in allocs.iter().filter_map(Weak::upgrade) {
+            a.end_capture();
+        }
     }
 
     /// Stops collecting and returns what was collected.

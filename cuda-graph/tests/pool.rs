@@ -130,3 +130,62 @@ fn graph_memory_nodes_reserve_memory_that_trim_returns() {
         "trim returned nothing: {usage:?} -> {after:?}"
     );
 }
+
+/// A buffer allocated inside one capture (a graph memory node) and kept past it is memory
+/// like any other for the graphs captured after: they keep it alive, so dropping the buffer
+/// frees nothing while such a graph lives (its memory is not handed out again under it).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_graph_memory_buffer_is_kept_alive_by_later_captures() {
+    let ctx = Context::default_device().unwrap();
+    let stream = Stream::new(&ctx).unwrap();
+    let module = Module::from_image(&ctx, TEST_KERNELS).unwrap();
+    let (set, axpy) = (
+        module.kernel("set_f32").unwrap(),
+        module.kernel("axpy_f32").unwrap(),
+    );
+    let n = 1u32 << 20;
+    let cfg = LaunchConfig::for_elements(n, 256);
+    let out = DeviceBuffer::<f32>::from_host(&stream, &vec![f32::NAN; n as usize]).unwrap();
+    // Graph A allocates tmp (= 2) and hands it out of the capture.
+    let (a, tmp) = stream
+        .capture_with(CaptureMode::ThreadLocal, |s| {
+            let tmp = DeviceBuffer::<f32>::alloc_async(s.stream(), n as usize)?;
+            // SAFETY: set_f32 writes n elements of tmp.
+            unsafe {
+                s.stream()
+                    .launch(&set, &cfg, &kernel_args![tmp, 2.0f32, n])?
+            };
+            Ok(tmp)
+        })
+        .unwrap();
+    GraphExec::instantiate(&a, InstantiateFlags::empty())
+        .unwrap()
+        .launch(&stream)
+        .unwrap();
+    // Graph B reads it: out = 3 tmp + 1.
+    let b = stream
+        .capture(CaptureMode::ThreadLocal, |s| {
+            // SAFETY: the kernels touch n elements of buffers that hold n.
+            unsafe {
+                s.stream()
+                    .launch(&set, &cfg, &kernel_args![out, 1.0f32, n])?;
+                s.stream()
+                    .launch(&axpy, &cfg, &kernel_args![3.0f32, tmp, out, n])
+            }
+        })
+        .unwrap();
+    let b = GraphExec::instantiate(&b, InstantiateFlags::empty()).unwrap();
+    drop(tmp);
+    // Were tmp's memory freed, these stream-ordered allocations would take it.
+    let others: Vec<DeviceBuffer<f32>> = (0..4)
+        .map(|_| {
+            let o = DeviceBuffer::<f32>::alloc_async(&stream, n as usize).unwrap();
+            o.fill_u32_bits(&stream, 100.0f32.to_bits()).unwrap();
+            o
+        })
+        .collect();
+    b.launch(&stream).unwrap();
+    assert!(out.to_vec(&stream).unwrap().iter().all(|&v| v == 7.0));
+    drop(others);
+}

@@ -97,6 +97,9 @@ pub fn quantize_current<'a>(
     }
     let noop_idx = noop.map(idx).transpose()?.unwrap_or(0);
     let amax_idx = idx(out.amax())?;
+    // The cast's slot indices too, so that no launch is enqueued before an error.
+    idx(out.scale())?;
+    idx(out.scale_inv())?;
     let ctx = stream.context();
     // Look every kernel up before enqueueing anything.
     let (zero, _) = kernel(ctx, "fp8_zero_amax")?;

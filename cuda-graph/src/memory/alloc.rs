@@ -2,6 +2,7 @@
 
 use std::any::Any;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use cuda_graph_sys::CUdeviceptr;
 
@@ -20,8 +21,10 @@ pub(crate) enum Free {
     /// A range of a [`GraphPool`](crate::GraphPool), returned to it.
     Pool(Arc<crate::pool::PoolInner>),
     /// Stream-ordered allocation made while its stream was capturing: a graph memory node.
-    /// Freed like `Async` (inside the capture that is a free node). Graphs do not keep it
-    /// alive: the graph owns that memory between its alloc and free nodes.
+    /// Freed like `Async` (inside the capture that is a free node). The capture that made
+    /// it does not keep it alive (that graph owns the memory between its alloc and free
+    /// nodes); graphs captured after that capture ended do, like any other memory
+    /// (`Allocation::capture_open`).
     InGraph(Stream),
     /// Memory owned by another library (a cudarc slice, ...): dropping the owner frees it,
     /// its own way.
@@ -55,6 +58,10 @@ pub struct Allocation {
     ctx: Arc<Context>,
     /// A pool the allocation came from stays alive until the allocation is freed.
     _pool: Option<Arc<MemPool>>,
+    /// For a graph memory node (`Free::InGraph`): whether the capture that made it is still
+    /// running (cleared when this crate's capture scope ends; one it did not start never
+    /// clears it, and such memory is never kept alive by graphs, as before).
+    capture_open: AtomicBool,
 }
 
 impl Allocation {
@@ -65,12 +72,14 @@ impl Allocation {
         ctx: &Arc<Context>,
         pool: Option<Arc<MemPool>>,
     ) -> Allocation {
+        let capture_open = AtomicBool::new(matches!(free, Free::InGraph(_)));
         Allocation {
             ptr,
             bytes,
             free,
             ctx: ctx.clone(),
             _pool: pool,
+            capture_open,
         }
     }
 
@@ -87,9 +96,16 @@ impl Allocation {
     pub(crate) fn keep_alive(self: &Arc<Self>) -> Resource {
         match &self.free {
             Free::Pool(pool) => pool.clone() as Resource,
-            Free::InGraph(_) | Free::Borrowed => no_resource(),
+            Free::InGraph(_) if self.capture_open.load(Ordering::Acquire) => no_resource(),
+            Free::Borrowed => no_resource(),
             _ => self.clone() as Resource,
         }
+    }
+
+    /// Marks a graph memory node's capture as ended: graphs captured from now on keep the
+    /// memory alive like any other.
+    pub(crate) fn end_capture(&self) {
+        self.capture_open.store(false, Ordering::Release);
     }
 
     /// The device address of the allocation's first byte.

@@ -116,9 +116,10 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     ///
     /// Inside a capture this becomes a graph memory node, and dropping the buffer inside the
     /// capture adds the matching free node: the graph owns that memory between the two, so
-    /// graphs do not keep such buffers alive. A buffer kept past the end of its capture is
-    /// freed (stream-ordered) when dropped; until then the graph cannot be launched again
-    /// unless instantiated with `AUTO_FREE_ON_LAUNCH`.
+    /// that capture's graph does not keep the buffer alive. A buffer kept past the end of its
+    /// capture is freed (stream-ordered) when dropped; until then the graph cannot be
+    /// launched again unless instantiated with `AUTO_FREE_ON_LAUNCH`. Graphs captured after
+    /// its capture ended keep it alive like any other buffer.
     ///
     /// Wraps [`cuMemAllocAsync`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
     /// Errors: [`Error::InvalidArgument`] when the byte count overflows; [`Error::Driver`]
@@ -133,10 +134,12 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
             // SAFETY: valid out-pointer, live stream.
             unsafe { cu!(cuMemAllocAsync(&mut ptr, bytes, stream.as_raw())) }?;
         }
-        Ok(Self::from_alloc(
+        let buf = Self::from_alloc(
             Allocation::new(ptr, bytes, free, stream.context(), None),
             len,
-        ))
+        );
+        stream.note_graph_allocation(&buf.alloc);
+        Ok(buf)
     }
 
     /// How a stream-ordered allocation on `stream` is freed: graph-owned while capturing.
@@ -172,10 +175,12 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
                 ))
             }?;
         }
-        Ok(Self::from_alloc(
+        let buf = Self::from_alloc(
             Allocation::new(ptr, bytes, free, stream.context(), Some(pool.clone())),
             len,
-        ))
+        );
+        stream.note_graph_allocation(&buf.alloc);
+        Ok(buf)
     }
 
     /// Wraps memory allocated elsewhere, without taking ownership; graphs cannot keep it

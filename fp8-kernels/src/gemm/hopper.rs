@@ -646,7 +646,8 @@ fn launch_split_k(
     let (m, n, k) = (p.m, p.n, p.k);
     let ks = k / splits;
     let copies = splits * m * n * 4;
-    let partial = ws.reinterpret::<f32>()?;
+    // Whole f32s of the workspace (its length need not be a multiple of 4).
+    let partial = ws.slice(0..ws.len() / 4 * 4)?.reinterpret::<f32>()?;
     if partial.as_raw() % 16 != 0 || ws.len() < copies {
         return Err(Error::InvalidArgument(format!(
             "sm90 split-K: the workspace ({} bytes at {:#x}) is not 16-byte aligned or holds \

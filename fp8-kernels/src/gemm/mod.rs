@@ -622,10 +622,13 @@ fn check_workspace(what: &str, ws: &DeviceBuffer<u8>, p: &GemmProblem<'_>) -> Re
             w.0
         )));
     }
+    let scalar = |s: &DeviceScalar| span(s.device_ptr(), size_of::<f32>());
     let mut others = vec![
         ("A", span(p.a.data.as_raw(), p.a.data.len())),
         ("B", span(p.b.data.as_raw(), p.b.data.len())),
         ("D", span(p.d.device_ptr(), p.d.len() * p.d.elem_size())),
+        ("A's scale_inv", scalar(p.a.scale_inv)),
+        ("B's scale_inv", scalar(p.b.scale_inv)),
     ];
     if let Some(b) = &p.bias {
         others.push(("the bias", span(b.device_ptr(), b.len() * b.elem_size())));
