@@ -322,7 +322,12 @@ impl GraphExec {
                     .push((graph, pairs.into_iter().map(|(b, _)| b).collect()));
             }
         }
-        Ok(self.aliases.get(&node.0).copied().unwrap_or(node.0))
+        let raw = self.aliases.get(&node.0).copied().unwrap_or(node.0);
+        // A node of neither graph (another graph's, or a dropped one's) never reaches the
+        // driver, which would read freed memory.
+        self.origin.check_nodes(&[raw])?;
+        self.ctx.ensure_current()?;
+        Ok(raw)
     }
 
     /// Forgets the graphs of earlier updates (and their mapped handles) that only this exec

@@ -1,6 +1,7 @@
 //! Graph definitions: ownership, the resources their nodes keep alive, explicit building
 //! with typed nodes and edges, queries, clone and DOT export.
 
+use std::collections::HashSet;
 use std::ffi::CString;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -48,6 +49,10 @@ pub struct Graph {
 pub(crate) struct OwnedGraph {
     raw: CUgraph,
     lock: Mutex<()>,
+    /// Addresses of nodes known to be in the graph (those this crate added, then all of them
+    /// as the driver lists them when a handle is not found): what node handles are checked
+    /// against before they reach the driver (`check_nodes`).
+    known: Mutex<HashSet<usize>>,
 }
 
 // SAFETY: the graph handle is only used by `Drop` (by whoever drops the last `Arc`, when no
@@ -71,6 +76,37 @@ impl OwnedGraph {
     /// The graph handle.
     pub(crate) fn raw(&self) -> CUgraph {
         self.raw
+    }
+
+    /// Notes a node this crate just added to the graph.
+    pub(crate) fn note_node(&self, node: CUgraphNode) {
+        self.known
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(node as usize);
+    }
+
+    /// Checks that every one of `nodes` is a node of this graph, so that the driver is never
+    /// handed a handle of another graph, or of one that was destroyed (it would read freed
+    /// memory). A handle not seen yet makes the graph's nodes be listed again (nodes added by
+    /// captures into it). Not inside `locked` (it takes the lock to list the nodes).
+    ///
+    /// Errors: [`Error::InvalidArgument`] naming the first stranger; those of listing.
+    pub(crate) fn check_nodes(&self, nodes: &[CUgraphNode]) -> Result<()> {
+        let mut known = self.known.lock().unwrap_or_else(|p| p.into_inner());
+        if nodes.iter().all(|n| known.contains(&(*n as usize))) {
+            return Ok(());
+        }
+        let all = self.locked(|| raw_nodes(self.raw))?;
+        known.clear();
+        known.extend(all.into_iter().map(|n| n as usize));
+        match nodes.iter().find(|n| !known.contains(&(**n as usize))) {
+            None => Ok(()),
+            Some(n) => Err(Error::invalid(format!(
+                "node {n:?} is not a node of this graph (a handle of another graph, of a \
+                 clone's original, or of a graph that was dropped)"
+            ))),
+        }
     }
 }
 
@@ -117,6 +153,7 @@ impl Graph {
             owner: Arc::new(OwnedGraph {
                 raw,
                 lock: Mutex::new(()),
+                known: Mutex::new(HashSet::new()),
             }),
             ctx: ctx.clone(),
             resources: ResourceSet::default(),
@@ -178,10 +215,6 @@ pub(crate) fn raw_node_type(node: CUgraphNode) -> Result<cuda_graph_sys::CUgraph
     // SAFETY: a live node, valid out-pointer.
     unsafe { cu!(cuGraphNodeGetType(node, &mut t)) }?;
     Ok(t)
-}
-
-fn raw_deps(deps: &[Node]) -> Vec<CUgraphNode> {
-    deps.iter().map(|n| n.id.0).collect()
 }
 
 /// Kernel node parameters; the argument values are copied by the driver during the call.
@@ -279,8 +312,17 @@ fn set_kernel_attributes(node: CUgraphNode, config: &LaunchConfig) -> Result<()>
 }
 
 impl Graph {
-    fn wrap_node(raw: CUgraphNode) -> NodeId {
+    /// The handle of a node just added, noted as this graph's.
+    fn wrap_node(&self, raw: CUgraphNode) -> NodeId {
+        self.owner.note_node(raw);
         NodeId(raw)
+    }
+
+    /// The raw handles of `deps`, checked to be nodes of this graph.
+    fn raw_deps(&self, deps: &[Node]) -> Result<Vec<CUgraphNode>> {
+        let raw: Vec<CUgraphNode> = deps.iter().map(|n| n.id.0).collect();
+        self.owner.check_nodes(&raw)?;
+        Ok(raw)
     }
 
     /// Adds a kernel node launching `kernel` with `config` and `args` after `deps`.
@@ -310,7 +352,7 @@ impl Graph {
         args: &KernelArgs<'_>,
     ) -> Result<KernelNode> {
         let params = kernel_params(kernel, config, args)?;
-        let deps = raw_deps(deps);
+        let deps = self.raw_deps(deps)?;
         self.ctx.bind()?;
         let mut node = std::ptr::null_mut();
         // SAFETY: live graph, dependency array of deps.len() nodes, params valid for the call
@@ -329,7 +371,7 @@ impl Graph {
             self.keep_alive(r);
         }
         self.owner.locked(|| set_kernel_attributes(node, config))?;
-        Ok(KernelNode(Self::wrap_node(node)))
+        Ok(KernelNode(self.wrap_node(node)))
     }
 
     /// Adds a 1-D device-to-device copy of all of `src` into `dst` (same length) after `deps`.
@@ -345,7 +387,7 @@ impl Graph {
     ) -> Result<MemcpyNode> {
         let bytes = copy_bytes(dst, src)?;
         let params = memcpy_d2d(dst.as_raw(), src.as_raw(), bytes);
-        let deps = raw_deps(deps);
+        let deps = self.raw_deps(deps)?;
         self.ctx.bind()?;
         let mut node = std::ptr::null_mut();
         // SAFETY: live graph and context; both ranges are live allocations of `bytes`, kept
@@ -362,7 +404,7 @@ impl Graph {
         })?;
         self.keep_alive(dst.resource());
         self.keep_alive(src.resource());
-        Ok(MemcpyNode(Self::wrap_node(node)))
+        Ok(MemcpyNode(self.wrap_node(node)))
     }
 
     /// Adds a memset of all of `dst` to `value` (1, 2 or 4 bytes wide; the buffer's size must
@@ -378,7 +420,7 @@ impl Graph {
         value: MemsetValue,
     ) -> Result<MemsetNode> {
         let params = memset_params(dst, value)?;
-        let deps = raw_deps(deps);
+        let deps = self.raw_deps(deps)?;
         self.ctx.bind()?;
         let mut node = std::ptr::null_mut();
         // SAFETY: live graph and context; dst is a live allocation covered by the params,
@@ -394,7 +436,7 @@ impl Graph {
             ))
         })?;
         self.keep_alive(dst.resource());
-        Ok(MemsetNode(Self::wrap_node(node)))
+        Ok(MemsetNode(self.wrap_node(node)))
     }
 
     /// Adds a node calling `f` on a driver thread after `deps`.
@@ -413,7 +455,7 @@ impl Graph {
     ) -> Result<HostNode> {
         let cb = Arc::new(HostCallback::new(f));
         let params = host_params(&cb);
-        let deps = raw_deps(deps);
+        let deps = self.raw_deps(deps)?;
         let mut node = std::ptr::null_mut();
         // SAFETY: live graph; the callback pointer stays valid while the graph keeps `cb`.
         self.owner.locked(|| unsafe {
@@ -427,7 +469,7 @@ impl Graph {
         })?;
         self.keep_alive(cb.clone());
         Ok(HostNode {
-            id: Self::wrap_node(node),
+            id: self.wrap_node(node),
             callback: cb,
         })
     }
@@ -441,7 +483,7 @@ impl Graph {
         deps: &[Node],
         event: &Arc<Event>,
     ) -> Result<EventRecordNode> {
-        let deps = raw_deps(deps);
+        let deps = self.raw_deps(deps)?;
         let mut node = std::ptr::null_mut();
         // SAFETY: live graph and event (kept alive below).
         self.owner.locked(|| unsafe {
@@ -454,7 +496,7 @@ impl Graph {
             ))
         })?;
         self.keep_alive(event.clone());
-        Ok(EventRecordNode(Self::wrap_node(node)))
+        Ok(EventRecordNode(self.wrap_node(node)))
     }
 
     /// Adds a node that waits for `event` (its most recent record at the time the graph is
@@ -463,7 +505,7 @@ impl Graph {
     /// Wraps [`cuGraphAddEventWaitNode`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
     /// Errors: [`Error::Driver`].
     pub fn add_event_wait(&mut self, deps: &[Node], event: &Arc<Event>) -> Result<EventWaitNode> {
-        let deps = raw_deps(deps);
+        let deps = self.raw_deps(deps)?;
         let mut node = std::ptr::null_mut();
         // SAFETY: live graph and event (kept alive below).
         self.owner.locked(|| unsafe {
@@ -476,7 +518,7 @@ impl Graph {
             ))
         })?;
         self.keep_alive(event.clone());
-        Ok(EventWaitNode(Self::wrap_node(node)))
+        Ok(EventWaitNode(self.wrap_node(node)))
     }
 
     /// Adds a no-op node, to join or fan out dependencies.
@@ -484,7 +526,7 @@ impl Graph {
     /// Wraps [`cuGraphAddEmptyNode`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
     /// Errors: [`Error::Driver`].
     pub fn add_empty(&mut self, deps: &[Node]) -> Result<EmptyNode> {
-        let deps = raw_deps(deps);
+        let deps = self.raw_deps(deps)?;
         let mut node = std::ptr::null_mut();
         // SAFETY: live graph, valid dependency array.
         self.owner.locked(|| unsafe {
@@ -495,7 +537,7 @@ impl Graph {
                 deps.len()
             ))
         })?;
-        Ok(EmptyNode(Self::wrap_node(node)))
+        Ok(EmptyNode(self.wrap_node(node)))
     }
 
     /// Adds a node running a copy of `child` after `deps` (the driver clones it; later
@@ -505,7 +547,7 @@ impl Graph {
     /// Errors: [`Error::Driver`], also for a child holding memory alloc/free or conditional
     /// nodes, which the driver refuses.
     pub fn add_child_graph(&mut self, deps: &[Node], child: &Graph) -> Result<ChildGraphNode> {
-        let deps = raw_deps(deps);
+        let deps = self.raw_deps(deps)?;
         let mut node = std::ptr::null_mut();
         // SAFETY: live graphs, valid dependency array; the child is cloned by the driver.
         self.owner.locked(|| unsafe {
@@ -518,7 +560,7 @@ impl Graph {
             ))
         })?;
         self.resources.extend(child.resources().iter().cloned());
-        Ok(ChildGraphNode(Self::wrap_node(node)))
+        Ok(ChildGraphNode(self.wrap_node(node)))
     }
 
     /// Adds a graph memory allocation of `bytes` on the context's device after `deps` and
@@ -544,7 +586,7 @@ impl Graph {
         params.poolProps.allocType = CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
         params.poolProps.location.type_ = CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
         params.poolProps.location.id = self.ctx.device().as_raw();
-        let deps = raw_deps(deps);
+        let deps = self.raw_deps(deps)?;
         self.ctx.bind()?;
         let mut node = std::ptr::null_mut();
         // SAFETY: live graph, valid params (no access descriptors); the driver writes dptr.
@@ -558,7 +600,7 @@ impl Graph {
             ))
         })?;
         Ok(MemAllocNode {
-            id: Self::wrap_node(node),
+            id: self.wrap_node(node),
             ptr: params.dptr,
             bytes,
         })
@@ -571,7 +613,7 @@ impl Graph {
     /// Errors: [`Error::Driver`] (e.g. `ptr` not allocated by a memory node of this graph, or
     /// freed twice).
     pub fn add_mem_free(&mut self, deps: &[Node], ptr: CUdeviceptr) -> Result<MemFreeNode> {
-        let deps = raw_deps(deps);
+        let deps = self.raw_deps(deps)?;
         let mut node = std::ptr::null_mut();
         // SAFETY: live graph, valid dependency array; the driver checks `ptr`.
         self.owner.locked(|| unsafe {
@@ -583,10 +625,11 @@ impl Graph {
                 ptr
             ))
         })?;
-        Ok(MemFreeNode(Self::wrap_node(node)))
+        Ok(MemFreeNode(self.wrap_node(node)))
     }
 
     fn add_edge(&mut self, from: NodeId, to: NodeId, kind: EdgeKind) -> Result<()> {
+        self.owner.check_nodes(&[from.0, to.0])?;
         let data: CUgraphEdgeData = kind.to_raw();
         // SAFETY: live graph, one-element arrays.
         self.owner
@@ -632,6 +675,7 @@ impl Graph {
     /// Errors: [`Error::Driver`] (also when no such edge exists); [`Error::Load`] on a driver
     /// before 12.3, which lacks the ABI used.
     pub fn remove_dependency(&mut self, from: NodeId, to: NodeId, kind: EdgeKind) -> Result<()> {
+        self.owner.check_nodes(&[from.0, to.0])?;
         let data = kind.to_raw();
         // SAFETY: live graph, one-element arrays.
         self.owner.locked(|| unsafe {
@@ -685,6 +729,7 @@ impl Graph {
     /// node that launches a library kernel (`CUkernel`, the node's `kern` field) rather than
     /// a context's function.
     pub fn kernel_function(&self, node: &KernelNode) -> Result<CUfunction> {
+        self.owner.check_nodes(&[node.id().0])?;
         let mut params = CUDA_KERNEL_NODE_PARAMS_v2::default();
         // SAFETY: a kernel node of this live graph, valid out-pointer; only `func` is read
         // (the argument array it also returns is owned by the node).
@@ -698,6 +743,7 @@ impl Graph {
     /// e.g. to see how many CTAs a captured persistent kernel was given.
     /// Errors: [`Error::Driver`].
     pub fn kernel_grid(&self, node: &KernelNode) -> Result<(u32, u32, u32)> {
+        self.owner.check_nodes(&[node.id().0])?;
         let mut params = CUDA_KERNEL_NODE_PARAMS_v2::default();
         // SAFETY: a kernel node of this live graph, valid out-pointer; only the grid is read.
         self.owner
@@ -710,6 +756,7 @@ impl Graph {
     /// Wraps [`cuGraphNodeGetType`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
     /// Errors: [`Error::Driver`].
     pub fn node_type(&self, node: NodeId) -> Result<NodeKind> {
+        self.owner.check_nodes(&[node.0])?;
         let mut t = cuda_graph_sys::CUgraphNodeType(0);
         // SAFETY: a node of this live graph, valid out-pointer.
         self.owner
@@ -778,6 +825,7 @@ impl Graph {
     }
 
     fn neighbours(&self, node: NodeId, up: bool) -> Result<Vec<(NodeId, EdgeKind)>> {
+        self.owner.check_nodes(&[node.0])?;
         let d = cuda_graph_sys::driver()?;
         let (f, call) = if up {
             (

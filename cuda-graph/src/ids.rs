@@ -5,8 +5,9 @@ use cuda_graph_sys::CUgraphNode;
 /// A node of a graph, as the driver names it (`CUgraphNode`); a plain identifier, valid
 /// while its graph lives. The typed node handles ([`KernelNode`](crate::KernelNode), ...)
 /// wrap it. Only this crate makes them (from the driver's answers), so safe code cannot hand
-/// the driver an address that was never a node; [`from_raw`](Self::from_raw) is the unsafe
-/// way in for handles from other libraries.
+/// the driver an address that was never a node, and every method that takes one checks that
+/// it is a node of its graph (a handle of another graph, or of a dropped one, is an error);
+/// [`from_raw`](Self::from_raw) is the unsafe way in for handles from other libraries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct NodeId(pub(crate) CUgraphNode);
 

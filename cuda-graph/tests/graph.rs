@@ -460,3 +460,45 @@ fn kernel_nodes_check_argument_sizes() {
     assert!(g.dependents(e.id()).unwrap().is_empty());
     assert_eq!(g.root_nodes().unwrap(), vec![Node::from(e)]);
 }
+
+/// Node handles of another graph, or of a graph that was dropped, never reach the driver
+/// (which would read freed memory): every method that takes one refuses it, the graph and
+/// the exec are unharmed.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn node_handles_of_other_or_dropped_graphs_are_refused() {
+    let gpu = Gpu::new(N);
+    let x = gpu.buf();
+    let mut g = Graph::new(&gpu.ctx).unwrap();
+    let mine = g
+        .add_memset(&[], &x, MemsetValue::U32(1.0f32.to_bits()))
+        .unwrap();
+    let dropped = {
+        let mut other = Graph::new(&gpu.ctx).unwrap();
+        other.add_empty(&[]).unwrap().node()
+    };
+    let mut live = Graph::new(&gpu.ctx).unwrap();
+    let foreign = live
+        .add_memset(&[], &x, MemsetValue::U32(5.0f32.to_bits()))
+        .unwrap();
+    for (what, n) in [
+        ("a dropped graph's", dropped),
+        ("another graph's", foreign.node()),
+    ] {
+        let refused = |e: Error| assert!(e.to_string().contains("not a node of"), "{what}: {e}");
+        refused(g.add_empty(&[n]).unwrap_err());
+        refused(g.node_type(n.id).unwrap_err());
+        refused(g.dependents(n.id).unwrap_err());
+        refused(g.add_dependency(mine.node(), n).unwrap_err());
+    }
+    g.add_empty(&[mine.node()]).unwrap();
+    assert_eq!(g.nodes().unwrap().len(), 2, "the graph is unharmed");
+    let mut exec = GraphExec::instantiate(&g, InstantiateFlags::empty()).unwrap();
+    let e = exec
+        .set_memset_params(&foreign, &x, MemsetValue::U32(7.0f32.to_bits()))
+        .unwrap_err();
+    assert!(e.to_string().contains("not a node of"), "{e}");
+    gpu.poison(&x);
+    gpu.run(&exec);
+    assert_all(&gpu.read(&x), 1.0, "the exec kept its memset");
+}

@@ -124,13 +124,17 @@ impl Graph {
         source.check()?;
         let raw_deps: Vec<CUgraphNode> = deps.iter().map(|d| d.id.0).collect();
         let (ctx, raw, owner) = (self.context().clone(), self.as_raw(), self.owner().clone());
+        owner.check_nodes(&raw_deps)?;
         let (resources, ends) =
             owner.locked(|| capture_into(&ctx, raw, &raw_deps, |s| handle.set_on(s, source)))?;
         for r in resources {
             self.keep_alive(r);
         }
         match ends.as_slice() {
-            [one] => Ok(KernelNode(NodeId(*one))),
+            [one] => {
+                owner.note_node(*one);
+                Ok(KernelNode(NodeId(*one)))
+            }
             // One kernel launch captured after `deps` is exactly one new node.
             _ => Err(Error::invalid(format!(
                 "expected the setter to add one node, the capture ended on {}",
@@ -150,6 +154,7 @@ impl Graph {
         check_handle_graph(&handle, self.as_raw())?;
         let raw_deps: Vec<CUgraphNode> = deps.iter().map(|d| d.id.0).collect();
         let (ctx, raw, owner) = (self.context().clone(), self.as_raw(), self.owner().clone());
+        owner.check_nodes(&raw_deps)?;
         // The node and its bodies are edited under the graph's lock: an exec of this graph may
         // run per-node setters on another thread.
         let (node, resources) = owner.locked(|| {
@@ -160,6 +165,7 @@ impl Graph {
         for r in resources {
             self.keep_alive(r);
         }
+        owner.note_node(node);
         Ok(ConditionalNode(NodeId(node)))
     }
 }
