@@ -449,6 +449,11 @@ impl<'s> CaptureScope<'s> {
     /// Makes the origin wait for all work enqueued so far on `side` (a stream from
     /// [`CaptureScope::fork`], or any stream taking part in the capture).
     ///
+    /// Only the origin and the forks collect what their captured work uses: a stream brought
+    /// into the capture otherwise (waiting on an event recorded on a captured stream) has its
+    /// work captured, but the graph does not keep that work's buffers alive. Fork instead,
+    /// or hand them to [`keep_alive`](Self::keep_alive).
+    ///
     /// Wraps [`cuStreamWaitEvent`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html)
     /// on an event recorded on `side`; for a fork, also [`cuStreamGetCaptureInfo`](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).
     /// Errors: [`Error::Driver`]; [`Error::Load`] on a driver before 12.3, as for
