@@ -268,8 +268,6 @@ impl<T: DeviceRepr> GraphedCallables<T> {
         self.cursor.set(c);
     }
 
-    /// Runs the program of the step at `position` on `stream`: its graph launches and its
-    /// eager segments' host calls, in order.
     /// [`run_program`](Self::run_program); on an error (part of the step may be enqueued)
     /// the cursor refuses every step until [`reset_step`](Self::reset_step).
     fn run_step(&self, position: usize, step: Step, stream: &Stream) -> Result<()> {
@@ -282,6 +280,8 @@ impl<T: DeviceRepr> GraphedCallables<T> {
         run
     }
 
+    /// Runs the program of the step at `position` on `stream`: its graph launches and its
+    /// eager segments' host calls, in order.
     fn run_program(&self, position: usize, stream: &Stream) -> Result<()> {
         for item in self.programs.step(position) {
             match item {
