@@ -214,11 +214,8 @@ impl Dense {
                 format: Fp8Format::E4M3,
                 scale_inv: &saved.x_si,
             },
-            Operand {
-                data: self.w_fp8.data(),
-                format: Fp8Format::E4M3,
-                scale_inv: self.w_fp8.scale_inv(),
-            },
+            // E4M3, [out, in]: the layer's cached weight, format and scale with it.
+            Operand::from_tensor(&self.w_fp8),
             y,
             GemmOptions::new().fast_accumulation(fast),
         )

@@ -178,6 +178,25 @@ pub struct Operand<'a> {
     pub scale_inv: &'a DeviceScalar,
 }
 
+impl<'a> Operand<'a> {
+    /// The operand an [`Fp8Tensor`](crate::Fp8Tensor) is: its bytes, its format and its
+    /// `scale_inv` (so that they cannot disagree). The tensor's bytes must be `[rows, K]`
+    /// row-major, as the GEMM reads them.
+    pub fn from_tensor(t: &'a crate::Fp8Tensor) -> Operand<'a> {
+        Operand {
+            data: t.data(),
+            format: t.format(),
+            scale_inv: t.scale_inv(),
+        }
+    }
+}
+
+impl<'a> From<&'a crate::Fp8Tensor> for Operand<'a> {
+    fn from(t: &'a crate::Fp8Tensor) -> Operand<'a> {
+        Operand::from_tensor(t)
+    }
+}
+
 /// A validated problem, as the kernel paths receive it.
 pub(crate) struct GemmProblem<'a> {
     /// Rows of A and D (grouped: `m_max`, rows per group).
