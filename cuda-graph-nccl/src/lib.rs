@@ -26,7 +26,8 @@
 //!
 //! Keep `NCCL_NVLS_ENABLE=0` in the environment of every process on shared machines (the
 //! [launcher](launch) sets it for its children): NVLink SHARP multicast objects can put
-//! shared GPUs out of service.
+//! shared GPUs out of service. The crate enforces it: loading NCCL ([`nccl`]) sets the
+//! variable to `0` when it is unset, before NCCL can read it, and refuses any other value.
 //!
 //! # Example
 //!
@@ -54,4 +55,4 @@ pub mod sys;
 
 pub use comm::{Communicator, NcclType, ReduceOp, UniqueId, group};
 pub use error::{Error, Result, result_name};
-pub use library::{LIBNCCL, LIBRARY_VAR, MIN_VERSION, Nccl, Version, nccl};
+pub use library::{LIBNCCL, LIBRARY_VAR, MIN_VERSION, NVLS_VAR, Nccl, Version, nccl};

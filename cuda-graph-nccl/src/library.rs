@@ -165,9 +165,42 @@ impl Nccl {
 /// [`LIBRARY_VAR`] at an NCCL.
 pub fn nccl() -> Result<&'static Nccl> {
     static LIB: OnceLock<Result<Nccl>> = OnceLock::new();
-    LIB.get_or_init(|| open_default(std::env::var_os(LIBRARY_VAR)))
-        .as_ref()
-        .map_err(Error::again)
+    LIB.get_or_init(|| {
+        keep_nvls_off()?;
+        open_default(std::env::var_os(LIBRARY_VAR))
+    })
+    .as_ref()
+    .map_err(Error::again)
+}
+
+/// The variable that keeps NCCL from using NVLink SHARP multicast.
+pub const NVLS_VAR: &str = "NCCL_NVLS_ENABLE";
+
+/// Keeps NVLink multicast off in this process before NCCL can read its settings: sets
+/// [`NVLS_VAR`] to `0` when it is unset, and refuses any other value (multicast objects can
+/// put shared GPUs out of service; this crate never lets NCCL create them).
+fn keep_nvls_off() -> Result<()> {
+    match std::env::var_os(NVLS_VAR) {
+        None => {
+            // SAFETY: runs once, inside the library's one-time initialization, before any
+            // NCCL function can run in this process (each goes through the library this
+            // initialization returns, and other threads asking for it wait here); Rust's own
+            // environment accesses take std's lock. What remains is foreign code reading
+            // the environment on another thread at this instant, which this crate does not
+            // start.
+            unsafe { std::env::set_var(NVLS_VAR, "0") };
+            Ok(())
+        }
+        Some(v) if v.to_str().map(str::trim) == Some("0") => Ok(()),
+        Some(v) => Err(Error::Load {
+            reason: format!(
+                "{NVLS_VAR}={}: NVLink multicast (NVLS) stays off with this crate (its \
+                 multicast objects can put shared GPUs out of service); set {NVLS_VAR}=0 or \
+                 unset it",
+                v.to_string_lossy()
+            ),
+        }),
+    }
 }
 
 fn open_default(var: Option<OsString>) -> Result<Nccl> {
