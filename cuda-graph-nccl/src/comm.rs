@@ -831,6 +831,11 @@ fn same_len<T: DeviceRepr>(
 /// thread driving several GPUs' communicators). The group is ended even when `calls` fails;
 /// the first error is returned. Groups nest.
 ///
+/// A call refused by this crate's own checks (lengths, devices) reaches NCCL not at all, but
+/// the calls queued before it do: the group's end launches them, and their peers' matching
+/// calls must still be made, or those wait on the device. Check every call's arguments
+/// before the group when a refusal must leave nothing in flight.
+///
 /// Errors: those of `calls`; those of [`nccl()`]; [`Error::Nccl`] from the group's end (where
 /// NCCL reports errors of the grouped calls).
 pub fn group<R>(calls: impl FnOnce() -> Result<R>) -> Result<R> {
