@@ -41,8 +41,10 @@
 //!
 //! The launcher polls the children every 20 ms. Stopping means `SIGKILL` ([`Child::kill`]), sent
 //! to the children only: processes they started themselves are not tracked. If the launcher
-//! itself is killed, the children are not stopped. Interrupting the launcher from a terminal
-//! (Ctrl-C) interrupts the children too, since they share its process group.
+//! itself dies (killed by a scheduler, say), the kernel kills the children too
+//! (`PR_SET_PDEATHSIG`), so none is left holding its GPU or waiting in a collective.
+//! Interrupting the launcher from a terminal (Ctrl-C) interrupts the children too, since they
+//! share its process group.
 //!
 //! # Example
 //!
@@ -433,6 +435,27 @@ struct Running {
     stderr: Option<JoinHandle<Vec<String>>>,
 }
 
+/// Makes the kernel kill `command`'s process when the launcher dies, so that a launcher
+/// killed alone (`SIGKILL` from a scheduler) leaves no rank behind.
+fn die_with_the_launcher(command: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    let launcher = std::process::id();
+    // SAFETY: the closure runs in the child between fork and exec; it calls only prctl and
+    // getppid (async-signal-safe), allocates nothing and touches no state of the parent.
+    unsafe {
+        command.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            // The launcher died before the prctl: no signal will come, so do not start.
+            if libc::getppid() as u32 != launcher {
+                return Err(io::Error::from_raw_os_error(libc::ESRCH));
+            }
+            Ok(())
+        });
+    }
+}
+
 fn spawn_rank(
     cfg: &LaunchConfig,
     world_size: usize,
@@ -464,6 +487,7 @@ fn spawn_rank(
         .stdin(Stdio::null())
         .stdout(stdio())
         .stderr(stdio());
+    die_with_the_launcher(&mut command);
     let mut running = Running {
         rank,
         local_rank,

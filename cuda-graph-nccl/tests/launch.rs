@@ -17,6 +17,9 @@ const PAYLOAD_VAR: &str = "CUDA_GRAPH_NCCL_LAUNCH_TEST_PAYLOAD";
 const FAIL_VAR: &str = "CUDA_GRAPH_NCCL_LAUNCH_TEST_FAIL";
 /// Non-empty: this child is itself a launcher of two prefixed children.
 const NESTED_VAR: &str = "CUDA_GRAPH_NCCL_LAUNCH_TEST_NESTED";
+/// A file path: this process is a launcher of two `sh` children that append their PIDs to
+/// it and sleep, until the test kills the launcher.
+const ORPHAN_VAR: &str = "CUDA_GRAPH_NCCL_LAUNCH_TEST_ORPHANS";
 /// How many numbered lines each child prints before meeting.
 const CHATTY_VAR: &str = "CUDA_GRAPH_NCCL_LAUNCH_TEST_CHATTY";
 /// Pads the numbered lines, so that a line torn by interleaving would show.
@@ -38,6 +41,9 @@ fn child_entry() {
     }
     if !env_or(NESTED_VAR, "").is_empty() {
         run_nested_launcher();
+    }
+    if let Some(file) = std::env::var_os(ORPHAN_VAR) {
+        run_sleepy_launcher(file);
     }
     let rank = env_or("RANK", "?");
     if let Some((fail_rank, code)) = env_or(FAIL_VAR, "").split_once(':') {
@@ -95,6 +101,21 @@ fn run_nested_launcher() -> ! {
             std::process::exit(92);
         }
     }
+}
+
+/// A launcher of two children that note their PIDs in `file` and sleep a minute.
+fn run_sleepy_launcher(file: OsString) -> ! {
+    let mut cfg = LaunchConfig::new(2, "/bin/sh");
+    cfg.args = ["-c", "echo $$ >> \"$0\"; exec sleep 60"]
+        .map(OsString::from)
+        .to_vec();
+    cfg.args.push(file);
+    cfg.output = Output::Inherit;
+    let code = match launch(&cfg) {
+        Ok(_) => 0,
+        Err(_) => 93,
+    };
+    std::process::exit(code)
 }
 
 fn encode_hex(bytes: &[u8]) -> String {
@@ -358,4 +379,58 @@ fn invalid_configurations_are_refused() {
     multi.node_rank = 2;
     multi.master_port = Some(29500);
     assert_eq!(multi.world_size().unwrap(), 6);
+}
+
+#[test]
+fn killing_the_launcher_alone_kills_its_children() {
+    // A launcher killed with SIGKILL (a scheduler, an OOM kill) cannot stop its children
+    // itself: the kernel must (the parent-death signal), or they would keep their GPUs.
+    let file = std::env::temp_dir().join(format!(
+        "cuda-graph-nccl-orphans-{}-{}",
+        std::process::id(),
+        random_hex()
+    ));
+    let mut launcher = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
+        .env(CHILD_VAR, "1")
+        .env(ORPHAN_VAR, &file)
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let pids: Vec<i32> = loop {
+        let pids: Vec<i32> = std::fs::read_to_string(&file)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .collect();
+        if pids.len() == 2 {
+            break pids;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the children never started: {pids:?}"
+        );
+        thread::sleep(Duration::from_millis(20));
+    };
+    launcher.kill().unwrap();
+    launcher.wait().unwrap();
+    let alive = |pid: i32| {
+        // A zombie (reaped by init shortly) counts as gone.
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map(|s| {
+                !s.split(") ")
+                    .nth(1)
+                    .is_some_and(|rest| rest.starts_with('Z'))
+            })
+            .unwrap_or(false)
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pids.iter().any(|&p| alive(p)) {
+        assert!(
+            Instant::now() < deadline,
+            "children {pids:?} outlived their launcher"
+        );
+        thread::sleep(Duration::from_millis(20));
+    }
+    let _ = std::fs::remove_file(&file);
 }
