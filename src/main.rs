@@ -175,14 +175,16 @@ enum Command {
 }
 
 /// The flags of `train`. Model and optimizer flags left out take the defaults below; with
-/// --resume they come from the checkpoint, and giving one that differs is an error.
+/// --resume they all come from the checkpoint, and giving any of them is an error (a resumed
+/// run continues the saved one exactly, schedule included).
 #[derive(Debug, Args)]
 struct TrainArgs {
     /// How each training step runs: eager launches, MoE breaking-layer graphs, a graph per
     /// block and pass, or the whole step as one graph.
     #[arg(long, value_enum, default_value_t = GraphMode::Step)]
     graphs: GraphMode,
-    /// Optimizer steps (the total, counting those of a resumed checkpoint) [default: 500].
+    /// Optimizer steps of the whole run (a resumed run keeps its checkpoint's total and
+    /// trains the rest) [default: 500].
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     steps: Option<u64>,
     /// Transformer blocks [default: 4].

@@ -505,3 +505,41 @@ fn train_saved_and_resumed_equals_one_run_and_refuses_a_corrupt_checkpoint() {
     assert!(err.contains("model.safetensors"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn train_refuses_what_would_fail_at_the_end_before_it_trains() {
+    // Checked before any device is used (here there is none): the checkpoint's folder, the
+    // sample's settings, a report folder that is the checkpoint's.
+    let dir = std::env::temp_dir().join(format!("fp8-moe-cli-save-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("notes.txt");
+    std::fs::write(&file, b"keep me").unwrap();
+    let no_driver = [("CUDA_GRAPH_LIBCUDA", "/nonexistent/libcuda.so.1")];
+    let f = file.to_str().unwrap();
+    let ckpt = dir.join("ckpt");
+    let c = ckpt.to_str().unwrap();
+    for (args, want) in [
+        (
+            vec!["train", "--save", f],
+            "--save: refusing to write a checkpoint over",
+        ),
+        (vec!["train", "--temperature=-1"], "--temperature -1"),
+        (
+            vec!["train", "--sample-bytes", "99999999999"],
+            "--sample-bytes",
+        ),
+        (
+            vec!["train", "--save", c, "--report", c],
+            "give them different folders",
+        ),
+    ] {
+        let out = cli(&args, &no_driver);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {out:?}");
+        let err = String::from_utf8(out.stderr).unwrap();
+        assert!(err.contains(want), "{args:?}: {err:?}");
+        assert!(!err.contains("panicked"), "{err:?}");
+    }
+    assert_eq!(std::fs::read(&file).unwrap(), b"keep me");
+    assert!(!ckpt.exists());
+    let _ = std::fs::remove_dir_all(&dir);
+}

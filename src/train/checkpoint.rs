@@ -75,6 +75,12 @@ pub const STATE_FILE: &str = "state.json";
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum CheckpointError {
+    /// [`load`] was given a path that is not a folder.
+    #[error("checkpoint {} is not a folder (a checkpoint is a folder holding {MODEL_FILE} and {STATE_FILE})", path.display())]
+    NotAFolder {
+        /// The path.
+        path: PathBuf,
+    },
     /// The checkpoint folder does not exist.
     #[error("checkpoint {} does not exist{}", dir.display(), leftover_hint(leftovers))]
     Missing {
@@ -671,6 +677,19 @@ pub fn save(dir: &Path, tensors: &[TensorData], state: &Value) -> Result<(), Che
     Ok(())
 }
 
+/// Checks, before a long run, that [`save`] will be able to write `dir`: a path ending in a
+/// folder name, not a file, a symbolic link or a folder holding anything but a checkpoint,
+/// in a parent folder (made if missing) where a new folder can be created. The actual save
+/// checks all of it again.
+pub fn check_target(dir: &Path) -> Result<(), CheckpointError> {
+    check_replaceable(dir)?;
+    let (parent, name) = split_dir(dir)?;
+    fs::create_dir_all(&parent).map_err(io_err("create", &parent))?;
+    let probe = fresh_sibling(&parent, &name, "probe");
+    fs::create_dir(&probe).map_err(io_err("create a folder beside", dir))?;
+    fs::remove_dir(&probe).map_err(io_err("remove", &probe))
+}
+
 /// Loads and validates the checkpoint folder `dir`: both files present, the format and
 /// version known, `model.safetensors` of the recorded size and hash and parseable, every
 /// tensor of a supported type.
@@ -678,9 +697,8 @@ pub fn load(dir: &Path) -> Result<Checkpoint, CheckpointError> {
     match fs::metadata(dir) {
         Ok(m) if m.is_dir() => {}
         Ok(_) => {
-            return Err(CheckpointError::NotACheckpoint {
+            return Err(CheckpointError::NotAFolder {
                 path: dir.to_owned(),
-                why: "it is not a folder".into(),
             });
         }
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
@@ -1117,6 +1135,34 @@ mod tests {
             "{msg}"
         );
         assert_eq!(load(&old).unwrap().state["step"], 1);
+    }
+
+    #[test]
+    fn a_save_target_is_checked_before_a_run_and_a_file_is_not_a_checkpoint_to_load() {
+        let t = TempDir::new("target");
+        let file = t.0.join("notes.txt");
+        fs::write(&file, b"keep me").unwrap();
+        // A file, a folder of other things, a path without a folder name: refused up front.
+        let e = check_target(&file).unwrap_err();
+        assert!(e.to_string().contains("it is a file"), "{e}");
+        let folder = t.0.join("src");
+        fs::create_dir(&folder).unwrap();
+        fs::write(folder.join("main.rs"), b"").unwrap();
+        assert!(check_target(&folder).is_err());
+        assert!(check_target(Path::new(".")).is_err());
+        // A new folder under missing parents, or an existing checkpoint: fine, and nothing
+        // is left behind by the check.
+        let fresh = t.0.join("a/b/ckpt");
+        check_target(&fresh).unwrap();
+        assert!(!fresh.exists());
+        assert_eq!(fs::read_dir(t.0.join("a/b")).unwrap().count(), 0);
+        let dir = t.0.join("ckpt");
+        save(&dir, &tensors(1.0), &state(1)).unwrap();
+        check_target(&dir).unwrap();
+        // Loading a file says it is not a checkpoint folder (not a save-side refusal).
+        let e = load(&file).unwrap_err();
+        assert!(matches!(e, CheckpointError::NotAFolder { .. }), "{e}");
+        assert!(e.to_string().contains("is not a folder"), "{e}");
     }
 
     #[test]

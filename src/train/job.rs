@@ -30,6 +30,9 @@ use crate::model::{GraphMode, Model, ModelConfig, TrainConfig};
 /// The checkpoint format's version (`state.json`'s `version`).
 pub const CHECKPOINT_VERSION: u32 = 1;
 
+/// The most bytes `--sample-bytes` asks for (each is a forward pass).
+pub const MAX_SAMPLE_BYTES: usize = 1 << 20;
+
 /// A run's settings, as the command line gives them.
 #[derive(Debug, Clone)]
 pub struct JobConfig {
@@ -140,6 +143,30 @@ pub fn run(cfg: &JobConfig) -> Result<RunReport, String> {
         move |e| format!("{what}: {e}")
     }
     let placement = Placement::from_env()?;
+    // What the end of the run needs, checked before it trains: the sample's settings and
+    // (rank 0, which writes it) the checkpoint's folder.
+    if cfg.sample_bytes > 0 && !(cfg.temperature.is_finite() && cfg.temperature >= 0.0) {
+        return Err(format!(
+            "--temperature {}: must be finite and >= 0 (0: greedy)",
+            cfg.temperature
+        ));
+    }
+    if cfg.sample_bytes > MAX_SAMPLE_BYTES {
+        return Err(format!(
+            "--sample-bytes {}: at most {MAX_SAMPLE_BYTES}",
+            cfg.sample_bytes
+        ));
+    }
+    if let (Some(dir), 0) = (&cfg.save, placement.rank) {
+        if dir == &cfg.report {
+            return Err(format!(
+                "--save and --report are both {}: a checkpoint folder holds only the \
+                 checkpoint; give them different folders",
+                dir.display()
+            ));
+        }
+        checkpoint::check_target(dir).map_err(|e| format!("--save: {e}"))?;
+    }
     if cfg.dp > 1 && cfg.ep > 1 {
         return Err(format!(
             "--dp {} and --ep {}: expert parallelism is data parallelism for the rest of the \
@@ -338,6 +365,16 @@ pub fn run(cfg: &JobConfig) -> Result<RunReport, String> {
     if !lead && !collective {
         return Ok(run);
     }
+    // The checkpoint first: nothing of the report (a folder that cannot be made, Graphviz)
+    // may cost the run's trained state.
+    if let Some(dir) = &cfg.save {
+        let eval_loss = save_checkpoint(dir, &mut model, &stream, &split, &sampler, lead)?;
+        say!(
+            "saved {} (evaluation batch loss {})",
+            dir.display(),
+            eval_loss.map_or("n/a".into(), |l| format!("{l:.5}"))
+        );
+    }
     if lead {
         std::fs::create_dir_all(&cfg.report)
             .map_err(|e| format!("report folder {}: {e}", cfg.report.display()))?;
@@ -346,14 +383,6 @@ pub fn run(cfg: &JobConfig) -> Result<RunReport, String> {
             let dot = g.to_dot_string().map_err(err("graph DOT"))?;
             report::write_dot(&cfg.report, &name, &dot).map_err(|e| e.to_string())?;
         }
-    }
-    if let Some(dir) = &cfg.save {
-        let eval_loss = save_checkpoint(dir, &mut model, &stream, &split, &sampler, lead)?;
-        say!(
-            "saved {} (evaluation batch loss {})",
-            dir.display(),
-            eval_loss.map_or("n/a".into(), |l| format!("{l:.5}"))
-        );
     }
     if cfg.sample_bytes > 0 {
         let bytes = generate(&mut model, &stream, cfg)?;
@@ -571,7 +600,7 @@ fn save_checkpoint(
     Ok(eval_loss)
 }
 
-/// Times `steps` steps of every mode from the same start on the same batches.
+/// Times `steps` (at least 1) steps of every mode from the same start on the same batches.
 pub fn compare_modes(
     stream: &Stream,
     model_cfg: ModelConfig,
@@ -579,6 +608,9 @@ pub fn compare_modes(
     split: &Split,
     steps: usize,
 ) -> Result<Vec<ModeRow>, String> {
+    if steps == 0 {
+        return Err("compare_modes: 0 steps to time".into());
+    }
     let step_tokens = model_cfg.tokens() * train_cfg.microbatches;
     let mut rows: Vec<ModeRow> = Vec::new();
     let mut eager: Option<Vec<(u32, u32)>> = None;
