@@ -523,11 +523,19 @@ fn ranks_match_one_gpu<G: Send>(
                     );
                 }
             } else {
-                // Parameters and moments, norm-wise: see `state_tolerance`.
+                // Parameters and moments, norm-wise: see `STATE_TOLERANCE`. A second moment
+                // holds squared gradients, whose relative differences are twice the
+                // gradients' (seen: an fc1 exp_avg_sq 1.01e-2 off with two threaded
+                // data-parallel ranks, its exp_avg well inside 1e-2).
+                let bound = if name.ends_with(".exp_avg_sq") {
+                    2.0 * STATE_TOLERANCE
+                } else {
+                    STATE_TOLERANCE
+                };
                 let err = rel_norm(got, want);
                 assert!(
-                    err <= STATE_TOLERANCE,
-                    "{what}, rank {r}: {name} off by {err:.2e} norm-wise"
+                    err <= bound,
+                    "{what}, rank {r}: {name} off by {err:.2e} norm-wise (bound {bound:.0e})"
                 );
             }
         }
