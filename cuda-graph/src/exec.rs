@@ -416,7 +416,6 @@ impl GraphExec {
             });
         }
         self.absorb(graph.resources().iter().cloned());
-        self.prune_aliases();
         let owner = graph.owner();
         let known = Arc::ptr_eq(owner, &self.origin)
             || self.pending_alias.iter().any(|g| Arc::ptr_eq(g, owner))

@@ -1,9 +1,11 @@
 //! GPU tests of the graph pool: allocation inside a capture, and two graphs captured in
 //! execution order sharing memory for their temporaries.
 
+use std::sync::Arc;
+
 use cuda_graph::{
-    CaptureMode, Context, DeviceBuffer, GraphExec, GraphPool, InstantiateFlags, LaunchConfig,
-    Module, Stream, kernel_args,
+    CaptureMode, Context, DeviceBuffer, GraphExec, GraphPool, InstantiateFlags, Kernel,
+    LaunchConfig, Module, Stream, kernel_args,
 };
 
 const TEST_KERNELS: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/test_kernels.fatbin"));
@@ -83,9 +85,8 @@ fn graphs_captured_in_order_share_pool_memory_and_replay_correctly() {
     assert!(out_a.to_vec(&stream).unwrap().iter().all(|&v| v == 8.0));
 }
 
-#[test]
-#[ignore = "needs a CUDA device"]
-fn graph_memory_nodes_reserve_memory_that_trim_returns() {
+/// A context, a stream and the test kernels `set_f32` and `axpy_f32`.
+fn set_and_axpy() -> (Arc<Context>, Stream, Kernel, Kernel) {
     let ctx = Context::default_device().unwrap();
     let stream = Stream::new(&ctx).unwrap();
     let module = Module::from_image(&ctx, TEST_KERNELS).unwrap();
@@ -93,6 +94,13 @@ fn graph_memory_nodes_reserve_memory_that_trim_returns() {
         module.kernel("set_f32").unwrap(),
         module.kernel("axpy_f32").unwrap(),
     );
+    (ctx, stream, set, axpy)
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn graph_memory_nodes_reserve_memory_that_trim_returns() {
+    let (ctx, stream, set, axpy) = set_and_axpy();
     let n = 1u32 << 22; // 16 MiB of scratch
     let cfg = LaunchConfig::for_elements(n, 256);
     let out = DeviceBuffer::<f32>::from_host(&stream, &vec![f32::NAN; n as usize]).unwrap();
@@ -137,13 +145,7 @@ fn graph_memory_nodes_reserve_memory_that_trim_returns() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn a_graph_memory_buffer_is_kept_alive_by_later_captures() {
-    let ctx = Context::default_device().unwrap();
-    let stream = Stream::new(&ctx).unwrap();
-    let module = Module::from_image(&ctx, TEST_KERNELS).unwrap();
-    let (set, axpy) = (
-        module.kernel("set_f32").unwrap(),
-        module.kernel("axpy_f32").unwrap(),
-    );
+    let (_ctx, stream, set, axpy) = set_and_axpy();
     let n = 1u32 << 20;
     let cfg = LaunchConfig::for_elements(n, 256);
     let out = DeviceBuffer::<f32>::from_host(&stream, &vec![f32::NAN; n as usize]).unwrap();
